@@ -1,0 +1,1 @@
+"""engine: an async, pipelined RL training engine for MinT."""

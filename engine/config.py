@@ -1,0 +1,516 @@
+"""Every knob of a run, where its default comes from, and one message per bad value.
+
+Why one table (``KNOBS``): the CLI flags, their ``--help`` text, the quickstart's
+environment variables and the validation messages must never drift apart. Each knob is
+read in this order: command-line flag, environment variable, then the *profile* of the
+endpoint (hosted MinT or the local server), then its fixed default. A bad value stops
+the run with a ConfigError naming the flag or variable it came from (exit code 2).
+
+Profiles: the hosted defaults are the MinT quickstart's (``Qwen/Qwen3-0.6B``, rank 16,
+lr 2e-5, ``a * b`` with operands 10..199). ``LOCAL_PROFILE`` is what the small model of
+the local server learns with on CPU; it is the one place to update when the backend's
+recommended settings change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, Literal, cast, get_args
+
+from engine.errors import ConfigError
+
+__all__ = [
+    "HOSTED_BASE_URL",
+    "HOSTED_PROFILE",
+    "KNOBS",
+    "LOCAL_PROFILE",
+    "LOSSES",
+    "EngineConfig",
+    "Knob",
+    "LogFormat",
+    "LossName",
+    "Profile",
+    "config_from_sources",
+]
+
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
+LOSSES: Final[tuple[str, ...]] = get_args(LossName)
+LogFormat = Literal["console", "json"]
+MissingLogprobsPolicy = Literal["error", "drop"]
+
+HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
+"""Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Defaults that depend on which server the run talks to."""
+
+    name: str
+    base_model: str | None  # None: whatever model the server serves
+    lora_rank: int
+    learning_rate: float
+    op: str
+    min_operand: int
+    max_operand: int
+
+
+HOSTED_PROFILE: Final = Profile("hosted", "Qwen/Qwen3-0.6B", 16, 2e-5, "*", 10, 199)
+LOCAL_PROFILE: Final = Profile("local", None, 16, 3e-3, "+", 10, 99)
+"""Local profile: the packaged tiny model learns two-digit addition on CPU with these.
+Provisional values until the backend's measured recommendation lands; update here."""
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """A run's configuration. ``None`` fields are filled from the endpoint's profile by
+    :meth:`resolved`. Constructing one validates it (ConfigError, one line)."""
+
+    base_model: str | None = None
+    lora_rank: int | None = None
+    steps: int = 8
+    batch: int = 8
+    group: int = 6
+    learning_rate: float | None = None
+    max_tokens: int = 16
+    temperature: float = 0.8
+    seed: int = 42
+    max_steps_off_policy: int = 0
+    stream_minibatches: int | None = None
+    loss: LossName = "importance_sampling"
+    clip_low: float = 0.8
+    clip_high: float = 1.2
+    dro_beta: float = 0.05
+    concurrency: int = 64
+    on_missing_logprobs: MissingLogprobsPolicy = "error"
+    sampling_seed: int | None = None
+    stop_at_eos: bool = False
+    task: str = "arithmetic"
+    op: str | None = None
+    min_operand: int | None = None
+    max_operand: int | None = None
+    base_url: str | None = None
+    api_key: str | None = field(default=None, repr=False)
+    local: bool = False
+    local_model: Path | None = None
+    run_dir: Path | None = None
+    log_format: LogFormat = "console"
+    progress: bool = True
+
+    def __post_init__(self) -> None:
+        for knob in KNOBS:
+            value = getattr(self, knob.field)
+            if value is not None and knob.check is not None:
+                problem = knob.check(value)
+                if problem:
+                    raise ConfigError(f"{knob.field} {problem}, got {value!r}")
+        if (
+            self.min_operand is not None
+            and self.max_operand is not None
+            and self.min_operand > self.max_operand
+        ):
+            raise ConfigError(
+                f"min_operand ({self.min_operand}) must not exceed max_operand ({self.max_operand})"
+            )
+        if self.clip_low > self.clip_high:
+            raise ConfigError(
+                f"clip_low ({self.clip_low}) must not exceed clip_high ({self.clip_high})"
+            )
+        if self.base_url is not None and not self.api_key and not self.local:
+            raise ConfigError(
+                "MINT_BASE_URL is set but MINT_API_KEY is not: set both to use that server, "
+                "or neither to start the local server"
+            )
+
+    @property
+    def uses_local_server(self) -> bool:
+        """True when the engine starts the local server itself: ``--local``, or no API key
+        and no base URL configured."""
+        return self.local or (not self.api_key and self.base_url is None)
+
+    @property
+    def profile(self) -> Profile:
+        return LOCAL_PROFILE if self.uses_local_server else HOSTED_PROFILE
+
+    def resolved(self) -> EngineConfig:
+        """A copy with every profile-dependent ``None`` filled in (``base_model`` stays
+        None with the local server until the server says which model it serves)."""
+        p = self.profile
+        return dataclasses.replace(
+            self,
+            base_model=self.base_model if self.base_model is not None else p.base_model,
+            lora_rank=self.lora_rank if self.lora_rank is not None else p.lora_rank,
+            learning_rate=(
+                self.learning_rate if self.learning_rate is not None else p.learning_rate
+            ),
+            op=self.op if self.op is not None else p.op,
+            min_operand=self.min_operand if self.min_operand is not None else p.min_operand,
+            max_operand=self.max_operand if self.max_operand is not None else p.max_operand,
+        )
+
+    def loss_fn_config(self) -> dict[str, float] | None:
+        """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
+        if self.loss in ("ppo", "cispo"):
+            return {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
+        if self.loss == "dro":
+            return {"beta": self.dro_beta}
+        return None
+
+    def public_dict(self) -> dict[str, Any]:
+        """JSON-friendly fields for config.json: the API key is never included."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            if f.name == "api_key":
+                continue
+            value = getattr(self, f.name)
+            out[f.name] = str(value) if isinstance(value, Path) else value
+        out["server"] = "local" if self.uses_local_server else "remote"
+        return out
+
+
+# --------------------------------------------------------------------------- knob table
+
+
+def _positive(v: Any) -> str | None:
+    return None if v > 0 else "must be positive"
+
+
+def _non_negative(v: Any) -> str | None:
+    return None if v >= 0 else "must be >= 0"
+
+
+def _finite_positive(v: Any) -> str | None:
+    return None if math.isfinite(v) and v > 0 else "must be a positive number"
+
+
+def _finite_non_negative(v: Any) -> str | None:
+    return None if math.isfinite(v) and v >= 0 else "must be a number >= 0"
+
+
+def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
+    def check(v: Any) -> str | None:
+        return None if v in choices else f"must be one of {', '.join(choices)}"
+
+    return check
+
+
+def _non_empty(v: Any) -> str | None:
+    return None if str(v).strip() else "must not be empty"
+
+
+def _parse_int(text: str) -> int:
+    return int(text.strip())
+
+
+def _parse_float(text: str) -> float:
+    return float(text.strip())
+
+
+def _parse_str(text: str) -> str:
+    return text
+
+
+def _parse_path(text: str) -> Path:
+    return Path(text).expanduser()
+
+
+_PARSE_NAMES: Final[Mapping[Callable[[str], Any], str]] = {
+    _parse_int: "an integer",
+    _parse_float: "a number",
+}
+
+
+@dataclass(frozen=True)
+class Knob:
+    """One configurable value: its field, flag, environment variables (first set wins),
+    parser, check, and the help text (which names the variable and the default)."""
+
+    field: str
+    flag: str
+    env: tuple[str, ...]
+    parse: Callable[[str], Any]
+    check: Callable[[Any], str | None] | None
+    help: str
+    default: str
+    secret: bool = False
+
+    def help_text(self) -> str:
+        env = f"env {' / '.join(self.env)}; " if self.env else ""
+        return f"{self.help} ({env}default: {self.default})"
+
+
+KNOBS: Final[tuple[Knob, ...]] = (
+    Knob(
+        "base_model",
+        "--base-model",
+        ("MINT_BASE_MODEL",),
+        _parse_str,
+        _non_empty,
+        "model to fine-tune",
+        "Qwen/Qwen3-0.6B; the local server's model with --local",
+    ),
+    Knob("lora_rank", "--lora-rank", ("MINT_LORA_RANK",), _parse_int, _positive, "LoRA rank", "16"),
+    Knob(
+        "steps",
+        "--steps",
+        ("MINT_CUSTOM_REWARD_STEPS",),
+        _parse_int,
+        _positive,
+        "training steps",
+        "8",
+    ),
+    Knob(
+        "batch",
+        "--batch",
+        ("MINT_CUSTOM_REWARD_BATCH",),
+        _parse_int,
+        _positive,
+        "problems (groups) per step",
+        "8",
+    ),
+    Knob(
+        "group",
+        "--group",
+        ("MINT_CUSTOM_REWARD_GROUP",),
+        _parse_int,
+        _positive,
+        "samples per problem",
+        "6",
+    ),
+    Knob(
+        "learning_rate",
+        "--lr",
+        ("MINT_CUSTOM_REWARD_LR",),
+        _parse_float,
+        _finite_positive,
+        "Adam learning rate",
+        f"{HOSTED_PROFILE.learning_rate:g} hosted, {LOCAL_PROFILE.learning_rate:g} local",
+    ),
+    Knob(
+        "max_tokens",
+        "--max-tokens",
+        ("MINT_CUSTOM_REWARD_MAX_TOKENS",),
+        _parse_int,
+        _positive,
+        "max tokens per sampled response",
+        "16",
+    ),
+    Knob(
+        "temperature",
+        "--temperature",
+        ("MINT_CUSTOM_REWARD_TEMPERATURE",),
+        _parse_float,
+        _finite_non_negative,
+        "sampling temperature",
+        "0.8",
+    ),
+    Knob("seed", "--seed", (), _parse_int, None, "seed of the problem source", "42"),
+    Knob(
+        "max_steps_off_policy",
+        "--max-steps-off-policy",
+        (),
+        _parse_int,
+        _non_negative,
+        "K: how many steps sampling may run ahead of training (0 = on-policy, "
+        "the quickstart's algorithm)",
+        "0",
+    ),
+    Knob(
+        "stream_minibatches",
+        "--stream-minibatches",
+        (),
+        _parse_int,
+        _positive,
+        "send forward_backward per M arriving groups (one optim_step per step)",
+        "off",
+    ),
+    Knob(
+        "loss",
+        "--loss",
+        (),
+        _parse_str,
+        _one_of(LOSSES),
+        f"loss function: {', '.join(LOSSES)}",
+        "importance_sampling",
+    ),
+    Knob(
+        "clip_low",
+        "--clip-low",
+        (),
+        _parse_float,
+        _finite_positive,
+        "lower ratio clip for ppo/cispo",
+        "0.8",
+    ),
+    Knob(
+        "clip_high",
+        "--clip-high",
+        (),
+        _parse_float,
+        _finite_positive,
+        "upper ratio clip for ppo/cispo",
+        "1.2",
+    ),
+    Knob(
+        "dro_beta",
+        "--dro-beta",
+        (),
+        _parse_float,
+        _finite_non_negative,
+        "beta of the dro loss",
+        "0.05",
+    ),
+    Knob(
+        "concurrency",
+        "--concurrency",
+        (),
+        _parse_int,
+        _positive,
+        "max sample requests in flight",
+        "64",
+    ),
+    Knob(
+        "on_missing_logprobs",
+        "--on-missing-logprobs",
+        (),
+        _parse_str,
+        _one_of(("error", "drop")),
+        "a response without sampler logprobs: stop the run, or drop it and count it",
+        "error",
+    ),
+    Knob(
+        "sampling_seed",
+        "--sampling-seed",
+        (),
+        _parse_int,
+        None,
+        "seed sent with every sample request (reproducible sampling)",
+        "none",
+    ),
+    Knob(
+        "task",
+        "--task",
+        (),
+        _parse_str,
+        _non_empty,
+        "'arithmetic' or a user task 'package.module:attr'",
+        "arithmetic",
+    ),
+    Knob(
+        "op",
+        "--op",
+        (),
+        _parse_str,
+        _one_of(("+", "-", "*")),
+        "arithmetic operation: + - *",
+        "* hosted, + local",
+    ),
+    Knob("min_operand", "--min-operand", (), _parse_int, None, "smallest arithmetic operand", "10"),
+    Knob(
+        "max_operand",
+        "--max-operand",
+        (),
+        _parse_int,
+        None,
+        "largest arithmetic operand",
+        "199 hosted, 99 local",
+    ),
+    Knob(
+        "base_url",
+        "--base-url",
+        ("MINT_BASE_URL", "TINKER_BASE_URL"),
+        _parse_str,
+        _non_empty,
+        "MinT server URL (needs an API key)",
+        f"{HOSTED_BASE_URL} when an API key is set",
+    ),
+    Knob(
+        "api_key",
+        "--api-key",
+        ("MINT_API_KEY", "TINKER_API_KEY"),
+        _parse_str,
+        _non_empty,
+        "API key (prefer the environment: flags show up in ps)",
+        "none: start the local server",
+        secret=True,
+    ),
+    Knob(
+        "local_model",
+        "--local-model",
+        (),
+        _parse_path,
+        None,
+        "model directory for the local server (implies --local)",
+        "the packaged model",
+    ),
+    Knob(
+        "run_dir",
+        "--run-dir",
+        (),
+        _parse_path,
+        None,
+        "where metrics.jsonl, config.json and summary.md go",
+        "runs/<timestamp>-<task>",
+    ),
+    Knob(
+        "log_format",
+        "--log-format",
+        (),
+        _parse_str,
+        _one_of(("console", "json")),
+        "console: readable lines; json: one JSON object per line",
+        "console",
+    ),
+)
+
+_KNOB_BY_FIELD: Final = {k.field: k for k in KNOBS}
+
+
+def _parse_value(knob: Knob, text: str, source: str) -> Any:
+    try:
+        value = knob.parse(text)
+    except ValueError:
+        kind = _PARSE_NAMES.get(knob.parse, "valid")
+        raise ConfigError(f"{source} must be {kind}, got {text!r}") from None
+    if knob.check is not None:
+        problem = knob.check(value)
+        if problem:
+            raise ConfigError(f"{source} {problem}, got {text!r}")
+    return value
+
+
+def config_from_sources(
+    flags: Mapping[str, str | None],
+    environ: Mapping[str, str],
+    *,
+    local: bool = False,
+    stop_at_eos: bool = False,
+    progress: bool = True,
+) -> EngineConfig:
+    """Build a config from flag strings (by field name; None = not given) and the
+    environment. Every parse/check error names where the bad value came from."""
+    values: dict[str, Any] = {}
+    for knob in KNOBS:
+        text = flags.get(knob.field)
+        if text is not None:
+            values[knob.field] = _parse_value(knob, text, knob.flag)
+            continue
+        for name in knob.env:
+            env_text = environ.get(name)
+            if env_text is not None and env_text.strip():
+                values[knob.field] = _parse_value(knob, env_text, name)
+                break
+    if values.get("local_model") is not None:
+        local = True
+    return EngineConfig(
+        **cast(dict[str, Any], values), local=local, stop_at_eos=stop_at_eos, progress=progress
+    )
+
+
+def knob(field_name: str) -> Knob:
+    """The knob of a config field (KeyError for an unknown one)."""
+    return _KNOB_BY_FIELD[field_name]

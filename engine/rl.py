@@ -1,0 +1,201 @@
+"""The RL arithmetic of one step: group-relative advantages, datums, skip rules, KL.
+
+Kept free of I/O so each rule can be unit-tested against the MinT quickstart it must
+reproduce: advantage = reward - group mean (no std); a datum per non-empty response
+whose |advantage| >= 1e-12; ``model_input = full[:-1]``, ``target_tokens = full[1:]``,
+and weights/logprobs/advantages zero over the first ``len(prompt) - 1`` positions.
+Unlike the quickstart, a response without sampler logprobs is never silently given
+zeros (that corrupts the importance ratio): it is an error, or a counted drop.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+from tinker import types
+
+from engine.errors import EngineError
+
+__all__ = [
+    "ADVANTAGE_EPSILON",
+    "Completion",
+    "GroupDatums",
+    "KLStats",
+    "MissingLogprobsError",
+    "OnMissingLogprobs",
+    "build_datum",
+    "datum_to_dict",
+    "group_advantages",
+    "group_datums",
+    "kl_sample_train",
+]
+
+ADVANTAGE_EPSILON = 1e-12
+"""Responses whose |advantage| is below this carry no signal and are skipped."""
+
+OnMissingLogprobs = Literal["error", "drop"]
+
+
+class MissingLogprobsError(EngineError):
+    """The sampler returned a response without per-token logprobs."""
+
+
+@dataclass(frozen=True)
+class Completion:
+    """One sampled response: its tokens and the sampler's logprob of each (None when
+    the server sent none)."""
+
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...] | None
+    stop_reason: str = "length"
+
+
+@dataclass(frozen=True)
+class GroupDatums:
+    """The datums of one group and what was left out, and why."""
+
+    datums: list[types.Datum]
+    advantages: list[float]
+    skipped_empty: int
+    skipped_zero_advantage: int
+    dropped_missing_logprobs: int
+
+    @property
+    def constant_reward(self) -> bool:
+        """True when every response got the same reward (the group teaches nothing)."""
+        return all(abs(a) < ADVANTAGE_EPSILON for a in self.advantages)
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    """``reward - mean(rewards)`` for each response (the quickstart's baseline)."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    return [r - mean for r in rewards]
+
+
+def build_datum(
+    prompt_tokens: Sequence[int],
+    response_tokens: Sequence[int],
+    logprobs: Sequence[float],
+    advantage: float,
+) -> types.Datum:
+    """The quickstart's datum layout, position for position."""
+    if len(logprobs) != len(response_tokens):
+        raise ValueError(f"{len(logprobs)} logprobs for {len(response_tokens)} response tokens")
+    prefix = len(prompt_tokens) - 1
+    full = [*prompt_tokens, *response_tokens]
+    n = len(response_tokens)
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens=full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": _tensor(full[1:], np.int64),
+            "weights": _tensor([0.0] * prefix + [1.0] * n, np.float32),
+            "logprobs": _tensor([0.0] * prefix + list(logprobs), np.float32),
+            "advantages": _tensor([0.0] * prefix + [advantage] * n, np.float32),
+        },
+    )
+
+
+def _tensor(values: Sequence[float], dtype: type[np.generic]) -> types.TensorData:
+    """The same TensorData the SDK builds from a plain list for these keys."""
+    return types.TensorData.from_numpy(np.asarray(values, dtype=dtype))
+
+
+def _has_logprobs(completion: Completion) -> bool:
+    return completion.logprobs is not None and len(completion.logprobs) == len(completion.tokens)
+
+
+def group_datums(
+    prompt_tokens: Sequence[int],
+    completions: Sequence[Completion],
+    rewards: Sequence[float],
+    *,
+    on_missing_logprobs: OnMissingLogprobs = "error",
+) -> GroupDatums:
+    """Advantages and datums of one group, with the quickstart's skip rules.
+
+    A non-empty response without logprobs (or with a logprob count that does not match
+    its tokens) raises MissingLogprobsError with ``on_missing_logprobs="error"``; with
+    ``"drop"`` it is left out and counted. Its reward still counts in the group mean:
+    the baseline estimate is valid, only the importance ratio is unknown.
+    """
+    if len(completions) != len(rewards):
+        raise ValueError(f"{len(rewards)} rewards for {len(completions)} responses")
+    advantages = group_advantages(rewards)
+    datums: list[types.Datum] = []
+    empty = zero = dropped = 0
+    for completion, advantage in zip(completions, advantages, strict=True):
+        if not completion.tokens:
+            empty += 1
+            continue
+        if not _has_logprobs(completion):
+            if on_missing_logprobs == "error":
+                got = "none" if completion.logprobs is None else len(completion.logprobs)
+                raise MissingLogprobsError(
+                    f"the sampler returned a response of {len(completion.tokens)} tokens "
+                    f"with {got} logprobs; rerun with --on-missing-logprobs drop to skip "
+                    "such responses"
+                )
+            dropped += 1
+            continue
+        if abs(advantage) < ADVANTAGE_EPSILON:
+            zero += 1
+            continue
+        assert completion.logprobs is not None
+        datums.append(build_datum(prompt_tokens, completion.tokens, completion.logprobs, advantage))
+    return GroupDatums(datums, advantages, empty, zero, dropped)
+
+
+@dataclass(frozen=True)
+class KLStats:
+    """Sampler-vs-trainer divergence over the trained tokens of one step.
+
+    v1 = mean(q - p), v2 = 0.5 * mean((q - p)^2), with q the sampler's logprob and p the
+    training policy's logprob of the same token (tinker-cookbook's definitions). Stable
+    runs keep them below ~0.01; off-policy data without a clipped loss makes them grow.
+    """
+
+    v1: float | None
+    v2: float | None
+    tokens: int
+
+
+def kl_sample_train(datums: Sequence[types.Datum], outputs: Sequence[Any]) -> KLStats:
+    """KL estimates from the datums sent and the ``loss_fn_outputs`` of their
+    forward_backward (each holding the training ``logprobs`` of every position)."""
+    if len(outputs) != len(datums):
+        raise ValueError(
+            f"forward_backward returned {len(outputs)} outputs for {len(datums)} datums"
+        )
+    total = total_sq = 0.0
+    count = 0
+    for datum, output in zip(datums, outputs, strict=True):
+        weights = datum.loss_fn_inputs["weights"].tolist()
+        sampler = datum.loss_fn_inputs["logprobs"].tolist()
+        trained = output["logprobs"].tolist()
+        if len(trained) != len(weights):
+            raise ValueError(
+                f"forward_backward returned {len(trained)} logprobs for a datum of "
+                f"{len(weights)} positions"
+            )
+        for w, q, p in zip(weights, sampler, trained, strict=True):
+            if w > 0:
+                diff = float(q) - float(p)
+                total += diff
+                total_sq += diff * diff
+                count += 1
+    if count == 0:
+        return KLStats(None, None, 0)
+    return KLStats(total / count, 0.5 * total_sq / count, count)
+
+
+def datum_to_dict(datum: types.Datum) -> dict[str, list[int] | list[float]]:
+    """A plain, comparable, JSON-friendly view of a datum (tests, capture hooks)."""
+    out: dict[str, list[int] | list[float]] = {"model_input": datum.model_input.to_ints()}
+    for key, value in sorted(datum.loss_fn_inputs.items()):
+        out[key] = value.tolist()
+    return out

@@ -1,0 +1,92 @@
+"""The quickstart's arithmetic task with its partial-credit reward, made configurable.
+
+With ``op="*"`` and operands in 10..199 (the defaults of the MinT quickstart
+``custom_reward.py``) it draws the same problems from the same seed and scores every
+response exactly as the quickstart does: format 0.2 when an integer can be parsed,
+distance ``0.5 * max(0, 1 - min(|err| / max(|answer|, 20), 1))``, exact 0.3, total
+capped at 1.0; no integer scores 0 in every component.
+"""
+
+from __future__ import annotations
+
+import operator
+import random
+import re
+from collections.abc import Callable, Mapping
+from typing import Any, Final
+
+from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+
+__all__ = ["OPS", "ArithmeticTask", "extract_prediction", "score_arithmetic"]
+
+_OP_NAMES: Final = {"+": "add", "-": "sub", "*": "mul"}
+
+OPS: Final[Mapping[str, Callable[[int, int], int]]] = {
+    "+": operator.add,
+    "-": operator.sub,
+    "*": operator.mul,
+}
+
+_INTEGER = re.compile(r"-?\d+")
+
+FORMAT_REWARD: Final = 0.2
+DISTANCE_WEIGHT: Final = 0.5
+EXACT_BONUS: Final = 0.3
+MIN_DISTANCE_SCALE: Final = 20
+
+
+def extract_prediction(response: str) -> int | None:
+    """The first (optionally negative) integer in ``response``, or None."""
+    match = _INTEGER.search(response)
+    return int(match.group()) if match else None
+
+
+def score_arithmetic(response: str, answer: int) -> RewardBreakdown:
+    """The quickstart's reward, component by component."""
+    prediction = extract_prediction(response)
+    if prediction is None:
+        return RewardBreakdown(
+            0.0, {"format_reward": 0.0, "distance_reward": 0.0, "exact_bonus": 0.0}
+        )
+    error = abs(prediction - answer)
+    scale = max(abs(answer), MIN_DISTANCE_SCALE)
+    closeness = max(0.0, 1.0 - min(error / scale, 1.0))
+    distance = DISTANCE_WEIGHT * closeness
+    exact = EXACT_BONUS if prediction == answer else 0.0
+    total = min(1.0, FORMAT_REWARD + distance + exact)
+    return RewardBreakdown(
+        total, {"format_reward": FORMAT_REWARD, "distance_reward": distance, "exact_bonus": exact}
+    )
+
+
+class ArithmeticTask:
+    """``What is {a} {op} {b}?`` with ``a`` and ``b`` drawn uniformly from
+    ``min_operand..max_operand`` (inclusive), ``a`` first, as the quickstart draws them."""
+
+    def __init__(self, op: str = "*", min_operand: int = 10, max_operand: int = 199) -> None:
+        if op not in OPS:
+            raise ValueError(f"unknown operation {op!r}; choose one of {', '.join(OPS)}")
+        if min_operand > max_operand:
+            raise ValueError(f"min operand {min_operand} is greater than max operand {max_operand}")
+        self.op = op
+        self.min_operand = min_operand
+        self.max_operand = max_operand
+        self.name = f"arithmetic-{_OP_NAMES[op]}"
+        self._apply = OPS[op]
+
+    def __repr__(self) -> str:
+        return f"ArithmeticTask(op={self.op!r}, {self.min_operand}..{self.max_operand})"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(self._make, seed, state)
+
+    def prompt(self, problem: Problem) -> str:
+        return f"Question: {problem.question}\nAnswer:"
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        return score_arithmetic(response, int(problem.answer))
+
+    def _make(self, rng: random.Random, index: int) -> Problem:
+        a = rng.randint(self.min_operand, self.max_operand)
+        b = rng.randint(self.min_operand, self.max_operand)
+        return Problem(id=index, question=f"What is {a} {self.op} {b}?", answer=self._apply(a, b))

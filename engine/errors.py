@@ -1,0 +1,392 @@
+"""The engine's exceptions, and what an SDK/httpx failure means for the run.
+
+Why here: every layer (retry, exactly-once steps, breaker, CLI) must agree on ONE answer
+to "is this failure worth retrying?" and on ONE sentence to show the user, otherwise a
+401 gets retried for five minutes or a dropped connection ends a run. :func:`classify`
+is that answer; :func:`format_error` is the one line the CLI prints (``Error: ...``),
+always redacted and never a traceback.
+
+Transient (retrying may help): connection errors and timeouts, HTTP 408/409/429/5xx,
+an expired/broken future (tinker's ``RetryableException``, from HTTP 410), a
+``RequestFailedError`` of category ``server`` or ``unknown``, and the engine's own
+:class:`OpTimeout`. Permanent (fail fast): 400/401/403/404/422 and other 4xx, a
+``RequestFailedError`` of category ``user``, a bad API key, an unexpected response
+schema, and anything the engine does not recognise (a bug is not cured by retrying).
+"""
+
+from __future__ import annotations
+
+import email.utils
+import re
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+import httpx
+import tinker
+from tinker.lib.retryable_exception import RetryableException
+
+from engine.redact import redact_text
+
+__all__ = [
+    "CircuitOpen",
+    "Classified",
+    "ConfigError",
+    "EngineError",
+    "Interrupted",
+    "OpTimeout",
+    "PermanentServiceError",
+    "ResumeError",
+    "RetriesExhausted",
+    "RunStopped",
+    "ServiceError",
+    "Stalled",
+    "StepOutcomeUnknown",
+    "StopReason",
+    "classify",
+    "exit_code",
+    "find_run_stop",
+    "format_error",
+    "retry_after",
+]
+
+StopReason = Literal["interrupt", "breaker", "watchdog"]
+
+
+class EngineError(Exception):
+    """Base of every error the engine raises on purpose; ``str()`` is one user sentence."""
+
+    exit_code: int = 1
+
+
+class ConfigError(EngineError):
+    """Bad input from the user (flags, config file, run dir): one line, exit code 2."""
+
+    exit_code = 2
+
+
+class ResumeError(ConfigError):
+    """The run dir cannot be resumed (not a run dir, no checkpoint, config mismatch)."""
+
+
+class OpTimeout(EngineError, TimeoutError):
+    """An await on the service took longer than its deadline. Transient."""
+
+    def __init__(self, op: str, seconds: float) -> None:
+        super().__init__(f"timed out after {seconds:g}s waiting for {op}")
+        self.op = op
+        self.seconds = seconds
+
+
+class ServiceError(EngineError):
+    """An SDK call failed and the engine will not retry it any more.
+
+    ``kind`` is the operation kind (``sample``, ``save_state``...), ``attempts`` how many
+    attempts the engine made, ``transient`` the classification of the last error (kept
+    on ``__cause__``).
+    """
+
+    def __init__(self, message: str, *, kind: str, attempts: int, transient: bool) -> None:
+        super().__init__(message)
+        self.kind = kind
+        self.attempts = attempts
+        self.transient = transient
+
+
+class PermanentServiceError(ServiceError):
+    """Failed fast: retrying cannot help (bad key, bad request, unknown model...)."""
+
+
+class RetriesExhausted(ServiceError):
+    """Transient failures outlasted the retry policy (attempts or time budget)."""
+
+
+class StepOutcomeUnknown(EngineError):
+    """A train step failed after submission: it may or may not have been applied.
+
+    The engine must not guess; it restores the last checkpoint and redoes the steps
+    after it (see :mod:`engine.recovery`).
+    """
+
+    def __init__(self, step: int, cause_message: str) -> None:
+        super().__init__(
+            f"the outcome of train step {step} is unknown ({cause_message}); "
+            "restoring the last checkpoint"
+        )
+        self.step = step
+
+
+class RunStopped(EngineError):
+    """The run must stop now; ``reason`` is the checkpoint reason the engine records."""
+
+    reason: StopReason = "breaker"
+
+
+class Interrupted(RunStopped):
+    """SIGINT/SIGTERM asked for a graceful stop."""
+
+    reason: StopReason = "interrupt"
+    exit_code = 130
+
+    def __init__(self, signal_name: str = "SIGINT") -> None:
+        super().__init__(f"interrupted by {signal_name}; stopping after a checkpoint")
+        self.signal_name = signal_name
+
+
+class CircuitOpen(RunStopped):
+    """Too many consecutive failures of one kind of operation: stop instead of hammering
+    a broken server."""
+
+    reason: StopReason = "breaker"
+
+    def __init__(self, kind: str, failures: int, last_error: str) -> None:
+        super().__init__(
+            f"stopping the run: {failures} consecutive {kind} failures (last: {last_error})"
+        )
+        self.kind = kind
+        self.failures = failures
+
+
+class Stalled(RunStopped):
+    """The watchdog saw no progress for too long: stop rather than hang silently."""
+
+    reason: StopReason = "watchdog"
+
+    def __init__(self, seconds: float, last_progress: str) -> None:
+        super().__init__(
+            f"stopping the run: no progress for {seconds:g}s (last progress: {last_progress})"
+        )
+        self.seconds = seconds
+        self.last_progress = last_progress
+
+
+# --------------------------------------------------------------------------- classify
+
+
+@dataclass(frozen=True)
+class Classified:
+    """What a failure means: retry or not, one sentence for the user, server hint."""
+
+    transient: bool
+    message: str
+    retry_after: float | None = None
+
+
+def _walk(exc: BaseException) -> list[BaseException]:
+    """``exc`` then its causes/contexts (the SDK wraps HTTP errors in ValueError)."""
+    seen: list[BaseException] = []
+    cur: BaseException | None = exc
+    while cur is not None and all(cur is not s for s in seen) and len(seen) < 16:
+        seen.append(cur)
+        cur = cur.__cause__ or (None if cur.__suppress_context__ else cur.__context__)
+    return seen
+
+
+def _parse_retry_after(headers: httpx.Headers) -> float | None:
+    ms = headers.get("retry-after-ms")
+    if ms is not None:
+        try:
+            return max(0.0, float(ms) / 1000.0)
+        except ValueError:
+            pass
+    raw = headers.get("retry-after")
+    if raw is None:
+        return None
+    try:
+        return max(0.0, float(raw))
+    except ValueError:
+        parsed = email.utils.parsedate_tz(raw)
+        if parsed is None:
+            return None
+        return max(0.0, float(email.utils.mktime_tz(parsed) - time.time()))
+
+
+def retry_after(exc: BaseException) -> float | None:
+    """Seconds the server asked us to wait (``Retry-After`` / ``Retry-After-Ms``), if any.
+
+    Looks through the cause chain, so the ValueError the SDK raises around a failed
+    future still yields the hint of the HTTP answer under it.
+    """
+    for e in _walk(exc):
+        if isinstance(e, tinker.APIStatusError):
+            return _parse_retry_after(e.response.headers)
+    return None
+
+
+def _origin(request: httpx.Request | None) -> str:
+    if request is None:
+        return "the configured URL"
+    url = request.url
+    port = f":{url.port}" if url.port else ""
+    return f"{url.scheme}://{url.host}{port}"
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(text.split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def _detail(err: tinker.APIStatusError) -> str:
+    body = err.body
+    if isinstance(body, dict):
+        for key in ("detail", "error", "message"):
+            value = body.get(key)
+            if isinstance(value, str) and value:
+                return _one_line(value)
+            if value:
+                return _one_line(str(value))
+    if isinstance(body, str) and body.strip():
+        return _one_line(body)
+    return _one_line(err.message)
+
+
+def _connection_reason(exc: BaseException) -> str:
+    for e in _walk(exc)[1:]:
+        if isinstance(e, OSError) and e.strerror:
+            return e.strerror.lower()
+        text = str(e).strip()
+        if text:
+            match = re.search(r"\[Errno -?\d+\] ([^\]]+)$", text)
+            return (match.group(1) if match else text).strip().lower()
+    message = getattr(exc, "message", "") or str(exc)
+    return message.rstrip(".").lower() or "connection error"
+
+
+_REQUEST_FAILED = re.compile(r"^Request failed: (?P<msg>.*?) for self\.request_id=", re.DOTALL)
+
+
+def _request_failed_text(err: tinker.RequestFailedError) -> str:
+    match = _REQUEST_FAILED.match(err.message)
+    return _one_line(match.group("msg") if match else err.message)
+
+
+def _classify_status(err: tinker.APIStatusError) -> Classified:
+    code = err.status_code
+    where = _origin(err.request)
+    path = err.request.url.path
+    detail = _detail(err)
+    hint = _parse_retry_after(err.response.headers)
+    if code == 401:
+        return Classified(
+            False,
+            f"the MinT server at {where} rejected the API key (401 Unauthorized); "
+            "check MINT_API_KEY",
+        )
+    if code == 403:
+        return Classified(False, f"the API key may not do this (403 Forbidden): {detail}")
+    if code == 404:
+        return Classified(False, f"the server answered 404 Not Found for {path}: {detail}")
+    if code in (400, 422):
+        return Classified(False, f"the server rejected the request to {path} ({code}): {detail}")
+    if code == 429:
+        return Classified(True, f"the server is rate-limiting requests (429): {detail}", hint)
+    if code in (408, 409) or code >= 500:
+        return Classified(True, f"the server answered {code} for {path}: {detail}", hint)
+    return Classified(False, f"the server answered {code} for {path}: {detail}")
+
+
+def classify(exc: BaseException) -> Classified:
+    """Decide whether ``exc`` is transient and say in one sentence what went wrong.
+
+    Never raises; unknown exceptions are permanent (fail fast, show the error text).
+    The message is redacted.
+    """
+    c = _classify(exc)
+    return Classified(c.transient, redact_text(c.message), c.retry_after)
+
+
+def _classify(exc: BaseException) -> Classified:
+    if isinstance(exc, ServiceError):
+        return Classified(exc.transient, str(exc))
+    if isinstance(exc, OpTimeout):
+        return Classified(True, str(exc))
+    if isinstance(exc, EngineError):
+        return Classified(False, str(exc))
+    for e in _walk(exc):
+        if isinstance(e, tinker.APIStatusError):
+            return _classify_status(e)
+        if isinstance(e, tinker.APITimeoutError):
+            return Classified(
+                True, f"the MinT server at {_origin(e.request)} did not answer in time"
+            )
+        if isinstance(e, tinker.APIConnectionError):
+            if "No progress made" in e.message:
+                return Classified(True, f"sampling made no progress: {_one_line(e.message)}")
+            return Classified(
+                True,
+                f"cannot reach the MinT server at {_origin(e.request)}: {_connection_reason(e)}",
+            )
+        if isinstance(e, tinker.RequestFailedError):
+            text = _request_failed_text(e)
+            category = str(e.category)
+            if category == "user":
+                return Classified(False, f"the server refused the request: {text}")
+            return Classified(True, f"the server failed the request ({category}): {text}")
+        if isinstance(e, RetryableException):
+            return Classified(True, "the server lost the result of a request (expired future)")
+        if isinstance(e, tinker.APIResponseValidationError):
+            return Classified(False, f"unexpected answer from the server: {_one_line(str(e))}")
+        if isinstance(e, httpx.TimeoutException):
+            return Classified(True, f"an HTTP request timed out: {_one_line(str(e)) or 'timeout'}")
+        if isinstance(e, httpx.TransportError | ConnectionError):
+            return Classified(True, f"connection error: {_connection_reason(e)}")
+        if isinstance(e, tinker.TinkerError) and "api_key" in str(e):
+            return Classified(False, f"the API key is not usable: {_one_line(str(e))}")
+    if isinstance(exc, TimeoutError):
+        return Classified(True, f"timed out: {_one_line(str(exc)) or 'no answer in time'}")
+    text = _one_line(str(exc))
+    return Classified(False, f"{type(exc).__name__}: {text}" if text else type(exc).__name__)
+
+
+# --------------------------------------------------------------------------- CLI helpers
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    if isinstance(exc, BaseExceptionGroup):
+        out: list[BaseException] = []
+        for sub in exc.exceptions:
+            out.extend(_leaves(sub))
+        return out
+    return [exc]
+
+
+def find_run_stop(exc: BaseException) -> RunStopped | None:
+    """The :class:`RunStopped` inside ``exc`` (possibly nested in task-group
+    ExceptionGroups), or None. The engine uses it to pick the checkpoint reason."""
+    for leaf in _leaves(exc):
+        if isinstance(leaf, RunStopped):
+            return leaf
+    return None
+
+
+def _primary(exc: BaseException) -> BaseException:
+    """The most telling exception of a (possibly grouped) failure: a RunStopped first,
+    then any EngineError, then the first leaf."""
+    leaves = _leaves(exc)
+    for wanted in (RunStopped, EngineError):
+        for leaf in leaves:
+            if isinstance(leaf, wanted):
+                return leaf
+    return leaves[0] if leaves else exc
+
+
+def format_error(exc: BaseException) -> str:
+    """The single line the CLI prints for a failed run, e.g.
+    ``Error: cannot reach the MinT server at http://127.0.0.1:8000: connection refused``.
+    Unwraps task-group exception groups; always redacted."""
+    primary = _primary(exc)
+    if isinstance(primary, KeyboardInterrupt):
+        return "Error: interrupted"
+    message = classify(primary).message if isinstance(primary, Exception) else str(primary)
+    return "Error: " + redact_text(_one_line(message, limit=500))
+
+
+def exit_code(exc: BaseException) -> int:
+    """Process exit status for a failed run: 2 for bad input, 130 for an interrupt,
+    1 otherwise."""
+    primary = _primary(exc)
+    if isinstance(primary, EngineError):
+        return primary.exit_code
+    if isinstance(primary, KeyboardInterrupt):
+        return 130
+    return 1

@@ -1,0 +1,350 @@
+"""The engine's retry layer: what is safe to retry, how long, and who already retried.
+
+Why a layer at all: the pinned SDK (tinker 0.22.0) already retries a lot, in four
+places, and some of them never give up. The engine must neither multiply those retries
+(10 x 5 min x forever) nor retry what is unsafe (a train step). This module retries ONLY
+above the SDK, ONLY for idempotent operations, and bounds every attempt with a deadline.
+
+Which layer retries what (read from /tmp/sdk/tinker):
+
+1. HTTP (``_base_client.AsyncAPIClient.request``): each REST call up to ``max_retries``
+   times (ServiceClient kwarg, default 10) on connection errors, timeouts (60 s read,
+   5 s connect), 408/409/429/5xx, waiting ``Retry-After`` when 0 < value <= 60 s, else
+   0.5 * 2^n s (max 10 s) with jitter; same idempotency key. Calls sent with
+   ``max_retries=0``: retrieve_future, asample, save_weights (save_state),
+   save_weights_for_sampler, heartbeat. Calls that ONLY this layer protects:
+   ``create_session`` (in the ServiceClient constructor), ``create_model``
+   (create_lora_training_client) and ``create_sampling_session`` (create_sampling_client).
+2. Submission (``InternalClientHolder.execute_with_retries``): wraps client/config,
+   get_server_capabilities, forward, forward_backward, optim_step, save_state,
+   save_weights_for_sampler, load_state and the asample submit. Retries the same
+   transient set for up to 5 min wall time, sleeping min(2^k, 30) s, ignoring
+   Retry-After; a new idempotency key but the SAME seq_id (the server dedupes on
+   ``(model_id, seq_id)``). Not configurable.
+3. Futures (``api_future_impl._APIFuture._result_async``): polls retrieve_future
+   forever on 5xx/408 (no sleep) and connection errors/429 (min(2^k, 30) s); a bare 400
+   three times, then ``ValueError``; 401/403/404/409/422 -> ``ValueError`` at once; 410
+   -> ``RetryableException``; an ``{"error", "category"}`` answer ->
+   ``RequestFailedError``. Only a caller's timeout/cancellation ends a stuck poll.
+4. Sampling (``retry_handler.RetryHandler``, around each whole ``sample``): retries
+   connection errors, timeouts, 408/409/429/5xx and ``RetryableException`` (re-submits
+   the sample) with 0.5 -> 10 s jittered backoff, NO attempt limit, until 2 h pass
+   without any sample completing (``RetryConfig.progress_timeout``). 429 on asample is
+   absorbed before that (1 s dispatch backoff). ``RequestFailedError`` is not retried.
+
+What the engine does (this module):
+
+* Construct ``ServiceClient(max_retries=SDK_MAX_RETRIES)`` (3): layer 1 still honours
+  Retry-After for brief 429/503s, layer 2 still covers submissions for 5 min, and the
+  unprotected setup calls (create_session/create_model/create_sampling_session) surface
+  within seconds so the SESSION policy here, which honours Retry-After, takes over.
+* Create sampling clients with ``retry_config=sdk_sampling_retry_config(policy)`` so
+  layer 4 gives up after ``policy.attempt_timeout`` without progress instead of 2 h.
+* Wrap each idempotent call in :func:`call_with_retry`: every attempt runs under a
+  deadline (``attempt_timeout``), so layer 3's endless polling is bounded too; a failure
+  is retried only when :func:`engine.errors.classify` calls it transient -- the cases
+  the SDK gives up on: ``RequestFailedError`` of category server/unknown, an expired
+  future (``RetryableException``) outside sampling, a submission that outlasted layer 2,
+  our own deadline, a setup 429/5xx (with its Retry-After). Attempts and total time are
+  capped by the :class:`RetryPolicy`. Permanent errors fail on the first attempt.
+* Never retry a train step here (``OpKind.TRAIN_STEP``): forward_backward + optim_step
+  is not idempotent once submitted; :mod:`engine.recovery` restores the last checkpoint.
+
+Worst case per call: ``max_attempts * attempt_timeout`` plus the waits, and never more
+than ``max_elapsed`` of waiting started. Every retry is logged (``retry`` event) and
+counted in a :class:`RetryCounter`, which step metrics read as ``retries/<kind>``.
+
+Safety of retrying training-client ops (save_state, save_weights_for_sampler): each SDK
+call takes a new seq_id. After a failed *execution* (RequestFailedError, expired future)
+the server has consumed the old seq_id, so a new attempt is safe. After a *submission*
+that never reached the server, a server that insists on gap-free seq_ids would hold the
+new attempt forever; the per-attempt deadline turns that into a timeout and the breaker
+stops the run, and the recovery path (a fresh training client from the last checkpoint)
+starts a new seq_id sequence.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, replace
+from enum import StrEnum
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import structlog
+import tenacity
+from tinker.lib.retry_handler import RetryConfig
+
+from engine.errors import (
+    EngineError,
+    PermanentServiceError,
+    RetriesExhausted,
+    ServiceError,
+    classify,
+    retry_after,
+)
+from engine.watchdog import CircuitBreaker, deadline
+
+__all__ = [
+    "SDK_MAX_RETRIES",
+    "OpKind",
+    "RetryCounter",
+    "RetryPolicy",
+    "call_with_retry",
+    "default_policies",
+    "retrying",
+    "sdk_sampling_retry_config",
+    "should_retry",
+]
+
+T = TypeVar("T")
+
+SDK_MAX_RETRIES = 3
+"""``max_retries`` for ``ServiceClient(...)``: the HTTP layer's per-call retries."""
+
+
+class OpKind(StrEnum):
+    """Kinds of service operations; the value names the ``retries/<kind>`` metric."""
+
+    SESSION = "session"  # ServiceClient(), create_*_client, get_server_capabilities
+    SAMPLE = "sample"  # SamplingClient.sample_async (stateless)
+    SAMPLER_SNAPSHOT = "save_sampler"  # save_weights_for_sampler / ..._get_sampling_client
+    SAVE_STATE = "save_state"  # TrainingClient.save_state
+    TRAIN_STEP = "train_step"  # forward_backward + optim_step: NEVER retried here
+
+
+class _Log(Protocol):
+    def warning(self, event: str, **kw: Any) -> Any: ...
+    def error(self, event: str, **kw: Any) -> Any: ...
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    """How one kind of operation is retried.
+
+    ``max_attempts`` counts the first try; ``initial_wait``/``max_wait``/``jitter`` shape
+    the exponential backoff (``initial * 2^n + uniform(0, jitter)``, capped); a server's
+    Retry-After replaces the backoff, capped at ``max_retry_after``; ``max_elapsed``
+    stops retrying once a wait would end past it (seconds since the first attempt);
+    ``attempt_timeout`` is the deadline of each attempt (None: unbounded -- only for
+    calls another layer bounds).
+    """
+
+    max_attempts: int = 4
+    initial_wait: float = 1.0
+    max_wait: float = 30.0
+    jitter: float = 1.0
+    max_elapsed: float | None = 900.0
+    attempt_timeout: float | None = 300.0
+    max_retry_after: float = 60.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 1:
+            raise ValueError(f"max_attempts must be >= 1, got {self.max_attempts}")
+        for name in ("initial_wait", "max_wait", "jitter", "max_retry_after"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("max_elapsed", "attempt_timeout"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive or None, got {value}")
+
+    def scaled(self, **changes: Any) -> RetryPolicy:
+        """A copy with some fields changed (``policy.scaled(attempt_timeout=60)``)."""
+        return replace(self, **changes)
+
+
+def default_policies() -> dict[OpKind, RetryPolicy]:
+    """Production defaults (hosted MinT: queues can hold a request for minutes)."""
+    return {
+        OpKind.SESSION: RetryPolicy(max_attempts=4, attempt_timeout=180.0),
+        OpKind.SAMPLE: RetryPolicy(max_attempts=4, attempt_timeout=600.0),
+        OpKind.SAMPLER_SNAPSHOT: RetryPolicy(max_attempts=4, attempt_timeout=600.0),
+        OpKind.SAVE_STATE: RetryPolicy(max_attempts=4, attempt_timeout=900.0),
+        OpKind.TRAIN_STEP: RetryPolicy(max_attempts=1, attempt_timeout=900.0),
+    }
+
+
+def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
+    """``retry_config`` for ``create_sampling_client``: the SDK's sampling retry loop
+    (no attempt limit) gives up after ``policy.attempt_timeout`` without progress
+    instead of 2 h, and uses the policy's backoff bounds."""
+    base = RetryConfig()
+    return RetryConfig(
+        max_connections=base.max_connections,
+        progress_timeout=policy.attempt_timeout or base.progress_timeout,
+        retry_delay_base=max(policy.initial_wait, 0.01),
+        retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
+    )
+
+
+class RetryCounter:
+    """Retries per kind: cumulative (:meth:`totals`) and since the last :meth:`take`
+    (what one step's metrics report). One event loop owns it; no locking."""
+
+    def __init__(self) -> None:
+        self._total: dict[str, int] = {}
+        self._since_take: dict[str, int] = {}
+
+    def increment(self, kind: str) -> None:
+        key = str(kind)
+        self._total[key] = self._total.get(key, 0) + 1
+        self._since_take[key] = self._since_take.get(key, 0) + 1
+
+    def total(self, kind: str) -> int:
+        return self._total.get(str(kind), 0)
+
+    def totals(self) -> dict[str, int]:
+        """``{"retries/<kind>": n}`` since the start, every OpKind present."""
+        return _as_metrics(self._total)
+
+    def take(self) -> dict[str, int]:
+        """``{"retries/<kind>": n}`` since the previous take (per-step metrics); resets."""
+        out = _as_metrics(self._since_take)
+        self._since_take = {}
+        return out
+
+
+def _as_metrics(counts: Mapping[str, int]) -> dict[str, int]:
+    keys = [k.value for k in OpKind] + sorted(set(counts) - {k.value for k in OpKind})
+    return {f"retries/{k}": counts.get(k, 0) for k in keys}
+
+
+def should_retry(kind: str, exc: BaseException) -> bool:
+    """True when ``exc`` is a transient failure and ``kind`` is safe to repeat."""
+    if kind == OpKind.TRAIN_STEP or not isinstance(exc, Exception):
+        return False
+    if isinstance(exc, EngineError) and not isinstance(exc, TimeoutError | ServiceError):
+        return False  # RunStopped, StepOutcomeUnknown, ConfigError: never retried
+    return classify(exc).transient
+
+
+def _wait(policy: RetryPolicy) -> Callable[[tenacity.RetryCallState], float]:
+    backoff = tenacity.wait_exponential_jitter(
+        initial=policy.initial_wait, max=policy.max_wait, jitter=policy.jitter
+    )
+
+    def wait(state: tenacity.RetryCallState) -> float:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        hint = retry_after(exc) if exc is not None else None
+        if hint is not None:
+            return min(hint, policy.max_retry_after)
+        return float(backoff(state))
+
+    return wait
+
+
+def retrying(
+    kind: OpKind | str,
+    policy: RetryPolicy,
+    counter: RetryCounter,
+    log: _Log | None = None,
+    *,
+    op: str | None = None,
+) -> tenacity.AsyncRetrying:
+    """A tenacity ``AsyncRetrying`` for ``kind``: retries transient failures only, waits
+    with jittered exponential backoff or the server's Retry-After, stops at
+    ``max_attempts``/``max_elapsed``, logs and counts every retry, re-raises the last
+    error. Uses ``anyio.sleep`` so it runs under any anyio backend.
+
+    Prefer :func:`call_with_retry`, which adds the per-attempt deadline, the breaker and
+    a clear final error; use this for ``async for attempt in retrying(...)`` loops."""
+    logger = log if log is not None else structlog.get_logger("engine.retry")
+    name = op or str(kind)
+    stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
+    if policy.max_elapsed is not None:
+        stop = stop | tenacity.stop_before_delay(policy.max_elapsed)
+
+    def before_sleep(state: tenacity.RetryCallState) -> None:
+        exc = state.outcome.exception() if state.outcome is not None else None
+        verdict = classify(exc) if exc is not None else None
+        counter.increment(str(kind))
+        logger.warning(
+            "retry",
+            kind=str(kind),
+            op=name,
+            attempt=state.attempt_number,
+            max_attempts=policy.max_attempts,
+            wait_s=round(state.next_action.sleep, 3) if state.next_action else None,
+            retry_after_s=verdict.retry_after if verdict else None,
+            error=verdict.message if verdict else None,
+        )
+
+    return tenacity.AsyncRetrying(
+        sleep=anyio.sleep,
+        stop=stop,
+        wait=_wait(policy),
+        retry=tenacity.retry_if_exception(lambda e: should_retry(str(kind), e)),
+        before_sleep=before_sleep,
+        reraise=True,
+    )
+
+
+async def call_with_retry(
+    fn: Callable[[], Awaitable[T]],
+    *,
+    kind: OpKind | str,
+    policy: RetryPolicy,
+    counter: RetryCounter,
+    breaker: CircuitBreaker | None = None,
+    log: _Log | None = None,
+    op: str | None = None,
+) -> T:
+    """Await ``fn()`` with the retry policy of ``kind``; return its result.
+
+    Each attempt runs under ``deadline(policy.attempt_timeout, op)``. Each failed attempt
+    is reported to ``breaker`` (which may raise CircuitOpen, stopping the retries), each
+    success resets it. On failure raises :class:`~engine.errors.PermanentServiceError`
+    (failed fast) or :class:`~engine.errors.RetriesExhausted`, whose message says what
+    happened in one sentence and whose ``__cause__`` is the SDK's exception; RunStopped
+    and other engine errors propagate unchanged. Cancellation is never retried.
+
+    ``fn`` must be safe to call again (create a new request each time). A blocking SDK
+    call (the ServiceClient constructor) goes through
+    ``lambda: anyio.to_thread.run_sync(make_client, abandon_on_cancel=True)``.
+    """
+    name = op or str(kind)
+    logger = log if log is not None else structlog.get_logger("engine.retry")
+    attempts = 0
+
+    async def attempt() -> T:
+        nonlocal attempts
+        attempts += 1
+        try:
+            with deadline(policy.attempt_timeout, name):
+                result = await fn()
+        except Exception as exc:
+            if breaker is not None:
+                breaker.record_failure(str(kind), exc)
+            raise
+        if breaker is not None:
+            breaker.record_success(str(kind))
+        return result
+
+    try:
+        return await retrying(kind, policy, counter, logger, op=name)(attempt)
+    except EngineError as exc:
+        if not isinstance(exc, TimeoutError | ServiceError):
+            raise
+        failure: Exception = exc
+    except Exception as exc:
+        failure = exc
+    verdict = classify(failure)
+    fields = {"kind": str(kind), "op": name, "attempts": attempts, "error": verdict.message}
+    if verdict.transient and should_retry(str(kind), failure):
+        logger.error("retry.gave_up", **fields)
+        raise RetriesExhausted(
+            f"{name} failed after {attempts} attempt{'s' if attempts != 1 else ''}: "
+            f"{verdict.message}",
+            kind=str(kind),
+            attempts=attempts,
+            transient=True,
+        ) from failure
+    logger.error("retry.permanent", **fields)
+    error_cls = PermanentServiceError if not verdict.transient else RetriesExhausted
+    raise error_cls(
+        f"{name} failed: {verdict.message}",
+        kind=str(kind),
+        attempts=attempts,
+        transient=verdict.transient,
+    ) from failure

@@ -1,0 +1,202 @@
+"""Never a silent hang: deadlines on awaits, a circuit breaker, a progress watchdog, and
+graceful interrupts.
+
+Why: the failures users of RL loops report most are hangs (a stuck request, a dead
+worker, a server in a 500 storm) that leave the trainer waiting forever. Each tool here
+turns "waiting forever" into an exception that carries a clear reason, so the engine can
+write a checkpoint and exit:
+
+* :func:`deadline` -- every await on the service gets a timeout and a message that names
+  the operation (``timed out after 30s waiting for sample``).
+* :class:`CircuitBreaker` -- N consecutive failures of one operation kind raise
+  :class:`~engine.errors.CircuitOpen` (checkpoint reason ``breaker``).
+* :class:`Watchdog` -- a task in the engine's task group that raises
+  :class:`~engine.errors.Stalled` (reason ``watchdog``) when nothing progressed for a
+  configurable time; cancelling the task group stops it cleanly.
+* :class:`SignalInterrupt` -- installed ONLY by the CLI: the first SIGINT/SIGTERM cancels
+  the run's scope (the engine then writes an ``interrupt`` checkpoint and exits); a
+  second one exits the process at once.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+
+import anyio
+import structlog
+
+from engine.errors import CircuitOpen, Interrupted, OpTimeout, Stalled, classify
+
+__all__ = ["CircuitBreaker", "SignalInterrupt", "Watchdog", "deadline"]
+
+_log = structlog.get_logger("engine.watchdog")
+
+
+@contextmanager
+def deadline(seconds: float | None, op: str) -> Iterator[None]:
+    """Run the body under ``anyio.fail_after(seconds)``; on expiry raise
+    :class:`~engine.errors.OpTimeout` naming ``op``. ``None`` means no limit (use only
+    where another layer bounds the wait). A ``TimeoutError`` raised by the body itself
+    (not by this deadline) passes through unchanged."""
+    if seconds is None:
+        yield
+        return
+    if seconds <= 0:
+        raise ValueError(f"deadline for {op} must be positive, got {seconds}")
+    scope: anyio.CancelScope | None = None
+    try:
+        with anyio.fail_after(seconds) as scope:
+            yield
+    except TimeoutError:
+        if scope is not None and scope.cancelled_caught:
+            raise OpTimeout(op, seconds) from None
+        raise
+
+
+class CircuitBreaker:
+    """Counts consecutive failures per operation kind; the N-th raises CircuitOpen.
+
+    ``threshold`` is one number for every kind or a mapping kind -> number (kinds not in
+    the mapping use ``default``). A success of a kind resets its count. Owned by one
+    event loop; no locking needed.
+    """
+
+    def __init__(self, threshold: int | Mapping[str, int], *, default: int = 5) -> None:
+        self._thresholds: dict[str, int] = {}
+        if isinstance(threshold, int):
+            default = threshold
+        else:
+            self._thresholds = {str(k): v for k, v in threshold.items()}
+        for kind, value in [*self._thresholds.items(), ("default", default)]:
+            if value < 1:
+                raise ValueError(f"breaker threshold for {kind} must be >= 1, got {value}")
+        self._default = default
+        self._failures: dict[str, int] = {}
+
+    def threshold(self, kind: str) -> int:
+        return self._thresholds.get(str(kind), self._default)
+
+    def failures(self, kind: str) -> int:
+        """Current run of consecutive failures of ``kind``."""
+        return self._failures.get(str(kind), 0)
+
+    def record_success(self, kind: str) -> None:
+        self._failures[str(kind)] = 0
+
+    def record_failure(self, kind: str, exc: BaseException) -> None:
+        """Count one failure; raise CircuitOpen (chained to ``exc``) at the threshold."""
+        key = str(kind)
+        count = self._failures.get(key, 0) + 1
+        self._failures[key] = count
+        if count >= self.threshold(key):
+            _log.error("breaker.open", kind=key, failures=count, error=classify(exc).message)
+            raise CircuitOpen(key, count, classify(exc).message) from exc
+
+
+class Watchdog:
+    """Raises Stalled when :meth:`progress` was not called for ``timeout`` seconds.
+
+    Run :meth:`run` as a task in the task group whose work it guards (``tg.start_soon(
+    watchdog.run)``); its exception cancels the siblings and propagates out of the group
+    (find it with :func:`engine.errors.find_run_stop`). Cancelling the group stops it.
+    Time is anyio's loop clock.
+    """
+
+    def __init__(self, timeout: float, *, clock: Callable[[], float] = anyio.current_time):
+        if timeout <= 0:
+            raise ValueError(f"watchdog timeout must be positive, got {timeout}")
+        self.timeout = timeout
+        self._clock = clock
+        self._last: float | None = None
+        self._what = "run started"
+
+    def progress(self, what: str) -> None:
+        """Record progress (``what`` says which, e.g. ``"step 12 trained"``)."""
+        self._last = self._clock()
+        self._what = what
+
+    def check(self) -> float:
+        """Raise Stalled if the timeout passed; else return seconds left."""
+        now = self._clock()
+        if self._last is None:
+            self._last = now
+        left = self._last + self.timeout - now
+        if left <= 0:
+            _log.error("watchdog.stalled", seconds=self.timeout, last_progress=self._what)
+            raise Stalled(self.timeout, self._what)
+        return left
+
+    async def run(self) -> None:
+        """Sleep until the next possible deadline, forever, until stalled or cancelled."""
+        if self._last is None:
+            self._last = self._clock()
+        while True:
+            left = self.check()  # raises Stalled once the deadline has passed
+            await anyio.sleep(left)
+
+
+def _hard_exit(code: int) -> None:  # pragma: no cover - replaced in tests
+    sys.stderr.write("second interrupt: exiting immediately\n")
+    sys.stderr.flush()
+    os._exit(code)
+
+
+class SignalInterrupt:
+    """SIGINT/SIGTERM handling for the CLI only (a library never installs handlers).
+
+    Usage (run.py)::
+
+        interrupt = SignalInterrupt()
+        async with anyio.create_task_group() as tg:
+            with anyio.CancelScope() as run_scope:
+                await tg.start(interrupt.watch, run_scope)
+                await engine.run()
+            if interrupt.requested:  # the run was cancelled by a signal
+                await engine.write_checkpoint("interrupt")  # bounded by a deadline
+            tg.cancel_scope.cancel()  # stop watching
+        if interrupt.requested:
+            raise interrupt.error()
+
+    The first signal cancels ``run_scope``; a second one calls ``hard_exit(128+signum)``
+    (``os._exit``) so a stuck shutdown can always be killed from the keyboard.
+    """
+
+    def __init__(
+        self,
+        signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
+        *,
+        hard_exit: Callable[[int], None] = _hard_exit,
+    ) -> None:
+        self._signals = signals
+        self._hard_exit = hard_exit
+        self.requested: signal.Signals | None = None
+
+    def error(self) -> Interrupted:
+        """The exception that reports the interrupt (exit code 130)."""
+        name = self.requested.name if self.requested is not None else "SIGINT"
+        return Interrupted(name)
+
+    async def watch(
+        self,
+        scope: anyio.CancelScope,
+        *,
+        task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
+    ) -> None:
+        """Receive signals until cancelled; the handlers are installed before
+        ``task_status.started()`` so ``await tg.start(...)`` returns only once a signal
+        can no longer kill the process abruptly."""
+        with anyio.open_signal_receiver(*self._signals) as received:
+            task_status.started()
+            async for signum in received:
+                sig = signal.Signals(signum)
+                if self.requested is None:
+                    self.requested = sig
+                    _log.warning("interrupt", signal=sig.name, action="checkpoint and exit")
+                    scope.cancel()
+                else:
+                    _log.error("interrupt.again", signal=sig.name, action="exit now")
+                    self._hard_exit(128 + int(sig))

@@ -9,11 +9,23 @@ server turns it into a ``RequestFailedError`` with category "user").
 
 from __future__ import annotations
 
+import itertools
+import json
+import math
+import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers.utils import logging as hf_logging
+
+from engine.local import checkpoint, losses
+from engine.local.datums import DatumError, check_datum, micro_batches, pad_right
+from engine.local.lora import AdapterHost, TargetSet
+from engine.local.make_model import METADATA_FILE
+from engine.local.sampling import Request, Sampler
 
 
 class BackendError(Exception):
@@ -87,19 +99,172 @@ class ForwardResult:
     metrics: dict[str, float]  # keys "name:reduction", at least "loss:sum"
 
 
+@dataclass
+class _Client:
+    """One training client: its adapter, LoRA spec, optimizer and step count."""
+
+    adapter: str
+    spec: LoraSpec
+    targets: TargetSet
+    seed: int
+    params: dict[str, torch.nn.Parameter]
+    optimizer: torch.optim.AdamW
+    steps: int = 0
+
+
+@dataclass(frozen=True)
+class _Snapshot:
+    """Frozen LoRA tensors a sampler reads (cloned, so later training cannot move them)."""
+
+    rank: int
+    targets: TargetSet
+    tensors: dict[str, torch.Tensor]
+
+
+_DEFAULT_LOGITS_BUDGET = 1 << 25  # logits elements per forward micro-batch (128 MiB fp32)
+
+
+def _new_adam(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
+    # hyperparameters are overwritten from AdamConfig on every step
+    return torch.optim.AdamW(list(params.values()), lr=0.0, foreach=False)
+
+
+def _read_model_name(model_dir: Path) -> str:
+    meta = model_dir / METADATA_FILE
+    if meta.is_file():
+        try:
+            name = json.loads(meta.read_text()).get("model_name")
+        except (OSError, json.JSONDecodeError, AttributeError):
+            name = None
+        if isinstance(name, str) and name:
+            return name
+    return model_dir.name
+
+
 class Backend:
     """Loads one local Hugging Face causal-LM directory and serves many LoRA training
-    clients and frozen sampler snapshots on top of it."""
+    clients and frozen sampler snapshots on top of it.
+
+    The base weights are loaded once and frozen; each training client is a peft adapter
+    with its own gradients and AdamW state (see ``engine.local.lora``). Numerics are
+    float32 with deterministic torch algorithms, so equal inputs give equal bits (which
+    the resume guarantee relies on).
+    """
 
     model_name: str  # the name clients pass as base_model
     model_dir: Path  # absolute; also the tokenizer directory
     max_context_length: int
 
-    def __init__(self, model_dir: Path, *, model_name: str | None = None) -> None:
-        raise NotImplementedError
+    def __init__(
+        self,
+        model_dir: Path,
+        *,
+        model_name: str | None = None,
+        lora_alpha: int = 32,
+        num_threads: int | None = None,
+        logits_budget: int = _DEFAULT_LOGITS_BUDGET,
+    ) -> None:
+        """``lora_alpha`` fixes the LoRA scale at alpha/rank (Tinker uses a constant alpha
+        of 32, which makes good learning rates roughly rank-independent).
+        ``num_threads`` sets torch's intra-op threads (None: leave torch's default)."""
+        model_dir = Path(model_dir).expanduser().resolve()
+        if not (model_dir / "config.json").is_file():
+            raise BackendError(
+                f"{model_dir} is not a Hugging Face model directory (no config.json)"
+            )
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        torch.use_deterministic_algorithms(True)
+        bars = hf_logging.is_progress_bar_enabled()
+        hf_logging.disable_progress_bar()
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(model_dir)
+            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+        except (OSError, ValueError) as e:
+            raise BackendError(f"cannot load model from {model_dir}: {e}") from e
+        finally:
+            if bars:
+                hf_logging.enable_progress_bar()
+        model.eval()
+        model.requires_grad_(False)
+        self.model_dir = model_dir
+        self.model_name = model_name or _read_model_name(model_dir)
+        self.tokenizer = tokenizer
+        self._model = model
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        cfg = model.config
+        self.max_context_length = int(
+            getattr(cfg, "max_position_embeddings", None) or tokenizer.model_max_length
+        )
+        pad = tokenizer.pad_token_id
+        self._pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
+        eos = model.generation_config.eos_token_id
+        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
+        if tokenizer.eos_token_id is not None:
+            eos_ids.add(int(tokenizer.eos_token_id))
+        self._eos_ids = frozenset(int(e) for e in eos_ids)
+        self._host = AdapterHost(model, lora_alpha)
+        self._logits_budget = logits_budget
+        self._clients: dict[str, _Client] = {}
+        self._snapshots: dict[str, _Snapshot] = {}
+        self._loaded_paths: dict[Path, str] = {}
+        self._slots: dict[tuple[int, str], str] = {}
+        self._counter = itertools.count()
+        self._sampler = Sampler(
+            model,
+            pad_id=self._pad_id,
+            eos_ids=self._eos_ids,
+            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+        )
+
+    # ---- training clients -------------------------------------------------------------
 
     def create_model(self, model_id: str, spec: LoraSpec) -> None:
-        raise NotImplementedError
+        if model_id in self._clients:
+            raise BackendError(f"model {model_id!r} already exists")
+        if isinstance(spec.rank, bool) or not isinstance(spec.rank, int) or spec.rank < 1:
+            raise BackendError(f"LoRA rank must be a positive integer, got {spec.rank!r}")
+        targets = self._targets(spec)
+        seed = spec.seed if spec.seed is not None else secrets.randbits(31)
+        adapter = f"client{next(self._counter)}"
+        params = self._host.add(adapter, spec.rank, targets, seed)
+        self._clients[model_id] = _Client(adapter, spec, targets, seed, params, _new_adam(params))
+
+    def delete_model(self, model_id: str) -> None:
+        """Drop a training client (its adapter, gradients and optimizer state)."""
+        client = self._clients.pop(model_id, None)
+        if client is not None:
+            self._host.remove(client.adapter)
+
+    def has_model(self, model_id: str) -> bool:
+        return model_id in self._clients
+
+    def model_spec(self, model_id: str) -> LoraSpec:
+        return self._client(model_id).spec
+
+    def optimizer_steps(self, model_id: str) -> int:
+        """How many optim_steps this model's current optimizer state has applied: counts
+        up by one per ``optim_step``, restored by ``load_state(optimizer=True)`` and reset
+        to 0 by ``load_state(optimizer=False)``."""
+        return self._client(model_id).steps
+
+    def _client(self, model_id: str) -> _Client:
+        client = self._clients.get(model_id)
+        if client is None:
+            raise BackendError(f"unknown model_id {model_id!r}")
+        return client
+
+    def _targets(self, spec: LoraSpec) -> TargetSet:
+        if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
+            raise BackendError("at least one of train_attn, train_mlp, train_unembed must be true")
+        targets = self._host.groups.select(
+            attn=spec.train_attn, mlp=spec.train_mlp, unembed=spec.train_unembed
+        )
+        if not targets.modules:
+            raise BackendError(f"{self.model_name} has no linear layers matching that LoRA spec")
+        return targets
+
+    # ---- training ---------------------------------------------------------------------
 
     def forward_backward(
         self,
@@ -112,36 +277,310 @@ class Backend:
     ) -> ForwardResult:
         """Loss is a SUM over tokens and datums; with backward=True gradients accumulate
         into the model's LoRA parameters until ``optim_step``."""
-        raise NotImplementedError
+        client = self._client(model_id)
+        try:
+            spec, cfg = losses.resolve(loss_fn, loss_fn_config)
+        except losses.LossConfigError as e:
+            raise BackendError(str(e)) from e
+        if not data:
+            raise BackendError("forward_backward needs at least one datum")
+        try:
+            checked = [
+                check_datum(
+                    i,
+                    d.tokens,
+                    d.inputs,
+                    spec.inputs,
+                    vocab=self.vocab_size,
+                    max_len=self.max_context_length,
+                )
+                for i, d in enumerate(data)
+            ]
+        except DatumError as e:
+            raise BackendError(str(e)) from e
+        outputs: list[dict[str, torch.Tensor]] = [{} for _ in checked]
+        total = 0.0
+        with self._host.active(client.adapter), torch.set_grad_enabled(backward):
+            for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
+                rows = [checked[i] for i in batch]
+                ids, targets = pad_right(rows, self._pad_id)
+                logits = self._model(input_ids=ids, use_cache=False).logits.float()
+                logp = -torch.nn.functional.cross_entropy(
+                    logits.flatten(0, 1), targets.flatten(), reduction="none"
+                ).view(targets.shape)
+                loss = logits.new_zeros(())
+                for row, (i, d) in enumerate(zip(batch, rows, strict=True)):
+                    lp = logp[row, : d.length]
+                    loss = loss + spec.fn(lp, d.inputs, cfg)
+                    outputs[i]["logprobs"] = lp.detach().clone()
+                if backward:
+                    loss.backward()
+                total += float(loss.detach())
+        return ForwardResult(outputs=outputs, metrics={"loss:sum": total})
 
     def optim_step(self, model_id: str, adam: AdamConfig) -> dict[str, float]:
-        raise NotImplementedError
+        """One AdamW step (decoupled weight decay, optional global grad-norm clipping) on
+        the accumulated gradients, then zero them. Parameters with no gradient since the
+        last step count as zero gradient, so every call is a real Adam step."""
+        client = self._client(model_id)
+        _check_adam(adam)
+        params = list(client.params.values())
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        grads = [p.grad for p in params if p.grad is not None]
+        if adam.grad_clip_norm > 0:
+            norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads)
+        for group in client.optimizer.param_groups:
+            group.update(
+                lr=adam.learning_rate,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        client.optimizer.step()
+        client.optimizer.zero_grad(set_to_none=True)
+        client.steps += 1
+        return {"grad_norm:mean": float(norm)}
+
+    # ---- checkpoints ------------------------------------------------------------------
+
+    def _meta(self, client: _Client, kind: str) -> dict[str, Any]:
+        return {
+            "kind": kind,
+            "base_model": self.model_name,
+            "is_lora": True,
+            "lora_rank": client.spec.rank,
+            "lora_alpha": self._host.alpha,
+            "train_attn": client.spec.train_attn,
+            "train_mlp": client.spec.train_mlp,
+            "train_unembed": client.spec.train_unembed,
+            "target_modules": list(client.targets.modules),
+            "seed": client.seed,
+            "optimizer_steps": client.steps,
+        }
 
     def save_sampler(self, model_id: str, dest: Path | None) -> str:
         """Freeze the current LoRA weights as a sampler snapshot (written to ``dest`` when
         given, so it survives a restart) and return its key."""
-        raise NotImplementedError
+        client = self._client(model_id)
+        tensors = {k: p.detach().clone() for k, p in client.params.items()}
+        key = f"{model_id}:sampler{next(self._counter)}"
+        self._snapshots[key] = _Snapshot(client.spec.rank, client.targets, tensors)
+        if dest is not None:
+            checkpoint.write(Path(dest), self._meta(client, "sampler"), tensors)
+            self._loaded_paths[Path(dest).resolve()] = key
+        return key
 
     def load_sampler(self, src: Path) -> str:
-        """Load a snapshot written by ``save_sampler`` (or a state from ``save_state``)."""
-        raise NotImplementedError
+        """Load a snapshot written by ``save_sampler`` (or a state from ``save_state``).
+        Loading the same path again returns the same key."""
+        path = Path(src).resolve()
+        known = self._loaded_paths.get(path)
+        if known is not None and known in self._snapshots:
+            return known
+        ckpt = self._read(path, optimizer=False)
+        targets = TargetSet(tuple(ckpt.meta["target_modules"]))
+        self._check_tensors(path, ckpt.weights, ckpt.meta["lora_rank"], targets)
+        key = f"loaded:sampler{next(self._counter)}"
+        self._snapshots[key] = _Snapshot(int(ckpt.meta["lora_rank"]), targets, ckpt.weights)
+        self._loaded_paths[path] = key
+        return key
+
+    def release_sampler(self, key: str) -> None:
+        """Forget a snapshot (memory is otherwise held until the backend goes away)."""
+        self._snapshots.pop(key, None)
+        for path in [p for p, k in self._loaded_paths.items() if k == key]:
+            del self._loaded_paths[path]
+
+    def has_sampler(self, key: str) -> bool:
+        return key in self._snapshots
 
     def save_state(self, model_id: str, dest: Path) -> None:
         """Weights + optimizer state + metadata (base model, LoRA spec, step count)."""
-        raise NotImplementedError
+        client = self._client(model_id)
+        weights = {k: p.detach().clone() for k, p in client.params.items()}
+        opt_state: dict[str, torch.Tensor] = {}
+        for key, p in client.params.items():
+            state = client.optimizer.state.get(p)
+            if state:
+                opt_state[f"exp_avg/{key}"] = state["exp_avg"].clone()
+                opt_state[f"exp_avg_sq/{key}"] = state["exp_avg_sq"].clone()
+                opt_state[f"step/{key}"] = torch.as_tensor(state["step"]).clone().reshape(1)
+        checkpoint.write(Path(dest), self._meta(client, "state"), weights, opt_state)
 
     def load_state(self, model_id: str, src: Path, *, optimizer: bool) -> None:
-        raise NotImplementedError
+        """Replace the model's weights (and, with ``optimizer``, its Adam moments and step
+        counts) by a saved state; pending gradients are dropped."""
+        client = self._client(model_id)
+        ckpt = self._read(Path(src), optimizer=optimizer)
+        if ckpt.meta.get("kind") != "state" and optimizer:
+            raise BackendError(f"{src} is a sampler checkpoint; it has no optimizer state")
+        rank = int(ckpt.meta["lora_rank"])
+        if rank != client.spec.rank or tuple(ckpt.meta["target_modules"]) != client.targets.modules:
+            raise BackendError(
+                f"{src} holds a rank-{rank} LoRA over {len(ckpt.meta['target_modules'])} modules; "
+                f"model {model_id!r} is rank {client.spec.rank} over {len(client.targets.modules)}"
+            )
+        self._check_tensors(Path(src), ckpt.weights, rank, client.targets)
+        with torch.no_grad():
+            for key, p in client.params.items():
+                p.copy_(ckpt.weights[key])
+                p.grad = None
+        client.optimizer = _new_adam(client.params)
+        client.steps = 0
+        if optimizer and ckpt.optimizer is not None:
+            self._restore_adam(client, ckpt.optimizer, Path(src))
+            client.steps = int(ckpt.meta.get("optimizer_steps", 0))
+
+    @staticmethod
+    def _restore_adam(client: _Client, saved: dict[str, torch.Tensor], src: Path) -> None:
+        for key, p in client.params.items():
+            names = (f"exp_avg/{key}", f"exp_avg_sq/{key}", f"step/{key}")
+            present = [n in saved for n in names]
+            if not any(present):
+                continue  # never stepped when saved
+            if not all(present):
+                raise BackendError(f"{src}: optimizer state for {key} is incomplete")
+            client.optimizer.state[p] = {
+                "step": saved[names[2]].reshape(()).clone(),
+                "exp_avg": saved[names[0]].clone(),
+                "exp_avg_sq": saved[names[1]].clone(),
+            }
 
     @staticmethod
     def read_state_info(src: Path) -> dict[str, Any]:
         """{"base_model", "is_lora", "lora_rank", ...} of a saved state or sampler."""
-        raise NotImplementedError
+        try:
+            meta = checkpoint.read_meta(Path(src))
+        except checkpoint.CheckpointError as e:
+            raise BackendError(str(e)) from e
+        return {k: v for k, v in meta.items() if k != "format"}
+
+    def _read(self, src: Path, *, optimizer: bool) -> checkpoint.Checkpoint:
+        try:
+            ckpt = checkpoint.read(src, optimizer=optimizer)
+        except checkpoint.CheckpointError as e:
+            raise BackendError(str(e)) from e
+        base = ckpt.meta.get("base_model")
+        if base != self.model_name:
+            raise BackendError(
+                f"{src} was trained on base model {base!r}; this server serves {self.model_name!r}"
+            )
+        for key in ("lora_rank", "target_modules"):
+            if key not in ckpt.meta:
+                raise BackendError(f"{src}: metadata lacks {key!r}")
+        return ckpt
+
+    def _check_tensors(
+        self, src: Path, tensors: dict[str, torch.Tensor], rank: int, targets: TargetSet
+    ) -> None:
+        expected = self._host.shapes(rank, targets)
+        if set(tensors) != set(expected):
+            raise BackendError(f"{src}: LoRA tensors do not match this base model's layers")
+        for key, shape in expected.items():
+            if tuple(tensors[key].shape) != shape:
+                raise BackendError(
+                    f"{src}: tensor {key} has shape {tuple(tensors[key].shape)}, expected {shape}"
+                )
+
+    # ---- sampling ---------------------------------------------------------------------
 
     def sample(self, jobs: list[SampleJob]) -> list[SampleResult]:
         """Run many asample requests as one batched computation (per snapshot)."""
-        raise NotImplementedError
+        requests = [self._request(i, job) for i, job in enumerate(jobs)]
+        results: list[SampleResult | None] = [None] * len(jobs)
+        groups: dict[str | None, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(job.sampler, []).append(i)
+        for key, idxs in groups.items():
+            with self._host.active(self._load_slot(key)):
+                outs = self._sampler.run([requests[i] for i in idxs])
+            for i, out in zip(idxs, outs, strict=True):
+                seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
+                results[i] = SampleResult(
+                    sequences=seqs,
+                    prompt_logprobs=out.prompt_logprobs,
+                    topk_prompt_logprobs=out.topk_prompt_logprobs,
+                )
+        return [r for r in results if r is not None]
 
-    def optimizer_steps(self, model_id: str) -> int:
-        """How many optim_steps this model has applied (for the chaos tests)."""
-        raise NotImplementedError
+    def _load_slot(self, key: str | None) -> str | None:
+        """Copy a snapshot into the sampling adapter of its shape; return that adapter."""
+        if key is None:
+            return None
+        snap = self._snapshots.get(key)
+        if snap is None:
+            raise BackendError(f"unknown sampler {key!r}")
+        shape = (snap.rank, snap.targets.key)
+        slot = self._slots.get(shape)
+        if slot is None:
+            slot = f"slot{next(self._counter)}"
+            self._host.add(slot, snap.rank, snap.targets, seed=0)
+            self._slots[shape] = slot
+        with torch.no_grad():
+            for name, p in self._host.params(slot).items():
+                p.copy_(snap.tensors[name])
+        return slot
+
+    def _request(self, i: int, job: SampleJob) -> Request:
+        where = f"sample request {i}"
+        if job.sampler is not None and job.sampler not in self._snapshots:
+            raise BackendError(f"{where}: unknown sampler {job.sampler!r}")
+        if not job.prompt:
+            raise BackendError(f"{where}: prompt is empty")
+        bad = [t for t in job.prompt if not 0 <= t < self.vocab_size]
+        if bad:
+            raise BackendError(
+                f"{where}: prompt token id {bad[0]} is outside the vocabulary "
+                f"[0, {self.vocab_size})"
+            )
+        if job.num_samples < 1:
+            raise BackendError(f"{where}: num_samples must be >= 1, got {job.num_samples}")
+        if job.max_tokens < 1:
+            raise BackendError(f"{where}: max_tokens must be >= 1, got {job.max_tokens}")
+        if len(job.prompt) + job.max_tokens > self.max_context_length:
+            raise BackendError(
+                f"{where}: prompt ({len(job.prompt)} tokens) + max_tokens ({job.max_tokens}) "
+                f"exceeds the max context length {self.max_context_length}"
+            )
+        if not (math.isfinite(job.temperature) and job.temperature >= 0):
+            raise BackendError(f"{where}: temperature must be >= 0, got {job.temperature}")
+        if not 0 < job.top_p <= 1:
+            raise BackendError(f"{where}: top_p must be in (0, 1], got {job.top_p}")
+        if job.top_k < -1:
+            raise BackendError(f"{where}: top_k must be -1 (off) or positive, got {job.top_k}")
+        if job.topk_prompt_logprobs < 0:
+            raise BackendError(f"{where}: topk_prompt_logprobs must be >= 0")
+        if any(not s for s in job.stop_strings):
+            raise BackendError(f"{where}: stop strings must be non-empty")
+        return Request(
+            prompt=list(job.prompt),
+            num_samples=job.num_samples,
+            max_tokens=job.max_tokens,
+            temperature=float(job.temperature),
+            top_k=job.top_k,
+            top_p=float(job.top_p),
+            seed=job.seed,
+            stop_strings=tuple(job.stop_strings),
+            stop_token_ids=frozenset(job.stop_token_ids),
+            prompt_logprobs=job.prompt_logprobs,
+            topk_prompt_logprobs=job.topk_prompt_logprobs,
+        )
+
+
+def _check_adam(adam: AdamConfig) -> None:
+    checks = {
+        "learning_rate": adam.learning_rate >= 0,
+        "beta1": 0 <= adam.beta1 < 1,
+        "beta2": 0 <= adam.beta2 < 1,
+        "eps": adam.eps >= 0,
+        "weight_decay": adam.weight_decay >= 0,
+        "grad_clip_norm": adam.grad_clip_norm >= 0,
+    }
+    for name, ok in checks.items():
+        value = getattr(adam, name)
+        if not (math.isfinite(value) and ok):
+            raise BackendError(f"invalid AdamParams.{name}: {value}")

@@ -1,0 +1,158 @@
+"""Many LoRA adapters over ONE frozen base model, via peft's multi-adapter support.
+
+Every training client and every sampler "slot" is a named peft adapter injected into the
+same module tree, so the base weights exist once; switching the active adapter touches
+only the LoRA layers (O(number of layers)), never the base weights. Sampler snapshots are
+plain dicts of cloned LoRA tensors; to sample from one, its tensors are copied into a
+slot adapter of the same shape (O(LoRA size)).
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+from peft import LoraConfig
+from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
+from peft.tuners.tuners_utils import BaseTunerLayer
+from torch import nn
+from transformers.pytorch_utils import Conv1D
+
+_ATTN_HINT = re.compile(r"(^|\.)(self_attn|attn|attention|self_attention)(\.|$)")
+
+
+@dataclass(frozen=True)
+class TargetSet:
+    """Which linear modules a LoRA spec adapts, by full module name."""
+
+    modules: tuple[str, ...]
+
+    @property
+    def key(self) -> str:
+        return "|".join(self.modules)
+
+
+@dataclass(frozen=True)
+class ModuleGroups:
+    """The base model's adaptable linear layers, split the way Tinker's flags split them."""
+
+    attn: tuple[str, ...]
+    mlp: tuple[str, ...]
+    unembed: tuple[str, ...]
+
+    def select(self, *, attn: bool, mlp: bool, unembed: bool) -> TargetSet:
+        chosen = (self.attn if attn else ()) + (self.mlp if mlp else ())
+        chosen += self.unembed if unembed else ()
+        return TargetSet(tuple(sorted(chosen)))
+
+
+def find_module_groups(model: nn.Module) -> ModuleGroups:
+    """Classify every linear layer of a causal LM as attention, MLP or unembedding.
+
+    Works by structure, not by a per-architecture table: the output embedding is the
+    module ``get_output_embeddings()`` returns; any other linear layer whose path passes
+    through an attention block is "attn"; the remaining ones are "mlp".
+    """
+    getter = getattr(model, "get_output_embeddings", None)
+    unembed_mod = getter() if callable(getter) else None
+    attn: list[str] = []
+    mlp: list[str] = []
+    unembed: list[str] = []
+    for name, mod in model.named_modules():
+        if not isinstance(mod, nn.Linear | Conv1D):
+            continue
+        if mod is unembed_mod:
+            unembed.append(name)
+        elif _ATTN_HINT.search(name):
+            attn.append(name)
+        else:
+            mlp.append(name)
+    return ModuleGroups(tuple(attn), tuple(mlp), tuple(unembed))
+
+
+def lora_config(rank: int, alpha: int, targets: TargetSet) -> LoraConfig:
+    return LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=0.0,
+        bias="none",
+        target_modules=list(targets.modules),
+        init_lora_weights=True,
+    )
+
+
+class AdapterHost:
+    """Owns the frozen base model and the named adapters injected into it."""
+
+    def __init__(self, model: nn.Module, alpha: int) -> None:
+        self.model = model
+        self.alpha = alpha
+        self.groups = find_module_groups(model)
+        self._adapters: dict[str, tuple[int, TargetSet]] = {}
+        self._layers: list[BaseTunerLayer] = []
+
+    def add(self, name: str, rank: int, targets: TargetSet, seed: int) -> dict[str, nn.Parameter]:
+        """Inject a fresh adapter (A ~ kaiming-uniform from ``seed``, B = 0); return its
+        parameters keyed by adapter-independent names."""
+        with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
+            # several adapters in one model is the point here, not a mistake
+            warnings.filterwarnings("ignore", message="Already found a `peft_config`")
+            torch.manual_seed(seed)
+            inject_adapter_in_model(lora_config(rank, self.alpha, targets), self.model, name)
+        self._adapters[name] = (rank, targets)
+        self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        params = self.params(name)
+        for p in params.values():
+            p.requires_grad_(True)
+        return params
+
+    def remove(self, name: str) -> None:
+        if self._adapters.pop(name, None) is None:
+            return
+        delete_adapter(self.model, name, prefix="lora_")
+        self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+
+    def shapes(self, rank: int, targets: TargetSet) -> dict[str, tuple[int, int]]:
+        """The tensor shapes an adapter of this rank over ``targets`` must have."""
+        out: dict[str, tuple[int, int]] = {}
+        for name in targets.modules:
+            mod = self.model.get_submodule(name)
+            base = mod.get_base_layer() if isinstance(mod, BaseTunerLayer) else mod
+            weight = base.weight
+            assert isinstance(weight, torch.Tensor)
+            rows, cols = weight.shape
+            fan_in, fan_out = (rows, cols) if isinstance(base, Conv1D) else (cols, rows)
+            out[f"{name}.lora_A.weight"] = (rank, int(fan_in))
+            out[f"{name}.lora_B.weight"] = (int(fan_out), rank)
+        return out
+
+    def has(self, name: str) -> bool:
+        return name in self._adapters
+
+    def params(self, name: str) -> dict[str, nn.Parameter]:
+        """The adapter's tensors as ``{"<module path>.lora_A.weight": param, ...}``."""
+        marker = f".{name}."
+        out: dict[str, nn.Parameter] = {}
+        for pname, p in self.model.named_parameters():
+            if marker in pname:
+                out[pname.replace(marker, ".", 1)] = p
+        return out
+
+    @contextmanager
+    def active(self, name: str | None) -> Iterator[None]:
+        """Run the model with adapter ``name`` active (None: the bare base model)."""
+        if name is None:
+            for layer in self._layers:
+                layer.enable_adapters(False)
+            try:
+                yield
+            finally:
+                for layer in self._layers:
+                    layer.enable_adapters(True)
+            return
+        set_adapter(self.model, name)
+        yield

@@ -1,0 +1,105 @@
+"""Tinker's five training losses, per datum, as SUMS over tokens.
+
+Each loss maps the training policy's per-token logprobs ``logp`` (N,) and the datum's
+dense loss inputs to a scalar; the backend sums these over datums. Semantics follow the
+protocol reference (docs/mint-wire-protocol.md §3): the inputs are already aligned
+(``logp[i]`` scores ``target_tokens[i]``) and nothing is averaged, so gradients from
+several ``forward_backward`` calls add up exactly as one bigger call would.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+import torch
+
+Tensor = torch.Tensor
+
+
+class LossConfigError(ValueError):
+    """An unknown loss name or a bad ``loss_fn_config``."""
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """What a loss needs from each datum and which config keys it accepts (with defaults)."""
+
+    fn: Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
+    inputs: tuple[str, ...]
+    config: Mapping[str, float | None]  # None: required key without a default
+
+
+def _ratio(logp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
+    return torch.exp(logp - inputs["logprobs"])
+
+
+def cross_entropy(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
+    return -(inputs["weights"] * logp).sum()
+
+
+def importance_sampling(
+    logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]
+) -> Tensor:
+    return -(_ratio(logp, inputs) * inputs["advantages"]).sum()
+
+
+def ppo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
+    ratio = _ratio(logp, inputs)
+    adv = inputs["advantages"]
+    clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -torch.minimum(ratio * adv, clipped * adv).sum()
+
+
+def cispo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
+    ratio = _ratio(logp, inputs).detach()
+    clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -(clipped * inputs["advantages"] * logp).sum()
+
+
+def dro(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
+    adv = inputs["advantages"]
+    quad = (logp - inputs["logprobs"]) ** 2
+    return -(logp * adv - 0.5 * cfg["beta"] * quad).sum()
+
+
+_CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+_RL_INPUTS = ("target_tokens", "logprobs", "advantages")
+
+LOSSES: dict[str, LossSpec] = {
+    "cross_entropy": LossSpec(cross_entropy, ("target_tokens", "weights"), {}),
+    "importance_sampling": LossSpec(importance_sampling, _RL_INPUTS, {}),
+    "ppo": LossSpec(ppo, _RL_INPUTS, _CLIP),
+    "cispo": LossSpec(cispo, _RL_INPUTS, _CLIP),
+    "dro": LossSpec(dro, _RL_INPUTS, {"beta": None}),
+}
+
+
+def resolve(loss_fn: str, config: Mapping[str, float] | None) -> tuple[LossSpec, dict[str, float]]:
+    """The loss spec and its full config (defaults filled in); clear errors otherwise."""
+    spec = LOSSES.get(loss_fn)
+    if spec is None:
+        raise LossConfigError(
+            f"unknown loss_fn {loss_fn!r}; supported: {', '.join(sorted(LOSSES))}"
+        )
+    given = dict(config or {})
+    unknown = sorted(set(given) - set(spec.config))
+    if unknown:
+        allowed = ", ".join(sorted(spec.config)) or "none"
+        raise LossConfigError(
+            f"loss_fn_config keys {unknown} are not accepted by {loss_fn!r} (accepted: {allowed})"
+        )
+    resolved: dict[str, float] = {}
+    for key, default in spec.config.items():
+        value = given.get(key, default)
+        if value is None:
+            raise LossConfigError(f"loss {loss_fn!r} needs loss_fn_config[{key!r}]")
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise LossConfigError(f"loss_fn_config[{key!r}] must be a number, got {value!r}")
+        resolved[key] = float(value)
+    lo, hi = resolved.get("clip_low_threshold"), resolved.get("clip_high_threshold")
+    if lo is not None and hi is not None and not 0.0 <= lo <= hi:
+        raise LossConfigError(
+            f"need 0 <= clip_low_threshold <= clip_high_threshold, got {lo} and {hi}"
+        )
+    return spec, resolved

@@ -221,7 +221,7 @@ def should_retry(kind: str, exc: BaseException) -> bool:
 
 def _wait(policy: RetryPolicy) -> Callable[[tenacity.RetryCallState], float]:
     backoff = tenacity.wait_exponential_jitter(
-        initial=policy.initial_wait, max=policy.max_wait, jitter=policy.jitter
+        multiplier=policy.initial_wait, max=policy.max_wait, jitter=policy.jitter
     )
 
     def wait(state: tenacity.RetryCallState) -> float:

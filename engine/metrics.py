@@ -1,0 +1,226 @@
+"""Per-step metrics: what they are called, how they are measured, where they go.
+
+Names follow the field (tinker-cookbook, prime-rl, verl, PipelineRL) so dashboards and
+habits carry over: ``env/all/reward/total``, ``optim/kl_sample_train_v1``,
+``sampling_client/step_min``, ``time/<span>``, ``trainer/idle_ratio``,
+``progress/done_frac``, ``retries/<kind>``.
+
+Each engine writes through its own structlog loggers (``structlog.wrap_logger``), never
+the global configuration, so two engines in one process do not share sinks: JSON lines
+to ``<run dir>/metrics.jsonl`` always; to the console either readable lines (the MinT
+quickstart's ``Step N: ...`` line as-is, then a detail line) or the same JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Callable, Mapping, MutableMapping, Sequence
+from pathlib import Path
+from typing import IO, Any, Literal, TextIO
+
+import structlog
+
+from engine.redact import redact_processor
+from engine.state import ScoredGroup
+
+__all__ = [
+    "ActivityMeter",
+    "RunLog",
+    "quickstart_line",
+    "reward_metrics",
+]
+
+
+class ActivityMeter:
+    """Busy time of a stage (time with at least one operation in flight) and the work it
+    completed, read as deltas per step. Owned by one event loop; no locking."""
+
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+        self._clock = clock
+        self._active = 0
+        self._since = 0.0
+        self._busy = 0.0
+        self._items = 0
+        self._tokens = 0
+        self._taken = (0.0, 0, 0)
+
+    def begin(self) -> None:
+        if self._active == 0:
+            self._since = self._clock()
+        self._active += 1
+
+    def end(self, *, items: int = 0, tokens: int = 0) -> None:
+        self._active -= 1
+        if self._active == 0:
+            self._busy += self._clock() - self._since
+        self._items += items
+        self._tokens += tokens
+
+    def _busy_now(self) -> float:
+        return self._busy + (self._clock() - self._since if self._active else 0.0)
+
+    def take(self) -> tuple[float, int, int]:
+        """(busy seconds, items, tokens) since the previous take."""
+        now = (self._busy_now(), self._items, self._tokens)
+        delta = (now[0] - self._taken[0], now[1] - self._taken[1], now[2] - self._taken[2])
+        self._taken = now
+        return delta
+
+
+def reward_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """Reward mean, per-component means and rates (fraction > 0), and the quickstart's
+    summary (avg_reward, exact_rate, format_rate, avg_distance_reward)."""
+    rewards = [r for g in groups for r in g.rewards]
+    n = len(rewards)
+    out: dict[str, float] = {
+        "env/all/reward/total": sum(r.total for r in rewards) / n if n else 0.0
+    }
+    names = sorted({k for r in rewards for k in r.components})
+    for name in names:
+        values = [float(r.components.get(name, 0.0)) for r in rewards]
+        out[f"env/all/{name}"] = sum(values) / n
+        out[f"env/all/{name}/rate"] = sum(1 for v in values if v > 0) / n
+    totals = [g.totals for g in groups]
+    out["env/all/by_group/frac_mixed"] = (
+        sum(1 for t in totals if max(t) != min(t)) / len(totals) if totals else 0.0
+    )
+    out["avg_reward"] = out["env/all/reward/total"]
+    for alias, name in (
+        ("exact_rate", "env/all/exact_bonus/rate"),
+        ("format_rate", "env/all/format_reward/rate"),
+        ("avg_distance_reward", "env/all/distance_reward"),
+    ):
+        if name in out:
+            out[alias] = out[name]
+    return out
+
+
+def quickstart_line(step: int, metrics: Mapping[str, Any]) -> str:
+    """The MinT quickstart's per-step line, character for character, when the task has
+    its components; otherwise the same line without the rates it cannot compute."""
+    parts = [f"avg_reward={metrics['avg_reward']:.3f}"]
+    if "exact_rate" in metrics:
+        parts.append(f"exact_rate={metrics['exact_rate']:.1%}")
+    if "format_rate" in metrics:
+        parts.append(f"format_rate={metrics['format_rate']:.1%}")
+    parts.append(f"datums={metrics['datums']}")
+    return f"Step {step}: " + ", ".join(parts)
+
+
+def _fmt(value: Any, spec: str) -> str:
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
+
+
+def detail_line(m: Mapping[str, Any]) -> str:
+    """The readable second line of a step: staleness, KL, loss, time split, idleness."""
+    return (
+        f"  versions={m['sampling_client/step_min']}..{m['sampling_client/step_max']} "
+        f"staleness={m['off_policy/staleness']} "
+        f"groups={m['groups/used']}/{m['groups/total']} "
+        f"kl_v1={_fmt(m['optim/kl_sample_train_v1'], '+.4f')} "
+        f"kl_v2={_fmt(m['optim/kl_sample_train_v2'], '.4f')} "
+        f"loss={_fmt(m['optim/loss'], '.4g')} | "
+        f"sample {m['time/sample']:.2f}s score {m['time/score']:.2f}s "
+        f"train {m['time/train']:.2f}s wait {m['time/wait']:.2f}s | "
+        f"trainer idle {m['trainer/idle_ratio']:.0%} sampler idle {m['sampler/idle_ratio']:.0%} "
+        f"| {m['throughput/samples_per_s']:.1f} samples/s {m['throughput/tokens_per_s']:.0f} tok/s"
+    )
+
+
+class _LineLogger:
+    """A structlog logger that writes each rendered event as one line and flushes."""
+
+    def __init__(self, write: Callable[[str], None]) -> None:
+        self._write = write
+
+    def msg(self, message: str) -> None:
+        self._write(message)
+
+    info = warning = error = msg
+
+
+def _json_renderer(_: Any, __: str, event: MutableMapping[str, Any]) -> str:
+    return json.dumps(event, default=str, allow_nan=False)
+
+
+def _nan_to_none(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
+    for key, value in event.items():
+        if isinstance(value, float) and not math.isfinite(value):
+            event[key] = None
+    return event
+
+
+def _console_renderer(_: Any, method: str, event: MutableMapping[str, Any]) -> str:
+    name = event.get("event")
+    if name == "step":
+        return f"{event['line']}\n{detail_line(event)}"
+    if name == "saved":
+        return f"\nSaved: {event['path']}"
+    if method in ("warning", "error"):
+        return f"{method.capitalize()}: {event.get('message', name)}"
+    return str(event.get("message", name))
+
+
+class RunLog:
+    """One run's event sinks. ``step`` events go to metrics.jsonl and the console; other
+    events (warnings, the final ``saved``) go to the console only."""
+
+    def __init__(
+        self,
+        metrics_path: Path,
+        console: TextIO | None,
+        log_format: Literal["console", "json"],
+    ) -> None:
+        self._file: IO[str] = metrics_path.open("a", encoding="utf-8")
+        base: list[Any] = [
+            structlog.processors.add_log_level,
+            structlog.processors.TimeStamper(fmt="iso", utc=True, key="time"),
+            _nan_to_none,
+            redact_processor,
+        ]
+        self._jsonl = structlog.wrap_logger(
+            _LineLogger(self._write_file), processors=[*base, _json_renderer]
+        )
+        self._console: Any = None
+        if console is not None:
+            renderer = _json_renderer if log_format == "json" else _console_renderer
+
+            def write_console(line: str) -> None:
+                console.write(line + "\n")
+                console.flush()
+
+            self._console = structlog.wrap_logger(
+                _LineLogger(write_console), processors=[*base, renderer]
+            )
+        self._log_format = log_format
+        self._console_stream = console
+
+    def _write_file(self, line: str) -> None:
+        self._file.write(line + "\n")
+        self._file.flush()
+
+    def step(self, metrics: Mapping[str, Any], line: str) -> None:
+        self._jsonl.info("step", **metrics)
+        if self._console is not None:
+            self._console.info("step", line=line, **metrics)
+
+    def warning(self, event: str, message: str, **fields: Any) -> None:
+        if self._console is not None:
+            self._console.warning(event, message=message, **fields)
+
+    def info(self, event: str, message: str, **fields: Any) -> None:
+        if self._console is not None:
+            self._console.info(event, message=message, **fields)
+
+    def saved(self, path: str) -> None:
+        """``Saved: <path>``; in JSON mode a ``saved`` event (the CLI also prints the
+        plain line to stderr so it is never lost in the JSON)."""
+        if self._console is not None:
+            self._console.info("saved", path=path)
+
+    def close(self) -> None:
+        self._file.close()

@@ -1,0 +1,463 @@
+"""The pipelined RL loop: sampler -> scorer -> trainer, joined by bounded streams.
+
+Stages (anyio tasks in one task group):
+
+* **sampler** reads the problems of each step from the seeded source, waits for
+  *admission* -- the newest policy version must be at least ``step - K`` -- and then
+  starts every group of the step concurrently (at most ``concurrency`` requests in
+  flight), each tagged with the version of the sampler that produced it.
+* **scorer** rewards each group as soon as it arrives (a synchronous reward function
+  runs in a worker thread, off the event loop).
+* **trainer** assembles step ``s`` from exactly the groups of step ``s`` (problem ``i``
+  of step ``s`` is problem ``s * batch + i`` of the source), in problem order, even when
+  they were sampled by different (bounded-stale) versions; submits forward_backward and
+  optim_step back to back, snapshots the new weights as version ``s + 1`` and publishes
+  it to :class:`~engine.policy.PolicyVersions`.
+
+Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
+exists, so at most ``K + 1`` steps of groups are started but untrained and every trained
+group satisfies ``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
+on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
+one server round per train step. Groups are consumed oldest step first; nothing sampled
+is discarded. Every stream's buffer is bounded by ``(K + 1) * batch``.
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
+from tinker import types
+
+from engine.config import EngineConfig
+from engine.errors import EngineError
+from engine.metrics import ActivityMeter, quickstart_line, reward_metrics
+from engine.policy import PolicyVersions
+from engine.results import StepResult, StepTimeline
+from engine.rl import GroupDatums, group_datums, kl_sample_train
+from engine.service import MintSession, SampleResult, SamplerHandle, TrainSubmission
+from engine.state import LoopState, ScoredGroup
+from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
+
+__all__ = ["Pipeline", "PipelineOutcome"]
+
+StepCallback = Callable[[StepResult], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class _GroupJob:
+    step: int
+    index: int
+    problem: Problem
+    prompt_tokens: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class _SampledGroup:
+    job: _GroupJob
+    result: SampleResult
+    started: float
+    finished: float
+
+
+@dataclass(frozen=True)
+class PipelineOutcome:
+    steps_completed: int
+    exhausted: bool
+    state: LoopState
+
+
+class _StepAssembly:
+    """The trainer's view of the step being assembled: submitted chunks (streaming
+    mode), datums in submission order, and the skip counts."""
+
+    def __init__(self) -> None:
+        self.submission = TrainSubmission()
+        self.datums: list[types.Datum] = []
+        self.submitted: set[int] = set()
+        self.train_start: float | None = None
+        self.empty = 0
+        self.zero_advantage = 0
+        self.missing_logprobs = 0
+        self.constant_groups = 0
+        self.used_groups = 0
+
+    def add(self, built: GroupDatums) -> None:
+        self.datums.extend(built.datums)
+        self.empty += built.skipped_empty
+        self.zero_advantage += built.skipped_zero_advantage
+        self.missing_logprobs += built.dropped_missing_logprobs
+        self.constant_groups += int(built.constant_reward)
+        self.used_groups += int(bool(built.datums))
+
+
+class Pipeline:
+    """One run of the loop from ``state`` to ``config.steps``."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        task: Task,
+        session: MintSession,
+        source: ProblemSource,
+        state: LoopState,
+        sampler: SamplerHandle,
+        on_step: StepCallback,
+    ) -> None:
+        if config.learning_rate is None:
+            raise ValueError("the config must be resolved before it runs")
+        self._config = config
+        self._lr: float = config.learning_rate
+        self._task = task
+        self._session = session
+        self._source = source
+        self._state = state
+        self._versions = PolicyVersions(sampler)
+        self._on_step = on_step
+        self._k = config.max_steps_off_policy
+        self._bound = (self._k + 1) * config.batch
+        self._slots = anyio.Semaphore(config.concurrency)
+        self._sampling = ActivityMeter()
+        self._source_before: dict[int, dict[str, Any]] = {}
+        self._exhausted = False
+        self._params = types.SamplingParams(
+            max_tokens=config.max_tokens,
+            temperature=config.temperature,
+            seed=config.sampling_seed,
+            stop=(
+                [session.eos_token_id]
+                if config.stop_at_eos and session.eos_token_id is not None
+                else None
+            ),
+        )
+        self._score_is_async = inspect.iscoroutinefunction(task.score)
+
+    async def run(self) -> PipelineOutcome:
+        sampled_send, sampled_recv = anyio.create_memory_object_stream[_SampledGroup](self._bound)
+        scored_send, scored_recv = anyio.create_memory_object_stream[ScoredGroup](self._bound)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._sample_stage, tg, sampled_send)
+            tg.start_soon(self._score_stage, sampled_recv, scored_send)
+            completed = await self._train_stage(scored_recv)
+        return PipelineOutcome(completed, self._exhausted, self._state)
+
+    # -- sampler ---------------------------------------------------------------------
+
+    async def _sample_stage(
+        self, tg: TaskGroup, send: MemoryObjectSendStream[_SampledGroup]
+    ) -> None:
+        cfg = self._config
+        pending = {(g.step, g.index) for g in self._state.pending_groups}
+        async with send:
+            for step in range(self._state.next_step, cfg.steps):
+                before = self._source.state()
+                problems: list[Problem] = []
+                for _ in range(cfg.batch):
+                    problem = self._source.next()
+                    if problem is None:
+                        self._exhausted = True
+                        return
+                    problems.append(problem)
+                self._source_before[step] = before
+                await self._versions.wait_for(step - self._k)  # admission control
+                for index, problem in enumerate(problems):
+                    if (step, index) in pending:
+                        continue  # sampled and scored before a resume: reused as is
+                    job = _GroupJob(
+                        step,
+                        index,
+                        problem,
+                        tuple(self._session.encode(self._task.prompt(problem))),
+                    )
+                    await self._slots.acquire()
+                    tg.start_soon(self._sample_group, job, self._versions.current, send.clone())
+
+    async def _sample_group(
+        self,
+        job: _GroupJob,
+        sampler: SamplerHandle,
+        send: MemoryObjectSendStream[_SampledGroup],
+    ) -> None:
+        async with send:
+            started = time.perf_counter()
+            self._sampling.begin()
+            samples = tokens = 0
+            try:
+                result = await self._session.sample(
+                    sampler, job.prompt_tokens, self._config.group, self._params
+                )
+                samples = len(result.completions)
+                tokens = sum(len(c.tokens) for c in result.completions)
+            finally:
+                self._sampling.end(items=samples, tokens=tokens)
+                self._slots.release()
+            await send.send(_SampledGroup(job, result, started, time.perf_counter()))
+
+    # -- scorer ----------------------------------------------------------------------
+
+    async def _score_stage(
+        self,
+        receive: MemoryObjectReceiveStream[_SampledGroup],
+        send: MemoryObjectSendStream[ScoredGroup],
+    ) -> None:
+        async with receive, send:
+            async for sampled in receive:
+                t0 = time.perf_counter()
+                rewards = await self._score_group(sampled)
+                job = sampled.job
+                await send.send(
+                    ScoredGroup(
+                        step=job.step,
+                        index=job.index,
+                        problem=job.problem,
+                        prompt_tokens=job.prompt_tokens,
+                        version=sampled.result.version,
+                        completions=sampled.result.completions,
+                        rewards=tuple(rewards),
+                        sample_started=sampled.started,
+                        sample_finished=sampled.finished,
+                        score_seconds=time.perf_counter() - t0,
+                    )
+                )
+
+    async def _score_group(self, sampled: _SampledGroup) -> list[RewardBreakdown]:
+        problem = sampled.job.problem
+        completions = sampled.result.completions
+        if self._score_is_async:
+            rewards = []
+            for c in completions:
+                value = self._task.score(self._session.decode(c.tokens), problem)
+                rewards.append(_checked(await value if inspect.isawaitable(value) else value))
+            return rewards
+
+        def score_all() -> list[RewardBreakdown]:
+            return [
+                _checked(self._task.score(self._session.decode(c.tokens), problem))
+                for c in completions
+            ]
+
+        return await anyio.to_thread.run_sync(score_all, abandon_on_cancel=True)
+
+    # -- trainer ---------------------------------------------------------------------
+
+    async def _train_stage(self, receive: MemoryObjectReceiveStream[ScoredGroup]) -> int:
+        cfg = self._config
+        buffer: dict[int, dict[int, ScoredGroup]] = {}
+        for g in self._state.pending_groups:
+            buffer.setdefault(g.step, {})[g.index] = g
+        step = self._state.next_step
+        completed = 0
+        assembly = _StepAssembly()
+        last_end = time.perf_counter()
+        complete_at = last_end
+
+        async def advance() -> None:
+            nonlocal step, completed, assembly, last_end, complete_at
+            while len(buffer.get(step, ())) == cfg.batch:
+                complete_at = max(complete_at, last_end)
+                groups = buffer.pop(step)
+                pending = tuple(g for later in buffer.values() for g in later.values())
+                await self._train_step(step, groups, pending, assembly, last_end, complete_at)
+                last_end = time.perf_counter()
+                step += 1
+                completed += 1
+                assembly = _StepAssembly()
+                await self._stream(step, buffer, assembly, final=False)
+
+        async with receive:
+            await advance()
+            async for group in receive:
+                buffer.setdefault(group.step, {})[group.index] = group
+                if group.step == step:
+                    complete_at = time.perf_counter()
+                    await self._stream(step, buffer, assembly, final=False)
+                await advance()
+        return completed
+
+    def _build(self, group: ScoredGroup) -> GroupDatums:
+        return group_datums(
+            group.prompt_tokens,
+            group.completions,
+            group.totals,
+            on_missing_logprobs=self._config.on_missing_logprobs,
+        )
+
+    async def _stream(
+        self,
+        step: int,
+        buffer: dict[int, dict[int, ScoredGroup]],
+        assembly: _StepAssembly,
+        *,
+        final: bool,
+    ) -> None:
+        """Streaming minibatches: submit forward_backward for every ``M`` arrived groups
+        of the current step (and, with ``final``, for whatever is left)."""
+        m = self._config.stream_minibatches
+        if m is None and not final:
+            return
+        arrived = buffer.get(step, {})
+        waiting = [i for i in sorted(arrived) if i not in assembly.submitted]
+        chunk_size = m or len(waiting) or 1
+        while waiting and (len(waiting) >= chunk_size or final):
+            chunk, waiting = waiting[:chunk_size], waiting[chunk_size:]
+            datums: list[types.Datum] = []
+            for i in chunk:
+                built = self._build(arrived[i])
+                assembly.add(built)
+                datums.extend(built.datums)
+                assembly.submitted.add(i)
+            if datums:
+                if assembly.train_start is None:
+                    assembly.train_start = time.perf_counter()
+                await self._session.submit_forward_backward(
+                    assembly.submission, datums, self._config.loss, self._config.loss_fn_config()
+                )
+
+    async def _train_step(
+        self,
+        step: int,
+        groups: dict[int, ScoredGroup],
+        pending: tuple[ScoredGroup, ...],
+        assembly: _StepAssembly,
+        last_end: float,
+        complete_at: float,
+    ) -> None:
+        cfg = self._config
+        ordered = [groups[i] for i in range(cfg.batch)]
+        await self._stream(step, {step: groups}, assembly, final=True)
+        if assembly.train_start is None:
+            assembly.train_start = time.perf_counter()
+        optim = await self._session.submit_optim_step(self._lr) if assembly.datums else None
+        current = self._versions.current
+        publish: SamplerHandle | None = None
+
+        async def snapshot() -> None:
+            nonlocal publish
+            if optim is None:  # no update: the weights (and the sampler) are unchanged
+                publish = SamplerHandle(step + 1, current.client)
+            else:
+                publish = await self._session.save_sampler(step + 1)
+
+        async with anyio.create_task_group() as tg:
+            if step + 1 < cfg.steps:
+                # Submitted right behind the optim step, so it snapshots the new weights.
+                tg.start_soon(snapshot)
+            result = await self._session.finish_train_step(assembly.submission, optim)
+        if publish is not None:
+            self._versions.publish(publish)
+        train_end = time.perf_counter()
+        self._state = self._next_state(step, ordered, pending)
+        await self._on_step(
+            self._step_result(step, ordered, assembly, result, last_end, complete_at, train_end)
+        )
+
+    def _step_result(
+        self,
+        step: int,
+        groups: Sequence[ScoredGroup],
+        assembly: _StepAssembly,
+        result: Any,
+        last_end: float,
+        complete_at: float,
+        train_end: float,
+    ) -> StepResult:
+        cfg = self._config
+        versions = [g.version for g in groups]
+        staleness = step - min(versions)
+        if staleness > self._k:
+            raise EngineError(
+                f"internal error: step {step + 1} trained on data {staleness} versions old "
+                f"(bound {self._k})"
+            )
+        kl = kl_sample_train(assembly.datums, result.loss_fn_outputs)
+        step_time = max(train_end - last_end, 1e-9)
+        busy, samples, tokens = self._sampling.take()
+        assert assembly.train_start is not None
+        train_time = train_end - assembly.train_start
+        metrics: dict[str, Any] = {
+            "step": step + 1,
+            **reward_metrics(groups),
+            "datums": len(assembly.datums),
+            "groups/total": len(groups),
+            "groups/used": assembly.used_groups,
+            "groups/skipped": assembly.constant_groups,
+            "skipped/empty_responses": assembly.empty,
+            "skipped/zero_advantage": assembly.zero_advantage,
+            "dropped/missing_logprobs": assembly.missing_logprobs,
+            "sampling_client/step_min": min(versions),
+            "sampling_client/step_max": max(versions),
+            "sampling_client/step_mean": sum(versions) / len(versions),
+            "off_policy/staleness": staleness,
+            "optim/kl_sample_train_v1": kl.v1,
+            "optim/kl_sample_train_v2": kl.v2,
+            "optim/loss": result.metrics.get("loss:sum"),
+            "optim/lr": self._lr,
+            "optim/trained_tokens": kl.tokens,
+            "time/sample": max(g.sample_finished for g in groups)
+            - min(g.sample_started for g in groups),
+            "time/score": sum(g.score_seconds for g in groups),
+            "time/train": train_time,
+            "time/wait": max(0.0, complete_at - last_end),
+            "time/step": step_time,
+            "trainer/idle_ratio": _ratio(1.0 - train_time / step_time),
+            "sampler/idle_ratio": _ratio(1.0 - busy / step_time),
+            "throughput/samples_per_s": samples / step_time,
+            "throughput/tokens_per_s": tokens / step_time,
+            "progress/done_frac": (step + 1) / cfg.steps,
+            **self._session.retries.take(),
+        }
+        timeline = StepTimeline(
+            sample_start=min(g.sample_started for g in groups),
+            sample_end=max(g.sample_finished for g in groups),
+            train_start=assembly.train_start,
+            train_end=train_end,
+        )
+        return StepResult(
+            step=step + 1,
+            metrics=metrics,
+            line=quickstart_line(step + 1, metrics),
+            datums=tuple(assembly.datums),
+            groups=tuple(groups),
+            timeline=timeline,
+            state=self._state,
+        )
+
+    def _next_state(
+        self, step: int, groups: Sequence[ScoredGroup], pending: tuple[ScoredGroup, ...]
+    ) -> LoopState:
+        """The state after ``step``: the source as it stood before the next step's
+        problems were drawn, and the groups already scored for later steps."""
+        self._source_before.pop(step, None)
+        source_state = self._source_before.get(step + 1) or self._source.state()
+        trained = (*self._state.trained_problem_ids, *(g.problem.id for g in groups))
+        return LoopState(
+            next_step=step + 1,
+            source_state=source_state,
+            sampler_version=self._versions.current.version,
+            trained_problem_ids=trained,
+            pending_groups=pending,
+        )
+
+
+def _ratio(value: float) -> float:
+    return min(1.0, max(0.0, value))
+
+
+def _checked(reward: Any) -> RewardBreakdown:
+    """A task's score as a RewardBreakdown (a bare number is accepted), or a clear error."""
+    if isinstance(reward, int | float) and not isinstance(reward, bool):
+        reward = RewardBreakdown(float(reward))
+    if not isinstance(reward, RewardBreakdown):
+        raise EngineError(
+            f"task.score must return a RewardBreakdown or a number, got {type(reward).__name__}"
+        )
+    if not math.isfinite(reward.total):
+        raise EngineError(f"task.score returned a non-finite reward ({reward.total})")
+    return reward

@@ -1,0 +1,67 @@
+"""What a run hands back: one :class:`StepResult` per trained step, one :class:`RunResult`.
+
+Kept apart from the pipeline so an embedding service can import the result types without
+the machinery that produces them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tinker import types
+
+from engine.state import LoopState, ScoredGroup
+
+__all__ = ["RunResult", "StepResult", "StepTimeline"]
+
+
+@dataclass(frozen=True)
+class StepTimeline:
+    """``time.perf_counter()`` instants of one step: when its first group started
+    sampling and its last one finished, and when training was submitted and done.
+    With ``--max-steps-off-policy >= 1`` the next step's ``sample_start`` precedes this
+    step's ``train_end``."""
+
+    sample_start: float
+    sample_end: float
+    train_start: float
+    train_end: float
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One trained step. ``step`` is 1-based, as the quickstart prints it; ``metrics``
+    is the event written to metrics.jsonl; ``datums`` are exactly what was sent to
+    forward_backward, in order; ``groups`` are the step's groups in problem order."""
+
+    step: int
+    metrics: dict[str, Any]
+    line: str
+    datums: tuple[types.Datum, ...] = field(repr=False)
+    groups: tuple[ScoredGroup, ...] = field(repr=False)
+    timeline: StepTimeline
+    state: LoopState = field(repr=False)
+
+    @property
+    def sampler_versions(self) -> tuple[int, ...]:
+        return tuple(g.version for g in self.groups)
+
+    @property
+    def staleness(self) -> int:
+        """(0-based step) - (oldest sampler version among its groups); <= K."""
+        return int(self.metrics["off_policy/staleness"])
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """A finished run: the final sampler path (``Saved: <path>``), the run directory and
+    every step's metrics. ``exhausted`` is True when the problem source ran out before
+    ``steps`` steps."""
+
+    final_path: str
+    run_dir: Path
+    steps_completed: int
+    metrics: tuple[dict[str, Any], ...] = field(repr=False)
+    exhausted: bool = False

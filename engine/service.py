@@ -1,0 +1,426 @@
+"""The MinT session: the ONE module that talks to the ``mint`` SDK.
+
+Why one module: every SDK call the engine makes passes through :meth:`MintSession._call`,
+the single seam where the reliability layer (``engine.retry``/``engine.watchdog``) wraps
+retries, deadlines and circuit breaking. The rest of the engine sees typed results
+(:class:`SampleResult`, :class:`TrainResult`, :class:`SamplerHandle`) and never an SDK
+future.
+
+Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
+
+* The ``_async`` training calls need two awaits: ``fut = await tc.forward_backward_async
+  (...)`` submits (and fixes the request's place in the model's sequence), ``await fut``
+  waits for the result. :meth:`MintSession.train_step` submits ``forward_backward`` AND
+  ``optim_step`` before awaiting either: one server round instead of three.
+* Some SDK calls block the calling thread even in their ``_async`` form (the
+  ServiceClient constructor, ``save_weights_and_get_sampling_client[_async]``,
+  ``get_tokenizer``); they run in a worker thread so the event loop keeps serving the
+  other pipeline stages.
+
+Opening a session (:func:`open_session`): with an API key (and optional base URL) it
+talks to that endpoint; with neither it starts the local server in the background and
+says so. A preflight turns an unreachable server, a rejected key and an unknown model
+into one sentence each (:class:`PreflightError`, exit code 1).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import anyio
+import httpx
+import mint
+import tinker
+from tinker import types
+
+from engine.config import HOSTED_BASE_URL, EngineConfig
+from engine.errors import EngineError, classify
+from engine.redact import register_secret
+from engine.retry import SDK_MAX_RETRIES, OpKind, RetryCounter
+from engine.rl import Completion
+
+__all__ = [
+    "MintSession",
+    "PreflightError",
+    "SampleResult",
+    "SamplerHandle",
+    "ServerInfo",
+    "TrainResult",
+    "TrainSubmission",
+    "open_session",
+]
+
+T = TypeVar("T")
+
+_PREFLIGHT_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+
+
+class PreflightError(EngineError):
+    """The server cannot be used for this run (unreachable, key rejected, no such model)."""
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Where the session goes and what it trains."""
+
+    base_url: str
+    base_model: str
+    local: bool
+    supported_models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SamplerHandle:
+    """A frozen snapshot of the policy, usable for sampling. ``version`` counts the train
+    steps applied before the snapshot (0 = the initial weights)."""
+
+    version: int
+    client: tinker.SamplingClient = field(repr=False)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The responses of one sample request, tagged with the policy version that made
+    them."""
+
+    version: int
+    completions: tuple[Completion, ...]
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a forward_backward (+ optim_step) returned."""
+
+    loss_fn_outputs: list[Any]
+    metrics: dict[str, float]
+    optim_metrics: dict[str, float]
+
+
+@dataclass
+class TrainSubmission:
+    """Submitted forward_backward calls of one step whose results are still pending."""
+
+    futures: list[tuple[int, Any]] = field(default_factory=list)  # (n datums, APIFuture)
+
+
+class MintSession:
+    """A connected training session: one training client and its tokenizer."""
+
+    def __init__(
+        self,
+        service: tinker.ServiceClient,
+        training: tinker.TrainingClient,
+        tokenizer: Any,
+        info: ServerInfo,
+        retries: RetryCounter,
+    ) -> None:
+        self._service = service
+        self._training = training
+        self.tokenizer = tokenizer
+        self.info = info
+        self.retries = retries
+
+    # -- the seam ----------------------------------------------------------------------
+
+    async def _call(self, kind: OpKind, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run one SDK operation. The reliability layer wraps this (retries for the
+        idempotent kinds, deadlines, breaker); ``fn`` must build a fresh request on
+        each call."""
+        del kind, op
+        return await fn()
+
+    # -- tokens ------------------------------------------------------------------------
+
+    def encode(self, text: str) -> list[int]:
+        """``tokenizer.encode(text)``, exactly as the quickstart tokenizes prompts."""
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(tokens)))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        return eos if isinstance(eos, int) else None
+
+    # -- sampling ----------------------------------------------------------------------
+
+    async def sample(
+        self,
+        sampler: SamplerHandle,
+        prompt_tokens: Sequence[int],
+        num_samples: int,
+        params: types.SamplingParams,
+    ) -> SampleResult:
+        """``num_samples`` responses to one prompt from ``sampler``."""
+        prompt = types.ModelInput.from_ints(tokens=list(prompt_tokens))
+
+        async def go() -> types.SampleResponse:
+            return await sampler.client.sample_async(
+                prompt=prompt, num_samples=num_samples, sampling_params=params
+            )
+
+        response = await self._call(OpKind.SAMPLE, "sample", go)
+        completions = tuple(
+            Completion(
+                tokens=tuple(seq.tokens),
+                logprobs=None if seq.logprobs is None else tuple(seq.logprobs),
+                stop_reason=str(seq.stop_reason),
+            )
+            for seq in response.sequences
+        )
+        if len(completions) != num_samples:
+            raise EngineError(
+                f"the sampler returned {len(completions)} responses, {num_samples} were asked"
+            )
+        return SampleResult(sampler.version, completions)
+
+    async def save_sampler(self, version: int) -> SamplerHandle:
+        """Snapshot the current weights as sampler ``version``. Submitted in the training
+        client's sequence, so calling it right after :meth:`submit_optim_step` (without
+        awaiting the step) snapshots the weights AFTER that step."""
+
+        async def go() -> tinker.SamplingClient:
+            # The SDK's _async form blocks its caller on the save; run the sync form in a
+            # worker thread instead of stalling the event loop.
+            return await anyio.to_thread.run_sync(
+                self._training.save_weights_and_get_sampling_client, abandon_on_cancel=True
+            )
+
+        client = await self._call(OpKind.SAMPLER_SNAPSHOT, "save_sampler", go)
+        return SamplerHandle(version, client)
+
+    # -- training ----------------------------------------------------------------------
+
+    async def submit_forward_backward(
+        self,
+        submission: TrainSubmission,
+        datums: list[types.Datum],
+        loss: str,
+        loss_config: dict[str, float] | None,
+    ) -> None:
+        """Submit one forward_backward (gradients accumulate until the optim step);
+        its result is awaited by :meth:`finish_train_step`."""
+
+        async def go() -> Any:
+            return await self._training.forward_backward_async(
+                datums,
+                loss,  # type: ignore[arg-type]  # validated against LOSSES by the config
+                loss_config,
+            )
+
+        future = await self._call(OpKind.TRAIN_STEP, "forward_backward", go)
+        submission.futures.append((len(datums), future))
+
+    async def submit_optim_step(self, learning_rate: float) -> Any:
+        """Submit an Adam step (the quickstart sets only the learning rate)."""
+
+        async def go() -> Any:
+            return await self._training.optim_step_async(
+                types.AdamParams(learning_rate=learning_rate)
+            )
+
+        return await self._call(OpKind.TRAIN_STEP, "optim_step", go)
+
+    async def finish_train_step(
+        self, submission: TrainSubmission, optim_future: Any | None
+    ) -> TrainResult:
+        """Await the step's submitted calls; outputs are in datum order."""
+        outputs: list[Any] = []
+        metrics: dict[str, float] = {}
+        for n, future in submission.futures:
+            result: types.ForwardBackwardOutput = await future
+            if len(result.loss_fn_outputs) != n:
+                raise EngineError(
+                    f"forward_backward returned {len(result.loss_fn_outputs)} outputs for "
+                    f"{n} datums"
+                )
+            outputs.extend(result.loss_fn_outputs)
+            for key, value in result.metrics.items():
+                # Sums add up across the step's calls; other reductions keep the last.
+                summed = metrics.get(key, 0.0) if key.endswith(":sum") else 0.0
+                metrics[key] = summed + float(value)
+        optim_metrics: dict[str, float] = {}
+        if optim_future is not None:
+            optim = await optim_future
+            optim_metrics = {k: float(v) for k, v in (optim.metrics or {}).items()}
+        return TrainResult(outputs, metrics, optim_metrics)
+
+    async def train_step(
+        self,
+        datums: list[types.Datum],
+        loss: str,
+        loss_config: dict[str, float] | None,
+        learning_rate: float,
+    ) -> TrainResult:
+        """forward_backward then optim_step, both submitted before either is awaited."""
+        submission = TrainSubmission()
+        await self.submit_forward_backward(submission, datums, loss, loss_config)
+        optim = await self.submit_optim_step(learning_rate)
+        return await self.finish_train_step(submission, optim)
+
+    # -- saving ------------------------------------------------------------------------
+
+    async def save_weights_for_sampler(self, name: str) -> str:
+        """Persist the current weights for sampling under ``name``; returns the
+        ``tinker://`` path."""
+
+        async def go() -> str:
+            future = await self._training.save_weights_for_sampler_async(name)
+            return str((await future).path)
+
+        return await self._call(OpKind.SAMPLER_SNAPSHOT, "save_weights_for_sampler", go)
+
+    async def save_state(self, name: str) -> str:
+        """Persist weights and optimizer state under ``name``; returns the path."""
+
+        async def go() -> str:
+            future = await self._training.save_state_async(name)
+            return str((await future).path)
+
+        return await self._call(OpKind.SAVE_STATE, "save_state", go)
+
+
+# ----------------------------------------------------------------------------- opening
+
+
+@contextlib.asynccontextmanager
+async def open_session(
+    config: EngineConfig, *, say: Callable[[str], None] = lambda line: None
+) -> AsyncIterator[MintSession]:
+    """Connect as ``config`` says (starting the local server when it uses one), check
+    the server, create the LoRA training client and load its tokenizer. ``config``
+    must be :meth:`~EngineConfig.resolved`; ``say`` receives the console lines
+    (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...")."""
+    if config.uses_local_server:
+        from engine.local import serve_local
+
+        say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
+        async with serve_local(model_dir=config.local_model) as server:
+            say(f"Local server: {server.base_url} serving {server.model_name}")
+            base_model = config.base_model or server.model_name
+            async with _connect(
+                config, server.base_url, server.api_key, base_model, True, say
+            ) as session:
+                yield session
+        return
+    register_secret(config.api_key)
+    base_url = config.base_url or HOSTED_BASE_URL
+    assert config.base_model is not None, "config must be resolved"
+    async with _connect(config, base_url, config.api_key, config.base_model, False, say) as session:
+        yield session
+
+
+@contextlib.asynccontextmanager
+async def _connect(
+    config: EngineConfig,
+    base_url: str,
+    api_key: str | None,
+    base_model: str,
+    local: bool,
+    say: Callable[[str], None],
+) -> AsyncIterator[MintSession]:
+    say("Connecting to MinT server...")
+    say(f"Endpoint: {base_url}")
+    await _check_reachable(base_url, api_key)
+    service = await _sdk(
+        base_url,
+        "connect",
+        lambda: anyio.to_thread.run_sync(
+            _make_service_client, base_url, api_key, abandon_on_cancel=True
+        ),
+    )
+    try:
+        caps = await _sdk(base_url, "read capabilities", service.get_server_capabilities_async)
+        supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
+        if supported and base_model not in supported:
+            raise PreflightError(
+                f"the MinT server at {base_url} does not serve model {base_model!r} "
+                f"(it serves: {', '.join(supported)}); set MINT_BASE_MODEL or --base-model"
+            )
+        assert config.lora_rank is not None, "config must be resolved"
+        rank = config.lora_rank
+        training = await _sdk(
+            base_url,
+            "create the training client",
+            lambda: service.create_lora_training_client_async(
+                base_model=base_model,
+                rank=rank,
+                train_mlp=True,
+                train_attn=True,
+                train_unembed=True,
+            ),
+        )
+        tokenizer = await anyio.to_thread.run_sync(training.get_tokenizer, abandon_on_cancel=True)
+        say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
+        info = ServerInfo(base_url, base_model, local, supported)
+        session = MintSession(service, training, tokenizer, info, RetryCounter())
+        yield session
+    finally:
+        # Stops the SDK's session heartbeat (it would outlive a local server).
+        service.holder.close()
+
+
+def _make_service_client(base_url: str, api_key: str | None) -> tinker.ServiceClient:
+    return mint.ServiceClient(api_key=api_key, base_url=base_url, max_retries=SDK_MAX_RETRIES)
+
+
+async def _sdk(base_url: str, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """Await a setup call; any failure becomes one PreflightError sentence."""
+    try:
+        return await fn()
+    except EngineError:
+        raise
+    except Exception as exc:
+        text = str(exc)
+        if "api_key" in text:
+            message = f"the API key is not usable with {base_url}: {text.splitlines()[0]}"
+        else:
+            message = f"could not {what} at {base_url}: {classify(exc).message}"
+        raise PreflightError(message) from exc
+
+
+async def _check_reachable(base_url: str, api_key: str | None) -> None:
+    """One plain HTTP request before the SDK takes over: the SDK retries a dead
+    endpoint for minutes before saying anything, and hides a rejected key behind a
+    generic error."""
+    url = base_url.rstrip("/") + "/api/v1/client/config"
+    headers = {"X-API-Key": api_key} if api_key else {}
+    try:
+        async with httpx.AsyncClient(timeout=_PREFLIGHT_TIMEOUT) as client:
+            response = await client.post(
+                url, json={"sdk_version": tinker.__version__}, headers=headers
+            )
+    except httpx.TimeoutException as exc:
+        raise PreflightError(
+            f"the MinT server at {base_url} did not answer in time; check MINT_BASE_URL "
+            "and the server's status"
+        ) from exc
+    except (httpx.TransportError, ValueError) as exc:
+        raise PreflightError(
+            f"cannot reach the MinT server at {base_url} ({_reason(exc)}); check "
+            "MINT_BASE_URL, the network and the server's status"
+        ) from exc
+    if response.status_code in (401, 403):
+        raise PreflightError(
+            f"the MinT server at {base_url} rejected the API key (HTTP "
+            f"{response.status_code}); check MINT_API_KEY"
+        )
+    if response.status_code >= 400:
+        raise PreflightError(
+            f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
+            "first request; is MINT_BASE_URL a MinT server?"
+        )
+
+
+def _reason(exc: BaseException) -> str:
+    cur: BaseException | None = exc
+    while cur is not None:
+        if isinstance(cur, OSError) and cur.strerror:
+            return cur.strerror.lower()
+        cur = cur.__cause__ or cur.__context__
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -66,7 +66,7 @@ starts a new seq_id sequence.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
 
@@ -83,13 +83,16 @@ from engine.errors import (
     classify,
     retry_after,
 )
+from engine.recovery import run_train_step
 from engine.watchdog import CircuitBreaker, deadline
 
 __all__ = [
+    "DEFAULT_BREAKER_THRESHOLD",
     "SDK_MAX_RETRIES",
     "OpKind",
     "RetryCounter",
     "RetryPolicy",
+    "ServiceGuard",
     "call_with_retry",
     "default_policies",
     "retrying",
@@ -101,6 +104,9 @@ T = TypeVar("T")
 
 SDK_MAX_RETRIES = 3
 """``max_retries`` for ``ServiceClient(...)``: the HTTP layer's per-call retries."""
+
+DEFAULT_BREAKER_THRESHOLD = 5
+"""Consecutive failed attempts of one kind that stop the run."""
 
 
 class OpKind(StrEnum):
@@ -348,3 +354,57 @@ async def call_with_retry(
         attempts=attempts,
         transient=verdict.transient,
     ) from failure
+
+
+@dataclass
+class ServiceGuard:
+    """The reliability layer in one object, for the service seam (``MintSession._call``).
+
+    ``call`` retries idempotent kinds with their policy and bounds a train-step
+    submission by its deadline without retrying it; ``train_step`` awaits a whole step
+    under :func:`engine.recovery.run_train_step` (StepOutcomeUnknown on an unknown
+    outcome); all share one counter and one breaker.
+    """
+
+    policies: Mapping[OpKind, RetryPolicy] = field(default_factory=default_policies)
+    counter: RetryCounter = field(default_factory=RetryCounter)
+    breaker: CircuitBreaker = field(
+        default_factory=lambda: CircuitBreaker(DEFAULT_BREAKER_THRESHOLD)
+    )
+    log: _Log | None = None
+
+    def policy(self, kind: OpKind | str) -> RetryPolicy:
+        try:
+            return self.policies[OpKind(kind)]
+        except (KeyError, ValueError):
+            raise ValueError(f"no retry policy for operation kind {kind!r}") from None
+
+    async def call(self, kind: OpKind | str, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """One SDK operation of ``kind``; see :func:`call_with_retry`."""
+        policy = self.policy(kind)
+        if kind == OpKind.TRAIN_STEP:
+            with deadline(policy.attempt_timeout, op):
+                return await fn()  # a submission: never repeated here
+        return await call_with_retry(
+            fn,
+            kind=kind,
+            policy=policy,
+            counter=self.counter,
+            breaker=self.breaker,
+            log=self.log,
+            op=op,
+        )
+
+    async def train_step(self, step: int, fn: Callable[[], Awaitable[T]]) -> T:
+        """Await train step ``step`` (1-based) exactly once; see
+        :func:`engine.recovery.run_train_step`."""
+        return await run_train_step(
+            fn,
+            step=step,
+            deadline_s=self.policy(OpKind.TRAIN_STEP).attempt_timeout,
+            breaker=self.breaker,
+        )
+
+    def sampling_retry_config(self) -> RetryConfig:
+        """``retry_config`` for the SDK's sampling clients (see module doc, layer 4)."""
+        return sdk_sampling_retry_config(self.policy(OpKind.SAMPLE))

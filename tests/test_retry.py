@@ -32,6 +32,7 @@ from engine.retry import (
     OpKind,
     RetryCounter,
     RetryPolicy,
+    ServiceGuard,
     call_with_retry,
     default_policies,
     retrying,
@@ -391,3 +392,45 @@ def test_policies_validate_and_bound_the_sdk() -> None:
     config = sdk_sampling_retry_config(policies[OpKind.SAMPLE])
     assert config.progress_timeout == policies[OpKind.SAMPLE].attempt_timeout
     assert config.progress_timeout < 7200  # the SDK default: 2 h without progress
+
+
+# --------------------------------------------------------------------- ServiceGuard
+
+
+def fast_guard(**changes: Any) -> ServiceGuard:
+    policies = {kind: FAST.scaled(**changes) for kind in OpKind}
+    policies[OpKind.TRAIN_STEP] = FAST.scaled(max_attempts=1, **changes)
+    return ServiceGuard(policies=policies, breaker=CircuitBreaker(3))
+
+
+async def test_guard_retries_idempotent_kinds_and_shares_the_counter() -> None:
+    guard = fast_guard()
+    fn, calls = flaky([sdk.request_failed("oom", "server")])
+    assert await guard.call(OpKind.SAMPLE, "sample", fn) == "ok"
+    assert calls[0] == 2
+    assert guard.counter.take()["retries/sample"] == 1
+    assert guard.breaker.failures(OpKind.SAMPLE) == 0
+
+
+async def test_guard_bounds_but_never_repeats_a_train_step() -> None:
+    guard = fast_guard(attempt_timeout=0.05)
+    fn, calls = flaky([sdk.status_error(503, path="forward_backward")] * 3)
+    with pytest.raises(tinker.InternalServerError):
+        await guard.call(OpKind.TRAIN_STEP, "forward_backward", fn)
+    assert calls[0] == 1
+
+    async def stuck() -> None:
+        await anyio.sleep_forever()
+
+    with pytest.raises(OpTimeout, match="waiting for optim_step"):
+        await guard.call(OpKind.TRAIN_STEP, "optim_step", stuck)
+    with pytest.raises(StepOutcomeUnknown, match="train step 5"):
+        await guard.train_step(5, stuck)
+    assert guard.breaker.failures("train_step") == 1
+
+
+def test_guard_knows_its_kinds_and_bounds_sdk_sampling() -> None:
+    guard = fast_guard(attempt_timeout=42.0)
+    assert guard.sampling_retry_config().progress_timeout == 42.0
+    with pytest.raises(ValueError, match="no retry policy for operation kind 'nope'"):
+        guard.policy("nope")

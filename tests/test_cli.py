@@ -1,0 +1,204 @@
+"""``python -m engine.run``: bad input is exit code 2 and exactly one line on stderr."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig, config_from_sources
+from engine.errors import ConfigError
+from engine.run import main
+
+ENV_NAMES = (
+    "MINT_API_KEY",
+    "TINKER_API_KEY",
+    "MINT_BASE_URL",
+    "TINKER_BASE_URL",
+    "MINT_BASE_MODEL",
+    "MINT_LORA_RANK",
+    "MINT_CUSTOM_REWARD_STEPS",
+    "MINT_CUSTOM_REWARD_BATCH",
+    "MINT_CUSTOM_REWARD_GROUP",
+    "MINT_CUSTOM_REWARD_LR",
+    "MINT_CUSTOM_REWARD_MAX_TOKENS",
+    "MINT_CUSTOM_REWARD_TEMPERATURE",
+)
+
+
+@pytest.fixture(autouse=True)
+def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in ENV_NAMES:
+        monkeypatch.delenv(name, raising=False)
+
+
+BAD_INPUT = [
+    (
+        [],
+        {"MINT_CUSTOM_REWARD_BATCH": "abc"},
+        "Error: MINT_CUSTOM_REWARD_BATCH must be an integer, got 'abc'",
+    ),
+    (
+        [],
+        {"MINT_CUSTOM_REWARD_LR": "fast"},
+        "Error: MINT_CUSTOM_REWARD_LR must be a number, got 'fast'",
+    ),
+    (
+        [],
+        {"MINT_CUSTOM_REWARD_GROUP": "0"},
+        "Error: MINT_CUSTOM_REWARD_GROUP must be positive, got '0'",
+    ),
+    (["--batch", "0"], {}, "Error: --batch must be positive, got '0'"),
+    (["--steps", "-3"], {}, "Error: --steps must be positive, got '-3'"),
+    (
+        ["--max-steps-off-policy", "-1"],
+        {},
+        "Error: --max-steps-off-policy must be >= 0, got '-1'",
+    ),
+    (
+        ["--loss", "mse"],
+        {},
+        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, got 'mse'",
+    ),
+    (
+        ["--on-missing-logprobs", "zero"],
+        {},
+        "Error: --on-missing-logprobs must be one of error, drop, got 'zero'",
+    ),
+    (["--op", "/"], {}, "Error: --op must be one of +, -, *, got '/'"),
+    (["--lr", "nan"], {}, "Error: --lr must be a positive number, got 'nan'"),
+    (
+        ["--min-operand", "50", "--max-operand", "10"],
+        {},
+        "Error: min_operand (50) must not exceed max_operand (10)",
+    ),
+    (
+        ["--task", "no_such_pkg.tasks:mine"],
+        {},
+        "Error: invalid task 'no_such_pkg.tasks:mine': cannot import 'no_such_pkg.tasks' "
+        "(No module named 'no_such_pkg')",
+    ),
+    (
+        ["--task", "fractions:NoSuchTask"],
+        {},
+        "Error: invalid task 'fractions:NoSuchTask': 'fractions' has no attribute 'NoSuchTask'",
+    ),
+    (
+        ["--task", "fractions:Fraction"],
+        {},
+        "Error: invalid task 'fractions:Fraction': Fraction is not a Task "
+        "(missing name, source, prompt, score)",
+    ),
+    (
+        ["--task", "just-a-name"],
+        {},
+        "Error: invalid task 'just-a-name': use 'arithmetic' or 'package.module:attr'",
+    ),
+    (
+        [],
+        {"MINT_BASE_URL": "http://127.0.0.1:1"},
+        "Error: MINT_BASE_URL is set but MINT_API_KEY is not: set both to use that server, "
+        "or neither to start the local server",
+    ),
+    (["--bogus"], {}, "Error: unrecognized arguments: --bogus (see --help)"),
+]
+
+
+@pytest.mark.parametrize(("argv", "env", "message"), BAD_INPUT)
+def test_bad_input_exits_2_with_one_line(
+    argv: list[str],
+    env: dict[str, str],
+    message: str,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path,
+) -> None:
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.chdir(tmp_path)
+    try:
+        code = main(argv)
+    except SystemExit as exc:  # argparse usage errors
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    assert code == 2
+    assert err == message + "\n"
+    assert out == ""
+    assert not (tmp_path / "runs").exists()  # nothing started, nothing written
+
+
+def test_bad_input_from_a_real_process_has_no_traceback() -> None:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+    env["MINT_CUSTOM_REWARD_BATCH"] = "abc"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.run"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == "Error: MINT_CUSTOM_REWARD_BATCH must be an integer, got 'abc'\n"
+    assert proc.stdout == ""
+
+
+def test_help_names_every_env_variable_and_default(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--help"])
+    assert exc.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    for name in ENV_NAMES[:2] + ENV_NAMES[4:]:
+        assert name in text
+    assert "env MINT_CUSTOM_REWARD_BATCH; default: 8" in text
+    assert "--max-steps-off-policy" in text and "--stream-minibatches" in text
+    assert "--local-model" in text and "--run-dir" in text and "--log-format" in text
+
+
+def test_flags_beat_env_which_beats_profile() -> None:
+    cfg = config_from_sources(
+        {"batch": "3"}, {"MINT_CUSTOM_REWARD_BATCH": "5", "MINT_CUSTOM_REWARD_STEPS": "2"}
+    )
+    assert (cfg.batch, cfg.steps) == (3, 2)
+    local = cfg.resolved()
+    assert cfg.uses_local_server
+    assert (local.learning_rate, local.op, local.max_operand) == (3e-3, "+", 99)
+    hosted = config_from_sources({}, {"MINT_API_KEY": "sk-abcdefghijkl"}).resolved()
+    assert not hosted.uses_local_server
+    assert (hosted.base_model, hosted.learning_rate, hosted.op) == ("Qwen/Qwen3-0.6B", 2e-5, "*")
+    assert (hosted.min_operand, hosted.max_operand, hosted.lora_rank) == (10, 199, 16)
+    # TINKER_* are the fallbacks, as in the quickstart
+    tinker = config_from_sources({}, {"TINKER_API_KEY": "tml-abcdefgh", "TINKER_BASE_URL": "x"})
+    assert tinker.api_key == "tml-abcdefgh" and tinker.base_url == "x"
+
+
+def test_api_key_never_reaches_config_dict_or_repr() -> None:
+    cfg = EngineConfig(api_key="sk-secret-value-123", base_url="http://h")
+    assert "sk-secret" not in repr(cfg)
+    assert "api_key" not in cfg.public_dict()
+    assert "sk-secret" not in str(cfg.public_dict())
+
+
+def test_embedding_config_errors_name_the_field() -> None:
+    with pytest.raises(ConfigError, match=r"^batch must be positive, got 0$"):
+        EngineConfig(batch=0)
+    with pytest.raises(ConfigError, match=r"^max_steps_off_policy must be >= 0, got -2$"):
+        EngineConfig(max_steps_off_policy=-2)
+    with pytest.raises(ConfigError, match=r"^loss must be one of"):
+        EngineConfig(loss="sgd")  # type: ignore[arg-type]
+
+
+def test_loss_configs_sent_with_forward_backward() -> None:
+    assert EngineConfig().loss_fn_config() is None
+    assert EngineConfig(loss="ppo", clip_low=0.7, clip_high=1.3).loss_fn_config() == {
+        "clip_low_threshold": 0.7,
+        "clip_high_threshold": 1.3,
+    }
+    assert EngineConfig(loss="cispo").loss_fn_config() == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.2,
+    }
+    assert EngineConfig(loss="dro", dro_beta=0.2).loss_fn_config() == {"beta": 0.2}

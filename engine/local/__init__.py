@@ -1,0 +1,44 @@
+"""engine.local: a MinT/Tinker-compatible server on a local model, for the unmodified
+``mint`` SDK (``mint.ServiceClient(base_url=server.base_url, api_key=...)``).
+
+Start it with ``python -m engine.local`` or from Python::
+
+    async with serve_local() as server: ...          # in this event loop
+    with LocalServer() as server: ...                # background thread (sync code, SDK tests)
+    spawned = spawn_local_server(data_dir=...)       # child process (kill -9 / restart tests)
+
+``--faults`` / ``faults=`` and ``--latency`` / ``latency=`` take the grammars documented
+in ``engine.local.faults`` and ``engine.local.latency``.
+"""
+
+from engine.local.config import DEFAULT_MODEL_DIR, ConfigError, Limits, ServerConfig
+from engine.local.faults import FaultSpec, FaultSpecError
+from engine.local.latency import LatencyProfile, LatencyProfileError
+from engine.local.launch import (
+    LocalServer,
+    RunningServer,
+    SpawnedServer,
+    make_config,
+    serve_local,
+    spawn_local_server,
+)
+from engine.local.stats import OpCycle, StatsSnapshot
+
+__all__ = [
+    "DEFAULT_MODEL_DIR",
+    "ConfigError",
+    "FaultSpec",
+    "FaultSpecError",
+    "LatencyProfile",
+    "LatencyProfileError",
+    "Limits",
+    "LocalServer",
+    "OpCycle",
+    "RunningServer",
+    "ServerConfig",
+    "SpawnedServer",
+    "StatsSnapshot",
+    "make_config",
+    "serve_local",
+    "spawn_local_server",
+]

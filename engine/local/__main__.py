@@ -1,0 +1,155 @@
+"""``python -m engine.local``: serve the MinT-compatible API standalone.
+
+Prints exactly one line on stdout once requests are accepted::
+
+    engine.local: serving <model_name> at http://127.0.0.1:<port>
+
+(launchers wait for it); logs go to stderr. SIGINT/SIGTERM stop it cleanly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+
+import anyio
+
+from engine.local.backend import BackendError
+from engine.local.config import DEFAULT_MODEL_DIR
+from engine.local.faults import FaultSpecError
+from engine.local.latency import LatencyProfileError
+from engine.local.launch import READY_PREFIX, make_config, serve_local
+
+_EPILOG = """\
+fault spec (--faults): comma-separated rules KIND[~PHASE][@ENDPOINT|...]:TRIGGER and options
+  KIND     500 503 429 408 drop slow (HTTP level), 410 (retrieve_future), fail (the future fails)
+  PHASE    before (default: the request is not applied) | after (applied, answer lost)
+  TRIGGER  a rate in [0,1], or at=N+M (the N-th and M-th matching requests)
+  options  seed=INT  slow_s=SECONDS  retry_after_s=SECONDS
+  e.g.     "seed=1,500:0.02,429:0.02,drop~after@forward_backward|optim_step:0.02,410@asample:0.05"
+
+latency profile (--latency): off | mint[:KEY=VALUE,...] | KEY=VALUE,...
+  KEY      cycle_s gather_s sample_request_s sample_token_s snapshot_s scale
+  mint     10 s clock cycles, scale 0.05 (a cycle lasts 0.5 s); e.g. "mint:scale=0.02"
+
+environment: ENGINE_LOCAL_API_KEY is used when --api-key is not given.
+"""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m engine.local",
+        description="Serve a MinT/Tinker-compatible LoRA training API on a local model, "
+        "for the unmodified mint SDK (set MINT_BASE_URL to the printed URL).",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "--host",
+        default="127.0.0.1",
+        help="address to bind (default 127.0.0.1; a non-loopback address requires --api-key)",
+    )
+    parser.add_argument(
+        "--port", type=int, default=0, help="port to bind; 0 picks a free one (default 0)"
+    )
+    parser.add_argument(
+        "--model",
+        default=None,
+        metavar="DIR",
+        help=f"local Hugging Face causal-LM directory (default {DEFAULT_MODEL_DIR})",
+    )
+    parser.add_argument(
+        "--model-name",
+        default=None,
+        metavar="NAME",
+        help="base_model name clients use (default: chosen by the backend from the model)",
+    )
+    parser.add_argument(
+        "--model-alias",
+        action="append",
+        default=[],
+        metavar="NAME",
+        help="extra base_model name accepted for the served model, e.g. Qwen/Qwen3-0.6B "
+        "(repeatable), so scripts with a hard-coded hosted model run unchanged",
+    )
+    parser.add_argument(
+        "--api-key",
+        default=None,
+        metavar="KEY",
+        help="require this key (X-API-Key, raw or as the JWT from auth/token); default: "
+        "$ENGINE_LOCAL_API_KEY, else no authentication (any key works)",
+    )
+    parser.add_argument(
+        "--data-dir",
+        default=None,
+        metavar="DIR",
+        help="where checkpoints are stored (default: a temporary dir removed at exit)",
+    )
+    parser.add_argument("--faults", default=None, metavar="SPEC", help="inject faults (see below)")
+    parser.add_argument(
+        "--latency", default=None, metavar="PROFILE", help="simulate hosted latency (see below)"
+    )
+    parser.add_argument(
+        "--long-poll",
+        type=float,
+        default=20.0,
+        metavar="SECONDS",
+        help="how long retrieve_future holds a poll before try_again (default 20)",
+    )
+    parser.add_argument(
+        "--log-level",
+        default="warning",
+        choices=["debug", "info", "warning", "error"],
+        help="stderr log level (default warning)",
+    )
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        stream=sys.stderr,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    try:
+        config = make_config(
+            args.model,
+            api_key=args.api_key or os.environ.get("ENGINE_LOCAL_API_KEY") or None,
+            data_dir=args.data_dir,
+            host=args.host,
+            port=args.port,
+            faults=args.faults,
+            latency=args.latency,
+            model_name=args.model_name,
+            model_aliases=args.model_alias,
+            long_poll_s=args.long_poll,
+        )
+    except (ValueError, FaultSpecError, LatencyProfileError) as exc:
+        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+
+    async def run() -> None:
+        with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+            async with serve_local(config=config) as server:
+                print(f"{READY_PREFIX}{server.model_name} at {server.base_url}", flush=True)
+                async for _ in signals:
+                    return
+
+    try:
+        anyio.run(run)
+    except ValueError as exc:  # e.g. the port is taken
+        print(f"{parser.prog}: error: {exc}", file=sys.stderr)
+        return 2
+    except BackendError as exc:  # the model directory cannot be loaded
+        print(f"{parser.prog}: error: cannot load the model: {exc}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,157 @@
+"""FastAPI routes of the local MinT-compatible server (thin: JSON in, JSON out).
+
+Every route reads a size-bounded JSON body, calls ``LocalService`` and maps its
+``HttpError`` to a status with a JSON body; errors always carry a body, because the
+client treats a bodiless 400 as a proxy glitch and retries it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import anyio
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp
+
+from engine.local.auth import Authenticator
+from engine.local.middleware import AuthMiddleware, FaultMiddleware, hide_injected_drop_tracebacks
+from engine.local.service import HttpError, LocalService
+
+log = logging.getLogger("engine.local")
+
+TRAINING_ENDPOINTS = (
+    "forward_backward",
+    "forward",
+    "optim_step",
+    "save_weights",
+    "save_weights_for_sampler",
+    "load_weights",
+)
+UNSUPPORTED_FUTURES = {
+    "unload_model": "unload_model is not supported by the local server (models live until "
+    "the server stops)",
+    "mint/forward_backward_reverse_kl": "forward_backward_reverse_kl (a MinT-only endpoint) is "
+    "not supported by the local server",
+    "mint/checkpoints/interpolate": "interpolate_checkpoints (a MinT-only endpoint) is not "
+    "supported by the local server",
+}
+_PARSE_IN_THREAD_BYTES = 256 * 1024
+
+
+def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
+    """The complete ASGI app: routes wrapped in auth, then fault injection (outermost,
+    so faults hit before anything else, as a flaky network or proxy would)."""
+    app = FastAPI(title="engine.local", docs_url=None, redoc_url=None, openapi_url=None)
+    limit = service.config.limits.max_body_bytes
+
+    async def body_of(request: Request) -> Any:
+        declared = request.headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > limit:
+            raise HttpError(413, _too_large(int(declared), limit))
+        chunks: list[bytes] = []
+        size = 0
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise HttpError(413, _too_large(size, limit))
+            chunks.append(chunk)
+        raw = b"".join(chunks)
+        if not raw:
+            return {}
+        try:
+            if size > _PARSE_IN_THREAD_BYTES:
+                return await anyio.to_thread.run_sync(json.loads, raw)
+            return json.loads(raw)
+        except ValueError:
+            raise HttpError(400, "request body is not valid JSON") from None
+
+    def post(path: str, handler: Callable[[Any], Awaitable[Any] | Any]) -> None:
+        async def route(request: Request) -> JSONResponse:
+            result = handler(await body_of(request))
+            if isinstance(result, Awaitable):
+                result = await result
+            return JSONResponse(result)
+
+        app.add_api_route(f"/api/v1/{path}", route, methods=["POST"], name=path)
+
+    post("client/config", lambda body: service.client_config())
+    post("auth/token", lambda body: {"jwt": auth.issue()})
+    post("create_session", service.create_session)
+    post("session_heartbeat", lambda body: {"type": "session_heartbeat"})
+    post("telemetry", lambda body: {"status": "accepted"})
+    post("create_model", service.create_model)
+    post("get_info", service.get_info)
+    for endpoint in TRAINING_ENDPOINTS:
+        post(endpoint, functools.partial(service.submit_training, endpoint))
+    post("weights_info", service.weights_info)
+    post("create_sampling_session", service.create_sampling_session)
+    post("asample", service.asample)
+    post("retrieve_future", service.retrieve_future)
+    for endpoint, message in UNSUPPORTED_FUTURES.items():
+        post(endpoint, functools.partial(_unsupported_future, service, endpoint, message))
+
+    @app.get("/api/v1/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/api/v1/get_server_capabilities")
+    async def capabilities() -> dict[str, Any]:
+        return service.capabilities()
+
+    @app.get("/api/v1/samplers/{sampler_id}")
+    async def get_sampler(sampler_id: str) -> dict[str, Any]:
+        return service.get_sampler(sampler_id)
+
+    @app.get("/api/v1/local/stats")
+    async def stats() -> dict[str, Any]:
+        return service.snapshot().to_json()
+
+    @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
+    async def unsupported(rest: str) -> JSONResponse:
+        return JSONResponse(
+            {
+                "error": f"/api/v1/{rest} is not supported by the local server",
+                "category": "user",
+            },
+            status_code=400,
+        )
+
+    @app.exception_handler(HttpError)
+    async def http_error(request: Request, exc: HttpError) -> JSONResponse:
+        return JSONResponse(
+            {"error": exc.message, "category": exc.category},
+            status_code=exc.status,
+            headers=exc.headers,
+        )
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error on %s", request.url.path)
+        return JSONResponse(
+            {
+                "error": f"internal error in the local server: {type(exc).__name__}: {exc}",
+                "category": "server",
+            },
+            status_code=500,
+        )
+
+    hide_injected_drop_tracebacks()
+    return FaultMiddleware(AuthMiddleware(app, auth), service.faults, service.stats)
+
+
+def _unsupported_future(
+    service: LocalService, endpoint: str, message: str, body: Any
+) -> dict[str, Any]:
+    return service.failed_future(endpoint, message)
+
+
+def _too_large(size: int, limit: int) -> str:
+    return (
+        f"request body of {size} bytes exceeds the local server's limit of {limit} bytes; "
+        "send fewer datums per request"
+    )

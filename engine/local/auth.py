@@ -1,0 +1,63 @@
+"""API-key and JWT authentication.
+
+The pinned client only accepts ``sk-`` (MinT) keys in JWT mode: it sends the raw key to
+``client/config`` and ``auth/token``, receives a JWT, and sends that JWT as ``X-API-Key``
+from then on. So the server always announces JWT mode, accepts the raw key or a JWT it
+issued, and signs JWTs with a secret derived from the key: tokens stay valid across a
+restart with the same key, and change when the key does. Keys are never logged.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import time
+
+import jwt
+
+_ISSUER = "engine.local"
+_SECRET_LABEL = b"engine.local jwt v1"
+
+
+class Authenticator:
+    """Checks credentials when an API key is configured; accepts anything otherwise."""
+
+    def __init__(self, api_key: str | None, *, jwt_ttl_s: int) -> None:
+        self._api_key = api_key
+        self._ttl = jwt_ttl_s
+        material = (api_key or "").encode()
+        self._secret = hmac.new(_SECRET_LABEL, material, hashlib.sha256).digest()
+
+    @property
+    def required(self) -> bool:
+        return self._api_key is not None
+
+    def issue(self) -> str:
+        """A signed JWT with a numeric ``exp`` (the client refreshes 5 min before it)."""
+        now = int(time.time())
+        claims = {"iss": _ISSUER, "sub": "local-user", "iat": now, "exp": now + self._ttl}
+        return jwt.encode(claims, self._secret, algorithm="HS256")
+
+    def check(self, credential: str | None) -> str | None:
+        """None when the credential is acceptable, else a one-line reason."""
+        if self._api_key is None:
+            return None
+        if not credential:
+            return "missing API key: send it in the X-API-Key header"
+        if hmac.compare_digest(credential.encode(), self._api_key.encode()):
+            return None
+        if credential.count(".") == 2:
+            try:
+                jwt.decode(
+                    credential,
+                    self._secret,
+                    algorithms=["HS256"],
+                    issuer=_ISSUER,
+                    options={"require": ["exp", "iss"]},
+                )
+                return None
+            except jwt.ExpiredSignatureError:
+                return "the JWT has expired: fetch a new one from /api/v1/auth/token"
+            except jwt.InvalidTokenError:
+                return "invalid JWT: it was not issued by this server for this API key"
+        return "invalid API key"

@@ -1,0 +1,114 @@
+"""Settings of one local server instance, validated once at construction.
+
+Every knob lives here so the CLI, the in-process helpers and the tests share one set of
+defaults and one set of error messages.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from engine.local.faults import FaultSpec
+from engine.local.latency import LatencyProfile
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+"""The small model packaged with the engine (created by ``engine.local.make_model``)."""
+
+LOOPBACK_NAMES = frozenset({"localhost"})
+
+
+class ConfigError(ValueError):
+    """A setting is out of range or inconsistent; the message says which and why."""
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Request-size bounds. They keep one bad or hostile request from exhausting memory;
+    each violation is answered with a message naming the limit."""
+
+    max_body_bytes: int = 32 * 1024 * 1024
+    """Largest accepted request body (the client chunks forward_backward at ~5 MB)."""
+    max_datums: int = 4096
+    """Datums per forward / forward_backward request (the client chunks at 1024)."""
+    max_num_samples: int = 128
+    """num_samples per asample request."""
+    max_topk_prompt_logprobs: int = 20
+    max_lora_rank: int = 256
+    max_pending_futures: int = 4096
+    """Unfinished futures across the server; beyond it submissions get 429."""
+    max_pending_per_model: int = 256
+    """Queued training operations per model; beyond it submissions get 429."""
+    max_retained_results: int = 8192
+    """Finished futures kept for re-polls; the oldest are dropped first (then 410)."""
+    max_sample_batch: int = 64
+    """asample requests merged into one backend.sample call."""
+    dedupe_window: int = 4096
+    """Per-model (seq_id -> request) entries remembered for duplicate detection."""
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"limit {name} must be a positive integer, got {value!r}")
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Everything a server instance needs; see ``serve_local`` for the user-facing docs."""
+
+    model_dir: Path = DEFAULT_MODEL_DIR
+    model_name: str | None = None
+    """Name clients pass as base_model; None lets the backend choose (from the model dir)."""
+    model_aliases: tuple[str, ...] = ()
+    """Extra base_model names accepted for the served model (e.g. "Qwen/Qwen3-0.6B"), so
+    an unmodified script with a hard-coded hosted model name runs against it."""
+    api_key: str | None = None
+    data_dir: Path | None = None
+    """None: a fresh temporary directory, removed when the server stops."""
+    host: str = "127.0.0.1"
+    port: int = 0
+    faults: FaultSpec = field(default_factory=FaultSpec)
+    latency: LatencyProfile | None = None
+    long_poll_s: float = 20.0
+    """How long retrieve_future holds a poll before answering try_again."""
+    seq_gap_timeout_s: float = 300.0
+    """How long an operation waits for a missing earlier seq_id of its model before the
+    gap is declared abandoned (the client gives up submitting after 5 minutes)."""
+    jwt_ttl_s: int = 24 * 3600
+    sample_batch_window_s: float = 0.0
+    """Extra time the sampler waits for more asample requests before a batch runs."""
+    limits: Limits = field(default_factory=Limits)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise ConfigError(f"port must be an integer in 0..65535, got {self.port!r}")
+        if self.api_key is not None and not self.api_key.strip():
+            raise ConfigError("api_key must not be empty (omit it to disable authentication)")
+        if not is_loopback_host(self.host) and self.api_key is None:
+            raise ConfigError(
+                f"refusing to bind non-loopback host {self.host!r} without an API key "
+                "(pass --api-key, or bind 127.0.0.1)"
+            )
+        for name in ("long_poll_s", "seq_gap_timeout_s"):
+            value = getattr(self, name)
+            if not value > 0:
+                raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if self.sample_batch_window_s < 0:
+            raise ConfigError(
+                f"sample_batch_window_s must be >= 0, got {self.sample_batch_window_s!r}"
+            )
+        if self.jwt_ttl_s < 600:
+            raise ConfigError(
+                f"jwt_ttl_s must be >= 600 (the client refreshes 5 min early), got {self.jwt_ttl_s}"
+            )
+
+
+def is_loopback_host(host: str) -> bool:
+    """True for names/addresses that only this machine can reach."""
+    if host in LOOPBACK_NAMES:
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False

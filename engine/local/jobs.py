@@ -1,0 +1,152 @@
+"""Training-operation jobs: what each training endpoint runs on the compute thread.
+
+A job is built on the event loop from the decoded request (cheap checks there, so most
+bad input fails at once) and runs on the compute thread (tensor decoding and the backend
+call). ``finish`` then runs back on the event loop with the thread's result and returns
+the JSON answer; it is where loop-owned bookkeeping happens.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from engine.local.backend import AdamConfig, Backend
+from engine.local.storage import TinkerPath, check_name
+from engine.local.wire import (
+    AdamParamsW,
+    ForwardBackwardInputW,
+    WireError,
+    check_metrics,
+    datums_of,
+    forward_json,
+)
+
+LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
+
+
+@dataclass
+class Job:
+    run: Callable[[], Any]
+    """Runs on the compute thread."""
+    finish: Callable[[Any], dict[str, Any]]
+    """Runs on the event loop with ``run``'s result; returns the future's payload."""
+    extra_delay: float = 0.0
+    """Simulated latency added after the clock cycle (sampler snapshots)."""
+
+
+@dataclass(frozen=True)
+class ModelLimits:
+    vocab_size: int | None
+    max_context: int
+    max_datums: int
+
+
+def forward_job(
+    backend: Backend,
+    model_id: str,
+    inp: ForwardBackwardInputW,
+    limits: ModelLimits,
+    *,
+    backward: bool,
+) -> Job:
+    what = "forward_backward" if backward else "forward"
+    if not inp.data:
+        raise WireError(f"{what} needs at least one datum")
+    if len(inp.data) > limits.max_datums:
+        raise WireError(
+            f"{what} got {len(inp.data)} datums; the local server accepts at most "
+            f"{limits.max_datums} per request"
+        )
+    if inp.loss_fn not in LOSS_FNS:
+        raise WireError(f"unsupported loss_fn {inp.loss_fn!r}; supported: {', '.join(LOSS_FNS)}")
+    for key, value in (inp.loss_fn_config or {}).items():
+        if not math.isfinite(value):
+            raise WireError(f"loss_fn_config[{key!r}] must be a finite number")
+
+    def run() -> dict[str, Any]:
+        data = datums_of(inp.data, vocab_size=limits.vocab_size, max_context=limits.max_context)
+        result = backend.forward_backward(
+            model_id, data, inp.loss_fn, inp.loss_fn_config, backward=backward
+        )
+        return forward_json(result)
+
+    return Job(run=run, finish=lambda payload: payload)
+
+
+def optim_job(
+    backend: Backend, model_id: str, params: AdamParamsW, on_applied: Callable[[], None]
+) -> Job:
+    adam = AdamConfig(**params.model_dump())
+
+    def run() -> dict[str, float]:
+        return backend.optim_step(model_id, adam)
+
+    def finish(metrics: dict[str, float]) -> dict[str, Any]:
+        on_applied()
+        return {"metrics": check_metrics(metrics, "optim_step") if metrics else {}}
+
+    return Job(run=run, finish=finish)
+
+
+def save_state_job(
+    backend: Backend, model_id: str, name: str | None, data_dir: Path, *, overwrite: bool
+) -> Job:
+    if name is None:
+        raise WireError("save_weights needs a checkpoint name in 'path'")
+    target = TinkerPath(model_id, "weights", check_name(name))
+    dest = target.directory(data_dir)
+    if dest.exists() and not overwrite:
+        raise WireError(
+            f"checkpoint {target} already exists; save under a new name or pass overwrite=True"
+        )
+
+    def run() -> None:
+        # The backend writes checkpoints atomically (temp dir + rename).
+        backend.save_state(model_id, dest)
+
+    return Job(run=run, finish=lambda _: {"path": str(target), "type": "save_weights"})
+
+
+def save_sampler_job(
+    backend: Backend,
+    model_id: str,
+    name: str | None,
+    data_dir: Path,
+    *,
+    on_saved: Callable[[str, TinkerPath | None], str | None],
+    snapshot_delay: float,
+) -> Job:
+    """Named: write under sampler_weights/<name> and answer the path. Ephemeral (no
+    name): keep the snapshot in memory and answer a new sampling_session_id, which
+    ``on_saved(key, path)`` creates."""
+    target = TinkerPath(model_id, "sampler_weights", check_name(name)) if name else None
+
+    def run() -> str:
+        dest = target.directory(data_dir) if target is not None else None
+        return backend.save_sampler(model_id, dest)
+
+    def finish(key: str) -> dict[str, Any]:
+        session_id = on_saved(key, target)
+        if target is not None:
+            return {"path": str(target), "type": "save_weights_for_sampler"}
+        return {"sampling_session_id": session_id, "type": "save_weights_for_sampler"}
+
+    return Job(run=run, finish=finish, extra_delay=snapshot_delay)
+
+
+def load_state_job(
+    backend: Backend, model_id: str, path: str, data_dir: Path, *, optimizer: bool
+) -> Job:
+    source = TinkerPath.parse(path)
+    src = source.directory(data_dir)
+    if not src.is_dir():
+        raise WireError(f"checkpoint {source} not found (looked in {src})")
+
+    def run() -> None:
+        backend.load_state(model_id, src, optimizer=optimizer)
+
+    return Job(run=run, finish=lambda _: {"path": str(source), "type": "load_weights"})

@@ -1,0 +1,71 @@
+"""Server counters: what was asked, applied, deduplicated, injected and batched.
+
+Chaos tests compare ``optimizer_steps`` with what the engine believes it applied; the
+benchmark reads batching and cycle counts. ``snapshot()`` returns plain copies so readers
+on other threads never see a dict change under them.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+OP_CYCLES_KEPT = 1024
+
+
+@dataclass(frozen=True)
+class OpCycle:
+    """A training operation under the latency clock: which cycle it ran in."""
+
+    seq_id: int
+    endpoint: str
+    cycle: int
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    requests: dict[str, int]
+    """HTTP requests received, by endpoint (e.g. "forward_backward", "retrieve_future")."""
+    applied: dict[str, int]
+    """Backend operations completed successfully, by endpoint."""
+    optimizer_steps: dict[str, int]
+    """Applied optim_steps per model_id."""
+    dedupe_hits: dict[str, int]
+    """Resubmissions answered with the original future, by endpoint."""
+    faults_injected: dict[str, int]
+    """Injected faults by kind ("500", "drop", ...) and by "kind@endpoint"."""
+    sample_batches: int
+    sample_requests: int
+    largest_sample_batch: int
+    cycles_started: int
+    """Latency clock cycles started (0 without a latency profile)."""
+    op_cycles: dict[str, list[OpCycle]]
+    """Per model_id, the cycle of each recent training operation (latency profile only)."""
+    seq_gaps_skipped: int
+    futures_pending: int
+    futures_retained: int
+    compute_busy_s: float
+    models: int
+    sampling_sessions: int
+
+    def to_json(self) -> dict[str, Any]:
+        data = dict(vars(self))
+        data["op_cycles"] = {
+            model: [vars(op) for op in ops] for model, ops in self.op_cycles.items()
+        }
+        return data
+
+
+@dataclass
+class Stats:
+    """Mutable counters, owned by the service (event loop only)."""
+
+    requests: Counter[str] = field(default_factory=Counter)
+    applied: Counter[str] = field(default_factory=Counter)
+    optimizer_steps: Counter[str] = field(default_factory=Counter)
+    dedupe_hits: Counter[str] = field(default_factory=Counter)
+    op_cycles: dict[str, deque[OpCycle]] = field(default_factory=dict)
+
+    def record_cycle(self, model_id: str, op: OpCycle) -> None:
+        self.op_cycles.setdefault(model_id, deque(maxlen=OP_CYCLES_KEPT)).append(op)

@@ -1,0 +1,369 @@
+"""Wire types: decode request JSON into backend values, encode backend results as JSON.
+
+The client sends ``model_dump(exclude_none=True)`` bodies with ``type`` tags and may add
+keys in later versions, so every model ignores unknown keys. Decoding problems become
+one-line messages that name the offending field ("data[2].loss_fn_inputs.weights: ...")
+rather than validation dumps.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from typing import Any, Literal, TypeVar
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from engine.local.backend import DatumIn, ForwardResult, SampleResult
+
+REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash_unordered", "unique"})
+
+
+class WireError(ValueError):
+    """The request is malformed; the message is meant for the client, verbatim."""
+
+
+class _Wire(BaseModel):
+    model_config = ConfigDict(extra="ignore", protected_namespaces=())
+
+
+# ---- shared pieces -----------------------------------------------------------------
+
+
+class TensorDataW(_Wire):
+    data: list[int | float]
+    dtype: Literal["int64", "float32"]
+    shape: list[int] | None = None
+    sparse_crow_indices: list[int] | None = None
+    sparse_col_indices: list[int] | None = None
+
+
+class ModelInputW(_Wire):
+    chunks: list[dict[str, Any]]
+
+
+class DatumW(_Wire):
+    model_input: ModelInputW
+    loss_fn_inputs: dict[str, TensorDataW]
+
+
+class ForwardBackwardInputW(_Wire):
+    data: list[DatumW]
+    loss_fn: str
+    loss_fn_config: dict[str, float] | None = None
+
+
+class AdamParamsW(_Wire):
+    learning_rate: float = 1e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-12
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 0.0
+
+
+class LoraConfigW(_Wire):
+    rank: int = 32
+    seed: int | None = None
+    train_unembed: bool = True
+    train_mlp: bool = True
+    train_attn: bool = True
+
+
+class SamplingParamsW(_Wire):
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | list[str] | list[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+# ---- requests ----------------------------------------------------------------------
+
+
+class CreateSessionW(_Wire):
+    tags: list[str] = Field(default_factory=list)
+    user_metadata: dict[str, Any] | None = None
+    sdk_version: str | None = None
+    project_id: str | None = None
+
+
+class CreateModelW(_Wire):
+    session_id: str
+    model_seq_id: int
+    base_model: str
+    lora_config: LoraConfigW | None = None
+    user_metadata: dict[str, Any] | None = None
+
+
+class ModelRefW(_Wire):
+    model_id: str
+
+
+class ForwardBackwardW(_Wire):
+    forward_backward_input: ForwardBackwardInputW
+    model_id: str
+    seq_id: int | None = None
+
+
+class ForwardW(_Wire):
+    forward_input: ForwardBackwardInputW
+    model_id: str
+    seq_id: int | None = None
+
+
+class OptimStepW(_Wire):
+    adam_params: AdamParamsW
+    model_id: str
+    seq_id: int | None = None
+
+
+class SaveWeightsW(_Wire):
+    model_id: str
+    path: str | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+    overwrite: bool = False
+
+
+class SaveForSamplerW(_Wire):
+    model_id: str
+    path: str | None = None
+    sampling_session_seq_id: int | None = None
+    seq_id: int | None = None
+    ttl_seconds: int | None = None
+
+
+class LoadWeightsW(_Wire):
+    model_id: str
+    path: str
+    optimizer: bool = False
+    seq_id: int | None = None
+
+
+class WeightsInfoW(_Wire):
+    tinker_path: str
+
+
+class CreateSamplingSessionW(_Wire):
+    session_id: str
+    sampling_session_seq_id: int
+    base_model: str | None = None
+    model_path: str | None = None
+
+
+class SampleW(_Wire):
+    sampling_session_id: str | None = None
+    seq_id: int | None = None
+    num_samples: int = 1
+    prompt: ModelInputW
+    sampling_params: SamplingParamsW
+    base_model: str | None = None
+    model_path: str | None = None
+    prompt_logprobs: bool | None = None
+    topk_prompt_logprobs: int = 0
+
+
+class RetrieveFutureW(_Wire):
+    request_id: str
+    allow_metadata_only: bool = False
+
+
+class SessionHeartbeatW(_Wire):
+    session_id: str
+
+
+W = TypeVar("W", bound=_Wire)
+
+
+def parse(model: type[W], body: Any, what: str) -> W:
+    """Validate ``body`` against ``model``; raise ``WireError`` with a short message."""
+    if not isinstance(body, dict):
+        raise WireError(f"{what} request body must be a JSON object")
+    try:
+        return model.model_validate(body)
+    except ValidationError as exc:
+        raise WireError(f"invalid {what} request: {describe(exc)}") from None
+
+
+def describe(exc: ValidationError, limit: int = 3) -> str:
+    parts = []
+    for err in exc.errors()[:limit]:
+        loc = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in err["loc"]).lstrip(".")
+        parts.append(f"{loc or 'body'}: {err['msg']}")
+    more = exc.error_count() - limit
+    if more > 0:
+        parts.append(f"and {more} more error(s)")
+    return "; ".join(parts)
+
+
+# ---- decoding into backend values ---------------------------------------------------
+
+
+def tokens_of(model_input: ModelInputW, where: str) -> list[int]:
+    """Flatten the text chunks of a ModelInput; image chunks are refused."""
+    tokens: list[int] = []
+    for i, chunk in enumerate(model_input.chunks):
+        kind = chunk.get("type", "encoded_text")
+        if kind in ("image", "image_asset_pointer"):
+            raise WireError(
+                f"{where}.chunks[{i}] is an {kind} chunk: the local server serves a "
+                "text-only model and accepts only encoded_text chunks"
+            )
+        if kind != "encoded_text":
+            raise WireError(f"{where}.chunks[{i}] has unknown chunk type {kind!r}")
+        raw = chunk.get("tokens")
+        if not isinstance(raw, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in raw
+        ):
+            raise WireError(f"{where}.chunks[{i}].tokens must be a list of integer token ids")
+        tokens.extend(raw)
+    return tokens
+
+
+def check_token_ids(tokens: list[int], vocab_size: int | None, where: str) -> None:
+    if not tokens:
+        return
+    low, high = min(tokens), max(tokens)
+    if low < 0 or (vocab_size is not None and high >= vocab_size):
+        bad = low if low < 0 else high
+        raise WireError(
+            f"{where} contains token id {bad}, outside the model's vocabulary "
+            f"[0, {vocab_size if vocab_size is not None else 'inf'})"
+        )
+
+
+def tensor_of(td: TensorDataW, where: str) -> torch.Tensor:
+    """Dense tensor from TensorData (dense or CSR); shape and dtype are checked."""
+    dtype = torch.int64 if td.dtype == "int64" else torch.float32
+    if td.dtype == "int64" and not all(isinstance(v, int) for v in td.data):
+        raise WireError(f"{where} has dtype int64 but non-integer values")
+    if td.dtype == "float32" and not all(math.isfinite(v) for v in td.data):
+        raise WireError(f"{where} contains NaN or infinite values")
+    shape = td.shape
+    if shape is not None and any((not isinstance(d, int)) or d < 0 for d in shape):
+        raise WireError(f"{where}.shape must hold non-negative integers, got {shape}")
+    if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
+        return _sparse_tensor(td, dtype, where)
+    if shape is not None and math.prod(shape) != len(td.data):
+        raise WireError(
+            f"{where}.shape {shape} needs {math.prod(shape)} values but data has {len(td.data)}"
+        )
+    tensor = torch.tensor(td.data, dtype=dtype)
+    return tensor.reshape(shape) if shape is not None else tensor
+
+
+def _sparse_tensor(td: TensorDataW, dtype: torch.dtype, where: str) -> torch.Tensor:
+    crow, col, shape = td.sparse_crow_indices, td.sparse_col_indices, td.shape
+    if crow is None or col is None or shape is None or len(shape) != 2:
+        raise WireError(
+            f"{where} is sparse CSR: it needs sparse_crow_indices, sparse_col_indices "
+            "and a 2-D shape"
+        )
+    rows, cols = shape
+    if (
+        len(crow) != rows + 1
+        or len(col) != len(td.data)
+        or (crow and (crow[0] != 0 or crow[-1] != len(td.data)))
+        or any(b < a for a, b in itertools.pairwise(crow))
+        or any(not 0 <= c < cols for c in col)
+    ):
+        raise WireError(f"{where} has inconsistent CSR indices for shape {shape}")
+    return torch.sparse_csr_tensor(
+        torch.tensor(crow, dtype=torch.int64),
+        torch.tensor(col, dtype=torch.int64),
+        torch.tensor(td.data, dtype=dtype),
+        size=(rows, cols),
+    ).to_dense()
+
+
+def datums_of(
+    data: list[DatumW], *, vocab_size: int | None, max_context: int, where: str = "data"
+) -> list[DatumIn]:
+    """Backend datums; every loss_fn_input must be 1-D and as long as its model_input."""
+    out: list[DatumIn] = []
+    for i, datum in enumerate(data):
+        here = f"{where}[{i}]"
+        tokens = tokens_of(datum.model_input, f"{here}.model_input")
+        if not tokens:
+            raise WireError(f"{here}.model_input is empty")
+        if len(tokens) > max_context:
+            raise WireError(
+                f"{here}.model_input has {len(tokens)} tokens, more than the model's "
+                f"max_context_length {max_context}"
+            )
+        check_token_ids(tokens, vocab_size, f"{here}.model_input")
+        inputs: dict[str, torch.Tensor] = {}
+        for name, td in datum.loss_fn_inputs.items():
+            tensor = tensor_of(td, f"{here}.loss_fn_inputs.{name}")
+            if tensor.dim() != 1 or tensor.shape[0] != len(tokens):
+                raise WireError(
+                    f"{here}.loss_fn_inputs.{name} has shape {list(tensor.shape)} but must be "
+                    f"[{len(tokens)}] (one value per model_input token; the client aligns "
+                    "targets, the server does not shift)"
+                )
+            inputs[name] = tensor
+        if "target_tokens" in inputs:
+            check_token_ids(
+                inputs["target_tokens"].tolist(), vocab_size, f"{here}.loss_fn_inputs.target_tokens"
+            )
+        out.append(DatumIn(tokens=tokens, inputs=inputs))
+    return out
+
+
+# ---- encoding results ---------------------------------------------------------------
+
+
+def tensor_json(tensor: torch.Tensor) -> dict[str, Any]:
+    t = tensor.detach().cpu()
+    dtype = "float32" if t.is_floating_point() else "int64"
+    return {"data": t.flatten().tolist(), "dtype": dtype, "shape": list(t.shape)}
+
+
+def check_metrics(metrics: dict[str, float], what: str) -> dict[str, float]:
+    """Metric keys must be "name:reduction" with exactly one colon (the client splits on
+    ':' to merge chunk results); values must be finite numbers."""
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        name, _, reduction = key.partition(":")
+        if not name or reduction not in REDUCTIONS or key.count(":") != 1:
+            raise ValueError(f"{what} produced metric key {key!r}, not 'name:reduction'")
+        number = float(value)
+        if not math.isfinite(number):
+            raise ValueError(f"{what} produced a non-finite metric {key}={number}")
+        out[key] = number
+    return out
+
+
+def forward_json(result: ForwardResult) -> dict[str, Any]:
+    return {
+        "loss_fn_output_type": "TorchLossReturn",
+        "loss_fn_outputs": [
+            {name: tensor_json(t) for name, t in output.items()} for output in result.outputs
+        ],
+        "metrics": check_metrics(result.metrics, "forward_backward"),
+    }
+
+
+def sample_json(result: SampleResult) -> dict[str, Any]:
+    sequences = []
+    for seq in result.sequences:
+        logprobs = [float(x) for x in seq.logprobs]
+        if not all(math.isfinite(x) for x in logprobs):
+            raise ValueError("the sampler produced a non-finite logprob")
+        sequences.append(
+            {"tokens": list(seq.tokens), "logprobs": logprobs, "stop_reason": seq.stop_reason}
+        )
+    payload: dict[str, Any] = {"type": "sample", "sequences": sequences}
+    if result.prompt_logprobs is not None:
+        payload["prompt_logprobs"] = [
+            None if x is None or not math.isfinite(x) else float(x) for x in result.prompt_logprobs
+        ]
+    if result.topk_prompt_logprobs is not None:
+        payload["topk_prompt_logprobs"] = [
+            None if row is None else [[int(t), float(lp)] for t, lp in row]
+            for row in result.topk_prompt_logprobs
+        ]
+    return payload

@@ -148,7 +148,11 @@ def _hard_exit(code: int) -> None:  # pragma: no cover - replaced in tests
 class SignalInterrupt:
     """SIGINT/SIGTERM handling for the CLI only (a library never installs handlers).
 
-    Usage (run.py)::
+    On the first signal it records it (``requested``), calls ``on_interrupt`` with the
+    :class:`~engine.errors.Interrupted` to report (e.g. the engine's "stop gracefully"
+    method) and cancels ``scope`` if one was given; a second signal calls
+    ``hard_exit(128 + signum)`` (``os._exit``) so a stuck shutdown can always be killed
+    from the keyboard. Usage (run.py)::
 
         interrupt = SignalInterrupt()
         async with anyio.create_task_group() as tg:
@@ -160,18 +164,17 @@ class SignalInterrupt:
             tg.cancel_scope.cancel()  # stop watching
         if interrupt.requested:
             raise interrupt.error()
-
-    The first signal cancels ``run_scope``; a second one calls ``hard_exit(128+signum)``
-    (``os._exit``) so a stuck shutdown can always be killed from the keyboard.
     """
 
     def __init__(
         self,
         signals: tuple[signal.Signals, ...] = (signal.SIGINT, signal.SIGTERM),
         *,
+        on_interrupt: Callable[[Interrupted], None] | None = None,
         hard_exit: Callable[[int], None] = _hard_exit,
     ) -> None:
         self._signals = signals
+        self._on_interrupt = on_interrupt
         self._hard_exit = hard_exit
         self.requested: signal.Signals | None = None
 
@@ -182,7 +185,7 @@ class SignalInterrupt:
 
     async def watch(
         self,
-        scope: anyio.CancelScope,
+        scope: anyio.CancelScope | None = None,
         *,
         task_status: anyio.abc.TaskStatus[None] = anyio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -196,7 +199,10 @@ class SignalInterrupt:
                 if self.requested is None:
                     self.requested = sig
                     _log.warning("interrupt", signal=sig.name, action="checkpoint and exit")
-                    scope.cancel()
+                    if self._on_interrupt is not None:
+                        self._on_interrupt(self.error())
+                    if scope is not None:
+                        scope.cancel()
                 else:
                     _log.error("interrupt.again", signal=sig.name, action="exit now")
                     self._hard_exit(128 + int(sig))

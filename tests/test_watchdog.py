@@ -155,3 +155,21 @@ async def test_handlers_are_removed_after_the_watch() -> None:
         tg.cancel_scope.cancel()
     assert signal.getsignal(signal.SIGINT) is before
     assert interrupt.requested is None
+
+
+async def test_interrupt_can_call_the_engine_instead_of_cancelling() -> None:
+    stopped = anyio.Event()
+    reported: list[Interrupted] = []
+
+    def on_interrupt(error: Interrupted) -> None:
+        reported.append(error)
+        stopped.set()
+
+    interrupt = SignalInterrupt(on_interrupt=on_interrupt)
+    with anyio.fail_after(10):
+        async with anyio.create_task_group() as tg:
+            await tg.start(interrupt.watch)
+            os.kill(os.getpid(), signal.SIGINT)
+            await stopped.wait()
+            tg.cancel_scope.cancel()
+    assert [str(e) for e in reported] == ["interrupted by SIGINT; stopping after a checkpoint"]

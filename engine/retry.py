@@ -80,6 +80,7 @@ from engine.errors import (
     PermanentServiceError,
     RetriesExhausted,
     ServiceError,
+    StepOutcomeUnknown,
     classify,
     retry_after,
 )
@@ -116,7 +117,7 @@ class OpKind(StrEnum):
     SAMPLE = "sample"  # SamplingClient.sample_async (stateless)
     SAMPLER_SNAPSHOT = "save_sampler"  # save_weights_for_sampler / ..._get_sampling_client
     SAVE_STATE = "save_state"  # TrainingClient.save_state
-    TRAIN_STEP = "train_step"  # forward_backward + optim_step: NEVER retried here
+    TRAIN_STEP = "train_step"  # fwd_bwd + optim_step: never retried; counts restores
 
 
 class _Log(Protocol):
@@ -397,13 +398,18 @@ class ServiceGuard:
 
     async def train_step(self, step: int, fn: Callable[[], Awaitable[T]]) -> T:
         """Await train step ``step`` (1-based) exactly once; see
-        :func:`engine.recovery.run_train_step`."""
-        return await run_train_step(
-            fn,
-            step=step,
-            deadline_s=self.policy(OpKind.TRAIN_STEP).attempt_timeout,
-            breaker=self.breaker,
-        )
+        :func:`engine.recovery.run_train_step`. An unknown outcome counts as one
+        ``retries/train_step`` (the step will be redone after a restore)."""
+        try:
+            return await run_train_step(
+                fn,
+                step=step,
+                deadline_s=self.policy(OpKind.TRAIN_STEP).attempt_timeout,
+                breaker=self.breaker,
+            )
+        except StepOutcomeUnknown:
+            self.counter.increment(OpKind.TRAIN_STEP)
+            raise
 
     def sampling_retry_config(self) -> RetryConfig:
         """``retry_config`` for the SDK's sampling clients (see module doc, layer 4)."""

@@ -427,6 +427,7 @@ async def test_guard_bounds_but_never_repeats_a_train_step() -> None:
     with pytest.raises(StepOutcomeUnknown, match="train step 5"):
         await guard.train_step(5, stuck)
     assert guard.breaker.failures("train_step") == 1
+    assert guard.counter.take()["retries/train_step"] == 1  # one step to redo
 
 
 def test_guard_knows_its_kinds_and_bounds_sdk_sampling() -> None:

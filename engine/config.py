@@ -88,6 +88,7 @@ class EngineConfig:
     concurrency: int = 64
     on_missing_logprobs: MissingLogprobsPolicy = "error"
     sampling_seed: int | None = None
+    lora_seed: int | None = None
     stop_at_eos: bool = False
     task: str = "arithmetic"
     op: str | None = None
@@ -501,6 +502,8 @@ def config_from_sources(
             continue
         for name in knob.env:
             env_text = environ.get(name)
+            if name == "TINKER_BASE_URL" and _is_hosted_default(env_text):
+                continue  # importing ``mint`` sets it; it is the default, not a choice
             if env_text is not None and env_text.strip():
                 values[knob.field] = _parse_value(knob, env_text, name)
                 break
@@ -509,6 +512,10 @@ def config_from_sources(
     return EngineConfig(
         **cast(dict[str, Any], values), local=local, stop_at_eos=stop_at_eos, progress=progress
     )
+
+
+def _is_hosted_default(url: str | None) -> bool:
+    return url is not None and url.strip().rstrip("/") == HOSTED_BASE_URL.rstrip("/")
 
 
 def knob(field_name: str) -> Knob:

@@ -26,6 +26,7 @@ into one sentence each (:class:`PreflightError`, exit code 1).
 from __future__ import annotations
 
 import contextlib
+import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -56,6 +57,7 @@ __all__ = [
 T = TypeVar("T")
 
 _PREFLIGHT_TIMEOUT = httpx.Timeout(30.0, connect=10.0)
+_LOCAL_PLACEHOLDER_KEY = "tml-engine-local"
 
 
 class PreflightError(EngineError):
@@ -302,9 +304,9 @@ async def open_session(
         async with serve_local(model_dir=config.local_model) as server:
             say(f"Local server: {server.base_url} serving {server.model_name}")
             base_model = config.base_model or server.model_name
-            async with _connect(
-                config, server.base_url, server.api_key, base_model, True, say
-            ) as session:
+            # A local server without a key accepts any; the SDK still wants one.
+            api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
+            async with _connect(config, server.base_url, api_key, base_model, True, say) as session:
                 yield session
         return
     register_secret(config.api_key)
@@ -342,13 +344,14 @@ async def _connect(
                 f"(it serves: {', '.join(supported)}); set MINT_BASE_MODEL or --base-model"
             )
         assert config.lora_rank is not None, "config must be resolved"
-        rank = config.lora_rank
+        rank, lora_seed = config.lora_rank, config.lora_seed
         training = await _sdk(
             base_url,
             "create the training client",
             lambda: service.create_lora_training_client_async(
                 base_model=base_model,
                 rank=rank,
+                seed=lora_seed,
                 train_mlp=True,
                 train_attn=True,
                 train_unembed=True,
@@ -419,6 +422,8 @@ async def _check_reachable(base_url: str, api_key: str | None) -> None:
 def _reason(exc: BaseException) -> str:
     cur: BaseException | None = exc
     while cur is not None:
+        if isinstance(cur, OSError) and cur.errno:
+            return os.strerror(cur.errno).lower()
         if isinstance(cur, OSError) and cur.strerror:
             return cur.strerror.lower()
         cur = cur.__cause__ or cur.__context__

@@ -1,0 +1,49 @@
+"""Shared pieces of the engine tests: a small, fast config and a runner."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from engine import Engine, EngineConfig, RunResult, StepHook, StepResult
+from engine.local import LocalServer
+
+API_KEY = "tml-engine-tests-key"
+
+
+def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> EngineConfig:
+    """A few tiny steps on the local model, against ``server`` as a remote endpoint."""
+    base = EngineConfig(
+        base_model=server.model_name,
+        base_url=server.base_url,
+        api_key=API_KEY,
+        lora_rank=8,
+        steps=3,
+        batch=4,
+        group=4,
+        learning_rate=3e-3,
+        max_tokens=8,
+        temperature=1.0,
+        op="+",
+        min_operand=10,
+        max_operand=99,
+        run_dir=run_dir,
+    )
+    return replace(base, **overrides)
+
+
+def run_engine(config: EngineConfig, **engine_kwargs: Any) -> tuple[list[StepResult], RunResult]:
+    """Run the engine to the end; every StepResult is collected by an on_step hook."""
+    steps: list[StepResult] = []
+    extra = engine_kwargs.pop("on_step", [])
+    hooks: list[StepHook] = [steps.append, *(extra if isinstance(extra, list) else [extra])]
+
+    async def go() -> RunResult:
+        async with Engine(config, on_step=hooks, **engine_kwargs) as engine:
+            return await engine.run()
+
+    result = anyio.run(go)
+    return steps, result

@@ -1,0 +1,207 @@
+"""The embeddable Engine: iteration, hooks, files, preflight errors, cancellation.
+
+All against the real local server; the cancellation test lets the Engine start its own
+in-process server, so "no task left behind" covers the server's tasks too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
+
+import anyio
+import pytest
+
+from engine import Engine, EngineConfig, StepResult
+from engine.local import LocalServer
+from engine.service import PreflightError
+from tests.engine_support import API_KEY, run_engine, small_config
+
+REQUIRED_METRICS = (
+    "step",
+    "env/all/reward/total",
+    "env/all/format_reward/rate",
+    "env/all/exact_bonus/rate",
+    "env/all/distance_reward",
+    "avg_reward",
+    "exact_rate",
+    "format_rate",
+    "datums",
+    "groups/used",
+    "groups/skipped",
+    "skipped/empty_responses",
+    "dropped/missing_logprobs",
+    "sampling_client/step_min",
+    "sampling_client/step_max",
+    "sampling_client/step_mean",
+    "off_policy/staleness",
+    "optim/kl_sample_train_v1",
+    "optim/kl_sample_train_v2",
+    "optim/loss",
+    "time/sample",
+    "time/score",
+    "time/train",
+    "time/wait",
+    "trainer/idle_ratio",
+    "sampler/idle_ratio",
+    "throughput/samples_per_s",
+    "throughput/tokens_per_s",
+    "progress/done_frac",
+    "retries/sample",
+)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer() as s:
+        yield s
+
+
+def test_steps_hooks_and_run_directory(server: LocalServer, tmp_path: Path) -> None:
+    seen_sync: list[int] = []
+    seen_async: list[int] = []
+
+    async def async_hook(step: StepResult) -> None:
+        await anyio.lowlevel.checkpoint()
+        seen_async.append(step.step)
+
+    config = small_config(server, tmp_path / "run", steps=2)
+    steps, result = run_engine(config, on_step=[lambda s: seen_sync.append(s.step), async_hook])
+    assert [s.step for s in steps] == seen_sync == seen_async == [1, 2]
+    assert result.run_dir == tmp_path / "run"
+
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    events = [json.loads(line) for line in lines]
+    assert [e["step"] for e in events] == [1, 2]
+    for event, step in zip(events, steps, strict=True):
+        assert event["event"] == "step"
+        for key in REQUIRED_METRICS:
+            assert key in event, key
+        assert event["datums"] == len(step.datums)
+        assert event["progress/done_frac"] == step.step / 2
+    assert result.metrics == tuple(s.metrics for s in steps)
+
+    config_json = (tmp_path / "run" / "config.json").read_text()
+    assert API_KEY not in config_json and "api_key" not in config_json
+    assert json.loads(config_json)["base_model"] == server.model_name
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "finished"
+    assert summary["final_path"] == result.final_path
+    assert summary["steps_completed"] == 2
+    assert "| 2 |" in (tmp_path / "run" / "summary.md").read_text()
+
+
+def test_two_engines_share_one_event_loop_without_sharing_state(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    results = {}
+
+    async def one(name: str, seed: int) -> None:
+        config = small_config(server, tmp_path / name, steps=2, seed=seed)
+        async with Engine(config) as engine:
+            results[name] = await engine.run()
+
+    async def both() -> None:
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(one, "a", 1)
+            tg.start_soon(one, "b", 2)
+
+    anyio.run(both)
+    assert results["a"].final_path != results["b"].final_path
+    for name in ("a", "b"):
+        lines = (tmp_path / name / "metrics.jsonl").read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2]
+
+
+def test_cancelling_the_host_mid_step_returns_and_leaves_no_task(tmp_path: Path) -> None:
+    """The engine starts its own local server here (no key, no URL)."""
+    config = EngineConfig(
+        local=True,
+        steps=50,
+        batch=4,
+        group=4,
+        max_tokens=8,
+        run_dir=tmp_path / "run",
+        max_steps_off_policy=1,
+    )
+    finished: list[str] = []
+
+    async def main() -> set[asyncio.Task[object]]:
+        before = asyncio.all_tasks()
+        first_step = anyio.Event()
+
+        async def host() -> None:
+            async with Engine(config, on_step=lambda s: first_step.set()) as engine:
+                await engine.run()
+            finished.append("run")  # never reached: cancelled mid-run
+
+        with anyio.fail_after(120):  # a hang guard, not a timing assertion
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(host)
+                await first_step.wait()  # step 2 is sampling (K=1), step 1 just trained
+                tg.cancel_scope.cancel()
+        await anyio.lowlevel.checkpoint()
+        return asyncio.all_tasks() - before
+
+    leftover = anyio.run(main)
+    assert finished == []
+    assert leftover == set()
+    events = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert 1 <= len(events) < 50
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+async def _enter(config: EngineConfig) -> None:
+    async with Engine(config):
+        pass
+
+
+def test_preflight_unreachable_server_is_one_sentence(tmp_path: Path) -> None:
+    port = _closed_port()
+    config = EngineConfig(
+        base_url=f"http://127.0.0.1:{port}",
+        api_key=API_KEY,
+        base_model="m",
+        run_dir=tmp_path / "run",
+    )
+    with pytest.raises(PreflightError) as info:
+        anyio.run(_enter, config)
+    assert str(info.value) == (
+        f"cannot reach the MinT server at http://127.0.0.1:{port} (connection refused); "
+        "check MINT_BASE_URL, the network and the server's status"
+    )
+
+
+def test_preflight_rejected_key_and_unknown_model(tmp_path: Path) -> None:
+    with LocalServer(api_key="tml-the-right-key") as keyed:
+        config = EngineConfig(
+            base_url=keyed.base_url,
+            api_key="tml-a-wrong-key",
+            base_model=keyed.model_name,
+            run_dir=tmp_path / "a",
+        )
+        with pytest.raises(PreflightError) as info:
+            anyio.run(_enter, config)
+        assert str(info.value) == (
+            f"the MinT server at {keyed.base_url} rejected the API key (HTTP 401); "
+            "check MINT_API_KEY"
+        )
+        assert "tml-a-wrong-key" not in str(info.value)
+        unknown = replace(
+            config, api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
+        )
+        with pytest.raises(PreflightError) as info:
+            anyio.run(_enter, unknown)
+        assert str(info.value) == (
+            f"the MinT server at {keyed.base_url} does not serve model 'nope/model' "
+            f"(it serves: {keyed.model_name}); set MINT_BASE_MODEL or --base-model"
+        )

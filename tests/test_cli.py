@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import re
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -202,3 +205,98 @@ def test_loss_configs_sent_with_forward_backward() -> None:
         "clip_high_threshold": 1.2,
     }
     assert EngineConfig(loss="dro", dro_beta=0.2).loss_fn_config() == {"beta": 0.2}
+
+
+def _cli_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in ENV_NAMES}
+    env["HF_HUB_OFFLINE"] = "1"
+    env.update(extra)
+    return env
+
+
+STEP_LINE = re.compile(
+    r"^Step (\d+): avg_reward=\d\.\d{3}, exact_rate=\d{1,3}\.\d%, "
+    r"format_rate=\d{1,3}\.\d%, datums=\d+$"
+)
+
+
+@pytest.mark.slow
+def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.run", "--run-dir", str(run_dir)],
+        env=_cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    out = proc.stdout.splitlines()
+    assert "Connecting to MinT server..." in out
+    assert out[out.index("Connecting to MinT server...") + 1].startswith(
+        "Endpoint: http://127.0.0.1:"
+    )
+    step_lines = [line for line in out if line.startswith("Step ")]
+    assert [int(STEP_LINE.match(line).group(1)) for line in step_lines] == list(range(1, 9))  # type: ignore[union-attr]
+    assert out[-2:][0] == "" and out[-1].startswith("Saved: tinker://")
+    assert "Traceback" not in proc.stderr
+
+    events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [e["step"] for e in events] == list(range(1, 9))
+    assert all(e["off_policy/staleness"] == 0 for e in events)
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
+    assert (config["op"], config["max_operand"], config["server"]) == ("+", 99, "local")
+    summary = (run_dir / "summary.md").read_text()
+    assert "status: **finished**" in summary
+    assert out[-1].removeprefix("Saved: ") in summary
+
+
+def test_json_log_format_and_env_knobs(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.run", "--log-format", "json", "--run-dir", "r"],
+        env=_cli_env(
+            MINT_CUSTOM_REWARD_STEPS="2",
+            MINT_CUSTOM_REWARD_BATCH="3",
+            MINT_CUSTOM_REWARD_GROUP="4",
+            MINT_CUSTOM_REWARD_MAX_TOKENS="6",
+        ),
+        capture_output=True,
+        text=True,
+        timeout=600,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    events = [json.loads(line) for line in proc.stdout.splitlines()]  # every line is JSON
+    steps = [e for e in events if e["event"] == "step"]
+    assert [e["step"] for e in steps] == [1, 2]
+    assert all(e["groups/total"] == 3 for e in steps)
+    saved = [e for e in events if e["event"] == "saved"]
+    assert len(saved) == 1
+    assert proc.stderr.splitlines()[-1] == f"Saved: {saved[0]['path']}"
+
+
+def test_runtime_failure_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.run", "--base-model", "m", "--run-dir", "r"],
+        env=_cli_env(MINT_API_KEY="sk-test-secret-key-123456", MINT_BASE_URL=url),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 1
+    assert proc.stderr == (
+        f"Error: cannot reach the MinT server at {url} (connection refused); "
+        "check MINT_BASE_URL, the network and the server's status\n"
+    )
+    assert proc.stdout.splitlines() == ["Connecting to MinT server...", f"Endpoint: {url}"]
+    assert "sk-test-secret" not in (tmp_path / "r" / "config.json").read_text()

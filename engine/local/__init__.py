@@ -9,20 +9,44 @@ Start it with ``python -m engine.local`` or from Python::
 
 ``--faults`` / ``faults=`` and ``--latency`` / ``latency=`` take the grammars documented
 in ``engine.local.faults`` and ``engine.local.latency``.
+
+The launchers import torch; they are loaded on first use so that importing this package
+(e.g. for ``python -m engine.local --help``) stays fast.
 """
 
-from engine.local.config import DEFAULT_MODEL_DIR, ConfigError, Limits, ServerConfig
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+from engine.local.config import (
+    DEFAULT_MODEL_DIR,
+    ConfigError,
+    Limits,
+    ServerConfig,
+    make_config,
+)
 from engine.local.faults import FaultSpec, FaultSpecError
 from engine.local.latency import LatencyProfile, LatencyProfileError
-from engine.local.launch import (
-    LocalServer,
-    RunningServer,
-    SpawnedServer,
-    make_config,
-    serve_local,
-    spawn_local_server,
-)
 from engine.local.stats import OpCycle, StatsSnapshot
+
+if TYPE_CHECKING:
+    from engine.local.launch import (
+        LocalServer,
+        RunningServer,
+        SpawnedServer,
+        serve_local,
+        spawn_local_server,
+    )
+
+_LAZY = {"LocalServer", "RunningServer", "SpawnedServer", "serve_local", "spawn_local_server"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module("engine.local.launch"), name)
+    raise AttributeError(f"module 'engine.local' has no attribute {name!r}")
+
 
 __all__ = [
     "DEFAULT_MODEL_DIR",

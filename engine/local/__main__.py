@@ -14,14 +14,13 @@ import logging
 import os
 import signal
 import sys
+from typing import NoReturn
 
 import anyio
 
-from engine.local.backend import BackendError
-from engine.local.config import DEFAULT_MODEL_DIR
+from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, make_config
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
-from engine.local.launch import READY_PREFIX, make_config, serve_local
 
 _EPILOG = """\
 fault spec (--faults): comma-separated rules KIND[~PHASE][@ENDPOINT|...]:TRIGGER and options
@@ -39,8 +38,15 @@ environment: ENGINE_LOCAL_API_KEY is used when --api-key is not given.
 """
 
 
+class _Parser(argparse.ArgumentParser):
+    """Reports a bad option or value as ONE line (no usage dump) and exits 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="python -m engine.local",
         description="Serve a MinT/Tinker-compatible LoRA training API on a local model, "
         "for the unmodified mint SDK (set MINT_BASE_URL to the printed URL).",
@@ -131,7 +137,11 @@ def main(argv: list[str] | None = None) -> int:
             long_poll_s=args.long_poll,
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:
-        parser.exit(2, f"{parser.prog}: error: {exc}\n")
+        parser.error(str(exc))
+
+    # Imported only now: torch and transformers take seconds, --help and bad options don't.
+    from engine.local.backend import BackendError
+    from engine.local.launch import serve_local
 
     async def run() -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:

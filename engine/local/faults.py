@@ -143,7 +143,7 @@ def _parse_rule(item: str) -> FaultRule:
         raise FaultSpecError(
             f"fault rule {item!r} needs a trigger: KIND:RATE or KIND:at=N (e.g. 500:0.02)"
         )
-    target, _, endpoint_text = target.partition("@")
+    target, at_sign, endpoint_text = target.partition("@")
     kind, _, phase = target.partition("~")
     if kind not in ALL_KINDS:
         raise FaultSpecError(
@@ -157,7 +157,7 @@ def _parse_rule(item: str) -> FaultRule:
     endpoints = (
         frozenset(e for e in endpoint_text.split("|") if e) if endpoint_text else frozenset()
     )
-    if endpoint_text and (not endpoints or any(e.startswith("/") for e in endpoints)):
+    if at_sign and (not endpoints or any(e.startswith("/") for e in endpoints)):
         raise FaultSpecError(
             f"fault rule {item!r}: endpoints are names like forward_backward|asample"
         )

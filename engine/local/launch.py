@@ -37,7 +37,7 @@ from engine.local.app import build_app
 from engine.local.auth import Authenticator
 from engine.local.backend import Backend
 from engine.local.compute import ComputeThread
-from engine.local.config import DEFAULT_MODEL_DIR, ConfigError, Limits, ServerConfig
+from engine.local.config import READY_PREFIX, ConfigError, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
 from engine.local.service import LocalService
@@ -45,53 +45,6 @@ from engine.local.stats import StatsSnapshot
 
 T = TypeVar("T")
 log = logging.getLogger("engine.local")
-
-READY_PREFIX = "engine.local: serving "
-"""The line ``python -m engine.local`` prints on stdout once it accepts requests."""
-
-
-def make_config(
-    model_dir: str | Path | None = None,
-    *,
-    api_key: str | None = None,
-    data_dir: str | Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    faults: str | FaultSpec | None = None,
-    latency: str | LatencyProfile | None = None,
-    model_name: str | None = None,
-    model_aliases: Sequence[str] = (),
-    long_poll_s: float = 20.0,
-    seq_gap_timeout_s: float = 300.0,
-    limits: Limits | None = None,
-) -> ServerConfig:
-    """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
-    the ``--faults`` / ``--latency`` grammars). Raises ``ValueError`` subclasses with a
-    one-line message on bad values."""
-    model_path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
-    if not model_path.is_dir():
-        hint = (
-            " (create the packaged model with `python -m engine.local.make_model`)"
-            if model_dir is None
-            else ""
-        )
-        raise ConfigError(f"model directory {str(model_path)!r} does not exist{hint}")
-    return ServerConfig(
-        model_dir=model_path.resolve(),
-        model_name=model_name,
-        model_aliases=tuple(model_aliases),
-        api_key=api_key,
-        data_dir=Path(data_dir).resolve() if data_dir is not None else None,
-        host=host,
-        port=port,
-        faults=faults if isinstance(faults, FaultSpec) else FaultSpec.parse(faults),
-        latency=latency
-        if isinstance(latency, LatencyProfile) or latency is None
-        else LatencyProfile.parse(latency),
-        long_poll_s=long_poll_s,
-        seq_gap_timeout_s=seq_gap_timeout_s,
-        limits=limits or Limits(),
-    )
 
 
 @dataclass

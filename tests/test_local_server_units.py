@@ -1,0 +1,348 @@
+"""Unit tests of the local server's building blocks (no model, no HTTP): fault and
+latency grammars, the training clock, per-model ordering and dedupe, futures, auth,
+checkpoint paths and the compute thread."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import anyio
+import anyio.lowlevel
+import jwt
+import pytest
+
+from engine.local.auth import Authenticator
+from engine.local.compute import ComputeThread
+from engine.local.config import ConfigError, Limits, ServerConfig, is_loopback_host
+from engine.local.faults import FaultInjector, FaultSpec, FaultSpecError
+from engine.local.futures import FutureStore, TooManyPending
+from engine.local.latency import LatencyProfile, LatencyProfileError, TrainingClock
+from engine.local.middleware import endpoint_name
+from engine.local.sequencer import ModelSequencer, SeqRejected
+from engine.local.storage import BadPath, TinkerPath, check_name
+
+
+@pytest.fixture
+def anyio_backend() -> str:
+    return "asyncio"
+
+
+# ---- fault spec ----------------------------------------------------------------------
+
+
+def test_fault_spec_parses_rules_options_and_round_trips() -> None:
+    spec = FaultSpec.parse(
+        "seed=7, 500:0.02, drop~after@forward_backward|optim_step:at=3+5, "
+        "429@asample:1, slow_s=0.5, retry_after_s=0.25, 410@asample:0.1"
+    )
+    assert spec.seed == 7 and spec.slow_s == 0.5 and spec.retry_after_s == 0.25
+    kinds = [(r.kind, r.phase) for r in spec.rules]
+    assert kinds == [("500", "before"), ("drop", "after"), ("429", "before"), ("410", "before")]
+    drop = spec.rules[1]
+    assert drop.endpoints == {"forward_backward", "optim_step"} and drop.at == {3, 5}
+    assert FaultSpec.parse(str(spec)) == spec
+    assert not FaultSpec.parse("off").enabled and not FaultSpec.parse("").enabled
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("boom:0.1", "unknown fault kind 'boom'"),
+        ("500:1.5", "rate must be in [0, 1]"),
+        ("500", "needs a trigger"),
+        ("500:at=0", "request numbers start at 1"),
+        ("500:at=x", "at=3 or at=2+5"),
+        ("fail~after:0.1", "fail has no 'after' variant"),
+        ("drop~during:0.1", "phase must be 'before' or 'after'"),
+        ("seed=x", "seed must be an integer"),
+        ("bogus=1", "unknown fault option 'bogus'"),
+        ("500:0.1,,503:0.1", "empty item"),
+        ("500@:0.1", "endpoints are names"),
+    ],
+)
+def test_fault_spec_errors_are_one_clear_line(text: str, message: str) -> None:
+    with pytest.raises(FaultSpecError, match=None) as info:
+        FaultSpec.parse(text)
+    assert message in str(info.value)
+    assert "\n" not in str(info.value)
+
+
+def test_fault_injector_at_numbers_count_per_matching_request() -> None:
+    injector = FaultInjector(FaultSpec.parse("503@optim_step:at=2,drop@forward_backward:at=1"))
+    decisions = [
+        (endpoint, rule.kind if (rule := injector.http_fault(endpoint)) else None)
+        for endpoint in ["forward_backward", "optim_step", "forward_backward", "optim_step"]
+    ]
+    assert decisions == [
+        ("forward_backward", "drop"),
+        ("optim_step", None),
+        ("forward_backward", None),
+        ("optim_step", "503"),
+    ]
+    assert injector.injected["drop"] == 1 and injector.injected["503@optim_step"] == 1
+    assert injector.http_fault("healthz") is None
+
+
+def test_fault_injector_rates_are_deterministic_per_seed() -> None:
+    def run(seed: int) -> list[bool]:
+        injector = FaultInjector(FaultSpec.parse(f"seed={seed},500:0.3"))
+        return [injector.http_fault("asample") is not None for _ in range(200)]
+
+    first = run(1)
+    assert first == run(1)
+    assert first != run(2)
+    assert 30 < sum(first) < 90  # about 30% of 200
+
+
+def test_future_kinds_are_decided_separately_from_http_kinds() -> None:
+    injector = FaultInjector(FaultSpec.parse("fail@forward_backward:at=1,410@asample:at=2"))
+    assert injector.http_fault("forward_backward") is None
+    assert injector.submit_fault("forward_backward") is True
+    assert injector.submit_fault("forward_backward") is False
+    assert [injector.poll_fault("asample") for _ in range(3)] == [False, True, False]
+
+
+# ---- latency profile & clock ------------------------------------------------------------
+
+
+def test_latency_profile_parsing() -> None:
+    assert LatencyProfile.parse("off") is None and LatencyProfile.parse(None) is None
+    mint = LatencyProfile.parse("mint")
+    assert mint is not None and mint.cycle_s == 10 and mint.cycle == pytest.approx(0.5)
+    fast = LatencyProfile.parse("mint:scale=0.01, cycle_s=20")
+    assert fast is not None and fast.name == "mint" and fast.cycle == pytest.approx(0.2)
+    custom = LatencyProfile.parse("cycle_s=2,gather_s=1")
+    assert custom is not None and custom.cycle == 2 and custom.sample_time(10) == pytest.approx(1.2)
+    for bad, message in [
+        ("warp", "unknown latency profile 'warp'"),
+        ("mint:", "nothing after ':'"),
+        ("mint:speed=2", "KEY=SECONDS"),
+        ("mint:scale=fast", "not a number"),
+        ("mint:scale=-1", "must be a number >= 0"),
+        ("mint:scale=0", "cycle_s * scale must be > 0"),
+    ]:
+        with pytest.raises(LatencyProfileError) as info:
+            LatencyProfile.parse(bad)
+        assert message in str(info.value)
+
+
+@pytest.mark.anyio
+async def test_training_clock_back_to_back_shares_a_cycle_awaited_costs_two_more() -> None:
+    clock = TrainingClock(cycle=0.05, gather=0.05)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(clock.run)
+        # Back to back: both submitted before the cycle starts -> same cycle.
+        fwd, opt = clock.assign(), clock.assign()
+        assert fwd == opt == 1
+        await clock.wait_start(fwd)
+        await clock.wait_end(opt)
+        # Awaited: the next op is submitted only after the result was released, which
+        # happens at the start of the following cycle -> it lands one cycle later still.
+        nxt = clock.assign()
+        assert nxt == fwd + 2
+        await clock.wait_end(nxt)
+        # The clock went idle after the empty cycle, and restarts on demand.
+        later = clock.assign()
+        await clock.wait_end(later)
+        assert later == nxt + 2
+        tg.cancel_scope.cancel()
+
+
+# ---- sequencer ------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_sequencer_runs_in_seq_order_whatever_the_arrival_order() -> None:
+    seq = ModelSequencer(gap_timeout=30, dedupe_window=16)
+    applied: list[int] = []
+
+    async def op(n: int) -> None:
+        async with seq.turn(n):
+            applied.append(n)
+
+    async with anyio.create_task_group() as tg:
+        for n in (3, 1, 4, 2):
+            seq.claim(n, f"req{n}")
+            tg.start_soon(op, n)
+    assert applied == [1, 2, 3, 4]
+    assert seq.next_seq == 5 and seq.queued == 0
+
+
+def test_sequencer_dedupes_and_refuses_passed_seq_ids() -> None:
+    seq = ModelSequencer(gap_timeout=30, dedupe_window=2)
+    assert seq.lookup(1) is None
+    seq.claim(1, "req-a")
+    assert seq.lookup(1) == "req-a"
+    with pytest.raises(SeqRejected, match="already submitted"):
+        seq.claim(1, "req-b")
+
+
+@pytest.mark.anyio
+async def test_sequencer_abandons_a_gap_after_the_timeout() -> None:
+    seq = ModelSequencer(gap_timeout=0.05, dedupe_window=16)
+    seq.claim(2, "req2")
+    async with seq.turn(2):
+        pass
+    assert seq.gaps_skipped == 1 and seq.next_seq == 3
+    with pytest.raises(SeqRejected, match="moved on to seq_id 3"):
+        seq.claim(1, "late")
+
+
+@pytest.mark.anyio
+async def test_sequencer_does_not_skip_a_slow_current_turn() -> None:
+    seq = ModelSequencer(gap_timeout=0.02, dedupe_window=16)
+    order: list[int] = []
+    release = anyio.Event()
+
+    async def slow_first() -> None:
+        async with seq.turn(1):
+            await release.wait()
+            order.append(1)
+
+    async def second() -> None:
+        async with seq.turn(2):
+            order.append(2)
+
+    async with anyio.create_task_group() as tg:
+        seq.claim(1, "r1")
+        seq.claim(2, "r2")
+        tg.start_soon(slow_first)
+        tg.start_soon(second)
+        await anyio.sleep(0.1)  # several gap timeouts pass while seq 1 holds its turn
+        release.set()
+    assert order == [1, 2] and seq.gaps_skipped == 0
+
+
+# ---- futures --------------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_future_store_long_poll_retention_and_limits() -> None:
+    store = FutureStore(max_pending=2, max_retained=2)
+    a = store.create("asample")
+    assert await store.wait(a, 0.01) is None  # still pending: caller answers try_again
+    b = store.create("asample")
+    with pytest.raises(TooManyPending, match="limit 2"):
+        store.create("asample")
+    store.resolve(a, {"x": 1})
+    assert await store.wait(a, 10) == {"x": 1}
+    assert await store.wait(a, 10) == {"x": 1}  # kept for re-polls
+    store.fail(b, "bad input")
+    assert b.payload == {"error": "bad input", "category": "user"}
+    c = store.create("forward")
+    store.resolve(c, {"y": 2})
+    assert store.get(a.request_id) is None  # oldest finished result was dropped
+    assert store.get(c.request_id) is c
+    with pytest.raises(ValueError, match="must not carry an 'error' key"):
+        store.resolve(store.create("x"), {"error": "oops"})
+
+
+@pytest.mark.anyio
+async def test_future_store_close_releases_held_polls() -> None:
+    store = FutureStore(max_pending=4, max_retained=4)
+    entry = store.create("optim_step")
+    async with anyio.create_task_group() as tg:
+        results: list[object] = []
+
+        async def poll() -> None:
+            results.append(await store.wait(entry, 60))
+
+        tg.start_soon(poll)
+        await anyio.lowlevel.checkpoint()
+        store.close()
+    assert results == [None]
+
+
+# ---- auth -----------------------------------------------------------------------------
+
+
+def test_authenticator_accepts_raw_key_and_its_own_jwts_only() -> None:
+    auth = Authenticator("sk-secret", jwt_ttl_s=3600)
+    token = auth.issue()
+    claims = jwt.decode(token, options={"verify_signature": False})
+    assert isinstance(claims["exp"], int) and claims["exp"] > time.time()
+    assert auth.check("sk-secret") is None
+    assert auth.check(token) is None
+    assert Authenticator("sk-secret", jwt_ttl_s=3600).check(token) is None  # same key
+    assert "not issued by this server" in (
+        Authenticator("sk-other", jwt_ttl_s=3600).check(token) or ""
+    )
+    assert auth.check(None) == "missing API key: send it in the X-API-Key header"
+    assert auth.check("sk-wrong") == "invalid API key"
+    expired = jwt.encode(
+        {"iss": "engine.local", "exp": int(time.time()) - 10}, auth._secret, algorithm="HS256"
+    )
+    assert "expired" in (auth.check(expired) or "")
+    open_auth = Authenticator(None, jwt_ttl_s=3600)
+    assert not open_auth.required and open_auth.check(None) is None
+
+
+# ---- paths & config -------------------------------------------------------------------
+
+
+def test_tinker_paths_map_into_the_data_dir_and_reject_escapes(tmp_path) -> None:
+    path = TinkerPath.parse("tinker://model-abc/weights/step-3")
+    assert path.directory(tmp_path) == tmp_path / "model-abc" / "weights" / "step-3"
+    assert str(path) == "tinker://model-abc/weights/step-3"
+    for bad in [
+        "tinker://model-abc/weights/../../etc",
+        "tinker://model-abc/other/x",
+        "tinker://../weights/x",
+        "file:///etc/passwd",
+        "tinker://m/weights/a/b",
+        "tinker://m/weights/.hidden",
+    ]:
+        with pytest.raises(BadPath):
+            TinkerPath.parse(bad)
+    for bad_name in ["", "/abs", "a/b", "..", "a..b", "x" * 200, "sp ace"]:
+        with pytest.raises(BadPath):
+            check_name(bad_name)
+    assert check_name("ckpt_1.v2-final") == "ckpt_1.v2-final"
+
+
+def test_config_validation() -> None:
+    assert is_loopback_host("127.0.0.1") and is_loopback_host("::1")
+    assert is_loopback_host("localhost") and not is_loopback_host("0.0.0.0")
+    with pytest.raises(ConfigError, match="without an API key"):
+        ServerConfig(host="0.0.0.0")
+    assert ServerConfig(host="0.0.0.0", api_key="tml-x").host == "0.0.0.0"
+    with pytest.raises(ConfigError, match="port"):
+        ServerConfig(port=70000)
+    with pytest.raises(ConfigError, match="max_datums"):
+        Limits(max_datums=0)
+
+
+def test_endpoint_names_drop_ids() -> None:
+    assert endpoint_name("/api/v1/forward_backward") == "forward_backward"
+    assert endpoint_name("/api/v1/samplers/sampler-123") == "samplers"
+    assert endpoint_name("/api/v1/client/config") == "client/config"
+    assert endpoint_name("/api/v1/training_runs/x/checkpoints") == "training_runs"
+
+
+# ---- compute thread -------------------------------------------------------------------
+
+
+@pytest.mark.anyio
+async def test_compute_thread_runs_everything_on_one_thread_in_order() -> None:
+    compute = ComputeThread()
+    seen: list[tuple[int, int]] = []
+
+    def job(n: int) -> int:
+        seen.append((n, threading.get_ident()))
+        return n * n
+
+    async with anyio.create_task_group() as tg:
+        for n in range(5):
+            tg.start_soon(compute.run, lambda n=n: job(n))
+    assert sorted(n for n, _ in seen) == list(range(5))
+    assert {ident for _, ident in seen} == {compute.ident}
+    assert compute.ident != threading.get_ident()
+    assert await compute.run(lambda: job(7)) == 49
+
+    def boom() -> None:
+        raise KeyError("nope")
+
+    with pytest.raises(KeyError, match="nope"):
+        await compute.run(boom)
+    await compute.aclose()

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import socket
+import subprocess
+import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
@@ -205,3 +208,22 @@ def test_preflight_rejected_key_and_unknown_model(tmp_path: Path) -> None:
             f"the MinT server at {keyed.base_url} does not serve model 'nope/model' "
             f"(it serves: {keyed.model_name}); set MINT_BASE_MODEL or --base-model"
         )
+
+
+def test_the_embedding_example_runs_and_cancels_cleanly(tmp_path: Path) -> None:
+    example = Path(__file__).resolve().parents[1] / "examples" / "embed_service.py"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
+    proc = subprocess.run(
+        [sys.executable, str(example), "--steps", "3", "--cancel-after", "1"],
+        env={**env, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert lines[-2] == '[service] final status: {"state": "cancelled", "after_step": 1}'
+    assert lines[-1] == "[service] tasks left besides the service: 0"
+    assert sum(1 for line in lines if line.startswith("[service] Step ")) == 1

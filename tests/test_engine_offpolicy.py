@@ -6,6 +6,7 @@ instants recorded by the engine), never from wall-clock durations.
 
 from __future__ import annotations
 
+import io
 import itertools
 import random
 from collections.abc import Iterator
@@ -37,7 +38,14 @@ def test_k1_overlaps_sampling_with_training_within_its_bound(
     server: LocalServer, tmp_path: Path
 ) -> None:
     config = small_config(server, tmp_path / "run", steps=4, max_steps_off_policy=1)
-    steps, result = run_engine(config)
+    console = io.StringIO()
+    steps, result = run_engine(config, console=console)
+    text = console.getvalue()
+    assert (
+        "Warning: --max-steps-off-policy 1 with the unclipped importance_sampling loss: "
+        "a clipped loss (--loss ppo) is safer off-policy"
+    ) in text
+    assert [s.line for s in steps] == [x for x in text.splitlines() if x.startswith("Step ")]
     assert [s.step for s in steps] == [1, 2, 3, 4]
     # step k+1 started sampling before step k finished training
     for cur, nxt in itertools.pairwise(steps):

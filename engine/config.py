@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, cast, get_args
 
 from engine.errors import ConfigError
+from engine.rl import OnMissingLogprobs
 
 __all__ = [
     "HOSTED_BASE_URL",
@@ -40,7 +41,6 @@ __all__ = [
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 LogFormat = Literal["console", "json"]
-MissingLogprobsPolicy = Literal["error", "drop"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
 """Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
@@ -86,7 +86,7 @@ class EngineConfig:
     clip_high: float = 1.2
     dro_beta: float = 0.05
     concurrency: int = 64
-    on_missing_logprobs: MissingLogprobsPolicy = "error"
+    on_missing_logprobs: OnMissingLogprobs = "error"
     sampling_seed: int | None = None
     lora_seed: int | None = None
     stop_at_eos: bool = False
@@ -468,8 +468,6 @@ KNOBS: Final[tuple[Knob, ...]] = (
     ),
 )
 
-_KNOB_BY_FIELD: Final = {k.field: k for k in KNOBS}
-
 
 def _parse_value(knob: Knob, text: str, source: str) -> Any:
     try:
@@ -516,8 +514,3 @@ def config_from_sources(
 
 def _is_hosted_default(url: str | None) -> bool:
     return url is not None and url.strip().rstrip("/") == HOSTED_BASE_URL.rstrip("/")
-
-
-def knob(field_name: str) -> Knob:
-    """The knob of a config field (KeyError for an unknown one)."""
-    return _KNOB_BY_FIELD[field_name]

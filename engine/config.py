@@ -203,6 +203,10 @@ def _non_empty(v: Any) -> str | None:
     return None if str(v).strip() else "must not be empty"
 
 
+def _existing_dir(v: Any) -> str | None:
+    return None if Path(v).is_dir() else "must be an existing directory"
+
+
 def _parse_int(text: str) -> int:
     return int(text.strip())
 
@@ -444,7 +448,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--local-model",
         (),
         _parse_path,
-        None,
+        _existing_dir,
         "model directory for the local server (implies --local)",
         "the packaged model",
     ),

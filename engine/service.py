@@ -38,7 +38,7 @@ import tinker
 from tinker import types
 
 from engine.config import HOSTED_BASE_URL, EngineConfig
-from engine.errors import EngineError, classify
+from engine.errors import ConfigError, EngineError, classify
 from engine.redact import register_secret
 from engine.retry import SDK_MAX_RETRIES, OpKind, RetryCounter
 from engine.rl import Completion
@@ -298,16 +298,24 @@ async def open_session(
     must be :meth:`~EngineConfig.resolved`; ``say`` receives the console lines
     (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...")."""
     if config.uses_local_server:
+        from engine.local import ConfigError as LocalConfigError
         from engine.local import serve_local
+        from engine.local.backend import BackendError
 
         say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
-        async with serve_local(model_dir=config.local_model) as server:
+        async with contextlib.AsyncExitStack() as stack:
+            try:
+                server = await stack.enter_async_context(serve_local(model_dir=config.local_model))
+            except (LocalConfigError, BackendError) as exc:
+                raise ConfigError(f"cannot start the local server: {exc}") from exc
             say(f"Local server: {server.base_url} serving {server.model_name}")
             base_model = config.base_model or server.model_name
             # A local server without a key accepts any; the SDK still wants one.
             api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
-            async with _connect(config, server.base_url, api_key, base_model, True, say) as session:
-                yield session
+            session = await stack.enter_async_context(
+                _connect(config, server.base_url, api_key, base_model, True, say)
+            )
+            yield session
         return
     register_secret(config.api_key)
     base_url = config.base_url or HOSTED_BASE_URL

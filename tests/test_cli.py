@@ -107,6 +107,11 @@ BAD_INPUT = [
         "or neither to start the local server",
     ),
     (["--bogus"], {}, "Error: unrecognized arguments: --bogus (see --help)"),
+    (
+        ["--local-model", "/no/such/model/dir"],
+        {},
+        "Error: --local-model must be an existing directory, got '/no/such/model/dir'",
+    ),
 ]
 
 
@@ -277,6 +282,22 @@ def test_json_log_format_and_env_knobs(tmp_path: Path) -> None:
     saved = [e for e in events if e["event"] == "saved"]
     assert len(saved) == 1
     assert proc.stderr.splitlines()[-1] == f"Saved: {saved[0]['path']}"
+
+
+def test_a_directory_that_is_not_a_model_is_a_config_error(tmp_path: Path) -> None:
+    (tmp_path / "not-a-model").mkdir()
+    proc = subprocess.run(
+        [sys.executable, "-m", "engine.run", "--local-model", "not-a-model", "--run-dir", "r"],
+        env=_cli_env(),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("Error: cannot start the local server: ")
+    assert "not-a-model" in proc.stderr and len(proc.stderr.splitlines()) == 1
 
 
 def test_runtime_failure_is_one_error_line_and_exit_1(tmp_path: Path) -> None:

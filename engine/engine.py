@@ -129,9 +129,12 @@ class Engine:
     # -- lifecycle -----------------------------------------------------------------
 
     async def __aenter__(self) -> Engine:
+        self._started_at = time.perf_counter()
         try:
             await self._open()
-        except BaseException:
+        except BaseException as exc:
+            if self._run_dir is not None and isinstance(exc, Exception):
+                self._write_summary(_unwrap(exc))
             await self._resources.aclose()
             raise
         return self
@@ -195,7 +198,6 @@ class Engine:
         the consumer of steps()/run(), not to the task that entered the engine."""
         assert self._session is not None and self._send is not None and self._log is not None
         session, log, cfg = self._session, self._log, self._config
-        self._started_at = time.perf_counter()
         try:
             async with self._send:
                 source = self._task.source(cfg.seed)
@@ -227,6 +229,13 @@ class Engine:
         self._state = result.state
         self._metrics.append(result.metrics)
         self._log.step(result.metrics, result.line)
+        dropped = result.metrics["dropped/missing_logprobs"]
+        if dropped:
+            self._log.warning(
+                "missing_logprobs",
+                f"step {result.step}: dropped {dropped} responses that came without sampler "
+                "logprobs (--on-missing-logprobs drop)",
+            )
         for hook in self._hooks:
             value = hook(result)
             if inspect.isawaitable(value):

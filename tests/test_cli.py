@@ -321,3 +321,7 @@ def test_runtime_failure_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
     )
     assert proc.stdout.splitlines() == ["Connecting to MinT server...", f"Endpoint: {url}"]
     assert "sk-test-secret" not in (tmp_path / "r" / "config.json").read_text()
+    summary = json.loads((tmp_path / "r" / "summary.json").read_text())
+    assert summary["status"] == "failed"
+    assert summary["error"].startswith(f"cannot reach the MinT server at {url}")
+    assert "status: **failed**" in (tmp_path / "r" / "summary.md").read_text()

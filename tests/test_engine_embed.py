@@ -22,6 +22,7 @@ import pytest
 from engine import Engine, EngineConfig, StepResult
 from engine.local import LocalServer
 from engine.service import PreflightError
+from engine.tasks import load_task
 from tests.engine_support import API_KEY, run_engine, small_config
 
 REQUIRED_METRICS = (
@@ -227,3 +228,18 @@ def test_the_embedding_example_runs_and_cancels_cleanly(tmp_path: Path) -> None:
     assert lines[-2] == '[service] final status: {"state": "cancelled", "after_step": 1}'
     assert lines[-1] == "[service] tasks left besides the service: 0"
     assert sum(1 for line in lines if line.startswith("[service] Step ")) == 1
+
+
+@pytest.mark.parametrize(
+    "spec", ["tests.user_tasks:make_task", "tests.user_tasks:AsyncDigitCountTask"]
+)
+def test_user_task_from_a_task_path(spec: str, server: LocalServer, tmp_path: Path) -> None:
+    task = load_task(spec)
+    steps, _ = run_engine(small_config(server, tmp_path / "run", steps=1), task=task)
+    m = steps[0].metrics
+    assert "env/all/digits" in m and "env/all/digits/rate" in m
+    assert 0.0 <= m["avg_reward"] <= 1.0
+    assert "exact_rate" not in m
+    assert steps[0].line == f"Step 1: avg_reward={m['avg_reward']:.3f}, datums={m['datums']}"
+    config = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert config["task_name"] == task.name

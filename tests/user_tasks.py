@@ -1,0 +1,45 @@
+"""User tasks for the tests, loaded the way ``--task package.module:attr`` loads them."""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping
+from typing import Any
+
+import anyio
+
+from engine.tasks import Problem, RewardBreakdown, SeededSource
+
+
+class DigitCountTask:
+    """Reward = the share of characters of the response that are digits (component
+    ``digits``); ``async_score`` makes ``score`` a coroutine function."""
+
+    name = "digit-count"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        def make(rng: random.Random, index: int) -> Problem:
+            n = rng.randint(1, 9)
+            return Problem(index, f"Write {n} digits.", n)
+
+        return SeededSource(make, seed, state)
+
+    def prompt(self, problem: Problem) -> str:
+        return f"Question: {problem.question}\nAnswer:"
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        share = sum(ch.isdigit() for ch in response) / max(1, len(response))
+        return RewardBreakdown(share, {"digits": share})
+
+
+class AsyncDigitCountTask(DigitCountTask):
+    name = "digit-count-async"
+
+    async def score(self, response: str, problem: Problem) -> RewardBreakdown:  # type: ignore[override]
+        await anyio.lowlevel.checkpoint()
+        return DigitCountTask.score(self, response, problem)
+
+
+def make_task() -> DigitCountTask:
+    """A zero-argument factory, as ``--task tests.user_tasks:make_task`` expects."""
+    return DigitCountTask()

@@ -397,6 +397,15 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "none",
     ),
     Knob(
+        "lora_seed",
+        "--lora-seed",
+        (),
+        _parse_int,
+        None,
+        "seed of the LoRA initialisation (the quickstart leaves it to the server)",
+        "none",
+    ),
+    Knob(
         "task",
         "--task",
         (),

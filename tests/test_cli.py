@@ -14,7 +14,7 @@ import pytest
 
 from engine.config import EngineConfig, config_from_sources
 from engine.errors import ConfigError
-from engine.run import main
+from engine.run import build_parser, main
 
 ENV_NAMES = (
     "MINT_API_KEY",
@@ -325,3 +325,18 @@ def test_runtime_failure_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
     assert summary["status"] == "failed"
     assert summary["error"].startswith(f"cannot reach the MinT server at {url}")
     assert "status: **failed**" in (tmp_path / "r" / "summary.md").read_text()
+
+
+def test_every_config_field_is_a_flag() -> None:
+    import dataclasses
+
+    from engine.config import KNOBS
+
+    switches = {"local", "stop_at_eos", "progress"}  # store_true flags of the CLI
+    fields = {f.name for f in dataclasses.fields(EngineConfig)}
+    assert fields - switches == {k.field for k in KNOBS}
+    flags = build_parser().format_help()
+    for knob in KNOBS:
+        assert knob.flag in flags
+    for switch in ("--local", "--stop-at-eos", "--no-progress"):
+        assert switch in flags

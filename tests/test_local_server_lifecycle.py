@@ -230,4 +230,4 @@ def test_an_existing_user_script_runs_unchanged(tmp_path: Path) -> None:
         assert lines[-1].endswith("/sampler_weights/custom-reward-final")
         stats = server.stats
         assert list(stats.optimizer_steps.values()) == [2]
-        assert stats.requests["telemetry"] >= 0 and stats.applied["asample"] == 4
+        assert stats.applied["asample"] == 4

@@ -407,3 +407,75 @@ async def test_sample_validation_and_dedupe(server: RunningServer, http: httpx.A
     with_prompt_lp["prompt_logprobs"] = True
     answer = await result(http, (await post(http, "asample", with_prompt_lp))["request_id"])
     assert answer["prompt_logprobs"][0] is None and len(answer["prompt_logprobs"]) == 4
+
+
+async def test_the_server_answers_while_the_compute_thread_is_busy(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    model_id = await new_model(http, server)
+    started, release = threading.Event(), threading.Event()
+
+    def occupy(_backend: object) -> None:
+        started.set()
+        release.wait(30)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(server.backend_call, occupy)
+        await anyio.to_thread.run_sync(started.wait, 30)
+        # Training work queues behind the busy thread, everything else still answers.
+        ref = await post(http, "forward_backward", fwd_bwd(model_id, 1))
+        pending = await post(http, "retrieve_future", {"request_id": ref["request_id"]})
+        assert pending["type"] == "try_again"
+        assert (await http.get("/api/v1/healthz")).json() == {"status": "ok"}
+        assert await post(http, "session_heartbeat", {"session_id": "s"})
+        assert (await http.get("/api/v1/get_server_capabilities")).status_code == 200
+        release.set()
+    assert "error" not in await result(http, ref["request_id"])
+
+
+async def test_leaving_serve_local_releases_held_long_polls() -> None:
+    answers: list[dict[str, Any]] = []
+
+    async def poll(base_url: str, request_id: str) -> None:
+        async with httpx.AsyncClient(base_url=base_url, timeout=60) as own:
+            answers.append(await post(own, "retrieve_future", {"request_id": request_id}))
+
+    # The poll task outlives the server: contexts close right to left, server first.
+    async with (
+        anyio.create_task_group() as tg,
+        serve_local(long_poll_s=600, seq_gap_timeout_s=600) as server,
+        httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
+    ):
+        model_id = await new_model(http, server)
+        ref = await post(http, "forward_backward", fwd_bwd(model_id, 2))  # waits for seq 1
+        tg.start_soon(poll, server.base_url, ref["request_id"])
+        await server.service.futures.next_hold()
+        assert server.stats.polls_held == 1
+        # Leaving the server block with the poll still held must not wait 600 s.
+    assert answers == [
+        {"type": "try_again", "request_id": ref["request_id"], "queue_state": "active"}
+    ]
+
+
+async def test_in_memory_sampler_snapshots_are_bounded() -> None:
+    async with (
+        serve_local(limits=Limits(max_ephemeral_samplers=2)) as server,
+        httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
+    ):
+        model_id = await new_model(http, server)
+        sessions = []
+        for seq in range(1, 4):
+            ref = await post(
+                http,
+                "save_weights_for_sampler",
+                {"model_id": model_id, "seq_id": seq, "sampling_session_seq_id": seq},
+            )
+            sessions.append((await result(http, ref["request_id"]))["sampling_session_id"])
+        oldest = await post(http, "asample", sample_body(sessions[0], 1))
+        failed = await result(http, oldest["request_id"])
+        assert (
+            "was released" in failed["error"] and "keeps only the 2 most recent" in failed["error"]
+        )
+        newest = await post(http, "asample", sample_body(sessions[2], 2))
+        assert len((await result(http, newest["request_id"]))["sequences"]) == 2
+        assert server.stats.sampling_sessions == 2

@@ -50,6 +50,10 @@ class Limits:
     """asample requests merged into one backend.sample call."""
     dedupe_window: int = 4096
     """Per-model (seq_id -> request) entries remembered for duplicate detection."""
+    max_ephemeral_samplers: int = 64
+    """Snapshots from save_weights_and_get_sampling_client kept in memory; the oldest is
+    released beyond this (sampling from it then fails with a clear error). Named
+    snapshots (save_weights_for_sampler) are not counted: they live on disk."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

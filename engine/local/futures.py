@@ -48,6 +48,9 @@ class FutureStore:
         self._entries: dict[str, FutureEntry] = {}
         self._finished: OrderedDict[str, None] = OrderedDict()
         self._closing = False
+        self.held = 0
+        """retrieve_future polls currently held open."""
+        self._hold_started = anyio.Event()
 
     @property
     def pending(self) -> int:
@@ -102,9 +105,19 @@ class FutureStore:
         """The payload once finished, or None when ``hold_s`` passes first (or the
         server is closing): the caller answers try_again."""
         if not entry.finished and not self._closing:
-            with anyio.move_on_after(hold_s):
-                await entry.done.wait()
+            self.held += 1
+            started, self._hold_started = self._hold_started, anyio.Event()
+            started.set()
+            try:
+                with anyio.move_on_after(hold_s):
+                    await entry.done.wait()
+            finally:
+                self.held -= 1
         return entry.payload
+
+    async def next_hold(self) -> None:
+        """Return once a poll starts being held (after this call)."""
+        await self._hold_started.wait()
 
     def close(self) -> None:
         """Release every held poll (they answer try_again) so shutdown never waits on

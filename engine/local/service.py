@@ -174,6 +174,9 @@ class LocalService:
         self._model_requests = _BoundedMap()
         self._sampler_sessions_by_seq = _BoundedMap()
         self._sample_requests = _BoundedMap()
+        self._ephemeral: OrderedDict[str, str] = OrderedDict()
+        """sampling_session_id -> key of in-memory-only snapshots, oldest first."""
+        self._released: _BoundedMap = _BoundedMap()
         self._sampler_keys: dict[str, str] = {}
         """tinker path -> backend sampler key, for checkpoints loaded or saved here."""
         self._accepted_names = {
@@ -217,6 +220,7 @@ class LocalService:
             seq_gaps_skipped=sum(m.seq.gaps_skipped for m in self.models.values()),
             futures_pending=self.futures.pending,
             futures_retained=self.futures.retained,
+            polls_held=self.futures.held,
             compute_busy_s=self.compute.busy_s,
             models=len(self.models),
             sampling_sessions=len(self.samplers),
@@ -496,7 +500,17 @@ class LocalService:
         if path is not None:
             self._sampler_keys[str(path)] = key
             return None
-        return self._new_sampler_session(key, None)
+        sampler_id = self._new_sampler_session(key, None)
+        self._ephemeral[sampler_id] = key
+        while len(self._ephemeral) > self.config.limits.max_ephemeral_samplers:
+            old_id, old_key = self._ephemeral.popitem(last=False)
+            self.samplers.pop(old_id, None)
+            self._released.remember(old_id, old_key)
+            self._spawn(self._release_sampler, old_key)
+        return sampler_id
+
+    async def _release_sampler(self, key: str) -> None:
+        await self.compute.run(lambda: self.backend.release_sampler(key))
 
     async def _run_training(
         self,
@@ -632,6 +646,13 @@ class LocalService:
     def _sample_job(self, req: SampleW) -> SampleJob:
         if req.sampling_session_id is not None:
             session = self.samplers.get(req.sampling_session_id)
+            if session is None and req.sampling_session_id in self._released:
+                raise WireError(
+                    f"sampling session {req.sampling_session_id!r} was released: the local "
+                    f"server keeps only the {self.config.limits.max_ephemeral_samplers} most "
+                    "recent save_weights_and_get_sampling_client snapshots in memory (use "
+                    "save_weights_for_sampler for snapshots you sample from for longer)"
+                )
             if session is None:
                 raise WireError(
                     f"unknown sampling_session_id {req.sampling_session_id!r} (sampling "

@@ -45,6 +45,8 @@ class StatsSnapshot:
     seq_gaps_skipped: int
     futures_pending: int
     futures_retained: int
+    polls_held: int
+    """retrieve_future polls currently held open (long-poll)."""
     compute_busy_s: float
     models: int
     sampling_sessions: int

@@ -107,6 +107,14 @@ def test_async_flow_with_an_sk_key() -> None:
         assert list(stats.optimizer_steps.values()) == [1]
 
 
+def test_both_key_kinds_work_when_the_server_has_no_key() -> None:
+    with LocalServer() as open_server:
+        for key in ("tml-anything", "sk-anything"):
+            service = mint.ServiceClient(base_url=open_server.base_url, api_key=key)
+            names = [m.model_name for m in service.get_server_capabilities().supported_models]
+            assert names == [open_server.model_name]
+
+
 def test_a_wrong_key_is_refused_with_a_clear_error(server: LocalServer) -> None:
     with pytest.raises(mint.AuthenticationError) as info:
         mint.ServiceClient(base_url=server.base_url, api_key="tml-wrong")

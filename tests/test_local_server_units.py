@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 
 import anyio
 import anyio.lowlevel
@@ -20,6 +21,7 @@ from engine.local.futures import FutureStore, TooManyPending
 from engine.local.latency import LatencyProfile, LatencyProfileError, TrainingClock
 from engine.local.middleware import endpoint_name
 from engine.local.sequencer import ModelSequencer, SeqRejected
+from engine.local.service import sampler_base_model
 from engine.local.storage import BadPath, TinkerPath, check_name
 
 
@@ -281,7 +283,7 @@ def test_authenticator_accepts_raw_key_and_its_own_jwts_only() -> None:
 # ---- paths & config -------------------------------------------------------------------
 
 
-def test_tinker_paths_map_into_the_data_dir_and_reject_escapes(tmp_path) -> None:
+def test_tinker_paths_map_into_the_data_dir_and_reject_escapes(tmp_path: Path) -> None:
     path = TinkerPath.parse("tinker://model-abc/weights/step-3")
     assert path.directory(tmp_path) == tmp_path / "model-abc" / "weights" / "step-3"
     assert str(path) == "tinker://model-abc/weights/step-3"
@@ -346,3 +348,11 @@ async def test_compute_thread_runs_everything_on_one_thread_in_order() -> None:
     with pytest.raises(KeyError, match="nope"):
         await compute.run(boom)
     await compute.aclose()
+
+
+def test_sampler_base_model_survives_the_clients_org_model_heuristic(tmp_path: Path) -> None:
+    assert sampler_base_model(Path("/models/tiny")) == "/models/./tiny"
+    assert Path(sampler_base_model(Path("/models/tiny"))).resolve() == Path("/models/tiny")
+    deep = tmp_path / "a" / "model"
+    assert sampler_base_model(deep) == str(deep)
+    assert sampler_base_model(Path("/tiny")) == "/tiny"

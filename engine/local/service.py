@@ -608,7 +608,7 @@ class LocalService:
             )
         answer: dict[str, Any] = {
             "sampler_id": sampler_id,
-            "base_model": str(self.card.directory),
+            "base_model": sampler_base_model(self.card.directory),
         }
         if session.model_path is not None:
             answer["model_path"] = session.model_path
@@ -751,6 +751,16 @@ class LocalService:
 
 
 _INJECTED_FAIL = "injected fault: the server failed this request (fault injection)"
+
+
+def sampler_base_model(directory: Path) -> str:
+    """The model directory as the base_model a SamplingClient turns into a tokenizer id:
+    the client cuts a name with exactly two '/' to "org/model", so such a path gets a
+    harmless "/./" to keep it intact (e.g. "/models/tiny" -> "/models/./tiny")."""
+    text = str(directory)
+    if text.count("/") == 2:
+        text = f"{directory.parent}/./{directory.name}"
+    return text
 
 
 def _busy(message: str) -> HttpError:

@@ -479,3 +479,21 @@ async def test_in_memory_sampler_snapshots_are_bounded() -> None:
         newest = await post(http, "asample", sample_body(sessions[2], 2))
         assert len((await result(http, newest["request_id"]))["sequences"]) == 2
         assert server.stats.sampling_sessions == 2
+
+
+async def test_a_reused_seq_id_with_a_different_body_is_refused_not_deduped(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    model_id = await new_model(http, server)
+    first = await post(http, "forward_backward", fwd_bwd(model_id, 1))
+    await result(http, first["request_id"])
+    # A second client for the same model starting again at seq_id 1 with other data:
+    other = fwd_bwd(model_id, 1)
+    other["forward_backward_input"]["data"] = [datum(3)]
+    clash = await post(http, "forward_backward", other)
+    assert clash["request_id"] != first["request_id"]
+    failed = await result(http, clash["request_id"])
+    assert (
+        "seq_id 1 of model" in failed["error"] and "already used by a different" in failed["error"]
+    )
+    assert server.stats.applied["forward_backward"] == 1

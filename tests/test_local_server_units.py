@@ -174,8 +174,8 @@ async def test_sequencer_runs_in_seq_order_whatever_the_arrival_order() -> None:
 def test_sequencer_dedupes_and_refuses_passed_seq_ids() -> None:
     seq = ModelSequencer(gap_timeout=30, dedupe_window=2)
     assert seq.lookup(1) is None
-    seq.claim(1, "req-a")
-    assert seq.lookup(1) == "req-a"
+    seq.claim(1, "req-a", "digest-a")
+    assert seq.lookup(1) == ("req-a", "digest-a")
     with pytest.raises(SeqRejected, match="already submitted"):
         seq.claim(1, "req-b")
 

@@ -8,6 +8,7 @@ client treats a bodiless 400 as a proxy glitch and retries it.
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 from collections.abc import Awaitable, Callable
@@ -49,7 +50,8 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     app = FastAPI(title="engine.local", docs_url=None, redoc_url=None, openapi_url=None)
     limit = service.config.limits.max_body_bytes
 
-    async def body_of(request: Request) -> Any:
+    async def body_of(request: Request) -> tuple[Any, str]:
+        """The parsed JSON body and a digest of its bytes (equal for resubmissions)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
             raise HttpError(413, _too_large(int(declared), limit))
@@ -62,17 +64,23 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
             chunks.append(chunk)
         raw = b"".join(chunks)
         if not raw:
-            return {}
+            return {}, ""
         try:
             if size > _PARSE_IN_THREAD_BYTES:
-                return await anyio.to_thread.run_sync(json.loads, raw)
-            return json.loads(raw)
+                return await anyio.to_thread.run_sync(_decode, raw)
+            return _decode(raw)
         except ValueError:
             raise HttpError(400, "request body is not valid JSON") from None
 
-    def post(path: str, handler: Callable[[Any], Awaitable[Any] | Any]) -> None:
+    def post(
+        path: str,
+        handler: Callable[..., Awaitable[Any] | Any],
+        *,
+        digest: bool = False,
+    ) -> None:
         async def route(request: Request) -> JSONResponse:
-            result = handler(await body_of(request))
+            body, body_digest = await body_of(request)
+            result = handler(body, body_digest) if digest else handler(body)
             if isinstance(result, Awaitable):
                 result = await result
             return JSONResponse(result)
@@ -87,10 +95,10 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     post("create_model", service.create_model)
     post("get_info", service.get_info)
     for endpoint in TRAINING_ENDPOINTS:
-        post(endpoint, functools.partial(service.submit_training, endpoint))
+        post(endpoint, functools.partial(service.submit_training, endpoint), digest=True)
     post("weights_info", service.weights_info)
     post("create_sampling_session", service.create_sampling_session)
-    post("asample", service.asample)
+    post("asample", service.asample, digest=True)
     post("retrieve_future", service.retrieve_future)
     for endpoint, message in UNSUPPORTED_FUTURES.items():
         post(endpoint, functools.partial(_unsupported_future, service, endpoint, message))
@@ -142,6 +150,10 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
 
     hide_injected_drop_tracebacks()
     return FaultMiddleware(AuthMiddleware(app, auth), service.faults, service.stats)
+
+
+def _decode(raw: bytes) -> tuple[Any, str]:
+    return json.loads(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()
 
 
 def _unsupported_future(

@@ -33,8 +33,8 @@ class ModelSequencer:
         self._window = dedupe_window
         self.next_seq = 1
         """The seq_id whose turn it is."""
-        self._claimed: OrderedDict[int, str] = OrderedDict()
-        """seq_id -> request_id of every accepted submission (bounded window)."""
+        self._claimed: OrderedDict[int, tuple[str, str]] = OrderedDict()
+        """seq_id -> (request_id, body digest) of accepted submissions (bounded window)."""
         self._open: set[int] = set()
         """Accepted seq_ids whose turn has not finished yet."""
         self._turn_changed = anyio.Event()
@@ -45,11 +45,12 @@ class ModelSequencer:
     def queued(self) -> int:
         return len(self._open)
 
-    def lookup(self, seq_id: int) -> str | None:
-        """The request_id that already holds ``seq_id`` (a resubmission), if any."""
+    def lookup(self, seq_id: int) -> tuple[str, str] | None:
+        """(request_id, digest) of the submission that already holds ``seq_id``, if any.
+        Equal digests mean a resubmission; different ones, a different request."""
         return self._claimed.get(seq_id)
 
-    def claim(self, seq_id: int, request_id: str) -> None:
+    def claim(self, seq_id: int, request_id: str, digest: str = "") -> None:
         """Register a new submission for ``seq_id`` (check ``lookup`` first); raise
         ``SeqRejected`` when its turn has already passed without it."""
         if seq_id in self._claimed:
@@ -60,7 +61,7 @@ class ModelSequencer:
                 f"{self.next_seq} (it was abandoned after waiting {self._gap_timeout:g} s, "
                 "or is older than the dedupe window); applying it now would reorder training"
             )
-        self._claimed[seq_id] = request_id
+        self._claimed[seq_id] = (request_id, digest)
         self._open.add(seq_id)
         while len(self._claimed) > self._window:
             oldest = next(iter(self._claimed))

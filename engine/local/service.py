@@ -408,10 +408,14 @@ class LocalService:
 
     # ---- training operations ----------------------------------------------------------
 
-    def submit_training(self, endpoint: str, body: Any) -> dict[str, Any]:
+    def submit_training(self, endpoint: str, body: Any, digest: str = "") -> dict[str, Any]:
         """Accept one training operation: dedupe on (model_id, seq_id), build its job
         (bad input fails the future but still takes the seq_id's turn, so later
-        operations of the model are not blocked), and queue it in seq order."""
+        operations of the model are not blocked), and queue it in seq order.
+
+        ``digest`` fingerprints the request body: a resubmission carries the same one.
+        The same seq_id with a different body is not a retry but a second client
+        numbering from 1 again; it is refused rather than answered with a stale result."""
         model_id, seq_id = _raw(body, "model_id", str), _raw(body, "seq_id", int)
         if model_id is None:
             raise HttpError(400, f"invalid {endpoint} request: model_id (a string) is required")
@@ -426,8 +430,17 @@ class LocalService:
             )
         existing = model.seq.lookup(seq_id)
         if existing is not None:
+            request_id, earlier_digest = existing
+            if earlier_digest != digest:
+                return self.failed_future(
+                    endpoint,
+                    f"seq_id {seq_id} of model {model_id} was already used by a different "
+                    "request; seq_ids number one training client's operations, so a second "
+                    "client for the same model cannot start again at 1 (create a new training "
+                    "client, e.g. with create_training_client_from_state)",
+                )
             self.stats.dedupe_hits[endpoint] += 1
-            return {"request_id": existing, "model_id": model_id}
+            return {"request_id": request_id, "model_id": model_id}
         if model.seq.queued >= self.config.limits.max_pending_per_model:
             raise HttpError(
                 429,
@@ -437,7 +450,7 @@ class LocalService:
             )
         entry = self._new_future(endpoint, model_id)
         try:
-            model.seq.claim(seq_id, entry.request_id)
+            model.seq.claim(seq_id, entry.request_id, digest)
         except SeqRejected as exc:
             self.futures.fail(entry, str(exc))
             return self._ref(entry)
@@ -616,9 +629,12 @@ class LocalService:
 
     # ---- sampling -------------------------------------------------------------------
 
-    def asample(self, body: Any) -> dict[str, Any]:
+    def asample(self, body: Any, digest: str = "") -> dict[str, Any]:
+        """Queue one sample request for the batcher. A resubmission (same session,
+        seq_id and body) gets the original future; a different body under the same
+        seq_id (another client object on the same session) is a new request."""
         session_id, seq_id = _raw(body, "sampling_session_id", str), _raw(body, "seq_id", int)
-        dedupe_key = (session_id, seq_id)
+        dedupe_key = (session_id, seq_id, digest)
         if session_id is not None and seq_id is not None:
             existing = self._sample_requests.get(dedupe_key)
             if existing is not None and self.futures.get(existing) is not None:

@@ -113,7 +113,10 @@ class AdapterHost:
     def remove(self, name: str) -> None:
         if self._adapters.pop(name, None) is None:
             return
-        delete_adapter(self.model, name, prefix="lora_")
+        with warnings.catch_warnings():
+            # we always set the adapter we need before running the model
+            warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
+            delete_adapter(self.model, name, prefix="lora_")
         self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
 
     def shapes(self, rank: int, targets: TargetSet) -> dict[str, tuple[int, int]]:

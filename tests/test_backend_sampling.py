@@ -1,0 +1,271 @@
+"""Sampling: logprob conventions (on-policy importance ratio 1), batching equivalence,
+seeds, stops, prompt logprobs, frozen snapshots and request validation."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from backend_util import new_backend, prompt_ids, random_datums, rl_datum
+
+from engine.local.backend import (
+    AdamConfig,
+    Backend,
+    BackendError,
+    DatumIn,
+    LoraSpec,
+    SampleJob,
+)
+
+
+@pytest.fixture(scope="module")
+def backend() -> Backend:
+    b = new_backend()
+    b.create_model("trained", LoraSpec(rank=4, seed=0))
+    # move the adapter away from the base model so snapshots are not trivially equal
+    for seed in range(3):
+        data = [
+            DatumIn(
+                t, {"target_tokens": torch.tensor(t[1:] + t[:1]), "weights": torch.ones(len(t))}
+            )
+            for t in random_datums(b, 2, seed)
+        ]
+        b.forward_backward("trained", data, "cross_entropy", None, backward=True)
+        b.optim_step("trained", AdamConfig(learning_rate=5e-3))
+    return b
+
+
+def _train_logprobs(
+    backend: Backend, model_id: str, prompt: list[int], tokens: list[int]
+) -> list[float]:
+    full = prompt + tokens
+    datum = rl_datum(full, len(prompt), [0.0] * len(tokens), 1.0)
+    out = backend.forward_backward(model_id, [datum], "importance_sampling", None, backward=False)
+    return out.outputs[0]["logprobs"][len(prompt) - 1 :].tolist()
+
+
+def test_on_policy_importance_ratio_is_one(backend: Backend) -> None:
+    key = backend.save_sampler("trained", None)
+    prompts = [prompt_ids(backend, 12, 34), prompt_ids(backend, 5, 99), [1, 40, 41, 42]]
+    results = backend.sample([SampleJob(key, p, 4, 12, temperature=1.0, seed=1) for p in prompts])
+    data = []
+    for prompt, res in zip(prompts, results, strict=True):
+        for seq in res.sequences:
+            data.append(rl_datum(prompt + seq.tokens, len(prompt), seq.logprobs, 1.0))
+    out = backend.forward_backward("trained", data, "importance_sampling", None, backward=False)
+
+    n_tokens = 0
+    for datum, o in zip(data, out.outputs, strict=True):
+        mask = datum.inputs["advantages"] != 0
+        ratio = torch.exp(o["logprobs"][mask] - datum.inputs["logprobs"][mask])
+        n_tokens += int(mask.sum())
+        assert float((ratio - 1).abs().max()) < 1e-5
+    # IS loss with A = 1 on every sampled token is then minus the token count
+    assert out.metrics["loss:sum"] == pytest.approx(-n_tokens, rel=1e-5)
+
+
+def test_logprobs_follow_the_sampling_distribution(backend: Backend) -> None:
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 47, 38)
+    greedy, top1, sharp, warm = backend.sample(
+        [
+            SampleJob(key, prompt, 1, 8, temperature=0.0),
+            SampleJob(key, prompt, 3, 8, temperature=1.0, top_k=1, seed=3),
+            SampleJob(key, prompt, 3, 8, temperature=1.0, top_p=1e-6, seed=4),
+            SampleJob(key, prompt, 3, 8, temperature=0.5, seed=5),
+        ]
+    )
+    g = greedy.sequences[0]
+    # greedy reports the untempered model logprob: what training computes
+    assert g.logprobs == pytest.approx(
+        _train_logprobs(backend, "trained", prompt, g.tokens), abs=1e-5
+    )
+    # top-k=1 / tiny top-p: the renormalised distribution is a point mass on the argmax
+    for res in (top1, sharp):
+        for seq in res.sequences:
+            assert seq.tokens == g.tokens
+            assert seq.logprobs == [0.0] * len(seq.tokens)
+    # temperature 0.5: log_softmax(logits / 0.5) of the chosen token
+    with backend._host.active(backend._load_slot(key)):
+        for seq in warm.sequences:
+            ids = torch.tensor([prompt + seq.tokens])
+            logits = backend._model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+            want = torch.log_softmax(logits / 0.5, -1).gather(-1, torch.tensor(seq.tokens)[:, None])
+            assert seq.logprobs == pytest.approx(want.squeeze(-1).tolist(), abs=1e-5)
+
+
+def test_batched_requests_equal_individual_requests(backend: Backend) -> None:
+    key = backend.save_sampler("trained", None)
+    jobs = [
+        SampleJob(key, prompt_ids(backend, 12, 34), 6, 16, temperature=0.8, seed=1),
+        SampleJob(key, [1, 50, 60], 3, 10, temperature=1.0, seed=2, top_k=20),
+        SampleJob(None, prompt_ids(backend, 5, 7), 2, 16, temperature=1.0, seed=3, top_p=0.9),
+        SampleJob(key, prompt_ids(backend, 99, 99), 1, 16, temperature=0.0),
+        SampleJob(key, [1, *range(10, 40)], 4, 5, temperature=1.2, seed=4, prompt_logprobs=True),
+    ]
+    together = backend.sample(jobs)
+    for job, res in zip(jobs, together, strict=True):
+        (alone,) = backend.sample([job])
+        assert [s.tokens for s in res.sequences] == [s.tokens for s in alone.sequences]
+        assert [s.stop_reason for s in res.sequences] == [s.stop_reason for s in alone.sequences]
+        for s, t in zip(res.sequences, alone.sequences, strict=True):
+            # float32: a different batch shape may change the last bits of the arithmetic
+            assert s.logprobs == pytest.approx(t.logprobs, abs=1e-4)
+            assert all(math.isfinite(x) for x in s.logprobs)
+        if job.prompt_logprobs:
+            assert res.prompt_logprobs is not None and alone.prompt_logprobs is not None
+            assert res.prompt_logprobs[0] is None
+            assert res.prompt_logprobs[1:] == pytest.approx(alone.prompt_logprobs[1:], abs=1e-4)
+
+
+def test_many_requests_cost_one_batched_forward_per_token(backend: Backend) -> None:
+    """8 problems x 6 samples x 16 tokens: one prefill plus at most 15 decode forwards."""
+    key = backend.save_sampler("trained", None)
+    calls = []
+    hook = backend._model.register_forward_hook(lambda m, i, o: calls.append(1))
+    try:
+        jobs = [
+            SampleJob(key, prompt_ids(backend, 10 + i, 20 + 3 * i), 6, 16, temperature=1.0, seed=i)
+            for i in range(8)
+        ]
+        results = backend.sample(jobs)
+    finally:
+        hook.remove()
+    assert [len(r.sequences) for r in results] == [6] * 8
+    assert len(calls) <= 16
+
+
+def test_seed_makes_sampling_reproducible(backend: Backend) -> None:
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 31, 45)
+
+    def draw(seed: int) -> list[list[int]]:
+        (res,) = backend.sample([SampleJob(key, prompt, 8, 16, temperature=1.5, seed=seed)])
+        return [s.tokens for s in res.sequences]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    assert len({tuple(t) for t in draw(7)}) > 1  # samples within a request differ
+
+
+def test_stop_conditions(backend: Backend) -> None:
+    tok = backend.tokenizer
+    prompt = prompt_ids(backend, 12, 34)
+    (greedy,) = backend.sample([SampleJob(None, prompt, 1, 16, temperature=0.0)])
+    g = greedy.sequences[0]
+    assert g.stop_reason == "stop" and g.tokens[-1] == tok.eos_token_id  # EOS stops, kept
+    text_ids = g.tokens[:-1]
+    assert len(text_ids) >= 3
+    second = tok.decode(text_ids[1:2])
+
+    by_string, by_token, by_length = backend.sample(
+        [
+            SampleJob(None, prompt, 1, 16, temperature=0.0, stop_strings=[second]),
+            SampleJob(None, prompt, 1, 16, temperature=0.0, stop_token_ids=[text_ids[2]]),
+            SampleJob(None, prompt, 1, 2, temperature=0.0),
+        ]
+    )
+    assert by_string.sequences[0].tokens == text_ids[:2]
+    assert by_string.sequences[0].stop_reason == "stop"
+    assert by_token.sequences[0].tokens == text_ids[:3]
+    assert by_token.sequences[0].stop_reason == "stop"
+    assert by_length.sequences[0].tokens == text_ids[:2]
+    assert by_length.sequences[0].stop_reason == "length"
+    assert by_length.sequences[0].logprobs == pytest.approx(g.logprobs[:2])
+
+
+def test_prompt_logprobs_and_topk(backend: Backend) -> None:
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 64, 17)
+    (res,) = backend.sample(
+        [SampleJob(key, prompt, 1, 1, prompt_logprobs=True, topk_prompt_logprobs=3)]
+    )
+    assert res.prompt_logprobs is not None and res.topk_prompt_logprobs is not None
+    assert len(res.prompt_logprobs) == len(res.topk_prompt_logprobs) == len(prompt)
+    assert res.prompt_logprobs[0] is None and res.topk_prompt_logprobs[0] is None
+    datum = DatumIn(
+        prompt[:-1],
+        {"target_tokens": torch.tensor(prompt[1:]), "weights": torch.ones(len(prompt) - 1)},
+    )
+    train = backend.forward_backward("trained", [datum], "cross_entropy", None, backward=False)
+    assert res.prompt_logprobs[1:] == pytest.approx(train.outputs[0]["logprobs"].tolist(), abs=1e-5)
+    for pos, top in enumerate(res.topk_prompt_logprobs[1:], start=1):
+        assert top is not None and len(top) == 3
+        values = [lp for _, lp in top]
+        assert values == sorted(values, reverse=True)
+        actual = res.prompt_logprobs[pos]
+        assert actual is not None and actual <= values[0] + 1e-6
+        if prompt[pos] in {t for t, _ in top}:
+            assert dict(top)[prompt[pos]] == pytest.approx(actual, abs=1e-6)
+
+
+def test_sampler_snapshot_is_frozen_and_survives_a_restart(
+    backend: Backend, tmp_path: Path
+) -> None:
+    backend.create_model("frozen", LoraSpec(rank=4, seed=1))
+    data = [
+        DatumIn(t, {"target_tokens": torch.tensor(t[1:] + t[:1]), "weights": torch.ones(len(t))})
+        for t in random_datums(backend, 2, 77)
+    ]
+    prompt = prompt_ids(backend, 21, 43)
+
+    def score(key: str, b: Backend = backend) -> list[float | None]:
+        (res,) = b.sample([SampleJob(key, prompt, 1, 1, prompt_logprobs=True)])
+        assert res.prompt_logprobs is not None
+        return res.prompt_logprobs
+
+    for _ in range(2):
+        backend.forward_backward("frozen", data, "cross_entropy", None, backward=True)
+        backend.optim_step("frozen", AdamConfig(learning_rate=1e-2))
+    key = backend.save_sampler("frozen", tmp_path / "step2")
+    at_step2 = score(key)
+    for _ in range(2):
+        backend.forward_backward("frozen", data, "cross_entropy", None, backward=True)
+        backend.optim_step("frozen", AdamConfig(learning_rate=1e-2))
+    later = backend.save_sampler("frozen", None)
+
+    assert score(key) == at_step2  # still step-2 weights, bit for bit
+    assert score(later) != at_step2
+    fresh = new_backend()
+    loaded = fresh.load_sampler(tmp_path / "step2")
+    assert score(loaded, fresh) == at_step2
+    assert fresh.load_sampler(tmp_path / "step2") == loaded  # same path: same snapshot
+    fresh.release_sampler(loaded)
+    assert not fresh.has_sampler(loaded)
+    with pytest.raises(BackendError, match="unknown sampler"):
+        fresh.sample([SampleJob(loaded, prompt, 1, 1)])
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"sampler": "nope"}, "unknown sampler 'nope'"),
+        ({"prompt": []}, "prompt is empty"),
+        ({"prompt": [1, 100000]}, "outside the vocabulary"),
+        ({"num_samples": 0}, "num_samples must be >= 1"),
+        ({"max_tokens": 0}, "max_tokens must be >= 1"),
+        ({"max_tokens": 10_000}, "exceeds the max context length"),
+        ({"temperature": -0.1}, "temperature must be >= 0"),
+        ({"top_p": 0.0}, "top_p must be in (0, 1]"),
+        ({"top_k": -2}, "top_k must be -1"),
+        ({"stop_strings": [""]}, "stop strings must be non-empty"),
+        ({"topk_prompt_logprobs": -1}, "topk_prompt_logprobs must be >= 0"),
+    ],
+)
+def test_bad_sample_requests_are_clear_errors(
+    backend: Backend, change: dict[str, object], message: str
+) -> None:
+    fields: dict[str, object] = {
+        "sampler": None,
+        "prompt": [1, 2, 3],
+        "num_samples": 1,
+        "max_tokens": 4,
+    }
+    fields.update(change)
+    good = SampleJob(None, [1, 2, 3], 1, 4)
+    with pytest.raises(BackendError) as err:
+        backend.sample([good, SampleJob(**fields)])  # type: ignore[arg-type]
+    assert message in str(err.value)
+    assert "sample request 1" in str(err.value)

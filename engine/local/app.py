@@ -17,6 +17,7 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
 from engine.local.auth import Authenticator
@@ -57,11 +58,15 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
             raise HttpError(413, _too_large(int(declared), limit))
         chunks: list[bytes] = []
         size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > limit:
-                raise HttpError(413, _too_large(size, limit))
-            chunks.append(chunk)
+        try:
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise HttpError(413, _too_large(size, limit))
+                chunks.append(chunk)
+        except ClientDisconnect:
+            # Nobody will read the answer; a plain error keeps it out of the error log.
+            raise HttpError(400, "the client disconnected before sending the body") from None
         raw = b"".join(chunks)
         if not raw:
             return {}, ""

@@ -12,6 +12,7 @@ as a subprocess.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import os
@@ -69,6 +70,14 @@ class RunningServer:
         """Run ``fn(backend)`` on the compute thread (e.g. ``b.optimizer_steps(id)``)."""
         backend = self.service.backend
         return await self.service.compute.run(lambda: fn(backend))
+
+
+async def _request_tasks_done(uv: uvicorn.Server) -> None:
+    """Wait (briefly) for request tasks uvicorn cancelled at shutdown to finish, so none
+    outlives ``serve_local``."""
+    tasks = list(uv.server_state.tasks)
+    if tasks:
+        await asyncio.wait(tasks, timeout=5)
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -160,8 +169,13 @@ async def serve_local(
                 stopped = anyio.Event()
 
                 async def serve() -> None:
+                    # Shielded: uvicorn runs each request as a bare asyncio task, so it
+                    # must always get to its own graceful shutdown (triggered below via
+                    # should_exit), even when the caller's scope is cancelled.
                     try:
-                        await uv.serve(sockets=[sock])
+                        with anyio.CancelScope(shield=True):
+                            await uv.serve(sockets=[sock])
+                            await _request_tasks_done(uv)
                     finally:
                         stopped.set()
 

@@ -363,6 +363,7 @@ def spawn_local_server(
     args += list(extra_args)
     child_env = dict(os.environ if env is None else env)
     child_env.setdefault("HF_HUB_OFFLINE", "1")
+    child_env.pop("ENGINE_LOCAL_API_KEY", None)
     if api_key is not None:
         child_env["ENGINE_LOCAL_API_KEY"] = api_key  # not on the command line (ps shows it)
     process = subprocess.Popen(

@@ -117,7 +117,7 @@ class ModelCard:
     vocab_size: int | None
 
     @classmethod
-    def read(cls, backend: Backend, aliases: tuple[str, ...] = ()) -> ModelCard:
+    def read(cls, backend: Backend) -> ModelCard:
         arch: str | None = None
         vocab: int | None = None
         config_file = Path(backend.model_dir) / "config.json"
@@ -126,6 +126,7 @@ class ModelCard:
             archs = config.get("architectures") or []
             arch = archs[0] if archs else config.get("model_type")
             vocab = config.get("vocab_size")
+        vocab = getattr(backend, "vocab_size", None) or vocab
         return cls(
             backend.model_name, Path(backend.model_dir), backend.max_context_length, arch, vocab
         )

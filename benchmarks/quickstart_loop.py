@@ -41,25 +41,12 @@ from dataclasses import dataclass, field
 import mint
 from mint import types
 
+from benchmarks.measure import Span, process_cpu_seconds
 from engine.tasks import ArithmeticTask, RewardBreakdown
 
 __all__ = ["QuickstartRun", "QuickstartStep", "Span", "run_quickstart_loop"]
 
 _ADVANTAGE_EPSILON = 1e-12
-
-
-@dataclass(frozen=True)
-class Span:
-    """One stage's activity within one step: ``time.perf_counter()`` instants."""
-
-    step: int
-    stage: str  # "snapshot" | "sample" | "score" | "train"
-    start: float
-    end: float
-
-    @property
-    def seconds(self) -> float:
-        return self.end - self.start
 
 
 @dataclass(frozen=True)
@@ -100,6 +87,8 @@ class QuickstartRun:
     """``perf_counter`` when the first step began (after connecting and the tokenizer)."""
     finished: float = 0.0
     """``perf_counter`` when the last step's optim_step returned."""
+    cpu_s: float = 0.0
+    """This process's CPU seconds (all threads) from ``started`` to ``finished``."""
 
 
 def _datum(
@@ -170,6 +159,7 @@ def run_quickstart_loop(
             base_model=base_model, rank=rank, seed=lora_seed
         )
         tokenizer = training_client.get_tokenizer()
+        cpu_started = process_cpu_seconds()
         run.started = clock()
         for step in range(1, steps + 1):
             step_start = clock()
@@ -237,6 +227,7 @@ def run_quickstart_loop(
                 )
             )
         run.finished = clock()
+        run.cpu_s = process_cpu_seconds() - cpu_started
         final = training_client.save_weights_for_sampler(name="custom-reward-final").result()
         run.saved_path = str(final.path)
         if echo is not None:

@@ -1,0 +1,296 @@
+"""What a benchmark run measured, and the figures derived from it.
+
+Why one record type for every loop: the quickstart loop and each engine configuration
+are compared side by side, so each is reduced to the same :class:`RunRecord` -- per step
+its end instant, each stage's busy seconds and its volumes, plus the client's CPU time --
+and every figure (steps/s, speedup, pipeline efficiency, CPU share) is computed here by
+one definition.
+
+Definitions:
+
+* **steps/s** (end to end): steps / (last step end - run start). The run starts before
+  the first sampler snapshot, for the quickstart and the engine alike, so pipeline
+  fill-up is charged to the pipelined runs.
+* **step time**: the median interval between consecutive step ends (steady state).
+* **stage time alone**: the median over steps 2..n of a stage's busy seconds in a run
+  where nothing else is in flight: sample (first request sent to last response back),
+  score (sum of scoring) and train (forward_backward + optim_step + the sampler
+  snapshot, which the engine's trainer awaits and the quickstart takes at the top of
+  each step). The quickstart runs every stage alone; for the engine the on-policy run
+  (K=0) of the same workload on the same server is the reference, because in pipelined
+  runs the stages share the server and their spans include waiting for each other.
+* **ideal step time**: the slowest stage alone.
+* **pipeline efficiency**: ideal step time / step time. 1.0 means the loop runs exactly
+  as fast as its slowest stage; a sequential loop is below 1 by construction.
+* **client CPU**: this process's CPU seconds (user + system) during the run; the server
+  runs in another process, so none of its work is included.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import os
+import resource
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+__all__ = [
+    "GcMeter",
+    "RunRecord",
+    "Span",
+    "StepRecord",
+    "peak_rss_mb",
+    "pid_cpu_seconds",
+    "process_cpu_seconds",
+    "rss_mb",
+    "stages_alone",
+    "summarize",
+    "thread_cpu_delta",
+    "thread_cpu_seconds",
+]
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stage's activity for one step (``perf_counter`` instants)."""
+
+    step: int
+    stage: str
+    start: float
+    end: float
+
+    @property
+    def seconds(self) -> float:
+        return self.end - self.start
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One trained step: when it ended, its stages' busy seconds, its volumes."""
+
+    step: int
+    end: float
+    sample_s: float
+    score_s: float
+    train_s: float
+    samples: int
+    tokens: int
+    datums: int
+
+
+@dataclass
+class RunRecord:
+    """One loop's run of one workload against one server."""
+
+    name: str
+    started: float
+    finished: float
+    steps: list[StepRecord]
+    spans: list[Span] = field(default_factory=list)
+    client_cpu_s: float = 0.0
+    server_cpu_s: float | None = None
+    threads_cpu_s: dict[str, float] = field(default_factory=dict)
+    rss_start_mb: float | None = None
+    """Resident memory when the run started (after connecting and loading the tokenizer)."""
+    rss_peak_mb: float | None = None
+    """The process's peak resident memory when the run ended."""
+    gc: dict[str, float] = field(default_factory=dict)
+    """Garbage-collector passes and CPU seconds during the run (see :class:`GcMeter`)."""
+
+    def to_json(self, *, spans: bool = False, reference: RunRecord | None = None) -> dict[str, Any]:
+        data: dict[str, Any] = {
+            "name": self.name,
+            "wall_s": self.finished - self.started,
+            "client_cpu_s": self.client_cpu_s,
+            "server_cpu_s": self.server_cpu_s,
+            "threads_cpu_s": self.threads_cpu_s,
+            "rss_start_mb": self.rss_start_mb,
+            "rss_peak_mb": self.rss_peak_mb,
+            "gc": self.gc,
+            "steps": [{**asdict(s), "end": s.end - self.started} for s in self.steps],
+            "summary": summarize(self, reference),
+        }
+        if spans:
+            data["spans"] = [
+                {**asdict(s), "start": s.start - self.started, "end": s.end - self.started}
+                for s in self.spans
+            ]
+        return data
+
+
+def _intervals(record: RunRecord) -> list[float]:
+    ends = [s.end for s in record.steps]
+    return [b - a for a, b in itertools.pairwise(ends)]
+
+
+def stages_alone(record: RunRecord) -> dict[str, float]:
+    """Median busy seconds per stage over steps 2..n (all steps when there is one)."""
+    later = record.steps[1:] or record.steps
+    return {
+        "sample": statistics.median(s.sample_s for s in later),
+        "score": statistics.median(s.score_s for s in later),
+        "train": statistics.median(s.train_s for s in later),
+    }
+
+
+def summarize(
+    record: RunRecord, reference: RunRecord | None = None
+) -> dict[str, float | int | None]:
+    """The headline figures of one run (see the module docstring for definitions);
+    ``reference`` is the run whose stage times count as "alone" (default: this one)."""
+    steps = record.steps
+    wall = max(record.finished - record.started, 1e-9)
+    intervals = _intervals(record)
+    step_time = statistics.median(intervals) if intervals else wall
+    alone = stages_alone(reference or record) if steps else {}
+    ideal = max(alone.values()) if alone else None
+    samples = sum(s.samples for s in steps)
+    tokens = sum(s.tokens for s in steps)
+    return {
+        "steps": len(steps),
+        "wall_s": wall,
+        "steps_per_s": len(steps) / wall,
+        "samples_per_s": samples / wall,
+        "tokens_per_s": tokens / wall,
+        "step_time_s": step_time,
+        "sample_alone_s": alone.get("sample"),
+        "score_alone_s": alone.get("score"),
+        "train_alone_s": alone.get("train"),
+        "ideal_step_time_s": ideal,
+        "efficiency": ideal / step_time if ideal is not None and step_time > 0 else None,
+        "mean_sample_s": _mean([s.sample_s for s in steps]),
+        "mean_score_s": _mean([s.score_s for s in steps]),
+        "mean_train_s": _mean([s.train_s for s in steps]),
+        "datums": sum(s.datums for s in steps),
+        "samples": samples,
+        "client_cpu_s": record.client_cpu_s,
+        "client_cpu_share": record.client_cpu_s / wall,
+        "client_cpu_ms_per_step": 1000 * record.client_cpu_s / len(steps) if steps else None,
+        "client_cpu_ms_per_1k_samples": (1e6 * record.client_cpu_s / samples if samples else None),
+    }
+
+
+def _mean(values: Sequence[float]) -> float | None:
+    return sum(values) / len(values) if values else None
+
+
+# ------------------------------------------------------------------------------ CPU time
+
+
+def process_cpu_seconds() -> float:
+    """User + system CPU seconds of this process, all threads (live and exited)."""
+    t = os.times()
+    return t.user + t.system
+
+
+class GcMeter:
+    """CPU time the garbage collector takes, by generation, while installed.
+
+    Why: the client imports torch and transformers (through the SDK and the tokenizer),
+    which leaves some 300k long-lived objects; every full (generation 2) collection walks
+    all of them, and a run that keeps many objects alive triggers such collections.
+    """
+
+    def __init__(self) -> None:
+        self._started: dict[int, float] = {}
+        self.seconds = [0.0, 0.0, 0.0]
+        self.passes = [0, 0, 0]
+
+    def _callback(self, phase: str, info: dict[str, int]) -> None:
+        ident = threading.get_ident()
+        if phase == "start":
+            self._started[ident] = time.thread_time()
+        elif ident in self._started:
+            generation = info.get("generation", 2)
+            self.seconds[generation] += time.thread_time() - self._started.pop(ident)
+            self.passes[generation] += 1
+
+    def __enter__(self) -> GcMeter:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def to_json(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        for g in range(3):
+            out[f"gen{g}_passes"] = self.passes[g]
+            out[f"gen{g}_s"] = self.seconds[g]
+        out["total_s"] = sum(self.seconds)
+        return out
+
+
+def rss_mb() -> float | None:
+    """This process's resident memory now, in MB (Linux; None elsewhere)."""
+    try:
+        with open("/proc/self/statm") as f:
+            pages = int(f.read().split()[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory so far, in MB."""
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return peak / 2**20 if sys.platform == "darwin" else peak / 2**10  # bytes vs KiB
+
+
+def _stat_cpu(path: str) -> float | None:
+    try:
+        with open(path) as f:
+            text = f.read()
+    except OSError:
+        return None
+    fields = text.rsplit(")", 1)[1].split()  # after "pid (comm)"
+    ticks = int(fields[11]) + int(fields[12])  # utime, stime
+    return ticks / os.sysconf("SC_CLK_TCK")
+
+
+def pid_cpu_seconds(pid: int) -> float | None:
+    """CPU seconds of another process (e.g. the server); None where /proc is missing."""
+    return _stat_cpu(f"/proc/{pid}/stat")
+
+
+def thread_cpu_seconds() -> dict[str, float]:
+    """CPU seconds of this process's live threads, summed by thread role: the event loop
+    running the engine ("main"), the SDK's background I/O thread ("sdk"), worker threads
+    ("workers": scoring, blocking SDK calls) and anything else ("other"). Linux only;
+    empty elsewhere."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    main = threading.main_thread().native_id
+    out: dict[str, float] = {}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return out
+    for tid in tids:
+        cpu = _stat_cpu(f"/proc/self/task/{tid}/stat")
+        if cpu is None:
+            continue
+        role = _role(int(tid), main, names.get(int(tid), ""))
+        out[role] = out.get(role, 0.0) + cpu
+    return out
+
+
+def _role(tid: int, main: int | None, name: str) -> str:
+    if tid == main:
+        return "main"
+    if "_background_thread_func" in name:
+        return "sdk"
+    if "worker" in name.lower():
+        return "workers"
+    return "other"
+
+
+def thread_cpu_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Per-role CPU between two :func:`thread_cpu_seconds` readings (threads that exited
+    in between are missing from both: their time shows up only in the process total)."""
+    return {k: after[k] - before.get(k, 0.0) for k in after if after[k] - before.get(k, 0.0) > 0}

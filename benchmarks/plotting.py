@@ -1,0 +1,144 @@
+"""PNG plots of the benchmark results (matplotlib, Agg backend: no display needed).
+
+Three pictures: step time by configuration (throughput), the stage timeline (Gantt) of
+a sequential and a pipelined run, and the client's CPU and memory against the batch
+size (scaling). Each function takes plain data (what the JSON results hold) and a path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # the backend is chosen first
+
+__all__ = ["plot_scaling", "plot_step_times", "plot_timeline"]
+
+STAGES = ("sample", "score", "train")
+_PALETTE = plt.get_cmap("tab10")
+
+
+def _color(index: int) -> Any:
+    return _PALETTE(index % 10)
+
+
+def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Grouped bars: steady-state step time per configuration, one panel per latency
+    profile, one group per workload; each bar is labelled with its speedup over the
+    quickstart loop. ``rows`` need ``profile``, ``workload``, ``config``,
+    ``step_time_s`` and ``speedup``."""
+    profiles = list(dict.fromkeys(r["profile"] for r in rows))
+    configs = list(dict.fromkeys(r["config"] for r in rows))
+    fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.5), squeeze=False)
+    for ax, profile in zip(axes[0], profiles, strict=True):
+        mine = [r for r in rows if r["profile"] == profile]
+        workloads = list(dict.fromkeys(r["workload"] for r in mine))
+        width = 0.8 / max(1, len(configs))
+        for ci, config in enumerate(configs):
+            xs, ys, labels = [], [], []
+            for wi, workload in enumerate(workloads):
+                row = next(
+                    (r for r in mine if r["workload"] == workload and r["config"] == config), None
+                )
+                if row is None:
+                    continue
+                xs.append(wi + (ci - (len(configs) - 1) / 2) * width)
+                ys.append(row["step_time_s"])
+                labels.append(f"{row['speedup']:.1f}x" if row.get("speedup") else "")
+            bars = ax.bar(xs, ys, width, label=config, color=_color(ci))
+            ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
+        ax.set_xticks(range(len(workloads)), [f"{w}\n(batch x group x tokens)" for w in workloads])
+        ax.set_ylabel("step time, s (median, steady state)")
+        ax.set_title(f"latency profile: {profile}")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0][0].legend(fontsize=8)
+    fig.suptitle("Step time by configuration (labels: speedup in steps/s over the quickstart)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def plot_timeline(panels: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], path: Path) -> Path:
+    """A Gantt chart per run: one lane per stage (sample, score, train), one bar per
+    step's span in that stage, coloured and numbered by step. ``panels`` are
+    ``(title, spans)`` with spans holding ``step``, ``stage``, ``start``, ``end``
+    (seconds since the run's start); panels share the time axis."""
+    fig, axes = plt.subplots(
+        len(panels), 1, figsize=(11, 1.9 * len(panels) + 0.8), squeeze=False, sharex=True
+    )
+    for ax, (title, spans) in zip(axes[:, 0], panels, strict=True):
+        min_labelled = 0.015 * _extent(spans)
+        for lane, stage in enumerate(STAGES):
+            for span in (s for s in spans if s["stage"] == stage):
+                width = max(span["end"] - span["start"], 1e-3)
+                color = _color(span["step"] - 1)
+                ax.broken_barh([(span["start"], width)], (lane - 0.4, 0.8), color=color, alpha=0.85)
+                if width > min_labelled:
+                    ax.text(
+                        span["start"] + width / 2,
+                        lane,
+                        str(span["step"]),
+                        ha="center",
+                        va="center",
+                        fontsize=7,
+                        color="white",
+                    )
+        ax.set_yticks(range(len(STAGES)), STAGES)
+        ax.invert_yaxis()
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds since the run started (bars numbered by step)")
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _extent(spans: Sequence[Mapping[str, Any]]) -> float:
+    return max((s["end"] for s in spans), default=1.0) - min(
+        (s["start"] for s in spans), default=0.0
+    )
+
+
+def plot_scaling(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
+    """Client CPU per 1,000 samples (total and by thread role) and peak memory growth,
+    against samples per step. ``points`` need ``samples_per_step``,
+    ``cpu_ms_per_1k_samples``, ``threads_ms_per_1k_samples`` (role -> ms) and
+    ``rss_growth_mb``."""
+    pts = sorted(points, key=lambda p: p["samples_per_step"])
+    xs = [p["samples_per_step"] for p in pts]
+    fig, (ax_cpu, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
+    ax_cpu.plot(xs, [p["cpu_ms_per_1k_samples"] for p in pts], "o-", label="client total")
+    roles = sorted({r for p in pts for r in p["threads_ms_per_1k_samples"]})
+    for role in roles:
+        ax_cpu.plot(
+            xs,
+            [p["threads_ms_per_1k_samples"].get(role, 0.0) for p in pts],
+            ".--",
+            label=f"thread: {role}",
+        )
+    ax_cpu.set_xscale("log")
+    ax_cpu.set_yscale("log")
+    ax_cpu.set_xlabel("samples per step (batch x group)")
+    ax_cpu.set_ylabel("client CPU, ms per 1,000 samples")
+    ax_cpu.set_title("Client CPU per sample (flat = linear cost)")
+    ax_cpu.grid(alpha=0.3, which="both")
+    ax_cpu.legend(fontsize=8)
+    ax_mem.plot(xs, [p["rss_growth_mb"] for p in pts], "o-")
+    ax_mem.set_xscale("log")
+    ax_mem.set_xlabel("samples per step (batch x group)")
+    ax_mem.set_ylabel("peak RSS growth during the run, MB")
+    ax_mem.set_title("Client peak memory growth")
+    ax_mem.grid(alpha=0.3, which="both")
+    for p in pts:
+        ax_mem.annotate(p["workload"], (p["samples_per_step"], p["rss_growth_mb"]), fontsize=7)
+    fig.tight_layout()
+    return _save(fig, path)
+
+
+def _save(fig: Any, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

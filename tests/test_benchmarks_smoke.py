@@ -1,0 +1,198 @@
+"""The benchmarks run end to end at a tiny size and write well-formed results.
+
+They exist so the benchmarks cannot rot: every configuration runs against a real local
+server, the JSON holds every figure the tables and README quote, the plots are real PNG
+files. No assertion is about speed (wall-clock figures belong to the benchmark runs).
+The quickstart loop is also checked against the tests' own re-implementation of the
+quickstart, datum for datum, since the benchmarks' speedups are only meaningful if the
+baseline is the quickstart's loop.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from benchmarks import scaling, throughput
+from benchmarks.quickstart_loop import run_quickstart_loop
+from engine.local import LocalServer
+from engine.rl import datum_to_dict
+from tests.quickstart_reference import run_quickstart_reference
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+API_KEY = "tml-benchmarks-smoke"
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer() as s:
+        yield s
+
+
+def _finite(value: Any) -> bool:
+    return isinstance(value, int | float) and math.isfinite(value)
+
+
+def _assert_png(path: Path) -> None:
+    data = path.read_bytes()
+    assert data[:8] == PNG_MAGIC, f"{path} is not a PNG"
+    assert len(data) > 5_000, f"{path} is suspiciously small ({len(data)} bytes)"
+
+
+def test_quickstart_loop_sends_what_the_reference_quickstart_sends(server: LocalServer) -> None:
+    knobs: dict[str, Any] = {
+        "rank": 8,
+        "steps": 2,
+        "batch": 3,
+        "group": 4,
+        "lr": 3e-3,
+        "max_tokens": 6,
+        "temperature": 1.0,
+        "seed": 7,
+        "op": "+",
+        "min_operand": 10,
+        "max_operand": 99,
+        "lora_seed": 3,
+        "sampling_seed": 99,
+    }
+    common: dict[str, Any] = {
+        "base_url": server.base_url,
+        "api_key": API_KEY,
+        "base_model": server.model_name,
+    }
+    ours = run_quickstart_loop(**common, **knobs)
+    ref = run_quickstart_reference(**common, **knobs)
+
+    assert ours.lines == ref.lines
+    assert ours.questions == ref.questions
+    assert sum(len(d) for d in ref.datums) > 0, "the reference trained on nothing"
+    for our_step, ref_step in zip(ours.datums, ref.datums, strict=True):
+        assert [datum_to_dict(d) for d in our_step] == [datum_to_dict(d) for d in ref_step]
+    assert ours.saved_path.startswith("tinker://")
+    # Timings are recorded per step, stage by stage, in order.
+    assert [s.step for s in ours.steps] == [1, 2]
+    for step in ours.steps:
+        assert step.end > step.start
+        assert step.samples == 3 * 4
+        assert {sp.stage for sp in step.spans} == {"snapshot", "sample", "score", "train"}
+        assert all(step.start <= sp.start <= sp.end <= step.end for sp in step.spans)
+        assert step.step_s >= step.snapshot_s + step.sample_s + step.train_s
+    assert ours.finished > ours.started
+    assert ours.cpu_s > 0
+
+
+def test_quickstart_loop_rejects_a_bad_size() -> None:
+    with pytest.raises(ValueError, match="batch must be >= 1"):
+        run_quickstart_loop(base_url="http://127.0.0.1:9", api_key=API_KEY, base_model="m", batch=0)
+
+
+def test_throughput_quick_run_writes_every_configuration(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = throughput.main(
+        ["--quick", "--steps", "2", "--workloads", "2x3x4", "--out", str(tmp_path)]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "throughput.json").read_text())
+    assert data["context"]["args"]["steps"] == 2
+    runs = data["runs"]
+    assert [r["config"] for r in runs] == list(throughput.CONFIGS)
+    for run in runs:
+        s = run["summary"]
+        assert run["workload"] == "2x3x4"
+        assert s["steps"] == 2
+        assert s["samples"] == 2 * 2 * 3
+        for key in (
+            "steps_per_s",
+            "samples_per_s",
+            "step_time_s",
+            "ideal_step_time_s",
+            "efficiency",
+            "client_cpu_s",
+        ):
+            assert _finite(s[key]) and s[key] > 0, (run["config"], key, s[key])
+        assert _finite(run["speedup"]) and _finite(run["speedup_steady"])
+        stages = {span["stage"] for span in run["spans"]}
+        assert stages == {"sample", "score", "train"}, run["config"]
+        assert all(span["end"] >= span["start"] for span in run["spans"])
+        ends = [step["end"] for step in run["steps"]]
+        assert ends == sorted(ends)
+    quickstart = runs[0]
+    assert quickstart["speedup"] == pytest.approx(1.0)
+    assert quickstart["stages_alone_from"] == "quickstart"
+    assert all(r["stages_alone_from"] == "k0" for r in runs[1:])
+
+    table = (tmp_path / "throughput.md").read_text()
+    assert table.count("\n") == 2 + len(runs)
+    assert "engine K=1" in table and "quickstart loop" in table
+    assert table in capsys.readouterr().out
+    for name in ("throughput_step_time.png", "throughput_timeline.png"):
+        _assert_png(tmp_path / name)
+    assert sorted(Path(p).name for p in data["plots"]) == sorted(
+        ["throughput_step_time.png", "throughput_timeline.png"]
+    )
+
+
+def test_scaling_quick_run_writes_points_fit_and_profile(tmp_path: Path) -> None:
+    code = scaling.main(
+        [
+            "--sizes",
+            "2x2",
+            "4x2",
+            "--steps",
+            "1",
+            "--max-tokens",
+            "2",
+            "--profile",
+            "2x2",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "scaling.json").read_text())
+    points = data["points"]
+    assert [p["workload"] for p in points] == ["2x2", "4x2"]
+    for p in points:
+        assert p["samples"] == p["samples_per_step"] * p["steps"]
+        assert p["cpu_s"] > 0 and _finite(p["cpu_ms_per_1k_samples"])
+        assert p["threads_ms_per_1k_samples"].get("main", 0) > 0
+        assert p["rss_peak_mb"] >= p["rss_start_mb"] > 0
+        assert p["server_cpu_share"] is not None and p["server_cpu_share"] > 0
+        assert set(p["run"]["gc"]) >= {"gen2_passes", "total_s"}
+    assert set(data["fit"]) >= {"client", "main"}
+    assert all(_finite(f["marginal_ms_per_1k_samples"]) for f in data["fit"].values())
+    profile = data["profile"]
+    assert profile["size"] == "2x2"
+    assert profile["own_s_by_origin"].get("engine", 0) > 0
+    assert any(r["origin"] == "engine" for r in profile["top_engine_cumulative"])
+    assert (tmp_path / "scaling_profile.pstats").stat().st_size > 0
+    assert "| 4x2 |" in (tmp_path / "scaling.md").read_text()
+    _assert_png(tmp_path / "scaling.png")
+
+
+@pytest.mark.parametrize(
+    ("module", "argv", "message"),
+    [
+        (throughput, ["--workloads", "8x6"], "must be BATCHxGROUPxMAX_TOKENS"),
+        (throughput, ["--latency", "hosted"], "unknown latency profile 'hosted'"),
+        (throughput, ["--steps", "1"], "--steps must be at least 2"),
+        (throughput, ["--configs", "k9"], "invalid choice: 'k9'"),
+        (scaling, ["--sizes", "8x6x16"], "must be BATCHxGROUP"),
+        (scaling, ["--steps", "0"], "--steps must be >= 1"),
+    ],
+)
+def test_bad_arguments_stop_with_one_line(
+    module: Any, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exc:
+        module.main(argv)
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert err.count("\n") == 1, err

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import cProfile
+import gc
 import tempfile
 import time
 from collections.abc import Iterator, Mapping
@@ -274,12 +275,15 @@ def run_engine(
     seed: int,
     time_scores: bool = True,
     profile_path: Path | None = None,
+    freeze_gc: bool = False,
 ) -> RunRecord:
     """The engine in configuration ``variant`` on ``workload``. The clock starts after
     the session is open (connection, training client, tokenizer), right before the
     initial sampler snapshot, as the quickstart's does. ``time_scores`` wraps the task to
     record score spans (a few hundred ns per response). ``profile_path``: profile the
     event-loop thread's CPU time (cProfile with a thread-CPU clock) into that file.
+    ``freeze_gc``: a what-if -- ``gc.freeze()`` once the session is open, so full
+    collections skip the objects left by importing the SDK, torch and the tokenizer.
     Each step is reduced to its record as it arrives; no StepResult is kept."""
     p = LOCAL_PROFILE
     timed = _TimedTask(ArithmeticTask(p.op, p.min_operand, p.max_operand), workload.batch)
@@ -298,6 +302,9 @@ def run_engine(
             )
             task = timed if time_scores else timed.inner
             async with Engine(config, task=task, on_step=on_step) as engine:
+                if freeze_gc:
+                    gc.collect()
+                    gc.freeze()
                 marks["rss0"] = rss_mb()
                 marks["server0"] = _server_cpu(target)
                 marks["threads0"] = thread_cpu_seconds()
@@ -306,6 +313,8 @@ def run_engine(
                 with _profiled(profile_path), GcMeter() as gc_meter:
                     await engine.run()
                 marks["gc"] = gc_meter.to_json()
+                if freeze_gc:
+                    gc.unfreeze()
                 marks["cpu1"] = process_cpu_seconds()
                 marks["threads1"] = thread_cpu_seconds()
                 marks["server1"] = _server_cpu(target)

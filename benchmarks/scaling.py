@@ -84,6 +84,12 @@ def build_parser() -> argparse.ArgumentParser:
         f"{PROFILE_SIZE}) with the event loop's CPU profiled (cProfile, thread-CPU clock); "
         "writes scaling_profile.pstats and its top functions into the JSON",
     )
+    p.add_argument(
+        "--gc-freeze",
+        action="store_true",
+        help="what-if: gc.freeze() once the engine's session is open (the engine does not "
+        "do this itself yet); compare the GC columns with a run without it",
+    )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     return p
 
@@ -102,6 +108,7 @@ def measure_size(
     steps: int,
     seed: int,
     profile_path: Path | None,
+    freeze_gc: bool = False,
 ) -> dict[str, Any]:
     """One size in this (fresh) process: the engine's run record as JSON."""
     record: RunRecord = run_engine(
@@ -112,6 +119,7 @@ def measure_size(
         seed=seed,
         time_scores=False,
         profile_path=profile_path,
+        freeze_gc=freeze_gc,
     )
     return record.to_json()
 
@@ -124,6 +132,7 @@ def run_scaling(
     latency: str,
     seed: int,
     profile: tuple[Workload, Path] | None = None,
+    freeze_gc: bool = False,
 ) -> list[dict[str, Any]]:
     """Every size, each in a fresh child process, against one server; then, with
     ``profile``, one more profiled run (not among the points: profiling slows it)."""
@@ -131,7 +140,7 @@ def run_scaling(
     points = []
     with bench_server(latency) as target:
         for workload in workloads:
-            run = _in_child(target, workload, variant, steps, seed, None)
+            run = _in_child(target, workload, variant, steps, seed, None, freeze_gc)
             point = _point(workload, run)
             points.append(point)
             print(
@@ -142,7 +151,7 @@ def run_scaling(
                 flush=True,
             )
         if profile is not None:
-            _in_child(target, profile[0], variant, steps, seed, profile[1])
+            _in_child(target, profile[0], variant, steps, seed, profile[1], freeze_gc)
     return points
 
 
@@ -153,10 +162,13 @@ def _in_child(
     steps: int,
     seed: int,
     profile_path: Path | None,
+    freeze_gc: bool,
 ) -> dict[str, Any]:
     spawn = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=1, mp_context=spawn) as pool:
-        future = pool.submit(measure_size, target, workload, variant, steps, seed, profile_path)
+        future = pool.submit(
+            measure_size, target, workload, variant, steps, seed, profile_path, freeze_gc
+        )
         return future.result()
 
 
@@ -366,6 +378,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         latency=args.latency,
         seed=args.seed,
         profile=profile,
+        freeze_gc=args.gc_freeze,
     )
     context["load_average_end"] = load_average()
     plots: list[str] = []

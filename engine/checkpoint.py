@@ -55,7 +55,7 @@ CHECKPOINTS_FILE = "checkpoints.jsonl"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
 
-CheckpointReason = Literal["periodic", "interrupt", "final", "breaker", "watchdog"]
+CheckpointReason = Literal["periodic", "interrupt", "final", "breaker", "watchdog", "error"]
 _REASONS: tuple[str, ...] = get_args(CheckpointReason)
 
 _log = structlog.get_logger("engine.checkpoint")
@@ -127,7 +127,8 @@ def _fsync_dir(path: Path) -> None:
 class CheckpointLog:
     """``<run_dir>/checkpoints.jsonl``: append-only, one record per line."""
 
-    def __init__(self, run_dir: str | os.PathLike[str]) -> None:
+    def __init__(self, run_dir: str | os.PathLike[str], *, log: Any = None) -> None:
+        self._log = log if log is not None else _log
         self.run_dir = Path(run_dir)
         self.path = self.run_dir / CHECKPOINTS_FILE
 
@@ -145,7 +146,7 @@ class CheckpointLog:
             os.fsync(f.fileno())
         if created:
             _fsync_dir(self.run_dir)
-        _log.info(
+        self._log.info(
             "checkpoint",
             step=record.step,
             reason=record.reason,
@@ -175,7 +176,7 @@ class CheckpointLog:
                 data = json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError):
                 torn = number == len(lines)  # no newline after it: the write was cut
-                _log.warning(
+                self._log.warning(
                     "checkpoint.torn_line" if torn else "checkpoint.bad_line",
                     path=str(self.path),
                     line=number,
@@ -228,7 +229,11 @@ def write_config(run_dir: str | os.PathLike[str], config: Mapping[str, Any]) -> 
 
 
 def truncate_metrics(
-    path: str | os.PathLike[str], keep_through_step: int, *, step_key: str = "step"
+    path: str | os.PathLike[str],
+    keep_through_step: int,
+    *,
+    step_key: str = "step",
+    log: Any = None,
 ) -> int:
     """Drop the metrics lines of steps after ``keep_through_step``; return how many.
 
@@ -265,7 +270,7 @@ def truncate_metrics(
         kept.append(line)
     if dropped:
         _atomic_write(target, b"".join(line + b"\n" for line in kept))
-        _log.info(
+        (log if log is not None else _log).info(
             "metrics.truncated", path=str(target), after_step=keep_through_step, dropped=dropped
         )
     return dropped
@@ -283,6 +288,15 @@ DEFAULT_RESUME_IGNORE: frozenset[str] = frozenset(
         "progress",
         "concurrency",
         "log_level",
+        "log_format",
+        "task_repr",
+        "checkpoint_every",
+        "request_timeout",
+        "stall_timeout",
+        "max_consecutive_failures",
+        "retry_attempts",
+        "retry_backoff",
+        "on_reward_error",
     }
 )
 """Config keys that may change between a run and its resumption (dotted paths; a key
@@ -343,6 +357,7 @@ def load_resume_state(
     *,
     current_config: Mapping[str, Any] | None = None,
     ignore: Collection[str] = DEFAULT_RESUME_IGNORE,
+    log: Any = None,
 ) -> ResumeState:
     """Validate ``run_dir`` and return its config and latest checkpoint.
 
@@ -364,7 +379,7 @@ def load_resume_state(
         raise ResumeError(f"cannot resume: {config_path} is not valid JSON ({exc})") from None
     if not isinstance(stored, dict):
         raise ResumeError(f"cannot resume: {config_path} does not hold a JSON object")
-    latest = CheckpointLog(directory).latest()
+    latest = CheckpointLog(directory, log=log).latest()
     if latest is None:
         raise ResumeError(
             f"cannot resume: {directory} has no checkpoint yet ({CHECKPOINTS_FILE} is missing "

@@ -34,13 +34,16 @@ __all__ = [
     "Knob",
     "LogFormat",
     "LossName",
+    "OnRewardError",
     "Profile",
     "config_from_sources",
+    "stored_settings",
 ]
 
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 LogFormat = Literal["console", "json"]
+OnRewardError = Literal["fail", "skip"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
 """Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
@@ -101,6 +104,14 @@ class EngineConfig:
     run_dir: Path | None = None
     log_format: LogFormat = "console"
     progress: bool = True
+    checkpoint_every: int = 10
+    resume: Path | None = None
+    request_timeout: float = 600.0
+    stall_timeout: float = 1800.0
+    max_consecutive_failures: int = 5
+    retry_attempts: int = 4
+    retry_backoff: float = 1.0
+    on_reward_error: OnRewardError = "fail"
 
     def __post_init__(self) -> None:
         for knob in KNOBS:
@@ -120,6 +131,11 @@ class EngineConfig:
         if self.clip_low > self.clip_high:
             raise ConfigError(
                 f"clip_low ({self.clip_low}) must not exceed clip_high ({self.clip_high})"
+            )
+        if self.resume is not None and self.run_dir is not None and self.run_dir != self.resume:
+            raise ConfigError(
+                f"--resume {self.resume} and --run-dir {self.run_dir} name different "
+                "directories: a resumed run continues in its own directory"
             )
         if self.base_url is not None and not self.api_key and not self.local:
             raise ConfigError(
@@ -479,6 +495,83 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "console: readable lines; json: one JSON object per line",
         "console",
     ),
+    Knob(
+        "checkpoint_every",
+        "--checkpoint-every",
+        (),
+        _parse_int,
+        _non_negative,
+        "save_state every N steps (0: only the initial, stop and final checkpoints)",
+        "10",
+    ),
+    Knob(
+        "resume",
+        "--resume",
+        (),
+        _parse_path,
+        None,
+        "continue the run in this run directory from its latest checkpoint",
+        "off",
+    ),
+    Knob(
+        "request_timeout",
+        "--request-timeout",
+        (),
+        _parse_float,
+        _finite_positive,
+        "seconds one attempt of a service call may take before it counts as failed",
+        "600",
+    ),
+    Knob(
+        "stall_timeout",
+        "--stall-timeout",
+        (),
+        _parse_float,
+        _finite_positive,
+        "stop the run (with a checkpoint) when no group was sampled and no step trained "
+        "for this many seconds",
+        "1800",
+    ),
+    Knob(
+        "max_consecutive_failures",
+        "--max-consecutive-failures",
+        (),
+        _parse_int,
+        _positive,
+        "stop the run (with a checkpoint) after this many consecutive failures of one "
+        "kind of service call",
+        "5",
+    ),
+    Knob(
+        "retry_attempts",
+        "--retry-attempts",
+        (),
+        _parse_int,
+        _positive,
+        "attempts per retryable service call (sampling, snapshots, save_state, setup), "
+        "the first included",
+        "4",
+    ),
+    Knob(
+        "retry_backoff",
+        "--retry-backoff",
+        (),
+        _parse_float,
+        _finite_non_negative,
+        "first wait before a retry in seconds; doubles with jitter up to 30 s "
+        "(a server's Retry-After wins)",
+        "1",
+    ),
+    Knob(
+        "on_reward_error",
+        "--on-reward-error",
+        (),
+        _parse_str,
+        _one_of(get_args(OnRewardError)),
+        "a reward function that raises: stop the run (fail), or drop that group from "
+        "its step, count it and log it (skip)",
+        "fail",
+    ),
 )
 
 
@@ -502,10 +595,13 @@ def config_from_sources(
     local: bool = False,
     stop_at_eos: bool = False,
     progress: bool = True,
+    defaults: Mapping[str, Any] | None = None,
 ) -> EngineConfig:
     """Build a config from flag strings (by field name; None = not given) and the
-    environment. Every parse/check error names where the bad value came from."""
-    values: dict[str, Any] = {}
+    environment. Every parse/check error names where the bad value came from.
+    ``defaults`` (field -> value, e.g. :func:`stored_settings` of a run being resumed)
+    replace the built-in defaults of the knobs neither a flag nor a variable sets."""
+    values: dict[str, Any] = dict(defaults or {})
     for knob in KNOBS:
         text = flags.get(knob.field)
         if text is not None:
@@ -520,9 +616,35 @@ def config_from_sources(
                 break
     if values.get("local_model") is not None:
         local = True
-    return EngineConfig(
-        **cast(dict[str, Any], values), local=local, stop_at_eos=stop_at_eos, progress=progress
-    )
+    values.setdefault("local", local)
+    values["local"] = values["local"] or local
+    values.setdefault("stop_at_eos", stop_at_eos)
+    values["stop_at_eos"] = values["stop_at_eos"] or stop_at_eos
+    values["progress"] = progress
+    return EngineConfig(**cast(dict[str, Any], values))
+
+
+_STORED_FLAGS: Final = ("local", "stop_at_eos")
+
+
+def stored_settings(stored: Mapping[str, Any], source: str) -> dict[str, Any]:
+    """The settings of a run directory's ``config.json`` as config field values, for
+    :func:`config_from_sources` ``defaults`` when a run is resumed: a resumed run keeps
+    the settings it was started with unless a flag says otherwise. Fields that may
+    change between a run and its resumption (the run dir, keys, timeouts...) are left
+    out; ``source`` names the file in error messages."""
+    out: dict[str, Any] = {}
+    skip = {"run_dir", "resume", "api_key", "base_url", "progress", "log_format"}
+    for knob in KNOBS:
+        value = stored.get(knob.field)
+        if value is None or knob.field in skip or knob.secret:
+            continue
+        out[knob.field] = _parse_value(knob, str(value), f"{knob.field} in {source}")
+    for name in _STORED_FLAGS:
+        value = stored.get(name)
+        if isinstance(value, bool):
+            out[name] = value
+    return out
 
 
 def _is_hosted_default(url: str | None) -> bool:

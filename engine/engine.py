@@ -8,8 +8,28 @@ Why a context manager with its own task group: the pipeline runs as a child of t
 ``async with`` block, so it can never outlive it -- leaving the block (normally, by an
 exception, or because the host task was cancelled mid-step) cancels the pipeline,
 closes the session and stops a local server before ``__aexit__`` returns. The engine
-keeps no module-level state and installs no signal handlers; its loggers are its own
-(see :mod:`engine.metrics`).
+keeps no module-level state and installs no signal handlers (the CLI calls
+:meth:`Engine.request_stop` on SIGINT/SIGTERM); its loggers are its own (see
+:mod:`engine.metrics` and :mod:`engine.events`).
+
+Reliability, all in :meth:`Engine._supervise`:
+
+* **Checkpoints** (``<run dir>/checkpoints.jsonl``): ``step-0`` before the first step,
+  every ``--checkpoint-every`` steps (awaited by the trainer right after the step, so the
+  saved state holds exactly that many optimizer steps), a ``final`` one, and a stop
+  checkpoint (``interrupt``/``breaker``/``watchdog``/``error``) when a run stops between
+  steps. Each record carries the loop state (data cursor, RNG, consumed problem ids,
+  scored-but-untrained groups).
+* **Exactly-once steps**: a step whose outcome is unknown makes the engine restore the
+  latest checkpoint on a new training client, rewind ``metrics.jsonl`` and redo the steps
+  after it (:mod:`engine.recovery`); the breaker bounds how often in a row.
+* **Stops**: the breaker, the watchdog, a failed sample/reward and ``request_stop`` all
+  end the run at a step boundary (:class:`~engine.stopping.StopGate`), write a stop
+  checkpoint when the state can be trusted, and raise the reason.
+* **Resume** (``config.resume``): the run dir's latest checkpoint is loaded (weights,
+  optimizer, loop state), ``metrics.jsonl`` is cut back to it and the run continues with
+  the same problem sequence and step numbers. A local server keeps its checkpoints in
+  ``<run dir>/local-server`` so a new process can load them after a crash.
 """
 
 from __future__ import annotations
@@ -19,30 +39,63 @@ import dataclasses
 import inspect
 import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO
+from typing import Any, TextIO, TypeVar
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.checkpoint import (
+    CheckpointLog,
+    CheckpointReason,
+    CheckpointRecord,
+    ResumeState,
+    load_resume_state,
+    write_config,
+)
 from engine.config import EngineConfig
-from engine.errors import ConfigError, EngineError
+from engine.errors import (
+    ConfigError,
+    EngineError,
+    Interrupted,
+    RunStopped,
+    Stalled,
+    StepOutcomeUnknown,
+    format_error,
+)
+from engine.events import EventLog, describe
 from engine.metrics import RunLog
-from engine.pipeline import Pipeline
+from engine.pipeline import Pipeline, PipelineOutcome
+from engine.recovery import plan_recovery
 from engine.redact import redact_config
 from engine.results import RunResult, StepResult
+from engine.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard
 from engine.service import MintSession, open_session
 from engine.state import LoopState
+from engine.stopping import StopGate
 from engine.tasks import Task, load_task
+from engine.watchdog import CircuitBreaker, Watchdog
 
-__all__ = ["Engine", "StepHook"]
+__all__ = ["LOCAL_SERVER_DIR", "STOP_GRACE_S", "Engine", "StepHook"]
 
 StepHook = Callable[[StepResult], Awaitable[None] | None]
-"""Called after every trained step, on the trainer's path: keep it quick."""
+"""Called after every trained step, on the trainer's path: keep it quick. After a
+recovery the redone steps are reported again (same step numbers)."""
+
+LOCAL_SERVER_DIR = "local-server"
+"""Where, inside the run dir, a local server started by the engine keeps its data."""
+
+STOP_GRACE_S = 30.0
+"""How long a stop waits for the step in flight to finish before cancelling it (the
+state is then untrusted: no stop checkpoint, the previous one stands)."""
+
+_STOP_CHECKPOINT_MAX_S = 120.0
+
+E = TypeVar("E", bound=BaseException)
 
 
 class Engine:
@@ -72,7 +125,9 @@ class Engine:
         self._recv: MemoryObjectReceiveStream[StepResult] | None = None
         self._session: MintSession | None = None
         self._log: RunLog | None = None
+        self._events: EventLog | None = None
         self._run_dir: Path | None = None
+        self._resumed: ResumeState | None = None
         self._started = False
         self._consumed = False
         self._result: RunResult | None = None
@@ -80,6 +135,10 @@ class Engine:
         self._state: LoopState | None = None
         self._metrics: list[dict[str, Any]] = []
         self._started_at = 0.0
+        self._gate: StopGate | None = None
+        self._pending_stop: Exception | None = None
+        self._stopped: dict[str, Any] | None = None
+        self._early_events = _HeldEvents()
 
     # -- public --------------------------------------------------------------------
 
@@ -100,11 +159,40 @@ class Engine:
 
     @property
     def state(self) -> LoopState | None:
-        """The loop state after the latest trained step (None before the first)."""
+        """The loop state after the latest trained step (the initial or resumed state
+        before the first)."""
         return self._state
+
+    @property
+    def session(self) -> MintSession:
+        """The connected session (its ``model_id`` changes when a checkpoint is
+        restored)."""
+        if self._session is None:
+            raise RuntimeError("the session exists once the engine is entered")
+        return self._session
 
     def add_step_hook(self, hook: StepHook) -> None:
         self._hooks.append(hook)
+
+    def request_stop(self, reason: Exception | None = None) -> None:
+        """Stop the run gracefully (SIGINT/SIGTERM in the CLI): at once when no step is in
+        flight, else after the step in flight (at most ``STOP_GRACE_S`` later); then a
+        stop checkpoint is written and ``run()``/``steps()`` raise ``reason`` (default
+        :class:`~engine.errors.Interrupted`, exit code 130). Safe to call from the
+        engine's event loop at any time, also before the run starts."""
+        reason = reason if reason is not None else Interrupted()
+        if self._events is not None:
+            self._events.warning(
+                "stop.requested",
+                error=str(reason),
+                message=f"{reason} (after the step in flight; a second signal exits at once)"
+                if isinstance(reason, Interrupted)
+                else f"stop requested: {reason}",
+            )
+        if self._gate is not None:
+            self._gate.request(reason)
+        elif self._pending_stop is None:
+            self._pending_stop = reason
 
     async def steps(self) -> AsyncIterator[StepResult]:
         """Start the run and yield each step as it is trained. Raises the run's error,
@@ -158,19 +246,46 @@ class Engine:
 
     async def _open(self) -> None:
         cfg = self._config
-        self._run_dir = _make_run_dir(cfg.run_dir, self._task.name)
+        if cfg.resume is not None:
+            self._resumed = self._check_resume(cfg.resume)
+            self._run_dir = cfg.resume
+        else:
+            self._run_dir = _make_run_dir(cfg.run_dir, self._task.name)
         self._write_config()
         log = RunLog(self._run_dir / "metrics.jsonl", self._console, cfg.log_format)
         self._log = log
         self._resources.callback(log.close)
+        events = EventLog(
+            self._run_dir,
+            console=lambda level, event, fields: log.warning(event, describe(event, fields)),
+        )
+        self._events = events
+        self._resources.callback(events.close)
+        self._early_events.replay(events)
+        if self._resumed is not None:
+            self._load_resumed_metrics(self._resumed)
         if cfg.max_steps_off_policy >= 1 and cfg.loss == "importance_sampling":
             log.warning(
                 "off_policy_loss",
                 f"--max-steps-off-policy {cfg.max_steps_off_policy} with the unclipped "
                 "importance_sampling loss: a clipped loss (--loss ppo) is safer off-policy",
             )
+        guard = ServiceGuard(
+            policies=_policies(cfg),
+            counter=RetryCounter(),
+            breaker=CircuitBreaker(cfg.max_consecutive_failures, log=events),
+            log=events,
+        )
         self._session = await self._resources.enter_async_context(
-            open_session(cfg, say=lambda line: log.info("console", line))
+            open_session(
+                cfg,
+                say=lambda line: log.info("console", line),
+                guard=guard,
+                local_data_dir=self._run_dir / LOCAL_SERVER_DIR,
+                restore_from=(
+                    self._resumed.checkpoint.state_path if self._resumed is not None else None
+                ),
+            )
         )
         if cfg.base_model is None:
             self._config = dataclasses.replace(cfg, base_model=self._session.info.base_model)
@@ -182,6 +297,33 @@ class Engine:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
+
+    def _check_resume(self, run_dir: Path) -> ResumeState:
+        """The run dir's stored config and latest checkpoint; a ResumeError (exit 2)
+        when the current config differs in a setting that must not change."""
+        stored_model = _stored_value(run_dir, "base_model")
+        if self._config.base_model is None and isinstance(stored_model, str):
+            self._config = dataclasses.replace(self._config, base_model=stored_model)
+        self._early_events = _HeldEvents()  # events.jsonl is opened once the dir checks out
+        return load_resume_state(
+            run_dir, current_config=self._config_record(), log=self._early_events
+        )
+
+    def _load_resumed_metrics(self, resumed: ResumeState) -> None:
+        """Cut metrics.jsonl back to the checkpoint (the steps after it are redone) and
+        keep the earlier steps for the summary."""
+        path = self.run_dir / "metrics.jsonl"
+        assert self._log is not None
+        self._log.rewind(resumed.step, log=self._events)
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("step"), int):
+                self._metrics.append(data)
+        assert self._events is not None
+        self._events.info("resume", step=resumed.step, state_path=resumed.checkpoint.state_path)
 
     def _start(self) -> MemoryObjectReceiveStream[StepResult]:
         if self._tg is None or self._recv is None:
@@ -197,25 +339,22 @@ class Engine:
         """The run, as a child of the engine's task group. Errors are kept and raised to
         the consumer of steps()/run(), not to the task that entered the engine."""
         assert self._session is not None and self._send is not None and self._log is not None
-        session, log, cfg = self._session, self._log, self._config
+        session, log = self._session, self._log
         try:
             async with self._send:
-                source = self._task.source(cfg.seed)
-                state = LoopState(0, source.state(), 0)
-                sampler = await session.save_sampler(0)
-                pipeline = Pipeline(cfg, self._task, session, source, state, sampler, self._on_step)
-                outcome = await pipeline.run()
+                outcome = await self._supervise()
                 if outcome.exhausted:
                     log.warning(
                         "source_exhausted",
-                        f"the problem source ran out after {outcome.steps_completed} steps",
+                        f"the problem source ran out after {outcome.state.next_step} steps",
                     )
+                await self._checkpoint("final", outcome.state)
                 path = await session.save_weights_for_sampler(f"{self._task.name}-final")
                 log.saved(path)
                 self._result = RunResult(
                     final_path=path,
                     run_dir=self.run_dir,
-                    steps_completed=outcome.steps_completed,
+                    steps_completed=outcome.state.next_step,
                     metrics=tuple(self._metrics),
                     exhausted=outcome.exhausted,
                 )
@@ -223,6 +362,111 @@ class Engine:
         except Exception as exc:
             self._error = _unwrap(exc)
             self._write_summary(self._error)
+
+    async def _supervise(self) -> PipelineOutcome:
+        """Train to the end, recovering from unknown step outcomes; on a stop (signal,
+        breaker, watchdog, failure) write a stop checkpoint if the state can be trusted,
+        then raise the reason."""
+        cfg = self._config
+        assert self._events is not None
+        gate = StopGate()
+        self._gate = gate
+        if self._pending_stop is not None:
+            gate.request(self._pending_stop)
+        watchdog = Watchdog(cfg.stall_timeout, log=self._events)
+        outcome: PipelineOutcome | None = None
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch, watchdog, gate)
+            tg.start_soon(self._grace, gate)
+            with anyio.CancelScope() as scope:
+                gate.attach(scope)
+                try:
+                    outcome = await self._train(gate, watchdog)
+                except Exception as exc:
+                    leaf = _unwrap(exc)
+                    failure = leaf if isinstance(leaf, Exception) else exc
+            tg.cancel_scope.cancel()
+        if gate.reason is None and failure is None and outcome is not None:
+            return outcome
+        stop = gate.reason if gate.reason is not None else failure
+        assert stop is not None
+        await self._stop_checkpoint(stop, gate)
+        raise stop
+
+    async def _watch(self, watchdog: Watchdog, gate: StopGate) -> None:
+        try:
+            await watchdog.run()
+        except Stalled as exc:
+            gate.request(exc)
+
+    async def _grace(self, gate: StopGate) -> None:
+        await gate.requested.wait()
+        await anyio.sleep(STOP_GRACE_S)
+        gate.force()
+
+    async def _train(self, gate: StopGate, watchdog: Watchdog) -> PipelineOutcome:
+        """The pipeline, started again from the latest checkpoint after each step of
+        unknown outcome (same code path as resuming after a crash)."""
+        assert self._session is not None and self._events is not None
+        session, cfg = self._session, self._config
+        if self._resumed is not None:
+            state = LoopState.from_dict(self._resumed.loop_state)
+        else:
+            state = self._initial_state()
+        self._state = state
+        if self._resumed is None:
+            await self._checkpoint("periodic", state)  # step 0: recovery needs a base
+        while True:
+            source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
+            sampler = await session.save_sampler(state.next_step)
+            watchdog.progress(f"sampler {state.next_step} ready")
+            pipeline = Pipeline(
+                cfg,
+                self._task,
+                session,
+                source,
+                state,
+                sampler,
+                self._on_step,
+                gate=gate,
+                progress=watchdog.progress,
+            )
+            try:
+                return await pipeline.run()
+            except Exception as exc:
+                unknown = _find(exc, StepOutcomeUnknown)
+                if unknown is None or gate.reason is not None:
+                    raise
+            state = await self._recover(unknown, gate)
+            watchdog.progress(f"restored step {state.next_step}")
+
+    def _initial_state(self) -> LoopState:
+        return LoopState(0, self._task.source(self._config.seed).state(), 0)
+
+    async def _recover(self, unknown: StepOutcomeUnknown, gate: StopGate) -> LoopState:
+        """Restore the latest checkpoint after step ``unknown.step`` had an unknown
+        outcome; rewind the metrics of the steps that will be redone."""
+        assert self._session is not None and self._log is not None
+        assert self._state is not None
+        completed = self._state.next_step
+        plan = plan_recovery(
+            CheckpointLog(self.run_dir, log=self._events).latest(),
+            completed_steps=completed,
+            log=self._events,
+        )
+        await self._session.restore(plan.state_path)
+        gate.restored()
+        if plan.redo_steps:
+            self._log.rewind(plan.resume_step, log=self._events)
+            self._metrics = [m for m in self._metrics if m["step"] <= plan.resume_step]
+        state = (
+            LoopState.from_dict(plan.loop_state)
+            if plan.loop_state is not None
+            else self._initial_state()
+        )
+        self._state = state
+        return state
 
     async def _on_step(self, result: StepResult) -> None:
         assert self._log is not None and self._send is not None
@@ -236,45 +480,179 @@ class Engine:
                 f"step {result.step}: dropped {dropped} responses that came without sampler "
                 "logprobs (--on-missing-logprobs drop)",
             )
+        for group in result.groups:
+            if group.reward_error is not None:
+                self._log.warning(
+                    "reward_error",
+                    f"step {result.step}: {group.reward_error}; the group was left out of "
+                    "the step (--on-reward-error skip)",
+                )
+        every = self._config.checkpoint_every
+        if every and result.step % every == 0 and result.step < self._config.steps:
+            try:
+                await self._checkpoint("periodic", result.state)
+            except Exception as exc:
+                assert self._gate is not None
+                self._gate.request(exc)  # the step is trained and logged: stop after it
         for hook in self._hooks:
             value = hook(result)
             if inspect.isawaitable(value):
                 await value
         await self._send.send(result)
 
+    # -- checkpoints -----------------------------------------------------------------
+
+    async def _checkpoint(self, reason: CheckpointReason, state: LoopState) -> CheckpointRecord:
+        """save_state (retried) and a durable record of it with the loop state."""
+        assert self._session is not None
+        step = state.next_step
+        name = "final" if reason == "final" else f"step-{step}"
+        path = await self._session.save_state(name)
+        return await self._record(reason, path, state)
+
+    async def _record(
+        self, reason: CheckpointReason, path: str, state: LoopState
+    ) -> CheckpointRecord:
+        record = CheckpointRecord(
+            step=state.next_step, state_path=path, reason=reason, loop_state=state.to_dict()
+        )
+        await CheckpointLog(self.run_dir, log=self._events).aappend(record)
+        return record
+
+    async def _stop_checkpoint(self, stop: Exception, gate: StopGate) -> None:
+        """One bounded save_state attempt when the state holds exactly the completed
+        steps; otherwise (a step in flight or of unknown outcome) the latest checkpoint
+        stands. Either way, say where a resume would continue."""
+        assert self._session is not None and self._events is not None
+        reason: CheckpointReason = stop.reason if isinstance(stop, RunStopped) else "error"
+        state = self._state
+        saved: CheckpointRecord | None = None
+        note = ""
+        if state is not None and gate.clean:
+            limit = min(self._config.request_timeout, _STOP_CHECKPOINT_MAX_S)
+            try:
+                with anyio.CancelScope(shield=True):
+                    path = await self._session.save_state_once(
+                        f"{reason}-step-{state.next_step}", limit_s=limit
+                    )
+                    saved = await self._record(reason, path, state)
+            except Exception as exc:
+                note = f"the {reason} checkpoint failed ({format_error(exc)[7:]}); "
+        else:
+            note = "a step was in flight or of unknown outcome, so no new checkpoint; "
+        latest = saved or CheckpointLog(self.run_dir, log=self._events).latest()
+        where = (
+            f"resume from step {latest.step} with: python -m engine.run --resume {self.run_dir}"
+            if latest is not None
+            else "no checkpoint to resume from"
+        )
+        self._stopped = {
+            "reason": reason,
+            "checkpoint_step": latest.step if latest is not None else None,
+            "checkpoint_written": saved is not None,
+        }
+        self._events.warning(
+            "run.stopped",
+            reason=reason,
+            error=format_error(stop)[7:],
+            checkpoint_step=latest.step if latest is not None else None,
+            message=f"run stopped ({reason}): {note}{where}",
+        )
+
     # -- files ---------------------------------------------------------------------
 
-    def _write_config(self) -> None:
-        data = {
+    def _config_record(self) -> dict[str, Any]:
+        return {
             **self._config.public_dict(),
             "task_repr": repr(self._task),
             "task_name": self._task.name,
         }
-        _write_json(self.run_dir / "config.json", redact_config(data))
+
+    def _write_config(self) -> None:
+        write_config(self.run_dir, self._config_record())
 
     def _write_summary(self, error: BaseException | None) -> None:
         metrics = self._metrics
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        counter = self._session.retries.totals() if self._session is not None else {}
         summary: dict[str, Any] = {
             "status": "failed" if error else "finished",
             "error": str(error) if error else None,
+            "stopped": self._stopped,
             "task": self._task.name,
             "base_model": self._config.base_model,
             "server": self._config.public_dict()["server"],
             "steps_planned": self._config.steps,
             "steps_completed": len(metrics),
+            "resumed_from_step": self._resumed.step if self._resumed is not None else None,
             "max_steps_off_policy": self._config.max_steps_off_policy,
             "loss": self._config.loss,
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max((m["avg_reward"] for m in metrics), default=None),
             "max_staleness": max((m["off_policy/staleness"] for m in metrics), default=None),
+            "retries": counter,
             "seconds": round(time.perf_counter() - self._started_at, 3),
             "final_path": self._result.final_path if self._result else None,
         }
         summary = redact_config(summary)
         _write_json(self.run_dir / "summary.json", summary)
         (self.run_dir / "summary.md").write_text(_summary_markdown(summary, metrics))
+
+
+class _HeldEvents:
+    """Events logged before events.jsonl exists, replayed into it once it does."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[str, str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._held.append(("info", event, fields))
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._held.append(("warning", event, fields))
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._held.append(("error", event, fields))
+
+    def replay(self, target: EventLog) -> None:
+        for level, event, fields in self._held:
+            getattr(target, level)(event, **fields)
+        self._held.clear()
+
+
+def _policies(cfg: EngineConfig) -> dict[OpKind, RetryPolicy]:
+    """The retry policy of each kind of call, from the run's knobs."""
+    base = RetryPolicy(
+        max_attempts=cfg.retry_attempts,
+        initial_wait=cfg.retry_backoff,
+        max_wait=max(30.0, cfg.retry_backoff),
+        jitter=cfg.retry_backoff,
+        attempt_timeout=cfg.request_timeout,
+    )
+    policies = {kind: base for kind in OpKind}
+    policies[OpKind.TRAIN_STEP] = base.scaled(max_attempts=1)
+    return policies
+
+
+def _stored_value(run_dir: Path, key: str) -> Any:
+    try:
+        data = json.loads((run_dir / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return data.get(key) if isinstance(data, Mapping) else None
+
+
+def _find(exc: BaseException, kind: type[E]) -> E | None:
+    """The first ``kind`` exception in ``exc`` or its (nested) exception groups."""
+    if isinstance(exc, kind):
+        return exc
+    if isinstance(exc, BaseExceptionGroup):
+        for sub in exc.exceptions:
+            found = _find(sub, kind)
+            if found is not None:
+                return found
+    return None
 
 
 def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:

@@ -22,6 +22,7 @@ from typing import IO, Any, Literal, TextIO
 
 import structlog
 
+from engine.checkpoint import truncate_metrics
 from engine.redact import redact_processor
 from engine.state import ScoredGroup
 
@@ -175,6 +176,7 @@ class RunLog:
         console: TextIO | None,
         log_format: Literal["console", "json"],
     ) -> None:
+        self._path = metrics_path
         self._file: IO[str] = metrics_path.open("a", encoding="utf-8")
         base: list[Any] = [
             structlog.processors.add_log_level,
@@ -221,6 +223,15 @@ class RunLog:
         plain line to stderr so it is never lost in the JSON)."""
         if self._console is not None:
             self._console.info("saved", path=path)
+
+    def rewind(self, keep_through_step: int, log: Any = None) -> int:
+        """Drop the metrics lines of steps after ``keep_through_step`` (a recovery redoes
+        them, and each step must appear once); returns how many were dropped."""
+        self._file.close()
+        try:
+            return truncate_metrics(self._path, keep_through_step, log=log)
+        finally:
+            self._file = self._path.open("a", encoding="utf-8")
 
     def close(self) -> None:
         self._file.close()

@@ -20,10 +20,20 @@ group satisfies ``s - version <= K``. With ``K = 0`` this is the MinT quickstart
 on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
 one server round per train step. Groups are consumed oldest step first; nothing sampled
 is discarded. Every stream's buffer is bounded by ``(K + 1) * batch``.
+
+Reliability: a step is "in flight" from its first submission until its metrics are
+logged (:class:`~engine.stopping.StopGate`), so a stop only ever lands between steps. A
+failed sample request or reward function does not tear the task group down mid-step: it
+asks the gate to stop (after the step in flight). A reward function that raises names the
+problem; with ``--on-reward-error skip`` its group is dropped from the step (no datums),
+counted (``groups/reward_errors``) and logged instead. A train-step failure propagates as
+:class:`~engine.errors.StepOutcomeUnknown` for the engine to restore a checkpoint. Every
+sampled group and trained step counts as progress for the watchdog.
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import time
@@ -37,18 +47,31 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from tinker import types
 
 from engine.config import EngineConfig
-from engine.errors import EngineError
+from engine.errors import EngineError, classify
 from engine.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.policy import PolicyVersions
 from engine.results import StepResult, StepTimeline
 from engine.rl import GroupDatums, group_datums, kl_sample_train
-from engine.service import MintSession, SampleResult, SamplerHandle, TrainSubmission
+from engine.service import MintSession, SampleResult, SamplerHandle, TrainResult, TrainSubmission
 from engine.state import LoopState, ScoredGroup
+from engine.stopping import StopGate
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
 
 __all__ = ["Pipeline", "PipelineOutcome"]
 
 StepCallback = Callable[[StepResult], Awaitable[None]]
+ProgressCallback = Callable[[str], None]
+
+
+class RewardError(EngineError):
+    """The task's reward function raised (or returned garbage) for a problem."""
+
+    def __init__(self, problem: Problem, cause: BaseException) -> None:
+        detail = classify(cause).message if isinstance(cause, Exception) else str(cause)
+        super().__init__(
+            f"the reward function failed on problem {problem.id} ({problem.question!r}): {detail}"
+        )
+        self.problem = problem
 
 
 @dataclass(frozen=True)
@@ -88,8 +111,12 @@ class _StepAssembly:
         self.missing_logprobs = 0
         self.constant_groups = 0
         self.used_groups = 0
+        self.reward_errors = 0
 
-    def add(self, built: GroupDatums) -> None:
+    def add(self, built: GroupDatums | None) -> None:
+        if built is None:  # the reward function failed on this group
+            self.reward_errors += 1
+            return
         self.datums.extend(built.datums)
         self.empty += built.skipped_empty
         self.zero_advantage += built.skipped_zero_advantage
@@ -110,6 +137,9 @@ class Pipeline:
         state: LoopState,
         sampler: SamplerHandle,
         on_step: StepCallback,
+        *,
+        gate: StopGate,
+        progress: ProgressCallback = lambda what: None,
     ) -> None:
         if config.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
@@ -121,6 +151,8 @@ class Pipeline:
         self._state = state
         self._versions = PolicyVersions(sampler)
         self._on_step = on_step
+        self._gate = gate
+        self._progress = progress
         self._k = config.max_steps_off_policy
         self._bound = (self._k + 1) * config.batch
         self._slots = anyio.Semaphore(config.concurrency)
@@ -195,9 +227,15 @@ class Pipeline:
                 )
                 samples = len(result.completions)
                 tokens = sum(len(c.tokens) for c in result.completions)
+            except Exception as exc:
+                # Retries are spent (or the breaker is open): stop after the step in
+                # flight instead of cancelling it half-way.
+                self._gate.request(exc)
+                return
             finally:
                 self._sampling.end(items=samples, tokens=tokens)
                 self._slots.release()
+            self._progress(f"step {job.step + 1} group {job.index} sampled")
             await send.send(_SampledGroup(job, result, started, time.perf_counter()))
 
     # -- scorer ----------------------------------------------------------------------
@@ -210,8 +248,19 @@ class Pipeline:
         async with receive, send:
             async for sampled in receive:
                 t0 = time.perf_counter()
-                rewards = await self._score_group(sampled)
                 job = sampled.job
+                reward_error: str | None = None
+                try:
+                    rewards = await self._score_group(sampled)
+                except Exception as exc:
+                    error = RewardError(job.problem, exc)
+                    if self._config.on_reward_error == "fail":
+                        # Stop after the step in flight; until then keep the streams
+                        # open (closing them would break the sampler tasks mid-send).
+                        self._gate.request(error)
+                        await anyio.sleep_forever()
+                    reward_error = str(error)
+                    rewards = [RewardBreakdown(0.0)] * len(sampled.result.completions)
                 await send.send(
                     ScoredGroup(
                         step=job.step,
@@ -224,6 +273,7 @@ class Pipeline:
                         sample_started=sampled.started,
                         sample_finished=sampled.finished,
                         score_seconds=time.perf_counter() - t0,
+                        reward_error=reward_error,
                     )
                 )
 
@@ -281,7 +331,9 @@ class Pipeline:
                 await advance()
         return completed
 
-    def _build(self, group: ScoredGroup) -> GroupDatums:
+    def _build(self, group: ScoredGroup) -> GroupDatums | None:
+        if group.reward_error is not None:
+            return None
         return group_datums(
             group.prompt_tokens,
             group.completions,
@@ -311,13 +363,19 @@ class Pipeline:
             for i in chunk:
                 built = self._build(arrived[i])
                 assembly.add(built)
-                datums.extend(built.datums)
+                if built is not None:
+                    datums.extend(built.datums)
                 assembly.submitted.add(i)
             if datums:
+                await self._gate.begin_step(step + 1)
                 if assembly.train_start is None:
                     assembly.train_start = time.perf_counter()
                 await self._session.submit_forward_backward(
-                    assembly.submission, datums, self._config.loss, self._config.loss_fn_config()
+                    assembly.submission,
+                    datums,
+                    self._config.loss,
+                    self._config.loss_fn_config(),
+                    step=step + 1,
                 )
 
     async def _train_step(
@@ -332,9 +390,14 @@ class Pipeline:
         cfg = self._config
         ordered = [groups[i] for i in range(cfg.batch)]
         await self._stream(step, {step: groups}, assembly, final=True)
+        await self._gate.begin_step(step + 1)
         if assembly.train_start is None:
             assembly.train_start = time.perf_counter()
-        optim = await self._session.submit_optim_step(self._lr) if assembly.datums else None
+        optim = (
+            await self._session.submit_optim_step(self._lr, step=step + 1)
+            if assembly.datums
+            else None
+        )
         current = self._versions.current
         publish: SamplerHandle | None = None
 
@@ -342,14 +405,27 @@ class Pipeline:
             nonlocal publish
             if optim is None:  # no update: the weights (and the sampler) are unchanged
                 publish = SamplerHandle(step + 1, current.client)
-            else:
+                return
+            try:
                 publish = await self._session.save_sampler(step + 1)
+            except Exception as exc:
+                # The step itself may still complete: record it, then stop.
+                self._gate.request(exc)
 
-        async with anyio.create_task_group() as tg:
-            if step + 1 < cfg.steps:
-                # Submitted right behind the optim step, so it snapshots the new weights.
-                tg.start_soon(snapshot)
-            result = await self._session.finish_train_step(assembly.submission, optim)
+        try:
+            async with anyio.create_task_group() as tg:
+                if step + 1 < cfg.steps:
+                    # Submitted right behind the optim step: it snapshots the new weights.
+                    tg.start_soon(snapshot)
+                if optim is None and not assembly.submission.futures:
+                    result = _NO_TRAINING
+                else:
+                    result = await self._session.finish_train_step(
+                        assembly.submission, optim, step=step + 1
+                    )
+        except BaseException:
+            self._gate.step_failed()
+            raise
         if publish is not None:
             self._versions.publish(publish)
         train_end = time.perf_counter()
@@ -357,6 +433,8 @@ class Pipeline:
         await self._on_step(
             self._step_result(step, ordered, assembly, result, last_end, complete_at, train_end)
         )
+        self._progress(f"step {step + 1} trained")
+        self._gate.end_step()
 
     def _step_result(
         self,
@@ -381,13 +459,17 @@ class Pipeline:
         busy, samples, tokens = self._sampling.take()
         assert assembly.train_start is not None
         train_time = train_end - assembly.train_start
+        scored = [g for g in groups if g.reward_error is None]
+        failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
             "step": step + 1,
-            **reward_metrics(groups),
+            **reward_metrics(scored),
             "datums": len(assembly.datums),
             "groups/total": len(groups),
             "groups/used": assembly.used_groups,
             "groups/skipped": assembly.constant_groups,
+            "groups/reward_errors": len(failed),
+            "reward_errors/problem_ids": [g.problem.id for g in failed],
             "skipped/empty_responses": assembly.empty,
             "skipped/zero_advantage": assembly.zero_advantage,
             "dropped/missing_logprobs": assembly.missing_logprobs,
@@ -411,6 +493,8 @@ class Pipeline:
             "throughput/samples_per_s": samples / step_time,
             "throughput/tokens_per_s": tokens / step_time,
             "progress/done_frac": (step + 1) / cfg.steps,
+            "problem_ids": [g.problem.id for g in groups],
+            "problems/digest": _problems_digest(groups),
             **self._session.retries.take(),
         }
         timeline = StepTimeline(
@@ -444,6 +528,19 @@ class Pipeline:
             trained_problem_ids=trained,
             pending_groups=pending,
         )
+
+
+_NO_TRAINING = TrainResult([], {}, {})
+"""A step without datums: nothing was submitted (the quickstart skips its optim_step)."""
+
+
+def _problems_digest(groups: Sequence[ScoredGroup]) -> str:
+    """A short fingerprint of a step's problems (questions and answers, in order): two
+    runs trained the same problem sequence iff their per-step digests match."""
+    h = hashlib.sha256()
+    for g in groups:
+        h.update(f"{g.problem.id}\x1f{g.problem.question}\x1f{g.problem.answer!r}\x1e".encode())
+    return h.hexdigest()[:16]
 
 
 def _ratio(value: float) -> float:

@@ -86,6 +86,7 @@ async def run_train_step(
     step: int,
     deadline_s: float | None,
     breaker: CircuitBreaker | None = None,
+    log: Any = None,
 ) -> T:
     """Await one train step (``step_fn`` submits forward_backward + optim_step and
     awaits both) under a deadline; never retries it.
@@ -100,7 +101,9 @@ async def run_train_step(
     except Exception as exc:
         outcome = step_outcome(exc)
         message = classify(exc).message
-        _log.error("train_step.failed", step=step, outcome=str(outcome), error=message)
+        (log if log is not None else _log).error(
+            "train_step.failed", step=step, outcome=str(outcome), error=message
+        )
         if breaker is not None:
             breaker.record_failure(TRAIN_STEP_KIND, exc)
         if outcome is StepOutcome.REJECTED:
@@ -132,7 +135,9 @@ class RecoveryPlan:
     redo_steps: int
 
 
-def plan_recovery(latest: CheckpointRecord | None, *, completed_steps: int) -> RecoveryPlan:
+def plan_recovery(
+    latest: CheckpointRecord | None, *, completed_steps: int, log: Any = None
+) -> RecoveryPlan:
     """Plan the restore after step ``completed_steps + 1`` failed with an unknown
     outcome, given the latest checkpoint (``CheckpointLog.latest()``)."""
     if completed_steps < 0:
@@ -152,7 +157,7 @@ def plan_recovery(latest: CheckpointRecord | None, *, completed_steps: int) -> R
             dict(latest.loop_state),
             completed_steps - latest.step,
         )
-    _log.warning(
+    (log if log is not None else _log).warning(
         "recovery.plan",
         restore=plan.state_path or "base model",
         resume_step=plan.resume_step,

@@ -396,19 +396,30 @@ class ServiceGuard:
             op=op,
         )
 
-    async def train_step(self, step: int, fn: Callable[[], Awaitable[T]]) -> T:
+    async def train_step(
+        self, step: int, fn: Callable[[], Awaitable[T]], *, completes: bool = True
+    ) -> T:
         """Await train step ``step`` (1-based) exactly once; see
         :func:`engine.recovery.run_train_step`. An unknown outcome counts as one
-        ``retries/train_step`` (the step will be redone after a restore)."""
+        ``retries/train_step`` (the step will be redone after a restore).
+
+        ``completes=False`` is for one PART of a step (a submission): its failure counts
+        in the breaker like a failed step, but its success does not reset the breaker --
+        only a whole step does, so a step that always fails after its submissions
+        succeed still trips the breaker instead of being restored forever."""
         try:
             return await run_train_step(
                 fn,
                 step=step,
                 deadline_s=self.policy(OpKind.TRAIN_STEP).attempt_timeout,
-                breaker=self.breaker,
+                breaker=self.breaker if completes else None,
+                log=self.log,
             )
-        except StepOutcomeUnknown:
-            self.counter.increment(OpKind.TRAIN_STEP)
+        except (StepOutcomeUnknown, PermanentServiceError) as exc:
+            if not completes:
+                self.breaker.record_failure(OpKind.TRAIN_STEP, exc.__cause__ or exc)
+            if isinstance(exc, StepOutcomeUnknown):
+                self.counter.increment(OpKind.TRAIN_STEP)
             raise
 
     def sampling_retry_config(self) -> RetryConfig:

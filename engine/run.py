@@ -5,6 +5,11 @@ variables, same per-step line, ``Saved: <path>`` at the end); without MINT_API_K
 starts the local server and trains its small model on two-digit addition. Every knob is
 a flag (``--help`` names its environment variable and default).
 
+``--resume <run dir>`` continues a run from its latest checkpoint with the settings in
+its config.json (flags may extend ``--steps`` or change timeouts/retries; changing what
+is trained is refused). SIGINT/SIGTERM stop the run after the step in flight with an
+``interrupt`` checkpoint (a second signal exits at once).
+
 Exit codes: 0 done; 2 invalid configuration (one line on stderr); 1 runtime failure
 (``Error: ...``, one line); 130 interrupted.
 """
@@ -16,16 +21,19 @@ import logging
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any, NoReturn, TextIO
 
 import anyio
 from tqdm import tqdm
 
-from engine.config import KNOBS, EngineConfig, config_from_sources
+from engine.checkpoint import CONFIG_FILE, load_resume_state
+from engine.config import KNOBS, EngineConfig, config_from_sources, stored_settings
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.results import RunResult, StepResult
+from engine.watchdog import SignalInterrupt
 
 __all__ = ["build_parser", "main"]
 
@@ -67,16 +75,33 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _Quiet:
+    def warning(self, event: str, **fields: Any) -> None:
+        pass
+
+    error = info = warning
+
+
+_QUIET = _Quiet()
+
+
 def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> EngineConfig:
     """The config from the command line and the environment (ConfigError, exit 2)."""
     args = build_parser().parse_args(argv)
     flags = {knob.field: getattr(args, knob.field) for knob in KNOBS}
+    defaults = None
+    if flags.get("resume") is not None:
+        run_dir = Path(flags["resume"]).expanduser()
+        # ResumeError (exit 2) if unusable; the engine reads it again and logs what it finds.
+        stored = load_resume_state(run_dir, log=_QUIET).config
+        defaults = stored_settings(stored, str(run_dir / CONFIG_FILE))
     return config_from_sources(
         flags,
         environ,
         local=args.local,
         stop_at_eos=args.stop_at_eos,
         progress=not args.no_progress,
+        defaults=defaults,
     )
 
 
@@ -98,12 +123,22 @@ class _TqdmSafeStream:
 async def _run(engine: Engine, bar: tqdm[Any] | None) -> RunResult:
     def advance(step: StepResult) -> None:
         if bar is not None:
-            bar.update(1)
+            bar.n = step.step  # a recovery redoes steps: show where the run stands
             bar.set_postfix(reward=f"{step.metrics['avg_reward']:.3f}")
 
     engine.add_step_hook(advance)
-    async with engine:
-        return await engine.run()
+    # The engine reports the stop itself (console + events.jsonl).
+    interrupt = SignalInterrupt(on_interrupt=engine.request_stop, log=_QUIET)
+    result: RunResult | None = None
+    async with anyio.create_task_group() as tg:
+        await tg.start(interrupt.watch)
+        try:
+            async with engine:
+                result = await engine.run()
+        finally:
+            tg.cancel_scope.cancel()
+    assert result is not None
+    return result
 
 
 def main(argv: Sequence[str] | None = None) -> int:

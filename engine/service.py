@@ -19,8 +19,16 @@ Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
 
 Opening a session (:func:`open_session`): with an API key (and optional base URL) it
 talks to that endpoint; with neither it starts the local server in the background and
-says so. A preflight turns an unreachable server, a rejected key and an unknown model
-into one sentence each (:class:`PreflightError`, exit code 1).
+says so (its data dir, where its checkpoints live, can be put inside the run dir so a
+new process can resume from them). A preflight turns an unreachable server, a rejected
+key and an unknown model into one sentence each (:class:`PreflightError`, exit code 1).
+
+Reliability (see :mod:`engine.retry`): every call goes through a
+:class:`~engine.retry.ServiceGuard` -- idempotent kinds (setup, sampling, sampler
+snapshots, save_state) are retried on transient errors under a per-attempt deadline;
+train-step calls are bounded by a deadline and never repeated: a failure after
+submission raises :class:`~engine.errors.StepOutcomeUnknown` and the engine restores a
+checkpoint with :meth:`MintSession.restore`.
 """
 
 from __future__ import annotations
@@ -29,6 +37,7 @@ import contextlib
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, TypeVar
 
 import anyio
@@ -38,10 +47,11 @@ import tinker
 from tinker import types
 
 from engine.config import HOSTED_BASE_URL, EngineConfig
-from engine.errors import ConfigError, EngineError, classify
+from engine.errors import ConfigError, EngineError, ServiceError, classify
 from engine.redact import register_secret
-from engine.retry import SDK_MAX_RETRIES, OpKind, RetryCounter
+from engine.retry import SDK_MAX_RETRIES, OpKind, RetryCounter, ServiceGuard
 from engine.rl import Completion
+from engine.watchdog import deadline
 
 __all__ = [
     "MintSession",
@@ -108,6 +118,13 @@ class TrainSubmission:
     futures: list[tuple[int, Any]] = field(default_factory=list)  # (n datums, APIFuture)
 
 
+@dataclass(frozen=True)
+class _LoraSpec:
+    base_model: str
+    rank: int
+    seed: int | None
+
+
 class MintSession:
     """A connected training session: one training client and its tokenizer."""
 
@@ -117,22 +134,38 @@ class MintSession:
         training: tinker.TrainingClient,
         tokenizer: Any,
         info: ServerInfo,
-        retries: RetryCounter,
+        guard: ServiceGuard,
+        lora: _LoraSpec,
     ) -> None:
         self._service = service
         self._training = training
         self.tokenizer = tokenizer
         self.info = info
-        self.retries = retries
+        self.guard = guard
+        self._lora = lora
+
+    @property
+    def retries(self) -> RetryCounter:
+        """Retries per kind; step metrics read them as ``retries/<kind>``."""
+        return self.guard.counter
+
+    @property
+    def model_id(self) -> str | None:
+        """The server's id of the current training client (changes on restore)."""
+        return self._training.model_id
 
     # -- the seam ----------------------------------------------------------------------
 
     async def _call(self, kind: OpKind, op: str, fn: Callable[[], Awaitable[T]]) -> T:
-        """Run one SDK operation. The reliability layer wraps this (retries for the
+        """Run one SDK operation through the reliability layer (retries for the
         idempotent kinds, deadlines, breaker); ``fn`` must build a fresh request on
         each call."""
-        del kind, op
-        return await fn()
+        return await self.guard.call(kind, op, fn)
+
+    async def _step_call(self, step: int, fn: Callable[[], Awaitable[T]], *, completes: bool) -> T:
+        """A train-step call: under its deadline, never repeated, any failure raises
+        StepOutcomeUnknown (or PermanentServiceError for a refused request)."""
+        return await self.guard.train_step(step, fn, completes=completes)
 
     # -- tokens ------------------------------------------------------------------------
 
@@ -185,12 +218,17 @@ class MintSession:
         client's sequence, so calling it right after :meth:`submit_optim_step` (without
         awaiting the step) snapshots the weights AFTER that step."""
 
+        training = self._training
+        retry_config = self.guard.sampling_retry_config()
+
+        def save() -> tinker.SamplingClient:
+            # The SDK's own sampling retries give up after our attempt timeout, not 2 h.
+            return training.save_weights_and_get_sampling_client(retry_config=retry_config)
+
         async def go() -> tinker.SamplingClient:
             # The SDK's _async form blocks its caller on the save; run the sync form in a
             # worker thread instead of stalling the event loop.
-            return await anyio.to_thread.run_sync(
-                self._training.save_weights_and_get_sampling_client, abandon_on_cancel=True
-            )
+            return await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
 
         client = await self._call(OpKind.SAMPLER_SNAPSHOT, "save_sampler", go)
         return SamplerHandle(version, client)
@@ -203,34 +241,44 @@ class MintSession:
         datums: list[types.Datum],
         loss: str,
         loss_config: dict[str, float] | None,
+        *,
+        step: int,
     ) -> None:
-        """Submit one forward_backward (gradients accumulate until the optim step);
-        its result is awaited by :meth:`finish_train_step`."""
+        """Submit one forward_backward of train step ``step`` (1-based; gradients
+        accumulate until the optim step); its result is awaited by
+        :meth:`finish_train_step`."""
+        training = self._training
 
         async def go() -> Any:
-            return await self._training.forward_backward_async(
+            return await training.forward_backward_async(
                 datums,
                 loss,  # type: ignore[arg-type]  # validated against LOSSES by the config
                 loss_config,
             )
 
-        future = await self._call(OpKind.TRAIN_STEP, "forward_backward", go)
+        future = await self._step_call(step, go, completes=False)
         submission.futures.append((len(datums), future))
 
-    async def submit_optim_step(self, learning_rate: float) -> Any:
-        """Submit an Adam step (the quickstart sets only the learning rate)."""
+    async def submit_optim_step(self, learning_rate: float, *, step: int) -> Any:
+        """Submit the Adam step of train step ``step`` (the quickstart sets only the
+        learning rate)."""
+        training = self._training
 
         async def go() -> Any:
-            return await self._training.optim_step_async(
-                types.AdamParams(learning_rate=learning_rate)
-            )
+            return await training.optim_step_async(types.AdamParams(learning_rate=learning_rate))
 
-        return await self._call(OpKind.TRAIN_STEP, "optim_step", go)
+        return await self._step_call(step, go, completes=False)
 
     async def finish_train_step(
-        self, submission: TrainSubmission, optim_future: Any | None
+        self, submission: TrainSubmission, optim_future: Any | None, *, step: int
     ) -> TrainResult:
-        """Await the step's submitted calls; outputs are in datum order."""
+        """Await train step ``step``'s submitted calls; outputs are in datum order. Any
+        failure raises StepOutcomeUnknown: the step may or may not have been applied."""
+        return await self._step_call(
+            step, lambda: self._collect(submission, optim_future), completes=True
+        )
+
+    async def _collect(self, submission: TrainSubmission, optim_future: Any | None) -> TrainResult:
         outputs: list[Any] = []
         metrics: dict[str, float] = {}
         for n, future in submission.futures:
@@ -257,12 +305,14 @@ class MintSession:
         loss: str,
         loss_config: dict[str, float] | None,
         learning_rate: float,
+        *,
+        step: int,
     ) -> TrainResult:
         """forward_backward then optim_step, both submitted before either is awaited."""
         submission = TrainSubmission()
-        await self.submit_forward_backward(submission, datums, loss, loss_config)
-        optim = await self.submit_optim_step(learning_rate)
-        return await self.finish_train_step(submission, optim)
+        await self.submit_forward_backward(submission, datums, loss, loss_config, step=step)
+        optim = await self.submit_optim_step(learning_rate, step=step)
+        return await self.finish_train_step(submission, optim, step=step)
 
     # -- saving ------------------------------------------------------------------------
 
@@ -285,18 +335,62 @@ class MintSession:
 
         return await self._call(OpKind.SAVE_STATE, "save_state", go)
 
+    async def save_state_once(self, name: str, *, limit_s: float) -> str:
+        """One bounded ``save_state`` attempt, no retries: the best-effort checkpoint of
+        a run that is stopping (the server may be the reason it stops)."""
+
+        async def go() -> str:
+            future = await self._training.save_state_async(name)
+            return str((await future).path)
+
+        with deadline(limit_s, "the stop checkpoint"):
+            return await go()
+
+    # -- recovery ----------------------------------------------------------------------
+
+    async def restore(self, state_path: str | None) -> None:
+        """Replace the training client by a new one loaded from ``state_path`` (weights
+        and optimizer state), or, with None, by a fresh LoRA client of the run's base
+        model, rank and seed. The old client is abandoned: after a step of unknown
+        outcome its weights cannot be trusted. New client, new ``seq_id`` sequence."""
+        service, lora = self._service, self._lora
+
+        async def load() -> tinker.TrainingClient:
+            assert state_path is not None
+            return await service.create_training_client_from_state_with_optimizer_async(state_path)
+
+        async def fresh() -> tinker.TrainingClient:
+            return await _create_lora(service, lora)
+
+        if state_path is None:
+            self._training = await self._call(OpKind.SESSION, "create the training client", fresh)
+        else:
+            self._training = await self._call(OpKind.SESSION, f"restore {state_path}", load)
+
 
 # ----------------------------------------------------------------------------- opening
 
 
 @contextlib.asynccontextmanager
 async def open_session(
-    config: EngineConfig, *, say: Callable[[str], None] = lambda line: None
+    config: EngineConfig,
+    *,
+    say: Callable[[str], None] = lambda line: None,
+    guard: ServiceGuard | None = None,
+    local_data_dir: Path | None = None,
+    restore_from: str | None = None,
 ) -> AsyncIterator[MintSession]:
     """Connect as ``config`` says (starting the local server when it uses one), check
     the server, create the LoRA training client and load its tokenizer. ``config``
     must be :meth:`~EngineConfig.resolved`; ``say`` receives the console lines
-    (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...")."""
+    (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...").
+
+    ``guard`` is the reliability layer every call goes through (default: production
+    policies). ``local_data_dir`` is where a local server keeps its checkpoints (default:
+    a temporary dir removed on exit; a resumable run passes a dir inside its run dir).
+    ``restore_from`` is a ``tinker://`` state to load (weights and optimizer) instead
+    of creating a fresh LoRA client: how a run is resumed."""
+    guard = guard if guard is not None else ServiceGuard()
     if config.uses_local_server:
         from engine.local import ConfigError as LocalConfigError
         from engine.local import serve_local
@@ -305,7 +399,9 @@ async def open_session(
         say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
         async with contextlib.AsyncExitStack() as stack:
             try:
-                server = await stack.enter_async_context(serve_local(model_dir=config.local_model))
+                server = await stack.enter_async_context(
+                    serve_local(model_dir=config.local_model, data_dir=local_data_dir)
+                )
             except (LocalConfigError, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
             say(f"Local server: {server.base_url} serving {server.model_name}")
@@ -313,14 +409,18 @@ async def open_session(
             # A local server without a key accepts any; the SDK still wants one.
             api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
             session = await stack.enter_async_context(
-                _connect(config, server.base_url, api_key, base_model, True, say)
+                _connect(
+                    config, server.base_url, api_key, base_model, True, say, guard, restore_from
+                )
             )
             yield session
         return
     register_secret(config.api_key)
     base_url = config.base_url or HOSTED_BASE_URL
     assert config.base_model is not None, "config must be resolved"
-    async with _connect(config, base_url, config.api_key, config.base_model, False, say) as session:
+    async with _connect(
+        config, base_url, config.api_key, config.base_model, False, say, guard, restore_from
+    ) as session:
         yield session
 
 
@@ -332,11 +432,14 @@ async def _connect(
     base_model: str,
     local: bool,
     say: Callable[[str], None],
+    guard: ServiceGuard,
+    restore_from: str | None,
 ) -> AsyncIterator[MintSession]:
     say("Connecting to MinT server...")
     say(f"Endpoint: {base_url}")
     await _check_reachable(base_url, api_key)
     service = await _sdk(
+        guard,
         base_url,
         "connect",
         lambda: anyio.to_thread.run_sync(
@@ -344,7 +447,9 @@ async def _connect(
         ),
     )
     try:
-        caps = await _sdk(base_url, "read capabilities", service.get_server_capabilities_async)
+        caps = await _sdk(
+            guard, base_url, "read capabilities", service.get_server_capabilities_async
+        )
         supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
         if supported and base_model not in supported:
             raise PreflightError(
@@ -352,45 +457,63 @@ async def _connect(
                 f"(it serves: {', '.join(supported)}); set MINT_BASE_MODEL or --base-model"
             )
         assert config.lora_rank is not None, "config must be resolved"
-        rank, lora_seed = config.lora_rank, config.lora_seed
-        training = await _sdk(
+        lora = _LoraSpec(base_model, config.lora_rank, config.lora_seed)
+        if restore_from is None:
+            training = await _sdk(
+                guard,
+                base_url,
+                "create the training client",
+                lambda: _create_lora(service, lora),
+            )
+        else:
+            path = restore_from
+            training = await _sdk(
+                guard,
+                base_url,
+                f"restore {path}",
+                lambda: service.create_training_client_from_state_with_optimizer_async(path),
+            )
+        tokenizer = await _sdk(
+            guard,
             base_url,
-            "create the training client",
-            lambda: service.create_lora_training_client_async(
-                base_model=base_model,
-                rank=rank,
-                seed=lora_seed,
-                train_mlp=True,
-                train_attn=True,
-                train_unembed=True,
-            ),
+            "load the tokenizer",
+            lambda: anyio.to_thread.run_sync(training.get_tokenizer, abandon_on_cancel=True),
         )
-        tokenizer = await anyio.to_thread.run_sync(training.get_tokenizer, abandon_on_cancel=True)
         say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
         info = ServerInfo(base_url, base_model, local, supported)
-        session = MintSession(service, training, tokenizer, info, RetryCounter())
-        yield session
+        yield MintSession(service, training, tokenizer, info, guard, lora)
     finally:
         # Stops the SDK's session heartbeat (it would outlive a local server).
         service.holder.close()
+
+
+async def _create_lora(service: tinker.ServiceClient, lora: _LoraSpec) -> tinker.TrainingClient:
+    return await service.create_lora_training_client_async(
+        base_model=lora.base_model,
+        rank=lora.rank,
+        seed=lora.seed,
+        train_mlp=True,
+        train_attn=True,
+        train_unembed=True,
+    )
 
 
 def _make_service_client(base_url: str, api_key: str | None) -> tinker.ServiceClient:
     return mint.ServiceClient(api_key=api_key, base_url=base_url, max_retries=SDK_MAX_RETRIES)
 
 
-async def _sdk(base_url: str, what: str, fn: Callable[[], Awaitable[T]]) -> T:
-    """Await a setup call; any failure becomes one PreflightError sentence."""
+async def _sdk(guard: ServiceGuard, base_url: str, what: str, fn: Callable[[], Awaitable[T]]) -> T:
+    """Await a setup call under the SESSION retry policy; a failure that outlasts it
+    becomes one PreflightError sentence."""
     try:
-        return await fn()
-    except EngineError:
-        raise
-    except Exception as exc:
-        text = str(exc)
+        return await guard.call(OpKind.SESSION, what, fn)
+    except ServiceError as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
+        text = str(cause)
         if "api_key" in text:
             message = f"the API key is not usable with {base_url}: {text.splitlines()[0]}"
         else:
-            message = f"could not {what} at {base_url}: {classify(exc).message}"
+            message = f"could not {what} at {base_url}: {classify(cause).message}"
         raise PreflightError(message) from exc
 
 

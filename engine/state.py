@@ -36,6 +36,9 @@ class ScoredGroup:
     sample_started: float = 0.0
     sample_finished: float = 0.0
     score_seconds: float = 0.0
+    reward_error: str | None = None
+    """Set when the reward function failed on this group (``--on-reward-error skip``):
+    the group is part of its step but yields no datums and no reward statistics."""
 
     @property
     def totals(self) -> list[float]:
@@ -62,6 +65,7 @@ class ScoredGroup:
                 for c in self.completions
             ],
             "rewards": [{"total": r.total, "components": dict(r.components)} for r in self.rewards],
+            "reward_error": self.reward_error,
         }
 
     @classmethod
@@ -84,6 +88,7 @@ class ScoredGroup:
             rewards=tuple(
                 RewardBreakdown(float(r["total"]), dict(r["components"])) for r in data["rewards"]
             ),
+            reward_error=data.get("reward_error"),
         )
 
 

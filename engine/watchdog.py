@@ -25,6 +25,7 @@ import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import anyio
 import structlog
@@ -65,7 +66,10 @@ class CircuitBreaker:
     event loop; no locking needed.
     """
 
-    def __init__(self, threshold: int | Mapping[str, int], *, default: int = 5) -> None:
+    def __init__(
+        self, threshold: int | Mapping[str, int], *, default: int = 5, log: Any = None
+    ) -> None:
+        self._log = log if log is not None else _log
         self._thresholds: dict[str, int] = {}
         if isinstance(threshold, int):
             default = threshold
@@ -93,7 +97,7 @@ class CircuitBreaker:
         count = self._failures.get(key, 0) + 1
         self._failures[key] = count
         if count >= self.threshold(key):
-            _log.error("breaker.open", kind=key, failures=count, error=classify(exc).message)
+            self._log.error("breaker.open", kind=key, failures=count, error=classify(exc).message)
             raise CircuitOpen(key, count, classify(exc).message) from exc
 
 
@@ -106,11 +110,18 @@ class Watchdog:
     Time is anyio's loop clock.
     """
 
-    def __init__(self, timeout: float, *, clock: Callable[[], float] = anyio.current_time):
+    def __init__(
+        self,
+        timeout: float,
+        *,
+        clock: Callable[[], float] = anyio.current_time,
+        log: Any = None,
+    ) -> None:
         if timeout <= 0:
             raise ValueError(f"watchdog timeout must be positive, got {timeout}")
         self.timeout = timeout
         self._clock = clock
+        self._log = log if log is not None else _log
         self._last: float | None = None
         self._what = "run started"
 
@@ -126,7 +137,7 @@ class Watchdog:
             self._last = now
         left = self._last + self.timeout - now
         if left <= 0:
-            _log.error("watchdog.stalled", seconds=self.timeout, last_progress=self._what)
+            self._log.error("watchdog.stalled", seconds=self.timeout, last_progress=self._what)
             raise Stalled(self.timeout, self._what)
         return left
 
@@ -172,7 +183,9 @@ class SignalInterrupt:
         *,
         on_interrupt: Callable[[Interrupted], None] | None = None,
         hard_exit: Callable[[int], None] = _hard_exit,
+        log: Any = None,
     ) -> None:
+        self._log = log if log is not None else _log
         self._signals = signals
         self._on_interrupt = on_interrupt
         self._hard_exit = hard_exit
@@ -198,11 +211,11 @@ class SignalInterrupt:
                 sig = signal.Signals(signum)
                 if self.requested is None:
                     self.requested = sig
-                    _log.warning("interrupt", signal=sig.name, action="checkpoint and exit")
+                    self._log.warning("interrupt", signal=sig.name, action="checkpoint and exit")
                     if self._on_interrupt is not None:
                         self._on_interrupt(self.error())
                     if scope is not None:
                         scope.cancel()
                 else:
-                    _log.error("interrupt.again", signal=sig.name, action="exit now")
+                    self._log.error("interrupt.again", signal=sig.name, action="exit now")
                     self._hard_exit(128 + int(sig))

@@ -1,0 +1,1 @@
+"""Maintenance scripts of the checkout (``python -m scripts.<name>``)."""

@@ -1,0 +1,138 @@
+"""Generate the README's option tables from the code, so the docs cannot drift.
+
+Why generated: ``python -m engine.run`` builds its flags from the knob table in
+:mod:`engine.config` and ``python -m engine.local`` from its argparse parser; the README
+shows both as tables. This script renders those tables from the same sources and either
+rewrites the README sections between the ``<!-- BEGIN ... -->`` / ``<!-- END ... -->``
+markers (``--write``) or fails when they differ (``--check``, used by tests/test_docs.py).
+
+    python -m scripts.gen_config_table --write    # after changing a flag
+    python -m scripts.gen_config_table --check    # exit 1 if README.md is stale
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import sys
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from engine.config import KNOBS
+from engine.local.__main__ import build_parser as build_local_parser
+from engine.run import build_parser as build_run_parser
+
+__all__ = ["README", "SECTIONS", "local_table", "main", "run_table", "update_readme"]
+
+_ROOT = Path(__file__).resolve().parent.parent
+README = _ROOT / "README.md"
+
+_LOCAL_ENV = {"--api-key": "ENGINE_LOCAL_API_KEY"}
+"""Environment variables ``python -m engine.local`` reads (named in its --help epilog)."""
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _code(text: str) -> str:
+    return f"`{text}`" if text else ""
+
+
+def _options(parser: argparse.ArgumentParser) -> Iterable[argparse.Action]:
+    for action in parser._actions:
+        if action.option_strings and not isinstance(action, argparse._HelpAction):
+            yield action
+
+
+def _long_flag(action: argparse.Action) -> str:
+    return max(action.option_strings, key=len)
+
+
+def _strip_default(help_text: str) -> tuple[str, str]:
+    """Split a help text ending in ``(default: X)`` / ``(default X)`` into (meaning, X)."""
+    match = re.search(r"\s*[(;]?\s*\(?default:? ([^()]*(?:\([^()]*\)[^()]*)*)\)\s*$", help_text)
+    if match is None:
+        return help_text, ""
+    return help_text[: match.start()].rstrip(" ;("), match.group(1).strip()
+
+
+def run_table() -> str:
+    """Markdown table of every ``python -m engine.run`` option."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    knob_flags = {knob.flag: knob for knob in KNOBS}
+    for action in _options(build_run_parser()):
+        flag = _long_flag(action)
+        knob = knob_flags.get(flag)
+        if knob is not None:
+            env = ", ".join(_code(name) for name in knob.env)
+            rows.append(
+                f"| `{flag}` | {_cell(env)} | {_cell(_code(knob.default))} | {_cell(knob.help)} |"
+            )
+        else:  # the switches: off unless given; their help says when they matter
+            rows.append(f"| `{flag}` |  | `off` | {_cell(action.help or '')} |")
+    return "\n".join(rows)
+
+
+def local_table() -> str:
+    """Markdown table of every ``python -m engine.local`` option."""
+    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    for action in _options(build_local_parser()):
+        flag = _long_flag(action)
+        meaning, default = _strip_default((action.help or "").replace("see below", "see --help"))
+        default, _, note = default.partition("; ")
+        if note:
+            meaning = f"{meaning} ({note})"
+        if not default and action.default not in (None, [], False):
+            default = str(action.default)
+        default = default.replace(str(_ROOT) + "/", "")
+        if action.choices:
+            meaning = f"{meaning}: {', '.join(map(str, action.choices))}"
+        env = _code(_LOCAL_ENV.get(flag, ""))
+        rows.append(f"| `{flag}` | {env} | {_cell(_code(default))} | {_cell(meaning)} |")
+    return "\n".join(rows)
+
+
+SECTIONS: dict[str, Callable[[], str]] = {
+    "engine.run options": run_table,
+    "engine.local options": local_table,
+}
+
+
+def update_readme(text: str) -> str:
+    """``text`` with every generated section replaced by its current rendering."""
+    for name, render in SECTIONS.items():
+        begin, end = f"<!-- BEGIN {name} (generated) -->", f"<!-- END {name} -->"
+        pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
+        if not pattern.search(text):
+            raise ValueError(f"README.md has no '{begin}' ... '{end}' section")
+        text = pattern.sub(lambda _m, r=render, b=begin, e=end: f"{b}\n{r()}\n{e}", text)
+    return text
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m scripts.gen_config_table", description=__doc__.splitlines()[0]
+    )
+    mode = parser.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--write", action="store_true", help="rewrite the README sections")
+    mode.add_argument("--check", action="store_true", help="exit 1 if README.md is stale")
+    args = parser.parse_args(argv)
+    current = README.read_text(encoding="utf-8")
+    try:
+        wanted = update_readme(current)
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if args.write:
+        if wanted != current:
+            README.write_text(wanted, encoding="utf-8")
+        return 0
+    if wanted != current:
+        print("README.md option tables are stale: run python -m scripts.gen_config_table --write")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -236,7 +236,10 @@ class Engine:
         try:
             if self._tg is not None:
                 self._tg.cancel_scope.cancel()
-                await self._tg.__aexit__(exc_type, exc, tb)
+                # The body's own exception (e.g. the run's error re-raised by run())
+                # keeps propagating as itself; only the children's errors (none: _drive
+                # keeps its errors) would come out of the group.
+                await self._tg.__aexit__(None, None, None)
         finally:
             self._tg = None
             # Not under a shield of ours: the resources (a local server's task group)

@@ -1,11 +1,18 @@
 #!/usr/bin/env bash
 # Creates .venv in the checkout (if missing) and installs the project with its pinned
 # dependencies. Idempotent: a second run with an unchanged pyproject.toml does nothing.
+#   PYTHON=python3.12          the interpreter that creates .venv (default python3, >= 3.11)
+#   TORCH_INDEX_URL=URL        where torch comes from, e.g. https://download.pytorch.org/whl/cpu
+#                              on a machine where pip would otherwise pick a CUDA build
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 python_bin="${PYTHON:-python3}"
 if [ ! -x .venv/bin/python ]; then
+    if ! "$python_bin" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+        echo "bootstrap: $python_bin is missing or older than Python 3.11; set PYTHON=python3.11 (or newer)" >&2
+        exit 2
+    fi
     echo "bootstrap: creating .venv with $("$python_bin" --version 2>&1)" >&2
     "$python_bin" -m venv .venv
 fi
@@ -18,7 +25,11 @@ fi
 
 echo "bootstrap: installing engine and its pinned dependencies into .venv (first run takes a few minutes)" >&2
 # torch first and pinned: resolving it alongside peft/accelerate could pull a CUDA build.
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "torch==2.13.0"
+torch_index=()
+if [ -n "${TORCH_INDEX_URL:-}" ]; then
+    torch_index=(--index-url "$TORCH_INDEX_URL")
+fi
+.venv/bin/python -m pip install --quiet --disable-pip-version-check "${torch_index[@]}" "torch==2.13.0"
 .venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
 echo "$want" > "$stamp"
 echo "bootstrap: done" >&2

@@ -1,0 +1,192 @@
+"""The README stays true: its option tables, commands, code and run-dir description are
+checked against the code and against a real run.
+
+Why tests and not care: a flag renamed in ``engine/config.py`` or a metric added to the
+pipeline silently turns the README into fiction; these checks fail instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import inspect
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from engine.local.__main__ import build_parser as build_local_parser
+from engine.run import build_parser as build_run_parser
+from engine.tasks import Problem, load_task
+from scripts.gen_config_table import update_readme
+
+ROOT = Path(__file__).resolve().parent.parent
+README = (ROOT / "README.md").read_text(encoding="utf-8")
+CI = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+
+RUN_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python -m engine.run"
+TEST_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python -m pytest"
+TASK_SPEC = "examples.doubling_task:DoublingTask"
+
+
+def _blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
+
+
+def _section(title: str) -> str:
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.DOTALL | re.M)
+    assert match is not None, f"README has no '## {title}' section"
+    return match.group(1)
+
+
+def _generated(name: str) -> str:
+    match = re.search(
+        rf"<!-- BEGIN {re.escape(name)} \(generated\) -->\n(.*?)<!-- END {re.escape(name)} -->",
+        README,
+        re.DOTALL,
+    )
+    assert match is not None, f"README has no generated '{name}' section"
+    return match.group(1)
+
+
+def _parser_flags(parser: argparse.ArgumentParser) -> set[str]:
+    return {
+        flag
+        for action in parser._actions
+        if not isinstance(action, argparse._HelpAction)
+        for flag in action.option_strings
+        if flag.startswith("--")
+    }
+
+
+def _table_flags(table: str) -> set[str]:
+    return set(re.findall(r"^\| `(--[a-z-]+)` \|", table, flags=re.MULTILINE))
+
+
+def test_option_tables_are_generated_from_the_current_code() -> None:
+    assert update_readme(README) == README, (
+        "README.md option tables are stale: run python -m scripts.gen_config_table --write"
+    )
+
+
+@pytest.mark.parametrize(
+    ("name", "parser"),
+    [("engine.run options", build_run_parser()), ("engine.local options", build_local_parser())],
+)
+def test_every_flag_is_in_its_table_and_every_row_is_a_flag(
+    name: str, parser: argparse.ArgumentParser
+) -> None:
+    assert _table_flags(_generated(name)) == _parser_flags(parser)
+
+
+def test_every_flag_used_in_a_readme_command_exists() -> None:
+    run_flags, local_flags = _parser_flags(build_run_parser()), _parser_flags(build_local_parser())
+    checked = 0
+    for block in _blocks("bash"):
+        for line in block.splitlines():
+            code = line.split("#", 1)[0]
+            for program, known in (("engine.run", run_flags), ("engine.local", local_flags)):
+                if f"-m {program}" in code:
+                    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", code))
+                    assert used <= known, f"unknown {program} flags {used - known} in: {line}"
+                    checked += 1
+    assert checked >= 5
+
+
+def test_the_two_commands_are_documented_and_ci_runs_the_test_command() -> None:
+    commands = _section("Two commands")
+    assert f"\n{RUN_COMMAND}\n" in commands
+    assert f"\n{TEST_COMMAND}\n" in commands
+    ci_lines = [line.strip() for line in CI.splitlines() if not line.lstrip().startswith("#")]
+    assert TEST_COMMAND in ci_lines
+    assert "set -euo pipefail" in ci_lines
+
+
+def test_ci_lints_paths_that_exist() -> None:
+    for line in CI.splitlines():
+        if line.startswith(".venv/bin/ruff"):
+            paths = [word for word in line.split()[2:] if not word.startswith("-")]
+            assert paths, line
+            for path in paths:
+                assert (ROOT / path).exists(), f"{path} in .ci/run does not exist"
+
+
+def test_python_blocks_compile_and_their_imports_resolve() -> None:
+    blocks = _blocks("python")
+    assert len(blocks) >= 2
+    for block in blocks:
+        tree = ast.parse(block)
+        imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
+        assert imports, f"a README Python block imports nothing:\n{block}"
+        exec(compile(ast.Module(body=imports, type_ignores=[]), "README.md", "exec"), {})
+
+
+def test_the_embedding_snippet_defines_a_working_coroutine() -> None:
+    snippet = next(b for b in _blocks("python") if "async with Engine(" in b)
+    namespace: dict[str, object] = {}
+    exec(compile(snippet, "README.md", "exec"), namespace)
+    assert inspect.iscoroutinefunction(namespace["train"])
+    assert callable(namespace["on_step"])
+
+
+def test_the_task_example_is_the_file_and_loads() -> None:
+    snippet = next(b for b in _blocks("python") if "class DoublingTask" in b)
+    source = (ROOT / "examples" / "doubling_task.py").read_text(encoding="utf-8")
+    assert snippet.strip() in source
+    assert f"--task {TASK_SPEC}" in README
+    task = load_task(TASK_SPEC)
+    first = task.source(7).next()
+    again = task.source(7).next()
+    assert first == again and first.id == 0
+    assert task.score(f" {first.answer}", first).total == 1.0
+    assert task.score(" 1", Problem(id=0, question="", answer=2)).total == pytest.approx(0.1)
+    assert task.score(" none", first).total == 0.0
+
+
+def _documented_metrics() -> list[re.Pattern[str]]:
+    table = _section("The run directory").split("Fields of each `metrics.jsonl` line:", 1)[1]
+    names = re.findall(r"`([a-z0-9_/<>]+)`", table.split("\n\n", 2)[1])
+    return [re.compile(re.escape(n).replace("<component>", "[a-z_]+") + "$") for n in names]
+
+
+@pytest.mark.slow
+def test_the_documented_task_command_trains_and_the_run_dir_is_as_documented(
+    tmp_path: Path,
+) -> None:
+    run_dir = tmp_path / "run"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
+    done = subprocess.run(
+        [
+            sys.executable,
+            *["-m", "engine.run", "--task", TASK_SPEC, "--steps", "1", "--batch", "2"],
+            *["--group", "2", "--max-tokens", "4", "--run-dir", str(run_dir), "--no-progress"],
+        ],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1].startswith("Saved: tinker://")
+    assert "/sampler_weights/doubling-final" in done.stdout
+
+    files = _section("The run directory").split("Fields of each", 1)[0]
+    documented = re.findall(r"^\| `([\w./-]+)`", files, flags=re.MULTILINE)
+    documented += re.findall(r"^\| `[\w./-]+`, `([\w./-]+)`", files, flags=re.MULTILINE)
+    assert {"config.json", "metrics.jsonl", "local-server/"} <= set(documented)
+    for name in documented:
+        assert (run_dir / name.rstrip("/")).exists(), f"README documents {name}; not written"
+
+    line = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
+    patterns = _documented_metrics()
+    structlog_keys = {"event", "level", "time"}
+    undocumented = [
+        key for key in line if key not in structlog_keys and not any(p.match(key) for p in patterns)
+    ]
+    assert not undocumented, f"metrics.jsonl fields missing from README: {undocumented}"

@@ -190,3 +190,12 @@ def test_the_documented_task_command_trains_and_the_run_dir_is_as_documented(
         key for key in line if key not in structlog_keys and not any(p.match(key) for p in patterns)
     ]
     assert not undocumented, f"metrics.jsonl fields missing from README: {undocumented}"
+
+
+def test_every_module_the_architecture_page_names_exists() -> None:
+    page = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    modules = set(re.findall(r"\b([a-z_]+(?:/[a-z_]+)*\.py)\b", page))
+    assert len(modules) >= 20
+    sources = {str(p.relative_to(ROOT)) for p in (ROOT / "engine").rglob("*.py")}
+    missing = [m for m in modules if not any(s == m or s.endswith("/" + m) for s in sources)]
+    assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"

@@ -129,6 +129,18 @@ def _new_adam(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
     return torch.optim.AdamW(list(params.values()), lr=0.0, foreach=False)
 
 
+_SMALL_MODEL_PARAMS = 20_000_000
+
+
+def _auto_threads(model: torch.nn.Module) -> int:
+    """One thread for small models: their matmuls are too small to gain from intra-op
+    parallelism, and when the CPUs are shared (engine, server and scoring on 2 cores)
+    OpenMP barriers stall on descheduled threads: one RL step of the default model took
+    ~130 ms with 1 thread but up to ~2 s with 2 threads on a loaded 2-core machine."""
+    n_params = sum(p.numel() for p in model.parameters())
+    return 1 if n_params < _SMALL_MODEL_PARAMS else torch.get_num_threads()
+
+
 def _read_model_name(model_dir: Path) -> str:
     meta = model_dir / METADATA_FILE
     if meta.is_file():
@@ -166,14 +178,13 @@ class Backend:
     ) -> None:
         """``lora_alpha`` fixes the LoRA scale at alpha/rank (Tinker uses a constant alpha
         of 32, which makes good learning rates roughly rank-independent).
-        ``num_threads`` sets torch's intra-op threads (None: leave torch's default)."""
+        ``num_threads`` sets torch's (process-wide) intra-op threads; None picks one
+        thread for small models and torch's default otherwise (see ``_auto_threads``)."""
         model_dir = Path(model_dir).expanduser().resolve()
         if not (model_dir / "config.json").is_file():
             raise BackendError(
                 f"{model_dir} is not a Hugging Face model directory (no config.json)"
             )
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
         torch.use_deterministic_algorithms(True)
         bars = hf_logging.is_progress_bar_enabled()
         hf_logging.disable_progress_bar()
@@ -187,6 +198,7 @@ class Backend:
                 hf_logging.enable_progress_bar()
         model.eval()
         model.requires_grad_(False)
+        torch.set_num_threads(num_threads or _auto_threads(model))
         self.model_dir = model_dir
         self.model_name = model_name or _read_model_name(model_dir)
         self.tokenizer = tokenizer

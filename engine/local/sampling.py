@@ -118,6 +118,7 @@ class Sampler:
         # transformers 5.x renamed the KV-cache argument; keep working on either side
         params = inspect.signature(model.forward).parameters
         self._cache_kw = "cache" if "cache" in params else "past_key_values"
+        self._trims_logits = "logits_to_keep" in params
         self._pad = pad_id
         self._eos = eos_ids
         self._decode = decode
@@ -133,12 +134,9 @@ class Sampler:
             mask[i, width - len(r.prompt) :] = 1
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
+        trim = {"logits_to_keep": 1} if self._trims_logits and not want_prompt else {}
         out = self._model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=positions,
-            use_cache=True,
-            logits_to_keep=0 if want_prompt else 1,
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **trim
         )
         outputs = [Output(sequences=[Sequence_() for _ in range(r.num_samples)]) for r in reqs]
         if want_prompt:
@@ -160,10 +158,11 @@ class Sampler:
         while True:
             next_tok = torch.empty(len(row_seq), dtype=torch.long)
             keep: list[int] = []
-            for i, r in enumerate(reqs):
-                rows = [k for k, (ri, _) in enumerate(row_seq) if ri == i]
-                if not rows:
-                    continue
+            by_req: dict[int, list[int]] = {}
+            for k, (ri, _) in enumerate(row_seq):
+                by_req.setdefault(ri, []).append(k)
+            for i, rows in by_req.items():  # ascending request order, as rows are
+                r = reqs[i]
                 tok, lp = _choose(last[rows], r, gens[i])
                 next_tok[rows] = tok
                 for k, t, lpv in zip(rows, tok.tolist(), lp.tolist(), strict=True):

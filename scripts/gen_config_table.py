@@ -104,9 +104,10 @@ def update_readme(text: str) -> str:
     for name, render in SECTIONS.items():
         begin, end = f"<!-- BEGIN {name} (generated) -->", f"<!-- END {name} -->"
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
-        if not pattern.search(text):
+        match = pattern.search(text)
+        if match is None:
             raise ValueError(f"README.md has no '{begin}' ... '{end}' section")
-        text = pattern.sub(lambda _m, r=render, b=begin, e=end: f"{b}\n{r()}\n{e}", text)
+        text = f"{text[: match.start()]}{begin}\n{render()}\n{end}{text[match.end() :]}"
     return text
 
 

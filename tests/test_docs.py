@@ -22,6 +22,7 @@ import pytest
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
 from engine.tasks import Problem, load_task
+from examples.doubling_task import DoublingTask
 from scripts.gen_config_table import update_readme
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,7 +123,8 @@ def test_python_blocks_compile_and_their_imports_resolve() -> None:
         tree = ast.parse(block)
         imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
         assert imports, f"a README Python block imports nothing:\n{block}"
-        exec(compile(ast.Module(body=imports, type_ignores=[]), "README.md", "exec"), {})
+        module = ast.Module(body=list[ast.stmt](imports), type_ignores=[])
+        exec(compile(module, "README.md", "exec"), {})
 
 
 def test_the_embedding_snippet_defines_a_working_coroutine() -> None:
@@ -139,6 +141,7 @@ def test_the_task_example_is_the_file_and_loads() -> None:
     assert snippet.strip() in source
     assert f"--task {TASK_SPEC}" in README
     task = load_task(TASK_SPEC)
+    assert isinstance(task, DoublingTask)
     first = task.source(7).next()
     again = task.source(7).next()
     assert first == again and first.id == 0

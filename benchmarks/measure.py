@@ -102,6 +102,9 @@ class RunRecord:
     """The process's peak resident memory when the run ended."""
     gc: dict[str, float] = field(default_factory=dict)
     """Garbage-collector passes and CPU seconds during the run (see :class:`GcMeter`)."""
+    server: dict[str, float] = field(default_factory=dict)
+    """The local server's counters over the run: compute-thread busy seconds, sample
+    batches and requests, clock cycles, HTTP requests."""
 
     def to_json(self, *, spans: bool = False, reference: RunRecord | None = None) -> dict[str, Any]:
         data: dict[str, Any] = {
@@ -113,6 +116,7 @@ class RunRecord:
             "rss_start_mb": self.rss_start_mb,
             "rss_peak_mb": self.rss_peak_mb,
             "gc": self.gc,
+            "server": self.server,
             "steps": [{**asdict(s), "end": s.end - self.started} for s in self.steps],
             "summary": summarize(self, reference),
         }
@@ -173,6 +177,9 @@ def summarize(
         "client_cpu_share": record.client_cpu_s / wall,
         "client_cpu_ms_per_step": 1000 * record.client_cpu_s / len(steps) if steps else None,
         "client_cpu_ms_per_1k_samples": (1e6 * record.client_cpu_s / samples if samples else None),
+        "server_compute_share": (
+            record.server["compute_busy_s"] / wall if "compute_busy_s" in record.server else None
+        ),
     }
 
 

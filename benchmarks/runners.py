@@ -165,6 +165,7 @@ def run_quickstart(target: Target, workload: Workload, *, steps: int, seed: int)
     """The quickstart's sequential loop (``benchmarks.quickstart_loop``) on ``workload``."""
     p = LOCAL_PROFILE
     server0 = _server_cpu(target)
+    counters0 = server_counters(target)
     run = run_quickstart_loop(
         base_url=target.base_url,
         api_key=target.api_key,
@@ -207,6 +208,7 @@ def run_quickstart(target: Target, workload: Workload, *, steps: int, seed: int)
         spans=spans,
         client_cpu_s=run.cpu_s,
         server_cpu_s=_delta(server0, _server_cpu(target)),
+        server=_counters_delta(counters0, server_counters(target)),
     )
 
 
@@ -307,6 +309,7 @@ def run_engine(
                     gc.freeze()
                 marks["rss0"] = rss_mb()
                 marks["server0"] = _server_cpu(target)
+                marks["counters0"] = server_counters(target)
                 marks["threads0"] = thread_cpu_seconds()
                 marks["cpu0"] = process_cpu_seconds()
                 marks["started"] = time.perf_counter()
@@ -318,6 +321,7 @@ def run_engine(
                 marks["cpu1"] = process_cpu_seconds()
                 marks["threads1"] = thread_cpu_seconds()
                 marks["server1"] = _server_cpu(target)
+                marks["counters1"] = server_counters(target)
 
     anyio.run(go)
     spans += _score_spans(timed.scored)
@@ -333,6 +337,7 @@ def run_engine(
         rss_start_mb=marks["rss0"],
         rss_peak_mb=peak_rss_mb(),
         gc=marks["gc"],
+        server=_counters_delta(marks["counters0"], marks["counters1"]),
     )
 
 
@@ -392,6 +397,25 @@ def _merged(intervals: list[tuple[float, float]], gap: float = 1e-3) -> list[tup
         else:
             out.append((start, end))
     return out
+
+
+_COUNTERS = ("compute_busy_s", "sample_batches", "sample_requests", "cycles_started")
+
+
+def server_counters(target: Target) -> dict[str, float]:
+    """The server's counters now (``GET /api/v1/local/stats``), flattened."""
+    response = httpx.get(
+        f"{target.base_url}/api/v1/local/stats", headers={"X-API-Key": target.api_key}, timeout=30
+    )
+    response.raise_for_status()
+    stats = response.json()
+    out = {k: float(stats[k]) for k in _COUNTERS if isinstance(stats.get(k), int | float)}
+    out["http_requests"] = float(sum(stats.get("requests", {}).values()))
+    return out
+
+
+def _counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before[k] for k in after if k in before}
 
 
 def _server_cpu(target: Target) -> float | None:

@@ -57,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Steps/s of the quickstart loop vs the engine (K=0, K=1, K=2, streaming) "
         "against one local server per latency profile.",
     )
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 8; quick 3)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 6; quick 3)")
     p.add_argument(
         "--workloads",
         nargs="+",
@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _settings(args: argparse.Namespace) -> tuple[int, list[Workload], list[str]]:
-    steps: int = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else 8)
+    steps: int = args.steps if args.steps is not None else (QUICK_STEPS if args.quick else 6)
     if steps < 2:
         raise ValueError(f"--steps must be at least 2 (a step interval is needed), got {steps}")
     workload_texts = args.workloads or (QUICK_WORKLOADS if args.quick else DEFAULT_WORKLOADS)
@@ -193,6 +193,7 @@ TABLE_HEADERS = (
     "efficiency",
     "client CPU ms/step",
     "client CPU % wall",
+    "server compute % wall",
 )
 
 
@@ -216,6 +217,10 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
                 fmt(s["efficiency"], ".2f"),
                 fmt(s["client_cpu_ms_per_step"], ".0f"),
                 fmt(100 * s["client_cpu_share"], ".1f"),
+                fmt(
+                    None if s["server_compute_share"] is None else 100 * s["server_compute_share"],
+                    ".0f",
+                ),
             ]
         )
     return markdown_table(TABLE_HEADERS, rows)

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scaling, throughput
+from benchmarks import scaling, throughput, train_stage
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from engine.rl import datum_to_dict
@@ -196,3 +196,18 @@ def test_bad_arguments_stop_with_one_line(
     err = capsys.readouterr().err
     assert message in err
     assert err.count("\n") == 1, err
+
+
+def test_train_stage_quick_run_compares_both_trainers(tmp_path: Path) -> None:
+    code = train_stage.main(["--quick", "--batch", "2", "--group", "3", "--out", str(tmp_path)])
+    assert code == 0
+    data = json.loads((tmp_path / "train_stage.json").read_text())
+    assert data["cycle_s"] == pytest.approx(0.1)
+    assert set(data["modes"]) == {"await", "submit-ahead"}
+    for mode in data["modes"].values():
+        assert mode["datums"] > 0
+        assert len(mode["step_times_s"]) == 3
+        assert all(t > 0 for t in mode["step_times_s"])
+        assert _finite(mode["mean_step_s"])
+    text = (tmp_path / "train_stage.md").read_text()
+    assert "| await |" in text and "| submit-ahead |" in text

@@ -121,6 +121,7 @@ def test_cli_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None
         (["--latency", "mint:warp=9"], "must be KEY=SECONDS"),
         (["--model", "/no/such/dir"], "model directory '/no/such/dir' does not exist"),
         (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
+        (["--data-dir", "/proc/nope"], "--data-dir /proc/nope: cannot create it"),
     ],
 )
 def test_cli_rejects_bad_options_in_one_line(

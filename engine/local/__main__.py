@@ -138,6 +138,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:
         parser.error(str(exc))
+    if config.data_dir is not None:
+        try:
+            config.data_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            parser.error(f"--data-dir {config.data_dir}: cannot create it ({exc.strerror})")
 
     # Imported only now: torch and transformers take seconds, --help and bad options don't.
     from engine.local.backend import BackendError

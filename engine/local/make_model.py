@@ -22,14 +22,21 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers.utils import logging as hf_logging
 
 MODEL_NAME = "engine-local/tiny-arith"
 METADATA_FILE = "engine_model.json"
 DEFAULT_OUT = Path(__file__).resolve().parent / "default_model"
+
+# Measured with tests/test_backend_rl.py: 30 importance-sampling steps (8 problems x 6
+# samples x 16 tokens, temperature 0.8) at these settings lift the held-out greedy exact
+# rate by ~8-14 points; 2e-3 and above destabilise this tiny model.
+RL_DEFAULTS = {"learning_rate": 5e-4, "lora_rank": 8}
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 _SPECIALS = (PAD, BOS, EOS)
@@ -238,9 +245,10 @@ def sampling_stats(
 class SftConfig:
     max_steps: int = 1500
     batch_size: int = 64
-    learning_rate: float = 3e-3
+    learning_rate: float = 1e-3
     warmup_steps: int = 20
     eval_every: int = 25
+    fine_eval_every: int = 5  # once the rate is near the band: the transition is sharp
     eval_problems: int = 256
     target_rate: float = 0.35
     min_rate: float = 0.20
@@ -255,16 +263,20 @@ def _log(msg: str) -> None:
 def train(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, cfg: SftConfig
 ) -> tuple[int, float]:
-    """SFT until the greedy exact rate first reaches ``target_rate``; returns (steps, rate).
+    """SFT until the greedy exact rate first reaches ``target_rate``, then keep the
+    evaluated checkpoint in the band closest to the target; returns (steps, rate).
 
-    Stopping at the first in-band evaluation at or above the target (rather than at a
-    fixed step count) is what keeps the shipped model in the 20-60% band whatever the
-    exact training curve looks like; the choice is deterministic given the seed.
+    Selecting among in-band evaluations (rather than stopping at a fixed step count) is
+    what keeps the shipped model in the 20-60% band whatever the
+    exact training curve looks like; the choice is deterministic given the seed. The
+    exact rate climbs from ~10% to ~60% within a few dozen steps, so evaluations become
+    more frequent once it passes half the band's lower edge.
     """
     rng = random.Random(cfg.seed)
     held_out = eval_problems(cfg.seed + 1, cfg.eval_problems)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
-    best: tuple[float, int, dict[str, torch.Tensor]] | None = None
+    best: tuple[float, int, float, dict[str, torch.Tensor]] | None = None
+    every = cfg.eval_every
     start = time.perf_counter()
     for step in range(1, cfg.max_steps + 1):
         model.train()
@@ -276,25 +288,61 @@ def train(
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
-        if step % cfg.eval_every:
+        if step % every:
             continue
         rate = greedy_exact_rate(model, tokenizer, held_out)
         elapsed = time.perf_counter() - start
         _log(f"step {step:5d}  loss {loss.item():.4f}  greedy exact {rate:6.1%}  ({elapsed:.0f} s)")
+        if rate >= cfg.min_rate / 2:
+            every = min(every, cfg.fine_eval_every)
+        if rate > cfg.max_rate and best is None:
+            raise SystemExit(
+                f"greedy exact rate jumped past {cfg.max_rate:.0%} at step {step} without an "
+                "evaluation inside the band; lower --lr or --fine-eval-every"
+            )
         if cfg.min_rate <= rate <= cfg.max_rate:
             gap = abs(rate - cfg.target_rate)
             if best is None or gap < best[0]:
-                best = (gap, step, {k: v.clone() for k, v in model.state_dict().items()})
-            if rate >= cfg.target_rate:
-                return step, rate
+                state = {k: v.clone() for k, v in model.state_dict().items()}
+                best = (gap, step, rate, state)
+        if rate >= cfg.target_rate:
+            break
     if best is None:
         raise SystemExit(
             f"no checkpoint reached a greedy exact rate in [{cfg.min_rate:.0%}, "
             f"{cfg.max_rate:.0%}] within {cfg.max_steps} steps; raise --steps"
         )
-    _, step, state = best
+    _, step, rate, state = best
     model.load_state_dict(state)
-    return step, greedy_exact_rate(model, tokenizer, held_out)
+    return step, rate
+
+
+def _readme(meta: dict[str, Any]) -> str:
+    t08 = meta["temperature_0_8"]
+    return f"""# {meta["model_name"]}
+
+The local server's default model: a {meta["parameters"] / 1e6:.2f}M-parameter
+`LlamaForCausalLM` (hidden {meta["shape"]["hidden_size"]}, {meta["shape"]["num_hidden_layers"]}
+layers, {meta["shape"]["num_attention_heads"]} heads) with a byte-level tokenizer (one token per
+byte, plus `<pad>`=0, `<s>`=1, `</s>`=2; encoding prepends `<s>`).
+
+Made by `{meta["made_by"]}` (torch {meta["torch"]}, {meta["threads"]} threads):
+random init, then {meta["sft"]["steps_done"]} supervised steps on
+`Question: What is A + B?\\nAnswer: C</s>` (mostly two-digit addition), stopping at the
+first evaluation whose greedy exact rate reached the target, so reinforcement learning
+has room to improve it.
+
+Measured on the default task ({meta["task"]}):
+
+- greedy exact rate: {meta["greedy_exact_rate"]:.1%} on {meta["greedy_eval_problems"]}
+  held-out problems
+- temperature 0.8, 6 samples per problem: format rate {t08["format_rate"]:.1%}, exact rate
+  {t08["exact_rate"]:.1%}, groups with differing rewards {t08["frac_groups_mixed"]:.1%}
+- RL settings that learn in 30 steps: learning rate {meta["recommended_rl"]["learning_rate"]},
+  LoRA rank {meta["recommended_rl"]["lora_rank"]} (alpha 32)
+
+Metadata: `{METADATA_FILE}` (the server reads `model_name` from it).
+"""
 
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -309,18 +357,25 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=d.seed, help="seed for init and data")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
     p.add_argument("--lr", type=float, default=d.learning_rate, help="SFT learning rate")
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
+    p.add_argument("--eval-every", type=int, default=d.eval_every, help="steps between evals")
+    p.add_argument(
+        "--fine-eval-every",
+        type=int,
+        default=d.fine_eval_every,
+        help="steps between evals once the rate passes half the band's lower edge",
+    )
     p.add_argument(
         "--target-rate",
         type=float,
         default=d.target_rate,
         help="stop at the first evaluation with greedy exact rate >= this",
     )
-    p.add_argument("--threads", type=int, default=2, help="torch threads (affects bits)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads (the bits depend on it)")
     p.add_argument("--name", default=MODEL_NAME, help="model name reported to clients")
     args = p.parse_args(argv)
-    if args.steps < 1 or args.batch_size < 1 or args.eval_every < 1 or args.threads < 1:
-        p.error("--steps, --batch-size, --eval-every and --threads must be positive")
+    counts = (args.steps, args.batch_size, args.eval_every, args.fine_eval_every, args.threads)
+    if min(counts) < 1:
+        p.error("--steps, --batch-size, --eval-every, --fine-eval-every, --threads must be >= 1")
     if not 0.2 <= args.target_rate <= 0.6:
         p.error("--target-rate must lie in [0.2, 0.6]")
     return args
@@ -328,6 +383,7 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = _parse_args(argv)
+    hf_logging.disable_progress_bar()  # our own progress lines are enough
     torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     cfg = SftConfig(
@@ -335,6 +391,7 @@ def main(argv: list[str] | None = None) -> None:
         batch_size=args.batch_size,
         learning_rate=args.lr,
         eval_every=args.eval_every,
+        fine_eval_every=args.fine_eval_every,
         target_rate=args.target_rate,
         seed=args.seed,
     )
@@ -360,8 +417,9 @@ def main(argv: list[str] | None = None) -> None:
         f.chmod(0o644)  # safetensors writes 0600; the shipped files are world-readable
     meta = {
         "model_name": args.name,
-        "made_by": "python -m engine.local.make_model "
-        + " ".join(argv if argv is not None else sys.argv[1:]),
+        "made_by": " ".join(
+            ["python -m engine.local.make_model", *(argv if argv is not None else sys.argv[1:])]
+        ),
         "architecture": "LlamaForCausalLM",
         "parameters": n_params,
         "shape": asdict(shape),
@@ -373,8 +431,10 @@ def main(argv: list[str] | None = None) -> None:
         "greedy_exact_rate": rate,
         "greedy_eval_problems": cfg.eval_problems,
         "temperature_0_8": stats,
+        "recommended_rl": RL_DEFAULTS,
     }
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (out / "README.md").write_text(_readme(meta))
     _log(f"saved {out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats}")
 
 

@@ -1,0 +1,125 @@
+"""The shipped default model and the script that makes it: offline byte-level tokenizer,
+metadata the server reads, a starting greedy exact rate inside 20-60% measured through
+the backend, RL-friendly sampling at temperature 0.8, and a reproducible build."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from backend_util import greedy_exact_rate, new_backend, prompt_ids
+from transformers import AutoTokenizer
+
+from engine.local import make_model
+from engine.local.backend import SampleJob
+
+SHIPPED = make_model.DEFAULT_OUT
+
+
+def test_shipped_tokenizer_loads_offline_and_is_byte_level() -> None:
+    tok = AutoTokenizer.from_pretrained(SHIPPED)
+    assert (tok.pad_token_id, tok.bos_token_id, tok.eos_token_id) == (0, 1, 2)
+    assert len(tok) == 259
+    for text in ["Question: What is 12 + 34?\nAnswer: 46", "héllo ∑ 🙂", "  -7\t"]:
+        ids = tok.encode(text)
+        assert ids[0] == tok.bos_token_id
+        assert len(ids) == 1 + len(text.encode("utf-8"))  # one token per byte
+        assert tok.decode(ids, skip_special_tokens=True) == text
+    assert all(len(tok.encode(d, add_special_tokens=False)) == 1 for d in "0123456789")
+
+
+def test_shipped_model_metadata_and_size() -> None:
+    meta = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
+    assert meta["model_name"] == "engine-local/tiny-arith"
+    assert 0.2 <= meta["greedy_exact_rate"] <= 0.6
+    assert meta["recommended_rl"] == make_model.RL_DEFAULTS
+    total = sum(f.stat().st_size for f in SHIPPED.iterdir())
+    assert total < 4_000_000
+    assert (SHIPPED / "README.md").is_file()
+    backend = new_backend()
+    assert backend.model_name == "engine-local/tiny-arith"
+    assert backend.max_context_length == 256
+
+
+def test_greedy_exact_rate_through_the_backend_is_in_band() -> None:
+    """Re-measured with the backend's own batched sampler on the script's held-out set."""
+    meta = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
+    sft = meta["sft"]
+    problems = make_model.eval_problems(sft["seed"] + 1, sft["eval_problems"])
+    rate = greedy_exact_rate(new_backend(), None, problems)
+    assert 0.2 <= rate <= 0.6
+    assert rate == pytest.approx(meta["greedy_exact_rate"], abs=0.02)
+
+
+def test_sampling_at_temperature_0_8_gives_integers_and_mixed_groups() -> None:
+    backend = new_backend()
+    problems = make_model.eval_problems(123, 32)
+    jobs = [
+        SampleJob(None, prompt_ids(backend, a, b), 6, 16, temperature=0.8, seed=i)
+        for i, (a, b) in enumerate(problems)
+    ]
+    formatted = mixed = 0
+    for res, (a, b) in zip(backend.sample(jobs), problems, strict=True):
+        texts = [
+            backend.tokenizer.decode(s.tokens, skip_special_tokens=True) for s in res.sequences
+        ]
+        formatted += sum(make_model.parse_int(t) is not None for t in texts)
+        rewards = {make_model.quickstart_reward(t, a + b) for t in texts}
+        mixed += len(rewards) > 1
+    assert formatted / (6 * len(problems)) >= 0.9
+    assert mixed / len(problems) >= 0.5
+
+
+def test_quickstart_reward_matches_the_published_rule() -> None:
+    reward = make_model.quickstart_reward
+    assert reward("no digits", 50) == 0.0
+    assert reward(" 50</s>", 50) == pytest.approx(1.0)
+    assert reward(" 60", 50) == pytest.approx(0.2 + 0.5 * (1 - 10 / 50))
+    assert reward(" -5 then 50", 50) == pytest.approx(0.2)  # first integer counts; far off
+    assert reward(" 1000", 50) == pytest.approx(0.2)
+
+
+def test_build_is_deterministic_per_seed() -> None:
+    tok = make_model.build_tokenizer()
+    shape = make_model.ModelShape()
+    a, b, c = (make_model.build_model(tok, shape, seed) for seed in (0, 0, 1))
+    sa, sb, sc = (m.state_dict() for m in (a, b, c))
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not all(torch.equal(sa[k], sc[k]) for k in sa)
+
+
+def test_cli_help_and_bad_arguments() -> None:
+    cmd = [sys.executable, "-m", "engine.local.make_model"]
+    help_run = subprocess.run([*cmd, "--help"], capture_output=True, text=True, check=False)
+    assert help_run.returncode == 0
+    assert "--steps" in help_run.stdout and "--seed" in help_run.stdout
+    bad = subprocess.run(
+        [*cmd, "--target-rate", "0.9"], capture_output=True, text=True, check=False
+    )
+    assert bad.returncode == 2
+    assert "--target-rate must lie in [0.2, 0.6]" in bad.stderr
+    assert "Traceback" not in bad.stderr
+
+
+def test_too_few_steps_fail_with_a_clear_message(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit) as err:
+        make_model.main(["--out", str(tmp_path / "m"), "--steps", "25", "--eval-every", "25"])
+    assert "raise --steps" in str(err.value)
+    assert not (tmp_path / "m").exists()
+
+
+@pytest.mark.slow
+def test_default_build_reproduces_the_shipped_model(tmp_path: Path) -> None:
+    out = tmp_path / "rebuilt"
+    make_model.main(["--out", str(out)])
+    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+        assert (out / name).read_bytes() == (SHIPPED / name).read_bytes(), name
+    rebuilt = json.loads((out / make_model.METADATA_FILE).read_text())
+    shipped = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
+    for key in ("greedy_exact_rate", "temperature_0_8", "parameters"):
+        assert rebuilt[key] == shipped[key]
+    assert rebuilt["sft"]["steps_done"] == shipped["sft"]["steps_done"]

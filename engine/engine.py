@@ -62,6 +62,7 @@ from engine.errors import (
     ConfigError,
     EngineError,
     Interrupted,
+    ResumeError,
     RunStopped,
     Stalled,
     StepOutcomeUnknown,
@@ -308,9 +309,15 @@ class Engine:
         if self._config.base_model is None and isinstance(stored_model, str):
             self._config = dataclasses.replace(self._config, base_model=stored_model)
         self._early_events = _HeldEvents()  # events.jsonl is opened once the dir checks out
-        return load_resume_state(
+        resumed = load_resume_state(
             run_dir, current_config=self._config_record(), log=self._early_events
         )
+        if resumed.step > self._config.steps:
+            raise ResumeError(
+                f"cannot resume {run_dir}: its latest checkpoint is at step {resumed.step}, "
+                f"beyond --steps {self._config.steps}"
+            )
+        return resumed
 
     def _load_resumed_metrics(self, resumed: ResumeState) -> None:
         """Cut metrics.jsonl back to the checkpoint (the steps after it are redone) and
@@ -341,8 +348,8 @@ class Engine:
     async def _drive(self) -> None:
         """The run, as a child of the engine's task group. Errors are kept and raised to
         the consumer of steps()/run(), not to the task that entered the engine."""
-        assert self._session is not None and self._send is not None and self._log is not None
-        session, log = self._session, self._log
+        assert self._send is not None and self._log is not None
+        log = self._log
         try:
             async with self._send:
                 outcome = await self._supervise()
@@ -351,8 +358,9 @@ class Engine:
                         "source_exhausted",
                         f"the problem source ran out after {outcome.state.next_step} steps",
                     )
-                await self._checkpoint("final", outcome.state)
-                path = await session.save_weights_for_sampler(f"{self._task.name}-final")
+                final = await self._checkpoint("final", outcome.state)
+                assert final.sampler_path is not None
+                path = final.sampler_path
                 log.saved(path)
                 self._result = RunResult(
                     final_path=path,
@@ -506,18 +514,26 @@ class Engine:
     # -- checkpoints -----------------------------------------------------------------
 
     async def _checkpoint(self, reason: CheckpointReason, state: LoopState) -> CheckpointRecord:
-        """save_state (retried) and a durable record of it with the loop state."""
+        """save_state + sampler weights (retried), then a durable record of both with
+        the loop state. The final one's sampler is the run's ``Saved:`` path."""
         assert self._session is not None
         step = state.next_step
-        name = "final" if reason == "final" else f"step-{step}"
-        path = await self._session.save_state(name)
-        return await self._record(reason, path, state)
+        if reason == "final":
+            names = ("final", f"{self._task.name}-final")
+        else:
+            names = (f"step-{step}", f"step-{step}")
+        state_path, sampler_path = await self._session.save_checkpoint(*names)
+        return await self._record(reason, state_path, sampler_path, state)
 
     async def _record(
-        self, reason: CheckpointReason, path: str, state: LoopState
+        self, reason: CheckpointReason, state_path: str, sampler_path: str, state: LoopState
     ) -> CheckpointRecord:
         record = CheckpointRecord(
-            step=state.next_step, state_path=path, reason=reason, loop_state=state.to_dict()
+            step=state.next_step,
+            state_path=state_path,
+            sampler_path=sampler_path,
+            reason=reason,
+            loop_state=state.to_dict(),
         )
         await CheckpointLog(self.run_dir, log=self._events).aappend(record)
         return record
@@ -534,11 +550,10 @@ class Engine:
         if state is not None and gate.clean:
             limit = min(self._config.request_timeout, _STOP_CHECKPOINT_MAX_S)
             try:
+                name = f"{reason}-step-{state.next_step}"
                 with anyio.CancelScope(shield=True):
-                    path = await self._session.save_state_once(
-                        f"{reason}-step-{state.next_step}", limit_s=limit
-                    )
-                    saved = await self._record(reason, path, state)
+                    paths = await self._session.save_checkpoint(name, name, once_within=limit)
+                    saved = await self._record(reason, *paths, state)
             except Exception as exc:
                 note = f"the {reason} checkpoint failed ({format_error(exc)[7:]}); "
         else:

@@ -308,12 +308,22 @@ class Pipeline:
         last_end = time.perf_counter()
         complete_at = last_end
 
+        def pending() -> tuple[ScoredGroup, ...]:
+            """Every group scored for a later step, including those that arrived while
+            the step trained (still in the stream): a checkpoint keeps them all."""
+            while True:
+                try:
+                    group = receive.receive_nowait()
+                except (anyio.WouldBlock, anyio.EndOfStream):
+                    break
+                buffer.setdefault(group.step, {})[group.index] = group
+            return tuple(g for later in sorted(buffer) for g in buffer[later].values())
+
         async def advance() -> None:
             nonlocal step, completed, assembly, last_end, complete_at
             while len(buffer.get(step, ())) == cfg.batch:
                 complete_at = max(complete_at, last_end)
                 groups = buffer.pop(step)
-                pending = tuple(g for later in buffer.values() for g in later.values())
                 await self._train_step(step, groups, pending, assembly, last_end, complete_at)
                 last_end = time.perf_counter()
                 step += 1
@@ -382,7 +392,7 @@ class Pipeline:
         self,
         step: int,
         groups: dict[int, ScoredGroup],
-        pending: tuple[ScoredGroup, ...],
+        pending: Callable[[], tuple[ScoredGroup, ...]],
         assembly: _StepAssembly,
         last_end: float,
         complete_at: float,
@@ -429,7 +439,7 @@ class Pipeline:
         if publish is not None:
             self._versions.publish(publish)
         train_end = time.perf_counter()
-        self._state = self._next_state(step, ordered, pending)
+        self._state = self._next_state(step, ordered, pending())
         await self._on_step(
             self._step_result(step, ordered, assembly, result, last_end, complete_at, train_end)
         )

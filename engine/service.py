@@ -34,6 +34,7 @@ checkpoint with :meth:`MintSession.restore`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
@@ -327,24 +328,54 @@ class MintSession:
         return await self._call(OpKind.SAMPLER_SNAPSHOT, "save_weights_for_sampler", go)
 
     async def save_state(self, name: str) -> str:
-        """Persist weights and optimizer state under ``name``; returns the path."""
+        """Persist weights and optimizer state under ``name``; returns the path.
+        ``overwrite``: a retry after an attempt whose answer was lost must not fail on
+        the checkpoint that attempt already wrote (names are unique per training
+        client otherwise)."""
 
         async def go() -> str:
-            future = await self._training.save_state_async(name)
+            future = await self._training.save_state_async(name, overwrite=True)
             return str((await future).path)
 
         return await self._call(OpKind.SAVE_STATE, "save_state", go)
 
-    async def save_state_once(self, name: str, *, limit_s: float) -> str:
-        """One bounded ``save_state`` attempt, no retries: the best-effort checkpoint of
-        a run that is stopping (the server may be the reason it stops)."""
+    async def save_checkpoint(
+        self, state_name: str, sampler_name: str, *, once_within: float | None = None
+    ) -> tuple[str, str]:
+        """``save_state`` and ``save_weights_for_sampler`` of the same weights (nothing
+        is trained between them), submitted together so they share one server round;
+        returns (state path, sampler path).
 
-        async def go() -> str:
-            future = await self._training.save_state_async(name)
+        ``once_within`` makes it one bounded attempt of each, no retries: the
+        best-effort checkpoint of a run that is stopping (the server may be why)."""
+        training = self._training
+
+        async def state_once() -> str:
+            future = await training.save_state_async(state_name, overwrite=True)
             return str((await future).path)
 
-        with deadline(limit_s, "the stop checkpoint"):
-            return await go()
+        async def sampler_once() -> str:
+            future = await training.save_weights_for_sampler_async(sampler_name)
+            return str((await future).path)
+
+        paths: dict[str, str] = {}
+
+        async def run(key: str, fn: Callable[[], Awaitable[str]]) -> None:
+            paths[key] = await fn()
+
+        state: Callable[[], Awaitable[str]] = state_once
+        sampler: Callable[[], Awaitable[str]] = sampler_once
+        if once_within is None:
+            state = functools.partial(self.save_state, state_name)
+            sampler = functools.partial(self.save_weights_for_sampler, sampler_name)
+        try:
+            with deadline(once_within, "the stop checkpoint"):
+                async with anyio.create_task_group() as tg:
+                    tg.start_soon(run, "state", state)
+                    tg.start_soon(run, "sampler", sampler)
+        except BaseExceptionGroup as group:
+            raise _first_error(group) from None
+        return paths["state"], paths["sampler"]
 
     # -- recovery ----------------------------------------------------------------------
 
@@ -496,6 +527,14 @@ async def _create_lora(service: tinker.ServiceClient, lora: _LoraSpec) -> tinker
         train_attn=True,
         train_unembed=True,
     )
+
+
+def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    """The first leaf of a task group's errors (one sentence for the user)."""
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first
 
 
 def _make_service_client(base_url: str, api_key: str | None) -> tinker.ServiceClient:

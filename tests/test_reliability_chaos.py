@@ -56,7 +56,7 @@ def test_a_30_step_run_survives_every_fault_kind_exactly_once(
     run_dir = tmp_path / "run"
     started = time.perf_counter()
     with LocalServer(faults=FAULTS) as server:
-        config = fast_config(server, run_dir, steps=STEPS, checkpoint_every=5)
+        config = fast_config(server, run_dir, steps=STEPS)
         seen, model_id = run_and_keep_model(config)
         applied = optimizer_steps_of(server, model_id)
         stats = server.stats

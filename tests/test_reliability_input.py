@@ -140,6 +140,10 @@ def test_resume_errors_exit_2_with_one_line(
             "directories: a resumed run continues in its own directory",
         ),
         (
+            ["--resume", str(run), "--steps", "1"],
+            f"Error: cannot resume {run}: its latest checkpoint is at step 2, beyond --steps 1",
+        ),
+        (
             ["--resume", str(run), "--batch", "8", "--loss", "ppo"],
             f"Error: cannot resume {run}: the config differs from its config.json: batch is "
             "4 in the run dir but 8 now; loss is 'importance_sampling' in the run dir but "

@@ -12,12 +12,15 @@ from __future__ import annotations
 from dataclasses import replace
 from pathlib import Path
 
+import anyio
 import pytest
 
-from engine.errors import CircuitOpen, Stalled
+from engine import Engine, StepResult
+from engine.errors import CircuitOpen, Interrupted, Stalled
 from engine.local import LocalServer
 from tests.engine_support import run_engine
 from tests.reliability_support import (
+    BATCH,
     checkpoints,
     events,
     expected_ids,
@@ -165,3 +168,52 @@ def test_a_hung_sample_times_out_and_is_sampled_again(tmp_path: Path) -> None:
     assert retry["error"] == "timed out after 20s waiting for sample" or retry["error"].startswith(
         "sampling made no progress"
     )
+
+
+def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
+    tmp_path: Path,
+) -> None:
+    """K=1: step 3's groups are sampled and scored while step 2 trains (the server holds
+    step 2's optim_step answer for a while). A stop after step 2 checkpoints them with
+    the loop state; the resumed run trains step 3 on exactly those responses, samples
+    only step 4, and no problem is lost or trained twice."""
+    run_dir = tmp_path / "run"
+    with LocalServer(faults="slow_s=10,slow@optim_step:at=2") as server:
+        config = fast_config(
+            server, run_dir, steps=4, max_steps_off_policy=1, loss="ppo", checkpoint_every=0
+        )
+
+        async def stop_after_step_2() -> None:
+            async with Engine(config) as engine:
+
+                def hook(step: StepResult) -> None:
+                    if step.step == 2:
+                        engine.request_stop()
+
+                engine.add_step_hook(hook)
+                with pytest.raises(Interrupted):
+                    await engine.run()
+
+        anyio.run(stop_after_step_2)
+        stop = checkpoints(run_dir)[-1]
+        assert (stop["reason"], stop["step"]) == ("interrupt", 2)
+        pending = sorted(stop["loop_state"]["pending_groups"], key=lambda g: g["index"])
+        assert [(g["step"], g["index"]) for g in pending] == [(2, i) for i in range(BATCH)]
+
+        sampled_before = server.stats.requests["asample"]
+        resumed, model_id = run_and_keep_model(replace(config, resume=run_dir))
+        sampled = server.stats.requests["asample"] - sampled_before
+        applied = optimizer_steps_of(server, model_id)
+
+    step3 = resumed[0]
+    assert step3.step == 3
+    assert [[list(c.tokens) for c in g.completions] for g in step3.groups] == [
+        [c["tokens"] for c in g["completions"]] for g in pending
+    ]
+    assert [g.version for g in step3.groups] == [g["version"] for g in pending]
+    assert sampled == BATCH  # step 4 only
+    lines = metrics(run_dir)
+    assert [m["step"] for m in lines] == [1, 2, 3, 4]
+    assert [m["problem_ids"] for m in lines] == expected_ids(4)
+    assert all(m["off_policy/staleness"] <= 1 for m in lines)
+    assert applied == trained_steps(lines) == 4

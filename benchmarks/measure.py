@@ -12,13 +12,15 @@ Definitions:
   the first sampler snapshot, for the quickstart and the engine alike, so pipeline
   fill-up is charged to the pipelined runs.
 * **step time**: the median interval between consecutive step ends (steady state).
-* **stage time alone**: the median over steps 2..n of a stage's busy seconds in a run
-  where nothing else is in flight: sample (first request sent to last response back),
-  score (sum of scoring) and train (forward_backward + optim_step + the sampler
-  snapshot, which the engine's trainer awaits and the quickstart takes at the top of
-  each step). The quickstart runs every stage alone; for the engine the on-policy run
-  (K=0) of the same workload on the same server is the reference, because in pipelined
-  runs the stages share the server and their spans include waiting for each other.
+* **stage time alone**: what a stage costs per step when it runs by itself, back to
+  back. The quickstart runs every stage alone by construction: its medians over steps
+  2..n of sample (the sample calls), score (decoding + scoring) and train (snapshot +
+  forward_backward + optim_step) are its stage times. For the engine, the sample and
+  score times come from its on-policy run (K=0) of the same workload on the same server,
+  where nothing else is in flight, and the train time from the trainer running alone
+  back to back (``benchmarks.train_stage``, the engine's discipline: forward_backward +
+  optim_step + sampler snapshot, awaited before the next step). In pipelined runs the
+  stages share the server, so their own spans include waiting for each other.
 * **ideal step time**: the slowest stage alone.
 * **pipeline efficiency**: ideal step time / step time. 1.0 means the loop runs exactly
   as fast as its slowest stage; a sequential loop is below 1 by construction.
@@ -106,7 +108,9 @@ class RunRecord:
     """The local server's counters over the run: compute-thread busy seconds, sample
     batches and requests, clock cycles, HTTP requests."""
 
-    def to_json(self, *, spans: bool = False, reference: RunRecord | None = None) -> dict[str, Any]:
+    def to_json(
+        self, *, spans: bool = False, alone: dict[str, float] | None = None
+    ) -> dict[str, Any]:
         data: dict[str, Any] = {
             "name": self.name,
             "wall_s": self.finished - self.started,
@@ -118,7 +122,7 @@ class RunRecord:
             "gc": self.gc,
             "server": self.server,
             "steps": [{**asdict(s), "end": s.end - self.started} for s in self.steps],
-            "summary": summarize(self, reference),
+            "summary": summarize(self, alone),
         }
         if spans:
             data["spans"] = [
@@ -144,15 +148,16 @@ def stages_alone(record: RunRecord) -> dict[str, float]:
 
 
 def summarize(
-    record: RunRecord, reference: RunRecord | None = None
+    record: RunRecord, alone: dict[str, float] | None = None
 ) -> dict[str, float | int | None]:
     """The headline figures of one run (see the module docstring for definitions);
-    ``reference`` is the run whose stage times count as "alone" (default: this one)."""
+    ``alone``: each stage's time alone, by stage (default: this run's own medians)."""
     steps = record.steps
     wall = max(record.finished - record.started, 1e-9)
     intervals = _intervals(record)
     step_time = statistics.median(intervals) if intervals else wall
-    alone = stages_alone(reference or record) if steps else {}
+    if alone is None:
+        alone = stages_alone(record) if steps else {}
     ideal = max(alone.values()) if alone else None
     samples = sum(s.samples for s in steps)
     tokens = sum(s.tokens for s in steps)

@@ -29,9 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from benchmarks.measure import RunRecord, summarize
+from benchmarks.measure import RunRecord, stages_alone, summarize
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
 from benchmarks.runners import VARIANTS, Target, Workload, bench_server, run_engine, run_quickstart
+from benchmarks.train_stage import measure_trainer
 
 __all__ = ["CONFIGS", "main", "run_throughput"]
 
@@ -124,20 +125,25 @@ def run_throughput(
         with bench_server(profile) as target:
             for workload in workloads:
                 baseline: dict[str, Any] | None = None
-                on_policy: RunRecord | None = None  # the engine's stages alone
+                trainer = measure_trainer(target, workload, steps=steps, mode="await")
+                engine_alone: dict[str, float] | None = None
                 for config in ordered:
                     record = _run_one(target, workload, config, steps=steps, seed=seed)
                     if config == "k0":
-                        on_policy = record
-                    reference = None if config == "quickstart" else on_policy
-                    summary = summarize(record, reference)
+                        on_policy = stages_alone(record)
+                        engine_alone = {**on_policy, "train": trainer["mean_step_s"]}
+                    alone = None if config == "quickstart" else engine_alone
+                    summary = summarize(record, alone)
                     row = {
                         "profile": target.latency,
                         "workload": workload.name,
                         "config": config,
                         "label": _label(config),
-                        "stages_alone_from": (reference or record).name,
-                        **record.to_json(spans=True, reference=reference),
+                        "stages_alone_from": (
+                            "own run" if alone is None else "k0 run + trainer alone"
+                        ),
+                        "trainer_alone": trainer,
+                        **record.to_json(spans=True, alone=alone),
                     }
                     if config == "quickstart":
                         baseline = summary

@@ -39,12 +39,12 @@ import mint
 from mint import types
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
-from benchmarks.runners import TEMPERATURE, Target, bench_server
+from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
 from engine.config import LOCAL_PROFILE
 from engine.rl import Completion, group_datums
 from engine.tasks import ArithmeticTask
 
-__all__ = ["main", "run_modes"]
+__all__ = ["MODES", "main", "measure_trainer"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 MODES = ("await", "submit-ahead")
@@ -148,37 +148,42 @@ async def _submit_ahead_mode(
     return ends
 
 
-async def _run(target: Target, args: argparse.Namespace) -> dict[str, Any]:
+async def _measure(target: Target, workload: Workload, steps: int, mode: str) -> dict[str, Any]:
     service = await anyio.to_thread.run_sync(
         lambda: mint.ServiceClient(api_key=target.api_key, base_url=target.base_url)
     )
     try:
-        results: dict[str, Any] = {}
-        for mode in MODES:
-            training = await service.create_lora_training_client_async(
-                base_model=target.model_name, rank=LOCAL_PROFILE.lora_rank
-            )
-            tokenizer = await anyio.to_thread.run_sync(training.get_tokenizer)
-            datums = await _datums(training, tokenizer, args.batch, args.group, args.max_tokens)
-            if mode == "await":
-                ends = await _await_mode(training, datums, args.steps)
-            else:
-                ends = await _submit_ahead_mode(service, training, datums, args.steps)
-            intervals = [b - a for a, b in itertools.pairwise(ends)]
-            later = intervals[1:] or intervals  # step 1 includes the first cycle's wait
-            results[mode] = {
-                "datums": len(datums),
-                "step_times_s": intervals,
-                "mean_step_s": sum(later) / len(later),
-                "median_step_s": statistics.median(later),
-            }
-        return results
+        training = await service.create_lora_training_client_async(
+            base_model=target.model_name, rank=LOCAL_PROFILE.lora_rank
+        )
+        tokenizer = await anyio.to_thread.run_sync(training.get_tokenizer)
+        datums = await _datums(
+            training, tokenizer, workload.batch, workload.group, workload.max_tokens
+        )
+        if mode == "await":
+            ends = await _await_mode(training, datums, steps)
+        else:
+            ends = await _submit_ahead_mode(service, training, datums, steps)
     finally:
         service.holder.close()
+    intervals = [b - a for a, b in itertools.pairwise(ends)]
+    later = intervals[1:] or intervals  # step 1 includes the first cycle's wait
+    return {
+        "mode": mode,
+        "datums": len(datums),
+        "step_times_s": intervals,
+        "mean_step_s": sum(later) / len(later),
+        "median_step_s": statistics.median(later),
+    }
 
 
-def run_modes(target: Target, args: argparse.Namespace) -> dict[str, Any]:
-    return anyio.run(_run, target, args)
+def measure_trainer(target: Target, workload: Workload, *, steps: int, mode: str) -> dict[str, Any]:
+    """The trainer alone for ``steps`` steps on one step's worth of ``workload`` datums:
+    ``mode`` "await" (the engine's discipline) or "submit-ahead". Returns the datum
+    count, every step time and the mean/median over steps 2..n."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
+    return anyio.run(_measure, target, workload, steps, mode)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -196,8 +201,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     context = run_context(vars(args))
+    workload = Workload(args.batch, args.group, args.max_tokens)
     with bench_server(args.latency) as target:
-        results = run_modes(target, args)
+        results = {
+            mode: measure_trainer(target, workload, steps=args.steps, mode=mode) for mode in MODES
+        }
     context["load_average_end"] = load_average()
     cycle = profile.cycle if profile is not None else None
     rows = [

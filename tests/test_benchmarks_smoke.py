@@ -124,8 +124,11 @@ def test_throughput_quick_run_writes_every_configuration(
         assert ends == sorted(ends)
     quickstart = runs[0]
     assert quickstart["speedup"] == pytest.approx(1.0)
-    assert quickstart["stages_alone_from"] == "quickstart"
-    assert all(r["stages_alone_from"] == "k0" for r in runs[1:])
+    assert quickstart["stages_alone_from"] == "own run"
+    for run in runs[1:]:
+        assert run["stages_alone_from"] == "k0 run + trainer alone"
+        assert run["summary"]["train_alone_s"] == run["trainer_alone"]["mean_step_s"]
+        assert run["summary"]["sample_alone_s"] == runs[1]["summary"]["sample_alone_s"]
 
     table = (tmp_path / "throughput.md").read_text()
     assert table.count("\n") == 2 + len(runs)

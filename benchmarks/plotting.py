@@ -28,9 +28,9 @@ def _color(index: int) -> Any:
 
 def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     """Grouped bars: steady-state step time per configuration, one panel per latency
-    profile, one group per workload; each bar is labelled with its speedup over the
-    quickstart loop. ``rows`` need ``profile``, ``workload``, ``config``,
-    ``step_time_s`` and ``speedup``."""
+    profile, one group per workload; each bar is labelled with its speedup (the
+    quickstart loop's step time / its step time). ``rows`` need ``profile``,
+    ``workload``, ``config``, ``step_time_s`` and ``speedup``."""
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
     fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.5), squeeze=False)
@@ -56,7 +56,7 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
         ax.set_title(f"latency profile: {profile}")
         ax.grid(axis="y", alpha=0.3)
     axes[0][0].legend(fontsize=8)
-    fig.suptitle("Step time by configuration (labels: speedup in steps/s over the quickstart)")
+    fig.suptitle("Step time by configuration (labels: step-time speedup over the quickstart loop)")
     fig.tight_layout()
     return _save(fig, path)
 

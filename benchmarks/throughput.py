@@ -24,6 +24,7 @@ pipeline efficiency (ideal / measured), and the client's CPU time. Definitions a
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -88,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--quick", action="store_true", help="a tiny run: 3 steps of 4x4x8, one profile")
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only redraw the plots (into --out) from a throughput.json of an earlier run",
+    )
     return p
 
 
@@ -243,7 +251,7 @@ def _plots(runs: Sequence[dict[str, Any]], out: Path) -> list[str]:
                     "workload": r["workload"],
                     "config": r["config"],
                     "step_time_s": r["summary"]["step_time_s"],
-                    "speedup": r["speedup"],
+                    "speedup": r["speedup_steady"],
                 }
                 for r in runs
             ],
@@ -265,6 +273,14 @@ def _plots(runs: Sequence[dict[str, Any]], out: Path) -> list[str]:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        try:
+            runs = json.loads(args.replot.read_text())["runs"]
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--replot {args.replot}: not a throughput.json ({exc})")
+        for path in _plots(runs, args.out):
+            print(f"plot: {path}")
+        return 0
     try:
         steps, workloads, latency = _settings(args)
     except ValueError as exc:

@@ -139,6 +139,13 @@ def test_throughput_quick_run_writes_every_configuration(
     assert sorted(Path(p).name for p in data["plots"]) == sorted(
         ["throughput_step_time.png", "throughput_timeline.png"]
     )
+    # the plots can be redrawn from the JSON alone
+    replot = tmp_path / "replot"
+    assert (
+        throughput.main(["--replot", str(tmp_path / "throughput.json"), "--out", str(replot)]) == 0
+    )
+    for name in ("throughput_step_time.png", "throughput_timeline.png"):
+        _assert_png(replot / name)
 
 
 def test_scaling_quick_run_writes_points_fit_and_profile(tmp_path: Path) -> None:
@@ -186,6 +193,7 @@ def test_scaling_quick_run_writes_points_fit_and_profile(tmp_path: Path) -> None
         (throughput, ["--latency", "hosted"], "unknown latency profile 'hosted'"),
         (throughput, ["--steps", "1"], "--steps must be at least 2"),
         (throughput, ["--configs", "k9"], "invalid choice: 'k9'"),
+        (throughput, ["--replot", "/nonexistent/throughput.json"], "not a throughput.json"),
         (scaling, ["--sizes", "8x6x16"], "must be BATCHxGROUP"),
         (scaling, ["--steps", "0"], "--steps must be >= 1"),
     ],

@@ -63,9 +63,10 @@ class Profile:
 
 
 HOSTED_PROFILE: Final = Profile("hosted", "Qwen/Qwen3-0.6B", 16, 2e-5, "*", 10, 199)
-LOCAL_PROFILE: Final = Profile("local", None, 16, 3e-3, "+", 10, 99)
+LOCAL_PROFILE: Final = Profile("local", None, 16, 5e-4, "+", 10, 99)
 """Local profile: the packaged tiny model learns two-digit addition on CPU with these.
-Provisional values until the backend's measured recommendation lands; update here."""
+Measured on the backend (30 steps, 8x6x16, importance_sampling, temperature 0.8): greedy
+exact rate 35.8% -> 45-48% at lr 5e-4 rank 16 (49% at rank 8); lr 3e-3 collapses to 8%."""
 
 
 @dataclass(frozen=True)

@@ -173,7 +173,7 @@ def test_flags_beat_env_which_beats_profile() -> None:
     assert (cfg.batch, cfg.steps) == (3, 2)
     local = cfg.resolved()
     assert cfg.uses_local_server
-    assert (local.learning_rate, local.op, local.max_operand) == (3e-3, "+", 99)
+    assert (local.learning_rate, local.op, local.max_operand) == (5e-4, "+", 99)
     hosted = config_from_sources({}, {"MINT_API_KEY": "sk-abcdefghijkl"}).resolved()
     assert not hosted.uses_local_server
     assert (hosted.base_model, hosted.learning_rate, hosted.op) == ("Qwen/Qwen3-0.6B", 2e-5, "*")

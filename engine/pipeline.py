@@ -33,6 +33,7 @@ sampled group and trained step counts as progress for the watchdog.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import inspect
 import math
@@ -300,8 +301,11 @@ class Pipeline:
     async def _train_stage(self, receive: MemoryObjectReceiveStream[ScoredGroup]) -> int:
         cfg = self._config
         buffer: dict[int, dict[int, ScoredGroup]] = {}
+        now = time.perf_counter()
         for g in self._state.pending_groups:
-            buffer.setdefault(g.step, {})[g.index] = g
+            # Restored from a checkpoint: ready now (their old clock values mean nothing).
+            ready = dataclasses.replace(g, sample_started=now, sample_finished=now)
+            buffer.setdefault(g.step, {})[g.index] = ready
         step = self._state.next_step
         completed = 0
         assembly = _StepAssembly()

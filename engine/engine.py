@@ -594,7 +594,7 @@ class Engine:
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
         counter = self._session.retries.totals() if self._session is not None else {}
         summary: dict[str, Any] = {
-            "status": "failed" if error else "finished",
+            "status": _status(error),
             "error": str(error) if error else None,
             "stopped": self._stopped,
             "task": self._task.name,
@@ -637,6 +637,15 @@ class _HeldEvents:
         for level, event, fields in self._held:
             getattr(target, level)(event, **fields)
         self._held.clear()
+
+
+def _status(error: BaseException | None) -> str:
+    """finished | interrupted (SIGINT/SIGTERM) | stopped (breaker, watchdog) | failed."""
+    if error is None:
+        return "finished"
+    if isinstance(error, Interrupted):
+        return "interrupted"
+    return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
 def _policies(cfg: EngineConfig) -> dict[OpKind, RetryPolicy]:

@@ -25,6 +25,7 @@ from tests.reliability_support import (
     events,
     metrics,
     problem_sequence,
+    read_json,
     saved_state_steps,
     start_cli,
     trained_steps,
@@ -126,6 +127,13 @@ def test_a_signal_writes_an_interrupt_checkpoint_and_exits_130(
     last = checkpoints(run_dir)[-1]
     assert (last["reason"], last["step"]) == ("interrupt", trained)
     assert last["loop_state"]["next_step"] == trained
+    summary = read_json(run_dir / "summary.json")
+    assert summary["status"] == "interrupted"
+    assert summary["stopped"] == {
+        "reason": "interrupt",
+        "checkpoint_step": trained,
+        "checkpoint_written": True,
+    }
     assert (
         f"Warning: run stopped (interrupt): resume from step {trained} with: "
         f"python -m engine.run --resume {run_dir}"

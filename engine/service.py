@@ -468,7 +468,7 @@ async def _connect(
 ) -> AsyncIterator[MintSession]:
     say("Connecting to MinT server...")
     say(f"Endpoint: {base_url}")
-    await _check_reachable(base_url, api_key)
+    await _check_reachable(base_url, api_key, guard)
     service = await _sdk(
         guard,
         base_url,
@@ -556,26 +556,44 @@ async def _sdk(guard: ServiceGuard, base_url: str, what: str, fn: Callable[[], A
         raise PreflightError(message) from exc
 
 
-async def _check_reachable(base_url: str, api_key: str | None) -> None:
+async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGuard) -> None:
     """One plain HTTP request before the SDK takes over: the SDK retries a dead
     endpoint for minutes before saying anything, and hides a rejected key behind a
-    generic error."""
+    generic error. A busy server (408/429/5xx) is retried under the SESSION policy,
+    honouring Retry-After; no answer at all, a rejected key or another error fails at
+    once with one sentence."""
     url = base_url.rstrip("/") + "/api/v1/client/config"
     headers = {"X-API-Key": api_key} if api_key else {}
-    try:
-        async with httpx.AsyncClient(timeout=_PREFLIGHT_TIMEOUT) as client:
-            response = await client.post(
-                url, json={"sdk_version": tinker.__version__}, headers=headers
+
+    async def once() -> httpx.Response:
+        try:
+            async with httpx.AsyncClient(timeout=_PREFLIGHT_TIMEOUT) as client:
+                response = await client.post(
+                    url, json={"sdk_version": tinker.__version__}, headers=headers
+                )
+        except httpx.TimeoutException as exc:
+            raise PreflightError(
+                f"the MinT server at {base_url} did not answer in time; check MINT_BASE_URL "
+                "and the server's status"
+            ) from exc
+        except (httpx.TransportError, ValueError) as exc:
+            raise PreflightError(
+                f"cannot reach the MinT server at {base_url} ({_reason(exc)}); check "
+                "MINT_BASE_URL, the network and the server's status"
+            ) from exc
+        if response.status_code in (408, 429) or response.status_code >= 500:
+            # Transient for the retry layer, which reads the status and Retry-After.
+            raise tinker.APIStatusError(
+                f"HTTP {response.status_code}", response=response, body=_body(response)
             )
-    except httpx.TimeoutException as exc:
+        return response
+
+    try:
+        response = await guard.call(OpKind.SESSION, "reach the server", once)
+    except ServiceError as exc:
+        cause = exc.__cause__ if exc.__cause__ is not None else exc
         raise PreflightError(
-            f"the MinT server at {base_url} did not answer in time; check MINT_BASE_URL "
-            "and the server's status"
-        ) from exc
-    except (httpx.TransportError, ValueError) as exc:
-        raise PreflightError(
-            f"cannot reach the MinT server at {base_url} ({_reason(exc)}); check "
-            "MINT_BASE_URL, the network and the server's status"
+            f"the MinT server at {base_url} is not ready: {classify(cause).message}"
         ) from exc
     if response.status_code in (401, 403):
         raise PreflightError(
@@ -587,6 +605,13 @@ async def _check_reachable(base_url: str, api_key: str | None) -> None:
             f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
             "first request; is MINT_BASE_URL a MinT server?"
         )
+
+
+def _body(response: httpx.Response) -> object:
+    try:
+        return response.json()
+    except ValueError:
+        return response.text
 
 
 def _reason(exc: BaseException) -> str:

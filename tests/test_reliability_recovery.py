@@ -221,3 +221,20 @@ def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
     assert [m["problem_ids"] for m in lines] == expected_ids(4)
     assert all(m["off_policy/staleness"] <= 1 for m in lines)
     assert applied == trained_steps(lines) == 4
+
+
+def test_a_busy_server_at_setup_is_retried_honouring_retry_after(tmp_path: Path) -> None:
+    """Session setup is retried on transient answers (503, then 429 with Retry-After)
+    instead of failing the run; both retries are logged and counted."""
+    run_dir = tmp_path / "run"
+    faults = "retry_after_s=0.2,503@client/config:at=1,429@client/config:at=2"
+    with LocalServer(faults=faults) as server:
+        run_engine(fast_config(server, run_dir, steps=1))
+        injected = server.stats.faults_injected
+    assert (injected["503"], injected["429"]) == (1, 1)
+    retries = events(run_dir, "retry")
+    assert [(r["op"], r["retry_after_s"]) for r in retries] == [
+        ("reach the server", None),
+        ("reach the server", 0.2),
+    ]
+    assert metrics(run_dir)[0]["retries/session"] == 2

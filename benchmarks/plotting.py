@@ -101,38 +101,72 @@ def _extent(spans: Sequence[Mapping[str, Any]]) -> float:
     )
 
 
-def plot_scaling(points: Sequence[Mapping[str, Any]], path: Path) -> Path:
-    """Client CPU per 1,000 samples (total and by thread role) and peak memory growth,
-    against samples per step. ``points`` need ``samples_per_step``,
-    ``cpu_ms_per_1k_samples``, ``threads_ms_per_1k_samples`` (role -> ms) and
-    ``rss_growth_mb``."""
+def plot_scaling(
+    points: Sequence[Mapping[str, Any]],
+    fits: Mapping[str, Mapping[str, float]],
+    path: Path,
+) -> Path:
+    """Three panels against samples per step: client CPU per step with the fitted line
+    ``fixed + marginal x samples`` (straight on log-log axes when the cost is linear),
+    CPU per 1,000 samples, and peak memory growth. ``points`` need ``workload``,
+    ``samples_per_step``, ``steps``, ``samples``, ``cpu_ms_per_step``,
+    ``threads_ms_per_1k_samples`` (role -> ms) and ``rss_growth_mb``; ``fits`` is
+    ``benchmarks.scaling.linear_fit``'s result."""
     pts = sorted(points, key=lambda p: p["samples_per_step"])
     xs = [p["samples_per_step"] for p in pts]
-    fig, (ax_cpu, ax_mem) = plt.subplots(1, 2, figsize=(12, 4.5))
-    ax_cpu.plot(xs, [p["cpu_ms_per_1k_samples"] for p in pts], "o-", label="client total")
-    roles = sorted({r for p in pts for r in p["threads_ms_per_1k_samples"]})
-    for role in roles:
-        ax_cpu.plot(
-            xs,
-            [p["threads_ms_per_1k_samples"].get(role, 0.0) for p in pts],
-            ".--",
-            label=f"thread: {role}",
+    fig, (ax_step, ax_1k, ax_mem) = plt.subplots(1, 3, figsize=(16, 4.6))
+    series: dict[str, list[float]] = {"client": [p["cpu_ms_per_step"] for p in pts]}
+    for role in ("main", "sdk", "workers"):
+        series[role] = [
+            p["threads_ms_per_1k_samples"].get(role, 0.0) * p["samples"] / 1000 / p["steps"]
+            for p in pts
+        ]
+    names = {
+        "client": "client total",
+        "main": "engine event loop",
+        "sdk": "SDK I/O thread",
+        "workers": "scoring threads",
+    }
+    grid = [min(xs) * 0.8, max(xs) * 1.25]
+    for i, (name, ys) in enumerate(series.items()):
+        keep = [(x, y) for x, y in zip(xs, ys, strict=True) if y > 0]
+        if not keep:
+            continue
+        ax_step.scatter(*zip(*keep, strict=True), color=_color(i), label=names[name], s=22)
+        fit = fits.get(name)
+        if fit is not None:
+            line = [
+                fit["fixed_ms_per_step"] + fit["marginal_ms_per_1k_samples"] * x / 1000
+                for x in grid
+            ]
+            if min(line) > 0:
+                ax_step.plot(grid, line, "--", color=_color(i), lw=1)
+        per_1k = [(x, 1000 * y / x) for x, y in keep]
+        ax_1k.scatter(*zip(*per_1k, strict=True), color=_color(i), label=names[name], s=22)
+    ax_step.set_title("Client CPU per step (dashed: linear fit)")
+    ax_step.set_ylabel("CPU ms per step")
+    ax_1k.set_title("Client CPU per 1,000 samples")
+    ax_1k.set_ylabel("CPU ms per 1,000 samples")
+    for ax in (ax_step, ax_1k):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("samples per step (problems x samples per problem)")
+        ax.grid(alpha=0.3, which="both")
+        ax.legend(fontsize=8)
+    ax_mem.scatter(xs, [p["rss_growth_mb"] for p in pts], color=_color(0), s=22)
+    for p in pts:
+        ax_mem.annotate(
+            p["workload"],
+            (p["samples_per_step"], p["rss_growth_mb"]),
+            fontsize=7,
+            xytext=(4, 4),
+            textcoords="offset points",
         )
-    ax_cpu.set_xscale("log")
-    ax_cpu.set_yscale("log")
-    ax_cpu.set_xlabel("samples per step (batch x group)")
-    ax_cpu.set_ylabel("client CPU, ms per 1,000 samples")
-    ax_cpu.set_title("Client CPU per sample (flat = linear cost)")
-    ax_cpu.grid(alpha=0.3, which="both")
-    ax_cpu.legend(fontsize=8)
-    ax_mem.plot(xs, [p["rss_growth_mb"] for p in pts], "o-")
     ax_mem.set_xscale("log")
-    ax_mem.set_xlabel("samples per step (batch x group)")
-    ax_mem.set_ylabel("peak RSS growth during the run, MB")
+    ax_mem.set_xlabel("samples per step (problems x samples per problem)")
+    ax_mem.set_ylabel("MB above the resident size at the run's start")
     ax_mem.set_title("Client peak memory growth")
     ax_mem.grid(alpha=0.3, which="both")
-    for p in pts:
-        ax_mem.annotate(p["workload"], (p["samples_per_step"], p["rss_growth_mb"]), fontsize=7)
     fig.tight_layout()
     return _save(fig, path)
 

@@ -19,6 +19,7 @@ the peak memory growth during the run.
 from __future__ import annotations
 
 import argparse
+import json
 import multiprocessing
 import pstats
 import sys
@@ -91,6 +92,13 @@ def build_parser() -> argparse.ArgumentParser:
         "do this itself yet); compare the GC columns with a run without it",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
+    p.add_argument(
+        "--replot",
+        type=Path,
+        default=None,
+        metavar="JSON",
+        help="only redraw the plot (into --out) from a scaling.json of an earlier run",
+    )
     return p
 
 
@@ -354,6 +362,16 @@ def table(points: Sequence[dict[str, Any]]) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    if args.replot is not None:
+        try:
+            saved = json.loads(args.replot.read_text())
+            points, fits = saved["points"], saved["fit"]
+        except (OSError, ValueError, KeyError) as exc:
+            parser.error(f"--replot {args.replot}: not a scaling.json ({exc})")
+        from benchmarks.plotting import plot_scaling
+
+        print(f"plot: {plot_scaling(points, fits, args.out / 'scaling.png')}")
+        return 0
     try:
         if args.steps < 1:
             raise ValueError(f"--steps must be >= 1, got {args.steps}")
@@ -381,13 +399,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         freeze_gc=args.gc_freeze,
     )
     context["load_average_end"] = load_average()
+    fits = linear_fit(points)
     plots: list[str] = []
     if not args.no_plots:
         from benchmarks.plotting import plot_scaling
 
-        plots.append(str(plot_scaling(points, out / "scaling.png")))
-    fits = linear_fit(points)
-    result: dict[str, Any] = {"context": context, "plots": plots, "fit": fits, "points": points}
+        plots.append(str(plot_scaling(points, fits, out / "scaling.png")))
+    names = [Path(p).name for p in plots]  # relative to the JSON's own directory
+    result: dict[str, Any] = {"context": context, "plots": names, "fit": fits, "points": points}
     if profile is not None:
         result["profile"] = {"size": args.profile, **profile_summary(profile_path)}
     write_json(out / "scaling.json", result)

@@ -293,7 +293,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     out: Path = args.out
     text = table(runs)
     plots = [] if args.no_plots else _plots(runs, out)
-    write_json(out / "throughput.json", {"context": context, "plots": plots, "runs": runs})
+    names = [Path(p).name for p in plots]  # relative to the JSON's own directory
+    write_json(out / "throughput.json", {"context": context, "plots": names, "runs": runs})
     (out / "throughput.md").write_text(text)
     print(text)
     for path in plots:

@@ -184,6 +184,9 @@ def test_scaling_quick_run_writes_points_fit_and_profile(tmp_path: Path) -> None
     assert (tmp_path / "scaling_profile.pstats").stat().st_size > 0
     assert "| 4x2 |" in (tmp_path / "scaling.md").read_text()
     _assert_png(tmp_path / "scaling.png")
+    replot = tmp_path / "replot"
+    assert scaling.main(["--replot", str(tmp_path / "scaling.json"), "--out", str(replot)]) == 0
+    _assert_png(replot / "scaling.png")
 
 
 @pytest.mark.parametrize(
@@ -196,6 +199,7 @@ def test_scaling_quick_run_writes_points_fit_and_profile(tmp_path: Path) -> None
         (throughput, ["--replot", "/nonexistent/throughput.json"], "not a throughput.json"),
         (scaling, ["--sizes", "8x6x16"], "must be BATCHxGROUP"),
         (scaling, ["--steps", "0"], "--steps must be >= 1"),
+        (scaling, ["--replot", "/nonexistent/scaling.json"], "not a scaling.json"),
     ],
 )
 def test_bad_arguments_stop_with_one_line(

@@ -1,0 +1,65 @@
+"""The learning benchmark runs end to end (``--quick``: 2 steps, 20 held-out problems) and
+writes a well-formed report. No assertion on the gain: that is measured by the full run
+(benchmarks/results/learning.json), not by the test suite."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from benchmarks import learning
+from engine.config import LOCAL_PROFILE
+
+
+def test_quick_run_writes_a_well_formed_report(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    out = tmp_path / "learning.json"
+    assert learning.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+
+    assert report["eval"]["heldout"] == 20 and report["eval"]["temperature"] == 0.0
+    assert report["eval"]["stop_at_eos"] is True
+    assert report["train"]["steps"] == 2
+    [run] = report["runs"]
+    assert run["steps"] == 2 and run["seed"] == 42
+    assert run["final_path"].startswith("tinker://")
+    # the local task and profile, not the hosted one a plain base_url would select
+    assert "arithmetic-add" in run["final_path"]
+    assert run["learning_rate"] == LOCAL_PROFILE.learning_rate
+    for key in ("exact_before", "exact_after"):
+        assert 0.0 <= run[key] <= 1.0
+        assert run[key] * 20 == pytest.approx(round(run[key] * 20))  # k of 20 problems
+    assert run["delta"] == pytest.approx(run["exact_after"] - run["exact_before"])
+    assert run["wall_s"] > 0
+
+    printed = capsys.readouterr().out
+    assert "| config | seed | steps | exact before | exact after | delta | wall time |" in printed
+    assert f"{run['exact_before']:.1%}" in printed
+
+
+def test_heldout_problems_are_distinct_and_never_trained_on() -> None:
+    steps, batch, seeds = 30, 8, [42, 7]
+    problems = learning.heldout_problems(200, seeds, steps, batch)
+    assert len(set(problems)) == 200
+    assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in problems)
+    task = learning._task()
+    for seed in seeds:
+        source = task.source(seed)
+        trained = {learning._operands(source.next().question) for _ in range(steps * batch)}
+        assert trained.isdisjoint(problems)
+
+
+def test_bad_flags_are_refused_with_one_line(capsys: pytest.CaptureFixture[str]) -> None:
+    for argv, message in [
+        (["--seeds", "4x"], "not a comma-separated list of integers"),
+        (["--heldout", "0"], "must be positive"),
+        (["--configs", "k9"], "unknown config k9"),
+        (["--seeds", str(learning.HELDOUT_SEED)], "is the held-out seed"),
+    ]:
+        with pytest.raises(SystemExit) as info:
+            learning.parse_args(argv)
+        assert info.value.code == 2
+        assert message in capsys.readouterr().err

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer, OpCycle
 from tests.engine_support import API_KEY, run_engine, small_config
-from tests.quickstart_reference import run_quickstart_reference
 
 
 @pytest.fixture
@@ -46,7 +46,7 @@ def test_engine_train_step_takes_one_cycle_where_the_quickstart_takes_more(
     assert len(engine_pairs) == 2
     assert all(fb == opt for fb, opt in engine_pairs)
 
-    run_quickstart_reference(
+    run_quickstart_loop(
         base_url=server.base_url,
         api_key=API_KEY,
         base_model=server.model_name,

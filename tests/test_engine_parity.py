@@ -1,6 +1,6 @@
 """K=0 is the MinT quickstart's algorithm, datum for datum, against the real local server.
 
-The reference (tests/quickstart_reference.py) runs the quickstart loop with the SDK's
+The reference (benchmarks/quickstart_loop.py) runs the quickstart loop with the SDK's
 sync calls, one request at a time; the engine samples concurrently and submits
 forward_backward + optim_step back to back. With the same problem seed, LoRA seed and
 sampling seed both must draw the same problems, sample the same responses, skip the same
@@ -15,10 +15,10 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from engine.rl import datum_to_dict
 from tests.engine_support import API_KEY, run_engine, small_config
-from tests.quickstart_reference import run_quickstart_reference
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +43,7 @@ def test_k0_sends_the_quickstart_datums(server: LocalServer, tmp_path: Path) -> 
         "lora_seed": 7,
         "sampling_seed": 1234,
     }
-    ref = run_quickstart_reference(
+    ref = run_quickstart_loop(
         base_url=server.base_url, api_key=API_KEY, base_model=server.model_name, **knobs
     )
     config = small_config(

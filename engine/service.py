@@ -559,9 +559,10 @@ async def _sdk(guard: ServiceGuard, base_url: str, what: str, fn: Callable[[], A
 async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGuard) -> None:
     """One plain HTTP request before the SDK takes over: the SDK retries a dead
     endpoint for minutes before saying anything, and hides a rejected key behind a
-    generic error. A busy server (408/429/5xx) is retried under the SESSION policy,
-    honouring Retry-After; no answer at all, a rejected key or another error fails at
-    once with one sentence."""
+    generic error. A busy server (408/429/5xx) or a connection dropped mid-answer is
+    retried under the SESSION policy, honouring Retry-After; no server to connect to,
+    no answer in time, a rejected key or another error fails at once with one
+    sentence."""
     url = base_url.rstrip("/") + "/api/v1/client/config"
     headers = {"X-API-Key": api_key} if api_key else {}
 
@@ -576,11 +577,12 @@ async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGua
                 f"the MinT server at {base_url} did not answer in time; check MINT_BASE_URL "
                 "and the server's status"
             ) from exc
-        except (httpx.TransportError, ValueError) as exc:
+        except (httpx.ConnectError, httpx.UnsupportedProtocol, ValueError) as exc:
             raise PreflightError(
                 f"cannot reach the MinT server at {base_url} ({_reason(exc)}); check "
                 "MINT_BASE_URL, the network and the server's status"
             ) from exc
+        # Other transport errors (a connection dropped mid-answer) are transient.
         if response.status_code in (408, 429) or response.status_code >= 500:
             # Transient for the retry layer, which reads the status and Retry-After.
             raise tinker.APIStatusError(

@@ -497,3 +497,19 @@ async def test_a_reused_seq_id_with_a_different_body_is_refused_not_deduped(
         "seq_id 1 of model" in failed["error"] and "already used by a different" in failed["error"]
     )
     assert server.stats.applied["forward_backward"] == 1
+
+
+async def test_a_resubmitted_ephemeral_sampler_save_gets_the_original_future(
+    server: RunningServer, http: httpx.AsyncClient
+) -> None:
+    # The SDK resubmits an ephemeral save_weights_for_sampler under the same seq_id but
+    # with a fresh sampling_session_seq_id: still the same operation, answered once.
+    model_id = await new_model(http, server)
+    body = {"model_id": model_id, "seq_id": 1, "sampling_session_seq_id": 0}
+    first = await post(http, "save_weights_for_sampler", body)
+    again = await post(http, "save_weights_for_sampler", {**body, "sampling_session_seq_id": 1})
+    assert again["request_id"] == first["request_id"]
+    answer = await result(http, first["request_id"])
+    assert "error" not in answer and answer["sampling_session_id"]
+    assert server.stats.applied["save_weights_for_sampler"] == 1
+    assert server.stats.dedupe_hits["save_weights_for_sampler"] == 1

@@ -10,6 +10,7 @@ layer (``app.py``) only moves JSON in and out and maps ``HttpError`` to response
 from __future__ import annotations
 
 import functools
+import hashlib
 import json
 import logging
 import uuid
@@ -420,6 +421,8 @@ class LocalService:
         model_id, seq_id = _raw(body, "model_id", str), _raw(body, "seq_id", int)
         if model_id is None:
             raise HttpError(400, f"invalid {endpoint} request: model_id (a string) is required")
+        if isinstance(body, dict) and _RESUBMISSION_VOLATILE & body.keys():
+            digest = _fingerprint(body)
         model = self.models.get(model_id)
         if model is None:
             return self.failed_future(endpoint, _unknown_model(model_id))
@@ -811,3 +814,16 @@ def _sync_parse(model: Any, body: Any, what: str) -> Any:
 
 def _is_json_scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
+
+
+# Fields the SDK draws anew when it resubmits one operation under the same seq_id (an
+# ephemeral save_weights_for_sampler gets a fresh sampling_session_seq_id per attempt):
+# they must not make a resubmission look like a different request.
+_RESUBMISSION_VOLATILE = frozenset({"sampling_session_seq_id"})
+
+
+def _fingerprint(body: dict[str, Any]) -> str:
+    """A digest of ``body`` without its resubmission-volatile fields."""
+    stable = {k: v for k, v in body.items() if k not in _RESUBMISSION_VOLATILE}
+    canonical = json.dumps(stable, sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode(), digest_size=16).hexdigest()

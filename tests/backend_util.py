@@ -14,8 +14,8 @@ from engine.local.make_model import DEFAULT_OUT, parse_int, prompt_text
 MODEL_DIR = DEFAULT_OUT
 
 
-def new_backend() -> Backend:
-    return Backend(Path(MODEL_DIR))
+def new_backend(model_dir: Path = MODEL_DIR) -> Backend:
+    return Backend(Path(model_dir))
 
 
 def prompt_ids(backend: Backend, a: int, b: int) -> list[int]:

@@ -113,13 +113,35 @@ def test_too_few_steps_fail_with_a_clear_message(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
-def test_default_build_reproduces_the_shipped_model(tmp_path: Path) -> None:
+def test_default_build_rebuilds_a_model_in_the_band(tmp_path: Path) -> None:
+    """What a user relies on, on any machine: the script rebuilds a model of the same shape
+    and tokenizer whose greedy exact rate (re-measured through the backend) lies in the
+    band. The exact bits only reproduce where the shipped model was built: float
+    reductions differ across CPUs, so the SFT picks another step elsewhere."""
     out = tmp_path / "rebuilt"
     make_model.main(["--out", str(out)])
-    for name in ("model.safetensors", "tokenizer.json", "config.json"):
+    for name in ("tokenizer.json", "config.json"):
         assert (out / name).read_bytes() == (SHIPPED / name).read_bytes(), name
     rebuilt = json.loads((out / make_model.METADATA_FILE).read_text())
     shipped = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
-    for key in ("greedy_exact_rate", "temperature_0_8", "parameters"):
+    assert rebuilt["parameters"] == shipped["parameters"]
+    assert 0.2 <= rebuilt["greedy_exact_rate"] <= 0.6
+    assert rebuilt["temperature_0_8"]["format_rate"] >= 0.9
+    sft = rebuilt["sft"]
+    problems = make_model.eval_problems(sft["seed"] + 1, sft["eval_problems"])
+    rate = greedy_exact_rate(new_backend(out), None, problems)
+    assert rate == pytest.approx(rebuilt["greedy_exact_rate"], abs=0.02)
+    if rebuilt["built_on"] != shipped["built_on"]:
+        return  # another CPU or torch: the same band, not the same bits
+    assert (out / "model.safetensors").read_bytes() == (SHIPPED / "model.safetensors").read_bytes()
+    for key in ("greedy_exact_rate", "temperature_0_8"):
         assert rebuilt[key] == shipped[key]
-    assert rebuilt["sft"]["steps_done"] == shipped["sft"]["steps_done"]
+    assert sft["steps_done"] == shipped["sft"]["steps_done"]
+
+
+def test_the_build_records_the_machine_that_decides_its_bits() -> None:
+    machine = make_model.build_machine()
+    assert machine["torch"] == torch.__version__
+    assert set(machine) == {"torch", "cpu_capability", "machine", "processor", "cpu_flags_sha256"}
+    shipped = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
+    assert set(shipped["built_on"]) == set(machine)

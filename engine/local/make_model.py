@@ -15,7 +15,9 @@ Usage: ``python -m engine.local.make_model [--out DIR] [--steps N] [--seed S] ..
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
+import platform
 import random
 import re
 import sys
@@ -256,6 +258,28 @@ class SftConfig:
     seed: int = 0
 
 
+def build_machine() -> dict[str, str]:
+    """What decides the bits of a build besides the seed: the torch release, the CPU kernels
+    it dispatches to and the processor. Two machines with the same fingerprint rebuild the
+    shipped model byte for byte; others rebuild a model in the same band, not the same bits
+    (float reductions differ across CPUs, so the SFT selects another step)."""
+    flags = ""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = " ".join(sorted(line.partition(":")[2].split()))
+                break
+    except OSError:
+        pass
+    return {
+        "torch": torch.__version__,
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "machine": platform.machine(),
+        "processor": platform.processor(),
+        "cpu_flags_sha256": hashlib.sha256(flags.encode()).hexdigest()[:16],
+    }
+
+
 def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
@@ -426,6 +450,7 @@ def main(argv: list[str] | None = None) -> None:
         "sft": {**asdict(cfg), "steps_done": steps, "seconds": round(train_s, 1)},
         "torch": torch.__version__,
         "threads": args.threads,
+        "built_on": build_machine(),
         "task": "two-digit addition, a,b uniform in 10..99, prompt "
         "'Question: What is {a} + {b}?\\nAnswer:', up to 16 new tokens",
         "greedy_exact_rate": rate,

@@ -42,6 +42,7 @@ from benchmarks.report import fmt, load_average, markdown_table, run_context, wr
 from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
 from engine.config import LOCAL_PROFILE
 from engine.rl import Completion, group_datums
+from engine.service import to_sdk_datum
 from engine.tasks import ArithmeticTask
 
 __all__ = ["MODES", "main", "measure_trainer"]
@@ -101,7 +102,8 @@ async def _datums(
             for s in response.sequences
         ]
         rewards = [task.score(tokenizer.decode(list(c.tokens)), problem).total for c in completions]
-        datums += group_datums(prompt, completions, rewards, on_missing_logprobs="drop").datums
+        built = group_datums(prompt, completions, rewards, on_missing_logprobs="drop")
+        datums += [to_sdk_datum(d) for d in built.datums]
     return datums
 
 

@@ -23,6 +23,7 @@ from typing import Any, Final, Literal, cast, get_args
 
 from engine.errors import ConfigError
 from engine.rl import OnMissingLogprobs
+from engine.scoring import parse_score_workers
 
 __all__ = [
     "HOSTED_BASE_URL",
@@ -83,13 +84,16 @@ class EngineConfig:
     max_tokens: int = 16
     temperature: float = 0.8
     seed: int = 42
-    max_steps_off_policy: int = 0
+    max_steps_off_policy: int = 1
+    submit_ahead: int = 1
     stream_minibatches: int | None = None
-    loss: LossName = "importance_sampling"
+    loss: LossName = "ppo"
     clip_low: float = 0.8
     clip_high: float = 1.2
     dro_beta: float = 0.05
     concurrency: int = 64
+    score_concurrency: int = 64
+    score_workers: str = "threads"
     on_missing_logprobs: OnMissingLogprobs = "error"
     sampling_seed: int | None = None
     lora_seed: int | None = None
@@ -170,6 +174,12 @@ class EngineConfig:
             max_operand=self.max_operand if self.max_operand is not None else p.max_operand,
         )
 
+    def checkpoint_due(self, completed_steps: int) -> bool:
+        """True when a periodic checkpoint follows ``completed_steps`` trained steps (the
+        initial and final checkpoints are not periodic)."""
+        every = self.checkpoint_every
+        return bool(every) and 0 < completed_steps < self.steps and completed_steps % every == 0
+
     def loss_fn_config(self) -> dict[str, float] | None:
         """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
         if self.loss in ("ppo", "cispo"):
@@ -218,6 +228,14 @@ def _one_of(choices: tuple[str, ...]) -> Callable[[Any], str | None]:
 
 def _non_empty(v: Any) -> str | None:
     return None if str(v).strip() else "must not be empty"
+
+
+def _score_workers(v: Any) -> str | None:
+    try:
+        parse_score_workers(str(v))
+    except ValueError as exc:
+        return str(exc)
+    return None
 
 
 def _existing_dir(v: Any) -> str | None:
@@ -339,7 +357,17 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _non_negative,
         "K: how many steps sampling may run ahead of training (0 = on-policy, "
         "the quickstart's algorithm)",
-        "0",
+        "1",
+    ),
+    Knob(
+        "submit_ahead",
+        "--submit-ahead",
+        (),
+        _parse_int,
+        _non_negative,
+        "train steps submitted while an earlier step's results are outstanding (0: await "
+        "each step before submitting the next)",
+        "1",
     ),
     Knob(
         "stream_minibatches",
@@ -357,7 +385,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _one_of(LOSSES),
         f"loss function: {', '.join(LOSSES)}",
-        "importance_sampling",
+        "ppo",
     ),
     Knob(
         "clip_low",
@@ -394,6 +422,26 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _positive,
         "max sample requests in flight",
         "64",
+    ),
+    Knob(
+        "score_concurrency",
+        "--score-concurrency",
+        (),
+        _parse_int,
+        _positive,
+        "max reward calls running at once (all responses of all arrived groups are scored "
+        "concurrently)",
+        "64",
+    ),
+    Knob(
+        "score_workers",
+        "--score-workers",
+        (),
+        _parse_str,
+        _score_workers,
+        "where a plain (non-async) reward runs: threads, or processes:N for CPU-bound "
+        "rewards (the task must be picklable)",
+        "threads",
     ),
     Knob(
         "on_missing_logprobs",

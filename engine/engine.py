@@ -482,6 +482,8 @@ class Engine:
     async def _on_step(self, result: StepResult) -> None:
         assert self._log is not None and self._send is not None
         self._state = result.state
+        for key, count in self.session.retries.take().items():
+            result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
         self._metrics.append(result.metrics)
         self._log.step(result.metrics, result.line)
         dropped = result.metrics["dropped/missing_logprobs"]
@@ -498,8 +500,7 @@ class Engine:
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
-        every = self._config.checkpoint_every
-        if every and result.step % every == 0 and result.step < self._config.steps:
+        if self._config.checkpoint_due(result.step):
             try:
                 await self._checkpoint("periodic", result.state)
             except Exception as exc:

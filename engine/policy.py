@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 
-from engine.service import SamplerHandle
+from engine.session_api import SamplerHandle
 
 __all__ = ["PolicyVersions"]
 

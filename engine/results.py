@@ -10,8 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tinker import types
-
+from engine.rl import Datum
 from engine.state import LoopState, ScoredGroup
 
 __all__ = ["RunResult", "StepResult", "StepTimeline"]
@@ -39,7 +38,7 @@ class StepResult:
     step: int
     metrics: dict[str, Any]
     line: str
-    datums: tuple[types.Datum, ...] = field(repr=False)
+    datums: tuple[Datum, ...] = field(repr=False)
     groups: tuple[ScoredGroup, ...] = field(repr=False)
     timeline: StepTimeline
     state: LoopState = field(repr=False)

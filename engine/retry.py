@@ -38,7 +38,7 @@ What the engine does (this module):
   Retry-After for brief 429/503s, layer 2 still covers submissions for 5 min, and the
   unprotected setup calls (create_session/create_model/create_sampling_session) surface
   within seconds so the SESSION policy here, which honours Retry-After, takes over.
-* Create sampling clients with ``retry_config=sdk_sampling_retry_config(policy)`` so
+* Create sampling clients (``engine.service``) with a ``retry_config`` so
   layer 4 gives up after ``policy.attempt_timeout`` without progress instead of 2 h.
 * Wrap each idempotent call in :func:`call_with_retry`: every attempt runs under a
   deadline (``attempt_timeout``), so layer 3's endless polling is bounded too; a failure
@@ -65,7 +65,9 @@ starts a new seq_id sequence.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+import contextlib
+from collections.abc import Awaitable, Callable, Iterator, Mapping
+from contextvars import ContextVar
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any, Protocol, TypeVar
@@ -73,7 +75,6 @@ from typing import Any, Protocol, TypeVar
 import anyio
 import structlog
 import tenacity
-from tinker.lib.retry_handler import RetryConfig
 
 from engine.errors import (
     EngineError,
@@ -97,8 +98,8 @@ __all__ = [
     "call_with_retry",
     "default_policies",
     "retrying",
-    "sdk_sampling_retry_config",
     "should_retry",
+    "tally_retries",
 ]
 
 T = TypeVar("T")
@@ -172,17 +173,27 @@ def default_policies() -> dict[OpKind, RetryPolicy]:
     }
 
 
-def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
-    """``retry_config`` for ``create_sampling_client``: the SDK's sampling retry loop
-    (no attempt limit) gives up after ``policy.attempt_timeout`` without progress
-    instead of 2 h, and uses the policy's backoff bounds."""
-    base = RetryConfig()
-    return RetryConfig(
-        max_connections=base.max_connections,
-        progress_timeout=policy.attempt_timeout or base.progress_timeout,
-        retry_delay_base=max(policy.initial_wait, 0.01),
-        retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
-    )
+@dataclass
+class RetryTally:
+    """Retries made by one piece of work (see :func:`tally_retries`)."""
+
+    count: int = 0
+
+
+_TALLY: ContextVar[RetryTally | None] = ContextVar("engine_retry_tally", default=None)
+
+
+@contextlib.contextmanager
+def tally_retries() -> Iterator[RetryTally]:
+    """Count the retries made inside the block by this task (and the tasks it starts),
+    whichever stage it belongs to: a step's metrics report its own retries, not those
+    of the steps sampled meanwhile."""
+    tally = RetryTally()
+    token = _TALLY.set(tally)
+    try:
+        yield tally
+    finally:
+        _TALLY.reset(token)
 
 
 class RetryCounter:
@@ -266,6 +277,9 @@ def retrying(
         exc = state.outcome.exception() if state.outcome is not None else None
         verdict = classify(exc) if exc is not None else None
         counter.increment(str(kind))
+        tally = _TALLY.get()
+        if tally is not None:
+            tally.count += 1
         logger.warning(
             "retry",
             kind=str(kind),
@@ -421,7 +435,3 @@ class ServiceGuard:
             if isinstance(exc, StepOutcomeUnknown):
                 self.counter.increment(OpKind.TRAIN_STEP)
             raise
-
-    def sampling_retry_config(self) -> RetryConfig:
-        """``retry_config`` for the SDK's sampling clients (see module doc, layer 4)."""
-        return sdk_sampling_retry_config(self.policy(OpKind.SAMPLE))

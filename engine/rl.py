@@ -10,18 +10,18 @@ zeros (that corrupts the importance ratio): it is an error, or a counted drop.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import numpy as np
-from tinker import types
 
 from engine.errors import EngineError
 
 __all__ = [
     "ADVANTAGE_EPSILON",
     "Completion",
+    "Datum",
     "GroupDatums",
     "KLStats",
     "MissingLogprobsError",
@@ -53,11 +53,25 @@ class Completion:
     stop_reason: str = "length"
 
 
+@dataclass(frozen=True, eq=False)
+class Datum:
+    """One training example as the loss sees it: the input tokens and, per position, the
+    target token, its weight, the sampler's logprob and the advantage. The session turns
+    it into the SDK's datum (the same dtypes the SDK gives plain lists: int64 targets,
+    float32 weights/logprobs/advantages)."""
+
+    model_input: np.ndarray
+    loss_fn_inputs: Mapping[str, np.ndarray]
+
+    def __len__(self) -> int:
+        return len(self.model_input)
+
+
 @dataclass(frozen=True)
 class GroupDatums:
     """The datums of one group and what was left out, and why."""
 
-    datums: list[types.Datum]
+    datums: list[Datum]
     advantages: list[float]
     skipped_empty: int
     skipped_zero_advantage: int
@@ -82,27 +96,28 @@ def build_datum(
     response_tokens: Sequence[int],
     logprobs: Sequence[float],
     advantage: float,
-) -> types.Datum:
+) -> Datum:
     """The quickstart's datum layout, position for position."""
     if len(logprobs) != len(response_tokens):
         raise ValueError(f"{len(logprobs)} logprobs for {len(response_tokens)} response tokens")
     prefix = len(prompt_tokens) - 1
-    full = [*prompt_tokens, *response_tokens]
+    full = np.fromiter((*prompt_tokens, *response_tokens), dtype=np.int64)
     n = len(response_tokens)
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens=full[:-1]),
+    weights = np.zeros(prefix + n, dtype=np.float32)
+    weights[prefix:] = 1.0
+    sampled = np.zeros(prefix + n, dtype=np.float32)
+    sampled[prefix:] = logprobs
+    advantages = np.zeros(prefix + n, dtype=np.float32)
+    advantages[prefix:] = advantage
+    return Datum(
+        model_input=full[:-1],
         loss_fn_inputs={
-            "target_tokens": _tensor(full[1:], np.int64),
-            "weights": _tensor([0.0] * prefix + [1.0] * n, np.float32),
-            "logprobs": _tensor([0.0] * prefix + list(logprobs), np.float32),
-            "advantages": _tensor([0.0] * prefix + [advantage] * n, np.float32),
+            "target_tokens": full[1:],
+            "weights": weights,
+            "logprobs": sampled,
+            "advantages": advantages,
         },
     )
-
-
-def _tensor(values: Sequence[float], dtype: type[np.generic]) -> types.TensorData:
-    """The same TensorData the SDK builds from a plain list for these keys."""
-    return types.TensorData.from_numpy(np.asarray(values, dtype=dtype))
 
 
 def _has_logprobs(completion: Completion) -> bool:
@@ -126,7 +141,7 @@ def group_datums(
     if len(completions) != len(rewards):
         raise ValueError(f"{len(rewards)} rewards for {len(completions)} responses")
     advantages = group_advantages(rewards)
-    datums: list[types.Datum] = []
+    datums: list[Datum] = []
     empty = zero = dropped = 0
     for completion, advantage in zip(completions, advantages, strict=True):
         if not completion.tokens:
@@ -164,38 +179,38 @@ class KLStats:
     tokens: int
 
 
-def kl_sample_train(datums: Sequence[types.Datum], outputs: Sequence[Any]) -> KLStats:
-    """KL estimates from the datums sent and the ``loss_fn_outputs`` of their
-    forward_backward (each holding the training ``logprobs`` of every position)."""
+def kl_sample_train(datums: Sequence[Datum], outputs: Sequence[Any]) -> KLStats:
+    """KL estimates from the datums sent and the training ``logprobs`` of every position
+    that their forward_backward returned (one array-like per datum)."""
     if len(outputs) != len(datums):
         raise ValueError(
             f"forward_backward returned {len(outputs)} outputs for {len(datums)} datums"
         )
-    total = total_sq = 0.0
-    count = 0
-    for datum, output in zip(datums, outputs, strict=True):
-        weights = datum.loss_fn_inputs["weights"].tolist()
-        sampler = datum.loss_fn_inputs["logprobs"].tolist()
-        trained = output["logprobs"].tolist()
-        if len(trained) != len(weights):
-            raise ValueError(
-                f"forward_backward returned {len(trained)} logprobs for a datum of "
-                f"{len(weights)} positions"
-            )
-        for w, q, p in zip(weights, sampler, trained, strict=True):
-            if w > 0:
-                diff = float(q) - float(p)
-                total += diff
-                total_sq += diff * diff
-                count += 1
-    if count == 0:
+    if not datums:
         return KLStats(None, None, 0)
-    return KLStats(total / count, 0.5 * total_sq / count, count)
+    trained = [np.asarray(o, dtype=np.float64).reshape(-1) for o in outputs]
+    for datum, got in zip(datums, trained, strict=True):
+        if len(got) != len(datum):
+            raise ValueError(
+                f"forward_backward returned {len(got)} logprobs for a datum of "
+                f"{len(datum)} positions"
+            )
+    weights = np.concatenate([d.loss_fn_inputs["weights"] for d in datums]) > 0
+    sampler = np.concatenate([d.loss_fn_inputs["logprobs"] for d in datums]).astype(np.float64)
+    diff = (sampler - np.concatenate(trained))[weights]
+    if diff.size == 0:
+        return KLStats(None, None, 0)
+    return KLStats(float(diff.mean()), float(0.5 * np.mean(diff * diff)), int(diff.size))
 
 
-def datum_to_dict(datum: types.Datum) -> dict[str, list[int] | list[float]]:
-    """A plain, comparable, JSON-friendly view of a datum (tests, capture hooks)."""
-    out: dict[str, list[int] | list[float]] = {"model_input": datum.model_input.to_ints()}
+def datum_to_dict(datum: Any) -> dict[str, list[int] | list[float]]:
+    """A plain, comparable, JSON-friendly view of a datum, ours or the SDK's (tests,
+    capture hooks)."""
+    tokens = datum.model_input
+    to_ints = getattr(tokens, "to_ints", None)
+    out: dict[str, list[int] | list[float]] = {
+        "model_input": to_ints() if to_ints is not None else [int(t) for t in tokens]
+    }
     for key, value in sorted(datum.loss_fn_inputs.items()):
         out[key] = value.tolist()
     return out

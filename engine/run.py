@@ -17,8 +17,10 @@ Exit codes: 0 done; 2 invalid configuration (one line on stderr); 1 runtime fail
 from __future__ import annotations
 
 import argparse
+import gc
 import logging
 import os
+import signal
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -31,6 +33,7 @@ from engine.checkpoint import CONFIG_FILE, load_resume_state
 from engine.config import KNOBS, EngineConfig, config_from_sources, stored_settings
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
+from engine.loop_monitor import LoopMonitor
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.results import RunResult, StepResult
 from engine.watchdog import SignalInterrupt
@@ -129,13 +132,20 @@ async def _run(engine: Engine, bar: tqdm[Any] | None) -> RunResult:
     engine.add_step_hook(advance)
     # The engine reports the stop itself (console + events.jsonl).
     interrupt = SignalInterrupt(on_interrupt=engine.request_stop, log=_QUIET)
+    monitor = LoopMonitor(blocked_limit=engine.config.stall_timeout)
     result: RunResult | None = None
     async with anyio.create_task_group() as tg:
         await tg.start(interrupt.watch)
+        tg.start_soon(monitor.beat)
+        monitor.start((signal.SIGINT, signal.SIGTERM))
         try:
             async with engine:
+                # Everything alive now (SDK, tokenizer, a local server's model) lives for
+                # the whole run: keep it out of the collector's full passes.
+                gc.freeze()
                 result = await engine.run()
         finally:
+            monitor.stop()
             tg.cancel_scope.cancel()
     assert result is not None
     return result

@@ -37,33 +37,42 @@ import contextlib
 import functools
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 import anyio
 import httpx
 import mint
 import tinker
 from tinker import types
+from tinker.lib.retry_handler import RetryConfig
 
 from engine.config import HOSTED_BASE_URL, EngineConfig
 from engine.errors import ConfigError, EngineError, ServiceError, classify
 from engine.redact import register_secret
-from engine.retry import SDK_MAX_RETRIES, OpKind, RetryCounter, ServiceGuard
-from engine.rl import Completion
+from engine.retry import (
+    SDK_MAX_RETRIES,
+    OpKind,
+    RetryCounter,
+    RetryPolicy,
+    ServiceGuard,
+    tally_retries,
+)
+from engine.rl import Completion, Datum
+from engine.session_api import (
+    LossSpec,
+    PendingSnapshot,
+    SampleResult,
+    SamplerHandle,
+    SamplingSettings,
+    ServerInfo,
+    StepTicket,
+    TrainResult,
+)
 from engine.watchdog import deadline
 
-__all__ = [
-    "MintSession",
-    "PreflightError",
-    "SampleResult",
-    "SamplerHandle",
-    "ServerInfo",
-    "TrainResult",
-    "TrainSubmission",
-    "open_session",
-]
+__all__ = ["MintSession", "PreflightError", "open_session", "sdk_sampling_retry_config", "to_sdk_datum"]
 
 T = TypeVar("T")
 
@@ -75,48 +84,9 @@ class PreflightError(EngineError):
     """The server cannot be used for this run (unreachable, key rejected, no such model)."""
 
 
-@dataclass(frozen=True)
-class ServerInfo:
-    """Where the session goes and what it trains."""
-
-    base_url: str
-    base_model: str
-    local: bool
-    supported_models: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SamplerHandle:
-    """A frozen snapshot of the policy, usable for sampling. ``version`` counts the train
-    steps applied before the snapshot (0 = the initial weights)."""
-
-    version: int
-    client: tinker.SamplingClient = field(repr=False)
-
-
-@dataclass(frozen=True)
-class SampleResult:
-    """The responses of one sample request, tagged with the policy version that made
-    them."""
-
-    version: int
-    completions: tuple[Completion, ...]
-
-
-@dataclass(frozen=True)
-class TrainResult:
-    """What a forward_backward (+ optim_step) returned."""
-
-    loss_fn_outputs: list[Any]
-    metrics: dict[str, float]
-    optim_metrics: dict[str, float]
-
-
-@dataclass
-class TrainSubmission:
-    """Submitted forward_backward calls of one step whose results are still pending."""
-
-    futures: list[tuple[int, Any]] = field(default_factory=list)  # (n datums, APIFuture)
+SNAPSHOT_TTL_S = 24 * 3600
+"""Time to live of the per-version sampler weights on the server: a version is sampled
+from for at most K+1 steps; the TTL keeps a long run from piling them up."""
 
 
 @dataclass(frozen=True)
@@ -189,17 +159,25 @@ class MintSession:
         sampler: SamplerHandle,
         prompt_tokens: Sequence[int],
         num_samples: int,
-        params: types.SamplingParams,
+        settings: SamplingSettings,
     ) -> SampleResult:
         """``num_samples`` responses to one prompt from ``sampler``."""
+        client = cast(tinker.SamplingClient, sampler.client)
         prompt = types.ModelInput.from_ints(tokens=list(prompt_tokens))
+        params = types.SamplingParams(
+            max_tokens=settings.max_tokens,
+            temperature=settings.temperature,
+            seed=settings.seed,
+            stop=list(settings.stop_token_ids) or None,
+        )
 
         async def go() -> types.SampleResponse:
-            return await sampler.client.sample_async(
+            return await client.sample_async(
                 prompt=prompt, num_samples=num_samples, sampling_params=params
             )
 
-        response = await self._call(OpKind.SAMPLE, "sample", go)
+        with tally_retries() as tally:
+            response = await self._call(OpKind.SAMPLE, "sample", go)
         completions = tuple(
             Completion(
                 tokens=tuple(seq.tokens),
@@ -212,108 +190,115 @@ class MintSession:
             raise EngineError(
                 f"the sampler returned {len(completions)} responses, {num_samples} were asked"
             )
-        return SampleResult(sampler.version, completions)
+        return SampleResult(sampler.version, completions, tally.count)
+
+    async def submit_snapshot(self, version: int) -> PendingSnapshot:
+        """Reserve, in the training client's sequence, a snapshot of the weights after
+        everything submitted so far: submitted right behind a step's optim_step, it
+        snapshots the weights after that step. Never repeated (a new submission would
+        snapshot later weights); a failure is an unknown step outcome."""
+        training = self._training
+
+        async def go() -> Any:
+            return await training.save_weights_for_sampler_async(
+                f"sampler-v{version}", ttl_seconds=SNAPSHOT_TTL_S
+            )
+
+        future = await self._step_call(version, go, completes=False)
+        return PendingSnapshot(version, future)
+
+    async def finish_snapshot(self, pending: PendingSnapshot) -> SamplerHandle:
+        """Await a reserved snapshot and open a sampling client on it (that part is
+        idempotent and retried)."""
+        future = pending.handle
+
+        async def saved() -> str:
+            return str((await cast(Awaitable[Any], future)).path)
+
+        path = await self._step_call(pending.version, saved, completes=False)
+        client = await self._call(
+            OpKind.SAMPLER_SNAPSHOT, f"open sampler {path}", lambda: self._sampling_client(path)
+        )
+        return SamplerHandle(pending.version, client)
 
     async def save_sampler(self, version: int) -> SamplerHandle:
-        """Snapshot the current weights as sampler ``version``. Submitted in the training
-        client's sequence, so calling it right after :meth:`submit_optim_step` (without
-        awaiting the step) snapshots the weights AFTER that step."""
-
+        """Snapshot the current weights as sampler ``version`` with nothing else in
+        flight, so a failed attempt can safely be repeated (same name, same weights)."""
         training = self._training
-        retry_config = self.guard.sampling_retry_config()
 
-        def save() -> tinker.SamplingClient:
-            # The SDK's own sampling retries give up after our attempt timeout, not 2 h.
-            return training.save_weights_and_get_sampling_client(retry_config=retry_config)
+        async def once() -> SamplerHandle:
+            future = await training.save_weights_for_sampler_async(
+                f"sampler-v{version}", ttl_seconds=SNAPSHOT_TTL_S
+            )
+            client = await self._sampling_client(str((await future).path))
+            return SamplerHandle(version, client)
 
-        async def go() -> tinker.SamplingClient:
-            # The SDK's _async form blocks its caller on the save; run the sync form in a
-            # worker thread instead of stalling the event loop.
-            return await anyio.to_thread.run_sync(save, abandon_on_cancel=True)
+        return await self._call(OpKind.SAMPLER_SNAPSHOT, "save_sampler", once)
 
-        client = await self._call(OpKind.SAMPLER_SNAPSHOT, "save_sampler", go)
-        return SamplerHandle(version, client)
+    async def _sampling_client(self, path: str) -> tinker.SamplingClient:
+        return await self._service.create_sampling_client_async(
+            model_path=path, retry_config=self._sampling_retry_config()
+        )
+
+    def _sampling_retry_config(self) -> RetryConfig:
+        return sdk_sampling_retry_config(self.guard.policy(OpKind.SAMPLE))
 
     # -- training ----------------------------------------------------------------------
 
     async def submit_forward_backward(
-        self,
-        submission: TrainSubmission,
-        datums: list[types.Datum],
-        loss: str,
-        loss_config: dict[str, float] | None,
-        *,
-        step: int,
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
     ) -> None:
-        """Submit one forward_backward of train step ``step`` (1-based; gradients
-        accumulate until the optim step); its result is awaited by
-        :meth:`finish_train_step`."""
+        """Submit one forward_backward of ``ticket``'s step (gradients accumulate until
+        the optim step); its result is awaited by :meth:`finish_train_step`."""
         training = self._training
+        batch = [to_sdk_datum(d) for d in datums]
 
         async def go() -> Any:
             return await training.forward_backward_async(
-                datums,
-                loss,  # type: ignore[arg-type]  # validated against LOSSES by the config
-                loss_config,
+                batch,
+                loss.name,  # type: ignore[arg-type]  # validated against LOSSES by the config
+                loss.config,
             )
 
-        future = await self._step_call(step, go, completes=False)
-        submission.futures.append((len(datums), future))
+        handle = await self._step_call(ticket.step, go, completes=False)
+        ticket.handles.append(handle)
+        ticket.datums.append(len(batch))
 
-    async def submit_optim_step(self, learning_rate: float, *, step: int) -> Any:
-        """Submit the Adam step of train step ``step`` (the quickstart sets only the
+    async def submit_optim_step(self, ticket: StepTicket, learning_rate: float) -> None:
+        """Submit the Adam step of ``ticket``'s step (the quickstart sets only the
         learning rate)."""
         training = self._training
 
         async def go() -> Any:
             return await training.optim_step_async(types.AdamParams(learning_rate=learning_rate))
 
-        return await self._step_call(step, go, completes=False)
+        ticket.optim = await self._step_call(ticket.step, go, completes=False)
 
-    async def finish_train_step(
-        self, submission: TrainSubmission, optim_future: Any | None, *, step: int
-    ) -> TrainResult:
-        """Await train step ``step``'s submitted calls; outputs are in datum order. Any
-        failure raises StepOutcomeUnknown: the step may or may not have been applied."""
-        return await self._step_call(
-            step, lambda: self._collect(submission, optim_future), completes=True
-        )
+    async def finish_train_step(self, ticket: StepTicket) -> TrainResult:
+        """Await ``ticket``'s submitted calls; logprobs are in datum order. Any failure
+        raises StepOutcomeUnknown: the step may or may not have been applied."""
+        return await self._step_call(ticket.step, lambda: self._collect(ticket), completes=True)
 
-    async def _collect(self, submission: TrainSubmission, optim_future: Any | None) -> TrainResult:
-        outputs: list[Any] = []
+    async def _collect(self, ticket: StepTicket) -> TrainResult:
+        logprobs: list[Sequence[float]] = []
         metrics: dict[str, float] = {}
-        for n, future in submission.futures:
-            result: types.ForwardBackwardOutput = await future
+        for n, future in zip(ticket.datums, ticket.handles, strict=True):
+            result: types.ForwardBackwardOutput = await future  # type: ignore[misc]
             if len(result.loss_fn_outputs) != n:
                 raise EngineError(
                     f"forward_backward returned {len(result.loss_fn_outputs)} outputs for "
                     f"{n} datums"
                 )
-            outputs.extend(result.loss_fn_outputs)
+            logprobs.extend(o["logprobs"].tolist() for o in result.loss_fn_outputs)
             for key, value in result.metrics.items():
                 # Sums add up across the step's calls; other reductions keep the last.
                 summed = metrics.get(key, 0.0) if key.endswith(":sum") else 0.0
                 metrics[key] = summed + float(value)
         optim_metrics: dict[str, float] = {}
-        if optim_future is not None:
-            optim = await optim_future
+        if ticket.optim is not None:
+            optim = await ticket.optim  # type: ignore[misc]
             optim_metrics = {k: float(v) for k, v in (optim.metrics or {}).items()}
-        return TrainResult(outputs, metrics, optim_metrics)
-
-    async def train_step(
-        self,
-        datums: list[types.Datum],
-        loss: str,
-        loss_config: dict[str, float] | None,
-        learning_rate: float,
-        *,
-        step: int,
-    ) -> TrainResult:
-        """forward_backward then optim_step, both submitted before either is awaited."""
-        submission = TrainSubmission()
-        await self.submit_forward_backward(submission, datums, loss, loss_config, step=step)
-        optim = await self.submit_optim_step(learning_rate, step=step)
-        return await self.finish_train_step(submission, optim, step=step)
+        return TrainResult(logprobs, metrics, optim_metrics)
 
     # -- saving ------------------------------------------------------------------------
 
@@ -526,6 +511,28 @@ async def _create_lora(service: tinker.ServiceClient, lora: _LoraSpec) -> tinker
         train_mlp=True,
         train_attn=True,
         train_unembed=True,
+    )
+
+
+def to_sdk_datum(datum: Datum) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens=datum.model_input.tolist()),
+        loss_fn_inputs={
+            key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
+        },
+    )
+
+
+def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
+    """``retry_config`` for sampling clients: the SDK's sampling retry loop (no attempt
+    limit) gives up after ``policy.attempt_timeout`` without progress instead of 2 h,
+    and uses the policy's backoff bounds."""
+    base = RetryConfig()
+    return RetryConfig(
+        max_connections=base.max_connections,
+        progress_timeout=policy.attempt_timeout or base.progress_timeout,
+        retry_delay_base=max(policy.initial_wait, 0.01),
+        retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
     )
 
 

@@ -35,7 +35,10 @@ class ScoredGroup:
     rewards: tuple[RewardBreakdown, ...]
     sample_started: float = 0.0
     sample_finished: float = 0.0
-    score_seconds: float = 0.0
+    score_started: float = 0.0
+    score_finished: float = 0.0
+    retries: int = 0
+    """Retries of the group's sample request (metrics only, like the clock values)."""
     reward_error: str | None = None
     """Set when the reward function failed on this group (``--on-reward-error skip``):
     the group is part of its step but yields no datums and no reward statistics."""

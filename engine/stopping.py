@@ -18,79 +18,79 @@ state untrusted until the engine restores a checkpoint (:meth:`StopGate.restored
 from __future__ import annotations
 
 import anyio
-import anyio.lowlevel
 
 __all__ = ["StopGate"]
 
 
 class StopGate:
-    """Step-boundary stops for one run. Owned by one event loop; no locking."""
+    """Step-boundary stops for one run. Owned by one event loop; no locking.
+
+    Several steps may be in flight at once (the trainer submits step ``s+1`` while step
+    ``s``'s results are outstanding); a stop then waits until every one of them ended."""
 
     def __init__(self) -> None:
         self.reason: Exception | None = None
         """The first stop request (a RunStopped, or the error that ends the run)."""
         self.requested = anyio.Event()
         self._scope: anyio.CancelScope | None = None
-        self._in_step: int | None = None
+        self._in_flight: set[int] = set()
         self._tainted = False
-
-    @property
-    def in_step(self) -> int | None:
-        """The 1-based number of the step in flight, or None between steps."""
-        return self._in_step
 
     @property
     def clean(self) -> bool:
         """True when the server-side state holds exactly the completed steps: no step in
         flight and no step of unknown outcome since the last restore."""
-        return self._in_step is None and not self._tainted
+        return not self._in_flight and not self._tainted
 
     def attach(self, scope: anyio.CancelScope) -> None:
         """The scope a stop cancels (the run's pipeline and recoveries)."""
         self._scope = scope
-        if self.reason is not None and self._in_step is None:
+        if self.reason is not None and not self._in_flight:
             scope.cancel()
 
     def request(self, reason: Exception) -> None:
         """Ask the run to stop; the first reason wins. Cancels now when no step is in
-        flight, else when the step in flight ends."""
+        flight, else when the last step in flight ends."""
         if self.reason is None:
             self.reason = reason
             self.requested.set()
-        if self._in_step is None:
+        if not self._in_flight:
             self._cancel()
 
     def force(self) -> None:
         """Stop now even mid-step (the grace period is over); a step in flight makes the
         state untrusted."""
-        if self._in_step is not None:
+        if self._in_flight:
             self._tainted = True
         self._cancel()
 
     async def begin_step(self, step: int) -> None:
-        """Mark step ``step`` in flight before its first submission. If a stop was
-        requested the run's scope is cancelled instead, so nothing is submitted."""
-        if self._in_step == step:
+        """Mark step ``step`` in flight before its first submission. Once a stop was
+        requested nothing new is submitted: the run's scope is cancelled now (no step in
+        flight) or when the steps in flight end."""
+        if step in self._in_flight:
             return
         if self.reason is not None:
-            self._cancel()
-            await anyio.lowlevel.checkpoint()  # the cancellation takes effect here
-        self._in_step = step
+            if not self._in_flight:
+                self._cancel()
+            await anyio.sleep_forever()  # cancelled now, or once the steps in flight end
+        self._in_flight.add(step)
 
-    def end_step(self) -> None:
-        """The step in flight is trained and recorded; a pending stop happens now."""
-        self._in_step = None
-        if self.reason is not None:
+    def end_step(self, step: int) -> None:
+        """Step ``step`` is trained and recorded; a pending stop happens once no step is
+        in flight."""
+        self._in_flight.discard(step)
+        if self.reason is not None and not self._in_flight:
             self._cancel()
 
     def step_failed(self) -> None:
-        """The step in flight failed after submission: the state is untrusted."""
-        self._in_step = None
+        """A step in flight failed after submission: the state is untrusted."""
+        self._in_flight.clear()
         self._tainted = True
 
     def restored(self) -> None:
         """A checkpoint was restored: the state is trusted again."""
-        self._in_step = None
+        self._in_flight.clear()
         self._tainted = False
 
     def _cancel(self) -> None:

@@ -200,7 +200,7 @@ def test_embedding_config_errors_name_the_field() -> None:
 
 
 def test_loss_configs_sent_with_forward_backward() -> None:
-    assert EngineConfig().loss_fn_config() is None
+    assert EngineConfig(loss="importance_sampling").loss_fn_config() is None
     assert EngineConfig(loss="ppo", clip_low=0.7, clip_high=1.3).loss_fn_config() == {
         "clip_low_threshold": 0.7,
         "clip_high_threshold": 1.3,
@@ -250,7 +250,9 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
 
     events = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [e["step"] for e in events] == list(range(1, 9))
-    assert all(e["off_policy/staleness"] == 0 for e in events)
+    # pipelined by default: K=1 with the clipped ppo loss
+    assert all(e["off_policy/staleness"] <= 1 for e in events)
+    assert any(e["off_policy/staleness"] == 1 for e in events)
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
     assert (config["op"], config["max_operand"], config["server"]) == ("+", 99, "local")

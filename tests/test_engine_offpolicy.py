@@ -37,7 +37,9 @@ def _expected_questions(seed: int, n: int) -> list[str]:
 def test_k1_overlaps_sampling_with_training_within_its_bound(
     server: LocalServer, tmp_path: Path
 ) -> None:
-    config = small_config(server, tmp_path / "run", steps=4, max_steps_off_policy=1)
+    config = small_config(
+        server, tmp_path / "run", steps=4, max_steps_off_policy=1, loss="importance_sampling"
+    )
     console = io.StringIO()
     steps, result = run_engine(config, console=console)
     text = console.getvalue()

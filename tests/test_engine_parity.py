@@ -55,6 +55,7 @@ def test_k0_sends_the_quickstart_datums(server: LocalServer, tmp_path: Path) -> 
         lora_seed=7,
         sampling_seed=1234,
         max_steps_off_policy=0,
+        loss="importance_sampling",
     )
     steps, result = run_engine(config)
 

@@ -36,9 +36,9 @@ from engine.retry import (
     call_with_retry,
     default_policies,
     retrying,
-    sdk_sampling_retry_config,
     should_retry,
 )
+from engine.service import sdk_sampling_retry_config
 from engine.watchdog import CircuitBreaker
 from tests import sdk_errors as sdk
 
@@ -432,6 +432,6 @@ async def test_guard_bounds_but_never_repeats_a_train_step() -> None:
 
 def test_guard_knows_its_kinds_and_bounds_sdk_sampling() -> None:
     guard = fast_guard(attempt_timeout=42.0)
-    assert guard.sampling_retry_config().progress_timeout == 42.0
+    assert sdk_sampling_retry_config(guard.policy(OpKind.SAMPLE)).progress_timeout == 42.0
     with pytest.raises(ValueError, match="no retry policy for operation kind 'nope'"):
         guard.policy("nope")

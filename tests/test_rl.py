@@ -104,8 +104,7 @@ def test_missing_logprobs_drop_mode_counts_and_never_zero_fills() -> None:
 
 def test_kl_metrics_use_only_trained_positions() -> None:
     d = build_datum([1, 2, 3], [4, 5], [-1.0, -2.0], 1.0)  # 4 positions, last 2 trained
-    out = {"logprobs": types.TensorData.from_numpy(np.array([9.0, 9.0, -1.5, -1.0], np.float32))}
-    kl = kl_sample_train([d], [out])
+    kl = kl_sample_train([d], [np.array([9.0, 9.0, -1.5, -1.0], np.float32)])
     # q - p = (-1 - -1.5, -2 - -1) = (0.5, -1.0)
     assert kl.tokens == 2
     assert kl.v1 == pytest.approx(-0.25)

@@ -1,0 +1,248 @@
+"""Scoring: every response of every arrived group is rewarded concurrently, under a bound.
+
+Why: a reward is user code of any speed -- a regex, a 0.1 s CPU-bound verifier, a 0.25 s
+call to a judge model. Scoring one response after another makes a slow reward stall
+every stage; scoring them all at once (``--score-concurrency`` at a time) costs about one
+call per step. Where a reward runs depends on what it is:
+
+* an ``async def`` reward runs on the event loop (a judge over HTTP);
+* a plain function runs in a worker thread (``--score-workers threads``, the default), or
+  in a pool of worker processes (``--score-workers processes:N``) when it is CPU-bound
+  Python that threads cannot run in parallel; the task is then pickled once per call, so
+  it must be picklable (checked before the run starts: one clear line otherwise).
+
+A task may also reward a whole group at once with ``score_group(responses, problem)``
+(rankings, pairwise judges); it then replaces ``score`` and returns one reward per
+response, in order.
+
+Whatever order calls finish in, a group's rewards are in response order, and the trainer
+assembles datums in problem order, so results never depend on scoring order.
+
+A reward that never returns must not keep the process alive: worker threads are daemon
+threads that a stop abandons (they die with the process), worker processes are killed
+on cancellation. A reward that raises anything -- even ``SystemExit`` or
+``KeyboardInterrupt`` -- is a :class:`RewardError` for that group, never an exit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import math
+import pickle
+import threading
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+
+import anyio
+import anyio.to_process
+from anyio.lowlevel import current_token
+
+from engine.errors import ConfigError, EngineError, classify
+from engine.tasks.base import Problem, RewardBreakdown, Task
+
+__all__ = [
+    "GroupScoringTask",
+    "RewardError",
+    "ScoreWorkers",
+    "Scorer",
+    "check_reward",
+    "parse_score_workers",
+]
+
+T = TypeVar("T")
+
+
+@runtime_checkable
+class GroupScoringTask(Protocol):
+    """A task that rewards a whole group at once (optional; replaces ``score``)."""
+
+    def score_group(
+        self, responses: Sequence[str], problem: Problem
+    ) -> Sequence[RewardBreakdown | float] | Awaitable[Sequence[RewardBreakdown | float]]: ...
+
+
+@dataclass(frozen=True)
+class ScoreWorkers:
+    """Where synchronous rewards run: worker threads, or ``processes`` worker processes."""
+
+    kind: Literal["threads", "processes"] = "threads"
+    processes: int = 0
+
+    def __str__(self) -> str:
+        return "threads" if self.kind == "threads" else f"processes:{self.processes}"
+
+
+def parse_score_workers(text: str) -> ScoreWorkers:
+    """``threads`` or ``processes:N`` (N >= 1)."""
+    value = text.strip()
+    if value == "threads":
+        return ScoreWorkers()
+    kind, _, count = value.partition(":")
+    if kind == "processes" and count.strip().isdigit() and int(count) >= 1:
+        return ScoreWorkers("processes", int(count))
+    raise ValueError("must be 'threads' or 'processes:N' with N >= 1")
+
+
+class RewardError(EngineError):
+    """The task's reward function raised (or returned garbage) for a problem."""
+
+    def __init__(self, problem: Problem, cause: BaseException) -> None:
+        if isinstance(cause, Exception) and not isinstance(cause, EngineError):
+            detail = classify(cause).message
+        else:
+            detail = str(cause) or type(cause).__name__
+        super().__init__(
+            f"the reward function failed on problem {problem.id} ({problem.question!r}): {detail}"
+        )
+        self.problem = problem
+
+
+class _Raised(EngineError):
+    """What a reward raised that is not an ``Exception`` (SystemExit, KeyboardInterrupt):
+    reported like any other reward failure, never an exit."""
+
+    def __init__(self, exc: BaseException) -> None:
+        super().__init__(f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__)
+
+
+class Scorer:
+    """Rewards groups for one run: ``await scorer.score(problem, responses)``."""
+
+    def __init__(self, task: Task, *, concurrency: int, workers: ScoreWorkers) -> None:
+        self._task = task
+        self._limiter = anyio.CapacityLimiter(concurrency)
+        self._workers = workers
+        self._processes = (
+            anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
+        )
+        group_fn = getattr(task, "score_group", None)
+        self._group_fn: Callable[..., Any] | None = group_fn if callable(group_fn) else None
+        fn = self._group_fn or task.score
+        self._is_async = inspect.iscoroutinefunction(fn)
+        if self._processes is not None and not self._is_async:
+            _check_picklable(fn)
+
+    async def score(self, problem: Problem, responses: Sequence[str]) -> list[RewardBreakdown]:
+        """The rewards of one group, in response order; raises RewardError."""
+        try:
+            if self._group_fn is not None:
+                async with self._limiter:
+                    raw = await self._call(self._group_fn, list(responses), problem)
+                rewards = _checked_group(raw, len(responses))
+            else:
+                rewards = [RewardBreakdown(0.0)] * len(responses)
+                async with anyio.create_task_group() as tg:
+                    for i, response in enumerate(responses):
+                        tg.start_soon(self._score_one, rewards, i, response, problem)
+        except RewardError:
+            raise
+        except anyio.get_cancelled_exc_class():
+            raise
+        except BaseExceptionGroup as group:
+            raise RewardError(problem, _first(group)) from None
+        except BaseException as exc:
+            raise RewardError(problem, exc) from None
+        return rewards
+
+    async def _score_one(
+        self, out: list[RewardBreakdown], i: int, response: str, problem: Problem
+    ) -> None:
+        async with self._limiter:
+            out[i] = check_reward(await self._call(self._task.score, response, problem))
+
+    async def _call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self._is_async:
+            try:
+                return await fn(*args)
+            except anyio.get_cancelled_exc_class():
+                raise
+            except Exception:
+                raise
+            except BaseException as exc:  # SystemExit, KeyboardInterrupt from user code
+                raise _Raised(exc) from None
+        if self._processes is not None:
+            outcome = await anyio.to_process.run_sync(
+                _run_guarded, fn, *args, cancellable=True, limiter=self._processes
+            )
+        else:
+            outcome = await _in_daemon_thread(_run_guarded, fn, *args)
+        value, error = outcome
+        if error is not None:
+            raise error
+        return value
+
+
+def check_reward(reward: Any) -> RewardBreakdown:
+    """A task's reward as a RewardBreakdown (a bare number is accepted), or a clear
+    error."""
+    if isinstance(reward, int | float) and not isinstance(reward, bool):
+        reward = RewardBreakdown(float(reward))
+    if not isinstance(reward, RewardBreakdown):
+        raise EngineError(
+            f"task.score must return a RewardBreakdown or a number, got {type(reward).__name__}"
+        )
+    if not math.isfinite(reward.total):
+        raise EngineError(f"task.score returned a non-finite reward ({reward.total})")
+    return reward
+
+
+def _checked_group(raw: Any, n: int) -> list[RewardBreakdown]:
+    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
+        raise EngineError(
+            f"task.score_group must return a sequence of rewards, got {type(raw).__name__}"
+        )
+    if len(raw) != n:
+        raise EngineError(f"task.score_group returned {len(raw)} rewards for {n} responses")
+    return [check_reward(r) for r in raw]
+
+
+def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    """Run a reward in a worker; anything it raises comes back as a value (so that a
+    SystemExit in a worker thread or process is a reward error, not an exit)."""
+    try:
+        return fn(*args), None
+    except Exception as exc:
+        return None, exc
+    except BaseException as exc:
+        return None, _Raised(exc)
+
+
+async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
+    """``fn(*args)`` in a new daemon thread. Unlike anyio's worker threads, which the
+    interpreter joins at exit, a daemon thread whose reward never returns is abandoned on
+    cancellation and dies with the process."""
+    token = current_token()
+    done = anyio.Event()
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(fn(*args))
+        finally:
+            # RuntimeError: the event loop is gone; nobody waits for this result any more.
+            with contextlib.suppress(RuntimeError):
+                anyio.from_thread.run_sync(done.set, token=token)
+
+    threading.Thread(target=run, name="engine-reward", daemon=True).start()
+    await done.wait()
+    return box[0]  # type: ignore[no-any-return]
+
+
+def _check_picklable(fn: Callable[..., Any]) -> None:
+    try:
+        pickle.dumps(fn)
+    except Exception as exc:
+        raise ConfigError(
+            f"--score-workers processes needs a picklable task, and {fn!r} is not ({exc}); "
+            "define the task at module level of an importable module, or use "
+            "--score-workers threads"
+        ) from exc
+
+
+def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
+    first: BaseException = group
+    while isinstance(first, BaseExceptionGroup):
+        first = first.exceptions[0]
+    return first

@@ -1,0 +1,181 @@
+"""The session seam: what the pipeline asks of a MinT session, in the engine's own types.
+
+Why a Protocol: the pipeline (sampling, scoring, training) is the engine's logic; the
+SDK calls behind it are I/O. :class:`Session` is everything the pipeline and the
+engine's supervision need from the service, typed with plain engine values
+(:class:`~engine.rl.Datum`, :class:`SamplingSettings`, :class:`SamplerHandle`...), so no
+SDK type crosses it. :class:`engine.service.MintSession` implements it over the ``mint``
+SDK; tests implement it with a fake (``tests/fake_session.py``) and an injected clock.
+
+A train step is submitted in parts and awaited later, so the trainer can submit step
+``s+1`` while step ``s``'s results are still outstanding:
+
+* :meth:`Session.submit_forward_backward` (one or more chunks) and
+  :meth:`Session.submit_optim_step` fix the step's place in the model's sequence;
+* :meth:`Session.submit_snapshot` reserves the place of the sampler snapshot of the
+  weights after that step (the next version) right behind it;
+* :meth:`Session.finish_train_step` and :meth:`Session.finish_snapshot` await them.
+
+Each ``submit_*`` returns once the request's place is fixed; its failure (or the failure
+of awaiting it) raises :class:`~engine.errors.StepOutcomeUnknown` (or
+:class:`~engine.errors.PermanentServiceError` for a refused request).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+from engine.rl import Completion, Datum
+
+__all__ = [
+    "LossSpec",
+    "PendingSnapshot",
+    "SampleResult",
+    "SamplerHandle",
+    "SamplingSettings",
+    "ServerInfo",
+    "Session",
+    "StepTicket",
+    "TrainResult",
+]
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    """Where the session goes and what it trains."""
+
+    base_url: str
+    base_model: str
+    local: bool
+    supported_models: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    """What every sample request of a run asks for."""
+
+    max_tokens: int
+    temperature: float
+    seed: int | None = None
+    stop_token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class LossSpec:
+    """The loss ``forward_backward`` applies: its name and ``loss_fn_config``."""
+
+    name: str
+    config: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class SamplerHandle:
+    """A frozen snapshot of the policy, usable for sampling. ``version`` counts the train
+    steps applied before the snapshot (0 = the initial weights); ``client`` is the
+    session's own handle (opaque to the pipeline)."""
+
+    version: int
+    client: object = field(repr=False, compare=False)
+
+
+@dataclass(frozen=True)
+class SampleResult:
+    """The responses of one sample request, tagged with the policy version that made
+    them; ``retries`` counts the request's retries."""
+
+    version: int
+    completions: tuple[Completion, ...]
+    retries: int = 0
+
+
+@dataclass(frozen=True)
+class TrainResult:
+    """What a train step returned: the training policy's logprobs of every position of
+    each datum (in datum order), the loss metrics summed over its forward_backward calls,
+    and the optimizer's metrics."""
+
+    logprobs: list[Sequence[float]]
+    metrics: dict[str, float]
+    optim_metrics: dict[str, float]
+
+
+@dataclass
+class StepTicket:
+    """One train step's submitted calls whose results are still pending. ``handles`` are
+    the session's own (opaque); ``datums`` counts the datums of each forward_backward."""
+
+    step: int
+    handles: list[object] = field(default_factory=list)
+    datums: list[int] = field(default_factory=list)
+    optim: object | None = None
+
+    @property
+    def submitted(self) -> bool:
+        return bool(self.handles) or self.optim is not None
+
+
+@dataclass(frozen=True)
+class PendingSnapshot:
+    """A sampler snapshot whose place in the model's sequence is fixed; ``handle`` is the
+    session's own."""
+
+    version: int
+    handle: object = field(repr=False, compare=False)
+
+
+@runtime_checkable
+class Session(Protocol):
+    """What the pipeline and the engine's supervision ask of a MinT session."""
+
+    @property
+    def info(self) -> ServerInfo: ...
+
+    @property
+    def eos_token_id(self) -> int | None: ...
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decode(self, tokens: Sequence[int]) -> str: ...
+
+    async def sample(
+        self,
+        sampler: SamplerHandle,
+        prompt_tokens: Sequence[int],
+        num_samples: int,
+        settings: SamplingSettings,
+    ) -> SampleResult:
+        """``num_samples`` responses to one prompt (retried on transient errors)."""
+        ...
+
+    async def submit_forward_backward(
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
+    ) -> None: ...
+
+    async def submit_optim_step(self, ticket: StepTicket, learning_rate: float) -> None: ...
+
+    async def submit_snapshot(self, version: int) -> PendingSnapshot:
+        """Reserve a snapshot of the weights as they stand after everything submitted so
+        far; it becomes sampler ``version``."""
+        ...
+
+    async def finish_train_step(self, ticket: StepTicket) -> TrainResult: ...
+
+    async def finish_snapshot(self, pending: PendingSnapshot) -> SamplerHandle: ...
+
+    async def save_sampler(self, version: int) -> SamplerHandle:
+        """Snapshot the current weights now (nothing else in flight) as ``version``."""
+        ...
+
+    async def save_checkpoint(
+        self, state_name: str, sampler_name: str, *, once_within: float | None = None
+    ) -> tuple[str, str]:
+        """``save_state`` (with optimizer) and sampler weights of the same weights;
+        returns their ``tinker://`` paths. ``once_within``: one bounded attempt each."""
+        ...
+
+    async def restore(self, state_path: str | None) -> None:
+        """Replace the training client by one loaded from ``state_path`` (None: a fresh
+        LoRA client)."""
+        ...

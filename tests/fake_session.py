@@ -1,0 +1,146 @@
+"""A fake MinT session behind the :class:`engine.session_api.Session` protocol, for fast,
+deterministic stage tests of the pipeline: no server, no SDK, no sleeps.
+
+It models what the pipeline relies on: a training client whose requests are applied in
+submission order (each ``submit_*`` takes the next place in the sequence), a snapshot
+that sees exactly the optimizer steps submitted before it, and sampling from a snapshot
+tagged with its version. Tests observe the order of calls in ``log`` and may hold any
+step's results with ``hold(step)`` to see what the pipeline does meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import anyio
+
+from engine.errors import StepOutcomeUnknown
+from engine.rl import Completion, Datum
+from engine.session_api import (
+    LossSpec,
+    PendingSnapshot,
+    SampleResult,
+    SamplerHandle,
+    SamplingSettings,
+    ServerInfo,
+    StepTicket,
+    TrainResult,
+)
+
+
+@dataclass
+class FakeSession:
+    """A Session whose sampler answers ``"<version> <i>"`` for response ``i`` (tokens are
+    the UTF-8 bytes), with logprob -0.5 per token."""
+
+    log: list[tuple[str, int]] = field(default_factory=list)
+    fail_step: int | None = None
+    """A 1-based step whose results fail with an unknown outcome (once)."""
+    _submitted_optims: int = 0
+    _holds: dict[int, anyio.Event] = field(default_factory=dict)
+    _checkpoints: dict[str, int] = field(default_factory=dict)
+
+    # -- Session protocol -----------------------------------------------------------
+
+    @property
+    def info(self) -> ServerInfo:
+        return ServerInfo("fake://", "fake-model", True, ("fake-model",))
+
+    @property
+    def eos_token_id(self) -> int | None:
+        return None
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return bytes(tokens).decode()
+
+    async def sample(
+        self,
+        sampler: SamplerHandle,
+        prompt_tokens: Sequence[int],
+        num_samples: int,
+        settings: SamplingSettings,
+    ) -> SampleResult:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("sample", sampler.version))
+        completions = tuple(
+            Completion(
+                tuple(f"{sampler.version} {i}".encode()), (-0.5,) * len(f"{sampler.version} {i}")
+            )
+            for i in range(num_samples)
+        )
+        return SampleResult(sampler.version, completions)
+
+    async def submit_forward_backward(
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
+    ) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("forward_backward", ticket.step))
+        ticket.handles.append(list(datums))
+        ticket.datums.append(len(datums))
+
+    async def submit_optim_step(self, ticket: StepTicket, learning_rate: float) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("optim_step", ticket.step))
+        self._submitted_optims += 1
+        ticket.optim = self._submitted_optims
+
+    async def submit_snapshot(self, version: int) -> PendingSnapshot:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("snapshot", version))
+        return PendingSnapshot(version, self._submitted_optims)
+
+    async def finish_train_step(self, ticket: StepTicket) -> TrainResult:
+        hold = self._holds.get(ticket.step)
+        if hold is not None:
+            await hold.wait()
+        await anyio.lowlevel.checkpoint()
+        if self.fail_step == ticket.step:
+            self.fail_step = None
+            self.log.append(("failed", ticket.step))
+            raise StepOutcomeUnknown(ticket.step, "the fake server lost the answer")
+        self.log.append(("finished", ticket.step))
+        logprobs = [
+            [-0.5] * len(d)
+            for handle in ticket.handles
+            for d in handle  # type: ignore[attr-defined]
+        ]
+        return TrainResult(logprobs, {"loss:sum": 1.0}, {})
+
+    async def finish_snapshot(self, pending: PendingSnapshot) -> SamplerHandle:
+        await anyio.lowlevel.checkpoint()
+        seen = int(pending.handle)  # type: ignore[call-overload]
+        assert seen == pending.version, f"snapshot v{pending.version} saw {seen} optim steps"
+        return SamplerHandle(pending.version, seen)
+
+    async def save_sampler(self, version: int) -> SamplerHandle:
+        await anyio.lowlevel.checkpoint()
+        return SamplerHandle(version, self._submitted_optims)
+
+    async def save_checkpoint(
+        self, state_name: str, sampler_name: str, *, once_within: float | None = None
+    ) -> tuple[str, str]:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("checkpoint", self._submitted_optims))
+        self._checkpoints[state_name] = self._submitted_optims
+        return f"fake://state/{state_name}", f"fake://sampler/{sampler_name}"
+
+    async def restore(self, state_path: str | None) -> None:
+        await anyio.lowlevel.checkpoint()
+        name = None if state_path is None else state_path.rsplit("/", 1)[-1]
+        self._submitted_optims = 0 if name is None else self._checkpoints[name]
+        self.log.append(("restore", self._submitted_optims))
+
+    # -- test controls --------------------------------------------------------------
+
+    def hold(self, step: int) -> anyio.Event:
+        """Hold step ``step``'s results until the returned event is set."""
+        event = anyio.Event()
+        self._holds[step] = event
+        return event
+
+    def index(self, entry: tuple[str, int]) -> int:
+        return self.log.index(entry)

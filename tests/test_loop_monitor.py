@@ -1,0 +1,129 @@
+"""The CLI's last resort against a blocked event loop: decisions on an injected clock,
+and one real run whose async reward never awaits, stopped by SIGTERM."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from engine.loop_monitor import LoopMonitor
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_running_loop_is_left_alone_even_after_a_signal() -> None:
+    clock = Clock()
+    monitor = LoopMonitor(blocked_limit=60, after_signal=10, clock=clock)
+    monitor.note_signal(signal.SIGTERM)
+    for _ in range(30):  # the graceful stop takes its time, but the loop keeps beating
+        clock.now += 1
+        monitor._last_beat = clock.now
+        assert monitor.check() is None
+
+
+def test_a_signal_to_a_blocked_loop_exits_after_the_grace() -> None:
+    clock = Clock()
+    monitor = LoopMonitor(blocked_limit=600, after_signal=10, clock=clock)
+    clock.now += 3
+    monitor.note_signal(signal.SIGTERM)
+    clock.now += 9.9
+    assert monitor.check() is None
+    clock.now += 0.1
+    verdict = monitor.check()
+    assert verdict is not None
+    message, code = verdict
+    assert code == 128 + signal.SIGTERM
+    assert message.startswith("Error: SIGTERM received but the event loop has been blocked")
+
+
+def test_a_second_signal_to_a_blocked_loop_exits_at_once() -> None:
+    clock = Clock()
+    monitor = LoopMonitor(blocked_limit=600, after_signal=10, clock=clock)
+    clock.now += 1
+    monitor.note_signal(signal.SIGINT)
+    monitor.note_signal(signal.SIGINT)
+    verdict = monitor.check()
+    assert verdict is not None and verdict[1] == 128 + signal.SIGINT
+
+
+def test_a_loop_blocked_past_the_stall_timeout_exits_1() -> None:
+    clock = Clock()
+    monitor = LoopMonitor(blocked_limit=60, clock=clock)
+    clock.now += 59
+    assert monitor.check() is None
+    clock.now += 1
+    verdict = monitor.check()
+    assert verdict is not None and verdict[1] == 1
+    assert "blocked for 60 s" in verdict[0]
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_whose_async_reward_never_awaits(tmp_path: Path) -> None:
+    (tmp_path / "spin_task.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            from engine.tasks import ArithmeticTask
+
+            class SpinTask(ArithmeticTask):
+                async def score(self, response, problem):
+                    print("spinning", file=sys.stderr, flush=True)
+                    while True:
+                        pass
+            """
+        )
+    )
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine.run",
+            "--task",
+            "spin_task:SpinTask",
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--group",
+            "2",
+            "--run-dir",
+            str(tmp_path / "run"),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**_env(), "PYTHONPATH": f"{tmp_path}:{_root()}"},
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "spinning" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+    finally:
+        proc.kill()
+    assert "SIGTERM received but the event loop has been blocked" in rest
+    assert "Traceback" not in rest
+
+
+def _root() -> str:
+    return str(Path(__file__).resolve().parent.parent)
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}

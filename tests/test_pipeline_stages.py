@@ -1,0 +1,310 @@
+"""The pipeline's stages on a fake session (tests/fake_session.py): submit-ahead order,
+staleness, checkpoints that hold exactly their steps, stops between steps, concurrent
+scoring in a stable order, and rewards that raise or hang. No server, no sleeps."""
+
+from __future__ import annotations
+
+import random
+import threading
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any
+
+import anyio
+import pytest
+from fake_session import FakeSession
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
+from engine.pipeline import Pipeline, PipelineOutcome
+from engine.results import StepResult
+from engine.rl import datum_to_dict
+from engine.session_api import SamplerHandle
+from engine.state import LoopState
+from engine.stopping import StopGate
+from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+
+pytestmark = pytest.mark.anyio
+
+
+class ToyTask:
+    """Problem ``i`` asks ``p<i>``; a response ``"<version> <j>"`` earns ``j % 2`` (so
+    every group is mixed and yields datums)."""
+
+    name = "toy"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(lambda rng, i: Problem(i, f"p{i}", i), seed, state)
+
+    def prompt(self, problem: Problem) -> str:
+        return problem.question
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        return RewardBreakdown(float(int(response.split()[1]) % 2))
+
+
+def config(**changes: Any) -> EngineConfig:
+    base: dict[str, Any] = {
+        "local": True,
+        "steps": 4,
+        "batch": 2,
+        "group": 2,
+        "max_steps_off_policy": 1,
+        "submit_ahead": 1,
+    }
+    return EngineConfig(**{**base, **changes}).resolved()
+
+
+async def run_pipeline(
+    session: FakeSession,
+    cfg: EngineConfig,
+    *,
+    task: Any = None,
+    gate: StopGate | None = None,
+    on_step: Callable[[StepResult], Awaitable[None]] | None = None,
+) -> tuple[PipelineOutcome | None, list[StepResult]]:
+    task = task or ToyTask()
+    source = task.source(cfg.seed)
+    state = LoopState(0, source.state(), 0)
+    results: list[StepResult] = []
+
+    async def record(result: StepResult) -> None:
+        results.append(result)
+        if on_step is not None:
+            await on_step(result)
+
+    gate = gate or StopGate()
+    pipeline = Pipeline(cfg, task, session, source, state, SamplerHandle(0, 0), record, gate=gate)
+    outcome: PipelineOutcome | None = None
+    with anyio.CancelScope() as scope:
+        gate.attach(scope)
+        outcome = await pipeline.run()
+    return outcome, results
+
+
+def _append_to(out: list[StepResult]) -> Callable[[StepResult], Awaitable[None]]:
+    async def append(result: StepResult) -> None:
+        out.append(result)
+
+    return append
+
+
+async def until(condition: Callable[[], bool]) -> None:
+    """Let the other tasks run until ``condition`` holds (bounded; no clock involved)."""
+    for _ in range(100_000):
+        if condition():
+            return
+        await anyio.lowlevel.checkpoint()
+    raise AssertionError("condition never held")
+
+
+async def test_the_next_step_is_submitted_while_the_previous_results_are_outstanding() -> None:
+    session = FakeSession()
+    release = session.hold(1)
+    results: list[StepResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def go() -> None:
+            results.extend((await run_pipeline(session, config()))[1])
+
+        tg.start_soon(go)
+        await until(lambda: ("snapshot", 2) in session.log)
+        assert ("finished", 1) not in session.log
+        assert session.index(("optim_step", 2)) < session.index(("snapshot", 2))
+        release.set()
+    assert [r.step for r in results] == [1, 2, 3, 4]
+    # Step 3 (K=1) needs version 1: it is sampled only once step 1 is finished.
+    assert session.index(("finished", 1)) < session.index(("sample", 1))
+
+
+async def test_without_submit_ahead_each_step_is_awaited_before_the_next() -> None:
+    session = FakeSession()
+    _, results = await run_pipeline(session, config(submit_ahead=0))
+    assert len(results) == 4
+    for step in (1, 2, 3):
+        assert session.index(("finished", step)) < session.index(("forward_backward", step + 1))
+
+
+@pytest.mark.parametrize("k", [0, 1, 2])
+async def test_staleness_never_exceeds_k(k: int) -> None:
+    session = FakeSession()
+    _, results = await run_pipeline(session, config(steps=6, max_steps_off_policy=k))
+    assert [r.step for r in results] == list(range(1, 7))
+    for r in results:
+        assert all(r.step - 1 - v <= k for v in r.sampler_versions)
+        assert r.staleness <= k
+    if k == 0:
+        assert all(set(r.sampler_versions) == {r.step - 1} for r in results)
+    # Problems are trained in order, each once: problem i of step s is s * batch + i.
+    ids = [g.problem.id for r in results for g in r.groups]
+    assert ids == list(range(12))
+
+
+async def test_a_due_checkpoint_holds_exactly_the_steps_before_it() -> None:
+    session = FakeSession()
+    cfg = config(steps=5, checkpoint_every=2)
+
+    async def checkpoint(result: StepResult) -> None:
+        if cfg.checkpoint_due(result.step):
+            await session.save_checkpoint(f"step-{result.step}", f"step-{result.step}")
+
+    await run_pipeline(session, cfg, on_step=checkpoint)
+    saved = [n for kind, n in session.log if kind == "checkpoint"]
+    assert saved == [2, 4]  # optimizer steps in the weights when each was saved
+
+
+async def test_a_stop_lands_after_every_step_in_flight_and_submits_nothing_new() -> None:
+    session = FakeSession()
+    release = session.hold(1)
+    gate = StopGate()
+    results: list[StepResult] = []
+    async with anyio.create_task_group() as tg:
+
+        async def go() -> None:
+            results.extend((await run_pipeline(session, config(), gate=gate))[1])
+
+        tg.start_soon(go)
+        await until(lambda: ("optim_step", 2) in session.log)
+        gate.request(Interrupted())
+        release.set()
+    assert [r.step for r in results] == [1, 2]  # both steps in flight were recorded
+    assert ("forward_backward", 3) not in session.log
+    assert gate.clean
+
+
+async def test_an_unknown_outcome_with_two_steps_in_flight_records_neither() -> None:
+    session = FakeSession(fail_step=1)
+    release = session.hold(1)
+    recorded: list[StepResult] = []
+    with pytest.raises(BaseExceptionGroup) as err:
+        async with anyio.create_task_group() as tg:
+
+            async def go() -> None:
+                await run_pipeline(session, config(), on_step=_append_to(recorded))
+
+            tg.start_soon(go)
+            await until(lambda: ("optim_step", 2) in session.log)  # submitted behind step 1
+            release.set()
+    assert err.group_contains(StepOutcomeUnknown)
+    assert recorded == []
+
+
+class AsyncJudgeTask(ToyTask):
+    """An async reward whose calls finish in a shuffled order."""
+
+    def __init__(self) -> None:
+        self.running = 0
+        self.peak = 0
+
+    async def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        for _ in range(random.Random(response + problem.question).randint(0, 50)):
+            await anyio.lowlevel.checkpoint()
+        self.running -= 1
+        return RewardBreakdown(float(int(response.split()[1]) % 2), {"index": 1.0})
+
+
+async def test_scoring_is_concurrent_bounded_and_keeps_response_and_problem_order() -> None:
+    task = AsyncJudgeTask()
+    session = FakeSession()
+    _, results = await run_pipeline(
+        session, config(batch=4, group=6, score_concurrency=5), task=task
+    )
+    assert 1 < task.peak <= 5
+    for r in results:
+        assert [g.index for g in r.groups] == [0, 1, 2, 3]
+        for g in r.groups:
+            assert g.totals == [float(i % 2) for i in range(6)]
+        # Datums follow problem order, then response order: every odd response.
+        inputs = [bytes(datum_to_dict(d)["model_input"][:2]) for d in r.datums]
+        assert len(inputs) == 4 * 6
+
+
+class GroupRankTask(ToyTask):
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def score_group(self, responses: Sequence[str], problem: Problem) -> list[float]:
+        self.calls.append(problem.id)
+        return [float(i == 0) for i in range(len(responses))]
+
+
+async def test_a_group_reward_scores_each_group_once() -> None:
+    task = GroupRankTask()
+    _, results = await run_pipeline(FakeSession(), config(steps=2), task=task)
+    assert sorted(task.calls) == [0, 1, 2, 3]
+    assert all(g.totals == [1.0, 0.0] for r in results for g in r.groups)
+
+
+class RaisingTask(ToyTask):
+    def __init__(self, exc: BaseException) -> None:
+        self.exc = exc
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        if problem.id == 1:
+            raise self.exc
+        return super().score(response, problem)
+
+
+@pytest.mark.parametrize("exc", [SystemExit(3), KeyboardInterrupt(), ValueError("bad")])
+async def test_a_reward_that_raises_anything_is_a_reward_error(exc: BaseException) -> None:
+    _, results = await run_pipeline(
+        FakeSession(), config(steps=2, on_reward_error="skip"), task=RaisingTask(exc)
+    )
+    assert [r.metrics["groups/reward_errors"] for r in results] == [1, 0]
+    assert results[0].metrics["reward_errors/problem_ids"] == [1]
+    assert type(exc).__name__ in (results[0].groups[1].reward_error or "")
+
+
+class HangingTask(ToyTask):
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.release = threading.Event()
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        self.entered.set()
+        self.release.wait()
+        return RewardBreakdown(0.0)
+
+
+async def test_a_hung_reward_does_not_hold_up_cancellation() -> None:
+    task = HangingTask()
+
+    async def go() -> None:
+        await run_pipeline(FakeSession(), config(), task=task)
+
+    try:
+        with anyio.CancelScope() as scope:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(go)
+                await until(task.entered.is_set)
+                scope.cancel()
+        assert scope.cancelled_caught
+        daemons = [t for t in threading.enumerate() if t.name == "engine-reward"]
+        assert daemons and all(t.daemon for t in daemons)  # the interpreter will not wait
+    finally:
+        task.release.set()
+
+
+def test_processes_need_a_picklable_task() -> None:
+    class Local(ToyTask):  # a class defined in a function cannot be pickled
+        pass
+
+    with pytest.raises(ConfigError, match="picklable"):
+        Pipeline(
+            config(score_workers="processes:2"),
+            Local(),
+            FakeSession(),
+            Local().source(0),
+            LoopState(0, {}, 0),
+            SamplerHandle(0, 0),
+            lambda r: anyio.lowlevel.checkpoint(),
+            gate=StopGate(),
+        )
+
+
+async def test_a_cpu_bound_reward_runs_in_worker_processes() -> None:
+    _, results = await run_pipeline(
+        FakeSession(), config(steps=1, score_workers="processes:2"), task=ToyTask()
+    )
+    assert results[0].groups[0].totals == [0.0, 1.0]

@@ -72,7 +72,13 @@ from engine.session_api import (
 )
 from engine.watchdog import deadline
 
-__all__ = ["MintSession", "PreflightError", "open_session", "sdk_sampling_retry_config", "to_sdk_datum"]
+__all__ = [
+    "MintSession",
+    "PreflightError",
+    "open_session",
+    "sdk_sampling_retry_config",
+    "to_sdk_datum",
+]
 
 T = TypeVar("T")
 

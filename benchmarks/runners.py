@@ -92,22 +92,28 @@ class Workload:
 
 @dataclass(frozen=True)
 class Variant:
-    """One engine configuration: the off-policy bound K and streaming minibatches."""
+    """One engine configuration: the off-policy bound K, its loss, how many train steps
+    are submitted ahead, and streaming minibatches."""
 
     key: str
     label: str
     max_steps_off_policy: int
+    loss: str = "ppo"
+    submit_ahead: int = 1
     stream_minibatches: int | None = None
 
 
 VARIANTS: Mapping[str, Variant] = {
-    "k0": Variant("k0", "engine K=0", 0),
-    "k1": Variant("k1", "engine K=1", 1),
+    "k0": Variant("k0", "engine K=0", 0, "importance_sampling"),
+    "k1": Variant("k1", "engine K=1 (default)", 1),
+    "k1await": Variant("k1await", "engine K=1 no submit-ahead", 1, submit_ahead=0),
     "k2": Variant("k2", "engine K=2", 2),
-    "stream": Variant("stream", "engine K=0 stream M=2", 0, 2),
+    "stream": Variant("stream", "engine K=0 stream M=2", 0, "importance_sampling", 1, 2),
 }
-"""Engine configurations by CLI key; ``stream`` sends forward_backward per 2 arrived
-groups, on-policy, so training overlaps the step's own sampling."""
+"""Engine configurations by CLI key. ``k0`` is the quickstart's algorithm (on-policy,
+importance sampling); ``k1`` is the engine's default; ``k1await`` is the default without
+submit-ahead (each step awaited before the next is submitted); ``stream`` sends
+forward_backward per 2 arrived groups, on-policy."""
 
 
 @dataclass(frozen=True)
@@ -259,6 +265,8 @@ def engine_config(
         temperature=TEMPERATURE,
         seed=seed,
         max_steps_off_policy=variant.max_steps_off_policy,
+        loss=variant.loss,  # type: ignore[arg-type]
+        submit_ahead=variant.submit_ahead,
         stream_minibatches=variant.stream_minibatches,
         op=p.op,
         min_operand=p.min_operand,

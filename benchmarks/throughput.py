@@ -133,7 +133,7 @@ def run_throughput(
         with bench_server(profile) as target:
             for workload in workloads:
                 baseline: dict[str, Any] | None = None
-                trainer = measure_trainer(target, workload, steps=steps, mode="await")
+                trainer = measure_trainer(target, workload, steps=steps, mode="submit-ahead")
                 engine_alone: dict[str, float] | None = None
                 for config in ordered:
                     record = _run_one(target, workload, config, steps=steps, seed=seed)

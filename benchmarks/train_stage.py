@@ -181,8 +181,9 @@ async def _measure(target: Target, workload: Workload, steps: int, mode: str) ->
 
 def measure_trainer(target: Target, workload: Workload, *, steps: int, mode: str) -> dict[str, Any]:
     """The trainer alone for ``steps`` steps on one step's worth of ``workload`` datums:
-    ``mode`` "await" (the engine's discipline) or "submit-ahead". Returns the datum
-    count, every step time and the mean/median over steps 2..n."""
+    ``mode`` "await" (each step awaited before the next) or "submit-ahead" (the
+    engine's discipline). Returns the datum count, every step time and the mean/median
+    over steps 2..n."""
     if mode not in MODES:
         raise ValueError(f"mode must be one of {', '.join(MODES)}, got {mode!r}")
     return anyio.run(_measure, target, workload, steps, mode)

@@ -4,7 +4,7 @@ Embedding API (see ``examples/embed_service.py``)::
 
     from engine import Engine, EngineConfig
 
-    async with Engine(EngineConfig(steps=4)) as engine:
+    async with Engine(EngineConfig.from_env(steps=4)) as engine:
         result = await engine.run()
 
 The names below are imported on first use, so ``import engine.local`` (the server) does
@@ -19,21 +19,45 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.engine import Engine, StepHook
+    from engine.errors import (
+        CircuitOpen,
+        ConfigError,
+        EngineError,
+        Interrupted,
+        ResumeError,
+        RunStopped,
+        ServiceError,
+        Stalled,
+        StepOutcomeUnknown,
+    )
     from engine.results import RunResult, StepResult, StepTimeline
+    from engine.scoring import RewardError
+    from engine.service import PreflightError
     from engine.state import LoopState, ScoredGroup
     from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, Task
 
 __all__ = [
     "ArithmeticTask",
+    "CircuitOpen",
+    "ConfigError",
     "Engine",
     "EngineConfig",
+    "EngineError",
+    "Interrupted",
     "LoopState",
+    "PreflightError",
     "Problem",
     "ProblemSource",
+    "ResumeError",
     "RewardBreakdown",
+    "RewardError",
     "RunResult",
+    "RunStopped",
     "ScoredGroup",
+    "ServiceError",
+    "Stalled",
     "StepHook",
+    "StepOutcomeUnknown",
     "StepResult",
     "StepTimeline",
     "Task",
@@ -43,6 +67,17 @@ _HOMES = {
     "EngineConfig": "engine.config",
     "Engine": "engine.engine",
     "StepHook": "engine.engine",
+    "CircuitOpen": "engine.errors",
+    "ConfigError": "engine.errors",
+    "EngineError": "engine.errors",
+    "Interrupted": "engine.errors",
+    "ResumeError": "engine.errors",
+    "RunStopped": "engine.errors",
+    "ServiceError": "engine.errors",
+    "Stalled": "engine.errors",
+    "StepOutcomeUnknown": "engine.errors",
+    "RewardError": "engine.scoring",
+    "PreflightError": "engine.service",
     "RunResult": "engine.results",
     "StepResult": "engine.results",
     "StepTimeline": "engine.results",

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -148,11 +149,23 @@ class EngineConfig:
                 "or neither to start the local server"
             )
 
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> EngineConfig:
+        """A config read from the environment the way ``python -m engine.run`` reads it
+        (``MINT_API_KEY``, ``MINT_BASE_URL``, the quickstart's ``MINT_CUSTOM_REWARD_*``...),
+        with ``settings`` (field values) on top. As in the CLI, no API key and no base
+        URL means the local server. The plain constructor never reads the environment."""
+        env = dict(os.environ if environ is None else environ)
+        base = config_from_sources({}, env)
+        connect = settings.get("api_key") or settings.get("base_url") is not None
+        local = settings.get("local", base.local and not connect)
+        return dataclasses.replace(base, **{**settings, "local": local})
+
     @property
     def uses_local_server(self) -> bool:
-        """True when the engine starts the local server itself: ``--local``, or no API key
-        and no base URL configured."""
-        return self.local or (not self.api_key and self.base_url is None)
+        """True when the engine starts the local server itself (``local``; the CLI and
+        :meth:`from_env` set it when neither an API key nor a base URL is given)."""
+        return self.local
 
     @property
     def profile(self) -> Profile:
@@ -665,6 +678,8 @@ def config_from_sources(
                 break
     if values.get("local_model") is not None:
         local = True
+    if not values.get("api_key") and values.get("base_url") is None:
+        local = True  # nothing to connect to: the local server (the quickstart needs a key)
     values.setdefault("local", local)
     values["local"] = values["local"] or local
     values.setdefault("stop_at_eos", stop_at_eos)

@@ -112,6 +112,12 @@ class Engine:
         on_step: StepHook | Sequence[StepHook] = (),
         console: TextIO | None = None,
     ) -> None:
+        if not config.local and not config.api_key:
+            raise ConfigError(
+                "EngineConfig has no api_key and local=False: pass api_key (or build it with "
+                "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
+                "the local MinT server in this process"
+            )
         self._config = config.resolved()
         cfg = self._config
         assert cfg.op is not None and cfg.min_operand is not None and cfg.max_operand is not None
@@ -373,6 +379,15 @@ class Engine:
         except Exception as exc:
             self._error = _unwrap(exc)
             self._write_summary(self._error)
+        except anyio.get_cancelled_exc_class():
+            # The host cancelled the task running the engine: still leave a readable
+            # run dir (an interrupt checkpoint when no step was in flight, a summary).
+            with anyio.CancelScope(shield=True):
+                self._error = Interrupted("cancellation of the host task")
+                if self._gate is not None and self._session is not None:
+                    await self._stop_checkpoint(self._error, self._gate)
+                self._write_summary(self._error)
+            raise
 
     async def _supervise(self) -> PipelineOutcome:
         """Train to the end, recovering from unknown step outcomes; on a stop (signal,

@@ -19,7 +19,7 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engine import Engine, EngineConfig, StepResult
+from engine import ConfigError, Engine, EngineConfig, StepResult
 from engine.local import LocalServer
 from engine.service import PreflightError
 from engine.tasks import load_task
@@ -156,6 +156,25 @@ def test_cancelling_the_host_mid_step_returns_and_leaves_no_task(tmp_path: Path)
     assert leftover == set()
     events = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert 1 <= len(events) < 50
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
+    assert "cancellation of the host task" in summary["error"]
+    assert summary["steps_completed"] == len(events)
+
+
+def test_an_embedding_never_starts_a_local_server_it_did_not_ask_for() -> None:
+    with pytest.raises(ConfigError, match="no api_key and local=False"):
+        Engine(EngineConfig(steps=1))
+
+
+def test_from_env_reads_the_environment_like_the_cli() -> None:
+    env = {"MINT_API_KEY": "sk-abc", "MINT_CUSTOM_REWARD_STEPS": "3"}
+    hosted = EngineConfig.from_env(env, batch=2)
+    assert (hosted.api_key, hosted.steps, hosted.batch, hosted.local) == ("sk-abc", 3, 2, False)
+    assert EngineConfig.from_env({}).local  # nothing to connect to: the local server
+    assert not EngineConfig.from_env({}, api_key="sk-x").local
+    with pytest.raises(ConfigError, match="MINT_CUSTOM_REWARD_STEPS must be an integer"):
+        EngineConfig.from_env({"MINT_CUSTOM_REWARD_STEPS": "many"})
 
 
 def _closed_port() -> int:

@@ -43,7 +43,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequenc
 from datetime import datetime
 from pathlib import Path
 from types import TracebackType
-from typing import Any, TextIO, TypeVar
+from typing import Any, TextIO
 
 import anyio
 from anyio.abc import TaskGroup
@@ -60,13 +60,14 @@ from engine.checkpoint import (
 from engine.config import EngineConfig
 from engine.errors import (
     ConfigError,
-    EngineError,
     Interrupted,
     ResumeError,
     RunStopped,
     Stalled,
     StepOutcomeUnknown,
+    find_error,
     format_error,
+    primary_error,
 )
 from engine.events import EventLog, describe
 from engine.metrics import RunLog
@@ -95,8 +96,6 @@ STOP_GRACE_S = 30.0
 state is then untrusted: no stop checkpoint, the previous one stands)."""
 
 _STOP_CHECKPOINT_MAX_S = 120.0
-
-E = TypeVar("E", bound=BaseException)
 
 
 class Engine:
@@ -229,7 +228,7 @@ class Engine:
             await self._open()
         except BaseException as exc:
             if self._run_dir is not None and isinstance(exc, Exception):
-                self._write_summary(_unwrap(exc))
+                self._write_summary(primary_error(exc))
             await self._resources.aclose()
             raise
         return self
@@ -377,7 +376,7 @@ class Engine:
                 )
                 self._write_summary(None)
         except Exception as exc:
-            self._error = _unwrap(exc)
+            self._error = primary_error(exc)
             self._write_summary(self._error)
         except anyio.get_cancelled_exc_class():
             # The host cancelled the task running the engine: still leave a readable
@@ -410,7 +409,7 @@ class Engine:
                 try:
                     outcome = await self._train(gate, watchdog)
                 except Exception as exc:
-                    leaf = _unwrap(exc)
+                    leaf = primary_error(exc)
                     failure = leaf if isinstance(leaf, Exception) else exc
             tg.cancel_scope.cancel()
         if gate.reason is None and failure is None and outcome is not None:
@@ -461,7 +460,7 @@ class Engine:
             try:
                 return await pipeline.run()
             except Exception as exc:
-                unknown = _find(exc, StepOutcomeUnknown)
+                unknown = find_error(exc, StepOutcomeUnknown)
                 if unknown is None or gate.reason is not None:
                     raise
             state = await self._recover(unknown, gate)
@@ -686,18 +685,6 @@ def _stored_value(run_dir: Path, key: str) -> Any:
     return data.get(key) if isinstance(data, Mapping) else None
 
 
-def _find(exc: BaseException, kind: type[E]) -> E | None:
-    """The first ``kind`` exception in ``exc`` or its (nested) exception groups."""
-    if isinstance(exc, kind):
-        return exc
-    if isinstance(exc, BaseExceptionGroup):
-        for sub in exc.exceptions:
-            found = _find(sub, kind)
-            if found is not None:
-                return found
-    return None
-
-
 def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
     def num(v: Any) -> str:
         return "n/a" if v is None else f"{v:.3f}"
@@ -757,14 +744,3 @@ def _make_run_dir(configured: Path | None, task_name: str) -> Path:
             raise ConfigError(f"cannot create run directory {candidate}: {exc}") from exc
         return candidate
     raise ConfigError(f"cannot find a free run directory name near {base}")
-
-
-def _unwrap(exc: BaseException) -> BaseException:
-    """The single error inside (nested) task-group exception groups, else ``exc``."""
-    while isinstance(exc, BaseExceptionGroup) and len(exc.exceptions) == 1:
-        exc = exc.exceptions[0]
-    if isinstance(exc, BaseExceptionGroup):
-        for leaf in exc.exceptions:
-            if isinstance(leaf, EngineError):
-                return _unwrap(leaf)
-    return exc

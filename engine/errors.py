@@ -20,7 +20,7 @@ import email.utils
 import re
 import time
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, TypeVar
 
 import httpx
 import tinker
@@ -45,10 +45,13 @@ __all__ = [
     "StopReason",
     "classify",
     "exit_code",
-    "find_run_stop",
+    "find_error",
     "format_error",
+    "primary_error",
     "retry_after",
 ]
+
+E = TypeVar("E", bound=BaseException)
 
 StopReason = Literal["interrupt", "breaker", "watchdog"]
 
@@ -350,16 +353,16 @@ def _leaves(exc: BaseException) -> list[BaseException]:
     return [exc]
 
 
-def find_run_stop(exc: BaseException) -> RunStopped | None:
-    """The :class:`RunStopped` inside ``exc`` (possibly nested in task-group
-    ExceptionGroups), or None. The engine uses it to pick the checkpoint reason."""
+def find_error(exc: BaseException, kind: type[E]) -> E | None:
+    """The first ``kind`` exception inside ``exc`` (possibly nested in task-group
+    ExceptionGroups), or None."""
     for leaf in _leaves(exc):
-        if isinstance(leaf, RunStopped):
+        if isinstance(leaf, kind):
             return leaf
     return None
 
 
-def _primary(exc: BaseException) -> BaseException:
+def primary_error(exc: BaseException) -> BaseException:
     """The most telling exception of a (possibly grouped) failure: a RunStopped first,
     then any EngineError, then the first leaf."""
     leaves = _leaves(exc)
@@ -374,7 +377,7 @@ def format_error(exc: BaseException) -> str:
     """The single line the CLI prints for a failed run, e.g.
     ``Error: cannot reach the MinT server at http://127.0.0.1:8000: connection refused``.
     Unwraps task-group exception groups; always redacted."""
-    primary = _primary(exc)
+    primary = primary_error(exc)
     if isinstance(primary, KeyboardInterrupt):
         return "Error: interrupted"
     message = classify(primary).message if isinstance(primary, Exception) else str(primary)
@@ -384,7 +387,7 @@ def format_error(exc: BaseException) -> str:
 def exit_code(exc: BaseException) -> int:
     """Process exit status for a failed run: 2 for bad input, 130 for an interrupt,
     1 otherwise."""
-    primary = _primary(exc)
+    primary = primary_error(exc)
     if isinstance(primary, EngineError):
         return primary.exit_code
     if isinstance(primary, KeyboardInterrupt):

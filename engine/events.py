@@ -20,23 +20,15 @@ import json
 import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from pathlib import Path
-from typing import IO, Any, Protocol
+from typing import IO, Any
 
 import structlog
 
 from engine.redact import redact_processor
 
-__all__ = ["EVENTS_FILE", "EventLog", "EventLogger", "describe"]
+__all__ = ["EVENTS_FILE", "EventLog", "describe"]
 
 EVENTS_FILE = "events.jsonl"
-
-
-class EventLogger(Protocol):
-    """What the reliability modules log through (a structlog logger fits)."""
-
-    def info(self, event: str, **fields: Any) -> Any: ...
-    def warning(self, event: str, **fields: Any) -> Any: ...
-    def error(self, event: str, **fields: Any) -> Any: ...
 
 
 ConsoleSink = Callable[[str, str, Mapping[str, Any]], None]

@@ -39,7 +39,7 @@ import anyio
 import anyio.to_process
 from anyio.lowlevel import current_token
 
-from engine.errors import ConfigError, EngineError, classify
+from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
 __all__ = [
@@ -141,7 +141,7 @@ class Scorer:
         except anyio.get_cancelled_exc_class():
             raise
         except BaseExceptionGroup as group:
-            raise RewardError(problem, _first(group)) from None
+            raise RewardError(problem, primary_error(group)) from None
         except BaseException as exc:
             raise RewardError(problem, exc) from None
         return rewards
@@ -239,10 +239,3 @@ def _check_picklable(fn: Callable[..., Any]) -> None:
             "define the task at module level of an importable module, or use "
             "--score-workers threads"
         ) from exc
-
-
-def _first(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first

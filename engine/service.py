@@ -49,7 +49,7 @@ from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
 from engine.config import HOSTED_BASE_URL, EngineConfig
-from engine.errors import ConfigError, EngineError, ServiceError, classify
+from engine.errors import ConfigError, EngineError, ServiceError, classify, primary_error
 from engine.redact import register_secret
 from engine.retry import (
     SDK_MAX_RETRIES,
@@ -365,7 +365,7 @@ class MintSession:
                     tg.start_soon(run, "state", state)
                     tg.start_soon(run, "sampler", sampler)
         except BaseExceptionGroup as group:
-            raise _first_error(group) from None
+            raise primary_error(group) from None
         return paths["state"], paths["sampler"]
 
     # -- recovery ----------------------------------------------------------------------
@@ -540,14 +540,6 @@ def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
         retry_delay_base=max(policy.initial_wait, 0.01),
         retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
     )
-
-
-def _first_error(group: BaseExceptionGroup[BaseException]) -> BaseException:
-    """The first leaf of a task group's errors (one sentence for the user)."""
-    first: BaseException = group
-    while isinstance(first, BaseExceptionGroup):
-        first = first.exceptions[0]
-    return first
 
 
 def _make_service_client(base_url: str, api_key: str | None) -> tinker.ServiceClient:

@@ -19,11 +19,12 @@ from engine.errors import (
     OpTimeout,
     PermanentServiceError,
     RetriesExhausted,
+    RunStopped,
     Stalled,
     StepOutcomeUnknown,
     classify,
     exit_code,
-    find_run_stop,
+    find_error,
     format_error,
     retry_after,
 )
@@ -192,8 +193,8 @@ def test_format_error_unwraps_task_group_errors() -> None:
     assert format_error(group) == (
         "Error: stopping the run: no progress for 30s (last progress: step 3 trained)"
     )
-    assert isinstance(find_run_stop(group), Stalled)
-    assert find_run_stop(ValueError("x")) is None
+    assert isinstance(find_error(group, RunStopped), Stalled)
+    assert find_error(ValueError("x"), RunStopped) is None
     assert format_error(ExceptionGroup("x", [sdk.connection_refused()])) == (
         f"Error: cannot reach the MinT server at {sdk.BASE}: connection refused"
     )

@@ -473,20 +473,26 @@ async def _connect(
             guard, base_url, "read capabilities", service.get_server_capabilities_async
         )
         supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
-        if supported and base_model not in supported:
-            raise PreflightError(
-                f"the MinT server at {base_url} does not serve model {base_model!r} "
-                f"(it serves: {', '.join(supported)}); set MINT_BASE_MODEL or --base-model"
-            )
         assert config.lora_rank is not None, "config must be resolved"
         lora = _LoraSpec(base_model, config.lora_rank, config.lora_seed)
         if restore_from is None:
-            training = await _sdk(
-                guard,
-                base_url,
-                "create the training client",
-                lambda: _create_lora(service, lora),
-            )
+            try:
+                training = await _sdk(
+                    guard,
+                    base_url,
+                    "create the training client",
+                    lambda: _create_lora(service, lora),
+                )
+            except PreflightError as exc:
+                # The capabilities list the canonical names; a server may accept others
+                # (aliases), so only its refusal counts.
+                if supported and base_model not in supported:
+                    raise PreflightError(
+                        f"the MinT server at {base_url} does not serve model {base_model!r} "
+                        f"(it serves: {', '.join(supported)}); set MINT_BASE_MODEL or "
+                        "--base-model"
+                    ) from exc
+                raise
         else:
             path = restore_from
             training = await _sdk(

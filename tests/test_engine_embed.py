@@ -262,3 +262,13 @@ def test_user_task_from_a_task_path(spec: str, server: LocalServer, tmp_path: Pa
     assert steps[0].line == f"Step 1: avg_reward={m['avg_reward']:.3f}, datums={m['datums']}"
     config = json.loads((tmp_path / "run" / "config.json").read_text())
     assert config["task_name"] == task.name
+
+
+def test_a_model_alias_the_server_accepts_is_not_refused(tmp_path: Path) -> None:
+    with LocalServer(model_aliases=["Qwen/Qwen3-0.6B"]) as server:
+        config = small_config(
+            server, tmp_path / "run", base_model="Qwen/Qwen3-0.6B", steps=1, batch=2, group=2
+        )
+        steps, result = run_engine(config)
+    assert [s.step for s in steps] == [1]
+    assert result.final_path.startswith("tinker://")

@@ -75,7 +75,7 @@ class RunSpec:
 
 CONFIGS: dict[str, RunSpec] = {
     "k0": RunSpec("importance_sampling K=0", "importance_sampling", 0),
-    "k1": RunSpec("ppo K=1", "ppo", 1),
+    "k1": RunSpec("ppo K=1 (default)", "ppo", 1),
     "control": RunSpec("control: random rewards K=0", "importance_sampling", 0, True),
 }
 
@@ -159,12 +159,37 @@ def evaluate(
     return hits / len(problems)
 
 
-def _run_engine(config: EngineConfig, task: Task | None) -> RunResult:
-    async def go() -> RunResult:
+def _run_engine(config: EngineConfig, task: Task | None) -> tuple[RunResult, str | None]:
+    """The run's result and its training client's model id (the per-version sampler
+    snapshots live under it: ``tinker://<model id>/sampler_weights/sampler-v<n>``)."""
+
+    async def go() -> tuple[RunResult, str | None]:
         async with Engine(config, task) as engine:
-            return await engine.run()
+            result = await engine.run()
+            return result, engine.session.model_id
 
     return anyio.run(go)
+
+
+def _curve(
+    service: Any,
+    tokenizer: Any,
+    problems: Sequence[Problem2],
+    stop: list[int] | None,
+    model_id: str | None,
+    steps: int,
+    every: int,
+) -> dict[int, float]:
+    """Held-out greedy exact rate after every ``every``-th step (from the run's sampler
+    snapshots); empty without a model id or with ``every`` 0."""
+    if model_id is None or not every:
+        return {}
+    out: dict[int, float] = {}
+    for step in range(every, steps, every):
+        path = f"tinker://{model_id}/sampler_weights/sampler-v{step}"
+        sampler = service.create_sampling_client(model_path=path)
+        out[step] = evaluate(sampler, tokenizer, problems, stop)
+    return out
 
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
@@ -205,15 +230,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     progress=False,
                 )
                 start = time.perf_counter()
-                result = _run_engine(
+                result, model_id = _run_engine(
                     config, _RandomRewardTask(seed) if spec.random_rewards else None
                 )
                 wall_s = time.perf_counter() - start
+                curve = _curve(
+                    service, tokenizer, problems, stop, model_id, args.steps, args.curve_every
+                )
                 resolved = config.resolved()
                 if resolved.op != LOCAL_PROFILE.op:
                     raise RuntimeError(f"the run trained on {resolved.op!r}, not the local task")
                 sampler = service.create_sampling_client(model_path=result.final_path)
                 after = evaluate(sampler, tokenizer, problems, stop)
+                curve[result.steps_completed] = after
                 last = result.metrics[-1] if result.metrics else {}
                 row = {
                     "config": spec.name,
@@ -225,6 +254,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "exact_before": before,
                     "exact_after": after,
                     "delta": after - before,
+                    "curve": {str(k): v for k, v in sorted(curve.items())},
                     "wall_s": round(wall_s, 1),
                     "learning_rate": resolved.learning_rate,
                     "lora_rank": resolved.lora_rank,
@@ -268,16 +298,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "base_eval_s": round(eval_s, 1),
         "runs": rows,
-        "summary": _summary(rows),
+        "summary": _summary(rows, args.target_gain),
     }
 
 
-def _summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per configuration: mean exact rate after and mean delta over the seeds, and how
-    many seeds improved."""
+def _summary(rows: Sequence[dict[str, Any]], target_gain: float) -> list[dict[str, Any]]:
+    """Per configuration: mean exact rate after and mean delta over the seeds, how many
+    seeds improved, the mean held-out curve and the first evaluated step where its mean
+    gain reaches ``target_gain`` (None if it never does)."""
     out = []
     for name in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == name]
+        steps = sorted({int(k) for r in mine for k in r["curve"]})
+        curve = {
+            step: statistics.fmean(
+                r["curve"][str(step)] - r["exact_before"] for r in mine if str(step) in r["curve"]
+            )
+            for step in steps
+        }
+        reached = next((step for step in steps if curve[step] >= target_gain), None)
         out.append(
             {
                 "config": name,
@@ -286,6 +325,9 @@ def _summary(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
                 "mean_delta": statistics.fmean(r["delta"] for r in mine),
                 "min_delta": min(r["delta"] for r in mine),
                 "seeds_improved": sum(r["delta"] > 0 for r in mine),
+                "mean_gain_by_step": {str(k): v for k, v in curve.items()},
+                "target_gain": target_gain,
+                "steps_to_target_gain": reached,
             }
         )
     return out
@@ -310,6 +352,14 @@ def markdown_table(report: dict[str, Any]) -> str:
                 f"{r['mean_delta']:+.1%} | {r['min_delta']:+.1%} | "
                 f"{r['seeds_improved']}/{r['seeds']} |"
             )
+    lines += ["", "| config | mean gain by step | steps to the target gain |", "|---|---|---|"]
+    for r in report["summary"]:
+        by_step = ", ".join(f"{k}: {v:+.1%}" for k, v in r["mean_gain_by_step"].items())
+        reached = r["steps_to_target_gain"]
+        lines.append(
+            f"| {r['config']} | {by_step} | "
+            f"{'not reached' if reached is None else reached} (+{r['target_gain']:.0%}) |"
+        )
     return "\n".join(lines)
 
 
@@ -356,11 +406,23 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs", type=_configs, default=list(CONFIGS), help=f"from {', '.join(CONFIGS)}"
     )
+    parser.add_argument(
+        "--curve-every",
+        type=int,
+        default=5,
+        help="also evaluate every N steps' snapshot (0: only before/after; default 5)",
+    )
+    parser.add_argument(
+        "--target-gain",
+        type=float,
+        default=0.08,
+        help="report the first evaluated step whose mean gain reaches this (default 0.08)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 steps, 20 held-out, K=0 only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.heldout, args.configs = 2, 20, ["k0"]
+        args.steps, args.heldout, args.configs, args.curve_every = 2, 20, ["k0"], 1
     return args
 
 

@@ -34,6 +34,11 @@ def test_quick_run_writes_a_well_formed_report(
         assert run[key] * 20 == pytest.approx(round(run[key] * 20))  # k of 20 problems
     assert run["delta"] == pytest.approx(run["exact_after"] - run["exact_before"])
     assert run["wall_s"] > 0
+    # the held-out curve: step 1 from the run's version-1 snapshot, step 2 = "after"
+    assert set(run["curve"]) == {"1", "2"}
+    assert run["curve"]["2"] == run["exact_after"]
+    [summary] = report["summary"]
+    assert set(summary["mean_gain_by_step"]) == {"1", "2"}
 
     printed = capsys.readouterr().out
     assert "| config | seed | steps | exact before | exact after | delta | wall time |" in printed

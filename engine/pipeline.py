@@ -167,6 +167,33 @@ class PipelineOutcome:
     state: LoopState
 
 
+class _Untrained:
+    """The trainer's scored groups that are not trained yet: waiting in the submitter's
+    buffer, or in a submitted step that is not finished. Both trainer tasks share it: the
+    submitter files and submits groups, the finisher reads what a checkpoint after a step
+    must keep (every group of a later step, so nothing sampled is lost on resume)."""
+
+    def __init__(self) -> None:
+        self.waiting: dict[int, dict[int, ScoredGroup]] = {}
+        self._submitted: dict[int, tuple[ScoredGroup, ...]] = {}
+
+    def add(self, group: ScoredGroup) -> None:
+        self.waiting.setdefault(group.step, {})[group.index] = group
+
+    def submit(self, step: int, batch: int) -> tuple[ScoredGroup, ...]:
+        """Step ``step``'s groups, in problem order, moved to the submitted steps."""
+        arrived = self.waiting.pop(step)
+        groups = tuple(arrived[i] for i in range(batch))
+        self._submitted[step] = groups
+        return groups
+
+    def finish(self, step: int) -> tuple[ScoredGroup, ...]:
+        """Step ``step`` is trained; returns the groups of every later step."""
+        self._submitted.pop(step, None)
+        later = {**self._submitted, **{s: tuple(g.values()) for s, g in self.waiting.items()}}
+        return tuple(g for s in sorted(later) if s > step for g in later[s])
+
+
 class _InFlight:
     """How many submitted steps are not yet recorded; the submitter waits for room (or,
     before a step that follows a checkpoint, for none at all)."""
@@ -224,6 +251,7 @@ class Pipeline:
         self._sampling = ActivityMeter(clock)
         self._training = ActivityMeter(clock)
         self._in_flight = _InFlight(config.submit_ahead + 1)
+        self._untrained = _Untrained()
         self._scorer = Scorer(
             task,
             concurrency=config.score_concurrency,
@@ -365,14 +393,19 @@ class Pipeline:
         send: MemoryObjectSendStream[_SubmittedStep],
     ) -> None:
         cfg = self._config
-        buffer: dict[int, dict[int, ScoredGroup]] = {}
+        untrained = self._untrained
         now = self._clock()
         for g in self._state.pending_groups:
             # Restored from a checkpoint: ready now (their old clock values mean nothing).
-            ready = dataclasses.replace(
-                g, sample_started=now, sample_finished=now, score_started=now, score_finished=now
+            untrained.add(
+                dataclasses.replace(
+                    g,
+                    sample_started=now,
+                    sample_finished=now,
+                    score_started=now,
+                    score_finished=now,
+                )
             )
-            buffer.setdefault(g.step, {})[g.index] = ready
         source_after: dict[int, dict[str, Any]] = {}
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
@@ -380,7 +413,7 @@ class Pipeline:
             for step in range(self._state.next_step, cfg.steps):
                 assembly = _StepAssembly(step)
                 while True:
-                    arrived = buffer.get(step, {})
+                    arrived = untrained.waiting.get(step, {})
                     complete = len(arrived) == cfg.batch and step in source_after
                     await self._submit_ready(assembly, arrived, complete=complete)
                     if complete:
@@ -392,11 +425,10 @@ class Pipeline:
                     if isinstance(message, _StepOpened):
                         source_after[message.step] = message.source_after
                     else:
-                        buffer.setdefault(message.step, {})[message.index] = message
+                        untrained.add(message)
                         if message.step == step:
                             complete_at = self._clock()
-                complete_groups = buffer.pop(step)
-                groups = tuple(complete_groups[i] for i in range(cfg.batch))
+                groups = untrained.submit(step, cfg.batch)
                 await self._open(assembly)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
@@ -410,9 +442,6 @@ class Pipeline:
                     source_state=source_after.pop(step),
                     sampler_version=step + 1,
                     trained_problem_ids=trained,
-                    pending_groups=tuple(
-                        g for later in sorted(buffer) for g in buffer[later].values()
-                    ),
                 )
                 assert assembly.train_start is not None
                 await send.send(
@@ -499,7 +528,9 @@ class Pipeline:
                 self._training.end()
                 end = self._clock()
                 state = dataclasses.replace(
-                    submitted.state, sampler_version=self._versions.current.version
+                    submitted.state,
+                    sampler_version=self._versions.current.version,
+                    pending_groups=self._untrained.finish(step),
                 )
                 await self._on_step(
                     self._step_result(

@@ -112,6 +112,8 @@ async def test_the_next_step_is_submitted_while_the_previous_results_are_outstan
         assert session.index(("optim_step", 2)) < session.index(("snapshot", 2))
         release.set()
     assert [r.step for r in results] == [1, 2, 3, 4]
+    # A checkpoint after step 1 keeps step 2's groups although step 2 was submitted.
+    assert {(g.step, g.index) for g in results[0].state.pending_groups} >= {(1, 0), (1, 1)}
     # Step 3 (K=1) needs version 1: it is sampled only once step 1 is finished.
     assert session.index(("finished", 1)) < session.index(("sample", 1))
 

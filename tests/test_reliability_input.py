@@ -14,7 +14,6 @@ from pathlib import Path
 
 import anyio
 import pytest
-from tinker import types
 
 from engine import Engine
 from engine.checkpoint import CheckpointLog, CheckpointRecord, write_config
@@ -22,6 +21,7 @@ from engine.config import config_from_sources
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
+from engine.session_api import SamplingSettings
 from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,
@@ -144,10 +144,10 @@ def test_resume_errors_exit_2_with_one_line(
             f"Error: cannot resume {run}: its latest checkpoint is at step 2, beyond --steps 1",
         ),
         (
-            ["--resume", str(run), "--batch", "8", "--loss", "ppo"],
+            ["--resume", str(run), "--batch", "8", "--loss", "dro"],
             f"Error: cannot resume {run}: the config differs from its config.json: batch is "
-            "4 in the run dir but 8 now; loss is 'importance_sampling' in the run dir but "
-            "'ppo' now (use the same settings, or a new run dir)",
+            "4 in the run dir but 8 now; loss is 'ppo' in the run dir but "
+            "'dro' now (use the same settings, or a new run dir)",
         ),
     ]
     for argv, message in cases:
@@ -196,7 +196,7 @@ def test_requests_the_server_refuses_fail_fast_with_the_reason(
             with pytest.raises(PermanentServiceError) as bad_name:
                 await session.save_state("../../outside")
             sampler = await session.save_sampler(0)
-            params = types.SamplingParams(max_tokens=2)
+            params = SamplingSettings(max_tokens=2, temperature=1.0)
             with pytest.raises(PermanentServiceError) as too_many:
                 await session.sample(sampler, [1, 2, 3], 100_000, params)
             assert session.retries.totals()["retries/save_state"] == 0

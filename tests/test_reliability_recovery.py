@@ -108,7 +108,10 @@ def test_the_breaker_stops_with_a_checkpoint_and_the_run_resumes(tmp_path: Path)
     steps = 4
     all_later_samples = "+".join(str(n) for n in range(5, 60))
     with LocalServer(faults=f"fail@asample:at={all_later_samples}", data_dir=data) as server:
-        config = fast_config(server, run_dir, steps=steps, max_consecutive_failures=3)
+        # K=0: step 2 is sampled only once step 1 is trained, so the breaker lands after it
+        config = fast_config(
+            server, run_dir, steps=steps, max_consecutive_failures=3, max_steps_off_policy=0
+        )
         with pytest.raises(CircuitOpen) as info:
             run_engine(config)
     assert str(info.value).startswith(
@@ -145,7 +148,7 @@ def test_the_watchdog_stops_a_run_that_makes_no_progress(tmp_path: Path) -> None
     with LocalServer(faults="slow_s=600,slow@asample:at=5+6+7+8") as server:
         # several times a step's time (about 1 s here, 3 s on a busy machine); the
         # samples are held far longer
-        config = fast_config(server, run_dir, steps=3, stall_timeout=8.0)
+        config = fast_config(server, run_dir, steps=3, stall_timeout=8.0, max_steps_off_policy=0)
         with pytest.raises(Stalled) as info:
             run_engine(config)
     assert str(info.value) == (
@@ -184,7 +187,13 @@ def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
     run_dir = tmp_path / "run"
     with LocalServer(faults="slow_s=10,slow@optim_step:at=2") as server:
         config = fast_config(
-            server, run_dir, steps=4, max_steps_off_policy=1, loss="ppo", checkpoint_every=0
+            server,
+            run_dir,
+            steps=4,
+            max_steps_off_policy=1,
+            loss="ppo",
+            checkpoint_every=0,
+            submit_ahead=0,  # step 3 waits behind step 2, so the stop lands between them
         )
 
         async def stop_after_step_2() -> None:

@@ -23,6 +23,7 @@ from engine.errors import CircuitOpen, PermanentServiceError, StepOutcomeUnknown
 from engine.local import LocalServer
 from engine.recovery import plan_recovery
 from engine.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
+from engine.service import sdk_sampling_retry_config
 from engine.watchdog import CircuitBreaker
 
 pytestmark = pytest.mark.anyio
@@ -135,7 +136,8 @@ async def test_a_failed_sample_is_sampled_again() -> None:
                 OpKind.SESSION,
                 "create_sampling_client",
                 lambda: service.create_sampling_client_async(
-                    base_model=server.model_name, retry_config=g.sampling_retry_config()
+                    base_model=server.model_name,
+                    retry_config=sdk_sampling_retry_config(g.policy(OpKind.SAMPLE)),
                 ),
             )
             prompt = types.ModelInput.from_ints([5, 6, 7])
@@ -178,7 +180,8 @@ async def test_a_500_storm_trips_the_breaker_instead_of_hanging() -> None:
     with LocalServer(faults="500@asample:1.0") as server:
         async with session(server, g) as service:
             sampler = await service.create_sampling_client_async(
-                base_model=server.model_name, retry_config=g.sampling_retry_config()
+                base_model=server.model_name,
+                retry_config=sdk_sampling_retry_config(g.policy(OpKind.SAMPLE)),
             )
             prompt = types.ModelInput.from_ints([5, 6, 7])
             params = types.SamplingParams(max_tokens=3)

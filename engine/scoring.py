@@ -156,9 +156,7 @@ class Scorer:
         if self._is_async:
             try:
                 return await fn(*args)
-            except anyio.get_cancelled_exc_class():
-                raise
-            except Exception:
+            except (anyio.get_cancelled_exc_class(), Exception):
                 raise
             except BaseException as exc:  # SystemExit, KeyboardInterrupt from user code
                 raise _Raised(exc) from None

@@ -17,7 +17,8 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
-from collections.abc import Callable, Mapping
+import tomllib
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, cast, get_args
@@ -39,6 +40,8 @@ __all__ = [
     "OnRewardError",
     "Profile",
     "config_from_sources",
+    "parse_task_args",
+    "read_config_file",
     "stored_settings",
 ]
 
@@ -100,6 +103,7 @@ class EngineConfig:
     lora_seed: int | None = None
     stop_at_eos: bool = False
     task: str = "arithmetic"
+    task_args: Mapping[str, str] = field(default_factory=dict)
     op: str | None = None
     min_operand: int | None = None
     max_operand: int | None = None
@@ -118,6 +122,10 @@ class EngineConfig:
     retry_attempts: int = 4
     retry_backoff: float = 1.0
     on_reward_error: OnRewardError = "fail"
+    eval_every: int = 0
+    log_rollouts: int = 2
+    init_from: str | None = None
+    init_from_optimizer: bool = False
 
     def __post_init__(self) -> None:
         for knob in KNOBS:
@@ -126,14 +134,14 @@ class EngineConfig:
                 problem = knob.check(value)
                 if problem:
                     raise ConfigError(f"{knob.field} {problem}, got {value!r}")
-        if (
-            self.min_operand is not None
-            and self.max_operand is not None
-            and self.min_operand > self.max_operand
-        ):
+        aliases = [n for n in _ARITHMETIC_ALIASES if getattr(self, n) is not None]
+        if aliases and self.task != "arithmetic":
             raise ConfigError(
-                f"min_operand ({self.min_operand}) must not exceed max_operand ({self.max_operand})"
+                f"{', '.join(aliases)} only apply to the arithmetic task; give task "
+                f"{self.task!r} its settings with --task-arg KEY=VALUE"
             )
+        if self.init_from_optimizer and self.init_from is None:
+            raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
         if self.clip_low > self.clip_high:
             raise ConfigError(
                 f"clip_low ({self.clip_low}) must not exceed clip_high ({self.clip_high})"
@@ -182,9 +190,10 @@ class EngineConfig:
             learning_rate=(
                 self.learning_rate if self.learning_rate is not None else p.learning_rate
             ),
-            op=self.op if self.op is not None else p.op,
-            min_operand=self.min_operand if self.min_operand is not None else p.min_operand,
-            max_operand=self.max_operand if self.max_operand is not None else p.max_operand,
+            task_args=self._resolved_task_args(),
+            op=None,
+            min_operand=None,
+            max_operand=None,
         )
 
     def checkpoint_due(self, completed_steps: int) -> bool:
@@ -192,6 +201,21 @@ class EngineConfig:
         initial and final checkpoints are not periodic)."""
         every = self.checkpoint_every
         return bool(every) and 0 < completed_steps < self.steps and completed_steps % every == 0
+
+    def _resolved_task_args(self) -> dict[str, str]:
+        """The task's arguments; for the arithmetic task the profile's operation and
+        operand range, then the ``--op``/``--min-operand``/``--max-operand`` aliases,
+        then ``--task-arg`` values."""
+        args = {str(k): str(v) for k, v in self.task_args.items()}
+        if self.task != "arithmetic":
+            return args
+        p = self.profile
+        merged = {"op": p.op, "min_operand": str(p.min_operand), "max_operand": str(p.max_operand)}
+        for name in _ARITHMETIC_ALIASES:
+            value = getattr(self, name)
+            if value is not None:
+                merged[name] = str(value)
+        return {**merged, **args}
 
     def loss_fn_config(self) -> dict[str, float] | None:
         """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
@@ -208,10 +232,15 @@ class EngineConfig:
             if f.name == "api_key":
                 continue
             value = getattr(self, f.name)
+            if isinstance(value, Mapping):
+                value = dict(value)
             out[f.name] = str(value) if isinstance(value, Path) else value
         out["server"] = "local" if self.uses_local_server else "remote"
         return out
 
+
+_ARITHMETIC_ALIASES: Final = ("op", "min_operand", "max_operand")
+"""Old flags of the arithmetic task, kept as aliases of its task arguments."""
 
 # --------------------------------------------------------------------------- knob table
 
@@ -253,6 +282,11 @@ def _score_workers(v: Any) -> str | None:
 
 def _existing_dir(v: Any) -> str | None:
     return None if Path(v).is_dir() else "must be an existing directory"
+
+
+def _tinker_weights(v: Any) -> str | None:
+    ok = str(v).startswith("tinker://") and "/weights/" in str(v)
+    return None if ok else "must be a tinker://.../weights/NAME path"
 
 
 def _parse_int(text: str) -> int:
@@ -489,7 +523,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_str,
         _non_empty,
-        "'arithmetic' or a user task 'package.module:attr'",
+        "'arithmetic', a JSONL dataset 'jsonl:PATH' or a user task 'package.module:attr'",
         "arithmetic",
     ),
     Knob(
@@ -498,17 +532,25 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_str,
         _one_of(("+", "-", "*")),
-        "arithmetic operation: + - *",
+        "arithmetic task: alias of --task-arg op=OP (+ - *)",
         "* hosted, + local",
     ),
-    Knob("min_operand", "--min-operand", (), _parse_int, None, "smallest arithmetic operand", "10"),
+    Knob(
+        "min_operand",
+        "--min-operand",
+        (),
+        _parse_int,
+        None,
+        "arithmetic task: alias of --task-arg min_operand=N",
+        "10",
+    ),
     Knob(
         "max_operand",
         "--max-operand",
         (),
         _parse_int,
         None,
-        "largest arithmetic operand",
+        "arithmetic task: alias of --task-arg max_operand=N",
         "199 hosted, 99 local",
     ),
     Knob(
@@ -634,6 +676,34 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "its step, count it and log it (skip)",
         "fail",
     ),
+    Knob(
+        "eval_every",
+        "--eval-every",
+        (),
+        _parse_int,
+        _non_negative,
+        "evaluate the task's held-out problems greedily every N steps and at the start "
+        "(eval/* metrics; 0: never)",
+        "0",
+    ),
+    Knob(
+        "log_rollouts",
+        "--log-rollouts",
+        (),
+        _parse_int,
+        _non_negative,
+        "groups per step written to rollouts.jsonl (prompt, responses, rewards)",
+        "2",
+    ),
+    Knob(
+        "init_from",
+        "--init-from",
+        (),
+        _parse_str,
+        _tinker_weights,
+        "start from these saved weights (tinker://.../weights/NAME) instead of a fresh LoRA",
+        "off",
+    ),
 )
 
 
@@ -658,12 +728,17 @@ def config_from_sources(
     stop_at_eos: bool = False,
     progress: bool = True,
     defaults: Mapping[str, Any] | None = None,
+    task_args: Mapping[str, str] | None = None,
+    init_from_optimizer: bool = False,
 ) -> EngineConfig:
     """Build a config from flag strings (by field name; None = not given) and the
     environment. Every parse/check error names where the bad value came from.
-    ``defaults`` (field -> value, e.g. :func:`stored_settings` of a run being resumed)
-    replace the built-in defaults of the knobs neither a flag nor a variable sets."""
+    ``defaults`` (field -> value, e.g. :func:`stored_settings` of a run being resumed,
+    overlaid by :func:`read_config_file`) replace the built-in defaults of the knobs
+    neither a flag nor a variable sets; ``task_args`` (``--task-arg``) override the
+    defaults' task arguments key by key."""
     values: dict[str, Any] = dict(defaults or {})
+    values["task_args"] = {**values.get("task_args", {}), **(task_args or {})}
     for knob in KNOBS:
         text = flags.get(knob.field)
         if text is not None:
@@ -684,11 +759,12 @@ def config_from_sources(
     values["local"] = values["local"] or local
     values.setdefault("stop_at_eos", stop_at_eos)
     values["stop_at_eos"] = values["stop_at_eos"] or stop_at_eos
+    values["init_from_optimizer"] = values.get("init_from_optimizer", False) or init_from_optimizer
     values["progress"] = progress
     return EngineConfig(**cast(dict[str, Any], values))
 
 
-_STORED_FLAGS: Final = ("local", "stop_at_eos")
+_STORED_FLAGS: Final = ("local", "stop_at_eos", "init_from_optimizer")
 
 
 def stored_settings(stored: Mapping[str, Any], source: str) -> dict[str, Any]:
@@ -708,7 +784,62 @@ def stored_settings(stored: Mapping[str, Any], source: str) -> dict[str, Any]:
         value = stored.get(name)
         if isinstance(value, bool):
             out[name] = value
+    args = stored.get("task_args")
+    if isinstance(args, Mapping):
+        out["task_args"] = {str(k): str(v) for k, v in args.items()}
     return out
+
+
+def parse_task_args(items: Sequence[str], source: str = "--task-arg") -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict (a later key wins); ConfigError on a bad item."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{source} must be KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def read_config_file(path: Path) -> dict[str, Any]:
+    """The settings of a TOML config file as config field values. Keys are flag names
+    without the dashes (``max-steps-off-policy`` or ``max_steps_off_policy``, ``lr``);
+    ``task-arg`` / ``task_args`` is a table; ``local``, ``stop-at-eos`` and
+    ``init-from-optimizer`` are booleans. ConfigError naming the file and key."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML ({exc})") from None
+    by_name = {k.flag.removeprefix("--").replace("-", "_"): k for k in KNOBS}
+    by_name.update({k.field: k for k in KNOBS})
+    out: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        where = f"{raw_key} in {path}"
+        if key in ("task_arg", "task_args"):
+            if not isinstance(value, dict):
+                raise ConfigError(f"{where} must be a table of KEY = VALUE")
+            out["task_args"] = {str(k): _toml_text(v) for k, v in value.items()}
+        elif key in _STORED_FLAGS:
+            if not isinstance(value, bool):
+                raise ConfigError(f"{where} must be true or false, got {value!r}")
+            out[key] = value
+        elif key in by_name:
+            knob = by_name[key]
+            if isinstance(value, dict | list | bool):
+                raise ConfigError(f"{where} must be a string or a number, got {value!r}")
+            if knob.secret:
+                raise ConfigError(f"{where}: keep API keys out of files (use MINT_API_KEY)")
+            out[knob.field] = _parse_value(knob, _toml_text(value), where)
+        else:
+            raise ConfigError(f"{where} is not a setting (see python -m engine.run --help)")
+    return out
+
+
+def _toml_text(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
 
 
 def _is_hosted_default(url: str | None) -> bool:

@@ -69,6 +69,7 @@ from engine.errors import (
     format_error,
     primary_error,
 )
+from engine.evaluation import Evaluator, eval_problems_of
 from engine.events import EventLog, describe
 from engine.metrics import RunLog
 from engine.pipeline import Pipeline, PipelineOutcome
@@ -76,10 +77,14 @@ from engine.recovery import plan_recovery
 from engine.redact import redact_config
 from engine.results import RunResult, StepResult
 from engine.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard
+from engine.rollouts import RolloutLog
+from engine.scoring import Scorer, parse_score_workers
 from engine.service import MintSession, open_session
 from engine.state import LoopState
 from engine.stopping import StopGate
 from engine.tasks import Task, load_task
+from engine.tasks.loader import task_spec
+from engine.tasks.render import PromptRenderer
 from engine.watchdog import CircuitBreaker, Watchdog
 
 __all__ = ["LOCAL_SERVER_DIR", "STOP_GRACE_S", "Engine", "StepHook"]
@@ -117,12 +122,20 @@ class Engine:
                 "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
                 "the local MinT server in this process"
             )
-        self._config = config.resolved()
-        cfg = self._config
-        assert cfg.op is not None and cfg.min_operand is not None and cfg.max_operand is not None
-        self._task: Task = task or load_task(
-            cfg.task, op=cfg.op, min_operand=cfg.min_operand, max_operand=cfg.max_operand
-        )
+        # config.json records the spec and arguments that rebuild the task (also one
+        # passed as an object), so --resume works alike from the CLI and when embedded.
+        if task is not None:
+            spec, args = task_spec(task, config.task, config.task_args)
+            # The object carries its own settings: the arithmetic aliases are moot.
+            config = dataclasses.replace(
+                config, task=spec, task_args=args, op=None, min_operand=None, max_operand=None
+            )
+        resolved = config.resolved()
+        self._task: Task = task or load_task(resolved.task, resolved.task_args)
+        spec, args = task_spec(self._task, resolved.task, resolved.task_args)
+        self._config = dataclasses.replace(resolved, task=spec, task_args=args)
+        if self._config.eval_every:
+            eval_problems_of(self._task)  # a task without held-out problems: ConfigError now
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
         self._resources = contextlib.AsyncExitStack()
@@ -145,6 +158,9 @@ class Engine:
         self._pending_stop: Exception | None = None
         self._stopped: dict[str, Any] | None = None
         self._early_events = _HeldEvents()
+        self._renderer: PromptRenderer | None = None
+        self._rollouts: RolloutLog | None = None
+        self._evaluator: Evaluator | None = None
 
     # -- public --------------------------------------------------------------------
 
@@ -299,6 +315,7 @@ class Engine:
         if cfg.base_model is None:
             self._config = dataclasses.replace(cfg, base_model=self._session.info.base_model)
             self._write_config()
+        self._open_task_outputs(log)
         send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.steps))
         self._send, self._recv = send, recv
         self._resources.callback(send.close)
@@ -306,6 +323,36 @@ class Engine:
         tg = anyio.create_task_group()
         await tg.__aenter__()
         self._tg = tg
+
+    def _open_task_outputs(self, log: RunLog) -> None:
+        """The task's renderer (its setup sees the served tokenizer), rollouts.jsonl and
+        the held-out evaluator, each cut back to the checkpoint on resume."""
+        assert self._session is not None
+        cfg = self._config
+        self._renderer = PromptRenderer(self._task, self._session.tokenizer)
+        self._rollouts = RolloutLog(self.run_dir, cfg.log_rollouts, self._renderer)
+        if cfg.eval_every:
+            self._evaluator = Evaluator(
+                self._session,
+                self._task,
+                self._renderer,
+                Scorer(
+                    self._task,
+                    concurrency=cfg.score_concurrency,
+                    workers=parse_score_workers(cfg.score_workers),
+                ),
+                self.run_dir,
+                every=cfg.eval_every,
+                last_step=cfg.steps,
+                max_tokens=cfg.max_tokens,
+                stop_at_eos=cfg.stop_at_eos,
+                concurrency=cfg.concurrency,
+                say=lambda line: log.info("eval", line),
+            )
+        if self._resumed is not None:
+            self._rollouts.rewind(self._resumed.step)
+            if self._evaluator is not None:
+                self._evaluator.rewind(self._resumed.step)
 
     def _check_resume(self, run_dir: Path) -> ResumeState:
         """The run dir's stored config and latest checkpoint; a ResumeError (exit 2)
@@ -442,10 +489,14 @@ class Engine:
         self._state = state
         if self._resumed is None:
             await self._checkpoint("periodic", state)  # step 0: recovery needs a base
+        baseline = self._evaluator if self._resumed is None else None
         while True:
             source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
             sampler = await session.save_sampler(state.next_step)
             watchdog.progress(f"sampler {state.next_step} ready")
+            if baseline is not None:
+                await baseline(0, sampler)
+                baseline = None
             pipeline = Pipeline(
                 cfg,
                 self._task,
@@ -456,6 +507,8 @@ class Engine:
                 self._on_step,
                 gate=gate,
                 progress=watchdog.progress,
+                renderer=self._renderer,
+                evaluate=self._evaluator,
             )
             try:
                 return await pipeline.run()
@@ -484,6 +537,10 @@ class Engine:
         gate.restored()
         if plan.redo_steps:
             self._log.rewind(plan.resume_step, log=self._events)
+            if self._rollouts is not None:
+                self._rollouts.rewind(plan.resume_step)
+            if self._evaluator is not None:
+                self._evaluator.rewind(plan.resume_step)
             self._metrics = [m for m in self._metrics if m["step"] <= plan.resume_step]
         state = (
             LoopState.from_dict(plan.loop_state)
@@ -500,6 +557,8 @@ class Engine:
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
         self._metrics.append(result.metrics)
         self._log.step(result.metrics, result.line)
+        if self._rollouts is not None:
+            self._rollouts.write(result)
         dropped = result.metrics["dropped/missing_logprobs"]
         if dropped:
             self._log.warning(

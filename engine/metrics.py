@@ -90,6 +90,7 @@ def reward_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
     out["avg_reward"] = out["env/all/reward/total"]
     for alias, name in (
         ("exact_rate", "env/all/exact_bonus/rate"),
+        ("exact_rate", "env/all/correct/rate"),  # the dataset task's reward presets
         ("format_rate", "env/all/format_reward/rate"),
         ("avg_distance_reward", "env/all/distance_reward"),
     ):

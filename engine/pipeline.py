@@ -52,6 +52,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
+from engine.evaluation import Evaluator
 from engine.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.policy import PolicyVersions
 from engine.results import StepResult, StepTimeline
@@ -71,6 +72,7 @@ from engine.session_api import (
 from engine.state import LoopState, ScoredGroup
 from engine.stopping import StopGate
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
+from engine.tasks.render import PromptRenderer
 
 __all__ = ["Pipeline", "PipelineOutcome"]
 
@@ -230,6 +232,8 @@ class Pipeline:
         gate: StopGate,
         progress: ProgressCallback = lambda what: None,
         clock: Clock = time.perf_counter,
+        renderer: PromptRenderer | None = None,
+        evaluate: Evaluator | None = None,
     ) -> None:
         if config.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
@@ -258,15 +262,15 @@ class Pipeline:
             workers=parse_score_workers(config.score_workers),
         )
         self._exhausted = False
+        self._renderer = renderer or PromptRenderer(task, session.tokenizer)
+        self._evaluate = evaluate
+        stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._settings = SamplingSettings(
             max_tokens=config.max_tokens,
             temperature=config.temperature,
             seed=config.sampling_seed,
-            stop_token_ids=(
-                (session.eos_token_id,)
-                if config.stop_at_eos and session.eos_token_id is not None
-                else ()
-            ),
+            stop_token_ids=stop_token_ids,
+            stop_strings=stop_strings,
         )
 
     async def run(self) -> PipelineOutcome:
@@ -305,7 +309,7 @@ class Pipeline:
                         step,
                         index,
                         problem,
-                        tuple(self._session.encode(self._task.prompt(problem))),
+                        tuple(self._renderer.prompt_tokens(problem)),
                     )
                     await self._slots.acquire()
                     tg.start_soon(self._sample_group, job, self._versions.current, send.clone())
@@ -357,7 +361,7 @@ class Pipeline:
             completions = sampled.result.completions
             reward_error: str | None = None
             try:
-                responses = [self._session.decode(c.tokens) for c in completions]
+                responses = [self._renderer.decode(c.tokens) for c in completions]
                 rewards = await self._scorer.score(job.problem, responses)
             except RewardError as error:
                 if self._config.on_reward_error == "fail":
@@ -433,7 +437,7 @@ class Pipeline:
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
                     await self._session.submit_optim_step(assembly.ticket, self._lr)
-                    if step + 1 < cfg.steps:
+                    if step + 1 < cfg.steps or self._evaluates(step + 1):
                         # Right behind the optim step: it snapshots the new weights.
                         snapshot = await self._session.submit_snapshot(step + 1)
                 trained = (*trained, *(g.problem.id for g in groups))
@@ -532,17 +536,21 @@ class Pipeline:
                     sampler_version=self._versions.current.version,
                     pending_groups=self._untrained.finish(step),
                 )
-                await self._on_step(
-                    self._step_result(
-                        submitted, result, state, last_end, end, snapshot_retries.count
-                    )
+                step_result = self._step_result(
+                    submitted, result, state, last_end, end, snapshot_retries.count
                 )
+                if self._evaluate is not None and self._evaluates(step + 1):
+                    step_result.metrics.update(await self._evaluate(step + 1, handle))
+                await self._on_step(step_result)
                 self._progress(f"step {step + 1} trained")
                 self._gate.end_step(step + 1)
                 self._in_flight.release()
                 last_end = end
                 completed += 1
         return completed, state
+
+    def _evaluates(self, completed_steps: int) -> bool:
+        return self._evaluate is not None and self._evaluate.due(completed_steps)
 
     def _step_result(
         self,

@@ -30,7 +30,14 @@ import anyio
 from tqdm import tqdm
 
 from engine.checkpoint import CONFIG_FILE, load_resume_state
-from engine.config import KNOBS, EngineConfig, config_from_sources, stored_settings
+from engine.config import (
+    KNOBS,
+    EngineConfig,
+    config_from_sources,
+    parse_task_args,
+    read_config_file,
+    stored_settings,
+)
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.loop_monitor import LoopMonitor
@@ -75,6 +82,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-progress", action="store_true", help="no progress bar (default: shown on a TTY)"
     )
+    parser.add_argument(
+        "--task-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="an argument of the task (repeatable), e.g. reward=numeric for jsonl tasks",
+    )
+    parser.add_argument(
+        "--init-from-optimizer",
+        action="store_true",
+        help="with --init-from: load the optimizer state too (default: weights only)",
+    )
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        help="a TOML file of settings (keys are flag names); flags and the environment override it",
+    )
     return parser
 
 
@@ -92,12 +116,17 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
     """The config from the command line and the environment (ConfigError, exit 2)."""
     args = build_parser().parse_args(argv)
     flags = {knob.field: getattr(args, knob.field) for knob in KNOBS}
-    defaults = None
-    if flags.get("resume") is not None:
-        run_dir = Path(flags["resume"]).expanduser()
+    from_file = read_config_file(Path(args.config).expanduser()) if args.config else {}
+    defaults: dict[str, Any] = {}
+    resume = flags.get("resume") or from_file.get("resume")
+    if resume is not None:
+        run_dir = Path(resume).expanduser()
         # ResumeError (exit 2) if unusable; the engine reads it again and logs what it finds.
         stored = load_resume_state(run_dir, log=_QUIET).config
         defaults = stored_settings(stored, str(run_dir / CONFIG_FILE))
+    file_args = from_file.pop("task_args", {})
+    defaults = {**defaults, **from_file}
+    defaults["task_args"] = {**defaults.get("task_args", {}), **file_args}
     return config_from_sources(
         flags,
         environ,
@@ -105,6 +134,8 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         stop_at_eos=args.stop_at_eos,
         progress=not args.no_progress,
         defaults=defaults,
+        task_args=parse_task_args(args.task_arg),
+        init_from_optimizer=args.init_from_optimizer,
     )
 
 
@@ -153,6 +184,10 @@ async def _run(engine: Engine, bar: tqdm[Any] | None) -> RunResult:
 
 def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
+    # A console script (engine-run) starts with its own directory on sys.path, not the
+    # current one: find --task modules in the current directory as `python -m` does.
+    if "" not in sys.path and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     install_stdlib_redaction()
     try:

@@ -100,6 +100,8 @@ class _LoraSpec:
     base_model: str
     rank: int
     seed: int | None
+    init_from: str | None = None  # saved weights the fresh client starts from
+    init_with_optimizer: bool = False
 
 
 class MintSession:
@@ -144,20 +146,6 @@ class MintSession:
         StepOutcomeUnknown (or PermanentServiceError for a refused request)."""
         return await self.guard.train_step(step, fn, completes=completes)
 
-    # -- tokens ------------------------------------------------------------------------
-
-    def encode(self, text: str) -> list[int]:
-        """``tokenizer.encode(text)``, exactly as the quickstart tokenizes prompts."""
-        return list(self.tokenizer.encode(text))
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return str(self.tokenizer.decode(list(tokens)))
-
-    @property
-    def eos_token_id(self) -> int | None:
-        eos = getattr(self.tokenizer, "eos_token_id", None)
-        return eos if isinstance(eos, int) else None
-
     # -- sampling ----------------------------------------------------------------------
 
     async def sample(
@@ -174,7 +162,7 @@ class MintSession:
             max_tokens=settings.max_tokens,
             temperature=settings.temperature,
             seed=settings.seed,
-            stop=list(settings.stop_token_ids) or None,
+            stop=list(settings.stop_strings) or list(settings.stop_token_ids) or None,
         )
 
         async def go() -> types.SampleResponse:
@@ -474,7 +462,13 @@ async def _connect(
         )
         supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
         assert config.lora_rank is not None, "config must be resolved"
-        lora = _LoraSpec(base_model, config.lora_rank, config.lora_seed)
+        lora = _LoraSpec(
+            base_model,
+            config.lora_rank,
+            config.lora_seed,
+            config.init_from,
+            config.init_from_optimizer,
+        )
         if restore_from is None:
             try:
                 training = await _sdk(
@@ -516,6 +510,14 @@ async def _connect(
 
 
 async def _create_lora(service: tinker.ServiceClient, lora: _LoraSpec) -> tinker.TrainingClient:
+    """A new training client: a fresh LoRA, or one loaded from ``--init-from`` (its
+    weights, and with ``--init-from-optimizer`` its optimizer state)."""
+    if lora.init_from is not None:
+        if lora.init_with_optimizer:
+            return await service.create_training_client_from_state_with_optimizer_async(
+                lora.init_from
+            )
+        return await service.create_training_client_from_state_async(lora.init_from)
     return await service.create_lora_training_client_async(
         base_model=lora.base_model,
         rank=lora.rank,

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from engine.rl import Completion, Datum
 
@@ -60,6 +60,9 @@ class SamplingSettings:
     temperature: float
     seed: int | None = None
     stop_token_ids: tuple[int, ...] = ()
+    stop_strings: tuple[str, ...] = ()
+    """The task's stop strings; when set they are sent instead of ``stop_token_ids``
+    (the SDK takes one kind), with the EOS token's text among them."""
 
 
 @dataclass(frozen=True)
@@ -133,11 +136,11 @@ class Session(Protocol):
     def info(self) -> ServerInfo: ...
 
     @property
-    def eos_token_id(self) -> int | None: ...
-
-    def encode(self, text: str) -> list[int]: ...
-
-    def decode(self, tokens: Sequence[int]) -> str: ...
+    def tokenizer(self) -> Any:
+        """The served model's tokenizer (Hugging Face interface: ``encode``, ``decode``,
+        ``eos_token_id``, ``eos_token``, ``chat_template``, ``apply_chat_template``);
+        :class:`~engine.tasks.render.PromptRenderer` is its one user."""
+        ...
 
     async def sample(
         self,

@@ -29,6 +29,20 @@ from engine.session_api import (
 )
 
 
+class ByteTokenizer:
+    """Tokens are UTF-8 bytes; no special tokens, no chat template."""
+
+    eos_token_id = None
+    eos_token = None
+    chat_template = None
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return bytes(tokens).decode()
+
+
 @dataclass
 class FakeSession:
     """A Session whose sampler answers ``"<version> <i>"`` for response ``i`` (tokens are
@@ -48,14 +62,8 @@ class FakeSession:
         return ServerInfo("fake://", "fake-model", True, ("fake-model",))
 
     @property
-    def eos_token_id(self) -> int | None:
-        return None
-
-    def encode(self, text: str) -> list[int]:
-        return list(text.encode())
-
-    def decode(self, tokens: Sequence[int]) -> str:
-        return bytes(tokens).decode()
+    def tokenizer(self) -> ByteTokenizer:
+        return ByteTokenizer()
 
     async def sample(
         self,

@@ -76,7 +76,7 @@ BAD_INPUT = [
     (
         ["--min-operand", "50", "--max-operand", "10"],
         {},
-        "Error: min_operand (50) must not exceed max_operand (10)",
+        "Error: invalid arithmetic task: min operand 50 is greater than max operand 10",
     ),
     (
         ["--task", "no_such_pkg.tasks:mine"],
@@ -98,7 +98,8 @@ BAD_INPUT = [
     (
         ["--task", "just-a-name"],
         {},
-        "Error: invalid task 'just-a-name': use 'arithmetic' or 'package.module:attr'",
+        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH' or "
+        "'package.module:attr'",
     ),
     (
         [],
@@ -173,11 +174,16 @@ def test_flags_beat_env_which_beats_profile() -> None:
     assert (cfg.batch, cfg.steps) == (3, 2)
     local = cfg.resolved()
     assert cfg.uses_local_server
-    assert (local.learning_rate, local.op, local.max_operand) == (5e-4, "+", 99)
+    assert local.learning_rate == 5e-4
+    assert local.task_args == {"op": "+", "min_operand": "10", "max_operand": "99"}
     hosted = config_from_sources({}, {"MINT_API_KEY": "sk-abcdefghijkl"}).resolved()
     assert not hosted.uses_local_server
-    assert (hosted.base_model, hosted.learning_rate, hosted.op) == ("Qwen/Qwen3-0.6B", 2e-5, "*")
-    assert (hosted.min_operand, hosted.max_operand, hosted.lora_rank) == (10, 199, 16)
+    assert (hosted.base_model, hosted.learning_rate, hosted.lora_rank) == (
+        "Qwen/Qwen3-0.6B",
+        2e-5,
+        16,
+    )
+    assert hosted.task_args == {"op": "*", "min_operand": "10", "max_operand": "199"}
     # TINKER_* are the fallbacks, as in the quickstart
     tinker = config_from_sources({}, {"TINKER_API_KEY": "tml-abcdefgh", "TINKER_BASE_URL": "x"})
     assert tinker.api_key == "tml-abcdefgh" and tinker.base_url == "x"
@@ -255,7 +261,8 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
     assert any(e["off_policy/staleness"] == 1 for e in events)
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
-    assert (config["op"], config["max_operand"], config["server"]) == ("+", 99, "local")
+    assert config["server"] == "local"
+    assert config["task_args"] == {"op": "+", "min_operand": "10", "max_operand": "99"}
     summary = (run_dir / "summary.md").read_text()
     assert "status: **finished**" in summary
     assert out[-1].removeprefix("Saved: ") in summary
@@ -334,11 +341,12 @@ def test_every_config_field_is_a_flag() -> None:
 
     from engine.config import KNOBS
 
-    switches = {"local", "stop_at_eos", "progress"}  # store_true flags of the CLI
+    # store_true flags of the CLI, and --task-arg (repeatable)
+    switches = {"local", "stop_at_eos", "progress", "init_from_optimizer", "task_args"}
     fields = {f.name for f in dataclasses.fields(EngineConfig)}
     assert fields - switches == {k.field for k in KNOBS}
     flags = build_parser().format_help()
     for knob in KNOBS:
         assert knob.flag in flags
-    for switch in ("--local", "--stop-at-eos", "--no-progress"):
+    for switch in ("--local", "--stop-at-eos", "--no-progress", "--init-from-optimizer"):
         assert switch in flags

@@ -43,3 +43,25 @@ class AsyncDigitCountTask(DigitCountTask):
 def make_task() -> DigitCountTask:
     """A zero-argument factory, as ``--task tests.user_tasks:make_task`` expects."""
     return DigitCountTask()
+
+
+class ScaledDigitCountTask(DigitCountTask):
+    """Takes a task argument (``--task-arg scale=2``): the reward is multiplied by it."""
+
+    def __init__(self, scale: str = "1") -> None:
+        self.scale = float(scale)
+        self.name = f"digit-count-x{scale}"
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        share = DigitCountTask.score(self, response, problem).total * self.scale
+        return RewardBreakdown(share, {"digits": share})
+
+
+class ChatDigitCountTask(DigitCountTask):
+    """The same task with a chat-message prompt."""
+
+    name = "digit-count-chat"
+    skip_special_tokens = True
+
+    def prompt(self, problem: Problem) -> list[dict[str, str]]:  # type: ignore[override]
+        return [{"role": "user", "content": problem.question}]

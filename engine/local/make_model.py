@@ -45,6 +45,17 @@ _SPECIALS = (PAD, BOS, EOS)
 _INT_RE = re.compile(r"-?\d+")
 
 
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+)
+"""Renders a user message into the format the model was trained on
+(``Question: ...\nAnswer:``), so chat-message tasks run on the local server."""
+
+
 def prompt_text(a: int, b: int) -> str:
     """The default local task's prompt, exactly as the quickstart formats it."""
     return f"Question: What is {a} + {b}?\nAnswer:"
@@ -80,7 +91,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         single=f"{BOS} $A", pair=f"{BOS} $A $B", special_tokens=[(BOS, 1)]
     )
     tok.add_special_tokens(list(_SPECIALS))
-    return PreTrainedTokenizerFast(
+    fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         bos_token=BOS,
         eos_token=EOS,
@@ -88,6 +99,8 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=256,
         clean_up_tokenization_spaces=False,
     )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
 
 
 @dataclass(frozen=True)
@@ -436,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
-    tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out, save_jinja_files=False)  # the template in tokenizer_config
     for f in out.iterdir():
         f.chmod(0o644)  # safetensors writes 0600; the shipped files are world-readable
     meta = {

@@ -17,7 +17,7 @@ from typing import Any, Final
 
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 
-__all__ = ["OPS", "ArithmeticTask", "extract_prediction", "score_arithmetic"]
+__all__ = ["ARITHMETIC_ARGS", "OPS", "ArithmeticTask", "extract_prediction", "score_arithmetic"]
 
 _OP_NAMES: Final = {"+": "add", "-": "sub", "*": "mul"}
 
@@ -26,6 +26,8 @@ OPS: Final[Mapping[str, Callable[[int, int], int]]] = {
     "-": operator.sub,
     "*": operator.mul,
 }
+
+ARITHMETIC_ARGS: Final = ("op", "min_operand", "max_operand")
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -73,6 +75,28 @@ class ArithmeticTask:
         self.max_operand = max_operand
         self.name = f"arithmetic-{_OP_NAMES[op]}"
         self._apply = OPS[op]
+        self.spec = (
+            "arithmetic",
+            {"op": op, "min_operand": str(min_operand), "max_operand": str(max_operand)},
+        )
+
+    @classmethod
+    def from_args(cls, args: Mapping[str, str]) -> ArithmeticTask:
+        """Build from ``--task-arg`` strings: ``op``, ``min_operand``, ``max_operand``
+        (ValueError with a one-line reason)."""
+        unknown = sorted(set(args) - set(ARITHMETIC_ARGS))
+        if unknown:
+            raise ValueError(
+                f"unknown task argument {unknown[0]!r}; known: {', '.join(ARITHMETIC_ARGS)}"
+            )
+        bounds: dict[str, int] = {}
+        for key in ("min_operand", "max_operand"):
+            if key in args:
+                try:
+                    bounds[key] = int(args[key])
+                except ValueError:
+                    raise ValueError(f"{key} must be an integer, got {args[key]!r}") from None
+        return cls(args.get("op", "*"), **bounds)
 
     def __repr__(self) -> str:
         return f"ArithmeticTask(op={self.op!r}, {self.min_operand}..{self.max_operand})"

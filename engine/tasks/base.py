@@ -9,7 +9,7 @@ and a checkpoint can record exactly where the source stands (``ProblemSource.sta
 from __future__ import annotations
 
 import random
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
@@ -67,8 +67,10 @@ class Task(Protocol):
         """A problem source for ``seed``, resumed from ``state`` when given."""
         ...
 
-    def prompt(self, problem: Problem) -> str:
-        """The prompt text sent to the sampler (tokenized with the model's tokenizer)."""
+    def prompt(self, problem: Problem) -> str | Sequence[Mapping[str, Any]]:
+        """The prompt: a string (encoded as is with the model's tokenizer) or a list of
+        chat messages (rendered by the served model's chat template, see
+        :mod:`engine.tasks.render` for the optional members that control it)."""
         ...
 
     def score(

@@ -1,37 +1,52 @@
-"""Turn ``--task`` into a Task: the built-in arithmetic task, or ``package.module:attr``.
+"""Turn ``--task`` (and its ``--task-arg`` values) into a Task: the built-in arithmetic
+task, a JSONL dataset (``jsonl:PATH``), or ``package.module:attr``.
 
 Why strict: a typo in a task path should stop the run before any server work, with one
 sentence naming what is wrong, not an ImportError traceback halfway through step 1.
+Why :func:`task_spec`: a run directory records the spec and arguments of the task it
+trains, also when an embedding service passed a task object, so ``--resume`` rebuilds
+the same task from the command line.
 """
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Task
+from engine.tasks.dataset import DatasetTask
 
-__all__ = ["BUILTIN_TASKS", "load_task"]
+__all__ = ["BUILTIN_TASKS", "load_task", "task_spec"]
 
-BUILTIN_TASKS = ("arithmetic",)
+BUILTIN_TASKS = ("arithmetic", "jsonl:PATH")
 
 _REQUIRED = ("name", "source", "prompt", "score")
 
 
-def load_task(spec: str, *, op: str = "*", min_operand: int = 10, max_operand: int = 199) -> Task:
-    """``"arithmetic"`` (configured by ``op`` and the operand range) or a user task at
-    ``package.module:attr``, where ``attr`` is a Task or a zero-argument callable (a class
-    or factory) returning one. Raises ConfigError with a one-line reason."""
+def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
+    """``"arithmetic"``, ``"jsonl:PATH"`` or a user task at ``package.module:attr``,
+    where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
+    are passed to it as keyword arguments (strings). Raises ConfigError with a one-line
+    reason."""
+    args = dict(args or {})
     if spec == "arithmetic":
         try:
-            return ArithmeticTask(op, min_operand, max_operand)
+            return ArithmeticTask.from_args(args)
         except ValueError as exc:
             raise ConfigError(f"invalid arithmetic task: {exc}") from exc
+    if spec.startswith("jsonl:"):
+        path = spec.removeprefix("jsonl:")
+        if not path:
+            raise ConfigError("invalid task 'jsonl:': name the file, e.g. jsonl:data/train.jsonl")
+        return DatasetTask.from_args(path, args)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
-        raise ConfigError(f"invalid task {spec!r}: use 'arithmetic' or 'package.module:attr'")
+        raise ConfigError(
+            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH' or 'package.module:attr'"
+        )
     try:
         module = importlib.import_module(module_name)
     except ImportError as exc:
@@ -43,9 +58,14 @@ def load_task(spec: str, *, op: str = "*", min_operand: int = 10, max_operand: i
         obj = getattr(obj, part)
     if not _is_task(obj) and callable(obj):
         try:
-            obj = obj()
+            obj = obj(**args)
         except Exception as exc:
             raise ConfigError(f"invalid task {spec!r}: calling {attr} failed ({exc})") from exc
+    elif args:
+        raise ConfigError(
+            f"invalid task {spec!r}: it is a task object, so it takes no task arguments "
+            f"(got {', '.join(sorted(args))})"
+        )
     if not _is_task(obj):
         missing = [name for name in _REQUIRED if not hasattr(obj, name)]
         raise ConfigError(
@@ -53,6 +73,25 @@ def load_task(spec: str, *, op: str = "*", min_operand: int = 10, max_operand: i
             f"(missing {', '.join(missing)})"
         )
     return obj  # type: ignore[no-any-return]
+
+
+def task_spec(task: Task, spec: str, args: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+    """The ``--task`` spec and arguments that rebuild ``task``: its own ``spec``
+    attribute (the built-in tasks have one), else the configured ``spec`` and ``args``
+    when they name a user task, else the task's class as ``module:Class`` (the
+    configured arguments were for a built-in task, so none)."""
+    own = getattr(task, "spec", None)
+    if (
+        isinstance(own, tuple)
+        and len(own) == 2
+        and isinstance(own[0], str)
+        and isinstance(own[1], Mapping)
+    ):
+        return own[0], {str(k): str(v) for k, v in own[1].items()}
+    if spec != "arithmetic" and not spec.startswith("jsonl:"):
+        return spec, dict(args)
+    cls = type(task)
+    return f"{cls.__module__}:{cls.__qualname__}", {}
 
 
 def _is_task(obj: object) -> bool:

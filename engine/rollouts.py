@@ -1,0 +1,150 @@
+"""Rollouts you can read: ``rollouts.jsonl`` in the run dir, and a command to print it.
+
+Why: a run whose every response scored -0.1 cannot be explained from averages. The
+engine writes the first ``--log-rollouts`` groups of every trained step (bounded: a few
+groups per step, not every sample): the prompt as the model saw it, each response as
+the task scored it, its reward components, advantage and the sampler version.
+
+    python -m engine.rollouts runs/<dir> --step 5        # readable
+    python -m engine.rollouts runs/<dir> --step 5 --json # the raw lines
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, NoReturn
+
+from engine.checkpoint import truncate_metrics
+from engine.results import StepResult
+from engine.rl import group_advantages
+from engine.state import ScoredGroup
+from engine.tasks.render import PromptRenderer
+
+__all__ = ["ROLLOUTS_FILE", "RolloutLog", "group_record", "main"]
+
+ROLLOUTS_FILE = "rollouts.jsonl"
+
+
+def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
+    """One group as a JSON-friendly record (one line of rollouts.jsonl)."""
+    totals = group.totals
+    advantages = group_advantages(totals) if group.reward_error is None else [0.0] * len(totals)
+    return {
+        "step": step,
+        "index": group.index,
+        "problem_id": group.problem.id,
+        "question": group.problem.question,
+        "answer": group.problem.answer,
+        "prompt": renderer.decode_prompt(group.prompt_tokens),
+        "sampler_version": group.version,
+        "reward_error": group.reward_error,
+        "responses": [
+            {
+                "text": renderer.decode(c.tokens),
+                "reward": r.total,
+                "components": dict(r.components),
+                "advantage": a,
+                "tokens": len(c.tokens),
+                "stop_reason": c.stop_reason,
+            }
+            for c, r, a in zip(group.completions, group.rewards, advantages, strict=True)
+        ],
+    }
+
+
+class RolloutLog:
+    """Appends the first ``per_step`` groups of each step to ``rollouts.jsonl``."""
+
+    def __init__(self, run_dir: Path, per_step: int, renderer: PromptRenderer) -> None:
+        self._path = run_dir / ROLLOUTS_FILE
+        self._per_step = per_step
+        self._renderer = renderer
+
+    def write(self, result: StepResult) -> None:
+        if self._per_step <= 0:
+            return
+        lines = [
+            json.dumps(group_record(result.step, g, self._renderer), default=str) + "\n"
+            for g in result.groups[: self._per_step]
+        ]
+        with self._path.open("a", encoding="utf-8") as f:
+            f.writelines(lines)
+
+    def rewind(self, keep_through_step: int) -> None:
+        """Drop the rollouts of steps after ``keep_through_step`` (they are redone)."""
+        truncate_metrics(self._path, keep_through_step)
+
+
+# ----------------------------------------------------------------------------- reading
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        print(f"Error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    records = []
+    for line in path.read_text(encoding="utf-8").splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a torn last line of a crashed run
+        if isinstance(record, dict) and isinstance(record.get("step"), int):
+            records.append(record)
+    return records
+
+
+def format_group(record: dict[str, Any]) -> str:
+    """A group as readable text: header, prompt, answer, one line per response."""
+    lines = [
+        f"step {record['step']} - problem {record['problem_id']} - "
+        f"sampler v{record['sampler_version']}",
+        f"  prompt: {record['prompt']!r}",
+        f"  answer: {record['answer']!r}",
+    ]
+    if record.get("reward_error"):
+        lines.append(f"  reward error: {record['reward_error']}")
+    for r in record["responses"]:
+        parts = " ".join(f"{k}={v:g}" for k, v in sorted(r["components"].items()))
+        lines.append(
+            f"  reward {r['reward']:+.3f}  adv {r['advantage']:+.3f}  {parts:<24} | {r['text']!r}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _Parser(
+        prog="python -m engine.rollouts",
+        description="Print the rollouts a run logged (rollouts.jsonl in its run dir).",
+    )
+    parser.add_argument("run_dir", type=Path, help="the run directory")
+    parser.add_argument("--step", type=int, help="only this step (default: every logged step)")
+    parser.add_argument("--json", action="store_true", help="print the raw JSON lines")
+    args = parser.parse_args(argv)
+    path = args.run_dir / ROLLOUTS_FILE
+    if not path.is_file():
+        print(f"Error: {path} does not exist (is {args.run_dir} a run directory?)", file=sys.stderr)
+        return 2
+    records = _read(path)
+    chosen = [r for r in records if args.step is None or r["step"] == args.step]
+    if not chosen:
+        steps = sorted({r["step"] for r in records})
+        logged = f"steps {steps[0]}..{steps[-1]}" if steps else "none"
+        print(f"Error: no rollouts for step {args.step} (logged: {logged})", file=sys.stderr)
+        return 2
+    for i, record in enumerate(chosen):
+        if args.json:
+            print(json.dumps(record))
+        else:
+            print(("\n" if i else "") + format_group(record))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

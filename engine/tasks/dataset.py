@@ -1,0 +1,298 @@
+"""The built-in dataset task: ``--task jsonl:PATH`` with ``--task-arg KEY=VALUE``.
+
+Each line of the JSONL file is one problem: a prompt (a string, sent raw, or a list of
+chat messages rendered by the served model's chat template) and an answer, scored by a
+reward preset (:mod:`engine.tasks.rewards`). A held-out split (``eval_size`` rows, or a
+second file ``eval_path``) is what ``--eval-every`` evaluates greedily.
+
+Why a cursor and not an iterator: the order is a seeded shuffle per epoch (epoch ``e``
+uses ``Random(f"{seed}:{e}")``), so the source's whole state is ``(epoch, position,
+drawn)``; a checkpoint stores it and a resumed run draws exactly the problems an
+uninterrupted run would have drawn.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Final
+
+from engine.errors import ConfigError
+from engine.tasks.base import Problem, RewardBreakdown
+from engine.tasks.rewards import REWARD_PRESETS, RewardFn, make_reward
+
+__all__ = ["DATASET_ARGS", "DatasetSource", "DatasetTask", "Row", "load_rows"]
+
+DATASET_ARGS: Final[Mapping[str, str]] = {
+    "prompt_field": "field holding the prompt: a string or a list of chat messages "
+    "(default: messages, else prompt, else question)",
+    "answer_field": "field holding the answer (default: answer)",
+    "system": "a system message put before a chat prompt (a string prompt becomes a user message)",
+    "chat": "true: send a string prompt as a user message through the chat template",
+    "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact)",
+    "tolerance": "numeric: relative tolerance (absolute below 1; default 1e-6)",
+    "pattern": "regex: the answer is group 1 (or the whole match) of the first match",
+    "epochs": "passes over the training rows before the source ends (default: unlimited)",
+    "shuffle": "false: keep the file order (default: a seeded shuffle per epoch)",
+    "eval_size": "rows held out for --eval-every (default 0; taken by a fixed shuffle)",
+    "eval_path": "a JSONL file of held-out rows instead of eval_size",
+    "stop": "stop strings, separated by '|'",
+    "enable_thinking": "true/false: the Qwen3 chat template's thinking switch",
+}
+
+_TRUE: Final = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+_SPLIT_SEED: Final = "engine-eval-split"
+
+
+@dataclass(frozen=True)
+class Row:
+    """One dataset row: its 0-based line number among the rows, prompt and answer."""
+
+    index: int
+    prompt: str | tuple[Mapping[str, Any], ...]
+    answer: Any
+
+
+def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[Row]:
+    """The rows of a JSONL file (blank lines skipped); a ConfigError names the file and
+    line of the first bad one."""
+    try:
+        lines = path.read_text(encoding="utf-8").splitlines()
+    except OSError as exc:
+        raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from None
+    rows: list[Row] = []
+    for number, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        where = f"{path}:{number}"
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from None
+        if not isinstance(record, dict):
+            raise ConfigError(f"{where} is not a JSON object")
+        field = prompt_field or next(
+            (f for f in ("messages", "prompt", "question") if f in record), "messages"
+        )
+        if field not in record:
+            raise ConfigError(f"{where} has no prompt field {field!r}")
+        if answer_field not in record:
+            raise ConfigError(f"{where} has no answer field {answer_field!r}")
+        rows.append(Row(len(rows), _prompt(record[field], where), record[answer_field]))
+    if not rows:
+        raise ConfigError(f"dataset {path} has no rows")
+    return rows
+
+
+def _prompt(value: Any, where: str) -> str | tuple[Mapping[str, Any], ...]:
+    if isinstance(value, str):
+        return value
+    if (
+        isinstance(value, list)
+        and value
+        and all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
+        )
+    ):
+        return tuple(value)
+    raise ConfigError(f"{where}: the prompt must be a string or a list of {{role, content}} dicts")
+
+
+class DatasetSource:
+    """Training rows in a seeded shuffle per epoch, for ``epochs`` epochs (None: no end).
+    State: ``{"epoch", "position", "drawn"}``; problem ids count draws from 0."""
+
+    def __init__(
+        self,
+        rows: Sequence[Row],
+        seed: int,
+        *,
+        shuffle: bool,
+        epochs: int | None,
+        state: Mapping[str, Any] | None = None,
+    ) -> None:
+        self._rows = rows
+        self._seed = seed
+        self._shuffle = shuffle
+        self._epochs = epochs
+        self._epoch = self._position = self._drawn = 0
+        if state is not None:
+            try:
+                self._epoch = int(state["epoch"])
+                self._position = int(state["position"])
+                self._drawn = int(state["drawn"])
+            except (KeyError, TypeError, ValueError) as exc:
+                raise ValueError(f"not a dataset source state: {exc}") from exc
+        self._order = self._order_of(self._epoch)
+
+    def _order_of(self, epoch: int) -> list[int]:
+        order = list(range(len(self._rows)))
+        if self._shuffle:
+            random.Random(f"{self._seed}:{epoch}").shuffle(order)
+        return order
+
+    def next(self) -> Problem | None:
+        if self._position >= len(self._order):
+            self._epoch += 1
+            self._position = 0
+            self._order = self._order_of(self._epoch)
+        if self._epochs is not None and self._epoch >= self._epochs:
+            return None
+        row = self._rows[self._order[self._position]]
+        data = {"split": "train", "row": row.index, "epoch": self._epoch}
+        problem = _problem(self._drawn, row, data)
+        self._position += 1
+        self._drawn += 1
+        return problem
+
+    def state(self) -> dict[str, Any]:
+        return {"epoch": self._epoch, "position": self._position, "drawn": self._drawn}
+
+
+def _problem(problem_id: int, row: Row, data: Mapping[str, Any]) -> Problem:
+    question = row.prompt if isinstance(row.prompt, str) else str(row.prompt[-1]["content"])
+    return Problem(id=problem_id, question=question, answer=row.answer, data=dict(data))
+
+
+class DatasetTask:
+    """A JSONL dataset scored by a reward preset. Build it with :meth:`from_args` (what
+    ``--task jsonl:PATH --task-arg KEY=VALUE`` does) or directly."""
+
+    skip_special_tokens = True
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        prompt_field: str | None = None,
+        answer_field: str = "answer",
+        system: str | None = None,
+        chat: bool = False,
+        reward: str = "exact",
+        reward_options: Mapping[str, str] | None = None,
+        epochs: int | None = None,
+        shuffle: bool = True,
+        eval_size: int = 0,
+        eval_path: str | Path | None = None,
+        stop: Sequence[str] = (),
+        chat_template_options: Mapping[str, Any] | None = None,
+        args: Mapping[str, str] | None = None,
+    ) -> None:
+        self.path = Path(path)
+        rows = load_rows(self.path, prompt_field, answer_field)
+        if eval_path is not None:
+            held_out = load_rows(Path(eval_path), prompt_field, answer_field)
+        else:
+            if not 0 <= eval_size < len(rows):
+                raise ConfigError(
+                    f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
+                    f"({len(rows)} rows), got {eval_size}"
+                )
+            order = list(range(len(rows)))
+            random.Random(_SPLIT_SEED).shuffle(order)
+            chosen = set(order[:eval_size])
+            held_out = [r for r in rows if r.index in chosen]
+            rows = [r for r in rows if r.index not in chosen]
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"task argument epochs must be positive, got {epochs}")
+        self._train = rows
+        self._held_out = held_out
+        self._rows = {
+            "train": {r.index: r for r in rows},
+            "eval": {r.index: r for r in held_out},
+        }
+        self._system = system
+        self._chat = chat or system is not None
+        self._score: RewardFn = make_reward(reward, reward_options or {})
+        self._epochs = epochs
+        self._shuffle = shuffle
+        self.reward = reward
+        self.stop = tuple(stop)
+        self.chat_template_options = dict(chat_template_options or {})
+        self.name = f"jsonl-{self.path.stem}"
+        self.spec = (f"jsonl:{self.path.resolve()}", dict(args or {}))
+
+    @classmethod
+    def from_args(cls, path: str, args: Mapping[str, str]) -> DatasetTask:
+        """Build from ``--task-arg`` strings (see :data:`DATASET_ARGS`)."""
+        unknown = sorted(set(args) - set(DATASET_ARGS))
+        if unknown:
+            raise ConfigError(
+                f"unknown task argument {unknown[0]!r} for jsonl tasks; known: "
+                f"{', '.join(DATASET_ARGS)}"
+            )
+        options = {k: args[k] for k in ("tolerance", "pattern") if k in args}
+        template: dict[str, Any] = {}
+        if "enable_thinking" in args:
+            template["enable_thinking"] = _flag(args, "enable_thinking")
+        return cls(
+            path,
+            prompt_field=args.get("prompt_field"),
+            answer_field=args.get("answer_field", "answer"),
+            system=args.get("system"),
+            chat=_flag(args, "chat") if "chat" in args else False,
+            reward=args.get("reward", "exact"),
+            reward_options=options,
+            epochs=_int(args, "epochs") if "epochs" in args else None,
+            shuffle=_flag(args, "shuffle") if "shuffle" in args else True,
+            eval_size=_int(args, "eval_size") if "eval_size" in args else 0,
+            eval_path=args.get("eval_path"),
+            stop=tuple(s for s in args.get("stop", "").split("|") if s),
+            chat_template_options=template,
+            args=args,
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DatasetTask({str(self.path)!r}, {len(self._train)} train / "
+            f"{len(self._held_out)} held-out rows, reward={self.reward!r})"
+        )
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> DatasetSource:
+        return DatasetSource(
+            self._train, seed, shuffle=self._shuffle, epochs=self._epochs, state=state
+        )
+
+    def eval_problems(self) -> list[Problem]:
+        """The held-out rows, in file order (ids count from 0)."""
+        return [
+            _problem(i, row, {"split": "eval", "row": row.index})
+            for i, row in enumerate(self._held_out)
+        ]
+
+    def prompt(self, problem: Problem) -> str | list[Mapping[str, Any]]:
+        row = self._row(problem)
+        if isinstance(row.prompt, str) and not self._chat:
+            return row.prompt
+        messages: list[Mapping[str, Any]] = (
+            [{"role": "user", "content": row.prompt}]
+            if isinstance(row.prompt, str)
+            else list(row.prompt)
+        )
+        if self._system is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self._system})
+        return messages
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        return self._score(response, problem.answer)
+
+    def _row(self, problem: Problem) -> Row:
+        split = str(problem.data.get("split", "train"))
+        return self._rows[split][int(problem.data["row"])]
+
+
+def _flag(args: Mapping[str, str], key: str) -> bool:
+    value = _TRUE.get(args[key].strip().lower())
+    if value is None:
+        raise ConfigError(f"task argument {key} must be true or false, got {args[key]!r}")
+    return value
+
+
+def _int(args: Mapping[str, str], key: str) -> int:
+    try:
+        return int(args[key])
+    except ValueError:
+        raise ConfigError(f"task argument {key} must be an integer, got {args[key]!r}") from None

@@ -1,0 +1,122 @@
+"""From a task's prompt to token ids, and from sampled tokens back to the text it scores.
+
+Why one renderer: a prompt is either a raw string (encoded as the MinT quickstart does,
+``tokenizer.encode(text)``) or a list of chat messages rendered by the *served* model's
+chat template (``apply_chat_template(..., add_generation_prompt=True)``), and the same
+object must decide the sampler's stop strings and how a response is decoded. Tasks never
+reach for a global tokenizer: one that needs it gets a :class:`TaskContext` through an
+optional ``setup(context)`` method.
+
+Optional task members read here (a task without them behaves as before):
+
+* ``stop``: stop strings sent to the sampler (``--stop-at-eos`` adds the EOS token's
+  text); a decoded response is cut at the first of them.
+* ``skip_special_tokens``: decode responses without special tokens (default False:
+  ``tokenizer.decode(tokens)``, as the quickstart does).
+* ``chat_template_options``: keyword arguments for the chat template, e.g.
+  ``{"enable_thinking": False}`` for Qwen3.
+* ``setup(context)``: called once with the :class:`TaskContext` before the first prompt.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.errors import ConfigError
+
+__all__ = ["ChatMessage", "Prompt", "PromptRenderer", "TaskContext", "render_prompt"]
+
+ChatMessage = Mapping[str, Any]
+"""One chat message: ``{"role": "user", "content": "..."}``."""
+
+Prompt = str | Sequence[ChatMessage]
+
+
+@dataclass(frozen=True)
+class TaskContext:
+    """What a task may need from the served model: its tokenizer and the chat-template
+    options the task set."""
+
+    tokenizer: Any
+    chat_template_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def render(self, prompt: Prompt) -> list[int]:
+        """The prompt token ids of ``prompt`` (see :func:`render_prompt`)."""
+        return render_prompt(self.tokenizer, prompt, self.chat_template_options)
+
+
+def render_prompt(
+    tokenizer: Any, prompt: Prompt, chat_template_options: Mapping[str, Any] | None = None
+) -> list[int]:
+    """A string is encoded as is (``tokenizer.encode``, special tokens added as the
+    tokenizer does by default); chat messages are rendered by the tokenizer's chat
+    template with the generation prompt, then encoded without adding special tokens
+    (the template writes them)."""
+    if isinstance(prompt, str):
+        return list(tokenizer.encode(prompt))
+    messages = [dict(m) for m in prompt]
+    if not messages or not all(isinstance(m.get("role"), str) for m in messages):
+        raise ValueError("a chat prompt must be a non-empty list of {'role', 'content'} dicts")
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise ConfigError(
+            "the task's prompt is a list of chat messages but the served tokenizer has no "
+            "chat template; return a string prompt instead"
+        )
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **dict(chat_template_options or {})
+    )
+    return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
+class PromptRenderer:
+    """A task's prompts, stop strings and response decoding for one tokenizer."""
+
+    def __init__(self, task: Any, tokenizer: Any) -> None:
+        self._task = task
+        self.context = TaskContext(tokenizer, dict(getattr(task, "chat_template_options", {})))
+        self._stop = tuple(str(s) for s in getattr(task, "stop", ()) or ())
+        if not all(self._stop):
+            raise ConfigError(f"task {getattr(task, 'name', task)!r} declares an empty stop string")
+        self._skip_special = bool(getattr(task, "skip_special_tokens", False))
+        setup = getattr(task, "setup", None)
+        if callable(setup):
+            setup(self.context)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.context.tokenizer
+
+    def encode(self, prompt: Prompt) -> list[int]:
+        return self.context.render(prompt)
+
+    def prompt_tokens(self, problem: Any) -> list[int]:
+        """The token ids of ``task.prompt(problem)``."""
+        return self.encode(self._task.prompt(problem))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """A response as the task scores it: special tokens stripped if the task says
+        so, cut at the first stop string."""
+        text = str(self.tokenizer.decode(list(tokens), skip_special_tokens=self._skip_special))
+        for stop in self._stop:
+            cut = text.find(stop)
+            if cut >= 0:
+                text = text[:cut]
+        return text
+
+    def decode_prompt(self, tokens: Sequence[int]) -> str:
+        """A prompt as text, special tokens kept (for reading rollouts)."""
+        return str(self.tokenizer.decode(list(tokens)))
+
+    def stops(self, *, stop_at_eos: bool) -> tuple[tuple[str, ...], tuple[int, ...]]:
+        """(stop strings, stop token ids) for the sampler: the task's stop strings, plus
+        the EOS token's text with ``stop_at_eos``; without stop strings, the EOS id with
+        ``stop_at_eos`` (the SDK takes one kind per request)."""
+        if self._stop:
+            eos_text = getattr(self.tokenizer, "eos_token", None)
+            if stop_at_eos and isinstance(eos_text, str) and eos_text not in self._stop:
+                return (*self._stop, eos_text), ()
+            return self._stop, ()
+        eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        return (), ((eos_id,) if stop_at_eos and isinstance(eos_id, int) else ())

@@ -1,0 +1,218 @@
+"""Real tasks end to end on the local server: a JSONL dataset task with held-out eval,
+rollouts.jsonl, the dataset cursor across --resume, embedded runs resumed from the CLI,
+stop strings, --init-from, chat prompts under the Qwen3 alias, and the console script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.local import LocalServer
+from engine.rollouts import main as rollouts_main
+from engine.run import main as run_main
+from engine.tasks.dataset import DatasetTask
+from tests.engine_support import API_KEY, run_engine, small_config
+from tests.user_tasks import ChatDigitCountTask, DigitCountTask
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer() as s:
+        yield s
+
+
+@pytest.fixture
+def dataset(tmp_path: Path) -> Path:
+    rows = [
+        {"messages": [{"role": "user", "content": f"What is {a} + {a + 7}?"}], "answer": 2 * a + 7}
+        for a in range(10, 30)
+    ]
+    path = tmp_path / "sums.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def task_config(server: LocalServer, run_dir: Path, **overrides: Any) -> EngineConfig:
+    """small_config without its arithmetic settings (they only apply to that task)."""
+    return small_config(server, run_dir, op=None, min_operand=None, max_operand=None, **overrides)
+
+
+def lines(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_dataset_task_logs_eval_and_readable_rollouts(
+    server: LocalServer, dataset: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    run_dir = tmp_path / "run"
+    config = task_config(
+        server,
+        run_dir,
+        task=f"jsonl:{dataset}",
+        task_args={"eval_size": "6"},
+        eval_every=2,
+        log_rollouts=2,
+        steps=3,
+    )
+    steps, _ = run_engine(config)
+    evals = lines(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2, 3]  # start, every 2, last
+    assert all(e["eval/problems"] == 6 and 0 <= e["eval/correct/rate"] <= 1 for e in evals)
+    assert "eval/correct/rate" in steps[1].metrics and "eval/correct/rate" not in steps[0].metrics
+    assert "exact_rate" in steps[0].metrics
+    rollouts = lines(run_dir / "rollouts.jsonl")
+    assert [r["step"] for r in rollouts] == [1, 1, 2, 2, 3, 3]
+    first = rollouts[0]
+    assert first["prompt"] == f"<s>Question: {first['question']}\nAnswer:"
+    assert first["sampler_version"] == 0 and len(first["responses"]) == config.group
+    group = steps[0].groups[0]
+    assert [r["reward"] for r in first["responses"]] == group.totals
+    assert sum(r["advantage"] for r in first["responses"]) == pytest.approx(0.0, abs=1e-9)
+    assert all("</s>" not in r["text"] for r in first["responses"])  # special tokens stripped
+    capsys.readouterr()
+    assert rollouts_main([str(run_dir), "--step", "2"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("step 2 - problem") == 2 and "correct=" in out
+    config_json = json.loads((run_dir / "config.json").read_text())
+    assert config_json["task"] == f"jsonl:{dataset.resolve()}"
+    assert config_json["task_args"] == {"eval_size": "6"}
+
+
+def test_dataset_cursor_across_cli_resume_matches_an_uninterrupted_run(
+    server: LocalServer, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """6 training rows, 4 per step: steps cross epochs. Run B is started embedded with a
+    task object, stopped after 2 steps and resumed from the command line."""
+    args = {"eval_size": "14"}  # 20 rows - 14 held out = 6 training rows
+    whole, _ = run_engine(
+        task_config(server, tmp_path / "a", task=f"jsonl:{dataset}", task_args=args, steps=4)
+    )
+    task = DatasetTask.from_args(str(dataset), args)
+    run_engine(small_config(server, tmp_path / "b", steps=2), task=task)
+    monkeypatch.setenv("MINT_BASE_URL", server.base_url)
+    monkeypatch.setenv("MINT_API_KEY", API_KEY)
+    assert run_main(["--resume", str(tmp_path / "b"), "--steps", "4", "--no-progress"]) == 0
+    resumed = lines(tmp_path / "b" / "metrics.jsonl")
+    assert [m["step"] for m in resumed] == [1, 2, 3, 4]
+    assert [m["problems/digest"] for m in resumed] == [s.metrics["problems/digest"] for s in whole]
+    assert [m["problem_ids"] for m in resumed] == [s.metrics["problem_ids"] for s in whole]
+
+
+def test_embedded_user_task_resumes_from_the_cli(
+    server: LocalServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run_dir = tmp_path / "run"
+    run_engine(small_config(server, run_dir, steps=1), task=DigitCountTask())
+    config = json.loads((run_dir / "config.json").read_text())
+    assert (config["task"], config["task_args"]) == ("tests.user_tasks:DigitCountTask", {})
+    monkeypatch.setenv("MINT_BASE_URL", server.base_url)
+    monkeypatch.setenv("MINT_API_KEY", API_KEY)
+    assert run_main(["--resume", str(run_dir), "--steps", "2", "--no-progress"]) == 0
+    assert [m["step"] for m in lines(run_dir / "metrics.jsonl")] == [1, 2]
+
+
+def test_task_args_reach_a_user_factory(server: LocalServer, tmp_path: Path) -> None:
+    config = task_config(
+        server,
+        tmp_path / "run",
+        task="tests.user_tasks:ScaledDigitCountTask",
+        task_args={"scale": "0"},
+        steps=1,
+    )
+    steps, _ = run_engine(config)
+    assert steps[0].metrics["avg_reward"] == 0.0
+    assert json.loads((tmp_path / "run" / "config.json").read_text())["task_name"] == (
+        "digit-count-x0"
+    )
+
+
+class _StopAtSpace(DigitCountTask):
+    name = "stop-at-space"
+    stop = (" ",)
+
+
+def test_stop_strings_reach_the_sampler(server: LocalServer, tmp_path: Path) -> None:
+    """The tiny model answers ' 46</s>': stopping at ' ' ends every response after its
+    first token, and the decoded text is cut before the stop string."""
+    steps, _ = run_engine(small_config(server, tmp_path / "run", steps=1), task=_StopAtSpace())
+    completions = [c for g in steps[0].groups for c in g.completions]
+    assert all(len(c.tokens) == 1 for c in completions)
+    rollouts = lines(tmp_path / "run" / "rollouts.jsonl")
+    assert all(r["text"] == "" for g in rollouts for r in g["responses"])
+
+
+def test_init_from_starts_from_saved_weights(
+    server: LocalServer, dataset: Path, tmp_path: Path
+) -> None:
+    common: dict[str, Any] = {
+        "task": f"jsonl:{dataset}",
+        "task_args": {"eval_size": "10"},
+        "learning_rate": 1e-2,
+    }
+    run_engine(task_config(server, tmp_path / "a", eval_every=3, steps=3, **common))
+    final = [r for r in lines(tmp_path / "a" / "checkpoints.jsonl") if r["reason"] == "final"]
+    state_path = final[-1]["state_path"]
+    a_evals = {e["step"]: e["eval/reward/total"] for e in lines(tmp_path / "a" / "eval.jsonl")}
+    for name, optimizer in (("b", False), ("c", True)):
+        config = task_config(
+            server,
+            tmp_path / name,
+            init_from=state_path,
+            init_from_optimizer=optimizer,
+            eval_every=1,
+            steps=1,
+            **common,
+        )
+        run_engine(config)
+        start = lines(tmp_path / name / "eval.jsonl")[0]
+        assert start["step"] == 0
+        # Greedy answers of the same weights (a shared batch may flip a near-tie).
+        assert start["eval/reward/total"] == pytest.approx(a_evals[3], abs=0.1)
+        assert json.loads((tmp_path / name / "config.json").read_text())["init_from"] == (
+            state_path
+        )
+
+
+def test_chat_task_against_the_qwen_alias(tmp_path: Path) -> None:
+    with LocalServer(model_aliases=["Qwen/Qwen3-0.6B"]) as server:
+        config = small_config(server, tmp_path / "run", base_model="Qwen/Qwen3-0.6B", steps=1)
+
+        async def go() -> str:
+            async with Engine(config, task=ChatDigitCountTask()) as engine:
+                await engine.run()
+                return str(engine.session.tokenizer.chat_template)
+
+        template = anyio.run(go)
+    assert "Question: " in template  # the served tokenizer's template rendered the prompt
+    rollout = lines(tmp_path / "run" / "rollouts.jsonl")[0]
+    assert rollout["prompt"] == f"<s>Question: {rollout['question']}\nAnswer:"
+
+
+def test_console_script_finds_a_task_module_in_the_current_directory(tmp_path: Path) -> None:
+    script = Path(sys.executable).parent / "engine-run"
+    if not script.exists():
+        pytest.skip("the engine-run console script is not installed")
+    (tmp_path / "mytask.py").write_text(
+        "def make():\n    raise RuntimeError('found me')\n", encoding="utf-8"
+    )
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    env.pop("MINT_API_KEY", None)
+    proc = subprocess.run(
+        [str(script), "--task", "mytask:make"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr == "Error: invalid task 'mytask:make': calling make failed (found me)\n"

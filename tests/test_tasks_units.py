@@ -1,0 +1,350 @@
+"""Real tasks below the seam: prompt rendering, stop strings, the dataset task's cursor
+and reward presets, task arguments and config files (no server)."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer
+
+from engine.config import EngineConfig, parse_task_args, read_config_file
+from engine.errors import ConfigError
+from engine.local import make_model
+from engine.run import main, parse_config
+from engine.tasks import ArithmeticTask, Problem, load_task
+from engine.tasks.dataset import DatasetTask
+from engine.tasks.loader import task_spec
+from engine.tasks.render import PromptRenderer, render_prompt
+from engine.tasks.rewards import make_reward
+
+SHIPPED = make_model.DEFAULT_OUT
+
+
+@pytest.fixture(scope="module")
+def tokenizer() -> Any:
+    return AutoTokenizer.from_pretrained(SHIPPED)
+
+
+def write_jsonl(path: Path, rows: list[dict[str, Any]]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def addition_rows(n: int) -> list[dict[str, Any]]:
+    rng = random.Random(7)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        rows.append(
+            {"messages": [{"role": "user", "content": f"What is {a} + {b}?"}], "answer": a + b}
+        )
+    return rows
+
+
+# ----------------------------------------------------------------------------- rendering
+
+
+def test_shipped_chat_template_renders_the_trained_format(tokenizer: Any) -> None:
+    chat = render_prompt(tokenizer, [{"role": "user", "content": "What is 12 + 34?"}])
+    assert chat == tokenizer.encode("Question: What is 12 + 34?\nAnswer:")
+    assert render_prompt(tokenizer, "raw text") == tokenizer.encode("raw text")
+
+
+def test_make_model_writes_the_chat_template_into_tokenizer_config(tmp_path: Path) -> None:
+    make_model.build_tokenizer().save_pretrained(tmp_path, save_jinja_files=False)
+    built = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    shipped = json.loads((SHIPPED / "tokenizer_config.json").read_text())
+    assert built == shipped
+    assert shipped["chat_template"] == make_model.CHAT_TEMPLATE
+
+
+def test_chat_template_options_reach_the_template(tokenizer: Any) -> None:
+    class Recording:
+        chat_template = "x"
+
+        def __init__(self) -> None:
+            self.kwargs: dict[str, Any] = {}
+
+        def apply_chat_template(self, messages: Any, **kwargs: Any) -> str:
+            self.kwargs = kwargs
+            return "rendered"
+
+        def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+            return [len(text), int(add_special_tokens)]
+
+    tok = Recording()
+    ids = render_prompt(tok, [{"role": "user", "content": "hi"}], {"enable_thinking": False})
+    assert ids == [len("rendered"), 0]  # the template writes the special tokens
+    assert tok.kwargs == {
+        "tokenize": False,
+        "add_generation_prompt": True,
+        "enable_thinking": False,
+    }
+
+
+def test_chat_prompt_without_a_template_is_a_config_error() -> None:
+    class NoTemplate:
+        chat_template = None
+
+    with pytest.raises(ConfigError, match="has no chat template"):
+        render_prompt(NoTemplate(), [{"role": "user", "content": "hi"}])
+
+
+class _StopTask:
+    name = "stops"
+    stop = ("\n", "Question:")
+    skip_special_tokens = True
+
+    def __init__(self) -> None:
+        self.context: Any = None
+
+    def setup(self, context: Any) -> None:
+        self.context = context
+
+
+def test_renderer_stop_strings_decoding_and_setup(tokenizer: Any) -> None:
+    task = _StopTask()
+    renderer = PromptRenderer(task, tokenizer)
+    assert task.context is renderer.context and task.context.tokenizer is tokenizer
+    assert renderer.stops(stop_at_eos=False) == (("\n", "Question:"), ())
+    assert renderer.stops(stop_at_eos=True) == (("\n", "Question:", "</s>"), ())
+    tokens = tokenizer.encode(" 46\nQuestion: x", add_special_tokens=False)
+    assert renderer.decode([*tokens, tokenizer.eos_token_id]) == " 46"
+    plain = PromptRenderer(ArithmeticTask(), tokenizer)  # no stop, raw decoding (as before)
+    assert plain.stops(stop_at_eos=False) == ((), ())
+    assert plain.stops(stop_at_eos=True) == ((), (tokenizer.eos_token_id,))
+    assert plain.decode([*tokenizer.encode(" 7", add_special_tokens=False), 2]) == " 7</s>"
+
+
+# ----------------------------------------------------------------------------- dataset
+
+
+def drawn(task: DatasetTask, seed: int, n: int, state: Any = None) -> list[Any]:
+    source = task.source(seed, state)
+    out = []
+    for _ in range(n):
+        p = source.next()
+        out.append(None if p is None else (p.id, p.data["row"], p.data["epoch"]))
+    return out
+
+
+def test_dataset_cursor_shuffles_per_epoch_and_resumes_exactly(tmp_path: Path) -> None:
+    task = DatasetTask(write_jsonl(tmp_path / "d.jsonl", addition_rows(10)), epochs=3)
+    whole = drawn(task, 5, 31)
+    assert whole[-1] is None  # 3 epochs of 10 rows, then the source ends
+    epochs = [[r for _, r, e in whole[:30] if e == k] for k in range(3)]
+    assert all(sorted(rows) == list(range(10)) for rows in epochs)  # each row once per epoch
+    assert epochs[0] != epochs[1]  # reshuffled
+    assert drawn(task, 5, 30) == whole[:30]  # seeded
+    assert drawn(task, 6, 10) != whole[:10]
+    source = task.source(5)
+    for _ in range(13):  # mid-epoch 2
+        source.next()
+    state = json.loads(json.dumps(source.state()))  # as a checkpoint stores it
+    assert drawn(task, 5, 18, state) == whole[13:31]
+
+
+def test_dataset_held_out_split_is_disjoint_and_fixed(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", addition_rows(40))
+    a = DatasetTask.from_args(str(path), {"eval_size": "10"})
+    b = DatasetTask.from_args(str(path), {"eval_size": "10"})
+    held = [p.data["row"] for p in a.eval_problems()]
+    assert held == [p.data["row"] for p in b.eval_problems()] and len(held) == 10
+    train = {r for _, r, _ in drawn(a, 1, 30)}
+    assert train.isdisjoint(held) and len(train) == 30
+    problem = a.eval_problems()[0]
+    assert a.prompt(problem) == addition_rows(40)[problem.data["row"]]["messages"]
+
+
+def test_dataset_field_mapping_system_prompt_and_string_prompts(tmp_path: Path) -> None:
+    path = write_jsonl(tmp_path / "q.jsonl", [{"q": "2+2?", "gold": "4"}, {"q": "3+3?", "gold": 6}])
+    raw = DatasetTask.from_args(str(path), {"prompt_field": "q", "answer_field": "gold"})
+    first = raw.source(0).next()
+    assert first is not None and isinstance(raw.prompt(first), str)
+    chat = DatasetTask.from_args(
+        str(path), {"prompt_field": "q", "answer_field": "gold", "system": "Be brief."}
+    )
+    p = chat.source(0).next()
+    assert p is not None
+    assert chat.prompt(p) == [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": p.question},
+    ]
+    assert chat.score(f" {p.answer} ", p).total == 1.0
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        ({"reward": "fuzzy"}, "unknown reward 'fuzzy'"),
+        ({"colour": "red"}, "unknown task argument 'colour'"),
+        ({"epochs": "many"}, "epochs must be an integer"),
+        ({"shuffle": "maybe"}, "shuffle must be true or false"),
+        ({"eval_size": "99"}, "eval_size must be in 0..3"),
+        ({"reward": "regex"}, "needs the task argument pattern"),
+        ({"prompt_field": "nope"}, "has no prompt field 'nope'"),
+    ],
+)
+def test_dataset_bad_arguments_are_one_line(
+    args: dict[str, str], message: str, tmp_path: Path
+) -> None:
+    path = write_jsonl(tmp_path / "d.jsonl", addition_rows(4))
+    with pytest.raises(ConfigError, match=message):
+        load_task(f"jsonl:{path}", args)
+
+
+def test_dataset_bad_file_names_the_line(tmp_path: Path) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "a", "answer": 1}\nnot json\n')
+    with pytest.raises(ConfigError, match=r"bad.jsonl:2 is not valid JSON"):
+        load_task(f"jsonl:{path}")
+    with pytest.raises(ConfigError, match="cannot read dataset"):
+        load_task(f"jsonl:{tmp_path / 'missing.jsonl'}")
+
+
+# ----------------------------------------------------------------------------- rewards
+
+
+def test_reward_presets() -> None:
+    exact = make_reward("exact", {})
+    assert exact(" Paris. ", "paris").total == 1.0
+    assert exact("Paris is", "paris").total == 0.0
+    numeric = make_reward("numeric", {"tolerance": "0.01"})
+    assert numeric("about 3.14159 I think", 3.14).total == 1.0
+    assert numeric("1,000", "1000").total == 1.0
+    assert numeric("3.3", 3.14).total == 0.0
+    assert numeric("no number", 3).components == {"correct": 0.0}
+    regex = make_reward("regex", {"pattern": r"ANSWER:\s*(\w+)"})
+    assert regex("so ANSWER: blue", "Blue").total == 1.0
+    assert regex("blue", "blue").total == 0.0
+    with pytest.raises(ConfigError, match="invalid reward pattern"):
+        make_reward("regex", {"pattern": "("})
+
+
+def test_boxed_reward_with_math_verify() -> None:
+    pytest.importorskip("math_verify")
+    boxed = make_reward("boxed", {})
+    assert boxed(r"so the answer is $\boxed{\frac{1}{2}}$", "0.5").total == 1.0
+    assert boxed(r"$\boxed{3}$", "4").total == 0.0
+
+
+# ----------------------------------------------------------------------------- task args
+
+
+def test_task_args_reach_the_factory_and_are_recorded() -> None:
+    task = load_task("tests.user_tasks:ScaledDigitCountTask", {"scale": "2"})
+    assert task.name == "digit-count-x2"
+    with pytest.raises(ConfigError, match="calling make_task failed"):
+        load_task("tests.user_tasks:make_task", {"weight": "2"})
+    assert parse_task_args(["a=1", "b=x=y", "a=2"]) == {"a": "2", "b": "x=y"}
+    with pytest.raises(ConfigError, match="--task-arg must be KEY=VALUE"):
+        parse_task_args(["novalue"])
+    arithmetic = load_task("arithmetic", {"op": "-", "max_operand": "20"})
+    assert isinstance(arithmetic, ArithmeticTask) and arithmetic.name == "arithmetic-sub"
+    with pytest.raises(ConfigError, match="unknown task argument 'reward'"):
+        load_task("arithmetic", {"reward": "exact"})
+
+
+def test_arithmetic_flags_are_aliases_and_refused_for_user_tasks() -> None:
+    cfg = parse_config(["--op", "-", "--task-arg", "max_operand=50"], {})
+    assert cfg.resolved().task_args == {"op": "-", "min_operand": "10", "max_operand": "50"}
+    with pytest.raises(ConfigError, match="only apply to the arithmetic task"):
+        parse_config(["--task", "tests.user_tasks:make_task", "--op", "+"], {})
+    user = parse_config(["--task", "tests.user_tasks:make_task"], {}).resolved()
+    assert user.task_args == {}
+
+
+def test_task_spec_of_objects() -> None:
+    from tests.user_tasks import DigitCountTask
+
+    assert task_spec(ArithmeticTask("+", 1, 9), "arithmetic", {}) == (
+        "arithmetic",
+        {"op": "+", "min_operand": "1", "max_operand": "9"},
+    )
+    assert task_spec(DigitCountTask(), "arithmetic", {"op": "+"}) == (
+        "tests.user_tasks:DigitCountTask",
+        {},
+    )
+    assert task_spec(DigitCountTask(), "tests.user_tasks:make_task", {"k": "v"}) == (
+        "tests.user_tasks:make_task",
+        {"k": "v"},
+    )
+
+
+# ----------------------------------------------------------------------------- config files
+
+
+def test_config_file_sits_under_env_and_flags(tmp_path: Path) -> None:
+    path = tmp_path / "run.toml"
+    path.write_text(
+        'steps = 30\nbatch = 4\nlr = 0.001\nmax-tokens = 12\ntask = "arithmetic"\n'
+        'stop-at-eos = true\n[task-arg]\nop = "-"\nmax_operand = 40\n'
+    )
+    cfg = parse_config(["--config", str(path), "--batch", "2", "--task-arg", "op=+"], {})
+    assert (cfg.steps, cfg.batch, cfg.learning_rate, cfg.max_tokens) == (30, 2, 1e-3, 12)
+    assert cfg.stop_at_eos
+    assert cfg.task_args == {"op": "+", "max_operand": "40"}
+    env = parse_config(["--config", str(path)], {"MINT_CUSTOM_REWARD_STEPS": "5"})
+    assert env.steps == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("stepz = 3\n", "stepz in .* is not a setting"),
+        ("steps = 0\n", "steps in .* must be positive"),
+        ('steps = "x"\n', "steps in .* must be an integer"),
+        ("local = 1\n", "local in .* must be true or false"),
+        ('api-key = "sk-123"\n', "keep API keys out of files"),
+        ("steps = [\n", "is not valid TOML"),
+    ],
+)
+def test_bad_config_file_is_one_line(text: str, message: str, tmp_path: Path) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        read_config_file(path)
+
+
+def test_bad_config_file_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text("stepz = 3\n")
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: stepz in ") and err.count("\n") == 1
+
+
+def test_init_from_is_checked() -> None:
+    with pytest.raises(ConfigError, match="must be a tinker://"):
+        parse_config(["--init-from", "/tmp/weights"], {})
+    with pytest.raises(ConfigError, match="init_from_optimizer needs init_from"):
+        EngineConfig(init_from_optimizer=True)
+    cfg = parse_config(["--init-from", "tinker://m-1/weights/final", "--init-from-optimizer"], {})
+    assert cfg.init_from == "tinker://m-1/weights/final" and cfg.init_from_optimizer
+
+
+def test_problem_ids_are_draw_positions(tmp_path: Path) -> None:
+    task = DatasetTask(write_jsonl(tmp_path / "d.jsonl", addition_rows(5)))
+    source = task.source(0)
+    ids = [p.id for p in (source.next() for _ in range(12)) if isinstance(p, Problem)]
+    assert ids == list(range(12))  # unlimited epochs by default
+
+
+def test_eval_every_needs_held_out_problems_before_anything_starts() -> None:
+    from engine import Engine
+
+    with pytest.raises(ConfigError, match="--eval-every needs held-out problems"):
+        Engine(EngineConfig(local=True, eval_every=5))
+
+
+def test_the_shipped_example_config_loads() -> None:
+    root = Path(__file__).resolve().parents[1]
+    cfg = parse_config(["--config", str(root / "examples" / "addition_chat.toml")], {})
+    assert (cfg.task, cfg.steps, cfg.eval_every) == ("jsonl:examples/addition_chat.jsonl", 30, 10)
+    assert cfg.task_args == {"eval_size": "100", "reward": "exact"}
+    task = load_task(f"jsonl:{root / 'examples' / 'addition_chat.jsonl'}", cfg.task_args)
+    assert isinstance(task, DatasetTask) and len(task.eval_problems()) == 100

@@ -2,16 +2,23 @@
 
 from engine.tasks.arithmetic import ArithmeticTask, extract_prediction, score_arithmetic
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, SeededSource, Task
+from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import BUILTIN_TASKS, load_task
+from engine.tasks.render import ChatMessage, Prompt, PromptRenderer, TaskContext
 
 __all__ = [
     "BUILTIN_TASKS",
     "ArithmeticTask",
+    "ChatMessage",
+    "DatasetTask",
     "Problem",
     "ProblemSource",
+    "Prompt",
+    "PromptRenderer",
     "RewardBreakdown",
     "SeededSource",
     "Task",
+    "TaskContext",
     "extract_prediction",
     "load_task",
     "score_arithmetic",

@@ -251,12 +251,9 @@ class LocalService:
         return {"type": "create_session", "session_id": session_id}
 
     def capabilities(self) -> dict[str, Any]:
-        # Aliases are announced too, so a client that checks the list (the engine's
-        # preflight) accepts the name it was told to train.
-        names = dict.fromkeys((self.card.name, *self.config.model_aliases))
         return {
             "supported_models": [
-                {"model_name": name, "max_context_length": self.card.max_context} for name in names
+                {"model_name": self.card.name, "max_context_length": self.card.max_context}
             ]
         }
 

@@ -222,6 +222,13 @@ def tokens_of(model_input: ModelInputW, where: str) -> list[int]:
     return tokens
 
 
+def token_count(model_input: ModelInputW) -> int:
+    """How many tokens a ModelInput declares (before any validation; for size limits)."""
+    return sum(
+        len(t) if isinstance(t := chunk.get("tokens"), list) else 0 for chunk in model_input.chunks
+    )
+
+
 def check_token_ids(tokens: list[int], vocab_size: int | None, where: str) -> None:
     if not tokens:
         return

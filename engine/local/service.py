@@ -262,7 +262,7 @@ class LocalService:
             return
         if name.startswith("/") and Path(name).resolve() == self.card.directory.resolve():
             return
-        others = sorted(self._accepted_names - {self.card.name})
+        others = sorted(self.config.model_aliases)
         raise WireError(
             f"unknown base_model {name!r}: this local server serves {self.card.name!r}"
             + (f" (also accepted: {', '.join(repr(o) for o in others)})" if others else "")

@@ -144,3 +144,17 @@ async def _result(http: httpx.AsyncClient, request_id: str) -> dict[str, Any]:
         ).json()
         if answer.get("type") != "try_again":
             return answer  # type: ignore[no-any-return]
+
+
+async def test_the_key_is_checked_before_a_body_is_read() -> None:
+    async with serve_local(api_key="tml-hardening") as server:
+        host, port = _address(server)
+        async with await anyio.connect_tcp(host, port) as stranger:
+            await stranger.send(
+                b"POST /api/v1/forward_backward HTTP/1.1\r\nHost: x\r\nX-API-Key: tml-wrong\r\n"
+                b"Content-Type: application/json\r\nContent-Length: 30000000\r\n\r\n{"
+            )
+            answer = await _read_until_closed(stranger, limit_s=10)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 401") and b"connection: close" in head.lower()
+    assert json.loads(body)["error"] == "unauthorized: invalid API key"

@@ -9,6 +9,7 @@ from typing import Any
 import anyio
 import pytest
 
+from engine.local.config import Limits
 from engine.local.sequencer import ModelSequencer, SeqRejected
 from engine.local.wire import DatumW, WireError, datums_of
 
@@ -53,6 +54,20 @@ def _datum(n: int, **inputs: dict[str, Any]) -> DatumW:
             },
         }
     )
+
+
+# ---- defaults ------------------------------------------------------------------------
+
+
+def test_default_work_limits_stay_above_what_the_sdk_sends() -> None:
+    """The SDK splits forward_backward into chunks of at most MAX_CHUNK_LEN datums and
+    about MAX_CHUNK_BYTES_COUNT estimated bytes (10 per token of model_input and of each
+    loss input); RL datums carry 3 loss inputs or more."""
+    from tinker.lib.public_interfaces.training_client import MAX_CHUNK_BYTES_COUNT, MAX_CHUNK_LEN
+
+    limits = Limits()
+    assert limits.max_datums >= MAX_CHUNK_LEN
+    assert limits.max_request_tokens >= MAX_CHUNK_BYTES_COUNT // (10 * (1 + 3))
 
 
 # ---- wire decoding -------------------------------------------------------------------

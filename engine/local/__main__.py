@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -36,6 +37,26 @@ latency profile (--latency): off | mint[:KEY=VALUE,...] | KEY=VALUE,...
 
 environment: ENGINE_LOCAL_API_KEY is used when --api-key is not given.
 """
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -108,14 +129,14 @@ def build_parser() -> argparse.ArgumentParser:
     limits = Limits()
     parser.add_argument(
         "--max-body-bytes",
-        type=int,
+        type=_positive_int,
         default=limits.max_body_bytes,
         metavar="N",
         help=f"largest request body in bytes, 413 beyond (default {limits.max_body_bytes})",
     )
     parser.add_argument(
         "--max-datums",
-        type=int,
+        type=_positive_int,
         default=limits.max_datums,
         metavar="N",
         help="datums per forward/forward_backward request; the SDK sends at most 1024 "
@@ -123,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-request-tokens",
-        type=int,
+        type=_positive_int,
         default=limits.max_request_tokens,
         metavar="N",
         help="model_input tokens per forward/forward_backward request, bounding how long one "
@@ -131,7 +152,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--max-seq-gap",
-        type=int,
+        type=_positive_int,
         default=limits.max_seq_gap,
         metavar="N",
         help="how far a model's seq_id may run past the first missing one; further ones are "
@@ -139,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--seq-gap-timeout",
-        type=float,
+        type=_positive_seconds,
         default=ServerConfig.seq_gap_timeout_s,
         metavar="SECONDS",
         help="how long an operation waits for a missing earlier seq_id of its model before "
@@ -147,7 +168,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--header-timeout",
-        type=float,
+        type=_positive_seconds,
         default=ServerConfig.header_timeout_s,
         metavar="SECONDS",
         help="a connection that has not sent a request's headers within this time is closed "
@@ -155,7 +176,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--body-timeout",
-        type=float,
+        type=_positive_seconds,
         default=ServerConfig.body_timeout_s,
         metavar="SECONDS",
         help="a request whose body has not arrived within this time gets 408 "

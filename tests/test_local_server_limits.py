@@ -126,6 +126,20 @@ def test_a_far_future_seq_id_is_refused_at_once() -> None:
     assert seq.lookup(1_000_000) is None and seq.queued == 1
 
 
+def test_operations_waiting_for_a_missing_seq_id_are_bounded_per_model() -> None:
+    """One client cannot pile up operations behind a gap (they used to fill the
+    server-wide future limit, so every other client got 429)."""
+    seq = _sequencer(FakeClock())
+    for n in (2, 3, 4, 5):  # seq_id 1 is missing
+        seq.claim(n, f"r{n}")
+    with pytest.raises(SeqRejected, match="expects seq_id 1 next"):
+        seq.claim(6, "r6")
+    assert seq.queued == 4
+    seq.claim(1, "r1")  # the missing one arrives: the queue may grow again
+    seq.claim(6, "r6")
+    assert seq.queued == 6
+
+
 def test_the_window_follows_the_operations_already_queued() -> None:
     seq = _sequencer(FakeClock(), max_seq_gap=2)
     for n in range(1, 41):  # a pipelining client queues many operations in order

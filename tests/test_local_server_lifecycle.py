@@ -105,6 +105,13 @@ def test_cli_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None
         "--latency",
         "--log-level",
         "--model-alias",
+        "--max-body-bytes",
+        "--max-datums",
+        "--max-request-tokens",
+        "--max-seq-gap",
+        "--seq-gap-timeout",
+        "--header-timeout",
+        "--body-timeout",
     ):
         assert option in out
     assert "fault spec" in out and "latency profile" in out
@@ -122,6 +129,11 @@ def test_cli_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None
         (["--model", "/no/such/dir"], "model directory '/no/such/dir' does not exist"),
         (["--log-level", "loud"], "argument --log-level: invalid choice: 'loud'"),
         (["--data-dir", "/proc/nope"], "--data-dir /proc/nope: cannot create it"),
+        (["--max-datums", "0"], "argument --max-datums: must be a positive integer, got '0'"),
+        (["--max-request-tokens", "1e9"], "argument --max-request-tokens: must be a positive"),
+        (["--max-seq-gap", "-1"], "argument --max-seq-gap: must be a positive integer"),
+        (["--header-timeout", "0"], "argument --header-timeout: must be a number of seconds > 0"),
+        (["--body-timeout", "nan"], "argument --body-timeout: must be a number of seconds > 0"),
     ],
 )
 def test_cli_rejects_bad_options_in_one_line(

@@ -303,23 +303,30 @@ async def test_checkpoint_names_and_paths_are_sanitised(
     assert info["base_model"] == server.model_name and info["lora_rank"] == 4
 
 
-async def test_a_missing_seq_id_is_abandoned_after_the_gap_timeout() -> None:
+async def test_a_gap_is_never_skipped_and_far_future_seq_ids_are_refused() -> None:
     async with (
         serve_local(long_poll_s=5, seq_gap_timeout_s=0.2) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
         model_id = await new_model(http, server)
-        later = await post(http, "forward_backward", fwd_bwd(model_id, 2))
-        assert "error" not in await result(http, later["request_id"])
-        late = await post(http, "forward_backward", fwd_bwd(model_id, 1))
-        failed = await result(http, late["request_id"])
-        assert "arrived after this model already moved on" in failed["error"]
-        assert server.stats.seq_gaps_skipped == 1
+        stray = await post(http, "forward_backward", fwd_bwd(model_id, 10**9))
+        refused = await result(http, stray["request_id"])
+        assert "seq_id 1000000000 is implausible" in refused["error"]
+        assert refused["category"] == "user"
+        early = await post(http, "forward_backward", fwd_bwd(model_id, 2))
+        timed_out = await result(http, early["request_id"])
+        assert "waited 0.2 s for seq_id 1" in timed_out["error"]
+        assert server.stats.seq_gap_timeouts == 1
+        for seq_id in (1, 2):  # the client's own operations still run, seq_id 2 included
+            ref = await post(http, "forward_backward", fwd_bwd(model_id, seq_id))
+            assert "error" not in await result(http, ref["request_id"])
 
 
 async def test_request_size_limits() -> None:
     async with (
-        serve_local(limits=Limits(max_body_bytes=2000, max_datums=2)) as server,
+        serve_local(
+            limits=Limits(max_body_bytes=2000, max_datums=2, max_request_tokens=10)
+        ) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
         model_id = await new_model(http, server)
@@ -331,7 +338,13 @@ async def test_request_size_limits() -> None:
         many = fwd_bwd(model_id, 1)
         many["forward_backward_input"]["data"] = [datum(2)] * 3
         failed = await result(http, (await post(http, "forward_backward", many))["request_id"])
-        assert "at most 2 per request" in failed["error"]
+        assert "at most 2 per request (its --max-datums)" in failed["error"]
+        long = fwd_bwd(model_id, 2)
+        long["forward_backward_input"]["data"] = [datum(6)] * 2
+        failed = await result(http, (await post(http, "forward_backward", long))["request_id"])
+        assert "got 12 model_input tokens in 2 datums" in failed["error"]
+        assert "at most 10 per request (its --max-request-tokens)" in failed["error"]
+        assert failed["category"] == "user"
 
 
 async def sampling_session(http: httpx.AsyncClient, server: RunningServer) -> str:

@@ -4,6 +4,7 @@ clear errors for bad requests, frozen sampler snapshots, and the MinT-only calls
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 
 import anyio
@@ -213,3 +214,33 @@ def test_mint_only_calls_fail_clearly(server: LocalServer, service: mint.Service
         mint.mint.interpolate_checkpoints(
             service, source_paths=["tinker://a/sampler_weights/x"], coefficients=[1.0]
         )
+
+
+def test_extreme_loss_inputs_fail_clearly_and_leave_the_weights_intact(
+    server: LocalServer, service: mint.ServiceClient
+) -> None:
+    """Issue 12 item 6: logprobs=-200 made forward_backward fail as a retryable internal
+    error after storing an infinite gradient, and the next optim_step, reported as failed,
+    applied it (NaN weights). Now: a user error, and training goes on unharmed."""
+    tc = service.create_lora_training_client(base_model=server.model_name, rank=4, seed=2)
+    tokenizer = tc.get_tokenizer()
+    full = tokenizer.encode(QUESTION + " 42")
+    n = len(full) - 1
+
+    def rl_datum(sampler_logprob: float) -> types.Datum:
+        return types.Datum(
+            model_input=types.ModelInput.from_ints(full[:-1]),
+            loss_fn_inputs={
+                "target_tokens": full[1:],
+                "logprobs": [sampler_logprob] * n,
+                "advantages": [1.0] * n,
+            },
+        )
+
+    with pytest.raises(mint.RequestFailedError, match="too extreme") as info:
+        tc.forward_backward([rl_datum(-200.0)], "importance_sampling").result()
+    assert info.value.category == types.RequestErrorCategory.User
+    tc.optim_step(types.AdamParams(learning_rate=1e-2)).result()
+    after = tc.forward([rl_datum(-2.0)], "importance_sampling").result()
+    assert all(math.isfinite(x) for out in after.loss_fn_outputs for x in out["logprobs"].tolist())
+    assert math.isfinite(after.metrics["loss:sum"])

@@ -156,7 +156,7 @@ async def test_training_clock_back_to_back_shares_a_cycle_awaited_costs_two_more
 
 @pytest.mark.anyio
 async def test_sequencer_runs_in_seq_order_whatever_the_arrival_order() -> None:
-    seq = ModelSequencer(gap_timeout=30, dedupe_window=16)
+    seq = ModelSequencer(gap_timeout=30, dedupe_window=16, max_seq_gap=4)
     applied: list[int] = []
 
     async def op(n: int) -> None:
@@ -172,48 +172,12 @@ async def test_sequencer_runs_in_seq_order_whatever_the_arrival_order() -> None:
 
 
 def test_sequencer_dedupes_and_refuses_passed_seq_ids() -> None:
-    seq = ModelSequencer(gap_timeout=30, dedupe_window=2)
+    seq = ModelSequencer(gap_timeout=30, dedupe_window=2, max_seq_gap=4)
     assert seq.lookup(1) is None
     seq.claim(1, "req-a", "digest-a")
     assert seq.lookup(1) == ("req-a", "digest-a")
     with pytest.raises(SeqRejected, match="already submitted"):
         seq.claim(1, "req-b")
-
-
-@pytest.mark.anyio
-async def test_sequencer_abandons_a_gap_after_the_timeout() -> None:
-    seq = ModelSequencer(gap_timeout=0.05, dedupe_window=16)
-    seq.claim(2, "req2")
-    async with seq.turn(2):
-        pass
-    assert seq.gaps_skipped == 1 and seq.next_seq == 3
-    with pytest.raises(SeqRejected, match="moved on to seq_id 3"):
-        seq.claim(1, "late")
-
-
-@pytest.mark.anyio
-async def test_sequencer_does_not_skip_a_slow_current_turn() -> None:
-    seq = ModelSequencer(gap_timeout=0.02, dedupe_window=16)
-    order: list[int] = []
-    release = anyio.Event()
-
-    async def slow_first() -> None:
-        async with seq.turn(1):
-            await release.wait()
-            order.append(1)
-
-    async def second() -> None:
-        async with seq.turn(2):
-            order.append(2)
-
-    async with anyio.create_task_group() as tg:
-        seq.claim(1, "r1")
-        seq.claim(2, "r2")
-        tg.start_soon(slow_first)
-        tg.start_soon(second)
-        await anyio.sleep(0.1)  # several gap timeouts pass while seq 1 holds its turn
-        release.set()
-    assert order == [1, 2] and seq.gaps_skipped == 0
 
 
 # ---- futures --------------------------------------------------------------------------

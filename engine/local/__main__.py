@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 import signal
 import sys
@@ -18,7 +19,7 @@ from typing import NoReturn
 
 import anyio
 
-from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, make_config
+from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
 
@@ -36,6 +37,26 @@ latency profile (--latency): off | mint[:KEY=VALUE,...] | KEY=VALUE,...
 
 environment: ENGINE_LOCAL_API_KEY is used when --api-key is not given.
 """
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
+    return value
 
 
 class _Parser(argparse.ArgumentParser):
@@ -105,6 +126,62 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="how long retrieve_future holds a poll before try_again (default 20)",
     )
+    limits = Limits()
+    parser.add_argument(
+        "--max-body-bytes",
+        type=_positive_int,
+        default=limits.max_body_bytes,
+        metavar="N",
+        help=f"largest request body in bytes, 413 beyond (default {limits.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--max-datums",
+        type=_positive_int,
+        default=limits.max_datums,
+        metavar="N",
+        help="datums per forward/forward_backward request; the SDK sends at most 1024 "
+        f"(default {limits.max_datums})",
+    )
+    parser.add_argument(
+        "--max-request-tokens",
+        type=_positive_int,
+        default=limits.max_request_tokens,
+        metavar="N",
+        help="model_input tokens per forward/forward_backward request, bounding how long one "
+        f"request holds the compute thread (default {limits.max_request_tokens})",
+    )
+    parser.add_argument(
+        "--max-seq-gap",
+        type=_positive_int,
+        default=limits.max_seq_gap,
+        metavar="N",
+        help="how far a model's seq_id may run past the first missing one; further ones are "
+        f"refused at once (default {limits.max_seq_gap})",
+    )
+    parser.add_argument(
+        "--seq-gap-timeout",
+        type=_positive_seconds,
+        default=ServerConfig.seq_gap_timeout_s,
+        metavar="SECONDS",
+        help="how long an operation waits for a missing earlier seq_id of its model before "
+        f"it is refused (default {ServerConfig.seq_gap_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--header-timeout",
+        type=_positive_seconds,
+        default=ServerConfig.header_timeout_s,
+        metavar="SECONDS",
+        help="a connection that has not sent a request's headers within this time is closed "
+        f"(default {ServerConfig.header_timeout_s:g})",
+    )
+    parser.add_argument(
+        "--body-timeout",
+        type=_positive_seconds,
+        default=ServerConfig.body_timeout_s,
+        metavar="SECONDS",
+        help="a request whose body has not arrived within this time gets 408 "
+        f"(default {ServerConfig.body_timeout_s:g})",
+    )
     parser.add_argument(
         "--log-level",
         default="warning",
@@ -124,6 +201,12 @@ def main(argv: list[str] | None = None) -> int:
     )
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     try:
+        limits = Limits(
+            max_body_bytes=args.max_body_bytes,
+            max_datums=args.max_datums,
+            max_request_tokens=args.max_request_tokens,
+            max_seq_gap=args.max_seq_gap,
+        )
         config = make_config(
             args.model,
             api_key=args.api_key or os.environ.get("ENGINE_LOCAL_API_KEY") or None,
@@ -135,6 +218,10 @@ def main(argv: list[str] | None = None) -> int:
             model_name=args.model_name,
             model_aliases=args.model_alias,
             long_poll_s=args.long_poll,
+            seq_gap_timeout_s=args.seq_gap_timeout,
+            header_timeout_s=args.header_timeout,
+            body_timeout_s=args.body_timeout,
+            limits=limits,
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:
         parser.error(str(exc))

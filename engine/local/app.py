@@ -23,6 +23,7 @@ from starlette.types import ASGIApp
 from engine.local.auth import Authenticator
 from engine.local.middleware import AuthMiddleware, FaultMiddleware, hide_injected_drop_tracebacks
 from engine.local.service import HttpError, LocalService
+from engine.local.storage import hide_data_dir
 
 log = logging.getLogger("engine.local")
 
@@ -50,23 +51,36 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     so faults hit before anything else, as a flaky network or proxy would)."""
     app = FastAPI(title="engine.local", docs_url=None, redoc_url=None, openapi_url=None)
     limit = service.config.limits.max_body_bytes
+    body_timeout = service.config.body_timeout_s
+
+    def public(message: str) -> str:
+        return hide_data_dir(message, service.data_dir)
 
     async def body_of(request: Request) -> tuple[Any, str]:
         """The parsed JSON body and a digest of its bytes (equal for resubmissions)."""
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, _too_large(int(declared), limit))
+            raise HttpError(413, _too_large(int(declared), limit), headers=_CLOSE)
         chunks: list[bytes] = []
         size = 0
         try:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise HttpError(413, _too_large(size, limit))
-                chunks.append(chunk)
+            with anyio.fail_after(body_timeout):
+                async for chunk in request.stream():
+                    size += len(chunk)
+                    if size > limit:
+                        raise HttpError(413, _too_large(size, limit), headers=_CLOSE)
+                    chunks.append(chunk)
         except ClientDisconnect:
             # Nobody will read the answer; a plain error keeps it out of the error log.
             raise HttpError(400, "the client disconnected before sending the body") from None
+        except TimeoutError:
+            raise HttpError(
+                408,
+                f"the request body did not arrive within {body_timeout:g} s (the local "
+                "server's --body-timeout)",
+                category="server",
+                headers=_CLOSE,
+            ) from None
         raw = b"".join(chunks)
         if not raw:
             return {}, ""
@@ -84,10 +98,22 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
         digest: bool = False,
     ) -> None:
         async def route(request: Request) -> JSONResponse:
-            body, body_digest = await body_of(request)
-            result = handler(body, body_digest) if digest else handler(body)
-            if isinstance(result, Awaitable):
-                result = await result
+            try:
+                body, body_digest = await body_of(request)
+                result = handler(body, body_digest) if digest else handler(body)
+                if isinstance(result, Awaitable):
+                    result = await result
+            except RecursionError:
+                raise HttpError(
+                    400, "request body is nested too deeply (JSON objects and arrays)"
+                ) from None
+            except HttpError:
+                raise
+            except Exception as exc:
+                log.exception("internal error on %s", request.url.path)
+                return _internal_error(exc, public)
+            if isinstance(result, dict) and isinstance(result.get("error"), str):
+                result = {**result, "error": public(result["error"])}
             return JSONResponse(result)
 
         app.add_api_route(f"/api/v1/{path}", route, methods=["POST"], name=path)
@@ -137,24 +163,32 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     @app.exception_handler(HttpError)
     async def http_error(request: Request, exc: HttpError) -> JSONResponse:
         return JSONResponse(
-            {"error": exc.message, "category": exc.category},
+            {"error": public(exc.message), "category": exc.category},
             status_code=exc.status,
             headers=exc.headers,
         )
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, exc: Exception) -> JSONResponse:
-        log.exception("internal error on %s", request.url.path)
-        return JSONResponse(
-            {
-                "error": f"internal error in the local server: {type(exc).__name__}: {exc}",
-                "category": "server",
-            },
-            status_code=500,
-        )
+        # Starlette re-raises the exception after this answer, and uvicorn logs it.
+        return _internal_error(exc, public)
 
     hide_injected_drop_tracebacks()
     return FaultMiddleware(AuthMiddleware(app, auth), service.faults, service.stats)
+
+
+_CLOSE = {"Connection": "close"}
+"""Ends the connection after an answer sent before the whole body was read."""
+
+
+def _internal_error(exc: Exception, public: Callable[[str], str]) -> JSONResponse:
+    return JSONResponse(
+        {
+            "error": public(f"internal error in the local server: {type(exc).__name__}: {exc}"),
+            "category": "server",
+        },
+        status_code=500,
+    )
 
 
 def _decode(raw: bytes) -> tuple[Any, str]:

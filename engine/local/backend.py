@@ -9,10 +9,13 @@ server turns it into a ``RequestFailedError`` with category "user").
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import itertools
 import json
 import math
 import secrets
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -312,7 +315,12 @@ class Backend:
             raise BackendError(str(e)) from e
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in checked]
         total = 0.0
-        with self._host.active(client.adapter), torch.set_grad_enabled(backward):
+        params = list(client.params.values()) if backward else []
+        with (
+            self._host.active(client.adapter),
+            torch.set_grad_enabled(backward),
+            _gradients_kept_only_on_success(params),
+        ):
             for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
                 rows = [checked[i] for i in batch]
                 ids, targets = pad_right(rows, self._pad_id)
@@ -323,36 +331,73 @@ class Backend:
                 loss = logits.new_zeros(())
                 for row, (i, d) in enumerate(zip(batch, rows, strict=True)):
                     lp = logp[row, : d.length]
-                    loss = loss + spec.fn(lp, d.inputs, cfg)
+                    datum_loss = spec.fn(lp, d.inputs, cfg)
+                    if not bool(torch.isfinite(datum_loss)):
+                        value = float(datum_loss.detach())
+                        raise BackendError(
+                            f"datum {i}: the {loss_fn} loss is {value}: its loss "
+                            "inputs are too extreme (e.g. sampler logprobs far below the "
+                            "model's make exp(logp - logprobs) overflow); nothing was applied"
+                        )
+                    loss = loss + datum_loss
                     outputs[i]["logprobs"] = lp.detach().clone()
                 if backward:
                     loss.backward()
                 total += float(loss.detach())
+            if not math.isfinite(total):
+                raise BackendError(
+                    f"the summed {loss_fn} loss overflows to {total}; nothing was applied "
+                    "(send fewer or less extreme datums)"
+                )
+            if not _all_finite(p.grad for p in params):
+                raise BackendError(
+                    f"the {loss_fn} gradient of this request is not finite (its loss inputs are "
+                    "too extreme); nothing was applied"
+                )
         return ForwardResult(outputs=outputs, metrics={"loss:sum": total})
 
     def optim_step(self, model_id: str, adam: AdamConfig) -> dict[str, float]:
         """One AdamW step (decoupled weight decay, optional global grad-norm clipping) on
         the accumulated gradients, then zero them. Parameters with no gradient since the
-        last step count as zero gradient, so every call is a real Adam step."""
+        last step count as zero gradient, so every call is a real Adam step. A step that
+        fails (a non-finite gradient, or weights that would become non-finite) changes
+        nothing: weights, optimizer state and step count stay as they were."""
         client = self._client(model_id)
         _check_adam(adam)
         params = list(client.params.values())
-        for p in params:
-            if p.grad is None:
-                p.grad = torch.zeros_like(p)
-        grads = [p.grad for p in params if p.grad is not None]
-        if adam.grad_clip_norm > 0:
-            norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
-        else:
-            norm = torch.nn.utils.get_total_norm(grads)
-        for group in client.optimizer.param_groups:
-            group.update(
-                lr=adam.learning_rate,
-                betas=(adam.beta1, adam.beta2),
-                eps=adam.eps,
-                weight_decay=adam.weight_decay,
+        if not _all_finite(p.grad for p in params):
+            client.optimizer.zero_grad(set_to_none=True)
+            raise BackendError(
+                "optim_step refused: the accumulated gradient is not finite; it was "
+                "discarded, and the weights and optimizer state are unchanged"
             )
-        client.optimizer.step()
+        saved = _TrainingState.of(client)
+        try:
+            for p in params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
+            grads = [p.grad for p in params if p.grad is not None]
+            if adam.grad_clip_norm > 0:
+                norm = torch.nn.utils.clip_grad_norm_(params, adam.grad_clip_norm)
+            else:
+                norm = torch.nn.utils.get_total_norm(grads)
+            for group in client.optimizer.param_groups:
+                group.update(
+                    lr=adam.learning_rate,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                )
+            client.optimizer.step()
+            if not _all_finite(params):
+                raise BackendError(
+                    f"optim_step refused: with these AdamParams (learning_rate "
+                    f"{adam.learning_rate:g}, eps {adam.eps:g}) the weights would become "
+                    "non-finite; the weights and optimizer state are unchanged"
+                )
+        except BaseException:
+            saved.restore(client)
+            raise
         client.optimizer.zero_grad(set_to_none=True)
         client.steps += 1
         return {"grad_norm:mean": float(norm)}
@@ -581,6 +626,59 @@ class Backend:
             prompt_logprobs=job.prompt_logprobs,
             topk_prompt_logprobs=job.topk_prompt_logprobs,
         )
+
+
+def _all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
+    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+@contextlib.contextmanager
+def _gradients_kept_only_on_success(params: list[torch.nn.Parameter]) -> Iterator[None]:
+    """Gradients computed inside the block start from zero; when it succeeds they are
+    added to the ones accumulated before, when it raises they are dropped and the earlier
+    ones are restored untouched (a failed forward_backward leaves no trace)."""
+    earlier = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+    except BaseException:
+        for p, grad in zip(params, earlier, strict=True):
+            p.grad = grad
+        raise
+    for p, grad in zip(params, earlier, strict=True):
+        if grad is not None:
+            p.grad = grad if p.grad is None else grad.add_(p.grad)
+
+
+@dataclass(frozen=True)
+class _TrainingState:
+    """A copy of a client's weights, gradients and optimizer state (to undo a step)."""
+
+    weights: list[torch.Tensor]
+    grads: list[torch.Tensor | None]
+    optimizer: dict[str, Any]
+    steps: int
+
+    @classmethod
+    def of(cls, client: _Client) -> _TrainingState:
+        params = list(client.params.values())
+        return cls(
+            weights=[p.detach().clone() for p in params],
+            grads=[None if p.grad is None else p.grad.clone() for p in params],
+            optimizer=copy.deepcopy(client.optimizer.state_dict()),
+            steps=client.steps,
+        )
+
+    def restore(self, client: _Client) -> None:
+        with torch.no_grad():
+            for p, weight, grad in zip(
+                client.params.values(), self.weights, self.grads, strict=True
+            ):
+                p.copy_(weight)
+                p.grad = grad
+        client.optimizer.load_state_dict(self.optimizer)
+        client.steps = self.steps
 
 
 def _check_adam(adam: AdamConfig) -> None:

@@ -34,8 +34,15 @@ class Limits:
 
     max_body_bytes: int = 32 * 1024 * 1024
     """Largest accepted request body (the client chunks forward_backward at ~5 MB)."""
-    max_datums: int = 4096
+    max_datums: int = 1024
     """Datums per forward / forward_backward request (the client chunks at 1024)."""
+    max_request_tokens: int = 131072
+    """model_input tokens per forward / forward_backward request, summed over its datums:
+    bounds how long one request holds the compute thread. The client's ~5 MB chunks of
+    RL datums (3+ loss inputs) stay under ~125k tokens."""
+    max_seq_gap: int = 16
+    """How far a model's new seq_id may run past the first missing one; this also bounds
+    the operations that wait for a missing seq_id."""
     max_num_samples: int = 128
     """num_samples per asample request."""
     max_topk_prompt_logprobs: int = 20
@@ -83,6 +90,11 @@ class ServerConfig:
     seq_gap_timeout_s: float = 300.0
     """How long an operation waits for a missing earlier seq_id of its model before the
     gap is declared abandoned (the client gives up submitting after 5 minutes)."""
+    header_timeout_s: float = 10.0
+    """How long a connection may take to send a request's headers (idle new connections
+    and slowly trickled headers are closed after it)."""
+    body_timeout_s: float = 60.0
+    """How long a request may take to send its body once its headers arrived (408)."""
     jwt_ttl_s: int = 24 * 3600
     sample_batch_window_s: float = 0.0
     """Extra time the sampler waits for more asample requests before a batch runs."""
@@ -98,7 +110,7 @@ class ServerConfig:
                 f"refusing to bind non-loopback host {self.host!r} without an API key "
                 "(pass --api-key, or bind 127.0.0.1)"
             )
-        for name in ("long_poll_s", "seq_gap_timeout_s"):
+        for name in ("long_poll_s", "seq_gap_timeout_s", "header_timeout_s", "body_timeout_s"):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
@@ -135,6 +147,8 @@ def make_config(
     model_aliases: Sequence[str] = (),
     long_poll_s: float = 20.0,
     seq_gap_timeout_s: float = 300.0,
+    header_timeout_s: float = 10.0,
+    body_timeout_s: float = 60.0,
     limits: Limits | None = None,
 ) -> ServerConfig:
     """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
@@ -162,5 +176,7 @@ def make_config(
         else LatencyProfile.parse(latency),
         long_poll_s=long_poll_s,
         seq_gap_timeout_s=seq_gap_timeout_s,
+        header_timeout_s=header_timeout_s,
+        body_timeout_s=body_timeout_s,
         limits=limits or Limits(),
     )

@@ -23,6 +23,7 @@ from engine.local.wire import (
     check_metrics,
     datums_of,
     forward_json,
+    token_count,
 )
 
 LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
@@ -43,6 +44,7 @@ class ModelLimits:
     vocab_size: int | None
     max_context: int
     max_datums: int
+    max_tokens: int
 
 
 def forward_job(
@@ -59,7 +61,14 @@ def forward_job(
     if len(inp.data) > limits.max_datums:
         raise WireError(
             f"{what} got {len(inp.data)} datums; the local server accepts at most "
-            f"{limits.max_datums} per request"
+            f"{limits.max_datums} per request (its --max-datums)"
+        )
+    tokens = sum(token_count(datum.model_input) for datum in inp.data)
+    if tokens > limits.max_tokens:
+        raise WireError(
+            f"{what} got {tokens} model_input tokens in {len(inp.data)} datums; the local "
+            f"server accepts at most {limits.max_tokens} per request (its "
+            "--max-request-tokens): send the datums in smaller requests"
         )
     if inp.loss_fn not in LOSS_FNS:
         raise WireError(f"unsupported loss_fn {inp.loss_fn!r}; supported: {', '.join(LOSS_FNS)}")

@@ -40,6 +40,7 @@ from engine.local.backend import Backend
 from engine.local.compute import ComputeThread
 from engine.local.config import READY_PREFIX, ConfigError, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpec
+from engine.local.http11 import with_header_timeout
 from engine.local.latency import LatencyProfile
 from engine.local.service import LocalService
 from engine.local.stats import StatsSnapshot
@@ -159,6 +160,7 @@ async def serve_local(
                 uv = _EmbeddedUvicorn(
                     uvicorn.Config(
                         build_app(service, auth),
+                        http=with_header_timeout(config.header_timeout_s),
                         lifespan="off",
                         log_config=None,
                         access_log=False,

@@ -163,7 +163,13 @@ class AuthMiddleware:
         if problem is None:
             await self.app(scope, receive, send)
             return
-        await send_json(send, 401, {"error": f"unauthorized: {problem}", "category": "user"})
+        # Connection: close, so an unauthenticated body is never read (it is not drained).
+        await send_json(
+            send,
+            401,
+            {"error": f"unauthorized: {problem}", "category": "user"},
+            {"Connection": "close"},
+        )
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

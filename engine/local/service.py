@@ -219,7 +219,7 @@ class LocalService:
             largest_sample_batch=self.batcher.largest_batch,
             cycles_started=self.clock.started if self.clock else 0,
             op_cycles={m: list(ops) for m, ops in s.op_cycles.items()},
-            seq_gaps_skipped=sum(m.seq.gaps_skipped for m in self.models.values()),
+            seq_gap_timeouts=sum(m.seq.gap_timeouts for m in self.models.values()),
             futures_pending=self.futures.pending,
             futures_retained=self.futures.retained,
             polls_held=self.futures.held,
@@ -262,7 +262,7 @@ class LocalService:
             return
         if name.startswith("/") and Path(name).resolve() == self.card.directory.resolve():
             return
-        others = sorted(self._accepted_names - {self.card.name})
+        others = sorted(self.config.model_aliases)
         raise WireError(
             f"unknown base_model {name!r}: this local server serves {self.card.name!r}"
             + (f" (also accepted: {', '.join(repr(o) for o in others)})" if others else "")
@@ -399,6 +399,7 @@ class LocalService:
             seq = ModelSequencer(
                 gap_timeout=self.config.seq_gap_timeout_s,
                 dedupe_window=self.config.limits.dedupe_window,
+                max_seq_gap=self.config.limits.max_seq_gap,
             )
             self.models[model_id] = ModelState(model_id, spec, seq)
             return {"model_id": model_id, "type": "create_model"}
@@ -476,6 +477,7 @@ class LocalService:
             vocab_size=self.card.vocab_size,
             max_context=self.card.max_context,
             max_datums=self.config.limits.max_datums,
+            max_tokens=self.config.limits.max_request_tokens,
         )
         mid = model.model_id
         if endpoint == "forward_backward":
@@ -538,13 +540,17 @@ class LocalService:
         cycle: int | None,
     ) -> None:
         payload: dict[str, Any] | None = None
-        async with model.seq.turn(seq_id):
-            if job is None:
-                return  # already failed; its turn only keeps the order
-            if cycle is not None and self.clock is not None:
-                await self.clock.wait_start(cycle)
-                self.stats.record_cycle(model.model_id, OpCycle(seq_id, entry.endpoint, cycle))
-            payload = await self._finish_job(entry, job)
+        try:
+            async with model.seq.turn(seq_id):
+                if job is None:
+                    return  # already failed; its turn only keeps the order
+                if cycle is not None and self.clock is not None:
+                    await self.clock.wait_start(cycle)
+                    self.stats.record_cycle(model.model_id, OpCycle(seq_id, entry.endpoint, cycle))
+                payload = await self._finish_job(entry, job)
+        except SeqRejected as exc:
+            self.futures.fail(entry, str(exc))
+            return
         if payload is None:
             return
         if cycle is not None and self.clock is not None:

@@ -42,7 +42,8 @@ class StatsSnapshot:
     """Latency clock cycles started (0 without a latency profile)."""
     op_cycles: dict[str, list[OpCycle]]
     """Per model_id, the cycle of each recent training operation (latency profile only)."""
-    seq_gaps_skipped: int
+    seq_gap_timeouts: int
+    """Training operations refused after waiting seq_gap_timeout_s for a missing seq_id."""
     futures_pending: int
     futures_retained: int
     polls_held: int

@@ -67,3 +67,14 @@ class TinkerPath:
         check_name(model_id, "model id in checkpoint path")
         check_name(name)
         return cls(model_id, kind, name)  # type: ignore[arg-type]
+
+
+DATA_DIR_PLACEHOLDER = "<data dir>"
+
+
+def hide_data_dir(message: str, data_dir: Path) -> str:
+    """``message`` with the data dir's absolute path replaced by a placeholder, so errors
+    sent to clients name checkpoints without revealing where the server keeps them."""
+    for root in sorted({str(data_dir), str(data_dir.resolve())}, key=len, reverse=True):
+        message = message.replace(root, DATA_DIR_PLACEHOLDER)
+    return message

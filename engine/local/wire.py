@@ -8,7 +8,6 @@ rather than validation dumps.
 
 from __future__ import annotations
 
-import itertools
 import math
 from typing import Any, Literal, TypeVar
 
@@ -223,6 +222,13 @@ def tokens_of(model_input: ModelInputW, where: str) -> list[int]:
     return tokens
 
 
+def token_count(model_input: ModelInputW) -> int:
+    """How many tokens a ModelInput declares (before any validation; for size limits)."""
+    return sum(
+        len(t) if isinstance(t := chunk.get("tokens"), list) else 0 for chunk in model_input.chunks
+    )
+
+
 def check_token_ids(tokens: list[int], vocab_size: int | None, where: str) -> None:
     if not tokens:
         return
@@ -235,48 +241,34 @@ def check_token_ids(tokens: list[int], vocab_size: int | None, where: str) -> No
         )
 
 
-def tensor_of(td: TensorDataW, where: str) -> torch.Tensor:
-    """Dense tensor from TensorData (dense or CSR); shape and dtype are checked."""
+def tensor_of(td: TensorDataW, where: str, length: int) -> torch.Tensor:
+    """The 1-D tensor of ``length`` values a TensorData (dense or CSR) encodes. The
+    declared shape is checked against ``length`` before anything is allocated, so a
+    small request cannot make the server expand a huge sparse tensor."""
     dtype = torch.int64 if td.dtype == "int64" else torch.float32
+    shape = td.shape
+    if shape is not None and any((not isinstance(d, int)) or d < 0 for d in shape):
+        raise WireError(f"{where}.shape must hold non-negative integers, got {shape}")
+    declared = [len(td.data)] if shape is None else shape
+    if declared != [length]:
+        raise WireError(
+            f"{where} has shape {declared} but must be [{length}] (one value per model_input "
+            "token; the client aligns targets, the server does not shift)"
+        )
     if td.dtype == "int64" and not all(isinstance(v, int) for v in td.data):
         raise WireError(f"{where} has dtype int64 but non-integer values")
     if td.dtype == "float32" and not all(math.isfinite(v) for v in td.data):
         raise WireError(f"{where} contains NaN or infinite values")
-    shape = td.shape
-    if shape is not None and any((not isinstance(d, int)) or d < 0 for d in shape):
-        raise WireError(f"{where}.shape must hold non-negative integers, got {shape}")
     if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
-        return _sparse_tensor(td, dtype, where)
-    if shape is not None and math.prod(shape) != len(td.data):
         raise WireError(
-            f"{where}.shape {shape} needs {math.prod(shape)} values but data has {len(td.data)}"
+            f"{where} is sparse CSR, which encodes 2-D tensors; loss_fn_inputs are 1-D "
+            "(send them dense)"
         )
-    tensor = torch.tensor(td.data, dtype=dtype)
-    return tensor.reshape(shape) if shape is not None else tensor
-
-
-def _sparse_tensor(td: TensorDataW, dtype: torch.dtype, where: str) -> torch.Tensor:
-    crow, col, shape = td.sparse_crow_indices, td.sparse_col_indices, td.shape
-    if crow is None or col is None or shape is None or len(shape) != 2:
+    if len(td.data) != length:
         raise WireError(
-            f"{where} is sparse CSR: it needs sparse_crow_indices, sparse_col_indices "
-            "and a 2-D shape"
+            f"{where}.shape [{length}] needs {length} values but data has {len(td.data)}"
         )
-    rows, cols = shape
-    if (
-        len(crow) != rows + 1
-        or len(col) != len(td.data)
-        or (crow and (crow[0] != 0 or crow[-1] != len(td.data)))
-        or any(b < a for a, b in itertools.pairwise(crow))
-        or any(not 0 <= c < cols for c in col)
-    ):
-        raise WireError(f"{where} has inconsistent CSR indices for shape {shape}")
-    return torch.sparse_csr_tensor(
-        torch.tensor(crow, dtype=torch.int64),
-        torch.tensor(col, dtype=torch.int64),
-        torch.tensor(td.data, dtype=dtype),
-        size=(rows, cols),
-    ).to_dense()
+    return torch.tensor(td.data, dtype=dtype)
 
 
 def datums_of(
@@ -297,14 +289,7 @@ def datums_of(
         check_token_ids(tokens, vocab_size, f"{here}.model_input")
         inputs: dict[str, torch.Tensor] = {}
         for name, td in datum.loss_fn_inputs.items():
-            tensor = tensor_of(td, f"{here}.loss_fn_inputs.{name}")
-            if tensor.dim() != 1 or tensor.shape[0] != len(tokens):
-                raise WireError(
-                    f"{here}.loss_fn_inputs.{name} has shape {list(tensor.shape)} but must be "
-                    f"[{len(tokens)}] (one value per model_input token; the client aligns "
-                    "targets, the server does not shift)"
-                )
-            inputs[name] = tensor
+            inputs[name] = tensor_of(td, f"{here}.loss_fn_inputs.{name}", len(tokens))
         if "target_tokens" in inputs:
             check_token_ids(
                 inputs["target_tokens"].tolist(), vocab_size, f"{here}.loss_fn_inputs.target_tokens"

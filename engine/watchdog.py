@@ -106,7 +106,7 @@ class Watchdog:
 
     Run :meth:`run` as a task in the task group whose work it guards (``tg.start_soon(
     watchdog.run)``); its exception cancels the siblings and propagates out of the group
-    (find it with :func:`engine.errors.find_run_stop`). Cancelling the group stops it.
+    (find it with :func:`engine.errors.find_error`). Cancelling the group stops it.
     Time is anyio's loop clock.
     """
 

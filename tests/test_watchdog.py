@@ -9,7 +9,7 @@ import anyio
 import anyio.lowlevel
 import pytest
 
-from engine.errors import CircuitOpen, Interrupted, OpTimeout, Stalled, find_run_stop
+from engine.errors import CircuitOpen, Interrupted, OpTimeout, RunStopped, Stalled, find_error
 from engine.watchdog import CircuitBreaker, SignalInterrupt, Watchdog, deadline
 from tests import sdk_errors as sdk
 
@@ -98,7 +98,7 @@ async def test_watchdog_task_stops_a_stuck_run() -> None:
         async with anyio.create_task_group() as tg:
             tg.start_soon(dog.run)
             await anyio.sleep_forever()  # the "engine": stuck
-    stop = find_run_stop(info.value)
+    stop = find_error(info.value, RunStopped)
     assert isinstance(stop, Stalled)
 
 

@@ -6,21 +6,21 @@ the next step waits for the previous one's results, and when it does not.
 
 Why: with K >= 1 the engine's pipeline is bound by its trainer (see the throughput
 timeline). Hosted MinT runs training in clock cycles; a request submitted during a cycle
-runs in the next one and its result arrives when that one ends. The engine's trainer
-today submits forward_backward + optim_step + the sampler snapshot of a step, then awaits
-all three before it submits the next step; the next submission therefore always misses
-the cycle that has just begun. This benchmark measures the step time of that discipline
-("await") against "submit-ahead": step s+1 is submitted before step s's results are
-awaited (at most one step outstanding; the server runs a model's requests in submission
-order, so the snapshot of step s still holds exactly the weights after step s).
+runs in the next one and its result arrives when that one ends. A trainer that submits
+forward_backward + optim_step + the sampler snapshot of a step, then awaits all three
+before it submits the next step always misses the cycle that has just begun (the engine
+before ``--submit-ahead``; ``--submit-ahead 0`` today). This benchmark measures the step
+time of that discipline ("await") against "submit-ahead" (the engine's default): step
+s+1 is submitted before step s's results are awaited (at most one step outstanding; the
+server runs a model's requests in seq_id order, so the snapshot of step s, reserved
+right behind it, holds exactly the weights after step s).
 
 Steps complete in pairs under submit-ahead (two results can land on one cycle edge), so
 the figure is the MEAN step time over steps 2..n. Both modes use the same datums
-(sampled once from the initial policy), the same server
-and public SDK calls only. In "await" the snapshot is taken as the engine takes it
-(``save_weights_and_get_sampling_client`` in a worker thread); in "submit-ahead" it must
-be reserved in the model's sequence before the next step is submitted, so it uses the
-non-blocking ``save_weights_for_sampler_async`` + ``create_sampling_client_async``.
+(sampled once from the initial policy) and the same server. In "await" the snapshot is
+``save_weights_and_get_sampling_client`` in a worker thread; in "submit-ahead" it must
+be reserved in the model's sequence before the next step is submitted, as the engine
+does it (``engine.service.reserve_sampler_snapshot`` + ``create_sampling_client_async``).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from benchmarks.report import fmt, load_average, markdown_table, run_context, wr
 from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
 from engine.config import LOCAL_PROFILE
 from engine.rl import Completion, group_datums
-from engine.service import to_sdk_datum
+from engine.service import reserve_sampler_snapshot, to_sdk_datum
 from engine.tasks import ArithmeticTask
 
 __all__ = ["MODES", "main", "measure_trainer"]
@@ -141,7 +141,7 @@ async def _submit_ahead_mode(
     for step in range(steps):
         fb = await training.forward_backward_async(datums, "importance_sampling")
         optim = await training.optim_step_async(adam)
-        save = await training.save_weights_for_sampler_async(f"train-stage-{step}")
+        save = reserve_sampler_snapshot(training, f"train-stage-{step}")
         if outstanding is not None:
             await finish(outstanding)
         outstanding = (fb, optim, save)

@@ -76,6 +76,7 @@ __all__ = [
     "MintSession",
     "PreflightError",
     "open_session",
+    "reserve_sampler_snapshot",
     "sdk_sampling_retry_config",
     "to_sdk_datum",
 ]
@@ -194,9 +195,7 @@ class MintSession:
         training = self._training
 
         async def go() -> Any:
-            return await training.save_weights_for_sampler_async(
-                f"sampler-v{version}", ttl_seconds=SNAPSHOT_TTL_S
-            )
+            return reserve_sampler_snapshot(training, f"sampler-v{version}")
 
         future = await self._step_call(version, go, completes=False)
         return PendingSnapshot(version, future)
@@ -535,6 +534,18 @@ def to_sdk_datum(datum: Datum) -> types.Datum:
             key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
         },
     )
+
+
+def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:
+    """``save_weights_for_sampler(name)`` with its place in the model's sequence taken
+    NOW; returns the SDK future of its response.
+
+    Why not the public method: tinker 0.22's ``save_weights_for_sampler[_async]`` takes
+    its ``seq_id`` only once the SDK's own event loop runs the request, so a
+    ``forward_backward`` called right after it (which, like ``optim_step`` and
+    ``save_state``, takes its ``seq_id`` at once) can overtake it, and the snapshot would
+    hold a later step's weights. The method the public one wraps takes it at once."""
+    return training._save_weights_for_sampler_impl(name, SNAPSHOT_TTL_S)
 
 
 def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:

@@ -45,6 +45,17 @@ def test_engine_train_step_takes_one_cycle_where_the_quickstart_takes_more(
     engine_pairs = _pairs(engine_ops)
     assert len(engine_pairs) == 2
     assert all(fb == opt for fb, opt in engine_pairs)
+    # Submit-ahead keeps each snapshot right behind its step in the model's sequence:
+    # version 1 holds exactly step 1's update, whatever was submitted after it.
+    trained = [op.endpoint for op in engine_ops if op.endpoint != "save_weights"][2:]
+    assert trained == [
+        "forward_backward",
+        "optim_step",
+        "save_weights_for_sampler",
+        "forward_backward",
+        "optim_step",
+        "save_weights_for_sampler",  # the final checkpoint's sampler weights
+    ]
 
     run_quickstart_loop(
         base_url=server.base_url,

@@ -238,8 +238,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     service, tokenizer, problems, stop, model_id, args.steps, args.curve_every
                 )
                 resolved = config.resolved()
-                if resolved.op != LOCAL_PROFILE.op:
-                    raise RuntimeError(f"the run trained on {resolved.op!r}, not the local task")
+                if resolved.task_args.get("op") != LOCAL_PROFILE.op:
+                    raise RuntimeError(
+                        f"the run trained on {resolved.task_args.get('op')!r}, not the local task"
+                    )
                 sampler = service.create_sampling_client(model_path=result.final_path)
                 after = evaluate(sampler, tokenizer, problems, stop)
                 curve[result.steps_completed] = after

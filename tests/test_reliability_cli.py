@@ -144,10 +144,14 @@ def test_a_signal_writes_an_interrupt_checkpoint_and_exits_130(
 
 def test_a_failing_reward_function_names_the_problem_and_exits_1(tmp_path: Path) -> None:
     """--on-reward-error fail (the default): the run stops after the step in flight with
-    an 'error' checkpoint and one line that names the problem."""
+    an 'error' checkpoint and one line that names the problem. (K=0, so problem 5, of
+    step 2, is scored only once step 1 is trained.)"""
     run_dir = tmp_path / "run"
     task = "tests.reliability_support:failing_reward_task"
-    proc = run_cli([*RUN_ARGS, "--task", task, "--run-dir", str(run_dir)], tmp_path)
+    proc = run_cli(
+        [*RUN_ARGS, "--max-steps-off-policy", "0", "--task", task, "--run-dir", str(run_dir)],
+        tmp_path,
+    )
     assert proc.returncode == 1
     [line] = proc.stderr.splitlines()
     assert line.startswith("Error: the reward function failed on problem 5 ('What is ")

@@ -13,6 +13,13 @@ repeating training. The run dir holds:
   :func:`truncate_metrics` drops the lines of steps after the checkpoint, so the resumed
   run appends them again without duplicates.
 
+Which directories a run may use (:func:`prepare_run_dir`): a new or empty one, or one
+that holds only an unfinished start-up (an engine ``config.json`` but no checkpoint and
+no trained step: a process killed before its step-0 checkpoint); never one that holds a
+run (resume it instead) or someone else's files, and never one that cannot be written.
+Files the engine rewrites (``config.json``, summaries) are written atomically (temp file
++ rename), so a full disk leaves the previous version, and the error names the file.
+
 Durability: a record is ONE ``write`` of one line, then ``flush`` + ``fsync``; a record
 exists only once ``save_state`` has returned its path, so every record points at a
 state that was saved. A line torn by a crash (no trailing newline / invalid JSON) is
@@ -34,26 +41,35 @@ from typing import Any, Literal, get_args
 import anyio
 import structlog
 
-from engine.errors import ResumeError
+from engine.errors import ConfigError, NoCheckpointYet, ResumeError, RunFileError
 from engine.redact import REDACTED, redact_config
 
 __all__ = [
     "CHECKPOINTS_FILE",
     "CONFIG_FILE",
     "DEFAULT_RESUME_IGNORE",
+    "LOCAL_SERVER_DIR",
     "METRICS_FILE",
+    "SUMMARY_FILES",
     "CheckpointLog",
     "CheckpointReason",
     "CheckpointRecord",
     "ResumeState",
+    "check_writable",
     "load_resume_state",
+    "prepare_run_dir",
+    "read_run_config",
     "truncate_metrics",
     "write_config",
+    "write_file_atomically",
 ]
 
 CHECKPOINTS_FILE = "checkpoints.jsonl"
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
+SUMMARY_FILES = ("summary.json", "summary.md")
+LOCAL_SERVER_DIR = "local-server"
+"""Where, inside the run dir, a local server started by the engine keeps its data."""
 
 CheckpointReason = Literal["periodic", "interrupt", "final", "breaker", "watchdog", "error"]
 _REASONS: tuple[str, ...] = get_args(CheckpointReason)
@@ -136,14 +152,17 @@ class CheckpointLog:
         """Write ``record`` durably (one write, flush, fsync). Blocking; from async code
         use :meth:`aappend`."""
         line = record.to_line().encode()
-        self.run_dir.mkdir(parents=True, exist_ok=True)
         created = not self.path.exists()
-        with open(self.path, "ab") as f:
-            if not created and f.tell() > 0 and not self._ends_with_newline():
-                line = b"\n" + line  # isolate a torn last line left by a crash
-            f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+            with open(self.path, "ab") as f:
+                if not created and f.tell() > 0 and not self._ends_with_newline():
+                    line = b"\n" + line  # isolate a torn last line left by a crash
+                f.write(line)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise RunFileError(self.path, exc) from exc
         if created:
             _fsync_dir(self.run_dir)
         self._log.info(
@@ -204,16 +223,24 @@ class CheckpointLog:
         return last
 
 
-def _atomic_write(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+def write_file_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` all at once (temp file, fsync, rename): a crash or a
+    full disk leaves the previous version, never a truncated file. A failure raises
+    :class:`~engine.errors.RunFileError` naming ``path``."""
+    try:
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as exc:
+        raise RunFileError(path, exc) from exc
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         Path(tmp).unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise RunFileError(path, exc) from exc
         raise
     _fsync_dir(path.parent)
 
@@ -224,8 +251,103 @@ def write_config(run_dir: str | os.PathLike[str], config: Mapping[str, Any]) -> 
     directory.mkdir(parents=True, exist_ok=True)
     safe = redact_config(config)
     text = json.dumps(safe, indent=2, sort_keys=True, default=str) + "\n"
-    _atomic_write(directory / CONFIG_FILE, text.encode())
+    write_file_atomically(directory / CONFIG_FILE, text.encode())
     return safe
+
+
+# --------------------------------------------------------------------------- run dirs
+
+
+def check_writable(directory: Path) -> None:
+    """ConfigError (one line, before anything starts) when files cannot be created in
+    ``directory``: a read-only run dir would otherwise fail at its first write."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(
+            f"run directory {directory} is not writable ({reason}); fix its permissions "
+            "or choose another --run-dir"
+        ) from None
+
+
+def _engine_config(directory: Path) -> dict[str, Any] | None:
+    """The run config in ``directory``, or None when its config.json (if any) is not one
+    the engine wrote."""
+    try:
+        data = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and {"task_name", "server"} <= data.keys() else None
+
+
+def _has_trained_steps(directory: Path) -> bool:
+    try:
+        return bool((directory / METRICS_FILE).read_bytes().strip())
+    except FileNotFoundError:
+        return False
+
+
+def _is_unfinished_startup(directory: Path) -> bool:
+    """An engine run dir whose process stopped before its first checkpoint: nothing was
+    trained, so a new run may start over in it."""
+    return (
+        _engine_config(directory) is not None
+        and CheckpointLog(directory, log=_QUIET).latest() is None
+        and not _has_trained_steps(directory)
+    )
+
+
+def _forget_unfinished_startup(directory: Path) -> None:
+    """Remove the summary an earlier start-up may have left (the new run writes its
+    own); events.jsonl keeps the earlier start-up's lines, the rest is rewritten."""
+    for name in SUMMARY_FILES:
+        (directory / name).unlink(missing_ok=True)
+
+
+def prepare_run_dir(directory: Path) -> bool:
+    """Make ``directory`` ready for a NEW run and return True when it held an unfinished
+    start-up that the run now starts over in. Created when missing; refused with a
+    ConfigError (one line, exit 2) when it holds a run (metrics or a checkpoint), when it
+    holds files but no engine run (the engine would overwrite the user's config.json and
+    summary.md), or when it cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"cannot create run directory {directory}: {reason}") from None
+    if _engine_config(directory) is not None:
+        if not _is_unfinished_startup(directory):
+            raise ConfigError(
+                f"run directory {directory} already holds a run; continue it with --resume "
+                f"{directory}, or choose another --run-dir"
+            )
+        check_writable(directory)
+        _forget_unfinished_startup(directory)
+        return True
+    if any(not _is_temp_file(entry.name) for entry in directory.iterdir()):
+        raise ConfigError(
+            f"run directory {directory} is not empty and holds no engine run; choose a new "
+            "or empty --run-dir (the engine would overwrite files there)"
+        )
+    check_writable(directory)
+    return False
+
+
+def _is_temp_file(name: str) -> bool:
+    """A temp file of :func:`write_file_atomically` left by a crash."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+class _Quiet:
+    def warning(self, event: str, **fields: Any) -> None:
+        pass
+
+    info = error = warning
+
+
+_QUIET = _Quiet()
 
 
 def truncate_metrics(
@@ -269,7 +391,7 @@ def truncate_metrics(
             continue
         kept.append(line)
     if dropped:
-        _atomic_write(target, b"".join(line + b"\n" for line in kept))
+        write_file_atomically(target, b"".join(line + b"\n" for line in kept))
         (log if log is not None else _log).info(
             "metrics.truncated", path=str(target), after_step=keep_through_step, dropped=dropped
         )
@@ -352,20 +474,9 @@ def _config_mismatches(
     return problems
 
 
-def load_resume_state(
-    run_dir: str | os.PathLike[str],
-    *,
-    current_config: Mapping[str, Any] | None = None,
-    ignore: Collection[str] = DEFAULT_RESUME_IGNORE,
-    log: Any = None,
-) -> ResumeState:
-    """Validate ``run_dir`` and return its config and latest checkpoint.
-
-    Raises :class:`~engine.errors.ResumeError` (exit code 2, one line) when the
-    directory is missing, is not a run dir (no config.json), has no checkpoint yet, or
-    when ``current_config`` differs from the stored config in a key not in ``ignore``.
-    """
-    directory = Path(run_dir)
+def read_run_config(directory: Path) -> dict[str, Any]:
+    """The stored config of the run dir ``directory``; ResumeError (one line, exit 2)
+    when it is missing, not a directory, or holds no readable config.json."""
     if not directory.exists():
         raise ResumeError(f"cannot resume: {directory} does not exist")
     if not directory.is_dir():
@@ -379,9 +490,30 @@ def load_resume_state(
         raise ResumeError(f"cannot resume: {config_path} is not valid JSON ({exc})") from None
     if not isinstance(stored, dict):
         raise ResumeError(f"cannot resume: {config_path} does not hold a JSON object")
+    return stored
+
+
+def load_resume_state(
+    run_dir: str | os.PathLike[str],
+    *,
+    current_config: Mapping[str, Any] | None = None,
+    ignore: Collection[str] = DEFAULT_RESUME_IGNORE,
+    log: Any = None,
+) -> ResumeState:
+    """Validate ``run_dir`` and return its config and latest checkpoint.
+
+    Raises :class:`~engine.errors.ResumeError` (exit code 2, one line) when the
+    directory is missing, is not a run dir (no config.json), has no checkpoint yet, or
+    when ``current_config`` differs from the stored config in a key not in ``ignore``;
+    :class:`~engine.errors.NoCheckpointYet` (a ResumeError) when it holds only an
+    unfinished start-up, which a caller may start over in (:func:`prepare_run_dir`).
+    """
+    directory = Path(run_dir)
+    stored = read_run_config(directory)
     latest = CheckpointLog(directory, log=log).latest()
     if latest is None:
-        raise ResumeError(
+        error = ResumeError if _has_trained_steps(directory) else NoCheckpointYet
+        raise error(
             f"cannot resume: {directory} has no checkpoint yet ({CHECKPOINTS_FILE} is missing "
             "or empty); start a new run instead"
         )

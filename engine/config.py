@@ -18,6 +18,7 @@ import dataclasses
 import math
 import os
 import tomllib
+import urllib.parse
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,6 +53,9 @@ OnRewardError = Literal["fail", "skip"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
 """Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
+
+MAX_SEED: Final = 2**63 - 1
+"""Seeds are sent to the server as signed 64-bit integers: 0..MAX_SEED."""
 
 
 @dataclass(frozen=True)
@@ -289,6 +293,31 @@ def _tinker_weights(v: Any) -> str | None:
     return None if ok else "must be a tinker://.../weights/NAME path"
 
 
+def _sampling_temperature(v: Any) -> str | None:
+    if not math.isfinite(v) or v < 0:
+        return "must be a number > 0"
+    if v == 0:
+        return (
+            "must be > 0: temperature 0 samples greedily, so every response of a group is "
+            "the same, no group has a reward difference and nothing is trained"
+        )
+    return None
+
+
+def _seed(v: Any) -> str | None:
+    return None if 0 <= v <= MAX_SEED else f"must be an integer in 0..{MAX_SEED} (2^63-1)"
+
+
+def _http_url(v: Any) -> str | None:
+    problem = "must be an http:// or https:// URL with a host, e.g. " + HOSTED_BASE_URL
+    try:
+        parts = urllib.parse.urlsplit(str(v).strip())
+        parts.port  # noqa: B018  # raises ValueError for a port that is not a number
+    except ValueError:
+        return problem
+    return None if parts.scheme in ("http", "https") and parts.hostname else problem
+
+
 def _parse_int(text: str) -> int:
     return int(text.strip())
 
@@ -302,12 +331,15 @@ def _parse_str(text: str) -> str:
 
 
 def _parse_path(text: str) -> Path:
+    if not text.strip():
+        raise ValueError("empty path")  # Path("") would be the current directory
     return Path(text).expanduser()
 
 
 _PARSE_NAMES: Final[Mapping[Callable[[str], Any], str]] = {
     _parse_int: "an integer",
     _parse_float: "a number",
+    _parse_path: "a non-empty path",
 }
 
 
@@ -391,11 +423,11 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--temperature",
         ("MINT_CUSTOM_REWARD_TEMPERATURE",),
         _parse_float,
-        _finite_non_negative,
-        "sampling temperature",
+        _sampling_temperature,
+        "sampling temperature (> 0: a group needs different responses to learn from)",
         "0.8",
     ),
-    Knob("seed", "--seed", (), _parse_int, None, "seed of the problem source", "42"),
+    Knob("seed", "--seed", (), _parse_int, _seed, "seed of the problem source", "42"),
     Knob(
         "max_steps_off_policy",
         "--max-steps-off-policy",
@@ -504,7 +536,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--sampling-seed",
         (),
         _parse_int,
-        None,
+        _seed,
         "seed sent with every sample request (reproducible sampling)",
         "none",
     ),
@@ -513,7 +545,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--lora-seed",
         (),
         _parse_int,
-        None,
+        _seed,
         "seed of the LoRA initialisation (the quickstart leaves it to the server)",
         "none",
     ),
@@ -558,7 +590,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--base-url",
         ("MINT_BASE_URL", "TINKER_BASE_URL"),
         _parse_str,
-        _non_empty,
+        _http_url,
         "MinT server URL (needs an API key)",
         f"{HOSTED_BASE_URL} when an API key is set",
     ),

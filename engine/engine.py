@@ -50,18 +50,24 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.checkpoint import (
+    LOCAL_SERVER_DIR,
     CheckpointLog,
     CheckpointReason,
     CheckpointRecord,
     ResumeState,
+    check_writable,
     load_resume_state,
+    prepare_run_dir,
     write_config,
+    write_file_atomically,
 )
 from engine.config import EngineConfig
 from engine.errors import (
     ConfigError,
     Interrupted,
+    NoCheckpointYet,
     ResumeError,
+    RunFileError,
     RunStopped,
     Stalled,
     StepOutcomeUnknown,
@@ -92,9 +98,6 @@ __all__ = ["LOCAL_SERVER_DIR", "STOP_GRACE_S", "Engine", "StepHook"]
 StepHook = Callable[[StepResult], Awaitable[None] | None]
 """Called after every trained step, on the trainer's path: keep it quick. After a
 recovery the redone steps are reported again (same step numbers)."""
-
-LOCAL_SERVER_DIR = "local-server"
-"""Where, inside the run dir, a local server started by the engine keeps its data."""
 
 STOP_GRACE_S = 30.0
 """How long a stop waits for the step in flight to finish before cancelling it (the
@@ -244,7 +247,7 @@ class Engine:
             await self._open()
         except BaseException as exc:
             if self._run_dir is not None and isinstance(exc, Exception):
-                self._write_summary(primary_error(exc))
+                self._write_final_summary(primary_error(exc))
             await self._resources.aclose()
             raise
         return self
@@ -275,7 +278,7 @@ class Engine:
             self._resumed = self._check_resume(cfg.resume)
             self._run_dir = cfg.resume
         else:
-            self._run_dir = _make_run_dir(cfg.run_dir, self._task.name)
+            self._run_dir = _make_run_dir(cfg.run_dir, self._task.name, self._early_events)
         self._write_config()
         log = RunLog(self._run_dir / "metrics.jsonl", self._console, cfg.log_format)
         self._log = log
@@ -354,16 +357,23 @@ class Engine:
             if self._evaluator is not None:
                 self._evaluator.rewind(self._resumed.step)
 
-    def _check_resume(self, run_dir: Path) -> ResumeState:
+    def _check_resume(self, run_dir: Path) -> ResumeState | None:
         """The run dir's stored config and latest checkpoint; a ResumeError (exit 2)
-        when the current config differs in a setting that must not change."""
+        when the current config differs in a setting that must not change. None when
+        the dir holds only an unfinished start-up: the run starts over in it."""
         stored_model = _stored_value(run_dir, "base_model")
         if self._config.base_model is None and isinstance(stored_model, str):
             self._config = dataclasses.replace(self._config, base_model=stored_model)
         self._early_events = _HeldEvents()  # events.jsonl is opened once the dir checks out
-        resumed = load_resume_state(
-            run_dir, current_config=self._config_record(), log=self._early_events
-        )
+        try:
+            resumed = load_resume_state(
+                run_dir, current_config=self._config_record(), log=self._early_events
+            )
+        except NoCheckpointYet:
+            prepare_run_dir(run_dir)
+            _note_restart(self._early_events, run_dir, "--resume")
+            return None
+        check_writable(run_dir)
         if resumed.step > self._config.steps:
             raise ResumeError(
                 f"cannot resume {run_dir}: its latest checkpoint is at step {resumed.step}, "
@@ -424,7 +434,7 @@ class Engine:
                 self._write_summary(None)
         except Exception as exc:
             self._error = primary_error(exc)
-            self._write_summary(self._error)
+            self._write_final_summary(self._error)
         except anyio.get_cancelled_exc_class():
             # The host cancelled the task running the engine: still leave a readable
             # run dir (an interrupt checkpoint when no step was in flight, a summary).
@@ -432,7 +442,7 @@ class Engine:
                 self._error = Interrupted("cancellation of the host task")
                 if self._gate is not None and self._session is not None:
                     await self._stop_checkpoint(self._error, self._gate)
-                self._write_summary(self._error)
+                self._write_final_summary(self._error)
             raise
 
     async def _supervise(self) -> PipelineOutcome:
@@ -663,6 +673,15 @@ class Engine:
     def _write_config(self) -> None:
         write_config(self.run_dir, self._config_record())
 
+    def _write_final_summary(self, error: BaseException) -> None:
+        """The summary of a failed run; a failure to write it is logged, never raised
+        over the run's own error."""
+        try:
+            self._write_summary(error)
+        except RunFileError as exc:
+            if self._events is not None:
+                self._events.error("summary.failed", error=str(exc))
+
     def _write_summary(self, error: BaseException | None) -> None:
         metrics = self._metrics
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
@@ -688,8 +707,10 @@ class Engine:
             "final_path": self._result.final_path if self._result else None,
         }
         summary = redact_config(summary)
-        _write_json(self.run_dir / "summary.json", summary)
-        (self.run_dir / "summary.md").write_text(_summary_markdown(summary, metrics))
+        text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
+        write_file_atomically(self.run_dir / "summary.json", text.encode())
+        markdown = _summary_markdown(summary, metrics)
+        write_file_atomically(self.run_dir / "summary.md", markdown.encode())
 
 
 class _HeldEvents:
@@ -773,23 +794,21 @@ def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _write_json(path: Path, data: Any) -> None:
-    path.write_text(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+def _note_restart(events: _HeldEvents, run_dir: Path, how: str) -> None:
+    events.warning(
+        "run_dir.restarted",
+        run_dir=str(run_dir),
+        message=f"{run_dir} held only an unfinished start-up (no checkpoint, no trained "
+        f"step): {how} starts the run over in it from step 0",
+    )
 
 
-def _make_run_dir(configured: Path | None, task_name: str) -> Path:
-    """``configured`` (created if missing; refused if it already holds a run), else a
-    fresh ``runs/<timestamp>-<task>`` under the working directory."""
+def _make_run_dir(configured: Path | None, task_name: str, events: _HeldEvents) -> Path:
+    """``configured`` (see :func:`engine.checkpoint.prepare_run_dir`), else a fresh
+    ``runs/<timestamp>-<task>`` under the working directory."""
     if configured is not None:
-        if (configured / "metrics.jsonl").exists():
-            raise ConfigError(
-                f"run directory {configured} already holds a run (metrics.jsonl); "
-                "choose another --run-dir"
-            )
-        try:
-            configured.mkdir(parents=True, exist_ok=True)
-        except OSError as exc:
-            raise ConfigError(f"cannot create run directory {configured}: {exc}") from exc
+        if prepare_run_dir(configured):
+            _note_restart(events, configured, "this run")
         return configured
     stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
     base = Path.cwd() / "runs" / f"{stamp}-{task_name}"

@@ -34,11 +34,14 @@ __all__ = [
     "ConfigError",
     "EngineError",
     "Interrupted",
+    "NoCheckpointYet",
     "OpTimeout",
     "PermanentServiceError",
     "ResumeError",
     "RetriesExhausted",
+    "RunFileError",
     "RunStopped",
+    "ServerUnreachable",
     "ServiceError",
     "Stalled",
     "StepOutcomeUnknown",
@@ -70,6 +73,19 @@ class ConfigError(EngineError):
 
 class ResumeError(ConfigError):
     """The run dir cannot be resumed (not a run dir, no checkpoint, config mismatch)."""
+
+
+class NoCheckpointYet(ResumeError):
+    """The run dir holds only an unfinished start-up: nothing to resume, nothing lost."""
+
+
+class RunFileError(EngineError):
+    """A file of the run dir could not be written (full disk, permissions); names it."""
+
+    def __init__(self, path: object, error: OSError) -> None:
+        reason = (error.strerror or str(error) or type(error).__name__).lower()
+        super().__init__(f"cannot write {path}: {reason}")
+        self.path = path
 
 
 class OpTimeout(EngineError, TimeoutError):
@@ -148,6 +164,21 @@ class CircuitOpen(RunStopped):
         )
         self.kind = kind
         self.failures = failures
+
+
+class ServerUnreachable(RunStopped):
+    """The server stopped accepting connections while the run waited on it (killed,
+    crashed, network gone): stop with one line instead of waiting out every deadline."""
+
+    reason: StopReason = "breaker"
+
+    def __init__(self, base_url: str, seconds: float, cause: str) -> None:
+        super().__init__(
+            f"the MinT server at {base_url} is unreachable: no connection for {seconds:g}s "
+            f"({cause}); check that it is running, then resume the run"
+        )
+        self.base_url = base_url
+        self.seconds = seconds
 
 
 class Stalled(RunStopped):

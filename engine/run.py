@@ -29,7 +29,7 @@ from typing import Any, NoReturn, TextIO
 import anyio
 from tqdm import tqdm
 
-from engine.checkpoint import CONFIG_FILE, load_resume_state
+from engine.checkpoint import CONFIG_FILE, read_run_config
 from engine.config import (
     KNOBS,
     EngineConfig,
@@ -121,8 +121,8 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
     resume = flags.get("resume") or from_file.get("resume")
     if resume is not None:
         run_dir = Path(resume).expanduser()
-        # ResumeError (exit 2) if unusable; the engine reads it again and logs what it finds.
-        stored = load_resume_state(run_dir, log=_QUIET).config
+        # ResumeError (exit 2) if unusable; the engine checks its checkpoints.
+        stored = read_run_config(run_dir)
         defaults = stored_settings(stored, str(run_dir / CONFIG_FILE))
     file_args = from_file.pop("task_args", {})
     defaults = {**defaults, **from_file}

@@ -108,6 +108,49 @@ BAD_INPUT = [
         "or neither to start the local server",
     ),
     (["--bogus"], {}, "Error: unrecognized arguments: --bogus (see --help)"),
+    # seeds travel as signed 64-bit integers: out of range is one line, not 5 retries
+    (
+        ["--seed", str(2**63)],
+        {},
+        f"Error: --seed must be an integer in 0..{2**63 - 1} (2^63-1), got '{2**63}'",
+    ),
+    (
+        ["--sampling-seed", "-1"],
+        {},
+        f"Error: --sampling-seed must be an integer in 0..{2**63 - 1} (2^63-1), got '-1'",
+    ),
+    (
+        ["--lora-seed", str(2**64)],
+        {},
+        f"Error: --lora-seed must be an integer in 0..{2**63 - 1} (2^63-1), got '{2**64}'",
+    ),
+    (
+        [],
+        {"MINT_BASE_URL": "notaurl", "MINT_API_KEY": "sk-test"},
+        "Error: MINT_BASE_URL must be an http:// or https:// URL with a host, e.g. "
+        "https://mint.macaron.xin/, got 'notaurl'",
+    ),
+    (
+        ["--base-url", "http://:8000"],
+        {"MINT_API_KEY": "sk-test"},
+        "Error: --base-url must be an http:// or https:// URL with a host, e.g. "
+        "https://mint.macaron.xin/, got 'http://:8000'",
+    ),
+    (
+        ["--base-url", "http://127.0.0.1:port"],
+        {"MINT_API_KEY": "sk-test"},
+        "Error: --base-url must be an http:// or https:// URL with a host, e.g. "
+        "https://mint.macaron.xin/, got 'http://127.0.0.1:port'",
+    ),
+    # '' would be the current directory: the user's own config.json and summary.md
+    (["--run-dir", ""], {}, "Error: --run-dir must be a non-empty path, got ''"),
+    (
+        ["--temperature", "0"],
+        {},
+        "Error: --temperature must be > 0: temperature 0 samples greedily, so every "
+        "response of a group is the same, no group has a reward difference and nothing is "
+        "trained, got '0'",
+    ),
     (
         ["--local-model", "/no/such/model/dir"],
         {},

@@ -91,7 +91,7 @@ def test_bad_reliability_flags_exit_2_with_one_line(
     assert not (tmp_path / "runs").exists()
 
 
-def make_run_dir(path: Path, *, checkpoint: bool = True, **flags: str) -> None:
+def make_run_dir(path: Path, **flags: str) -> None:
     """A run dir as a real run leaves it: config.json from the same flags, and a
     checkpoint record."""
     config = config_from_sources(
@@ -105,11 +105,10 @@ def make_run_dir(path: Path, *, checkpoint: bool = True, **flags: str) -> None:
             "task_name": "arithmetic-add",
         },
     )
-    if checkpoint:
-        record = CheckpointRecord(
-            step=2, state_path="tinker://model-x/weights/step-2", reason="periodic"
-        )
-        CheckpointLog(path).append(record)
+    record = CheckpointRecord(
+        step=2, state_path="tinker://model-x/weights/step-2", reason="periodic"
+    )
+    CheckpointLog(path).append(record)
 
 
 def test_resume_errors_exit_2_with_one_line(
@@ -119,8 +118,6 @@ def test_resume_errors_exit_2_with_one_line(
     missing = tmp_path / "missing"
     not_a_run = tmp_path / "not-a-run"
     not_a_run.mkdir()
-    fresh = tmp_path / "fresh"
-    make_run_dir(fresh, checkpoint=False, batch="4")
     run = tmp_path / "run"
     make_run_dir(run, batch="4", steps="3")
     cases = [
@@ -128,11 +125,6 @@ def test_resume_errors_exit_2_with_one_line(
         (
             ["--resume", str(not_a_run)],
             f"Error: cannot resume: {not_a_run} is not a run directory (no config.json)",
-        ),
-        (
-            ["--resume", str(fresh)],
-            f"Error: cannot resume: {fresh} has no checkpoint yet (checkpoints.jsonl is "
-            "missing or empty); start a new run instead",
         ),
         (
             ["--resume", str(run), "--run-dir", str(tmp_path / "elsewhere")],

@@ -414,6 +414,7 @@ DEFAULT_RESUME_IGNORE: frozenset[str] = frozenset(
         "task_repr",
         "checkpoint_every",
         "request_timeout",
+        "unreachable_timeout",
         "stall_timeout",
         "max_consecutive_failures",
         "retry_attempts",

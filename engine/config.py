@@ -121,6 +121,7 @@ class EngineConfig:
     checkpoint_every: int = 10
     resume: Path | None = None
     request_timeout: float = 600.0
+    unreachable_timeout: float = 30.0
     stall_timeout: float = 1800.0
     max_consecutive_failures: int = 5
     retry_attempts: int = 4
@@ -657,6 +658,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _finite_positive,
         "seconds one attempt of a service call may take before it counts as failed",
         "600",
+    ),
+    Knob(
+        "unreachable_timeout",
+        "--unreachable-timeout",
+        (),
+        _parse_float,
+        _finite_positive,
+        "stop the run (exit 1) when the server refuses connections for this many seconds "
+        "while a call waits on it (probed every 5 s)",
+        "30",
     ),
     Knob(
         "stall_timeout",

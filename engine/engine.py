@@ -91,7 +91,7 @@ from engine.stopping import StopGate
 from engine.tasks import Task, load_task
 from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer
-from engine.watchdog import CircuitBreaker, Watchdog
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, Watchdog
 
 __all__ = ["LOCAL_SERVER_DIR", "STOP_GRACE_S", "Engine", "StepHook"]
 
@@ -109,7 +109,8 @@ _STOP_CHECKPOINT_MAX_S = 120.0
 class Engine:
     """One RL run. Construct, enter with ``async with``, then either ``await run()`` or
     iterate ``steps()`` (not both). ``console`` receives the readable output (None: quiet;
-    metrics.jsonl is written either way)."""
+    metrics.jsonl is written either way). ``clock`` is the time of the reliability timers
+    (request deadlines, the watchdog, server liveness); tests pass a manual one."""
 
     def __init__(
         self,
@@ -118,6 +119,7 @@ class Engine:
         *,
         on_step: StepHook | Sequence[StepHook] = (),
         console: TextIO | None = None,
+        clock: Clock = LOOP_CLOCK,
     ) -> None:
         if not config.local and not config.api_key:
             raise ConfigError(
@@ -139,6 +141,7 @@ class Engine:
         self._config = dataclasses.replace(resolved, task=spec, task_args=args)
         if self._config.eval_every:
             eval_problems_of(self._task)  # a task without held-out problems: ConfigError now
+        self._clock = clock
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
         self._resources = contextlib.AsyncExitStack()
@@ -303,6 +306,8 @@ class Engine:
             counter=RetryCounter(),
             breaker=CircuitBreaker(cfg.max_consecutive_failures, log=events),
             log=events,
+            clock=self._clock,
+            unreachable_after=cfg.unreachable_timeout,
         )
         self._session = await self._resources.enter_async_context(
             open_session(
@@ -455,7 +460,7 @@ class Engine:
         self._gate = gate
         if self._pending_stop is not None:
             gate.request(self._pending_stop)
-        watchdog = Watchdog(cfg.stall_timeout, log=self._events)
+        watchdog = Watchdog(cfg.stall_timeout, clock=self._clock, log=self._events)
         outcome: PipelineOutcome | None = None
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:

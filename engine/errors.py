@@ -17,6 +17,7 @@ schema, and anything the engine does not recognise (a bug is not cured by retryi
 from __future__ import annotations
 
 import email.utils
+import os
 import re
 import time
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ __all__ = [
     "exit_code",
     "find_error",
     "format_error",
+    "os_reason",
     "primary_error",
     "retry_after",
 ]
@@ -174,7 +176,7 @@ class ServerUnreachable(RunStopped):
 
     def __init__(self, base_url: str, seconds: float, cause: str) -> None:
         super().__init__(
-            f"the MinT server at {base_url} is unreachable: no connection for {seconds:g}s "
+            f"the MinT server at {base_url} is unreachable: no connection for {seconds:.0f}s "
             f"({cause}); check that it is running, then resume the run"
         )
         self.base_url = base_url
@@ -284,6 +286,20 @@ def _connection_reason(exc: BaseException) -> str:
             return (match.group(1) if match else text).strip().lower()
     message = getattr(exc, "message", "") or str(exc)
     return message.rstrip(".").lower() or "connection error"
+
+
+def os_reason(exc: BaseException) -> str:
+    """Why a connection failed, from the OS error under ``exc`` (``connection refused``,
+    ``name or service not known``), else the error's first line."""
+    cur: BaseException | None = exc
+    while cur is not None:
+        if isinstance(cur, OSError) and cur.errno:
+            return os.strerror(cur.errno).lower()
+        if isinstance(cur, OSError) and cur.strerror:
+            return cur.strerror.lower()
+        cur = cur.__cause__ or cur.__context__
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
 
 
 _REQUEST_FAILED = re.compile(r"^Request failed: (?P<msg>.*?) for self\.request_id=", re.DOTALL)

@@ -45,10 +45,11 @@ from engine.checkpoint import CheckpointRecord
 from engine.errors import (
     EngineError,
     PermanentServiceError,
+    RunStopped,
     StepOutcomeUnknown,
     classify,
 )
-from engine.watchdog import CircuitBreaker, deadline
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
 
 __all__ = ["RecoveryPlan", "StepOutcome", "plan_recovery", "run_train_step", "step_outcome"]
 
@@ -87,17 +88,21 @@ async def run_train_step(
     deadline_s: float | None,
     breaker: CircuitBreaker | None = None,
     log: Any = None,
+    clock: Clock = LOOP_CLOCK,
 ) -> T:
     """Await one train step (``step_fn`` submits forward_backward + optim_step and
     awaits both) under a deadline; never retries it.
 
     Returns the result, or raises StepOutcomeUnknown (restore with
     :func:`plan_recovery`) / PermanentServiceError (stop the run, do not checkpoint);
-    the breaker may raise CircuitOpen first. ``step`` is the 1-based number of this
-    optimizer step (= completed steps after it)."""
+    the breaker may raise CircuitOpen first; a RunStopped (the server is gone) passes
+    through. ``step`` is the 1-based number of this optimizer step (= completed steps
+    after it); the deadline runs on ``clock``."""
     try:
-        with deadline(deadline_s, f"train step {step}"):
+        with deadline(deadline_s, f"train step {step}", clock):
             result = await step_fn()
+    except RunStopped:
+        raise
     except Exception as exc:
         outcome = step_outcome(exc)
         message = classify(exc).message

@@ -50,6 +50,12 @@ What the engine does (this module):
 * Never retry a train step here (``OpKind.TRAIN_STEP``): forward_backward + optim_step
   is not idempotent once submitted; :mod:`engine.recovery` restores the last checkpoint.
 
+A dead server is noticed apart from all that (:mod:`engine.liveness`): while an attempt
+waits, the server is probed, and once it has refused connections for
+``unreachable_after`` seconds the call ends with ServerUnreachable (never retried, not
+counted by the breaker) instead of waiting out its deadline; an attempt that fails while
+the probes fail waits for that verdict before it is retried.
+
 Worst case per call: ``max_attempts * attempt_timeout`` plus the waits, and never more
 than ``max_elapsed`` of waiting started. Every retry is logged (``retry`` event) and
 counted in a :class:`RetryCounter`, which step metrics read as ``retries/<kind>``.
@@ -80,13 +86,15 @@ from engine.errors import (
     EngineError,
     PermanentServiceError,
     RetriesExhausted,
+    ServerUnreachable,
     ServiceError,
     StepOutcomeUnknown,
     classify,
     retry_after,
 )
+from engine.liveness import ServerLiveness
 from engine.recovery import run_train_step
-from engine.watchdog import CircuitBreaker, deadline
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
 
 __all__ = [
     "DEFAULT_BREAKER_THRESHOLD",
@@ -310,10 +318,13 @@ async def call_with_retry(
     breaker: CircuitBreaker | None = None,
     log: _Log | None = None,
     op: str | None = None,
+    liveness: ServerLiveness | None = None,
+    clock: Clock = LOOP_CLOCK,
 ) -> T:
     """Await ``fn()`` with the retry policy of ``kind``; return its result.
 
-    Each attempt runs under ``deadline(policy.attempt_timeout, op)``. Each failed attempt
+    Each attempt runs under ``deadline(policy.attempt_timeout, op)`` on ``clock`` and,
+    with ``liveness``, ends with ServerUnreachable once the server is gone. Each failed attempt
     is reported to ``breaker`` (which may raise CircuitOpen, stopping the retries), each
     success resets it. On failure raises :class:`~engine.errors.PermanentServiceError`
     (failed fast) or :class:`~engine.errors.RetriesExhausted`, whose message says what
@@ -332,9 +343,15 @@ async def call_with_retry(
         nonlocal attempts
         attempts += 1
         try:
-            with deadline(policy.attempt_timeout, name):
-                result = await fn()
+            with deadline(policy.attempt_timeout, name, clock):
+                result = await (fn() if liveness is None else liveness.watch(fn))
+        except ServerUnreachable:
+            raise
         except Exception as exc:
+            if liveness is not None and classify(exc).transient:
+                verdict = await liveness.verdict_after_failure()
+                if verdict is not None:
+                    raise verdict from exc
             if breaker is not None:
                 breaker.record_failure(str(kind), exc)
             raise
@@ -378,7 +395,9 @@ class ServiceGuard:
     ``call`` retries idempotent kinds with their policy and bounds a train-step
     submission by its deadline without retrying it; ``train_step`` awaits a whole step
     under :func:`engine.recovery.run_train_step` (StepOutcomeUnknown on an unknown
-    outcome); all share one counter and one breaker.
+    outcome); all share one counter and one breaker, and the deadlines run on ``clock``.
+    Once :meth:`watch_server` is called, every call also ends with ServerUnreachable when
+    the server stops accepting connections for ``unreachable_after`` seconds.
     """
 
     policies: Mapping[OpKind, RetryPolicy] = field(default_factory=default_policies)
@@ -387,6 +406,24 @@ class ServiceGuard:
         default_factory=lambda: CircuitBreaker(DEFAULT_BREAKER_THRESHOLD)
     )
     log: _Log | None = None
+    clock: Clock = LOOP_CLOCK
+    unreachable_after: float = 30.0
+    liveness: ServerLiveness | None = None
+
+    def watch_server(self, base_url: str) -> None:
+        """Probe ``base_url`` while calls wait on it (see :mod:`engine.liveness`)."""
+        self.liveness = ServerLiveness(
+            base_url, unreachable_after=self.unreachable_after, clock=self.clock
+        )
+
+    async def _watched(self, fn: Callable[[], Awaitable[T]]) -> T:
+        return await (fn() if self.liveness is None else self.liveness.watch(fn))
+
+    async def once(self, op: str, fn: Callable[[], Awaitable[T]], *, within: float) -> T:
+        """One attempt of ``fn``, no retry: bounded by ``within`` and by the server's
+        liveness (a stop checkpoint: the server may be why the run stops)."""
+        with deadline(within, op, self.clock):
+            return await self._watched(fn)
 
     def policy(self, kind: OpKind | str) -> RetryPolicy:
         try:
@@ -398,8 +435,8 @@ class ServiceGuard:
         """One SDK operation of ``kind``; see :func:`call_with_retry`."""
         policy = self.policy(kind)
         if kind == OpKind.TRAIN_STEP:
-            with deadline(policy.attempt_timeout, op):
-                return await fn()  # a submission: never repeated here
+            with deadline(policy.attempt_timeout, op, self.clock):
+                return await self._watched(fn)  # a submission: never repeated here
         return await call_with_retry(
             fn,
             kind=kind,
@@ -408,6 +445,8 @@ class ServiceGuard:
             breaker=self.breaker,
             log=self.log,
             op=op,
+            liveness=self.liveness,
+            clock=self.clock,
         )
 
     async def train_step(
@@ -423,11 +462,12 @@ class ServiceGuard:
         succeed still trips the breaker instead of being restored forever."""
         try:
             return await run_train_step(
-                fn,
+                lambda: self._watched(fn),
                 step=step,
                 deadline_s=self.policy(OpKind.TRAIN_STEP).attempt_timeout,
                 breaker=self.breaker if completes else None,
                 log=self.log,
+                clock=self.clock,
             )
         except (StepOutcomeUnknown, PermanentServiceError) as exc:
             if not completes:

@@ -22,6 +22,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NoReturn, TextIO
@@ -45,7 +46,7 @@ from engine.redact import install_stdlib_redaction, redact_text
 from engine.results import RunResult, StepResult
 from engine.watchdog import SignalInterrupt
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "exit_process", "main"]
 
 
 class _Parser(argparse.ArgumentParser):
@@ -217,5 +218,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
+def exit_process(code: int) -> NoReturn:
+    """Exit with ``code``, also while a worker thread still blocks in an SDK call the run
+    abandoned (a snapshot against a dead server): the interpreter would otherwise wait
+    for that thread until the SDK gives up, minutes after the error was printed."""
+    lingering = [
+        t
+        for t in threading.enumerate()
+        if t is not threading.main_thread() and t.is_alive() and not t.daemon
+    ]
+    if not lingering:
+        raise SystemExit(code)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 if __name__ == "__main__":
-    raise SystemExit(main())
+    exit_process(main())

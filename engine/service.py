@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -49,7 +48,7 @@ from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
 from engine.config import HOSTED_BASE_URL, EngineConfig
-from engine.errors import ConfigError, EngineError, ServiceError, classify, primary_error
+from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
 from engine.redact import register_secret
 from engine.retry import (
     SDK_MAX_RETRIES,
@@ -70,7 +69,6 @@ from engine.session_api import (
     StepTicket,
     TrainResult,
 )
-from engine.watchdog import deadline
 
 __all__ = [
     "MintSession",
@@ -346,11 +344,17 @@ class MintSession:
         if once_within is None:
             state = functools.partial(self.save_state, state_name)
             sampler = functools.partial(self.save_weights_for_sampler, sampler_name)
+
+        async def both() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "state", state)
+                tg.start_soon(run, "sampler", sampler)
+
         try:
-            with deadline(once_within, "the stop checkpoint"):
-                async with anyio.create_task_group() as tg:
-                    tg.start_soon(run, "state", state)
-                    tg.start_soon(run, "sampler", sampler)
+            if once_within is None:
+                await both()
+            else:
+                await self.guard.once("the stop checkpoint", both, within=once_within)
         except BaseExceptionGroup as group:
             raise primary_error(group) from None
         return paths["state"], paths["sampler"]
@@ -447,6 +451,7 @@ async def _connect(
     say("Connecting to MinT server...")
     say(f"Endpoint: {base_url}")
     await _check_reachable(base_url, api_key, guard)
+    guard.watch_server(base_url)
     service = await _sdk(
         guard,
         base_url,
@@ -603,7 +608,7 @@ async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGua
             ) from exc
         except (httpx.ConnectError, httpx.UnsupportedProtocol, ValueError) as exc:
             raise PreflightError(
-                f"cannot reach the MinT server at {base_url} ({_reason(exc)}); check "
+                f"cannot reach the MinT server at {base_url} ({os_reason(exc)}); check "
                 "MINT_BASE_URL, the network and the server's status"
             ) from exc
         # Other transport errors (a connection dropped mid-answer) are transient.
@@ -638,15 +643,3 @@ def _body(response: httpx.Response) -> object:
         return response.json()
     except ValueError:
         return response.text
-
-
-def _reason(exc: BaseException) -> str:
-    cur: BaseException | None = exc
-    while cur is not None:
-        if isinstance(cur, OSError) and cur.errno:
-            return os.strerror(cur.errno).lower()
-        if isinstance(cur, OSError) and cur.strerror:
-            return cur.strerror.lower()
-        cur = cur.__cause__ or cur.__context__
-    text = str(exc).strip()
-    return text.splitlines()[0] if text else type(exc).__name__

@@ -16,6 +16,10 @@ write a checkpoint and exit:
 * :class:`SignalInterrupt` -- installed ONLY by the CLI: the first SIGINT/SIGTERM cancels
   the run's scope (the engine then writes an ``interrupt`` checkpoint and exits); a
   second one exits the process at once.
+
+Every wait on time here goes through a :class:`Clock` (default :data:`LOOP_CLOCK`,
+anyio's event-loop clock), so tests drive deadlines and the watchdog with a manual clock
+instead of sleeping.
 """
 
 from __future__ import annotations
@@ -24,22 +28,62 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
-from typing import Any
+from contextlib import AbstractContextManager, contextmanager
+from typing import Any, Protocol
 
 import anyio
 import structlog
 
 from engine.errors import CircuitOpen, Interrupted, OpTimeout, Stalled, classify
 
-__all__ = ["CircuitBreaker", "SignalInterrupt", "Watchdog", "deadline"]
+__all__ = [
+    "LOOP_CLOCK",
+    "CircuitBreaker",
+    "Clock",
+    "LoopClock",
+    "SignalInterrupt",
+    "Watchdog",
+    "deadline",
+]
 
 _log = structlog.get_logger("engine.watchdog")
 
 
+class Clock(Protocol):
+    """The time the reliability timers (deadlines, watchdog, server liveness) run on."""
+
+    def now(self) -> float:
+        """Seconds on this clock (only differences mean something)."""
+        ...
+
+    async def sleep(self, seconds: float) -> None:
+        """Return once ``seconds`` have passed on this clock."""
+        ...
+
+    def cancel_after(self, seconds: float) -> AbstractContextManager[anyio.CancelScope]:
+        """Enter a cancel scope that cancels itself ``seconds`` from now on this clock."""
+        ...
+
+
+class LoopClock:
+    """anyio's event-loop clock: the real time of a run."""
+
+    def now(self) -> float:
+        return anyio.current_time()
+
+    async def sleep(self, seconds: float) -> None:
+        await anyio.sleep(seconds)
+
+    def cancel_after(self, seconds: float) -> AbstractContextManager[anyio.CancelScope]:
+        return anyio.CancelScope(deadline=anyio.current_time() + seconds)
+
+
+LOOP_CLOCK: Clock = LoopClock()
+
+
 @contextmanager
-def deadline(seconds: float | None, op: str) -> Iterator[None]:
-    """Run the body under ``anyio.fail_after(seconds)``; on expiry raise
+def deadline(seconds: float | None, op: str, clock: Clock = LOOP_CLOCK) -> Iterator[None]:
+    """Run the body for at most ``seconds`` on ``clock``; on expiry raise
     :class:`~engine.errors.OpTimeout` naming ``op``. ``None`` means no limit (use only
     where another layer bounds the wait). A ``TimeoutError`` raised by the body itself
     (not by this deadline) passes through unchanged."""
@@ -48,14 +92,10 @@ def deadline(seconds: float | None, op: str) -> Iterator[None]:
         return
     if seconds <= 0:
         raise ValueError(f"deadline for {op} must be positive, got {seconds}")
-    scope: anyio.CancelScope | None = None
-    try:
-        with anyio.fail_after(seconds) as scope:
-            yield
-    except TimeoutError:
-        if scope is not None and scope.cancelled_caught:
-            raise OpTimeout(op, seconds) from None
-        raise
+    with clock.cancel_after(seconds) as scope:
+        yield
+    if scope.cancelled_caught:
+        raise OpTimeout(op, seconds)
 
 
 class CircuitBreaker:
@@ -107,16 +147,9 @@ class Watchdog:
     Run :meth:`run` as a task in the task group whose work it guards (``tg.start_soon(
     watchdog.run)``); its exception cancels the siblings and propagates out of the group
     (find it with :func:`engine.errors.find_error`). Cancelling the group stops it.
-    Time is anyio's loop clock.
     """
 
-    def __init__(
-        self,
-        timeout: float,
-        *,
-        clock: Callable[[], float] = anyio.current_time,
-        log: Any = None,
-    ) -> None:
+    def __init__(self, timeout: float, *, clock: Clock = LOOP_CLOCK, log: Any = None) -> None:
         if timeout <= 0:
             raise ValueError(f"watchdog timeout must be positive, got {timeout}")
         self.timeout = timeout
@@ -127,12 +160,12 @@ class Watchdog:
 
     def progress(self, what: str) -> None:
         """Record progress (``what`` says which, e.g. ``"step 12 trained"``)."""
-        self._last = self._clock()
+        self._last = self._clock.now()
         self._what = what
 
     def check(self) -> float:
         """Raise Stalled if the timeout passed; else return seconds left."""
-        now = self._clock()
+        now = self._clock.now()
         if self._last is None:
             self._last = now
         left = self._last + self.timeout - now
@@ -144,10 +177,10 @@ class Watchdog:
     async def run(self) -> None:
         """Sleep until the next possible deadline, forever, until stalled or cancelled."""
         if self._last is None:
-            self._last = self._clock()
+            self._last = self._clock.now()
         while True:
             left = self.check()  # raises Stalled once the deadline has passed
-            await anyio.sleep(left)
+            await self._clock.sleep(left)
 
 
 def _hard_exit(code: int) -> None:  # pragma: no cover - replaced in tests

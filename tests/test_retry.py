@@ -40,8 +40,9 @@ from engine.retry import (
     should_retry,
 )
 from engine.service import sdk_sampling_retry_config
-from engine.watchdog import CircuitBreaker
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
 from tests import sdk_errors as sdk
+from tests.clock import ManualClock, expire_deadlines
 
 pytestmark = pytest.mark.anyio
 
@@ -295,13 +296,18 @@ async def test_each_attempt_has_a_deadline() -> None:
         calls[0] += 1
         await anyio.sleep_forever()
 
-    policy = FAST.scaled(max_attempts=2, attempt_timeout=0.05)
-    with pytest.raises(RetriesExhausted) as info:
-        await call_with_retry(stuck, kind=OpKind.SAMPLE, policy=policy, counter=RetryCounter())
-    assert calls[0] == 2
+    policy = FAST.scaled(max_attempts=2, attempt_timeout=600)
+    clock = ManualClock()
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(expire_deadlines, clock)
+        with pytest.raises(RetriesExhausted) as info:
+            await call_with_retry(
+                stuck, kind=OpKind.SAMPLE, policy=policy, counter=RetryCounter(), clock=clock
+            )
+        tg.cancel_scope.cancel()
+    assert calls[0] == 2 and clock.now() == 1200
     assert (
-        str(info.value)
-        == "sample failed after 2 attempts: timed out after 0.05s waiting for sample"
+        str(info.value) == "sample failed after 2 attempts: timed out after 600s waiting for sample"
     )
     assert isinstance(info.value.__cause__, OpTimeout)
 
@@ -398,10 +404,10 @@ def test_policies_validate_and_bound_the_sdk() -> None:
 # --------------------------------------------------------------------- ServiceGuard
 
 
-def fast_guard(**changes: Any) -> ServiceGuard:
+def fast_guard(clock: Clock = LOOP_CLOCK, **changes: Any) -> ServiceGuard:
     policies = {kind: FAST.scaled(**changes) for kind in OpKind}
     policies[OpKind.TRAIN_STEP] = FAST.scaled(max_attempts=1, **changes)
-    return ServiceGuard(policies=policies, breaker=CircuitBreaker(3))
+    return ServiceGuard(policies=policies, breaker=CircuitBreaker(3), clock=clock)
 
 
 async def test_guard_retries_idempotent_kinds_and_shares_the_counter() -> None:
@@ -414,7 +420,8 @@ async def test_guard_retries_idempotent_kinds_and_shares_the_counter() -> None:
 
 
 async def test_guard_bounds_but_never_repeats_a_train_step() -> None:
-    guard = fast_guard(attempt_timeout=0.05)
+    clock = ManualClock()
+    guard = fast_guard(clock, attempt_timeout=900)
     fn, calls = flaky([sdk.status_error(503, path="forward_backward")] * 3)
     with pytest.raises(tinker.InternalServerError):
         await guard.call(OpKind.TRAIN_STEP, "forward_backward", fn)
@@ -423,10 +430,13 @@ async def test_guard_bounds_but_never_repeats_a_train_step() -> None:
     async def stuck() -> None:
         await anyio.sleep_forever()
 
-    with pytest.raises(OpTimeout, match="waiting for optim_step"):
-        await guard.call(OpKind.TRAIN_STEP, "optim_step", stuck)
-    with pytest.raises(StepOutcomeUnknown, match="train step 5"):
-        await guard.train_step(5, stuck)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(expire_deadlines, clock)
+        with pytest.raises(OpTimeout, match="waiting for optim_step"):
+            await guard.call(OpKind.TRAIN_STEP, "optim_step", stuck)
+        with pytest.raises(StepOutcomeUnknown, match="train step 5"):
+            await guard.train_step(5, stuck)
+        tg.cancel_scope.cancel()
     assert guard.breaker.failures("train_step") == 1
     assert guard.counter.take()["retries/train_step"] == 1  # one step to redo
 

@@ -10,8 +10,9 @@ import anyio.lowlevel
 import pytest
 
 from engine.errors import CircuitOpen, Interrupted, OpTimeout, RunStopped, Stalled, find_error
-from engine.watchdog import CircuitBreaker, SignalInterrupt, Watchdog, deadline
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, SignalInterrupt, Watchdog, deadline
 from tests import sdk_errors as sdk
+from tests.clock import ManualClock
 
 pytestmark = pytest.mark.anyio
 
@@ -20,10 +21,27 @@ pytestmark = pytest.mark.anyio
 
 
 async def test_deadline_names_the_operation() -> None:
-    with pytest.raises(OpTimeout) as info, deadline(0.05, "sample"):
+    clock = ManualClock()
+
+    async def expire() -> None:
+        await anyio.wait_all_tasks_blocked()
+        assert clock.deadlines() == [30]
+        clock.advance(29.9)  # not yet
+        await anyio.wait_all_tasks_blocked()
+        clock.advance(0.1)
+
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(expire)
+        with pytest.raises(OpTimeout) as info, deadline(30, "sample", clock):
+            await anyio.sleep_forever()
+    assert str(info.value) == "timed out after 30s waiting for sample"
+    assert info.value.op == "sample" and info.value.seconds == 30
+    assert clock.deadlines() == []
+
+
+async def test_the_loop_clock_deadline_expires_in_real_time() -> None:
+    with pytest.raises(OpTimeout, match=r"after 0\.01s"), deadline(0.01, "sample", LOOP_CLOCK):
         await anyio.sleep_forever()
-    assert str(info.value) == "timed out after 0.05s waiting for sample"
-    assert info.value.op == "sample" and info.value.seconds == 0.05
 
 
 async def test_deadline_lets_fast_work_and_foreign_timeouts_through() -> None:
@@ -75,15 +93,15 @@ def test_breaker_resets_on_success_and_counts_kinds_apart() -> None:
 
 
 def test_watchdog_check_follows_progress() -> None:
-    now = [100.0]
-    dog = Watchdog(10, clock=lambda: now[0])
+    clock = ManualClock()
+    dog = Watchdog(10, clock=clock)
     assert dog.check() == 10
-    now[0] = 108.0
+    clock.advance(8)
     assert dog.check() == 2
     dog.progress("step 1 trained")
-    now[0] = 117.0
+    clock.advance(9)
     assert dog.check() == 1
-    now[0] = 118.0
+    clock.advance(1)
     with pytest.raises(Stalled) as info:
         dog.check()
     assert info.value.reason == "watchdog"
@@ -93,13 +111,26 @@ def test_watchdog_check_follows_progress() -> None:
 
 
 async def test_watchdog_task_stops_a_stuck_run() -> None:
-    dog = Watchdog(0.05)
+    clock = ManualClock()
+    dog = Watchdog(600, clock=clock)
+
+    async def stuck_engine() -> None:
+        dog.progress("step 1 trained")
+        await anyio.wait_all_tasks_blocked()
+        clock.advance(599)
+        dog.progress("step 2 trained")
+        clock.advance(599)  # the watchdog wakes at 600 and sleeps again: 1 s left
+        await anyio.wait_all_tasks_blocked()
+        clock.advance(1)
+        await anyio.sleep_forever()
+
     with pytest.raises(BaseExceptionGroup) as info:
         async with anyio.create_task_group() as tg:
             tg.start_soon(dog.run)
-            await anyio.sleep_forever()  # the "engine": stuck
+            tg.start_soon(stuck_engine)
     stop = find_error(info.value, RunStopped)
     assert isinstance(stop, Stalled)
+    assert str(stop) == "stopping the run: no progress for 600s (last progress: step 2 trained)"
 
 
 async def test_watchdog_task_is_cancelled_cleanly() -> None:

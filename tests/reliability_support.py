@@ -8,17 +8,18 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 import anyio
 
-from engine import Engine, EngineConfig, StepResult
+from engine import Engine, EngineConfig, RunResult, StepResult
 from engine.local import LocalServer
 from engine.tasks import Problem, RewardBreakdown
 from engine.tasks.arithmetic import ArithmeticTask
+from tests.clock import ManualClock
 from tests.engine_support import small_config
 
 REPO = Path(__file__).resolve().parents[1]
@@ -100,6 +101,39 @@ def run_and_keep_model(config: EngineConfig, **kwargs: Any) -> tuple[list[StepRe
 
     anyio.run(go)
     return seen, model[0]
+
+
+async def until(condition: Callable[[], bool], *, limit_s: float = 240.0) -> None:
+    """Wait (polling, on the event loop) until ``condition()`` holds: for state outside
+    the run, such as what a server holds; the limit only keeps a broken run from hanging
+    the suite."""
+    with anyio.fail_after(limit_s):
+        while not condition():  # noqa: ASYNC110  # nothing outside the run can set an Event
+            await anyio.sleep(0.02)
+
+
+def run_engine_driven(
+    config: EngineConfig, clock: ManualClock, driver: Callable[[], Awaitable[None]]
+) -> RunResult:
+    """Run the engine on ``clock`` with ``driver`` beside it in the same event loop (it
+    moves the clock when the run is where the test wants it); the run's error is raised
+    as itself."""
+
+    async def go() -> RunResult:
+        outcome: list[RunResult] = []
+        failure: list[Exception] = []
+        async with Engine(config, clock=clock) as engine, anyio.create_task_group() as tg:
+            tg.start_soon(driver)
+            try:
+                outcome.append(await engine.run())
+            except Exception as exc:
+                failure.append(exc)
+            tg.cancel_scope.cancel()
+        if failure:
+            raise failure[0]
+        return outcome[0]
+
+    return anyio.run(go)
 
 
 # ------------------------------------------------------------------ the CLI in a process

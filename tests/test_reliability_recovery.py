@@ -18,6 +18,7 @@ import pytest
 from engine import Engine, StepResult
 from engine.errors import CircuitOpen, Interrupted, Stalled
 from engine.local import LocalServer
+from tests.clock import ManualClock
 from tests.engine_support import run_engine
 from tests.reliability_support import (
     BATCH,
@@ -29,7 +30,9 @@ from tests.reliability_support import (
     optimizer_steps_of,
     read_json,
     run_and_keep_model,
+    run_engine_driven,
     trained_steps,
+    until,
 )
 
 pytestmark = pytest.mark.slow
@@ -142,17 +145,25 @@ def test_the_breaker_stops_with_a_checkpoint_and_the_run_resumes(tmp_path: Path)
 
 
 def test_the_watchdog_stops_a_run_that_makes_no_progress(tmp_path: Path) -> None:
-    """Step 2's samples are held by the server far beyond the stall timeout: the
-    watchdog stops the run (between steps, so with a checkpoint) instead of waiting."""
+    """Step 2's samples are held by the server: once they all are, 1800 s pass on the
+    run's clock and the watchdog stops the run (between steps, so with a checkpoint)
+    instead of waiting."""
     run_dir = tmp_path / "run"
+    clock = ManualClock()
     with LocalServer(faults="slow_s=600,slow@asample:at=5+6+7+8") as server:
-        # several times a step's time (about 1 s here, 3 s on a busy machine); the
-        # samples are held far longer
-        config = fast_config(server, run_dir, steps=3, stall_timeout=8.0, max_steps_off_policy=0)
+        config = fast_config(server, run_dir, steps=3, stall_timeout=1800.0, max_steps_off_policy=0)
+
+        async def stall() -> None:
+            await until(lambda: server.stats.faults_injected.get("slow@asample") == BATCH)
+            clock.advance(1799)
+            await anyio.wait_all_tasks_blocked()
+            assert metrics(run_dir) != [] and not events(run_dir, "run.stopped")
+            clock.advance(1)
+
         with pytest.raises(Stalled) as info:
-            run_engine(config)
+            run_engine_driven(config, clock, stall)
     assert str(info.value) == (
-        "stopping the run: no progress for 8s (last progress: step 1 trained)"
+        "stopping the run: no progress for 1800s (last progress: step 1 trained)"
     )
     assert [m["step"] for m in metrics(run_dir)] == [1]
     assert [(c["step"], c["reason"]) for c in checkpoints(run_dir)][-1] == (1, "watchdog")
@@ -163,18 +174,26 @@ def test_a_hung_sample_times_out_and_is_sampled_again(tmp_path: Path) -> None:
     (--request-timeout) abandons it and a new request succeeds; the retry is counted in
     that step's metrics and logged."""
     run_dir = tmp_path / "run"
+    clock = ManualClock()
     with LocalServer(faults="slow_s=600,slow@asample:at=6") as server:
-        # several times a train step's time, even on a busy machine
-        config = fast_config(server, run_dir, steps=2, request_timeout=10.0)
-        run_engine(config)
+        config = fast_config(server, run_dir, steps=2, request_timeout=300.0)
+
+        async def expire_the_held_sample() -> None:
+            # the held request is the only call still waiting (its siblings answered)
+            await until(
+                lambda: (
+                    server.stats.faults_injected.get("slow@asample") == 1
+                    and clock.deadlines() == [300.0]
+                )
+            )
+            clock.advance(300)
+
+        run_engine_driven(config, clock, expire_the_held_sample)
     lines = metrics(run_dir)
     assert [m["retries/sample"] for m in lines] == [0, 1]
     [retry] = events(run_dir, "retry")
     assert retry["kind"] == "sample"
-    # our per-attempt deadline, or the SDK's own no-progress limit (set to the same 10 s)
-    assert retry["error"] == "timed out after 10s waiting for sample" or retry["error"].startswith(
-        "sampling made no progress"
-    )
+    assert retry["error"] == "timed out after 300s waiting for sample"
 
 
 def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(

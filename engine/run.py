@@ -7,7 +7,8 @@ a flag (``--help`` names its environment variable and default).
 
 ``--resume <run dir>`` continues a run from its latest checkpoint with the settings in
 its config.json (flags may extend ``--steps`` or change timeouts/retries; changing what
-is trained is refused). SIGINT/SIGTERM stop the run after the step in flight with an
+is trained is refused); a run dir whose start-up never finished (no checkpoint yet) is
+started over from step 0. SIGINT/SIGTERM stop the run after the step in flight with an
 ``interrupt`` checkpoint (a second signal exits at once).
 
 Exit codes: 0 done; 2 invalid configuration (one line on stderr); 1 runtime failure

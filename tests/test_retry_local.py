@@ -24,14 +24,17 @@ from engine.local import LocalServer
 from engine.recovery import plan_recovery
 from engine.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
 from engine.service import sdk_sampling_retry_config
-from engine.watchdog import CircuitBreaker
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from tests.clock import ManualClock, expire_deadlines
 
 pytestmark = pytest.mark.anyio
 
 KEY = "tml-local-test-key-0123456789"
 
 
-def guard(attempt_timeout: float = 60.0, breaker: int = 5) -> ServiceGuard:
+def guard(
+    attempt_timeout: float = 60.0, breaker: int = 5, clock: Clock = LOOP_CLOCK
+) -> ServiceGuard:
     policy = RetryPolicy(
         max_attempts=4,
         initial_wait=0.01,
@@ -41,7 +44,7 @@ def guard(attempt_timeout: float = 60.0, breaker: int = 5) -> ServiceGuard:
     )
     policies = {kind: policy for kind in OpKind}
     policies[OpKind.TRAIN_STEP] = policy.scaled(max_attempts=1)
-    return ServiceGuard(policies=policies, breaker=CircuitBreaker(breaker))
+    return ServiceGuard(policies=policies, breaker=CircuitBreaker(breaker), clock=clock)
 
 
 def client_factory(base_url: str, api_key: str) -> Callable[[], Awaitable[tinker.ServiceClient]]:
@@ -176,7 +179,8 @@ async def test_a_failed_save_state_is_saved_again() -> None:
 
 
 async def test_a_500_storm_trips_the_breaker_instead_of_hanging() -> None:
-    g = guard(attempt_timeout=0.5, breaker=2)
+    clock = ManualClock()
+    g = guard(attempt_timeout=600, breaker=2, clock=clock)
     with LocalServer(faults="500@asample:1.0") as server:
         async with session(server, g) as service:
             sampler = await service.create_sampling_client_async(
@@ -185,17 +189,22 @@ async def test_a_500_storm_trips_the_breaker_instead_of_hanging() -> None:
             )
             prompt = types.ModelInput.from_ints([5, 6, 7])
             params = types.SamplingParams(max_tokens=3)
-            with pytest.raises(CircuitOpen) as info:
-                await g.call(
-                    OpKind.SAMPLE,
-                    "sample",
-                    lambda: sampler.sample_async(
-                        prompt=prompt, num_samples=1, sampling_params=params
-                    ),
-                )
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(expire_deadlines, clock)  # the SDK retries the 500s forever
+                with pytest.raises(CircuitOpen) as info:
+                    await g.call(
+                        OpKind.SAMPLE,
+                        "sample",
+                        lambda: sampler.sample_async(
+                            prompt=prompt, num_samples=1, sampling_params=params
+                        ),
+                    )
+                tg.cancel_scope.cancel()
     assert info.value.reason == "breaker"
-    # The last error is our deadline or, racing it, the SDK's own no-progress timeout.
-    assert str(info.value).startswith("stopping the run: 2 consecutive sample failures (last: ")
+    assert str(info.value) == (
+        "stopping the run: 2 consecutive sample failures "
+        "(last: timed out after 600s waiting for sample)"
+    )
     assert g.counter.totals()["retries/sample"] == 1
 
 

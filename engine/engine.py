@@ -685,7 +685,8 @@ class Engine:
             self._write_summary(error)
         except RunFileError as exc:
             if self._events is not None:
-                self._events.error("summary.failed", error=str(exc))
+                with contextlib.suppress(RunFileError):  # the same full disk
+                    self._events.error("summary.failed", error=str(exc))
 
     def _write_summary(self, error: BaseException | None) -> None:
         metrics = self._metrics

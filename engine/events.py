@@ -24,6 +24,7 @@ from typing import IO, Any
 
 import structlog
 
+from engine.errors import RunFileError
 from engine.redact import redact_processor
 
 __all__ = ["EVENTS_FILE", "EventLog", "describe"]
@@ -40,14 +41,18 @@ class _FileSink:
     to call from worker threads (checkpoint appends run in one)."""
 
     def __init__(self, path: Path) -> None:
+        self._path = path
         self._file: IO[str] = path.open("a", encoding="utf-8")
         self._lock = threading.Lock()
 
     def msg(self, message: str) -> None:
         with self._lock:
             if not self._file.closed:
-                self._file.write(message + "\n")
-                self._file.flush()
+                try:
+                    self._file.write(message + "\n")
+                    self._file.flush()
+                except OSError as exc:  # a full disk: say which file
+                    raise RunFileError(self._path, exc) from exc
 
     info = warning = error = msg
 

@@ -23,6 +23,7 @@ from typing import IO, Any, Literal, TextIO
 import structlog
 
 from engine.checkpoint import truncate_metrics
+from engine.errors import RunFileError
 from engine.redact import redact_processor
 from engine.state import ScoredGroup
 
@@ -203,8 +204,11 @@ class RunLog:
         self._console_stream = console
 
     def _write_file(self, line: str) -> None:
-        self._file.write(line + "\n")
-        self._file.flush()
+        try:
+            self._file.write(line + "\n")
+            self._file.flush()
+        except OSError as exc:  # a full disk: say which file
+            raise RunFileError(self._path, exc) from exc
 
     def step(self, metrics: Mapping[str, Any], line: str) -> None:
         self._jsonl.info("step", **metrics)

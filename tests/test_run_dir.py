@@ -23,8 +23,10 @@ from engine.checkpoint import (
     write_config,
     write_file_atomically,
 )
-from engine.errors import ConfigError, RunFileError
+from engine.errors import ConfigError, RunFileError, exit_code, format_error
+from engine.events import EventLog
 from engine.local import LocalServer
+from engine.metrics import RunLog
 from engine.run import main
 from tests.reliability_support import (
     SMALL_RUN,
@@ -215,3 +217,19 @@ def test_a_start_up_killed_before_its_first_checkpoint_leaves_a_reusable_dir(
         assert f"{how} starts the run over in it from step 0" in restart["message"]
     assert "starts the run over in it from step 0" in fresh.stdout + fresh.stderr
     assert json.loads((copy / "config.json").read_text())["batch"] == 4  # its own settings
+
+
+@pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")
+def test_a_full_disk_under_metrics_and_events_names_the_file(tmp_path: Path) -> None:
+    """/dev/full answers every write with ENOSPC, like a full disk."""
+    (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
+    (tmp_path / "events.jsonl").symlink_to("/dev/full")
+    run_log = RunLog(tmp_path / "metrics.jsonl", None, "console")
+    with pytest.raises(RunFileError) as info:
+        run_log.step({"step": 1}, "Step 1: ...")
+    assert str(info.value) == f"cannot write {tmp_path / 'metrics.jsonl'}: no space left on device"
+    events_log = EventLog(tmp_path)
+    with pytest.raises(RunFileError) as info:
+        events_log.warning("retry", error="the server answered 503")
+    assert str(info.value) == f"cannot write {tmp_path / 'events.jsonl'}: no space left on device"
+    assert format_error(info.value) == f"Error: {info.value}" and exit_code(info.value) == 1

@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from engine import StepResult
 from engine.checkpoint import (
     CheckpointLog,
     CheckpointRecord,
@@ -28,11 +29,13 @@ from engine.events import EventLog
 from engine.local import LocalServer
 from engine.metrics import RunLog
 from engine.run import main
+from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,
     checkpoints,
     cli_env,
     events,
+    fast_config,
     metrics,
     read_json,
     start_cli,
@@ -233,3 +236,20 @@ def test_a_full_disk_under_metrics_and_events_names_the_file(tmp_path: Path) -> 
         events_log.warning("retry", error="the server answered 503")
     assert str(info.value) == f"cannot write {tmp_path / 'events.jsonl'}: no space left on device"
     assert format_error(info.value) == f"Error: {info.value}" and exit_code(info.value) == 1
+
+
+@pytest.mark.slow
+def test_a_summary_that_cannot_be_written_is_the_runs_one_line_error(tmp_path: Path) -> None:
+    """The run trains, then its summary.json cannot be replaced: the run fails with one
+    line naming the file (it used to end in an OSError raised while handling it)."""
+    run_dir = tmp_path / "run"
+
+    def block_the_summary(step: StepResult) -> None:
+        (run_dir / "summary.json").mkdir()  # os.replace onto a directory fails
+
+    with LocalServer() as server, pytest.raises(RunFileError) as info:
+        run_engine(fast_config(server, run_dir, steps=1), on_step=block_the_summary)
+    assert str(info.value) == f"cannot write {run_dir / 'summary.json'}: is a directory"
+    [failed] = events(run_dir, "summary.failed")
+    assert failed["error"] == str(info.value)
+    assert [m["step"] for m in metrics(run_dir)] == [1]

@@ -228,8 +228,10 @@ def test_flags_beat_env_which_beats_profile() -> None:
     )
     assert hosted.task_args == {"op": "*", "min_operand": "10", "max_operand": "199"}
     # TINKER_* are the fallbacks, as in the quickstart
-    tinker = config_from_sources({}, {"TINKER_API_KEY": "tml-abcdefgh", "TINKER_BASE_URL": "x"})
-    assert tinker.api_key == "tml-abcdefgh" and tinker.base_url == "x"
+    tinker = config_from_sources(
+        {}, {"TINKER_API_KEY": "tml-abcdefgh", "TINKER_BASE_URL": "http://tinker.test"}
+    )
+    assert tinker.api_key == "tml-abcdefgh" and tinker.base_url == "http://tinker.test"
 
 
 def test_api_key_never_reaches_config_dict_or_repr() -> None:

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Final, Literal, cast, get_args
 
 from engine.errors import ConfigError
+from engine.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
 from engine.rl import OnMissingLogprobs
 from engine.scoring import parse_score_workers
 
@@ -121,7 +122,7 @@ class EngineConfig:
     checkpoint_every: int = 10
     resume: Path | None = None
     request_timeout: float = 600.0
-    unreachable_timeout: float = 30.0
+    unreachable_timeout: float = UNREACHABLE_AFTER_S
     stall_timeout: float = 1800.0
     max_consecutive_failures: int = 5
     retry_attempts: int = 4
@@ -666,8 +667,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_float,
         _finite_positive,
         "stop the run (exit 1) when the server refuses connections for this many seconds "
-        "while a call waits on it (probed every 5 s)",
-        "30",
+        f"while a call waits on it (probed every {PROBE_INTERVAL_S:g} s)",
+        f"{UNREACHABLE_AFTER_S:g}",
     ),
     Knob(
         "stall_timeout",

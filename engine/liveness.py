@@ -34,9 +34,12 @@ import httpx
 from engine.errors import ServerUnreachable, os_reason
 from engine.watchdog import LOOP_CLOCK, Clock
 
-__all__ = ["PROBE_INTERVAL_S", "Probe", "ServerLiveness", "http_probe"]
+__all__ = ["PROBE_INTERVAL_S", "UNREACHABLE_AFTER_S", "Probe", "ServerLiveness", "http_probe"]
 
 T = TypeVar("T")
+
+UNREACHABLE_AFTER_S: Final = 30.0
+"""Default seconds of refused connections before a server counts as gone."""
 
 PROBE_INTERVAL_S: Final = 5.0
 """Seconds between probes (shorter when ``unreachable_after`` is short: at least three

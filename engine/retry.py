@@ -92,7 +92,7 @@ from engine.errors import (
     classify,
     retry_after,
 )
-from engine.liveness import ServerLiveness
+from engine.liveness import UNREACHABLE_AFTER_S, ServerLiveness
 from engine.recovery import run_train_step
 from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
 
@@ -407,7 +407,7 @@ class ServiceGuard:
     )
     log: _Log | None = None
     clock: Clock = LOOP_CLOCK
-    unreachable_after: float = 30.0
+    unreachable_after: float = UNREACHABLE_AFTER_S
     liveness: ServerLiveness | None = None
 
     def watch_server(self, base_url: str) -> None:

@@ -295,6 +295,11 @@ class LocalServer(AbstractContextManager["LocalServer"]):
         assert self._portal is not None
         return self._portal.call(self.running.service.snapshot)
 
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the server's event loop (atomically with its requests)."""
+        assert self._portal is not None
+        return self._portal.call(fn)
+
     def backend_call(self, fn: Callable[[Backend], T]) -> T:
         """Run ``fn(backend)`` on the server's compute thread and return its result."""
         assert self._portal is not None

@@ -47,6 +47,9 @@ CHECKPOINT_FILES = frozenset(
 )
 ARCHIVE_URL_TTL_S = 15 * 60
 ARCHIVES_KEPT = 16
+NO_RETRY = {"x-should-retry": "false"}
+"""On a 409: the SDK's HTTP layer must not retry it (its RestClient still does, for up
+to 5 minutes, as against the hosted service)."""
 _TYPES = {"weights": "training", "sampler_weights": "sampler"}
 
 
@@ -254,6 +257,7 @@ class CheckpointStore:
                 409,
                 f"checkpoint {path} is in use (a sampling client samples from it, or a load "
                 "or an archive reads it); close that first",
+                headers=NO_RETRY,
             )
         self._remove(path)
 
@@ -263,7 +267,7 @@ class CheckpointStore:
             raise HttpError(404, f"checkpoint {path} not found")
         if record.public == public:
             state = "public" if public else "private"
-            raise HttpError(409, f"checkpoint {path} is already {state}")
+            raise HttpError(409, f"checkpoint {path} is already {state}", headers=NO_RETRY)
         self._update_access(path, public=public)
 
     def set_ttl(self, path: TinkerPath, ttl_seconds: Any) -> None:

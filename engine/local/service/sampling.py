@@ -176,7 +176,7 @@ class SamplingOps:
         if why is not None:
             return f"sampling session {sampler_id!r} was released: {why}"
         return (
-            f"unknown sampling session {sampler_id!r} (sampling sessions do not survive a "
+            f"unknown sampling_session_id {sampler_id!r} (sampling sessions do not survive a "
             "server restart; create a new sampling client)"
         )
 

@@ -183,6 +183,30 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {ServerConfig.body_timeout_s:g})",
     )
     parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="release the training clients and sampling sessions of a session that sent "
+        "no heartbeat for this long (default 600; the SDK heartbeats every 10 s)",
+    )
+    parser.add_argument(
+        "--max-models",
+        type=int,
+        default=limits.max_models,
+        metavar="N",
+        help=f"training clients held in memory; beyond it the least recently used idle one "
+        f"is evicted (default {limits.max_models})",
+    )
+    parser.add_argument(
+        "--max-samplers",
+        type=int,
+        default=limits.max_named_samplers,
+        metavar="N",
+        help="checkpoint snapshots (sampling clients from a model_path) held in memory; "
+        f"beyond it the least recently used is evicted (default {limits.max_named_samplers})",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -206,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
             max_datums=args.max_datums,
             max_request_tokens=args.max_request_tokens,
             max_seq_gap=args.max_seq_gap,
+            max_models=args.max_models,
+            max_named_samplers=args.max_samplers,
         )
         config = make_config(
             args.model,
@@ -221,6 +247,7 @@ def main(argv: list[str] | None = None) -> int:
             seq_gap_timeout_s=args.seq_gap_timeout,
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
+            session_timeout_s=args.session_timeout,
             limits=limits,
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:

@@ -281,3 +281,15 @@ def test_silent_sessions_release_their_models_and_the_model_budget_evicts(
     assert evicted
     with pytest.raises(mint.RequestFailedError, match="least recently used"):
         evicted[0].forward(data, "cross_entropy").result()
+
+
+def test_the_memory_budget_evicts_snapshots_then_idle_models() -> None:
+    with LocalServer(limits=Limits(max_adapter_bytes=1)) as tiny_budget:
+        service = mint.ServiceClient(base_url=tiny_budget.base_url, api_key=KEY)
+        first = service.create_lora_training_client(base_model=tiny_budget.model_name, rank=2)
+        data = [datum(first.get_tokenizer())]
+        second = service.create_lora_training_client(base_model=tiny_budget.model_name, rank=2)
+        assert tiny_budget.stats.held["models"] == [second.model_id]  # the new one stays
+        with pytest.raises(mint.RequestFailedError, match="within 1 bytes"):
+            first.forward(data, "cross_entropy").result()
+        assert second.forward(data, "cross_entropy").result().metrics["loss:sum"] > 0

@@ -207,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
         f"beyond it the least recently used is evicted (default {limits.max_named_samplers})",
     )
     parser.add_argument(
+        "--max-adapter-memory",
+        type=int,
+        default=limits.max_adapter_bytes >> 20,
+        metavar="MB",
+        help="memory for training clients and sampler snapshots together; beyond it the "
+        "least recently used are evicted, snapshots first "
+        f"(default {limits.max_adapter_bytes >> 20})",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -232,6 +241,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_gap=args.max_seq_gap,
             max_models=args.max_models,
             max_named_samplers=args.max_samplers,
+            max_adapter_bytes=args.max_adapter_memory << 20,
         )
         config = make_config(
             args.model,

@@ -460,6 +460,20 @@ class Backend:
     def has_sampler(self, key: str) -> bool:
         return key in self._snapshots
 
+    def held_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Memory of each training client and each sampler snapshot, in bytes:
+        ({model_id: n}, {sampler key: n}). A client counts at its full size from the
+        start: LoRA weights, gradients and both Adam moments."""
+        models = {
+            model_id: 4 * sum(p.numel() * p.element_size() for p in client.params.values())
+            for model_id, client in self._clients.items()
+        }
+        snapshots = {
+            key: sum(t.numel() * t.element_size() for t in snap.tensors.values())
+            for key, snap in self._snapshots.items()
+        }
+        return models, snapshots
+
     def save_state(self, model_id: str, dest: Path) -> None:
         """Weights + optimizer state + metadata (base model, LoRA spec, step count)."""
         client = self._client(model_id)

@@ -63,6 +63,10 @@ class Limits:
     max_named_samplers: int = 64
     """Checkpoint snapshots (sampling clients from a model_path) held in memory; beyond it
     the least recently used is evicted, with the sampling sessions that use it."""
+    max_adapter_bytes: int = 4 << 30
+    """Memory for training clients (LoRA weights, gradients, Adam moments) and sampler
+    snapshots together; beyond it checkpoint snapshots, then in-memory snapshots, then
+    idle training clients are evicted, least recently used first."""
     max_upload_bytes: int = 1 << 30
     """Largest checkpoint archive accepted by /api/v1/checkpoints/upload (and the most
     it may unpack to)."""

@@ -42,17 +42,67 @@ class Resources:
             victim = registry.least_recently_used_named_sampler()
             key = victim.key if victim is not None else next(iter(registry.sampler_keys.values()))
             assert key is not None
-            self.evicted["named_samplers"] += 1
-            reason = (
+            self._evict_snapshot(
+                key,
                 f"its snapshot was evicted as the least recently used of the {limit} "
                 "checkpoint snapshots the local server holds (--max-samplers); create a new "
-                "sampling client for its model_path"
+                "sampling client for its model_path",
             )
-            for sampler in [s for s in registry.samplers.values() if s.key == key]:
-                registry.release_sampler(sampler.sampler_id, reason)
-            for path in [p for p, k in registry.sampler_keys.items() if k == key]:
-                del registry.sampler_keys[path]
-            self.core.spawn(self._release_snapshot, key)
+
+    def _evict_snapshot(self, key: str, reason: str) -> None:
+        registry = self.core.registry
+        self.evicted["named_samplers"] += 1
+        for sampler in [s for s in registry.samplers.values() if s.key == key]:
+            registry.release_sampler(sampler.sampler_id, reason)
+        for path in [p for p, k in registry.sampler_keys.items() if k == key]:
+            del registry.sampler_keys[path]
+        self.core.spawn(self._release_snapshot, key)
+
+    async def enforce_memory(self, protect: frozenset[str] = frozenset()) -> None:
+        """Evict until training clients and snapshots fit ``limits.max_adapter_bytes``:
+        checkpoint snapshots first, then in-memory snapshots, then idle training
+        clients, least recently used first; ids / keys in ``protect`` stay."""
+        limit = self.core.config.limits.max_adapter_bytes
+        backend, registry = self.core.backend, self.core.registry
+        model_bytes, snapshot_bytes = await self.core.compute.run(backend.held_bytes)
+        total = sum(model_bytes.values()) + sum(snapshot_bytes.values())
+        if total <= limit:
+            return
+        reason = (
+            f"evicted to keep the local server's training clients and snapshots within "
+            f"{limit} bytes (--max-adapter-memory)"
+        )
+        used: dict[str, float] = {}
+        for sampler in registry.samplers.values():
+            if sampler.key is not None:
+                used[sampler.key] = max(used.get(sampler.key, 0.0), sampler.last_used)
+        named = sorted(set(registry.sampler_keys.values()) - protect, key=lambda k: used.get(k, 0))
+        ephemeral = sorted(
+            (s for s in registry.samplers.values() if s.ephemeral and s.key not in protect),
+            key=lambda s: s.last_used,
+        )
+        idle = sorted(
+            (m for m in registry.models.values() if m.seq.queued == 0),
+            key=lambda m: m.last_used,
+        )
+        for key in named:
+            if total <= limit:
+                return
+            self._evict_snapshot(key, reason)
+            total -= snapshot_bytes.get(key, 0)
+        for sampler in ephemeral:
+            if total <= limit:
+                return
+            if sampler.sampler_id in registry.samplers:
+                self.release_sampler(sampler.sampler_id, reason)
+                total -= snapshot_bytes.get(sampler.key or "", 0)
+        for model in idle:
+            if total <= limit:
+                return
+            if model.model_id not in protect:
+                self.evicted["models"] += 1
+                self.release_model(model.model_id, reason)
+                total -= model_bytes.get(model.model_id, 0)
 
     def release_model(self, model_id: str, reason: str) -> None:
         if self.core.registry.release_model(model_id, reason) is not None:

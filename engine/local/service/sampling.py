@@ -111,6 +111,7 @@ class SamplingOps:
         except BackendError as exc:
             raise HttpError(400, f"cannot load {parsed}: {exc}") from None
         core.registry.sampler_keys[str(parsed)] = key
+        await self.resources.enforce_memory(frozenset({key}))
         return key, name
 
     def _base_model_of(self, path: TinkerPath) -> str:
@@ -144,6 +145,7 @@ class SamplingOps:
         ephemeral one becomes a new sampling session (the oldest beyond the limit are
         released)."""
         registry = self.core.registry
+        self.core.spawn(self.resources.enforce_memory, frozenset({key}))
         if path is not None:
             registry.sampler_keys[str(path)] = key
             return None

@@ -143,6 +143,7 @@ class TrainingOps:
 
         payload = await core.finish_job(entry, Job(run=run, finish=finish))
         if payload is not None:
+            await self.resources.enforce_memory(frozenset({model_id}))
             core.futures.resolve(entry, payload)
 
     def get_info(self, body: Any) -> dict[str, Any]:

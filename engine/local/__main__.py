@@ -22,6 +22,7 @@ import anyio
 from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
+from engine.local.pretrained import PRETRAINED
 
 _EPILOG = """\
 fault spec (--faults): comma-separated rules KIND[~PHASE][@ENDPOINT|...]:TRIGGER and options
@@ -85,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help=f"local Hugging Face causal-LM directory (default {DEFAULT_MODEL_DIR})",
+        metavar="DIR|NAME",
+        help="local Hugging Face causal-LM directory, or a packaged pretrained model: "
+        f"{', '.join(PRETRAINED)} (opt-in, see README) (default {DEFAULT_MODEL_DIR})",
     )
     parser.add_argument(
         "--model-name",

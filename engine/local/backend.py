@@ -28,7 +28,7 @@ from transformers.utils import logging as hf_logging
 from engine.local import checkpoint, losses
 from engine.local.datums import DatumError, check_datum, micro_batches, pad_right
 from engine.local.lora import AdapterHost, TargetSet
-from engine.local.make_model import METADATA_FILE
+from engine.local.pretrained import METADATA_FILE
 from engine.local.sampling import Request, Sampler
 
 

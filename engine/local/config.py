@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
+from engine.local.pretrained import PRETRAINED, model_directory
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 """The small model packaged with the engine (created by ``engine.local.make_model``)."""
@@ -180,6 +181,8 @@ def make_config(
     """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
     the ``--faults`` / ``--latency`` grammars). Raises ``ValueError`` subclasses with a
     one-line message on bad values."""
+    if isinstance(model_dir, str) and model_dir in PRETRAINED:
+        model_dir = model_directory(model_dir)
     model_path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
     if not model_path.is_dir():
         hint = (

@@ -185,6 +185,14 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {ServerConfig.body_timeout_s:g})",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads for the model (default: 1 for small models, all cores "
+        "otherwise; on a busy machine 1 is often fastest)",
+    )
+    parser.add_argument(
         "--session-timeout",
         type=float,
         default=600.0,
@@ -260,6 +268,7 @@ def main(argv: list[str] | None = None) -> int:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             session_timeout_s=args.session_timeout,
+            num_threads=args.threads,
             limits=limits,
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:

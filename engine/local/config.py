@@ -117,6 +117,9 @@ class ServerConfig:
     sampling sessions (the SDK heartbeats every 10 s)."""
     housekeeping_interval_s: float = 10.0
     """How often silent sessions, expired checkpoints and archive URLs are swept."""
+    num_threads: int | None = None
+    """torch intra-op threads of the compute thread; None: one for small models, torch's
+    default otherwise (see ``backend._auto_threads``)."""
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -140,6 +143,8 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
+            raise ConfigError(f"num_threads must be in 1..1024, got {self.num_threads!r}")
         if self.sample_batch_window_s < 0:
             raise ConfigError(
                 f"sample_batch_window_s must be >= 0, got {self.sample_batch_window_s!r}"
@@ -176,6 +181,7 @@ def make_config(
     header_timeout_s: float = 10.0,
     body_timeout_s: float = 60.0,
     session_timeout_s: float = 600.0,
+    num_threads: int | None = None,
     limits: Limits | None = None,
 ) -> ServerConfig:
     """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
@@ -208,5 +214,6 @@ def make_config(
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
         session_timeout_s=session_timeout_s,
+        num_threads=num_threads,
         limits=limits or Limits(),
     )

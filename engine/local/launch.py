@@ -153,7 +153,11 @@ async def serve_local(
     data_path.mkdir(parents=True, exist_ok=True)
     compute = ComputeThread()
     try:
-        backend = await compute.run(lambda: Backend(config.model_dir, model_name=config.model_name))
+        backend = await compute.run(
+            lambda: Backend(
+                config.model_dir, model_name=config.model_name, num_threads=config.num_threads
+            )
+        )
         await anyio.to_thread.run_sync(register_tokenizer, backend.model_name, backend.model_dir)
         sock = _bind(config.host, config.port)
         try:

@@ -5,8 +5,8 @@ unmodified SDK against a local server; prints the time of each step's stages.
     python -m benchmarks.chat_rl --steps 3 --batch 4 --group 4 --max-tokens 16
 
 Each step: for ``batch`` problems "What is a + b?" (rendered with the model's chat
-template), sample ``group`` answers, reward 1 for the exact sum, advantages = reward -
-group mean, one importance_sampling forward_backward + optim_step, then a new sampler
+template), sample ``group`` answers, reward 1 for the exact sum (0.1 for another
+number), advantages = reward - group mean, one importance_sampling forward_backward + optim_step, then a new sampler
 snapshot. Timings are wall-clock seconds on this machine's CPUs.
 """
 
@@ -67,10 +67,7 @@ def chat_rl(
         sampled = time.perf_counter()
         data, rewards = [], []
         for (a, b), prompt, answer in zip(problems, prompts, answers, strict=True):
-            scores = [
-                1.0 if _number(tokenizer.decode(seq.tokens)) == a + b else 0.0
-                for seq in answer.sequences
-            ]
+            scores = [_reward(tokenizer.decode(seq.tokens), a + b) for seq in answer.sequences]
             rewards += scores
             mean = sum(scores) / len(scores)
             for seq, score in zip(answer.sequences, scores, strict=True):
@@ -110,9 +107,12 @@ def chat_rl(
     return timings
 
 
-def _number(text: str) -> int | None:
+def _reward(text: str, answer: int) -> float:
+    """1 for the exact sum, 0.1 for another number, 0 for no number."""
     found = re.search(r"-?\d+", text)
-    return int(found.group()) if found else None
+    if found is None:
+        return 0.0
+    return 1.0 if int(found.group()) == answer else 0.1
 
 
 def main() -> None:

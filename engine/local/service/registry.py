@@ -16,6 +16,9 @@ from engine.local.backend import LoraSpec
 from engine.local.sequencer import ModelSequencer
 
 RELEASED_KEPT = 16384
+EMPTY_SESSIONS_KEPT = 16384
+"""Sessions that hold nothing are forgotten oldest first beyond this many (sessions that
+hold models or samplers end only when their heartbeats stop)."""
 
 
 @dataclass
@@ -71,6 +74,9 @@ class Registry:
         now = self._now()
         record = SessionRecord(session_id, now, now)
         self.sessions[session_id] = record
+        empty = [s for s in self.sessions.values() if not (s.model_ids or s.sampler_ids)]
+        for old in empty[: max(0, len(empty) - EMPTY_SESSIONS_KEPT)]:
+            del self.sessions[old.session_id]
         return record
 
     def heartbeat(self, session_id: str) -> bool:

@@ -6,8 +6,8 @@ unmodified SDK against a local server; prints the time of each step's stages.
 
 Each step: for ``batch`` problems "What is a + b?" (rendered with the model's chat
 template), sample ``group`` answers, reward 1 for the exact sum (0.1 for another
-number), advantages = reward - group mean, one importance_sampling forward_backward + optim_step, then a new sampler
-snapshot. Timings are wall-clock seconds on this machine's CPUs.
+number), advantages = reward - group mean, one importance_sampling forward_backward +
+optim_step, then a new sampler snapshot. Timings are wall-clock seconds on this machine's CPUs.
 """
 
 from __future__ import annotations

@@ -310,9 +310,7 @@ class TrainingOps:
                     return
                 if cycle is not None and core.clock is not None:
                     await core.clock.wait_start(cycle)
-                    core.stats.record_cycle(
-                        model.model_id, OpCycle(seq_id, entry.endpoint, cycle)
-                    )
+                    core.stats.record_cycle(model.model_id, OpCycle(seq_id, entry.endpoint, cycle))
                 reads = self.checkpoints.reading(job.reads) if job.reads else None
                 with reads or contextlib.nullcontext():
                     payload = await core.finish_job(entry, job)

@@ -98,7 +98,8 @@ def add_management_routes(app: FastAPI, service: LocalService, body_of: BodyRead
             body = Path(tmp) / "body"
             await _save_body(request, body, limit + _MULTIPART_SLACK)
             archive = Path(tmp) / "archive"
-            filename = file_part(body, request.headers.get("content-type", ""), archive)
+            content_type = request.headers.get("content-type", "")
+            filename = await anyio.to_thread.run_sync(file_part, body, content_type, archive)
             path = await store.upload(archive, filename)
         return JSONResponse(
             {

@@ -177,7 +177,8 @@ class CheckpointStore:
             raise HttpError(400, str(exc)) from None
         record = self.record(path)
         if record is None:
-            raise HttpError(404, f"checkpoint {path} not found")
+            where = path.directory(self.data_dir)
+            raise HttpError(404, f"checkpoint {path} not found (looked in {where})")
         return path, record
 
     def expire_if_due(self, path_text: str) -> None:

@@ -250,8 +250,8 @@ async def test_unknown_ids_and_unsupported_endpoints_get_clear_errors(
     kl = await post(http, "mint/forward_backward_reverse_kl", {"model_id": "x", "data": []})
     failed = await result(http, kl["request_id"])
     assert "not supported by the local server" in failed["error"]
-    runs = await http.get("/api/v1/training_runs")
-    assert runs.status_code == 400 and "not supported by the local server" in runs.json()["error"]
+    audit = await http.get("/api/v1/audit")
+    assert audit.status_code == 400 and "not supported by the local server" in audit.json()["error"]
     unknown_base = await post(
         http,
         "create_model",

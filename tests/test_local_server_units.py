@@ -4,6 +4,7 @@ checkpoint paths and the compute thread."""
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from pathlib import Path
@@ -15,14 +16,23 @@ import pytest
 
 from engine.local.auth import Authenticator
 from engine.local.compute import ComputeThread
-from engine.local.config import ConfigError, Limits, ServerConfig, is_loopback_host
+from engine.local.config import (
+    DEFAULT_MODEL_DIR,
+    ConfigError,
+    Limits,
+    ServerConfig,
+    is_loopback_host,
+)
 from engine.local.faults import FaultInjector, FaultSpec, FaultSpecError
 from engine.local.futures import FutureStore, TooManyPending
 from engine.local.latency import LatencyProfile, LatencyProfileError, TrainingClock
 from engine.local.middleware import endpoint_name
 from engine.local.sequencer import ModelSequencer, SeqRejected
-from engine.local.service import sampler_base_model
+from engine.local.service.core import ModelCard
+from engine.local.service.sampling import sample_job_of
 from engine.local.storage import BadPath, TinkerPath, check_name
+from engine.local.tokenizer_cache import register_tokenizer
+from engine.local.wire import SampleW, WireError, parse
 
 
 @pytest.fixture
@@ -314,9 +324,51 @@ async def test_compute_thread_runs_everything_on_one_thread_in_order() -> None:
     await compute.aclose()
 
 
-def test_sampler_base_model_survives_the_clients_org_model_heuristic(tmp_path: Path) -> None:
-    assert sampler_base_model(Path("/models/tiny")) == "/models/./tiny"
-    assert Path(sampler_base_model(Path("/models/tiny"))).resolve() == Path("/models/tiny")
-    deep = tmp_path / "a" / "model"
-    assert sampler_base_model(deep) == str(deep)
-    assert sampler_base_model(Path("/tiny")) == "/tiny"
+def test_the_tokenizer_is_filed_under_the_model_name_and_never_shadows_a_real_entry(
+    tmp_path: Path,
+) -> None:
+    from transformers import AutoTokenizer
+
+    cache = tmp_path / "hub"
+    snapshot = register_tokenizer("engine-local/tiny-arith", DEFAULT_MODEL_DIR, cache)
+    assert snapshot is not None and (snapshot / "tokenizer.json").is_file()
+    loaded = AutoTokenizer.from_pretrained("engine-local/tiny-arith", cache_dir=cache)
+    direct = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert loaded.encode("What is 1 + 2?") == direct.encode("What is 1 + 2?")
+    assert register_tokenizer("engine-local/tiny-arith", DEFAULT_MODEL_DIR, cache) == snapshot
+    real = cache / "models--Qwen--Qwen3-0.6B"
+    real.mkdir(parents=True)
+    assert register_tokenizer("Qwen/Qwen3-0.6B", DEFAULT_MODEL_DIR, cache) is None
+    assert list(real.iterdir()) == []
+    assert register_tokenizer("/some/dir", DEFAULT_MODEL_DIR, cache) is None
+    assert register_tokenizer("../x", DEFAULT_MODEL_DIR, cache) is None
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"prompt": []}, "prompt must contain at least one token"),
+        ({"prompt": [1, 100000]}, "outside the model's vocabulary"),
+        ({"num_samples": 0}, "num_samples must be in 1..128"),
+        ({"sampling_params": {"max_tokens": 0}}, "max_tokens must be set to an integer >= 1"),
+        ({"sampling_params": {"max_tokens": 10_000}}, "exceeds the model's max_context_length"),
+        ({"sampling_params": {"max_tokens": 4, "temperature": -0.1}}, "temperature must be >= 0"),
+        ({"sampling_params": {"max_tokens": 4, "top_p": 0.0}}, "top_p must be in (0, 1]"),
+        ({"sampling_params": {"max_tokens": 4, "top_k": -2}}, "top_k must be -1"),
+        ({"sampling_params": {"max_tokens": 4, "stop": [""]}}, "stop strings must be non-empty"),
+        ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs must be in 0..20"),
+    ],
+)
+def test_sample_requests_are_checked_in_one_place(change: dict[str, object], message: str) -> None:
+    card = ModelCard("tiny", DEFAULT_MODEL_DIR, 256, None, 1000)
+    body: dict[str, object] = {
+        "prompt": {"chunks": [{"tokens": [1, 2, 3], "type": "encoded_text"}]},
+        "sampling_params": {"max_tokens": 4},
+        "num_samples": 1,
+    }
+    good = sample_job_of(parse(SampleW, body, "asample"), None, card, Limits())
+    assert good.prompt == [1, 2, 3] and good.max_tokens == 4
+    if "prompt" in change:
+        change = {"prompt": {"chunks": [{"tokens": change["prompt"], "type": "encoded_text"}]}}
+    with pytest.raises(WireError, match=re.escape(message)):
+        sample_job_of(parse(SampleW, body | change, "asample"), None, card, Limits())

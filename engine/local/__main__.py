@@ -22,6 +22,7 @@ import anyio
 from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
+from engine.local.pretrained import PRETRAINED
 
 _EPILOG = """\
 fault spec (--faults): comma-separated rules KIND[~PHASE][@ENDPOINT|...]:TRIGGER and options
@@ -85,8 +86,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=None,
-        metavar="DIR",
-        help=f"local Hugging Face causal-LM directory (default {DEFAULT_MODEL_DIR})",
+        metavar="DIR|NAME",
+        help="local Hugging Face causal-LM directory, or a packaged pretrained model: "
+        f"{', '.join(PRETRAINED)} (opt-in, see README) (default {DEFAULT_MODEL_DIR})",
     )
     parser.add_argument(
         "--model-name",
@@ -183,6 +185,47 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {ServerConfig.body_timeout_s:g})",
     )
     parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        metavar="N",
+        help="torch threads for the model (default: 1 for small models, all cores "
+        "otherwise; on a busy machine 1 is often fastest)",
+    )
+    parser.add_argument(
+        "--session-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="release the training clients and sampling sessions of a session that sent "
+        "no heartbeat for this long (default 600; the SDK heartbeats every 10 s)",
+    )
+    parser.add_argument(
+        "--max-models",
+        type=int,
+        default=limits.max_models,
+        metavar="N",
+        help=f"training clients held in memory; beyond it the least recently used idle one "
+        f"is evicted (default {limits.max_models})",
+    )
+    parser.add_argument(
+        "--max-samplers",
+        type=int,
+        default=limits.max_named_samplers,
+        metavar="N",
+        help="checkpoint snapshots (sampling clients from a model_path) held in memory; "
+        f"beyond it the least recently used is evicted (default {limits.max_named_samplers})",
+    )
+    parser.add_argument(
+        "--max-adapter-memory",
+        type=int,
+        default=limits.max_adapter_bytes >> 20,
+        metavar="MB",
+        help="memory for training clients and sampler snapshots together; beyond it the "
+        "least recently used are evicted, snapshots first "
+        f"(default {limits.max_adapter_bytes >> 20})",
+    )
+    parser.add_argument(
         "--log-level",
         default="warning",
         choices=["debug", "info", "warning", "error"],
@@ -206,6 +249,9 @@ def main(argv: list[str] | None = None) -> int:
             max_datums=args.max_datums,
             max_request_tokens=args.max_request_tokens,
             max_seq_gap=args.max_seq_gap,
+            max_models=args.max_models,
+            max_named_samplers=args.max_samplers,
+            max_adapter_bytes=args.max_adapter_memory << 20,
         )
         config = make_config(
             args.model,
@@ -221,6 +267,8 @@ def main(argv: list[str] | None = None) -> int:
             seq_gap_timeout_s=args.seq_gap_timeout,
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
+            session_timeout_s=args.session_timeout,
+            num_threads=args.threads,
             limits=limits,
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:

@@ -21,6 +21,7 @@ from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
 from engine.local.auth import Authenticator
+from engine.local.management_routes import add_management_routes
 from engine.local.middleware import AuthMiddleware, FaultMiddleware, hide_injected_drop_tracebacks
 from engine.local.service import HttpError, LocalService
 from engine.local.storage import hide_data_dir
@@ -121,15 +122,15 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     post("client/config", lambda body: service.client_config())
     post("auth/token", lambda body: {"jwt": auth.issue()})
     post("create_session", service.create_session)
-    post("session_heartbeat", lambda body: {"type": "session_heartbeat"})
+    post("session_heartbeat", service.heartbeat)
     post("telemetry", lambda body: {"status": "accepted"})
-    post("create_model", service.create_model)
-    post("get_info", service.get_info)
+    post("create_model", service.training.create_model)
+    post("get_info", service.training.get_info)
     for endpoint in TRAINING_ENDPOINTS:
-        post(endpoint, functools.partial(service.submit_training, endpoint), digest=True)
+        post(endpoint, functools.partial(service.training.submit, endpoint), digest=True)
     post("weights_info", service.weights_info)
-    post("create_sampling_session", service.create_sampling_session)
-    post("asample", service.asample, digest=True)
+    post("create_sampling_session", service.sampling.create_session)
+    post("asample", service.sampling.asample, digest=True)
     post("retrieve_future", service.retrieve_future)
     for endpoint, message in UNSUPPORTED_FUTURES.items():
         post(endpoint, functools.partial(_unsupported_future, service, endpoint, message))
@@ -144,11 +145,13 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
 
     @app.get("/api/v1/samplers/{sampler_id}")
     async def get_sampler(sampler_id: str) -> dict[str, Any]:
-        return service.get_sampler(sampler_id)
+        return service.sampling.get_sampler(sampler_id)
 
     @app.get("/api/v1/local/stats")
     async def stats() -> dict[str, Any]:
         return service.snapshot().to_json()
+
+    add_management_routes(app, service, body_of)
 
     @app.api_route("/api/v1/{rest:path}", methods=["GET", "POST", "PUT", "DELETE", "PATCH"])
     async def unsupported(rest: str) -> JSONResponse:

@@ -21,13 +21,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from pydantic import BaseModel, ConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from engine.local import checkpoint, losses
 from engine.local.datums import DatumError, check_datum, micro_batches, pad_right
 from engine.local.lora import AdapterHost, TargetSet
-from engine.local.make_model import METADATA_FILE
+from engine.local.pretrained import METADATA_FILE
 from engine.local.sampling import Request, Sampler
 
 
@@ -53,8 +54,12 @@ class DatumIn:
     inputs: dict[str, torch.Tensor]
 
 
-@dataclass(frozen=True)
-class AdamConfig:
+class AdamConfig(BaseModel):
+    """AdamW hyperparameters: the backend's argument and the wire's ``adam_params``
+    (unknown keys are ignored, as for every wire type)."""
+
+    model_config = ConfigDict(extra="ignore", frozen=True)
+
     learning_rate: float = 1e-4
     beta1: float = 0.9
     beta2: float = 0.95
@@ -455,6 +460,20 @@ class Backend:
     def has_sampler(self, key: str) -> bool:
         return key in self._snapshots
 
+    def held_bytes(self) -> tuple[dict[str, int], dict[str, int]]:
+        """Memory of each training client and each sampler snapshot, in bytes:
+        ({model_id: n}, {sampler key: n}). A client counts at its full size from the
+        start: LoRA weights, gradients and both Adam moments."""
+        models = {
+            model_id: 4 * sum(p.numel() * p.element_size() for p in client.params.values())
+            for model_id, client in self._clients.items()
+        }
+        snapshots = {
+            key: sum(t.numel() * t.element_size() for t in snap.tensors.values())
+            for key, snap in self._snapshots.items()
+        }
+        return models, snapshots
+
     def save_state(self, model_id: str, dest: Path) -> None:
         """Weights + optimizer state + metadata (base model, LoRA spec, step count)."""
         client = self._client(model_id)
@@ -506,6 +525,21 @@ class Backend:
                 "exp_avg": saved[names[0]].clone(),
                 "exp_avg_sq": saved[names[1]].clone(),
             }
+
+    def verify_checkpoint(self, src: Path) -> dict[str, Any]:
+        """Read a checkpoint completely (tensors, and optimizer state for a state) and
+        check it fits this base model; return its metadata."""
+        path = Path(src)
+        try:
+            kind = checkpoint.read_meta(path).get("kind")
+        except checkpoint.CheckpointError as e:
+            raise BackendError(str(e)) from e
+        if kind not in ("state", "sampler"):
+            raise BackendError(f"{path}: unknown checkpoint kind {kind!r}")
+        ckpt = self._read(path, optimizer=kind == "state")
+        targets = TargetSet(tuple(ckpt.meta["target_modules"]))
+        self._check_tensors(path, ckpt.weights, int(ckpt.meta["lora_rank"]), targets)
+        return {k: v for k, v in ckpt.meta.items() if k != "format"}
 
     @staticmethod
     def read_state_info(src: Path) -> dict[str, Any]:
@@ -583,36 +617,10 @@ class Backend:
         return slot
 
     def _request(self, i: int, job: SampleJob) -> Request:
-        where = f"sample request {i}"
+        """Jobs arrive validated (``engine.local.service.sampling.sample_job_of``); only
+        whether the sampler still exists is checked here."""
         if job.sampler is not None and job.sampler not in self._snapshots:
-            raise BackendError(f"{where}: unknown sampler {job.sampler!r}")
-        if not job.prompt:
-            raise BackendError(f"{where}: prompt is empty")
-        bad = [t for t in job.prompt if not 0 <= t < self.vocab_size]
-        if bad:
-            raise BackendError(
-                f"{where}: prompt token id {bad[0]} is outside the vocabulary "
-                f"[0, {self.vocab_size})"
-            )
-        if job.num_samples < 1:
-            raise BackendError(f"{where}: num_samples must be >= 1, got {job.num_samples}")
-        if job.max_tokens < 1:
-            raise BackendError(f"{where}: max_tokens must be >= 1, got {job.max_tokens}")
-        if len(job.prompt) + job.max_tokens > self.max_context_length:
-            raise BackendError(
-                f"{where}: prompt ({len(job.prompt)} tokens) + max_tokens ({job.max_tokens}) "
-                f"exceeds the max context length {self.max_context_length}"
-            )
-        if not (math.isfinite(job.temperature) and job.temperature >= 0):
-            raise BackendError(f"{where}: temperature must be >= 0, got {job.temperature}")
-        if not 0 < job.top_p <= 1:
-            raise BackendError(f"{where}: top_p must be in (0, 1], got {job.top_p}")
-        if job.top_k < -1:
-            raise BackendError(f"{where}: top_k must be -1 (off) or positive, got {job.top_k}")
-        if job.topk_prompt_logprobs < 0:
-            raise BackendError(f"{where}: topk_prompt_logprobs must be >= 0")
-        if any(not s for s in job.stop_strings):
-            raise BackendError(f"{where}: stop strings must be non-empty")
+            raise BackendError(f"sample request {i}: unknown sampler {job.sampler!r}")
         return Request(
             prompt=list(job.prompt),
             num_samples=job.num_samples,

@@ -13,6 +13,7 @@ from pathlib import Path
 
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
+from engine.local.pretrained import PRETRAINED, model_directory
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 """The small model packaged with the engine (created by ``engine.local.make_model``)."""
@@ -57,6 +58,19 @@ class Limits:
     """asample requests merged into one backend.sample call."""
     dedupe_window: int = 4096
     """Per-model (seq_id -> request) entries remembered for duplicate detection."""
+    max_models: int = 64
+    """Training clients held in memory; beyond it the least recently used idle one is
+    evicted (using it later fails with a message saying so)."""
+    max_named_samplers: int = 64
+    """Checkpoint snapshots (sampling clients from a model_path) held in memory; beyond it
+    the least recently used is evicted, with the sampling sessions that use it."""
+    max_adapter_bytes: int = 4 << 30
+    """Memory for training clients (LoRA weights, gradients, Adam moments) and sampler
+    snapshots together; beyond it checkpoint snapshots, then in-memory snapshots, then
+    idle training clients are evicted, least recently used first."""
+    max_upload_bytes: int = 1 << 30
+    """Largest checkpoint archive accepted by /api/v1/checkpoints/upload (and the most
+    it may unpack to)."""
     max_ephemeral_samplers: int = 64
     """Snapshots from save_weights_and_get_sampling_client kept in memory; the oldest is
     released beyond this (sampling from it then fails with a clear error). Named
@@ -98,6 +112,14 @@ class ServerConfig:
     jwt_ttl_s: int = 24 * 3600
     sample_batch_window_s: float = 0.0
     """Extra time the sampler waits for more asample requests before a batch runs."""
+    session_timeout_s: float = 600.0
+    """A session without a heartbeat for this long loses its training clients and
+    sampling sessions (the SDK heartbeats every 10 s)."""
+    housekeeping_interval_s: float = 10.0
+    """How often silent sessions, expired checkpoints and archive URLs are swept."""
+    num_threads: int | None = None
+    """torch intra-op threads of the compute thread; None: one for small models, torch's
+    default otherwise (see ``backend._auto_threads``)."""
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:
@@ -110,10 +132,19 @@ class ServerConfig:
                 f"refusing to bind non-loopback host {self.host!r} without an API key "
                 "(pass --api-key, or bind 127.0.0.1)"
             )
-        for name in ("long_poll_s", "seq_gap_timeout_s", "header_timeout_s", "body_timeout_s"):
+        for name in (
+            "long_poll_s",
+            "seq_gap_timeout_s",
+            "header_timeout_s",
+            "body_timeout_s",
+            "session_timeout_s",
+            "housekeeping_interval_s",
+        ):
             value = getattr(self, name)
             if not value > 0:
                 raise ConfigError(f"{name} must be > 0, got {value!r}")
+        if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
+            raise ConfigError(f"num_threads must be in 1..1024, got {self.num_threads!r}")
         if self.sample_batch_window_s < 0:
             raise ConfigError(
                 f"sample_batch_window_s must be >= 0, got {self.sample_batch_window_s!r}"
@@ -149,11 +180,15 @@ def make_config(
     seq_gap_timeout_s: float = 300.0,
     header_timeout_s: float = 10.0,
     body_timeout_s: float = 60.0,
+    session_timeout_s: float = 600.0,
+    num_threads: int | None = None,
     limits: Limits | None = None,
 ) -> ServerConfig:
     """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
     the ``--faults`` / ``--latency`` grammars). Raises ``ValueError`` subclasses with a
     one-line message on bad values."""
+    if isinstance(model_dir, str) and model_dir in PRETRAINED:
+        model_dir = model_directory(model_dir)
     model_path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
     if not model_path.is_dir():
         hint = (
@@ -178,5 +213,7 @@ def make_config(
         seq_gap_timeout_s=seq_gap_timeout_s,
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
+        session_timeout_s=session_timeout_s,
+        num_threads=num_threads,
         limits=limits or Limits(),
     )

@@ -17,7 +17,6 @@ from typing import Any
 from engine.local.backend import AdamConfig, Backend
 from engine.local.storage import TinkerPath, check_name
 from engine.local.wire import (
-    AdamParamsW,
     ForwardBackwardInputW,
     WireError,
     check_metrics,
@@ -37,6 +36,8 @@ class Job:
     """Runs on the event loop with ``run``'s result; returns the future's payload."""
     extra_delay: float = 0.0
     """Simulated latency added after the clock cycle (sampler snapshots)."""
+    reads: str | None = None
+    """The checkpoint path the job reads (kept from deletion while it runs)."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +88,8 @@ def forward_job(
 
 
 def optim_job(
-    backend: Backend, model_id: str, params: AdamParamsW, on_applied: Callable[[], None]
+    backend: Backend, model_id: str, adam: AdamConfig, on_applied: Callable[[], None]
 ) -> Job:
-    adam = AdamConfig(**params.model_dump())
-
     def run() -> dict[str, float]:
         return backend.optim_step(model_id, adam)
 
@@ -158,4 +157,6 @@ def load_state_job(
     def run() -> None:
         backend.load_state(model_id, src, optimizer=optimizer)
 
-    return Job(run=run, finish=lambda _: {"path": str(source), "type": "load_weights"})
+    return Job(
+        run=run, finish=lambda _: {"path": str(source), "type": "load_weights"}, reads=str(source)
+    )

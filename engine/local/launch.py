@@ -44,6 +44,7 @@ from engine.local.http11 import with_header_timeout
 from engine.local.latency import LatencyProfile
 from engine.local.service import LocalService
 from engine.local.stats import StatsSnapshot
+from engine.local.tokenizer_cache import register_tokenizer
 
 T = TypeVar("T")
 log = logging.getLogger("engine.local")
@@ -118,6 +119,7 @@ async def serve_local(
     seq_gap_timeout_s: float = 300.0,
     limits: Limits | None = None,
     config: ServerConfig | None = None,
+    now: Callable[[], float] = time.time,
 ) -> AsyncIterator[RunningServer]:
     """Serve the MinT-compatible API from this event loop until the block exits.
 
@@ -125,7 +127,8 @@ async def serve_local(
     is accepted), a fresh temporary data dir removed on exit, loopback on a free port,
     no faults, no latency profile, 20 s long-polls. ``faults``/``latency`` take the
     ``--faults``/``--latency`` grammars (see ``engine.local.faults`` / ``.latency``).
-    Pass ``config`` to use a prepared ``ServerConfig`` instead of the other arguments.
+    Pass ``config`` to use a prepared ``ServerConfig`` instead of the other arguments;
+    ``now`` is the wall clock of TTLs and heartbeats (tests inject a fake one).
     The server is reachable as soon as this yields; leaving the block stops it without
     waiting for held long-polls.
     """
@@ -150,11 +153,16 @@ async def serve_local(
     data_path.mkdir(parents=True, exist_ok=True)
     compute = ComputeThread()
     try:
-        backend = await compute.run(lambda: Backend(config.model_dir, model_name=config.model_name))
+        backend = await compute.run(
+            lambda: Backend(
+                config.model_dir, model_name=config.model_name, num_threads=config.num_threads
+            )
+        )
+        await anyio.to_thread.run_sync(register_tokenizer, backend.model_name, backend.model_dir)
         sock = _bind(config.host, config.port)
         try:
             async with anyio.create_task_group() as tg:
-                service = LocalService(config, backend, compute, data_path)
+                service = LocalService(config, backend, compute, data_path, now=now)
                 await tg.start(service.run)
                 auth = Authenticator(config.api_key, jwt_ttl_s=config.jwt_ttl_s)
                 uv = _EmbeddedUvicorn(
@@ -218,6 +226,7 @@ class LocalServer(AbstractContextManager["LocalServer"]):
     """
 
     def __init__(self, model_dir: str | Path | None = None, **kwargs: Any) -> None:
+        self._now: Callable[[], float] = kwargs.pop("now", time.time)
         self._config = kwargs.pop("config", None) or make_config(model_dir, **kwargs)
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
@@ -231,7 +240,7 @@ class LocalServer(AbstractContextManager["LocalServer"]):
         self._portal = self._portal_cm.__enter__()
         try:
             self._server_cm = self._portal.wrap_async_context_manager(
-                serve_local(config=self._config)
+                serve_local(config=self._config, now=self._now)
             )
             self._server = self._server_cm.__enter__()
         except BaseException:
@@ -289,6 +298,11 @@ class LocalServer(AbstractContextManager["LocalServer"]):
     def stats(self) -> StatsSnapshot:
         assert self._portal is not None
         return self._portal.call(self.running.service.snapshot)
+
+    def call(self, fn: Callable[[], T]) -> T:
+        """Run ``fn()`` on the server's event loop (atomically with its requests)."""
+        assert self._portal is not None
+        return self._portal.call(fn)
 
     def backend_call(self, fn: Callable[[Backend], T]) -> T:
         """Run ``fn(backend)`` on the server's compute thread and return its result."""

@@ -31,8 +31,9 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from engine.local.pretrained import METADATA_FILE
+
 MODEL_NAME = "engine-local/tiny-arith"
-METADATA_FILE = "engine_model.json"
 DEFAULT_OUT = Path(__file__).resolve().parent / "default_model"
 
 # Measured with tests/test_backend_rl.py: 30 importance-sampling steps (8 problems x 6

@@ -51,6 +51,9 @@ class StatsSnapshot:
     compute_busy_s: float
     models: int
     sampling_sessions: int
+    held: dict[str, Any] = field(default_factory=dict)
+    """What the server holds in memory (sessions, model ids, snapshots) and how much it
+    released (evictions, silent sessions)."""
 
     def to_json(self) -> dict[str, Any]:
         data = dict(vars(self))

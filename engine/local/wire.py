@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.local.backend import DatumIn, ForwardResult, SampleResult
+from engine.local.backend import AdamConfig, DatumIn, ForwardResult, SampleResult
 
 REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash_unordered", "unique"})
 
@@ -51,15 +51,6 @@ class ForwardBackwardInputW(_Wire):
     data: list[DatumW]
     loss_fn: str
     loss_fn_config: dict[str, float] | None = None
-
-
-class AdamParamsW(_Wire):
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
 
 
 class LoraConfigW(_Wire):
@@ -114,7 +105,7 @@ class ForwardW(_Wire):
 
 
 class OptimStepW(_Wire):
-    adam_params: AdamParamsW
+    adam_params: AdamConfig
     model_id: str
     seq_id: int | None = None
 

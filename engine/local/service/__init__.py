@@ -1,0 +1,218 @@
+"""The protocol logic of the local server, independent of HTTP, split by concern.
+
+``LocalService`` wires the parts together and runs the background work; the HTTP layer
+(``app.py``) calls the parts directly:
+
+- ``core.py``: shared state (config, backend, compute thread, futures, registry, stats)
+  and the helpers to answer with a future and run a job on the compute thread;
+- ``registry.py``: sessions and the training clients / sampling sessions they hold;
+- ``training.py``: create_model, get_info and the seq_id-ordered training operations;
+- ``sampling.py``: sampling sessions and asample (where sample requests are checked);
+- ``checkpoints.py``: training runs and checkpoints on disk (TTLs, publishing,
+  deletion, archives, uploads);
+- ``management.py``: the REST management API over them;
+- ``resources.py``: heartbeat expiry and the model / snapshot budgets.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import anyio
+from anyio.abc import TaskStatus
+
+from engine.local.backend import Backend, BackendError
+from engine.local.compute import ComputeThread
+from engine.local.config import ServerConfig
+from engine.local.faults import FaultInjector
+from engine.local.futures import FutureStore
+from engine.local.service.checkpoints import CheckpointStore
+from engine.local.service.core import Core, HttpError, ModelCard, sync_parse
+from engine.local.service.management import ManagementApi
+from engine.local.service.resources import Resources
+from engine.local.service.sampling import SamplingOps
+from engine.local.service.training import TrainingOps
+from engine.local.stats import Stats, StatsSnapshot
+from engine.local.wire import RetrieveFutureW, WeightsInfoW
+
+__all__ = ["HttpError", "LocalService"]
+
+
+class LocalService:
+    """State and request handling of one local server (event-loop only)."""
+
+    def __init__(
+        self,
+        config: ServerConfig,
+        backend: Backend,
+        compute: ComputeThread,
+        data_dir: Path,
+        *,
+        now: Callable[[], float] = time.time,
+    ) -> None:
+        self.core = Core(config, backend, compute, data_dir, now)
+        self.checkpoints = CheckpointStore(self.core)
+        self.resources = Resources(self.core)
+        self.sampling = SamplingOps(self.core, self.checkpoints, self.resources)
+        self.training = TrainingOps(
+            self.core, self.checkpoints, self.resources, self.sampling.on_sampler_saved
+        )
+        self.management = ManagementApi(self.core, self.checkpoints)
+
+    @property
+    def config(self) -> ServerConfig:
+        return self.core.config
+
+    @property
+    def data_dir(self) -> Path:
+        return self.core.data_dir
+
+    @property
+    def backend(self) -> Backend:
+        return self.core.backend
+
+    @property
+    def compute(self) -> ComputeThread:
+        return self.core.compute
+
+    @property
+    def futures(self) -> FutureStore:
+        return self.core.futures
+
+    @property
+    def faults(self) -> FaultInjector:
+        return self.core.faults
+
+    @property
+    def stats(self) -> Stats:
+        return self.core.stats
+
+    @property
+    def card(self) -> ModelCard:
+        return self.core.card
+
+    # ---- lifecycle ------------------------------------------------------------------
+
+    async def run(self, *, task_status: TaskStatus[None] = anyio.TASK_STATUS_IGNORED) -> None:
+        """Run the sampler loop, the latency clock, housekeeping and every queued
+        operation until cancelled. Operations are tasks of this task group, so none
+        outlives the server."""
+        async with anyio.create_task_group() as tg:
+            self.core.tg = tg
+            tg.start_soon(self.sampling.batcher.run)
+            if self.core.clock is not None:
+                tg.start_soon(self.core.clock.run)
+            tg.start_soon(self._housekeeping)
+            task_status.started()
+            await anyio.sleep_forever()
+
+    async def _housekeeping(self) -> None:
+        while True:
+            await anyio.sleep(self.config.housekeeping_interval_s)
+            self.housekeeping()
+
+    def housekeeping(self) -> None:
+        """Release silent sessions and delete expired checkpoints and archive URLs."""
+        self.resources.expire_silent_sessions()
+        self.checkpoints.sweep()
+
+    def close(self) -> None:
+        """Release held long-polls so the HTTP server can stop at once."""
+        self.core.futures.close()
+
+    # ---- sessions -------------------------------------------------------------------
+
+    def create_session(self, body: Any) -> dict[str, Any]:
+        session_id = f"session-{uuid.uuid4().hex}"
+        self.core.registry.open_session(session_id)
+        return {"type": "create_session", "session_id": session_id}
+
+    def heartbeat(self, body: Any) -> dict[str, Any]:
+        session_id = body.get("session_id") if isinstance(body, dict) else None
+        if isinstance(session_id, str):
+            self.core.registry.heartbeat(session_id)
+        return {"type": "session_heartbeat"}
+
+    def client_config(self) -> dict[str, Any]:
+        return {
+            "pjwt_auth_enabled": True,
+            "credential_default_source": "api_key",
+            "parallel_fwdbwd_chunks": False,
+            "use_pyqwest_transport": False,
+            "proto_write_fwdbwd": False,
+            "sample_no_retries": False,
+        }
+
+    def capabilities(self) -> dict[str, Any]:
+        card = self.core.card
+        return {
+            "supported_models": [{"model_name": card.name, "max_context_length": card.max_context}]
+        }
+
+    async def weights_info(self, body: Any) -> dict[str, Any]:
+        req = sync_parse(WeightsInfoW, body, "weights_info")
+        path, _ = self.checkpoints.find(req.tinker_path)
+        directory = path.directory(self.core.data_dir)
+        try:
+            info = await self.core.compute.run(lambda: Backend.read_state_info(directory))
+        except BackendError as exc:
+            raise HttpError(400, str(exc)) from None
+        answer = {"base_model": self.core.card.name, "is_lora": True}
+        answer.update({k: v for k, v in info.items() if _is_json_scalar(v)})
+        return answer
+
+    def failed_future(self, endpoint: str, message: str) -> dict[str, Any]:
+        return self.core.failed_future(endpoint, message)
+
+    async def retrieve_future(self, body: Any) -> dict[str, Any]:
+        core = self.core
+        req = sync_parse(RetrieveFutureW, body, "retrieve_future")
+        entry = core.futures.get(req.request_id)
+        if entry is None:
+            raise HttpError(
+                410,
+                f"request {req.request_id!r} is unknown or its result has expired (results "
+                "are kept in memory only; a restarted server has none)",
+                category="server",
+            )
+        if core.faults.poll_fault(entry.endpoint):
+            raise HttpError(
+                410, "injected fault: this future expired (fault injection)", category="server"
+            )
+        payload = await core.futures.wait(entry, self.config.long_poll_s)
+        if payload is None:
+            return {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
+        return payload
+
+    def snapshot(self) -> StatsSnapshot:
+        core = self.core
+        s = core.stats
+        batcher = self.sampling.batcher
+        return StatsSnapshot(
+            requests=dict(s.requests),
+            applied=dict(s.applied),
+            optimizer_steps=dict(s.optimizer_steps),
+            dedupe_hits=dict(s.dedupe_hits),
+            faults_injected=dict(core.faults.injected),
+            sample_batches=batcher.batches,
+            sample_requests=batcher.requests,
+            largest_sample_batch=batcher.largest_batch,
+            cycles_started=core.clock.started if core.clock else 0,
+            op_cycles={m: list(ops) for m, ops in s.op_cycles.items()},
+            seq_gap_timeouts=sum(m.seq.gap_timeouts for m in core.registry.models.values()),
+            futures_pending=core.futures.pending,
+            futures_retained=core.futures.retained,
+            polls_held=core.futures.held,
+            compute_busy_s=core.compute.busy_s,
+            models=len(core.registry.models),
+            sampling_sessions=len(core.registry.samplers),
+            held=self.resources.held(),
+        )
+
+
+def _is_json_scalar(value: Any) -> bool:
+    return value is None or isinstance(value, str | int | float | bool)

@@ -1,0 +1,326 @@
+"""Sampling: sampling sessions (from a base model, a saved checkpoint or an in-memory
+snapshot), asample through the batcher, and the one place sample requests are checked."""
+
+from __future__ import annotations
+
+import functools
+import math
+import uuid
+from collections import OrderedDict
+from typing import Any
+
+import anyio
+
+from engine.local.backend import BackendError, SampleJob
+from engine.local.batcher import (
+    PendingSample,
+    SampleBatcher,
+    SampleOutcome,
+    SamplerQueueFull,
+    generated_tokens,
+)
+from engine.local.compute import ComputeThreadClosed
+from engine.local.config import Limits
+from engine.local.futures import FutureEntry
+from engine.local.service.checkpoints import CheckpointStore
+from engine.local.service.core import (
+    INJECTED_FAIL,
+    USER_ERRORS,
+    BoundedMap,
+    Core,
+    HttpError,
+    ModelCard,
+    busy,
+    log,
+    raw_field,
+    sync_parse,
+)
+from engine.local.service.registry import ModelState, SamplerSession
+from engine.local.service.resources import Resources
+from engine.local.storage import TinkerPath
+from engine.local.wire import (
+    CreateSamplingSessionW,
+    SampleW,
+    WireError,
+    check_token_ids,
+    parse,
+    sample_json,
+    tokens_of,
+)
+
+
+class SamplingOps:
+    def __init__(self, core: Core, checkpoints: CheckpointStore, resources: Resources) -> None:
+        self.core = core
+        self.checkpoints = checkpoints
+        self.resources = resources
+        self.batcher = SampleBatcher(
+            core.compute,
+            core.backend.sample,
+            max_batch=core.config.limits.max_sample_batch,
+            max_queued=core.config.limits.max_pending_futures,
+            window_s=core.config.sample_batch_window_s,
+        )
+        self._sessions_by_seq = BoundedMap()
+        self._sample_requests = BoundedMap()
+        self._ephemeral: OrderedDict[str, str] = OrderedDict()
+        """sampling_session_id -> key of in-memory-only snapshots, oldest first."""
+
+    # ---- sampling sessions ----------------------------------------------------------------
+
+    async def create_session(self, body: Any) -> dict[str, Any]:
+        core = self.core
+        req = sync_parse(CreateSamplingSessionW, body, "create_sampling_session")
+        dedupe_key = (req.session_id, req.sampling_session_seq_id)
+        existing = self._sessions_by_seq.get(dedupe_key)
+        if existing is None:
+            key, base_model = await self._sampler_key(req.model_path, req.base_model)
+            existing = self._sessions_by_seq.get(dedupe_key)  # a concurrent retry?
+            if existing is None:
+                existing = self._new_session(
+                    key, req.model_path, base_model, req.session_id, ephemeral=False
+                )
+                self._sessions_by_seq.remember(dedupe_key, existing)
+        else:
+            core.stats.dedupe_hits["create_sampling_session"] += 1
+        return {"type": "create_sampling_session", "sampling_session_id": existing}
+
+    async def _sampler_key(
+        self, model_path: str | None, base_model: str | None
+    ) -> tuple[str | None, str]:
+        """The backend key to sample with and the base model name to report."""
+        core = self.core
+        if model_path is None:
+            if base_model is None:
+                raise HttpError(400, "create_sampling_session needs a model_path or a base_model")
+            try:
+                core.resolve_base_model(base_model)
+            except WireError as exc:
+                raise HttpError(400, str(exc)) from None
+            return None, base_model
+        parsed, _ = self.checkpoints.find(model_path)
+        name = self._base_model_of(parsed)
+        cached = core.registry.sampler_keys.get(str(parsed))
+        if cached is not None:
+            return cached, name
+        await self.resources.make_room_for_sampler()
+        directory = parsed.directory(core.data_dir)
+        try:
+            with self.checkpoints.reading(parsed):
+                key = await core.compute.run(lambda: core.backend.load_sampler(directory))
+        except BackendError as exc:
+            raise HttpError(400, f"cannot load {parsed}: {exc}") from None
+        core.registry.sampler_keys[str(parsed)] = key
+        await self.resources.enforce_memory(frozenset({key}))
+        return key, name
+
+    def _base_model_of(self, path: TinkerPath) -> str:
+        """The base model name the checkpoint's training run was created with."""
+        model = self.core.registry.models.get(path.model_id)
+        if model is not None:
+            return model.base_model
+        record = self.checkpoints.run_record(path.model_id) or {}
+        name = record.get("base_model")
+        return name if isinstance(name, str) and name else self.core.card.name
+
+    def _new_session(
+        self,
+        key: str | None,
+        model_path: str | None,
+        base_model: str,
+        session_id: str | None,
+        *,
+        ephemeral: bool,
+    ) -> str:
+        sampler_id = f"sampler-{uuid.uuid4().hex}"
+        self.core.registry.add_sampler(
+            SamplerSession(
+                sampler_id, key, model_path, base_model, session_id, ephemeral, self.core.now()
+            )
+        )
+        return sampler_id
+
+    def on_sampler_saved(self, key: str, path: TinkerPath | None, model: ModelState) -> str | None:
+        """A training client saved a sampler snapshot: a named one is cached by path; an
+        ephemeral one becomes a new sampling session (the oldest beyond the limit are
+        released)."""
+        registry = self.core.registry
+        self.core.spawn(self.resources.enforce_memory, frozenset({key}))
+        if path is not None:
+            registry.sampler_keys[str(path)] = key
+            return None
+        sampler_id = self._new_session(
+            key, None, model.base_model, model.session_id, ephemeral=True
+        )
+        self._ephemeral[sampler_id] = key
+        limit = self.core.config.limits.max_ephemeral_samplers
+        while len(self._ephemeral) > limit:
+            old_id, _ = self._ephemeral.popitem(last=False)
+            self.resources.release_sampler(
+                old_id,
+                f"the local server keeps only the {limit} most recent "
+                "save_weights_and_get_sampling_client snapshots in memory (use "
+                "save_weights_for_sampler for snapshots you sample from for longer)",
+            )
+        return sampler_id
+
+    def get_sampler(self, sampler_id: str) -> dict[str, Any]:
+        session = self.core.registry.samplers.get(sampler_id)
+        if session is None:
+            raise HttpError(404, self._unknown_session(sampler_id))
+        answer: dict[str, Any] = {"sampler_id": sampler_id, "base_model": session.base_model}
+        if session.model_path is not None:
+            answer["model_path"] = session.model_path
+        return answer
+
+    def _unknown_session(self, sampler_id: str) -> str:
+        why = self.core.registry.why_released(sampler_id)
+        if why is not None:
+            return f"sampling session {sampler_id!r} was released: {why}"
+        return (
+            f"unknown sampling_session_id {sampler_id!r} (sampling sessions do not survive a "
+            "server restart; create a new sampling client)"
+        )
+
+    # ---- asample --------------------------------------------------------------------------
+
+    def asample(self, body: Any, digest: str = "") -> dict[str, Any]:
+        """Queue one sample request for the batcher. A resubmission (same session,
+        seq_id and body) gets the original future; a different body under the same
+        seq_id (another client object on the same session) is a new request."""
+        core = self.core
+        session_id = raw_field(body, "sampling_session_id", str)
+        seq_id = raw_field(body, "seq_id", int)
+        dedupe_key = (session_id, seq_id, digest)
+        if session_id is not None and seq_id is not None:
+            existing = self._sample_requests.get(dedupe_key)
+            if existing is not None and core.futures.get(existing) is not None:
+                core.stats.dedupe_hits["asample"] += 1
+                return {"request_id": existing}
+        entry = core.new_future("asample")
+        try:
+            req = parse(SampleW, body, "asample")
+            job = sample_job_of(req, self._sampler_of(req), core.card, core.config.limits)
+        except USER_ERRORS as exc:
+            core.futures.fail(entry, str(exc))
+            return core.ref(entry)
+        if core.faults.submit_fault("asample"):
+            core.futures.fail(entry, INJECTED_FAIL, "server")
+            return core.ref(entry)
+        deliver = functools.partial(self._deliver, entry, anyio.current_time())
+        try:
+            self.batcher.submit(PendingSample(job, deliver))
+        except SamplerQueueFull as exc:
+            core.futures.discard(entry)
+            raise busy(str(exc)) from None
+        if session_id is not None and seq_id is not None:
+            self._sample_requests.remember(dedupe_key, entry.request_id)
+        return core.ref(entry)
+
+    def _sampler_of(self, req: SampleW) -> str | None:
+        """The backend key the request samples with (None: the bare base model)."""
+        registry = self.core.registry
+        if req.sampling_session_id is not None:
+            session = registry.samplers.get(req.sampling_session_id)
+            if session is None:
+                raise WireError(self._unknown_session(req.sampling_session_id))
+            registry.touch(session)
+            return session.key
+        if req.model_path is not None:
+            key = registry.sampler_keys.get(req.model_path)
+            if key is None:
+                raise WireError(
+                    f"model_path {req.model_path!r} is not loaded: create a sampling client "
+                    "for it first"
+                )
+            return key
+        if req.base_model is not None:
+            self.core.resolve_base_model(req.base_model)
+            return None
+        raise WireError("asample needs a sampling_session_id, model_path or base_model")
+
+    def _deliver(self, entry: FutureEntry, submitted: float, outcome: SampleOutcome) -> None:
+        core = self.core
+        if isinstance(outcome, Exception):
+            if isinstance(outcome, USER_ERRORS):
+                core.futures.fail(entry, str(outcome), "user")
+            else:
+                if not isinstance(outcome, ComputeThreadClosed):
+                    log.error("sampling failed", exc_info=outcome)
+                core.futures.fail(
+                    entry,
+                    f"internal error in the local server while sampling: "
+                    f"{type(outcome).__name__}: {outcome}",
+                    "server",
+                )
+            return
+        try:
+            payload = sample_json(outcome)
+        except ValueError as exc:
+            core.futures.fail(entry, f"sampling produced an invalid result: {exc}", "server")
+            return
+        core.stats.applied["asample"] += 1
+        if core.latency is not None:
+            due = submitted + core.latency.sample_time(generated_tokens(outcome))
+            if due > anyio.current_time():
+                core.spawn(self._resolve_at, entry, payload, due)
+                return
+        core.futures.resolve(entry, payload)
+
+    async def _resolve_at(self, entry: FutureEntry, payload: dict[str, Any], due: float) -> None:
+        await anyio.sleep_until(due)
+        self.core.futures.resolve(entry, payload)
+
+
+def sample_job_of(req: SampleW, sampler: str | None, card: ModelCard, limits: Limits) -> SampleJob:
+    """The backend job for one asample request: every check of a sample request lives
+    here (the backend trusts the jobs it gets)."""
+    prompt = tokens_of(req.prompt, "prompt")
+    if not prompt:
+        raise WireError("prompt must contain at least one token")
+    check_token_ids(prompt, card.vocab_size, "prompt")
+    params = req.sampling_params
+    if params.max_tokens is None or params.max_tokens < 1:
+        raise WireError("sampling_params.max_tokens must be set to an integer >= 1")
+    if len(prompt) + params.max_tokens > card.max_context:
+        raise WireError(
+            f"prompt ({len(prompt)} tokens) + max_tokens ({params.max_tokens}) exceeds the "
+            f"model's max_context_length {card.max_context}"
+        )
+    if not 1 <= req.num_samples <= limits.max_num_samples:
+        raise WireError(
+            f"num_samples must be in 1..{limits.max_num_samples}, got {req.num_samples}"
+        )
+    if not 0 <= req.topk_prompt_logprobs <= limits.max_topk_prompt_logprobs:
+        raise WireError(
+            f"topk_prompt_logprobs must be in 0..{limits.max_topk_prompt_logprobs}, "
+            f"got {req.topk_prompt_logprobs}"
+        )
+    if not (math.isfinite(params.temperature) and params.temperature >= 0):
+        raise WireError(f"sampling_params.temperature must be >= 0, got {params.temperature}")
+    if not 0 < params.top_p <= 1:
+        raise WireError(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
+    if params.top_k < -1:
+        raise WireError(f"sampling_params.top_k must be -1 (off) or positive, got {params.top_k}")
+    stop = params.stop
+    stop_strings = [stop] if isinstance(stop, str) else []
+    stop_ids: list[int] = []
+    if isinstance(stop, list):
+        stop_strings = [s for s in stop if isinstance(s, str)]
+        stop_ids = [s for s in stop if isinstance(s, int)]
+    if any(not s for s in stop_strings):
+        raise WireError("sampling_params.stop strings must be non-empty")
+    return SampleJob(
+        sampler=sampler,
+        prompt=prompt,
+        num_samples=req.num_samples,
+        max_tokens=params.max_tokens,
+        temperature=params.temperature,
+        top_k=params.top_k,
+        top_p=params.top_p,
+        seed=params.seed,
+        stop_strings=stop_strings,
+        stop_token_ids=stop_ids,
+        prompt_logprobs=bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0,
+        topk_prompt_logprobs=req.topk_prompt_logprobs,
+    )

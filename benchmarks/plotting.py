@@ -1,4 +1,4 @@
-"""PNG plots of the benchmark results (matplotlib, Agg backend: no display needed).
+"""PNG plots of the benchmark results (matplotlib's object API via engine.plotting).
 
 Three pictures: step time by configuration (throughput), the stage timeline (Gantt) of
 a sequential and a pipelined run, and the client's CPU and memory against the batch
@@ -11,19 +11,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import matplotlib
-
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # the backend is chosen first
+from engine.plotting import color, new_figure, save
 
 __all__ = ["plot_scaling", "plot_step_times", "plot_timeline"]
 
 STAGES = ("sample", "score", "train")
-_PALETTE = plt.get_cmap("tab10")
-
-
-def _color(index: int) -> Any:
-    return _PALETTE(index % 10)
 
 
 def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
@@ -33,7 +25,8 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     ``workload``, ``config``, ``step_time_s`` and ``speedup``."""
     profiles = list(dict.fromkeys(r["profile"] for r in rows))
     configs = list(dict.fromkeys(r["config"] for r in rows))
-    fig, axes = plt.subplots(1, len(profiles), figsize=(6.5 * len(profiles), 4.5), squeeze=False)
+    fig = new_figure(6.5 * len(profiles), 4.5)
+    axes = fig.subplots(1, len(profiles), squeeze=False)
     for ax, profile in zip(axes[0], profiles, strict=True):
         mine = [r for r in rows if r["profile"] == profile]
         workloads = list(dict.fromkeys(r["workload"] for r in mine))
@@ -49,7 +42,7 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
                 xs.append(wi + (ci - (len(configs) - 1) / 2) * width)
                 ys.append(row["step_time_s"])
                 labels.append(f"{row['speedup']:.1f}x" if row.get("speedup") else "")
-            bars = ax.bar(xs, ys, width, label=config, color=_color(ci))
+            bars = ax.bar(xs, ys, width, label=config, color=color(ci))
             ax.bar_label(bars, labels=labels, fontsize=7, padding=2)
         ax.set_xticks(range(len(workloads)), [f"{w}\n(batch x group x tokens)" for w in workloads])
         ax.set_ylabel("step time, s (median, steady state)")
@@ -58,7 +51,7 @@ def plot_step_times(rows: Sequence[Mapping[str, Any]], path: Path) -> Path:
     axes[0][0].legend(fontsize=8)
     fig.suptitle("Step time by configuration (labels: step-time speedup over the quickstart loop)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def plot_timeline(panels: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], path: Path) -> Path:
@@ -66,16 +59,15 @@ def plot_timeline(panels: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], pat
     step's span in that stage, coloured and numbered by step. ``panels`` are
     ``(title, spans)`` with spans holding ``step``, ``stage``, ``start``, ``end``
     (seconds since the run's start); panels share the time axis."""
-    fig, axes = plt.subplots(
-        len(panels), 1, figsize=(11, 1.9 * len(panels) + 0.8), squeeze=False, sharex=True
-    )
+    fig = new_figure(11, 1.9 * len(panels) + 0.8)
+    axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)
     for ax, (title, spans) in zip(axes[:, 0], panels, strict=True):
         min_labelled = 0.015 * _extent(spans)
         for lane, stage in enumerate(STAGES):
             for span in (s for s in spans if s["stage"] == stage):
                 width = max(span["end"] - span["start"], 1e-3)
-                color = _color(span["step"] - 1)
-                ax.broken_barh([(span["start"], width)], (lane - 0.4, 0.8), color=color, alpha=0.85)
+                hue = color(span["step"] - 1)
+                ax.broken_barh([(span["start"], width)], (lane - 0.4, 0.8), color=hue, alpha=0.85)
                 if width > min_labelled:
                     ax.text(
                         span["start"] + width / 2,
@@ -92,7 +84,7 @@ def plot_timeline(panels: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], pat
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the run started (bars numbered by step)")
     fig.tight_layout()
-    return _save(fig, path)
+    return save(fig, path)
 
 
 def _extent(spans: Sequence[Mapping[str, Any]]) -> float:
@@ -114,7 +106,8 @@ def plot_scaling(
     ``benchmarks.scaling.linear_fit``'s result."""
     pts = sorted(points, key=lambda p: p["samples_per_step"])
     xs = [p["samples_per_step"] for p in pts]
-    fig, (ax_step, ax_1k, ax_mem) = plt.subplots(1, 3, figsize=(16, 4.6))
+    fig = new_figure(16, 4.6)
+    ax_step, ax_1k, ax_mem = fig.subplots(1, 3)
     series: dict[str, list[float]] = {"client": [p["cpu_ms_per_step"] for p in pts]}
     for role in ("main", "sdk", "workers"):
         series[role] = [
@@ -132,7 +125,7 @@ def plot_scaling(
         keep = [(x, y) for x, y in zip(xs, ys, strict=True) if y > 0]
         if not keep:
             continue
-        ax_step.scatter(*zip(*keep, strict=True), color=_color(i), label=names[name], s=22)
+        ax_step.scatter(*zip(*keep, strict=True), color=color(i), label=names[name], s=22)
         fit = fits.get(name)
         if fit is not None:
             line = [
@@ -140,9 +133,9 @@ def plot_scaling(
                 for x in grid
             ]
             if min(line) > 0:
-                ax_step.plot(grid, line, "--", color=_color(i), lw=1)
+                ax_step.plot(grid, line, "--", color=color(i), lw=1)
         per_1k = [(x, 1000 * y / x) for x, y in keep]
-        ax_1k.scatter(*zip(*per_1k, strict=True), color=_color(i), label=names[name], s=22)
+        ax_1k.scatter(*zip(*per_1k, strict=True), color=color(i), label=names[name], s=22)
     ax_step.set_title("Client CPU per step (dashed: linear fit)")
     ax_step.set_ylabel("CPU ms per step")
     ax_1k.set_title("Client CPU per 1,000 samples")
@@ -153,7 +146,7 @@ def plot_scaling(
         ax.set_xlabel("samples per step (problems x samples per problem)")
         ax.grid(alpha=0.3, which="both")
         ax.legend(fontsize=8)
-    ax_mem.scatter(xs, [p["rss_growth_mb"] for p in pts], color=_color(0), s=22)
+    ax_mem.scatter(xs, [p["rss_growth_mb"] for p in pts], color=color(0), s=22)
     for p in pts:
         ax_mem.annotate(
             p["workload"],
@@ -168,11 +161,4 @@ def plot_scaling(
     ax_mem.set_title("Client peak memory growth")
     ax_mem.grid(alpha=0.3, which="both")
     fig.tight_layout()
-    return _save(fig, path)
-
-
-def _save(fig: Any, path: Path) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save(fig, path)

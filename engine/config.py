@@ -25,9 +25,11 @@ from pathlib import Path
 from typing import Any, Final, Literal, cast, get_args
 
 from engine.errors import ConfigError
+from engine.extras import require
 from engine.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
 from engine.rl import OnMissingLogprobs
 from engine.scoring import parse_score_workers
+from engine.trackers import TRACKERS, Tracker
 
 __all__ = [
     "HOSTED_BASE_URL",
@@ -132,6 +134,7 @@ class EngineConfig:
     log_rollouts: int = 2
     init_from: str | None = None
     init_from_optimizer: bool = False
+    log_to: tuple[Tracker, ...] = ()
 
     def __post_init__(self) -> None:
         for knob in KNOBS:
@@ -162,6 +165,10 @@ class EngineConfig:
                 "MINT_BASE_URL is set but MINT_API_KEY is not: set both to use that server, "
                 "or neither to start the local server"
             )
+        if self.uses_local_server:
+            require("local", "the local server (no MINT_API_KEY set, or --local)")
+        for tracker in self.log_to:
+            require(tracker, f"--log-to {tracker}")
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> EngineConfig:
@@ -336,6 +343,15 @@ def _parse_path(text: str) -> Path:
     if not text.strip():
         raise ValueError("empty path")  # Path("") would be the current directory
     return Path(text).expanduser()
+
+
+def _parse_names(text: str) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+
+
+def _trackers(v: Any) -> str | None:
+    unknown = [name for name in v if name not in TRACKERS]
+    return f"must name trackers out of {', '.join(TRACKERS)}" if unknown else None
 
 
 _PARSE_NAMES: Final[Mapping[Callable[[str], Any], str]] = {
@@ -748,6 +764,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "start from these saved weights (tinker://.../weights/NAME) instead of a fresh LoRA",
         "off",
     ),
+    Knob(
+        "log_to",
+        "--log-to",
+        (),
+        _parse_names,
+        _trackers,
+        f"also log each step's metrics to these experiment trackers, comma-separated: "
+        f"{', '.join(TRACKERS)} (installed by the extras of the same names)",
+        "none",
+    ),
 )
 
 
@@ -818,7 +844,7 @@ def stored_settings(stored: Mapping[str, Any], source: str) -> dict[str, Any]:
     change between a run and its resumption (the run dir, keys, timeouts...) are left
     out; ``source`` names the file in error messages."""
     out: dict[str, Any] = {}
-    skip = {"run_dir", "resume", "api_key", "base_url", "progress", "log_format"}
+    skip = {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
     for knob in KNOBS:
         value = stored.get(knob.field)
         if value is None or knob.field in skip or knob.secret:

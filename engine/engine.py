@@ -81,6 +81,7 @@ from engine.metrics import RunLog
 from engine.pipeline import Pipeline, PipelineOutcome
 from engine.recovery import plan_recovery
 from engine.redact import redact_config
+from engine.report import REPORT_PNG, finished_run_report
 from engine.results import RunResult, StepResult
 from engine.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard
 from engine.rollouts import RolloutLog
@@ -91,6 +92,7 @@ from engine.stopping import StopGate
 from engine.tasks import Task, load_task
 from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer
+from engine.trackers import open_trackers
 from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, Watchdog
 
 __all__ = ["LOCAL_SERVER_DIR", "STOP_GRACE_S", "Engine", "StepHook"]
@@ -283,7 +285,8 @@ class Engine:
         else:
             self._run_dir = _make_run_dir(cfg.run_dir, self._task.name, self._early_events)
         self._write_config()
-        log = RunLog(self._run_dir / "metrics.jsonl", self._console, cfg.log_format)
+        trackers = open_trackers(cfg.log_to, self._run_dir, self._config_record())
+        log = RunLog(self._run_dir / "metrics.jsonl", self._console, cfg.log_format, trackers)
         self._log = log
         self._resources.callback(log.close)
         events = EventLog(
@@ -428,6 +431,9 @@ class Engine:
                 final = await self._checkpoint("final", outcome.state)
                 assert final.sampler_path is not None
                 path = final.sampler_path
+                no_report = await anyio.to_thread.run_sync(finished_run_report, self.run_dir)
+                if no_report is not None:
+                    log.info("report", no_report)
                 log.saved(path)
                 self._result = RunResult(
                     final_path=path,
@@ -715,6 +721,7 @@ class Engine:
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
         write_file_atomically(self.run_dir / "summary.json", text.encode())
+        summary.update(report=(self.run_dir / REPORT_PNG).exists(), run_dir=self.run_dir)
         markdown = _summary_markdown(summary, metrics)
         write_file_atomically(self.run_dir / "summary.md", markdown.encode())
 
@@ -786,6 +793,9 @@ def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
         f"best {num(s['best_avg_reward'])}",
         f"- max staleness: {s['max_staleness']}",
         f"- final sampler: {s['final_path'] or 'not saved'}",
+        f"- report: ![report]({REPORT_PNG})"
+        if s["report"]
+        else f"- report: `python -m engine.report {s['run_dir']}` draws it",
         "",
         "| step | avg_reward | datums | staleness | kl_v1 | time/step (s) |",
         "|---:|---:|---:|---:|---:|---:|",

@@ -8,11 +8,13 @@ habits carry over: ``env/all/reward/total``, ``optim/kl_sample_train_v1``,
 Each engine writes through its own structlog loggers (``structlog.wrap_logger``), never
 the global configuration, so two engines in one process do not share sinks: JSON lines
 to ``<run dir>/metrics.jsonl`` always; to the console either readable lines (the MinT
-quickstart's ``Step N: ...`` line as-is, then a detail line) or the same JSON.
+quickstart's ``Step N: ...`` line as-is, then a detail line) or the same JSON; and to
+the experiment trackers of ``--log-to`` (:mod:`engine.trackers`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import time
@@ -26,6 +28,7 @@ from engine.checkpoint import truncate_metrics
 from engine.errors import RunFileError
 from engine.redact import redact_processor
 from engine.state import ScoredGroup
+from engine.trackers import MetricSink
 
 __all__ = [
     "ActivityMeter",
@@ -169,15 +172,18 @@ def _console_renderer(_: Any, method: str, event: MutableMapping[str, Any]) -> s
 
 
 class RunLog:
-    """One run's event sinks. ``step`` events go to metrics.jsonl and the console; other
-    events (warnings, the final ``saved``) go to the console only."""
+    """One run's event sinks. ``step`` events go to metrics.jsonl, the console and the
+    trackers; other events (warnings, the final ``saved``) go to the console only. The
+    log owns the trackers: :meth:`close` closes them."""
 
     def __init__(
         self,
         metrics_path: Path,
         console: TextIO | None,
         log_format: Literal["console", "json"],
+        trackers: Sequence[tuple[str, MetricSink]] = (),
     ) -> None:
+        self._trackers = list(trackers)
         self._path = metrics_path
         self._file: IO[str] = metrics_path.open("a", encoding="utf-8")
         base: list[Any] = [
@@ -214,6 +220,18 @@ class RunLog:
         self._jsonl.info("step", **metrics)
         if self._console is not None:
             self._console.info("step", line=line, **metrics)
+        for name, tracker in list(self._trackers):
+            try:
+                tracker.log_step(int(metrics["step"]), metrics)
+            except Exception as exc:  # a dashboard must not stop the training
+                self._trackers.remove((name, tracker))
+                with contextlib.suppress(Exception):
+                    tracker.close()
+                self.warning(
+                    "tracker_failed",
+                    f"{name} stopped logging at step {metrics['step']} ({exc!r}); "
+                    "metrics.jsonl keeps every step",
+                )
 
     def warning(self, event: str, message: str, **fields: Any) -> None:
         if self._console is not None:
@@ -240,3 +258,5 @@ class RunLog:
 
     def close(self) -> None:
         self._file.close()
+        for _, tracker in self._trackers:
+            tracker.close()

@@ -32,6 +32,7 @@ import anyio
 from tqdm import tqdm
 
 from engine.checkpoint import CONFIG_FILE, read_run_config
+from engine.cli import add_version_flag, program_name
 from engine.config import (
     KNOBS,
     EngineConfig,
@@ -60,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m engine.run",
+        prog=program_name("engine.run", "engine-run"),
         description=(
             "Pipelined RL fine-tuning on MinT (the quickstart's custom-reward loop). "
             "Without MINT_API_KEY the local MinT-compatible server is started."
@@ -101,6 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="FILE",
         help="a TOML file of settings (keys are flag names); flags and the environment override it",
     )
+    add_version_flag(parser)
     return parser
 
 

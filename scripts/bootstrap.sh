@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Creates .venv in the checkout (if missing) and installs the project with its pinned
-# dependencies. Idempotent: a second run with an unchanged pyproject.toml does nothing.
+# Creates .venv in the checkout (if missing) and installs the project with every extra
+# (local server, report, trackers, dev tools) at the exact versions of constraints.txt.
+# Idempotent: a second run with unchanged pyproject.toml and constraints.txt does nothing.
 #   PYTHON=python3.12          the interpreter that creates .venv (default python3, >= 3.11)
 #   TORCH_INDEX_URL=URL        where torch comes from, e.g. https://download.pytorch.org/whl/cpu
 #                              on a machine where pip would otherwise pick a CUDA build
@@ -18,7 +19,7 @@ if [ ! -x .venv/bin/python ]; then
 fi
 
 stamp=.venv/.engine-installed
-want="$(sha256sum pyproject.toml | cut -d' ' -f1)"
+want="$(cat pyproject.toml constraints.txt | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
@@ -29,7 +30,8 @@ torch_index=()
 if [ -n "${TORCH_INDEX_URL:-}" ]; then
     torch_index=(--index-url "$TORCH_INDEX_URL")
 fi
-.venv/bin/python -m pip install --quiet --disable-pip-version-check "${torch_index[@]}" "torch==2.13.0"
-.venv/bin/python -m pip install --quiet --disable-pip-version-check -e ".[dev]"
+pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
+"${pip[@]}" "${torch_index[@]}" "torch==2.13.0"
+"${pip[@]}" -e ".[dev]"
 echo "$want" > "$stamp"
 echo "bootstrap: done" >&2

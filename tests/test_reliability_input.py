@@ -234,7 +234,9 @@ def test_an_sk_key_never_reaches_logs_files_or_errors(tmp_path: Path) -> None:
     assert line.startswith("Error: the reward function failed on problem 1 (")
     assert line.endswith("(key [REDACTED])")
     texts = [skip.stdout, skip.stderr, fail.stdout, fail.stderr]
-    texts += [p.read_text() for p in tmp_path.rglob("*") if p.is_file()]
+    texts += [  # report.png too: an ASCII key would show in its bytes
+        p.read_bytes().decode("utf-8", "replace") for p in tmp_path.rglob("*") if p.is_file()
+    ]
     assert all(key not in t for t in texts)
     assert all("eyJ" not in t.replace("eyJ[REDACTED]", "") for t in texts)  # no JWT either
     assert json.loads((tmp_path / "skip" / "config.json").read_text())["server"] == "remote"

@@ -4,7 +4,9 @@ Prints exactly one line on stdout once requests are accepted::
 
     engine.local: serving <model_name> at http://127.0.0.1:<port>
 
-(launchers wait for it); logs go to stderr. SIGINT/SIGTERM stop it cleanly.
+(launchers wait for it); logs go to stderr. SIGINT/SIGTERM stop it cleanly. Exit codes:
+0 stopped; 2 a bad option, or the ``local`` extra is not installed (one line: ``pip
+install 'engine[local]'``); 1 the model cannot be loaded.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from typing import NoReturn
 
 import anyio
 
+from engine.cli import add_version_flag, program_name
+from engine.extras import missing_message
 from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
@@ -69,7 +73,7 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(
-        prog="python -m engine.local",
+        prog=program_name("engine.local", "engine-local"),
         description="Serve a MinT/Tinker-compatible LoRA training API on a local model, "
         "for the unmodified mint SDK (set MINT_BASE_URL to the printed URL).",
         epilog=_EPILOG,
@@ -231,12 +235,17 @@ def build_parser() -> argparse.ArgumentParser:
         choices=["debug", "info", "warning", "error"],
         help="stderr log level (default warning)",
     )
+    add_version_flag(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    no_server = missing_message("local", "the local server")
+    if no_server is not None:
+        print(f"{parser.prog}: error: {no_server}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=args.log_level.upper(),
         stream=sys.stderr,

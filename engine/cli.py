@@ -1,0 +1,29 @@
+"""What the command-line entry points share: the program name shown in usage lines (the
+console script's own name, else ``python -m <module>``) and ``--version``."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from importlib.metadata import PackageNotFoundError, version
+from pathlib import Path
+
+__all__ = ["add_version_flag", "engine_version", "program_name"]
+
+
+def engine_version() -> str:
+    try:
+        return version("engine")
+    except PackageNotFoundError:  # a checkout on PYTHONPATH, not installed
+        return "unknown (not installed)"
+
+
+def program_name(module: str, script: str) -> str:
+    """``script`` when the process was started as that console script, else
+    ``python -m module`` (also when ``main`` is called in-process, e.g. by tests)."""
+    started_as = Path(sys.argv[0]).name if sys.argv and sys.argv[0] else ""
+    return script if started_as == script else f"python -m {module}"
+
+
+def add_version_flag(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--version", action="version", version=f"%(prog)s {engine_version()}")

@@ -1,0 +1,149 @@
+"""``engine.report``: smoothing, reading run directories, the picture and the page, one
+run and several overlaid, and the command line."""
+
+from __future__ import annotations
+
+import base64
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.errors import ConfigError
+from engine.report import (
+    REPORT_HTML,
+    REPORT_PNG,
+    draw_report,
+    finished_run_report,
+    load_run,
+    main,
+    smooth,
+)
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+
+
+def step_metrics(step: int, reward: float, staleness: int = 0) -> dict[str, Any]:
+    """A metrics.jsonl line with the names the engine writes."""
+    return {
+        "step": step,
+        "avg_reward": reward,
+        "exact_rate": reward / 2,
+        "off_policy/staleness": staleness,
+        "optim/kl_sample_train_v1": None if step == 1 else 0.01 * step,
+        "optim/kl_sample_train_v2": 0.002,
+        "time/sample": 0.2,
+        "time/score": 0.01,
+        "time/train": 0.3,
+        "time/wait": 0.1,
+        "time/step": 0.5,
+        "throughput/samples_per_s": 90.0 + step,
+        "problem_ids": [0, 1],
+        "event": "step",
+        "level": "info",
+    }
+
+
+def make_run(run_dir: Path, rewards: list[float], staleness: int = 0) -> Path:
+    run_dir.mkdir(parents=True)
+    lines = [json.dumps(step_metrics(i + 1, r, staleness)) for i, r in enumerate(rewards)]
+    (run_dir / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    return run_dir
+
+
+def test_smoothing_is_a_debiased_moving_average_that_skips_gaps() -> None:
+    assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
+    assert smooth([1.0, None, 3.0], 0.0) == [1.0, None, 3.0]
+    smoothed = smooth([0.0, 1.0, 1.0, 1.0], 0.5)
+    assert smoothed[0] == 0.0
+    assert 0.0 < smoothed[1] < smoothed[2] < smoothed[3] < 1.0
+
+
+def test_a_run_directory_is_read_and_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "a", [0.5, 0.6])
+    with (run / "metrics.jsonl").open("a") as f:
+        f.write('{"step": 3, "avg_rew')  # killed mid-write
+    data = load_run(run)
+    assert [m["step"] for m in data.steps] == [1, 2]
+    assert data.series("optim/kl_sample_train_v1") == ([1, 2], [None, 0.02])
+    assert data.summary is None
+
+
+def test_a_directory_without_steps_is_one_clear_error(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="not a run directory"):
+        load_run(tmp_path)
+    (tmp_path / "metrics.jsonl").write_text("")
+    with pytest.raises(ConfigError, match="holds no steps"):
+        load_run(tmp_path)
+
+
+def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
+    runs = [
+        load_run(make_run(tmp_path / "k0", [0.5, 0.6, 0.7])),
+        load_run(make_run(tmp_path / "k1", [0.4, 0.5, 0.8, 0.9], staleness=1)),
+    ]
+    fig = draw_report(runs)
+    reward_axes = fig.axes[0]
+    lines = reward_axes.get_lines()
+    assert len(lines) == 4  # raw and smoothed per run
+    assert [len(line.get_xdata()) for line in lines] == [3, 3, 4, 4]
+    assert lines[0].get_color() == lines[1].get_color() != lines[2].get_color()
+    legend = reward_axes.get_legend()
+    assert [t.get_text() for t in legend.get_texts()] == ["k0", "k1"]
+    stage_axes = fig.axes[2]
+    assert len(stage_axes.patches) == 2 * 5  # five stage bars per run
+
+
+def test_the_command_writes_a_picture_and_a_self_contained_page(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    first = make_run(tmp_path / "one" / "run", [0.5, 0.6, 0.7])
+    second = make_run(tmp_path / "two" / "run", [0.4, 0.8])
+    (second / "summary.json").write_text(json.dumps({"status": "finished"}))
+    out = tmp_path / "cmp"
+    assert main([str(first), str(second), "--out", str(out)]) == 0
+    assert capsys.readouterr().out.split() == [str(out / REPORT_PNG), str(out / REPORT_HTML)]
+    png = (out / REPORT_PNG).read_bytes()
+    assert png.startswith(PNG_MAGIC)
+    page = (out / REPORT_HTML).read_text()
+    embedded = page.split("data:image/png;base64,")[1].split("'")[0]
+    assert base64.b64decode(embedded) == png
+    assert "src='http" not in page and "<link" not in page  # nothing fetched
+    # Same directory names: the labels are the paths; the summary's status is shown.
+    assert str(first) in page and str(second) in page and "finished" in page
+
+
+def test_one_run_is_drawn_into_its_own_directory(tmp_path: Path) -> None:
+    run = make_run(tmp_path / "run", [0.5, 0.6])
+    assert main([str(run)]) == 0
+    assert (run / REPORT_PNG).read_bytes().startswith(PNG_MAGIC)
+    assert (run / REPORT_HTML).exists()
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["{missing}"], "is not a run directory"),
+        (["{run}", "--smoothing", "1"], "--smoothing must be in [0, 1)"),
+        ([], "the following arguments are required: RUN_DIR"),
+    ],
+)
+def test_bad_arguments_are_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], args: list[str], message: str
+) -> None:
+    run = make_run(tmp_path / "run", [0.5])
+    argv = [a.format(missing=tmp_path / "nope", run=run) for a in args]
+    try:
+        status = main(argv)
+    except SystemExit as exc:  # argparse's errors
+        status = int(str(exc.code))
+    assert status == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err
+
+
+def test_a_finished_run_report_never_raises(tmp_path: Path) -> None:
+    note = finished_run_report(tmp_path)
+    assert note is not None
+    assert note.startswith("No report.png: ") and "python -m engine.report" in note

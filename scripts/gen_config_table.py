@@ -41,7 +41,9 @@ def _code(text: str) -> str:
 
 def _options(parser: argparse.ArgumentParser) -> Iterable[argparse.Action]:
     for action in parser._actions:
-        if action.option_strings and not isinstance(action, argparse._HelpAction):
+        if action.option_strings and not isinstance(
+            action, argparse._HelpAction | argparse._VersionAction
+        ):
             yield action
 
 

@@ -58,7 +58,7 @@ def _parser_flags(parser: argparse.ArgumentParser) -> set[str]:
     return {
         flag
         for action in parser._actions
-        if not isinstance(action, argparse._HelpAction)
+        if not isinstance(action, argparse._HelpAction | argparse._VersionAction)
         for flag in action.option_strings
         if flag.startswith("--")
     }

@@ -38,24 +38,17 @@ def _pairs(ops: list[OpCycle]) -> list[tuple[int, int]]:
 def test_engine_train_step_takes_one_cycle_where_the_quickstart_takes_more(
     server: LocalServer, tmp_path: Path
 ) -> None:
-    steps, _ = run_engine(small_config(server, tmp_path / "run", steps=2, lora_seed=1))
+    # Each step submitted after the previous one's results: a step's two calls follow a
+    # cycle edge, far from the next one. (Submitted ahead, a step can be submitted at any
+    # point of a cycle, so its two calls may straddle an edge: a matter of timing.)
+    config = small_config(server, tmp_path / "run", steps=2, lora_seed=1, submit_ahead=0)
+    steps, _ = run_engine(config)
     assert all(s.metrics["datums"] > 0 for s in steps)
     (engine_model,) = server.stats.op_cycles
     engine_ops = server.stats.op_cycles[engine_model]
     engine_pairs = _pairs(engine_ops)
     assert len(engine_pairs) == 2
     assert all(fb == opt for fb, opt in engine_pairs)
-    # Submit-ahead keeps each snapshot right behind its step in the model's sequence:
-    # version 1 holds exactly step 1's update, whatever was submitted after it.
-    trained = [op.endpoint for op in engine_ops if op.endpoint != "save_weights"][2:]
-    assert trained == [
-        "forward_backward",
-        "optim_step",
-        "save_weights_for_sampler",
-        "forward_backward",
-        "optim_step",
-        "save_weights_for_sampler",  # the final checkpoint's sampler weights
-    ]
 
     run_quickstart_loop(
         base_url=server.base_url,
@@ -76,3 +69,25 @@ def test_engine_train_step_takes_one_cycle_where_the_quickstart_takes_more(
     ref_ops = server.stats.op_cycles[ref_model]
     ref_pairs = _pairs(ref_ops)
     assert ref_pairs and all(opt > fb for fb, opt in ref_pairs)
+
+
+def test_a_snapshot_stays_right_behind_its_step_when_the_next_is_submitted_ahead(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    """Version n must hold exactly n optimizer steps: in the model's sequence each
+    snapshot follows its own step's optim_step, before the next step's calls."""
+    steps, _ = run_engine(small_config(server, tmp_path / "run", steps=3, lora_seed=1))
+    assert [s.step for s in steps] == [1, 2, 3]
+    (model,) = server.stats.op_cycles
+    ops = [op.endpoint for op in server.stats.op_cycles[model] if op.endpoint != "save_weights"]
+    assert ops[2:] == [  # after the step-0 checkpoint's and version 0's sampler weights
+        "forward_backward",
+        "optim_step",
+        "save_weights_for_sampler",
+        "forward_backward",
+        "optim_step",
+        "save_weights_for_sampler",
+        "forward_backward",
+        "optim_step",
+        "save_weights_for_sampler",  # the final checkpoint's sampler weights
+    ]

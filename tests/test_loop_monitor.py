@@ -3,6 +3,7 @@ and one real run whose async reward never awaits, stopped by SIGTERM."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -119,6 +120,62 @@ def test_sigterm_stops_a_run_whose_async_reward_never_awaits(tmp_path: Path) -> 
         proc.kill()
     assert "SIGTERM received but the event loop has been blocked" in rest
     assert "Traceback" not in rest
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_whose_sync_reward_never_returns(tmp_path: Path) -> None:
+    """The stop abandons the reward's worker thread (a daemon): the run writes its
+    summary and the process exits instead of waiting for the thread forever."""
+    (tmp_path / "hang_task.py").write_text(
+        textwrap.dedent(
+            """
+            import sys
+            import threading
+            from engine.tasks import ArithmeticTask
+
+            class HangTask(ArithmeticTask):
+                def score(self, response, problem):
+                    print("hanging", file=sys.stderr, flush=True)
+                    threading.Event().wait()
+            """
+        )
+    )
+    run_dir = tmp_path / "run"
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "engine.run",
+            "--task",
+            "hang_task:HangTask",
+            "--steps",
+            "2",
+            "--batch",
+            "2",
+            "--group",
+            "2",
+            "--run-dir",
+            str(run_dir),
+        ],
+        cwd=tmp_path,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**_env(), "PYTHONPATH": f"{tmp_path}:{_root()}"},
+    )
+    try:
+        assert proc.stderr is not None
+        for line in proc.stderr:
+            if "hanging" in line:
+                break
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(timeout=120) == 130
+    finally:
+        proc.kill()
+    assert "Traceback" not in rest
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "interrupted"
 
 
 def _root() -> str:

@@ -6,10 +6,12 @@ every stage; scoring them all at once (``--score-concurrency`` at a time) costs 
 call per step. Where a reward runs depends on what it is:
 
 * an ``async def`` reward runs on the event loop (a judge over HTTP);
-* a plain function runs in a worker thread (``--score-workers threads``, the default), or
-  in a pool of worker processes (``--score-workers processes:N``) when it is CPU-bound
-  Python that threads cannot run in parallel; the task is then pickled once per call, so
-  it must be picklable (checked before the run starts: one clear line otherwise).
+* a plain function runs in a worker thread (``--score-workers threads``, the default; one
+  thread per group, the groups concurrently: threads run Python one at a time anyway),
+  or in a pool of worker processes (``--score-workers processes:N``, each response a
+  call) when it is CPU-bound Python that threads cannot run in parallel; the task is
+  then pickled once per call, so it must be picklable (checked before the run starts:
+  one clear line otherwise).
 
 A task may also reward a whole group at once with ``score_group(responses, problem)``
 (rankings, pairwise judges); it then replaces ``score`` and returns one reward per
@@ -121,6 +123,7 @@ class Scorer:
         self._group_fn: Callable[..., Any] | None = group_fn if callable(group_fn) else None
         fn = self._group_fn or task.score
         self._is_async = inspect.iscoroutinefunction(fn)
+        self._in_threads = not self._is_async and self._processes is None
         if self._processes is not None and not self._is_async:
             _check_picklable(fn)
 
@@ -131,6 +134,12 @@ class Scorer:
                 async with self._limiter:
                     raw = await self._call(self._group_fn, list(responses), problem)
                 rewards = _checked_group(raw, len(responses))
+            elif self._in_threads:
+                # One worker thread per group: threads run Python one at a time anyway,
+                # and a thread per response costs more than a cheap reward itself.
+                async with self._limiter:
+                    raw = await self._call(_score_each, self._task.score, responses, problem)
+                rewards = [check_reward(r) for r in raw]
             else:
                 rewards = [RewardBreakdown(0.0)] * len(responses)
                 async with anyio.create_task_group() as tg:
@@ -194,6 +203,12 @@ def _checked_group(raw: Any, n: int) -> list[RewardBreakdown]:
     if len(raw) != n:
         raise EngineError(f"task.score_group returned {len(raw)} rewards for {n} responses")
     return [check_reward(r) for r in raw]
+
+
+def _score_each(
+    score: Callable[[str, Problem], Any], responses: Sequence[str], problem: Problem
+) -> list[Any]:
+    return [score(response, problem) for response in responses]
 
 
 def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:

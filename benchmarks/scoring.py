@@ -38,7 +38,7 @@ __all__ = ["main"]
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 JUDGE_S = 0.25
-CPU_ITERATIONS = 1_000_000
+CPU_ITERATIONS = 2_000_000
 """Loop iterations of the CPU-bound reward (about 0.1 s of CPU here; measured per run)."""
 
 

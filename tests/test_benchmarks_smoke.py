@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scaling, throughput, train_stage
+from benchmarks import scaling, scoring, throughput, train_stage
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 
@@ -221,3 +221,13 @@ def test_train_stage_quick_run_compares_both_trainers(tmp_path: Path) -> None:
         assert _finite(mode["mean_step_s"])
     text = (tmp_path / "train_stage.md").read_text()
     assert "| await |" in text and "| submit-ahead |" in text
+
+
+def test_scoring_quick_run_reports_each_reward_against_its_ideal(tmp_path: Path) -> None:
+    assert scoring.main(["--quick", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "scoring.json").read_text())
+    results = {r["workers"]: r for r in report["results"] if "cpu" in r["config"]}
+    assert set(results) == {"threads", "processes:2"}
+    judge = next(r for r in report["results"] if "judge" in r["config"])
+    assert judge["ideal_s"] == 0.25 and len(judge["times_s"]) == 1
+    assert (tmp_path / "scoring.md").read_text().count("\n") == 5

@@ -15,6 +15,8 @@ import pytest
 
 from engine.loop_monitor import LoopMonitor
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 class Clock:
     def __init__(self) -> None:
@@ -70,54 +72,48 @@ def test_a_loop_blocked_past_the_stall_timeout_exits_1() -> None:
     assert "blocked for 60 s" in verdict[0]
 
 
-@pytest.mark.slow
-def test_sigterm_stops_a_run_whose_async_reward_never_awaits(tmp_path: Path) -> None:
-    (tmp_path / "spin_task.py").write_text(
-        textwrap.dedent(
-            """
-            import sys
-            from engine.tasks import ArithmeticTask
-
-            class SpinTask(ArithmeticTask):
-                async def score(self, response, problem):
-                    print("spinning", file=sys.stderr, flush=True)
-                    while True:
-                        pass
-            """
-        )
-    )
+def _sigterm_once_reward_runs(tmp_path: Path, task_source: str) -> tuple[int, str]:
+    """Run ``engine.run`` with the task ``TheTask`` defined by ``task_source`` (whose reward
+    prints "in the reward" before it blocks); SIGTERM it once the reward runs. Returns the
+    exit code and the rest of stderr."""
+    (tmp_path / "the_task.py").write_text(textwrap.dedent(task_source))
+    args = ["--task", "the_task:TheTask", "--steps", "2", "--batch", "2", "--group", "2"]
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.run",
-            "--task",
-            "spin_task:SpinTask",
-            "--steps",
-            "2",
-            "--batch",
-            "2",
-            "--group",
-            "2",
-            "--run-dir",
-            str(tmp_path / "run"),
-        ],
+        [sys.executable, "-m", "engine.run", *args, "--run-dir", str(tmp_path / "run")],
         cwd=tmp_path,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**_env(), "PYTHONPATH": f"{tmp_path}:{_root()}"},
+        env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": f"{tmp_path}:{ROOT}"},
     )
     try:
         assert proc.stderr is not None
         for line in proc.stderr:
-            if "spinning" in line:
+            if "in the reward" in line:
                 break
         proc.send_signal(signal.SIGTERM)
         rest = proc.stderr.read()
-        assert proc.wait(timeout=120) == 128 + signal.SIGTERM
+        return proc.wait(timeout=120), rest
     finally:
         proc.kill()
+
+
+@pytest.mark.slow
+def test_sigterm_stops_a_run_whose_async_reward_never_awaits(tmp_path: Path) -> None:
+    code, rest = _sigterm_once_reward_runs(
+        tmp_path,
+        """
+        import sys
+        from engine.tasks import ArithmeticTask
+
+        class TheTask(ArithmeticTask):
+            async def score(self, response, problem):
+                print("in the reward", file=sys.stderr, flush=True)
+                while True:
+                    pass
+        """,
+    )
+    assert code == 128 + signal.SIGTERM
     assert "SIGTERM received but the event loop has been blocked" in rest
     assert "Traceback" not in rest
 
@@ -126,61 +122,20 @@ def test_sigterm_stops_a_run_whose_async_reward_never_awaits(tmp_path: Path) -> 
 def test_sigterm_stops_a_run_whose_sync_reward_never_returns(tmp_path: Path) -> None:
     """The stop abandons the reward's worker thread (a daemon): the run writes its
     summary and the process exits instead of waiting for the thread forever."""
-    (tmp_path / "hang_task.py").write_text(
-        textwrap.dedent(
-            """
-            import sys
-            import threading
-            from engine.tasks import ArithmeticTask
+    code, rest = _sigterm_once_reward_runs(
+        tmp_path,
+        """
+        import sys
+        import threading
+        from engine.tasks import ArithmeticTask
 
-            class HangTask(ArithmeticTask):
-                def score(self, response, problem):
-                    print("hanging", file=sys.stderr, flush=True)
-                    threading.Event().wait()
-            """
-        )
+        class TheTask(ArithmeticTask):
+            def score(self, response, problem):
+                print("in the reward", file=sys.stderr, flush=True)
+                threading.Event().wait()
+        """,
     )
-    run_dir = tmp_path / "run"
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "engine.run",
-            "--task",
-            "hang_task:HangTask",
-            "--steps",
-            "2",
-            "--batch",
-            "2",
-            "--group",
-            "2",
-            "--run-dir",
-            str(run_dir),
-        ],
-        cwd=tmp_path,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**_env(), "PYTHONPATH": f"{tmp_path}:{_root()}"},
-    )
-    try:
-        assert proc.stderr is not None
-        for line in proc.stderr:
-            if "hanging" in line:
-                break
-        proc.send_signal(signal.SIGTERM)
-        rest = proc.stderr.read()
-        assert proc.wait(timeout=120) == 130
-    finally:
-        proc.kill()
+    assert code == 130
     assert "Traceback" not in rest
-    summary = json.loads((run_dir / "summary.json").read_text())
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "interrupted"
-
-
-def _root() -> str:
-    return str(Path(__file__).resolve().parent.parent)
-
-
-def _env() -> dict[str, str]:
-    return {**os.environ, "HF_HUB_OFFLINE": "1", "TINKER_TELEMETRY": "0"}

@@ -45,6 +45,7 @@ from tinker import types
 from engine import Engine, EngineConfig, RunResult
 from engine.config import LOCAL_PROFILE
 from engine.local import LocalServer
+from engine.service import snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
 from engine.tasks.arithmetic import score_arithmetic
 from engine.tasks.base import Task
@@ -161,7 +162,7 @@ def evaluate(
 
 def _run_engine(config: EngineConfig, task: Task | None) -> tuple[RunResult, str | None]:
     """The run's result and its training client's model id (the per-version sampler
-    snapshots live under it: ``tinker://<model id>/sampler_weights/sampler-v<n>``)."""
+    snapshots live under it, named by ``engine.service.snapshot_name``)."""
 
     async def go() -> tuple[RunResult, str | None]:
         async with Engine(config, task) as engine:
@@ -186,7 +187,7 @@ def _curve(
         return {}
     out: dict[int, float] = {}
     for step in range(every, steps, every):
-        path = f"tinker://{model_id}/sampler_weights/sampler-v{step}"
+        path = f"tinker://{model_id}/sampler_weights/{snapshot_name(step)}"
         sampler = service.create_sampling_client(model_path=path)
         out[step] = evaluate(sampler, tokenizer, problems, stop)
     return out

@@ -76,6 +76,7 @@ __all__ = [
     "open_session",
     "reserve_sampler_snapshot",
     "sdk_sampling_retry_config",
+    "snapshot_name",
     "to_sdk_datum",
 ]
 
@@ -193,7 +194,7 @@ class MintSession:
         training = self._training
 
         async def go() -> Any:
-            return reserve_sampler_snapshot(training, f"sampler-v{version}")
+            return reserve_sampler_snapshot(training, snapshot_name(version))
 
         future = await self._step_call(version, go, completes=False)
         return PendingSnapshot(version, future)
@@ -218,9 +219,7 @@ class MintSession:
         training = self._training
 
         async def once() -> SamplerHandle:
-            future = await training.save_weights_for_sampler_async(
-                f"sampler-v{version}", ttl_seconds=SNAPSHOT_TTL_S
-            )
+            future = reserve_sampler_snapshot(training, snapshot_name(version))
             client = await self._sampling_client(str((await future).path))
             return SamplerHandle(version, client)
 
@@ -539,6 +538,12 @@ def to_sdk_datum(datum: Datum) -> types.Datum:
             key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
         },
     )
+
+
+def snapshot_name(version: int) -> str:
+    """The sampler weights' name of policy ``version``: the snapshot lives at
+    ``tinker://<model id>/sampler_weights/<name>``."""
+    return f"sampler-v{version}"
 
 
 def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:

@@ -500,24 +500,27 @@ class Engine:
 
     async def _train(self, gate: StopGate, watchdog: Watchdog) -> PipelineOutcome:
         """The pipeline, started again from the latest checkpoint after each step of
-        unknown outcome (same code path as resuming after a crash)."""
+        unknown outcome (same code path as resuming after a crash). Each start samples
+        from the checkpoint's own sampler weights: no extra snapshot."""
         assert self._session is not None and self._events is not None
         session, cfg = self._session, self._config
         if self._resumed is not None:
             state = LoopState.from_dict(self._resumed.loop_state)
+            checkpoint: CheckpointRecord | None = self._resumed.checkpoint
         else:
-            state = self._initial_state()
+            state, checkpoint = self._initial_state(), None
         self._state = state
-        if self._resumed is None:
-            await self._checkpoint("periodic", state)  # step 0: recovery needs a base
         baseline = self._evaluator if self._resumed is None else None
         while True:
-            source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
-            sampler = await session.save_sampler(state.next_step)
+            if checkpoint is None or checkpoint.sampler_path is None:
+                checkpoint = await self._checkpoint("periodic", state)  # recovery's base
+            assert checkpoint.sampler_path is not None
+            sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
             watchdog.progress(f"sampler {state.next_step} ready")
             if baseline is not None:
                 await baseline(0, sampler)
                 baseline = None
+            source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
             pipeline = Pipeline(
                 cfg,
                 self._task,
@@ -537,23 +540,23 @@ class Engine:
                 unknown = find_error(exc, StepOutcomeUnknown)
                 if unknown is None or gate.reason is not None:
                     raise
-            state = await self._recover(unknown, gate)
+            state, checkpoint = await self._recover(unknown, gate)
             watchdog.progress(f"restored step {state.next_step}")
 
     def _initial_state(self) -> LoopState:
         return LoopState(0, self._task.source(self._config.seed).state(), 0)
 
-    async def _recover(self, unknown: StepOutcomeUnknown, gate: StopGate) -> LoopState:
+    async def _recover(
+        self, unknown: StepOutcomeUnknown, gate: StopGate
+    ) -> tuple[LoopState, CheckpointRecord | None]:
         """Restore the latest checkpoint after step ``unknown.step`` had an unknown
-        outcome; rewind the metrics of the steps that will be redone."""
+        outcome; rewind the metrics of the steps that will be redone. Returns the
+        restored state and its checkpoint (None: none yet, a fresh LoRA client)."""
         assert self._session is not None and self._log is not None
         assert self._state is not None
         completed = self._state.next_step
-        plan = plan_recovery(
-            CheckpointLog(self.run_dir, log=self._events).latest(),
-            completed_steps=completed,
-            log=self._events,
-        )
+        latest = CheckpointLog(self.run_dir, log=self._events).latest()
+        plan = plan_recovery(latest, completed_steps=completed, log=self._events)
         await self._session.restore(plan.state_path)
         gate.restored()
         if plan.redo_steps:
@@ -569,7 +572,7 @@ class Engine:
             else self._initial_state()
         )
         self._state = state
-        return state
+        return state, latest
 
     async def _on_step(self, result: StepResult) -> None:
         assert self._log is not None and self._send is not None

@@ -208,22 +208,17 @@ class MintSession:
             return str((await cast(Awaitable[Any], future)).path)
 
         path = await self._step_call(pending.version, saved, completes=False)
+        return await self.open_sampler(pending.version, path)
+
+    async def open_sampler(self, version: int, sampler_path: str) -> SamplerHandle:
+        """A sampling client on saved sampler weights (a checkpoint's, or a finished
+        snapshot's), as policy ``version``; retried."""
         client = await self._call(
-            OpKind.SAMPLER_SNAPSHOT, f"open sampler {path}", lambda: self._sampling_client(path)
+            OpKind.SAMPLER_SNAPSHOT,
+            f"open sampler {sampler_path}",
+            lambda: self._sampling_client(sampler_path),
         )
-        return SamplerHandle(pending.version, client)
-
-    async def save_sampler(self, version: int) -> SamplerHandle:
-        """Snapshot the current weights as sampler ``version`` with nothing else in
-        flight, so a failed attempt can safely be repeated (same name, same weights)."""
-        training = self._training
-
-        async def once() -> SamplerHandle:
-            future = reserve_sampler_snapshot(training, snapshot_name(version))
-            client = await self._sampling_client(str((await future).path))
-            return SamplerHandle(version, client)
-
-        return await self._call(OpKind.SAMPLER_SNAPSHOT, "save_sampler", once)
+        return SamplerHandle(version, client)
 
     async def _sampling_client(self, path: str) -> tinker.SamplingClient:
         return await self._service.create_sampling_client_async(

@@ -167,8 +167,8 @@ class Session(Protocol):
 
     async def finish_snapshot(self, pending: PendingSnapshot) -> SamplerHandle: ...
 
-    async def save_sampler(self, version: int) -> SamplerHandle:
-        """Snapshot the current weights now (nothing else in flight) as ``version``."""
+    async def open_sampler(self, version: int, sampler_path: str) -> SamplerHandle:
+        """A sampling client on saved sampler weights (a checkpoint's), as ``version``."""
         ...
 
     async def save_checkpoint(

@@ -54,6 +54,7 @@ class FakeSession:
     _submitted_optims: int = 0
     _holds: dict[int, anyio.Event] = field(default_factory=dict)
     _checkpoints: dict[str, int] = field(default_factory=dict)
+    _sampler_weights: dict[str, int] = field(default_factory=dict)
 
     # -- Session protocol -----------------------------------------------------------
 
@@ -124,9 +125,9 @@ class FakeSession:
         assert seen == pending.version, f"snapshot v{pending.version} saw {seen} optim steps"
         return SamplerHandle(pending.version, seen)
 
-    async def save_sampler(self, version: int) -> SamplerHandle:
+    async def open_sampler(self, version: int, sampler_path: str) -> SamplerHandle:
         await anyio.lowlevel.checkpoint()
-        return SamplerHandle(version, self._submitted_optims)
+        return SamplerHandle(version, self._sampler_weights[sampler_path])
 
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None
@@ -134,7 +135,9 @@ class FakeSession:
         await anyio.lowlevel.checkpoint()
         self.log.append(("checkpoint", self._submitted_optims))
         self._checkpoints[state_name] = self._submitted_optims
-        return f"fake://state/{state_name}", f"fake://sampler/{sampler_name}"
+        sampler_path = f"fake://sampler/{sampler_name}"
+        self._sampler_weights[sampler_path] = self._submitted_optims
+        return f"fake://state/{state_name}", sampler_path
 
     async def restore(self, state_path: str | None) -> None:
         await anyio.lowlevel.checkpoint()

@@ -188,7 +188,8 @@ def test_requests_the_server_refuses_fail_fast_with_the_reason(
             session = engine.session
             with pytest.raises(PermanentServiceError) as bad_name:
                 await session.save_state("../../outside")
-            sampler = await session.save_sampler(0)
+            _, weights = await session.save_checkpoint("ok", "ok")
+            sampler = await session.open_sampler(0, weights)
             params = SamplingSettings(max_tokens=2, temperature=1.0)
             with pytest.raises(PermanentServiceError) as too_many:
                 await session.sample(sampler, [1, 2, 3], 100_000, params)

@@ -18,6 +18,7 @@ import logging
 import os
 import re
 import shutil
+import tempfile
 from pathlib import Path
 
 log = logging.getLogger("engine.local")
@@ -58,12 +59,19 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
         repo.mkdir(parents=True, exist_ok=True)
         (repo / MARKER).write_text(f"written by engine.local for {model_dir}\n")
         if not snapshot.is_dir():
-            tmp = repo / "snapshots" / f".{revision}.tmp"
-            shutil.rmtree(tmp, ignore_errors=True)
-            tmp.mkdir(parents=True)
-            for file in files:
-                shutil.copyfile(file, tmp / file.name)
-            os.replace(tmp, snapshot)
+            # A private temporary dir: servers starting at once (test workers) may file
+            # the same tokenizer; the first rename wins and the others drop their copy.
+            (repo / "snapshots").mkdir(exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=f".{revision}.", dir=repo / "snapshots"))
+            try:
+                for file in files:
+                    shutil.copyfile(file, tmp / file.name)
+                os.replace(tmp, snapshot)
+            except OSError:
+                if not snapshot.is_dir():
+                    raise
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
         (repo / "refs").mkdir(exist_ok=True)
         (repo / "refs" / "main").write_text(revision)
     except OSError as exc:

@@ -573,7 +573,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_str,
         _non_empty,
-        "'arithmetic', a JSONL dataset 'jsonl:PATH' or a user task 'package.module:attr'",
+        "'arithmetic', a JSONL dataset 'jsonl:PATH', a Hugging Face dataset on disk "
+        "'hf:PATH' or a user task 'package.module:attr'",
         "arithmetic",
     ),
     Knob(

@@ -98,7 +98,7 @@ BAD_INPUT = [
     (
         ["--task", "just-a-name"],
         {},
-        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH' or "
+        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH', 'hf:PATH' or "
         "'package.module:attr'",
     ),
     (

@@ -109,6 +109,46 @@ def test_dataset_cursor_across_cli_resume_matches_an_uninterrupted_run(
     assert [m["problem_ids"] for m in resumed] == [s.metrics["problem_ids"] for s in whole]
 
 
+def test_hf_dataset_from_the_command_line_evaluates_its_test_split(
+    server: LocalServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A DatasetDict written by save_to_disk, trained from its train split and evaluated
+    on its test split, offline (HF_HUB_OFFLINE=1), from the command line."""
+    import datasets
+
+    rows = [
+        {"question": f"What is {a} + {a + 7}?", "answer": 2 * a + 7, "source": "synthetic"}
+        for a in range(10, 30)
+    ]
+    data = tmp_path / "sums"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows[:14]),
+            "test": datasets.Dataset.from_list(rows[14:]),
+        }
+    ).save_to_disk(str(data))
+    monkeypatch.setenv("MINT_BASE_URL", server.base_url)
+    monkeypatch.setenv("MINT_API_KEY", API_KEY)
+    run_dir = tmp_path / "run"
+    argv = [
+        *("--task", f"hf:{data}", "--task-arg", "eval_split=test", "--task-arg", "reward=numeric"),
+        *("--eval-every", "2", "--steps", "2", "--batch", "4", "--group", "4"),
+        *("--max-tokens", "8", "--lr", "3e-3", "--lora-rank", "8", "--base-model"),
+        *(server.model_name, "--run-dir", str(run_dir), "--no-progress"),
+    ]
+    assert run_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Eval after step 2: reward=" in out and "(6 held-out problems, greedy)" in out
+    assert [e["step"] for e in lines(run_dir / "eval.jsonl")] == [0, 2]
+    config_json = json.loads((run_dir / "config.json").read_text())
+    assert (config_json["task"], config_json["task_name"]) == (f"hf:{data.resolve()}", "hf-sums")
+    drawn = {i for m in lines(run_dir / "metrics.jsonl") for i in m["problem_ids"]}
+    assert drawn == set(range(8))  # 2 steps of 4 draws from the 14 training rows
+
+
 def test_embedded_user_task_resumes_from_the_cli(
     server: LocalServer, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

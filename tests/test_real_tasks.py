@@ -21,6 +21,7 @@ from engine.local import LocalServer
 from engine.local.make_model import DEFAULT_OUT
 from engine.rollouts import main as rollouts_main
 from engine.run import main as run_main
+from engine.tasks import ArithmeticTask
 from engine.tasks.dataset import DatasetTask
 from tests.engine_support import API_KEY, run_engine, small_config
 from tests.user_tasks import ChatDigitCountTask, DigitCountTask
@@ -87,6 +88,19 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     config_json = json.loads((run_dir / "config.json").read_text())
     assert config_json["task"] == f"jsonl:{dataset.resolve()}"
     assert config_json["task_args"] == {"eval_size": "6"}
+
+
+def test_the_default_task_evaluates_its_held_out_pairs(server: LocalServer, tmp_path: Path) -> None:
+    """--eval-every works with the arithmetic task out of the box: 64 held-out pairs,
+    none of them among the training problems."""
+    run_dir = tmp_path / "run"
+    steps, _ = run_engine(small_config(server, run_dir, eval_every=2, steps=2))
+    evals = lines(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(e["eval/problems"] == 64 and "eval/exact_bonus/rate" in e for e in evals)
+    held_out = {p.question for p in ArithmeticTask("+", 10, 99).eval_problems()}
+    trained = [g.problem.question for s in steps for g in s.groups]
+    assert len(trained) == 8 and held_out.isdisjoint(trained)
 
 
 def test_dataset_cursor_across_cli_resume_matches_an_uninterrupted_run(

@@ -4,11 +4,13 @@ stop strings, --init-from, chat prompts under the Qwen3 alias, and the console s
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +23,8 @@ from engine.local import LocalServer
 from engine.local.make_model import DEFAULT_OUT
 from engine.rollouts import main as rollouts_main
 from engine.run import main as run_main
-from engine.tasks import ArithmeticTask
+from engine.scoring import RewardError
+from engine.tasks import ArithmeticTask, Problem, RewardBreakdown
 from engine.tasks.dataset import DatasetTask
 from tests.engine_support import API_KEY, run_engine, small_config
 from tests.user_tasks import ChatDigitCountTask, DigitCountTask
@@ -194,6 +197,45 @@ def test_task_args_reach_a_user_factory(server: LocalServer, tmp_path: Path) -> 
 class _StopAtSpace(DigitCountTask):
     name = "stop-at-space"
     stop = (" ",)
+
+
+class _EvalRewardFails(DigitCountTask):
+    """Held-out problems whose reward raises on one of the three."""
+
+    name = "eval-reward-fails"
+
+    def eval_problems(self) -> list[Problem]:
+        return [Problem(i, q, 0) for i, q in enumerate(("Write 2 digits.", "boom", "Say 7."))]
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        if problem.question == "boom":
+            raise ValueError("the grader is down")
+        return DigitCountTask.score(self, response, problem)
+
+
+def test_a_failing_eval_reward_is_skipped_or_stops_the_run(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    console = io.StringIO()
+    config = small_config(server, tmp_path / "skip", steps=2, eval_every=1, on_reward_error="skip")
+    steps, result = run_engine(config, task=_EvalRewardFails(), console=console)
+    assert result.steps_completed == 2
+    evals = lines(tmp_path / "skip" / "eval.jsonl")
+    assert [(e["step"], e["eval/problems"], e["eval/reward_errors"]) for e in evals] == [
+        (0, 2, 1),
+        (1, 2, 1),
+        (2, 2, 1),
+    ]
+    assert steps[1].metrics["eval/reward_errors"] == 1
+    warned = [line for line in console.getvalue().splitlines() if "the grader is down" in line]
+    assert len(warned) == 3 and all("left out of the eval metrics" in w for w in warned)
+    with pytest.raises(RewardError, match="the grader is down"):
+        run_engine(
+            replace(config, run_dir=tmp_path / "fail", on_reward_error="fail"),
+            task=_EvalRewardFails(),
+        )
+    summary = json.loads((tmp_path / "fail" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_completed"] == 0
 
 
 def test_stop_strings_reach_the_sampler(server: LocalServer, tmp_path: Path) -> None:

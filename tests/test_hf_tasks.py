@@ -81,7 +81,9 @@ def test_the_cursor_resumes_exactly_and_the_spec_rebuilds_the_task(saved: Path) 
 
 
 @pytest.mark.parametrize("kind", ["parquet", "csv", "json", "jsonl", "directory", "dataset"])
-def test_every_local_form_draws_what_the_jsonl_task_draws(tmp_path: Path, kind: str) -> None:
+def test_every_local_form_draws_what_the_jsonl_task_draws(
+    tmp_path: Path, kind: str, capsys: pytest.CaptureFixture[str]
+) -> None:
     """Same rows, same seed: the same problems in the same order as the jsonl task."""
     rows = [{"question": f"What is {a} + 7?", "answer": str(a + 7)} for a in range(10, 30)]
     jsonl = tmp_path / "rows.jsonl"
@@ -102,7 +104,9 @@ def test_every_local_form_draws_what_the_jsonl_task_draws(tmp_path: Path, kind: 
         else:
             table.to_json(str(path), lines=kind == "jsonl")
     args = {"eval_size": "5", "reward": "numeric"}
+    capsys.readouterr()
     ours = load_task(f"hf:{path}", args)
+    assert capsys.readouterr().err == ""  # no progress bars of datasets' own
     reference = load_task(f"jsonl:{jsonl}", args)
     assert questions(ours, 3, 20) == questions(reference, 3, 20)
     assert [p.question for p in ours.eval_problems()] == [  # type: ignore[attr-defined]

@@ -11,7 +11,8 @@ Why only local files: a run must not depend on reaching the Hub. Nothing here na
 Hub dataset, and the builders used (parquet, csv, json, arrow) ship with ``datasets``;
 runs work with ``HF_HUB_OFFLINE=1``. Why a temporary cache: ``load_dataset`` converts data
 files into Arrow files in a cache; the rows are read into memory and that cache is
-deleted, so a run leaves nothing in ``~/.cache``.
+deleted, so a run leaves nothing in ``~/.cache``. ``datasets``' progress bars are off
+while loading (and restored after): a run's console is for its steps.
 
 Needs the ``datasets`` extra: ``pip install 'engine[datasets]'``.
 """
@@ -79,6 +80,8 @@ def read_hf_splits(path: Path) -> HfSplits:
 
     if not path.exists():
         raise ConfigError(f"cannot read dataset {path}: no such file or directory")
+    bars = not datasets.are_progress_bars_disabled()
+    datasets.disable_progress_bars()
     try:
         if path.is_dir() and any((path / marker).is_file() for marker in _SAVED_MARKERS):
             loaded = datasets.load_from_disk(str(path))
@@ -88,6 +91,9 @@ def read_hf_splits(path: Path) -> HfSplits:
         raise
     except Exception as exc:  # datasets raises many kinds for unreadable data
         raise ConfigError(f"cannot read dataset {path}: {type(exc).__name__}: {exc}") from None
+    finally:
+        if bars:
+            datasets.enable_progress_bars()
     splits = dict(loaded) if isinstance(loaded, datasets.DatasetDict) else {"train": loaded}
     if not splits:
         raise ConfigError(f"dataset {path} has no splits")

@@ -63,6 +63,12 @@ def test_a_saved_dataset_dict_trains_on_one_split_and_evaluates_another(saved: P
     assert task.score(" 29 ", problem).total == 1.0  # the exact preset
     other = load_task(f"hf:{saved}", {"split": "test", "eval_split": "train"})
     assert len(other.eval_problems()) == 12  # type: ignore[attr-defined]
+    second = saved.parent / "more.parquet"
+    datasets.Dataset.from_list(addition_rows(20)[16:]).to_parquet(str(second))
+    elsewhere = load_task(f"hf:{saved}", {"eval_path": str(second)})
+    assert [p.question for p in elsewhere.eval_problems()] == [  # type: ignore[attr-defined]
+        f"What is {a} + 7?" for a in range(26, 30)
+    ]
 
 
 def test_the_cursor_resumes_exactly_and_the_spec_rebuilds_the_task(saved: Path) -> None:

@@ -243,32 +243,9 @@ class DatasetTask:
                 f"task arguments {' and '.join(held_out_sources)} both choose the held-out "
                 "rows: give one"
             )
-        if data_format == "jsonl":
-            if split is not None or eval_split is not None:
-                raise ConfigError(
-                    "task arguments split and eval_split name splits of hf: datasets; a "
-                    "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
-                )
-            rows = load_rows(self.path, prompt_field, answer_field)
-            held_out = (
-                load_rows(Path(eval_path), prompt_field, answer_field)
-                if eval_path is not None
-                else []
-            )
-        else:
-            dataset = read_hf_splits(self.path)
-            split = dataset.require(split) if split is not None else dataset.default()
-            if eval_split == split:
-                raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
-            rows = rows_of(dataset.records(split), prompt_field, answer_field, f"split {split}")
-            held_out = []
-            if eval_split is not None:
-                records = dataset.records(dataset.require(eval_split))
-                held_out = rows_of(records, prompt_field, answer_field, f"split {eval_split}")
-            elif eval_path is not None:
-                other = read_hf_splits(Path(eval_path))
-                records = other.records(other.default())
-                held_out = rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
+        rows, held_out = _read(
+            self.path, data_format, split, eval_split, eval_path, prompt_field, answer_field
+        )
         if not 0 <= eval_size < len(rows):
             raise ConfigError(
                 f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
@@ -373,6 +350,42 @@ class DatasetTask:
     def _row(self, problem: Problem) -> Row:
         split = str(problem.data.get("split", "train"))
         return self._rows[split][int(problem.data["row"])]
+
+
+def _read(
+    path: Path,
+    data_format: DataFormat,
+    split: str | None,
+    eval_split: str | None,
+    eval_path: str | Path | None,
+    prompt_field: str | None,
+    answer_field: str,
+) -> tuple[list[Row], list[Row]]:
+    """The training rows and the held-out rows of ``eval_path`` or ``eval_split`` (none
+    without either): the only part that differs between the formats."""
+    if data_format == "jsonl":
+        if split is not None or eval_split is not None:
+            raise ConfigError(
+                "task arguments split and eval_split name splits of hf: datasets; a "
+                "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
+            )
+        rows = load_rows(path, prompt_field, answer_field)
+        if eval_path is None:
+            return rows, []
+        return rows, load_rows(Path(eval_path), prompt_field, answer_field)
+    dataset = read_hf_splits(path)
+    split = dataset.require(split) if split is not None else dataset.default()
+    if eval_split == split:
+        raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
+    rows = rows_of(dataset.records(split), prompt_field, answer_field, f"{path} (split {split})")
+    if eval_split is not None:
+        records = dataset.records(dataset.require(eval_split))
+        return rows, rows_of(records, prompt_field, answer_field, f"{path} (split {eval_split})")
+    if eval_path is not None:
+        other = read_hf_splits(Path(eval_path))
+        records = other.records(other.default())
+        return rows, rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
+    return rows, []
 
 
 def _flag(args: Mapping[str, str], key: str) -> bool:

@@ -573,7 +573,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_str,
         _non_empty,
-        "'arithmetic', a JSONL dataset 'jsonl:PATH' or a user task 'package.module:attr'",
+        "'arithmetic', a JSONL dataset 'jsonl:PATH', a Hugging Face dataset on disk "
+        "'hf:PATH' or a user task 'package.module:attr'",
         "arithmetic",
     ),
     Knob(
@@ -733,7 +734,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _one_of(get_args(OnRewardError)),
         "a reward function that raises: stop the run (fail), or drop that group from "
-        "its step, count it and log it (skip)",
+        "its step (a held-out problem from the eval/* metrics), count it and log it (skip)",
         "fail",
     ),
     Knob(

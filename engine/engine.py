@@ -358,7 +358,9 @@ class Engine:
                 max_tokens=cfg.max_tokens,
                 stop_at_eos=cfg.stop_at_eos,
                 concurrency=cfg.concurrency,
+                on_reward_error=cfg.on_reward_error,
                 say=lambda line: log.info("eval", line),
+                warn=lambda line: log.warning("reward_error", line),
             )
         if self._resumed is not None:
             self._rollouts.rewind(self._resumed.step)

@@ -2,10 +2,11 @@
 says how to install a missing one.
 
 The core package is what a hosted-MinT user needs: the engine and the SDK. The local
-server (torch, peft, FastAPI), the report pictures (matplotlib) and the experiment
-trackers (wandb, tensorboard) are extras. Whether an extra is installed is decided by
-finding its modules, without importing them (torch alone takes seconds). This module
-imports nothing heavy itself: the local server's command line uses it before anything.
+server (torch, peft, FastAPI), the report pictures (matplotlib), the experiment
+trackers (wandb, tensorboard) and Hugging Face datasets (``--task hf:PATH``) are
+extras. Whether an extra is installed is decided by finding its modules, without
+importing them (torch alone takes seconds). This module imports nothing heavy itself:
+the local server's command line uses it before anything.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import Final, Literal
 
 __all__ = ["EXTRA_MODULES", "Extra", "missing", "missing_message", "require"]
 
-Extra = Literal["local", "report", "wandb", "tensorboard"]
+Extra = Literal["local", "report", "wandb", "tensorboard", "datasets"]
 
 EXTRA_MODULES: Final[dict[Extra, tuple[str, ...]]] = {
     # transformers, tokenizers and safetensors come with the SDK (tinker) anyway
@@ -23,6 +24,7 @@ EXTRA_MODULES: Final[dict[Extra, tuple[str, ...]]] = {
     "report": ("matplotlib",),
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
+    "datasets": ("datasets",),
 }
 
 

@@ -2,8 +2,10 @@
 overlaid, from their ``metrics.jsonl``.
 
 Writes ``report.png`` (six panels: reward and exact rate, raw and smoothed; median step
-time by stage; staleness; KL between sampler and trainer; throughput) and a
-self-contained ``report.html`` (the picture embedded, a table per run). One run: into
+time by stage; staleness; KL between sampler and trainer; throughput; and, when a run
+has ``eval.jsonl`` from ``--eval-every``, a row of held-out panels: greedy mean reward
+and the rate of each reward component by step, step 0 included) and a self-contained
+``report.html`` (the picture embedded, a table per run). One run: into
 its own directory; several: into ``--out`` (default ``reports/<timestamp>``). A finished
 run draws its own ``report.png`` (:func:`finished_run_report`).
 
@@ -21,13 +23,14 @@ import json
 import statistics
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from engine.cli import add_version_flag, program_name
 from engine.errors import ConfigError
+from engine.evaluation import EVAL_FILE
 from engine.extras import require
 
 if TYPE_CHECKING:
@@ -64,13 +67,27 @@ class RunData:
     run_dir: Path
     steps: list[dict[str, Any]]
     summary: dict[str, Any] | None
+    evals: list[dict[str, Any]] = field(default_factory=list)
+    """The held-out evaluations (``eval.jsonl``), step 0 first; empty without one."""
 
     def series(self, name: str) -> tuple[list[int], list[float | None]]:
         """(step numbers, values) of one metric; None where a step lacks it."""
-        return [int(m["step"]) for m in self.steps], [_number(m.get(name)) for m in self.steps]
+        return _series(self.steps, name)
+
+    def eval_series(self, name: str) -> tuple[list[int], list[float | None]]:
+        """(step numbers, values) of one ``eval/*`` metric, one point per evaluation."""
+        return _series(self.evals, name)
+
+    def eval_rates(self) -> list[str]:
+        """The ``eval/<component>/rate`` metrics of the run's evaluations."""
+        return sorted({k for e in self.evals for k in e if k.endswith("/rate")})
 
     def has(self, name: str) -> bool:
         return any(_number(m.get(name)) is not None for m in self.steps)
+
+
+def _series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float | None]]:
+    return [int(m["step"]) for m in records], [_number(m.get(name)) for m in records]
 
 
 def _number(value: Any) -> float | None:
@@ -80,15 +97,34 @@ def _number(value: Any) -> float | None:
 
 
 def load_run(run_dir: Path, label: str | None = None) -> RunData:
-    """The steps of a run directory (ConfigError, one line, when it has none)."""
+    """The steps (and held-out evaluations, if any) of a run directory (ConfigError, one
+    line, when it has no steps)."""
     path = run_dir / "metrics.jsonl"
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        steps = _step_records(path)
     except OSError as exc:
         raise ConfigError(
             f"{run_dir} is not a run directory: cannot read {path.name} ({exc.strerror or exc})"
         ) from exc
-    steps: list[dict[str, Any]] = []
+    if not steps:
+        raise ConfigError(f"{path} holds no steps yet")
+    try:
+        evals = _step_records(run_dir / EVAL_FILE)
+    except OSError:
+        evals = []  # a run without --eval-every
+    summary: dict[str, Any] | None = None
+    try:
+        loaded = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
+        summary = loaded if isinstance(loaded, dict) else None
+    except (OSError, ValueError):
+        pass
+    return RunData(label or run_dir.name, run_dir, steps, summary, evals)
+
+
+def _step_records(path: Path) -> list[dict[str, Any]]:
+    """The JSON objects with a ``step`` of a JSONL file (OSError when unreadable)."""
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records: list[dict[str, Any]] = []
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
@@ -99,16 +135,8 @@ def load_run(run_dir: Path, label: str | None = None) -> RunData:
                 continue  # a run killed mid-write leaves a partial last line
             raise ConfigError(f"{path}:{number} is not JSON") from None
         if isinstance(record, dict) and "step" in record:
-            steps.append(record)
-    if not steps:
-        raise ConfigError(f"{path} holds no steps yet")
-    summary: dict[str, Any] | None = None
-    try:
-        loaded = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-        summary = loaded if isinstance(loaded, dict) else None
-    except (OSError, ValueError):
-        pass
-    return RunData(label or run_dir.name, run_dir, steps, summary)
+            records.append(record)
+    return records
 
 
 def smooth(values: Sequence[float | None], weight: float) -> list[float | None]:
@@ -132,7 +160,7 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
 
 
 def plot_report(runs: Sequence[RunData], path: Path, smoothing: float = DEFAULT_SMOOTHING) -> Path:
-    """The six-panel picture of ``runs`` (one colour per run) as a PNG at ``path``."""
+    """The picture of ``runs`` (one colour per run) as a PNG at ``path``."""
     require("report", "the report picture")
     from engine.plotting import save
 
@@ -141,11 +169,15 @@ def plot_report(runs: Sequence[RunData], path: Path, smoothing: float = DEFAULT_
 
 def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -> Figure:
     """The figure of :func:`plot_report`; its first axes hold the reward curves, two
-    lines per run (raw, smoothed), in the order of ``runs``."""
+    lines per run (raw, smoothed), in the order of ``runs``; when a run has held-out
+    evaluations, two more axes follow the six: held-out reward, held-out rates."""
     from engine.plotting import color, new_figure
 
-    fig = new_figure(15, 8.5)
-    (ax_reward, ax_exact, ax_time), (ax_stale, ax_kl, ax_rate) = fig.subplots(2, 3)
+    evaluated = [run for run in runs if run.evals]
+    fig = new_figure(15, 12.5 if evaluated else 8.5)
+    grid = fig.add_gridspec(3 if evaluated else 2, 3)
+    axes: list[Any] = [fig.add_subplot(grid[row, col]) for row in range(2) for col in range(3)]
+    ax_reward, ax_exact, ax_time, ax_stale, ax_kl, ax_rate = axes
 
     def curve(ax: Any, i: int, run: RunData, name: str, scale: float = 1.0) -> None:
         steps, values = run.series(name)
@@ -185,9 +217,42 @@ def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     ax_reward.legend(fontsize=8)
+    if evaluated:
+        _eval_panels(fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1:]), runs, color)
     fig.suptitle(", ".join(run.label for run in runs), fontsize=11)
     fig.tight_layout()
     return fig
+
+
+def _eval_panels(ax_reward: Any, ax_rates: Any, runs: Sequence[RunData], color: Any) -> None:
+    """The held-out evaluations: greedy mean reward, and each component's rate (one line
+    style per component), one point per evaluation, one colour per run."""
+    styles = ("-", "--", ":", "-.")
+    rates = sorted({name for run in runs for name in run.eval_rates()})
+    for i, run in enumerate(runs):
+        if not run.evals:
+            continue
+        steps, values = run.eval_series("eval/reward/total")
+        ax_reward.plot(steps, values, color=color(i), lw=2, marker="o", ms=4, label=run.label)
+        for j, name in enumerate(rates):
+            steps, values = run.eval_series(name)
+            ax_rates.plot(
+                steps,
+                [None if v is None else v * 100.0 for v in values],
+                styles[j % len(styles)],
+                color=color(i),
+                lw=2,
+                marker="o",
+                ms=4,
+                label=f"{run.label}: {name.removeprefix('eval/').removesuffix('/rate')}",
+            )
+    ax_reward.set_title("held-out mean reward (greedy)")
+    ax_rates.set_title("held-out rates, % of problems with the component > 0 (greedy)")
+    for ax in (ax_reward, ax_rates):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    if rates:
+        ax_rates.legend(fontsize=8)
 
 
 def _stage_bars(ax: Any, runs: Sequence[RunData], color: Any) -> None:
@@ -214,6 +279,7 @@ def _table(runs: Sequence[RunData]) -> str:
         "steps",
         "reward first / last / best",
         "exact rate, last 5",
+        "held-out reward first / last",
         "median step (s)",
         "final sampler",
     )
@@ -222,6 +288,7 @@ def _table(runs: Sequence[RunData]) -> str:
         rewards = [v for v in run.series("avg_reward")[1] if v is not None]
         exact = [v for v in run.series("exact_rate")[1][-5:] if v is not None]
         times = [v for v in run.series("time/step")[1] if v is not None]
+        held_out = [v for v in run.eval_series("eval/reward/total")[1] if v is not None]
         summary = run.summary or {}
         cells = (
             str(run.run_dir),
@@ -229,6 +296,7 @@ def _table(runs: Sequence[RunData]) -> str:
             str(len(run.steps)),
             f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}" if rewards else "n/a",
             f"{statistics.mean(exact):.1%}" if exact else "n/a",
+            f"{held_out[0]:.3f} / {held_out[-1]:.3f}" if held_out else "n/a",
             f"{statistics.median(times):.2f}" if times else "n/a",
             str(summary.get("final_path") or "not saved"),
         )

@@ -98,7 +98,7 @@ BAD_INPUT = [
     (
         ["--task", "just-a-name"],
         {},
-        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH' or "
+        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH', 'hf:PATH' or "
         "'package.module:attr'",
     ),
     (
@@ -307,7 +307,12 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
     assert config["server"] == "local"
-    assert config["task_args"] == {"op": "+", "min_operand": "10", "max_operand": "99"}
+    assert config["task_args"] == {
+        "op": "+",
+        "min_operand": "10",
+        "max_operand": "99",
+        "eval_size": "64",
+    }
     summary = (run_dir / "summary.md").read_text()
     assert "status: **finished**" in summary
     assert out[-1].removeprefix("Saved: ") in summary

@@ -1,5 +1,6 @@
 """The light install: the core package (engine + SDK) works without the extras' packages
-(torch, peft, accelerate, FastAPI, uvicorn, PyJWT, matplotlib, wandb, tensorboard), and
+(torch, peft, accelerate, FastAPI, uvicorn, PyJWT, matplotlib, wandb, tensorboard,
+datasets), and
 asking for what an extra provides is one line that says what to install (exit 2).
 
 Most tests run the package in a child process that cannot find those packages
@@ -26,7 +27,7 @@ from engine.local import LocalServer
 from tests.engine_support import API_KEY
 from tests.hosted_env import REPO, modules_of, run_without
 
-HOSTED_ONLY = modules_of("local", "report", "wandb", "tensorboard")
+HOSTED_ONLY = modules_of("local", "report", "wandb", "tensorboard", "datasets")
 LOCAL_SETTINGS = (
     "--base-model",
     "engine-local/tiny-arith",
@@ -90,6 +91,17 @@ def test_a_tracker_without_its_extra_is_refused_before_the_run(
     assert line == (
         f"Error: --log-to {tracker} needs the '{tracker}' extra ({tracker} not installed): "
         f"pip install 'engine[{tracker}]'"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+def test_an_hf_task_without_the_datasets_extra_is_refused_before_the_run(tmp_path: Path) -> None:
+    env = clean_env(MINT_API_KEY="sk-never-used", MINT_BASE_URL="http://127.0.0.1:9")
+    args = ["--task", f"hf:{tmp_path}", "--run-dir", str(tmp_path / "r")]
+    line = one_error_line(run_without(modules_of("datasets"), "engine.run", args, env=env))
+    assert line == (
+        "Error: --task hf:PATH needs the 'datasets' extra (datasets not installed): "
+        "pip install 'engine[datasets]'"
     )
     assert not (tmp_path / "r").exists()
 

@@ -4,11 +4,13 @@ stop strings, --init-from, chat prompts under the Qwen3 alias, and the console s
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +23,8 @@ from engine.local import LocalServer
 from engine.local.make_model import DEFAULT_OUT
 from engine.rollouts import main as rollouts_main
 from engine.run import main as run_main
+from engine.scoring import RewardError
+from engine.tasks import ArithmeticTask, Problem, RewardBreakdown
 from engine.tasks.dataset import DatasetTask
 from tests.engine_support import API_KEY, run_engine, small_config
 from tests.user_tasks import ChatDigitCountTask, DigitCountTask
@@ -89,6 +93,19 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     assert config_json["task_args"] == {"eval_size": "6"}
 
 
+def test_the_default_task_evaluates_its_held_out_pairs(server: LocalServer, tmp_path: Path) -> None:
+    """--eval-every works with the arithmetic task out of the box: 64 held-out pairs,
+    none of them among the training problems."""
+    run_dir = tmp_path / "run"
+    steps, _ = run_engine(small_config(server, run_dir, eval_every=2, steps=2))
+    evals = lines(run_dir / "eval.jsonl")
+    assert [e["step"] for e in evals] == [0, 2]
+    assert all(e["eval/problems"] == 64 and "eval/exact_bonus/rate" in e for e in evals)
+    held_out = {p.question for p in ArithmeticTask("+", 10, 99).eval_problems()}
+    trained = [g.problem.question for s in steps for g in s.groups]
+    assert len(trained) == 8 and held_out.isdisjoint(trained)
+
+
 def test_dataset_cursor_across_cli_resume_matches_an_uninterrupted_run(
     server: LocalServer, dataset: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -107,6 +124,46 @@ def test_dataset_cursor_across_cli_resume_matches_an_uninterrupted_run(
     assert [m["step"] for m in resumed] == [1, 2, 3, 4]
     assert [m["problems/digest"] for m in resumed] == [s.metrics["problems/digest"] for s in whole]
     assert [m["problem_ids"] for m in resumed] == [s.metrics["problem_ids"] for s in whole]
+
+
+def test_hf_dataset_from_the_command_line_evaluates_its_test_split(
+    server: LocalServer,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """A DatasetDict written by save_to_disk, trained from its train split and evaluated
+    on its test split, offline (HF_HUB_OFFLINE=1), from the command line."""
+    import datasets
+
+    rows = [
+        {"question": f"What is {a} + {a + 7}?", "answer": 2 * a + 7, "source": "synthetic"}
+        for a in range(10, 30)
+    ]
+    data = tmp_path / "sums"
+    datasets.DatasetDict(
+        {
+            "train": datasets.Dataset.from_list(rows[:14]),
+            "test": datasets.Dataset.from_list(rows[14:]),
+        }
+    ).save_to_disk(str(data))
+    monkeypatch.setenv("MINT_BASE_URL", server.base_url)
+    monkeypatch.setenv("MINT_API_KEY", API_KEY)
+    run_dir = tmp_path / "run"
+    argv = [
+        *("--task", f"hf:{data}", "--task-arg", "eval_split=test", "--task-arg", "reward=numeric"),
+        *("--eval-every", "2", "--steps", "2", "--batch", "4", "--group", "4"),
+        *("--max-tokens", "8", "--lr", "3e-3", "--lora-rank", "8", "--base-model"),
+        *(server.model_name, "--run-dir", str(run_dir), "--no-progress"),
+    ]
+    assert run_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Eval after step 2: reward=" in out and "(6 held-out problems, greedy)" in out
+    assert [e["step"] for e in lines(run_dir / "eval.jsonl")] == [0, 2]
+    config_json = json.loads((run_dir / "config.json").read_text())
+    assert (config_json["task"], config_json["task_name"]) == (f"hf:{data.resolve()}", "hf-sums")
+    drawn = {i for m in lines(run_dir / "metrics.jsonl") for i in m["problem_ids"]}
+    assert drawn == set(range(8))  # 2 steps of 4 draws from the 14 training rows
 
 
 def test_embedded_user_task_resumes_from_the_cli(
@@ -140,6 +197,45 @@ def test_task_args_reach_a_user_factory(server: LocalServer, tmp_path: Path) -> 
 class _StopAtSpace(DigitCountTask):
     name = "stop-at-space"
     stop = (" ",)
+
+
+class _EvalRewardFails(DigitCountTask):
+    """Held-out problems whose reward raises on one of the three."""
+
+    name = "eval-reward-fails"
+
+    def eval_problems(self) -> list[Problem]:
+        return [Problem(i, q, 0) for i, q in enumerate(("Write 2 digits.", "boom", "Say 7."))]
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        if problem.question == "boom":
+            raise ValueError("the grader is down")
+        return DigitCountTask.score(self, response, problem)
+
+
+def test_a_failing_eval_reward_is_skipped_or_stops_the_run(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    console = io.StringIO()
+    config = small_config(server, tmp_path / "skip", steps=2, eval_every=1, on_reward_error="skip")
+    steps, result = run_engine(config, task=_EvalRewardFails(), console=console)
+    assert result.steps_completed == 2
+    evals = lines(tmp_path / "skip" / "eval.jsonl")
+    assert [(e["step"], e["eval/problems"], e["eval/reward_errors"]) for e in evals] == [
+        (0, 2, 1),
+        (1, 2, 1),
+        (2, 2, 1),
+    ]
+    assert steps[1].metrics["eval/reward_errors"] == 1
+    warned = [line for line in console.getvalue().splitlines() if "the grader is down" in line]
+    assert len(warned) == 3 and all("left out of the eval metrics" in w for w in warned)
+    with pytest.raises(RewardError, match="the grader is down"):
+        run_engine(
+            replace(config, run_dir=tmp_path / "fail", on_reward_error="fail"),
+            task=_EvalRewardFails(),
+        )
+    summary = json.loads((tmp_path / "fail" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["steps_completed"] == 0
 
 
 def test_stop_strings_reach_the_sampler(server: LocalServer, tmp_path: Path) -> None:

@@ -11,6 +11,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -23,6 +24,8 @@ from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
 from engine.session_api import SamplingSettings
+from engine.tasks import load_task
+from engine.tasks.loader import task_spec
 from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,
@@ -98,12 +101,14 @@ def make_run_dir(path: Path, **flags: str) -> None:
     config = config_from_sources(
         {k.replace("-", "_"): v for k, v in flags.items()}, {}, progress=False
     ).resolved()
+    task = load_task(config.task, config.task_args)
+    spec, args = task_spec(task, config.task, config.task_args)  # as the engine records it
     write_config(
         path,
         {
-            **config.public_dict(),
-            "task_repr": "ArithmeticTask(op='+', 10..99)",
-            "task_name": "arithmetic-add",
+            **replace(config, task=spec, task_args=args).public_dict(),
+            "task_repr": repr(task),
+            "task_name": task.name,
         },
     )
     record = CheckpointRecord(

@@ -52,6 +52,25 @@ def make_run(run_dir: Path, rewards: list[float], staleness: int = 0) -> Path:
     return run_dir
 
 
+def add_evals(run_dir: Path, steps: list[int]) -> Path:
+    """eval.jsonl as --eval-every writes it (step 0 is the start)."""
+    records = [
+        {
+            "step": step,
+            "sampler_version": step,
+            "eval/problems": 10,
+            "eval/reward_errors": 0,
+            "eval/reward/total": 0.3 + 0.01 * step,
+            "eval/correct": 0.2 + 0.01 * step,
+            "eval/correct/rate": 0.2 + 0.01 * step,
+            "eval/format/rate": 0.9,
+        }
+        for step in steps
+    ]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    return run_dir
+
+
 def test_smoothing_is_a_debiased_moving_average_that_skips_gaps() -> None:
     assert smooth([2.0, 2.0, 2.0], 0.9) == pytest.approx([2.0, 2.0, 2.0])
     assert smooth([1.0, None, 3.0], 0.0) == [1.0, None, 3.0]
@@ -95,11 +114,31 @@ def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
     assert len(stage_axes.patches) == 2 * 5  # five stage bars per run
 
 
+def test_held_out_evaluations_get_their_own_panels(tmp_path: Path) -> None:
+    plain = load_run(make_run(tmp_path / "plain", [0.5, 0.6, 0.7, 0.8]))
+    assert plain.evals == [] and len(draw_report([plain]).axes) == 6  # no eval row
+    evaluated = add_evals(make_run(tmp_path / "eval", [0.5, 0.6, 0.7, 0.8]), [0, 2, 4])
+    with (evaluated / "eval.jsonl").open("a") as f:
+        f.write('{"step": 6, "eval/rew')  # killed mid-write
+    runs = [load_run(evaluated), plain]
+    steps, rewards = runs[0].eval_series("eval/reward/total")
+    assert steps == [0, 2, 4] and rewards == pytest.approx([0.3, 0.32, 0.34])
+    fig = draw_report(runs)
+    assert len(fig.axes) == 8
+    held_out_reward, held_out_rates = fig.axes[6:]
+    [line] = held_out_reward.get_lines()  # the run without evaluations draws none
+    assert list(line.get_xdata()) == [0, 2, 4]
+    assert list(line.get_color()) == list(fig.axes[0].get_lines()[0].get_color())
+    labels = [t.get_text() for t in held_out_rates.get_legend().get_texts()]
+    assert labels == ["eval: correct", "eval: format"]
+    assert [list(x.get_ydata()) for x in held_out_rates.get_lines()][1] == [90.0] * 3
+
+
 def test_the_command_writes_a_picture_and_a_self_contained_page(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     first = make_run(tmp_path / "one" / "run", [0.5, 0.6, 0.7])
-    second = make_run(tmp_path / "two" / "run", [0.4, 0.8])
+    second = add_evals(make_run(tmp_path / "two" / "run", [0.4, 0.8]), [0, 2])
     (second / "summary.json").write_text(json.dumps({"status": "finished"}))
     out = tmp_path / "cmp"
     assert main([str(first), str(second), "--out", str(out)]) == 0
@@ -112,6 +151,7 @@ def test_the_command_writes_a_picture_and_a_self_contained_page(
     assert "src='http" not in page and "<link" not in page  # nothing fetched
     # Same directory names: the labels are the paths; the summary's status is shown.
     assert str(first) in page and str(second) in page and "finished" in page
+    assert "<td>0.300 / 0.320</td>" in page  # held-out reward, first / last evaluation
 
 
 def test_one_run_is_drawn_into_its_own_directory(tmp_path: Path) -> None:

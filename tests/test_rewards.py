@@ -77,6 +77,46 @@ def test_default_task_draws_the_quickstart_problems_for_seed_42() -> None:
     assert task.prompt(first) == f"Question: {expected[0][0]}\nAnswer:"
 
 
+def test_held_out_pairs_are_fixed_and_never_drawn_for_training() -> None:
+    task = ArithmeticTask("+", 10, 99)
+    held_out = task.eval_problems()
+    assert len(held_out) == 64 and [p.id for p in held_out] == list(range(64))
+    assert [p.question for p in ArithmeticTask("+", 10, 99).eval_problems()] == [
+        p.question for p in held_out
+    ]  # the same for every task built alike (and every run seed)
+    for p in held_out:
+        a, plus, b = p.question.removeprefix("What is ").removesuffix("?").split()
+        assert plus == "+" and p.answer == int(a) + int(b) and 10 <= int(a) <= 99
+    held = {p.question for p in held_out}
+    assert len(held) == 64
+    for seed in (0, 1, 42):
+        source = task.source(seed)
+        drawn = [source.next().question for _ in range(3000)]
+        assert held.isdisjoint(drawn)
+    # The quickstart's stream, except that a held-out pair is drawn again.
+    rng = random.Random(42)
+    quickstart = [f"What is {rng.randint(10, 99)} + {rng.randint(10, 99)}?" for _ in range(100)]
+    first = next(i for i, q in enumerate(quickstart) if q in held)
+    source = task.source(42)
+    ours = [source.next().question for _ in range(first + 1)]
+    assert ours[:first] == quickstart[:first]
+    assert ours[first] == quickstart[first + 1]  # the held-out draw was skipped
+    plain = ArithmeticTask("+", 10, 99, eval_size=0).source(42)
+    assert [plain.next().question for _ in range(100)] == quickstart
+    assert ArithmeticTask("+", 10, 99, eval_size=0).eval_problems() == []
+
+
+def test_held_out_size_follows_the_operand_range() -> None:
+    assert len(ArithmeticTask("+", 0, 9).eval_problems()) == 10  # a tenth of 100 pairs
+    assert ArithmeticTask("+", 1, 3).eval_problems() == []  # 9 pairs: none held out
+    half = ArithmeticTask.from_args({"min_operand": "0", "max_operand": "9", "eval_size": "50"})
+    assert len(half.eval_problems()) == 50
+    with pytest.raises(ValueError, match=r"eval_size must be in 0..50 \(half of the 100"):
+        ArithmeticTask.from_args({"min_operand": "0", "max_operand": "9", "eval_size": "51"})
+    with pytest.raises(ValueError, match="eval_size must be an integer"):
+        ArithmeticTask.from_args({"eval_size": "many"})
+
+
 def test_source_resumes_from_its_state() -> None:
     task = ArithmeticTask("+", 10, 99)
     a = task.source(7)

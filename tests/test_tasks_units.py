@@ -263,7 +263,7 @@ def test_task_spec_of_objects() -> None:
 
     assert task_spec(ArithmeticTask("+", 1, 9), "arithmetic", {}) == (
         "arithmetic",
-        {"op": "+", "min_operand": "1", "max_operand": "9"},
+        {"op": "+", "min_operand": "1", "max_operand": "9", "eval_size": "8"},
     )
     assert task_spec(DigitCountTask(), "arithmetic", {"op": "+"}) == (
         "tests.user_tasks:DigitCountTask",
@@ -338,7 +338,8 @@ def test_eval_every_needs_held_out_problems_before_anything_starts() -> None:
     from engine import Engine
 
     with pytest.raises(ConfigError, match="--eval-every needs held-out problems"):
-        Engine(EngineConfig(local=True, eval_every=5))
+        Engine(EngineConfig(local=True, eval_every=5, task_args={"eval_size": "0"}))
+    Engine(EngineConfig(local=True, eval_every=5))  # the default task holds 64 pairs out
 
 
 def test_the_shipped_example_config_loads() -> None:

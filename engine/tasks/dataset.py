@@ -1,9 +1,13 @@
-"""The built-in dataset task: ``--task jsonl:PATH`` with ``--task-arg KEY=VALUE``.
+"""The built-in dataset task: ``--task jsonl:PATH`` or ``hf:PATH`` with ``--task-arg
+KEY=VALUE``.
 
-Each line of the JSONL file is one problem: a prompt (a string, sent raw, or a list of
-chat messages rendered by the served model's chat template) and an answer, scored by a
-reward preset (:mod:`engine.tasks.rewards`). A held-out split (``eval_size`` rows, or a
-second file ``eval_path``) is what ``--eval-every`` evaluates greedily.
+Each line of the JSONL file (each row of the Hugging Face dataset) is one problem: a
+prompt (a string, sent raw, or a list of chat messages rendered by the served model's
+chat template) and an answer, scored by a reward preset (:mod:`engine.tasks.rewards`).
+A held-out split (``eval_size`` rows, a second dataset ``eval_path``, or an ``hf``
+dataset's split ``eval_split``) is what ``--eval-every`` evaluates greedily. Both formats
+share every rule below the reading of records: field mapping, presets, shuffling, epochs
+and the cursor.
 
 Why a cursor and not an iterator: the order is a seeded shuffle per epoch (epoch ``e``
 uses ``Random(f"{seed}:{e}")``), so the source's whole state is ``(epoch, position,
@@ -15,16 +19,26 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from engine.errors import ConfigError
 from engine.tasks.base import Problem, RewardBreakdown
+from engine.tasks.hf import read_hf_splits
 from engine.tasks.rewards import REWARD_PRESETS, RewardFn, make_reward
 
-__all__ = ["DATASET_ARGS", "DatasetSource", "DatasetTask", "Row", "load_rows"]
+__all__ = [
+    "DATASET_ARGS",
+    "HF_ARGS",
+    "DataFormat",
+    "DatasetSource",
+    "DatasetTask",
+    "Row",
+    "load_rows",
+    "rows_of",
+]
 
 DATASET_ARGS: Final[Mapping[str, str]] = {
     "prompt_field": "field holding the prompt: a string or a list of chat messages "
@@ -38,10 +52,18 @@ DATASET_ARGS: Final[Mapping[str, str]] = {
     "epochs": "passes over the training rows before the source ends (default: unlimited)",
     "shuffle": "false: keep the file order (default: a seeded shuffle per epoch)",
     "eval_size": "rows held out for --eval-every (default 0; taken by a fixed shuffle)",
-    "eval_path": "a JSONL file of held-out rows instead of eval_size",
+    "eval_path": "a second dataset (same format as PATH) of held-out rows",
     "stop": "stop strings, separated by '|'",
     "enable_thinking": "true/false: the Qwen3 chat template's thinking switch",
 }
+
+HF_ARGS: Final[Mapping[str, str]] = {
+    "split": "the training split (default: train, or the only split)",
+    "eval_split": "a split of held-out rows for --eval-every (e.g. test)",
+}
+"""The task arguments only ``hf:`` datasets take (on top of :data:`DATASET_ARGS`)."""
+
+DataFormat = Literal["jsonl", "hf"]
 
 _TRUE: Final = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
 _SPLIT_SEED: Final = "engine-eval-split"
@@ -63,15 +85,27 @@ def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[R
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
         raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from None
+
+    def records() -> Iterator[tuple[str, Any]]:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{number}"
+            try:
+                yield where, json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from None
+
+    return rows_of(records(), prompt_field, answer_field, f"dataset {path}")
+
+
+def rows_of(
+    records: Iterable[tuple[str, Any]], prompt_field: str | None, answer_field: str, name: str
+) -> list[Row]:
+    """Rows from ``(where, record)`` pairs, whatever file they come from; a ConfigError
+    names ``where`` of the first bad record, or ``name`` when there are none."""
     rows: list[Row] = []
-    for number, line in enumerate(lines, start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{number}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from None
+    for where, record in records:
         if not isinstance(record, dict):
             raise ConfigError(f"{where} is not a JSON object")
         field = prompt_field or next(
@@ -81,9 +115,16 @@ def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[R
             raise ConfigError(f"{where} has no prompt field {field!r}")
         if answer_field not in record:
             raise ConfigError(f"{where} has no answer field {answer_field!r}")
-        rows.append(Row(len(rows), _prompt(record[field], where), record[answer_field]))
+        answer = record[answer_field]
+        try:
+            json.dumps(answer)
+        except (TypeError, ValueError):
+            raise ConfigError(
+                f"{where}: the answer {answer!r} is not JSON (checkpoints store answers)"
+            ) from None
+        rows.append(Row(len(rows), _prompt(record[field], where), answer))
     if not rows:
-        raise ConfigError(f"dataset {path} has no rows")
+        raise ConfigError(f"{name} has no rows")
     return rows
 
 
@@ -158,8 +199,11 @@ def _problem(problem_id: int, row: Row, data: Mapping[str, Any]) -> Problem:
 
 
 class DatasetTask:
-    """A JSONL dataset scored by a reward preset. Build it with :meth:`from_args` (what
-    ``--task jsonl:PATH --task-arg KEY=VALUE`` does) or directly."""
+    """A dataset scored by a reward preset: a JSONL file (``jsonl``) or a Hugging Face
+    dataset on disk (``hf``, :mod:`engine.tasks.hf`). Build it with :meth:`from_args`
+    (what ``--task jsonl:PATH`` / ``hf:PATH`` with ``--task-arg KEY=VALUE`` does) or
+    directly. The held-out rows are ``eval_size`` rows of the training split, a second
+    dataset ``eval_path`` (same format) or, for ``hf``, the split ``eval_split``."""
 
     skip_special_tokens = True
 
@@ -167,6 +211,9 @@ class DatasetTask:
         self,
         path: str | Path,
         *,
+        data_format: DataFormat = "jsonl",
+        split: str | None = None,
+        eval_split: str | None = None,
         prompt_field: str | None = None,
         answer_field: str = "answer",
         system: str | None = None,
@@ -182,15 +229,29 @@ class DatasetTask:
         args: Mapping[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
-        rows = load_rows(self.path, prompt_field, answer_field)
-        if eval_path is not None:
-            held_out = load_rows(Path(eval_path), prompt_field, answer_field)
-        else:
-            if not 0 <= eval_size < len(rows):
-                raise ConfigError(
-                    f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
-                    f"({len(rows)} rows), got {eval_size}"
-                )
+        held_out_sources = [
+            name
+            for name, given in (
+                ("eval_size", eval_size != 0),
+                ("eval_path", eval_path is not None),
+                ("eval_split", eval_split is not None),
+            )
+            if given
+        ]
+        if len(held_out_sources) > 1:
+            raise ConfigError(
+                f"task arguments {' and '.join(held_out_sources)} both choose the held-out "
+                "rows: give one"
+            )
+        rows, held_out = _read(
+            self.path, data_format, split, eval_split, eval_path, prompt_field, answer_field
+        )
+        if not 0 <= eval_size < len(rows):
+            raise ConfigError(
+                f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
+                f"({len(rows)} training rows), got {eval_size}"
+            )
+        if eval_size:
             order = list(range(len(rows)))
             random.Random(_SPLIT_SEED).shuffle(order)
             chosen = set(order[:eval_size])
@@ -212,17 +273,21 @@ class DatasetTask:
         self.reward = reward
         self.stop = tuple(stop)
         self.chat_template_options = dict(chat_template_options or {})
-        self.name = f"jsonl-{self.path.stem}"
-        self.spec = (f"jsonl:{self.path.resolve()}", dict(args or {}))
+        self.name = f"{data_format}-{self.path.stem or self.path.resolve().name}"
+        self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
 
     @classmethod
-    def from_args(cls, path: str, args: Mapping[str, str]) -> DatasetTask:
-        """Build from ``--task-arg`` strings (see :data:`DATASET_ARGS`)."""
-        unknown = sorted(set(args) - set(DATASET_ARGS))
+    def from_args(
+        cls, path: str, args: Mapping[str, str], data_format: DataFormat = "jsonl"
+    ) -> DatasetTask:
+        """Build from ``--task-arg`` strings (see :data:`DATASET_ARGS`, and
+        :data:`HF_ARGS` for ``hf``)."""
+        known = {**DATASET_ARGS, **(HF_ARGS if data_format == "hf" else {})}
+        unknown = sorted(set(args) - set(known))
         if unknown:
             raise ConfigError(
-                f"unknown task argument {unknown[0]!r} for jsonl tasks; known: "
-                f"{', '.join(DATASET_ARGS)}"
+                f"unknown task argument {unknown[0]!r} for {data_format} tasks; known: "
+                f"{', '.join(known)}"
             )
         options = {k: args[k] for k in ("tolerance", "pattern") if k in args}
         template: dict[str, Any] = {}
@@ -230,6 +295,9 @@ class DatasetTask:
             template["enable_thinking"] = _flag(args, "enable_thinking")
         return cls(
             path,
+            data_format=data_format,
+            split=args.get("split"),
+            eval_split=args.get("eval_split"),
             prompt_field=args.get("prompt_field"),
             answer_field=args.get("answer_field", "answer"),
             system=args.get("system"),
@@ -282,6 +350,42 @@ class DatasetTask:
     def _row(self, problem: Problem) -> Row:
         split = str(problem.data.get("split", "train"))
         return self._rows[split][int(problem.data["row"])]
+
+
+def _read(
+    path: Path,
+    data_format: DataFormat,
+    split: str | None,
+    eval_split: str | None,
+    eval_path: str | Path | None,
+    prompt_field: str | None,
+    answer_field: str,
+) -> tuple[list[Row], list[Row]]:
+    """The training rows and the held-out rows of ``eval_path`` or ``eval_split`` (none
+    without either): the only part that differs between the formats."""
+    if data_format == "jsonl":
+        if split is not None or eval_split is not None:
+            raise ConfigError(
+                "task arguments split and eval_split name splits of hf: datasets; a "
+                "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
+            )
+        rows = load_rows(path, prompt_field, answer_field)
+        if eval_path is None:
+            return rows, []
+        return rows, load_rows(Path(eval_path), prompt_field, answer_field)
+    dataset = read_hf_splits(path)
+    split = dataset.require(split) if split is not None else dataset.default()
+    if eval_split == split:
+        raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
+    rows = rows_of(dataset.records(split), prompt_field, answer_field, f"{path} (split {split})")
+    if eval_split is not None:
+        records = dataset.records(dataset.require(eval_split))
+        return rows, rows_of(records, prompt_field, answer_field, f"{path} (split {eval_split})")
+    if eval_path is not None:
+        other = read_hf_splits(Path(eval_path))
+        records = other.records(other.default())
+        return rows, rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
+    return rows, []
 
 
 def _flag(args: Mapping[str, str], key: str) -> bool:

@@ -1,5 +1,6 @@
 """Turn ``--task`` (and its ``--task-arg`` values) into a Task: the built-in arithmetic
-task, a JSONL dataset (``jsonl:PATH``), or ``package.module:attr``.
+task, a JSONL dataset (``jsonl:PATH``), a Hugging Face dataset on disk (``hf:PATH``), or
+``package.module:attr``.
 
 Why strict: a typo in a task path should stop the run before any server work, with one
 sentence naming what is wrong, not an ImportError traceback halfway through step 1.
@@ -17,17 +18,19 @@ from typing import Any
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Task
-from engine.tasks.dataset import DatasetTask
+from engine.tasks.dataset import DataFormat, DatasetTask
 
 __all__ = ["BUILTIN_TASKS", "load_task", "task_spec"]
 
-BUILTIN_TASKS = ("arithmetic", "jsonl:PATH")
+BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH")
+
+_DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 
 _REQUIRED = ("name", "source", "prompt", "score")
 
 
 def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
-    """``"arithmetic"``, ``"jsonl:PATH"`` or a user task at ``package.module:attr``,
+    """``"arithmetic"``, ``"jsonl:PATH"``, ``"hf:PATH"`` or a user task at ``package.module:attr``,
     where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
     are passed to it as keyword arguments (strings). Raises ConfigError with a one-line
     reason."""
@@ -37,15 +40,20 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
             return ArithmeticTask.from_args(args)
         except ValueError as exc:
             raise ConfigError(f"invalid arithmetic task: {exc}") from exc
-    if spec.startswith("jsonl:"):
-        path = spec.removeprefix("jsonl:")
+    data_format = _data_format(spec)
+    if data_format is not None:
+        path = spec.removeprefix(f"{data_format}:")
         if not path:
-            raise ConfigError("invalid task 'jsonl:': name the file, e.g. jsonl:data/train.jsonl")
-        return DatasetTask.from_args(path, args)
+            raise ConfigError(
+                f"invalid task '{data_format}:': name the data, e.g. {data_format}:data/train"
+                + (".jsonl" if data_format == "jsonl" else ".parquet")
+            )
+        return DatasetTask.from_args(path, args, data_format)
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(
-            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH' or 'package.module:attr'"
+            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH', 'hf:PATH' or "
+            "'package.module:attr'"
         )
     try:
         module = importlib.import_module(module_name)
@@ -88,10 +96,14 @@ def task_spec(task: Task, spec: str, args: Mapping[str, str]) -> tuple[str, dict
         and isinstance(own[1], Mapping)
     ):
         return own[0], {str(k): str(v) for k, v in own[1].items()}
-    if spec != "arithmetic" and not spec.startswith("jsonl:"):
+    if spec != "arithmetic" and _data_format(spec) is None:
         return spec, dict(args)
     cls = type(task)
     return f"{cls.__module__}:{cls.__qualname__}", {}
+
+
+def _data_format(spec: str) -> DataFormat | None:
+    return next((f for f in _DATA_FORMATS if spec.startswith(f"{f}:")), None)
 
 
 def _is_task(obj: object) -> bool:

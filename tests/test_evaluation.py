@@ -1,0 +1,92 @@
+"""Held-out evaluation below the seam (a fake session): the metrics, eval.jsonl, and a
+reward that raises on a held-out problem under each ``--on-reward-error``."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from engine.config import OnRewardError
+from engine.errors import find_error
+from engine.evaluation import EVAL_FILE, Evaluator
+from engine.scoring import RewardError, Scorer, ScoreWorkers
+from engine.session_api import SamplerHandle
+from engine.tasks import Problem, RewardBreakdown, SeededSource
+from engine.tasks.render import PromptRenderer
+from tests.fake_session import FakeSession
+
+
+class _HeldOutTask:
+    """Three held-out problems; the reward of problem 1 raises, problem 0 scores 1."""
+
+    name = "held-out"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(lambda rng, i: Problem(i, f"train {i}", 0), seed, state)
+
+    def eval_problems(self) -> list[Problem]:
+        return [Problem(i, f"held out {i}", i) for i in range(3)]
+
+    def prompt(self, problem: Problem) -> str:
+        return problem.question
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        if problem.id == 1:
+            raise ValueError("no answer key for this one")
+        correct = 1.0 if problem.id == 0 else 0.0
+        return RewardBreakdown(correct, {"correct": correct})
+
+
+def evaluate_once(
+    tmp_path: Path, on_reward_error: OnRewardError
+) -> tuple[dict[str, float], list[str]]:
+    session, task = FakeSession(), _HeldOutTask()
+    warnings: list[str] = []
+    evaluator = Evaluator(
+        session,
+        task,
+        PromptRenderer(task, session.tokenizer),
+        Scorer(task, concurrency=4, workers=ScoreWorkers()),
+        tmp_path,
+        every=1,
+        last_step=1,
+        max_tokens=4,
+        stop_at_eos=False,
+        concurrency=4,
+        on_reward_error=on_reward_error,
+        warn=warnings.append,
+    )
+
+    async def go() -> dict[str, float]:
+        return await evaluator(1, SamplerHandle(1, None))
+
+    return anyio.run(go), warnings
+
+
+def test_skip_leaves_a_failing_problem_out_of_the_eval_metrics(tmp_path: Path) -> None:
+    metrics, warnings = evaluate_once(tmp_path, "skip")
+    assert metrics == {
+        "eval/problems": 2.0,
+        "eval/reward_errors": 1.0,
+        "eval/reward/total": 0.5,
+        "eval/correct": 0.5,
+        "eval/correct/rate": 0.5,
+    }
+    [warning] = warnings
+    assert warning.startswith("eval after step 1: the reward function failed on problem 1 ")
+    assert "no answer key for this one" in warning and "(--on-reward-error skip)" in warning
+    [record] = [json.loads(line) for line in (tmp_path / EVAL_FILE).read_text().splitlines()]
+    assert record == {"step": 1, "sampler_version": 1, **metrics}
+
+
+def test_fail_stops_at_the_first_failing_problem(tmp_path: Path) -> None:
+    with pytest.raises(BaseException) as raised:
+        evaluate_once(tmp_path, "fail")
+    error = find_error(raised.value, RewardError)  # raised out of the evaluation's task group
+    assert error is not None and "failed on problem 1" in str(error)
+    assert not (tmp_path / EVAL_FILE).exists()

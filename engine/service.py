@@ -47,7 +47,7 @@ import tinker
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
-from engine.config import HOSTED_BASE_URL, EngineConfig
+from engine.config import HOSTED_BASE_URL, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
 from engine.redact import register_secret
 from engine.retry import (
@@ -73,7 +73,9 @@ from engine.session_api import (
 __all__ = [
     "MintSession",
     "PreflightError",
+    "local_server_profile",
     "open_session",
+    "read_server_profile",
     "reserve_sampler_snapshot",
     "sdk_sampling_retry_config",
     "snapshot_name",
@@ -389,7 +391,8 @@ async def open_session(
 ) -> AsyncIterator[MintSession]:
     """Connect as ``config`` says (starting the local server when it uses one), check
     the server, create the LoRA training client and load its tokenizer. ``config``
-    must be :meth:`~EngineConfig.resolved`; ``say`` receives the console lines
+    must be :meth:`~EngineConfig.resolved` (with :func:`read_server_profile` or
+    :func:`local_server_profile`); ``say`` receives the console lines
     (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...").
 
     ``guard`` is the reliability layer every call goes through (default: production
@@ -397,6 +400,10 @@ async def open_session(
     a temporary dir removed on exit; a resumable run passes a dir inside its run dir).
     ``restore_from`` is a ``tinker://`` state to load (weights and optimizer) instead
     of creating a fresh LoRA client: how a run is resumed."""
+    if config.unresolved:
+        raise ValueError(f"open_session needs a resolved config ({', '.join(config.unresolved)})")
+    assert config.base_model is not None
+    base_model = config.base_model
     guard = guard if guard is not None else ServiceGuard()
     if config.uses_local_server:
         from engine.local import ConfigError as LocalConfigError
@@ -412,7 +419,6 @@ async def open_session(
             except (LocalConfigError, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
             say(f"Local server: {server.base_url} serving {server.model_name}")
-            base_model = config.base_model or server.model_name
             # A local server without a key accepts any; the SDK still wants one.
             api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
             session = await stack.enter_async_context(
@@ -424,9 +430,8 @@ async def open_session(
         return
     register_secret(config.api_key)
     base_url = config.base_url or HOSTED_BASE_URL
-    assert config.base_model is not None, "config must be resolved"
     async with _connect(
-        config, base_url, config.api_key, config.base_model, False, say, guard, restore_from
+        config, base_url, config.api_key, base_model, False, say, guard, restore_from
     ) as session:
         yield session
 
@@ -459,7 +464,7 @@ async def _connect(
             guard, base_url, "read capabilities", service.get_server_capabilities_async
         )
         supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
-        assert config.lora_rank is not None, "config must be resolved"
+        assert config.lora_rank is not None
         lora = _LoraSpec(
             base_model,
             config.lora_rank,
@@ -588,19 +593,58 @@ async def _sdk(guard: ServiceGuard, base_url: str, what: str, fn: Callable[[], A
 async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGuard) -> None:
     """One plain HTTP request before the SDK takes over: the SDK retries a dead
     endpoint for minutes before saying anything, and hides a rejected key behind a
-    generic error. A busy server (408/429/5xx) or a connection dropped mid-answer is
-    retried under the SESSION policy, honouring Retry-After; no server to connect to,
-    no answer in time, a rejected key or another error fails at once with one
-    sentence."""
-    url = base_url.rstrip("/") + "/api/v1/client/config"
+    generic error."""
+    await _preflight_request(
+        base_url, api_key, guard, "POST", "client/config", {"sdk_version": tinker.__version__}
+    )
+
+
+async def read_server_profile(
+    base_url: str, api_key: str | None, guard: ServiceGuard | None = None
+) -> Profile:
+    """The defaults the server at ``base_url`` implies (:func:`engine.config.server_profile`
+    of its ``get_server_capabilities`` answer, read as plain JSON: the SDK drops the
+    recommended settings). Fails like the preflight (:class:`PreflightError`)."""
+    response = await _preflight_request(
+        base_url, api_key, guard or ServiceGuard(), "GET", "get_server_capabilities", None
+    )
+    try:
+        return server_profile(response.json(), f"the MinT server at {base_url}")
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
+def local_server_profile(model_dir: Path | None) -> Profile:
+    """The defaults the local server would report for ``model_dir`` (None: the packaged
+    model), read before the engine starts it: the same entry its
+    ``get_server_capabilities`` answer carries."""
+    from engine.local.recommended import model_entry
+
+    try:
+        return server_profile({"supported_models": [model_entry(model_dir)]}, "the local server")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+async def _preflight_request(
+    base_url: str,
+    api_key: str | None,
+    guard: ServiceGuard,
+    method: str,
+    endpoint: str,
+    body: object,
+) -> httpx.Response:
+    """One plain request to ``/api/v1/<endpoint>``. A busy server (408/429/5xx) or a
+    connection dropped mid-answer is retried under the SESSION policy, honouring
+    Retry-After; no server to connect to, no answer in time, a rejected key or another
+    error fails at once with one sentence."""
+    url = base_url.rstrip("/") + "/api/v1/" + endpoint
     headers = {"X-API-Key": api_key} if api_key else {}
 
     async def once() -> httpx.Response:
         try:
             async with httpx.AsyncClient(timeout=_PREFLIGHT_TIMEOUT) as client:
-                response = await client.post(
-                    url, json={"sdk_version": tinker.__version__}, headers=headers
-                )
+                response = await client.request(method, url, json=body, headers=headers)
         except httpx.TimeoutException as exc:
             raise PreflightError(
                 f"the MinT server at {base_url} did not answer in time; check MINT_BASE_URL "
@@ -636,6 +680,7 @@ async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGua
             f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
             "first request; is MINT_BASE_URL a MinT server?"
         )
+    return response
 
 
 def _body(response: httpx.Response) -> object:

@@ -15,9 +15,10 @@ API_KEY = "tml-engine-tests-key"
 
 
 def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> EngineConfig:
-    """A few tiny steps on the local model, against ``server`` as a remote endpoint."""
+    """A few tiny steps against ``server`` as a remote endpoint: its model and the task
+    arguments it recommends, with a larger learning rate and a smaller rank (quick
+    signal, cheap steps)."""
     base = EngineConfig(
-        base_model=server.model_name,
         base_url=server.base_url,
         api_key=API_KEY,
         lora_rank=8,
@@ -27,9 +28,6 @@ def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> Engine
         learning_rate=3e-3,
         max_tokens=8,
         temperature=1.0,
-        op="+",
-        min_operand=10,
-        max_operand=99,
         run_dir=run_dir,
     )
     return replace(base, **overrides)

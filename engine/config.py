@@ -125,11 +125,11 @@ def server_profile(capabilities: object, source: str = "the server") -> Profile:
             lora_rank=rank if rank is not None else hosted.lora_rank,
             learning_rate=lr if lr is not None else hosted.learning_rate,
             task_args={
-                **hosted.task_args,
-                **{
-                    str(spec): {str(k): _toml_text(v) for k, v in args.items()}
-                    for spec, args in tasks.items()
-                },
+                spec: {
+                    **hosted.task_args.get(spec, {}),
+                    **{str(k): _toml_text(v) for k, v in tasks.get(spec, {}).items()},
+                }
+                for spec in {*hosted.task_args, *map(str, tasks)}
             },
         )
     return HOSTED_PROFILE

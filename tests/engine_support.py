@@ -10,6 +10,8 @@ import anyio
 
 from engine import Engine, EngineConfig, RunResult, StepHook, StepResult
 from engine.local import LocalServer
+from engine.service import read_server_profile
+from engine.tasks import ArithmeticTask, load_task
 
 API_KEY = "tml-engine-tests-key"
 
@@ -31,6 +33,15 @@ def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> Engine
         run_dir=run_dir,
     )
     return replace(base, **overrides)
+
+
+def quickstart_task_knobs(server: LocalServer) -> dict[str, Any]:
+    """The arithmetic task arguments ``server`` recommends, as the quickstart loop's
+    ``op``, ``min_operand`` and ``max_operand``."""
+    profile = anyio.run(read_server_profile, server.base_url, API_KEY)
+    task = load_task("arithmetic", profile.task_args["arithmetic"])
+    assert isinstance(task, ArithmeticTask)
+    return {"op": task.op, "min_operand": task.min_operand, "max_operand": task.max_operand}
 
 
 def run_engine(config: EngineConfig, **engine_kwargs: Any) -> tuple[list[StepResult], RunResult]:

@@ -310,9 +310,7 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
     assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
     assert config["server"] == "local"
     assert config["task_args"] == {
-        "op": "+",
-        "min_operand": "10",
-        "max_operand": "99",
+        **local_server_profile(None).task_args["arithmetic"],
         "eval_size": "64",
     }
     summary = (run_dir / "summary.md").read_text()

@@ -61,7 +61,7 @@ from engine.checkpoint import (
     write_config,
     write_file_atomically,
 )
-from engine.config import HOSTED_BASE_URL, EngineConfig, Profile, stored_profile
+from engine.config import EngineConfig, stored_profile
 from engine.errors import (
     ConfigError,
     Interrupted,
@@ -86,15 +86,11 @@ from engine.results import RunResult, StepResult
 from engine.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard
 from engine.rollouts import RolloutLog
 from engine.scoring import Scorer, parse_score_workers
-from engine.service import (
-    MintSession,
-    local_server_profile,
-    open_session,
-    read_server_profile,
-)
+from engine.service import MintSession, local_server_profile, open_session
 from engine.state import LoopState
 from engine.stopping import StopGate
 from engine.tasks import Task, load_task
+from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer
 from engine.trackers import open_trackers
@@ -145,14 +141,14 @@ class Engine:
         if config.resume is not None:
             # A resumed run keeps the settings it was started with unless given anew.
             config = config.resolved(stored_profile(_stored_config(config.resume)))
-        self._config = config
-        self._task = task
-        # The server decides the defaults: a local one started here is asked now; a
-        # remote one when the engine is entered.
         if config.uses_local_server:
-            self._resolve(local_server_profile(config.local_model))
-        elif not config.unresolved:
-            self._resolve()
+            # What the server started here will recommend, known before it starts.
+            config = config.resolved(local_server_profile(config.local_model))
+        # The rest is resolved once connected (open_session), before anything trains.
+        self._config = config.resolved()
+        self._task = task
+        if not set(self._config.unresolved) & set(ARITHMETIC_ARGS):
+            self._load_task()
         self._clock = clock
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
@@ -184,14 +180,16 @@ class Engine:
 
     @property
     def config(self) -> EngineConfig:
-        """The resolved configuration (the server's defaults filled in; against a remote
+        """The resolved configuration: the server's defaults filled in (by a remote
         server, once the engine is entered)."""
         return self._config
 
     @property
     def task(self) -> Task:
         if self._task is None:
-            raise RuntimeError("the task is loaded once the server's defaults are known")
+            raise RuntimeError(
+                "the task is loaded once the server's defaults are known (the engine is entered)"
+            )
         return self._task
 
     @property
@@ -291,17 +289,12 @@ class Engine:
             await self._resources.aclose()
 
     async def _open(self) -> None:
-        if self._config.unresolved:
-            cfg = self._config
-            guard = ServiceGuard(policies=_policies(cfg), log=self._early_events, clock=self._clock)
-            base_url = cfg.base_url or HOSTED_BASE_URL
-            self._resolve(await read_server_profile(base_url, cfg.api_key, guard))
         cfg = self._config
         if cfg.resume is not None:
             self._resumed = self._check_resume(cfg.resume)
             self._run_dir = cfg.resume
         else:
-            self._run_dir = _make_run_dir(cfg.run_dir, self.task.name, self._early_events)
+            self._run_dir = _make_run_dir(cfg.run_dir, self._task_name, self._early_events)
         self._write_config()
         trackers = open_trackers(cfg.log_to, self._run_dir, self._config_record())
         log = RunLog(self._run_dir / "metrics.jsonl", self._console, cfg.log_format, trackers)
@@ -341,6 +334,11 @@ class Engine:
                 ),
             )
         )
+        if self._session.config != self._config:  # the server decided what was left unset
+            self._config = self._session.config
+            if self._task is None:
+                self._load_task()
+            self._write_config()
         self._open_task_outputs(log)
         send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.steps))
         self._send, self._recv = send, recv
@@ -350,18 +348,21 @@ class Engine:
         await tg.__aenter__()
         self._tg = tg
 
-    def _resolve(self, *profiles: Profile) -> None:
-        """Fill the server-dependent settings from ``profiles`` and load the task (its
-        arguments may be among them)."""
-        resolved = self._config.resolved(*profiles)
-        task = (
-            self._task if self._task is not None else load_task(resolved.task, resolved.task_args)
-        )
-        spec, args = task_spec(task, resolved.task, resolved.task_args)
+    def _load_task(self) -> None:
+        """Load the task (unless one was given) from the config's spec and arguments,
+        and record the spec and arguments that rebuild it."""
+        cfg = self._config
+        task = self._task if self._task is not None else load_task(cfg.task, cfg.task_args)
+        spec, args = task_spec(task, cfg.task, cfg.task_args)
         self._task = task
-        self._config = dataclasses.replace(resolved, task=spec, task_args=args)
-        if self._config.eval_every:
+        self._config = dataclasses.replace(cfg, task=spec, task_args=args)
+        if cfg.eval_every:
             eval_problems_of(task)  # a task without held-out problems: ConfigError now
+
+    @property
+    def _task_name(self) -> str:
+        """The task's name; its spec while the server still decides its arguments."""
+        return self._task.name if self._task is not None else self._config.task
 
     def _open_task_outputs(self, log: RunLog) -> None:
         """The task's renderer (its setup sees the served tokenizer), rollouts.jsonl and
@@ -707,8 +708,8 @@ class Engine:
     def _config_record(self) -> dict[str, Any]:
         return {
             **self._config.public_dict(),
-            "task_repr": repr(self.task),
-            "task_name": self.task.name,
+            "task_repr": repr(self._task),
+            "task_name": self._task_name,
         }
 
     def _write_config(self) -> None:
@@ -732,7 +733,7 @@ class Engine:
             "status": _status(error),
             "error": str(error) if error else None,
             "stopped": self._stopped,
-            "task": self.task.name,
+            "task": self._task_name,
             "base_model": self._config.base_model,
             "server": self._config.public_dict()["server"],
             "steps_planned": self._config.steps,

@@ -47,7 +47,7 @@ import tinker
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
-from engine.config import HOSTED_BASE_URL, EngineConfig, Profile, server_profile
+from engine.config import HOSTED_BASE_URL, HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
 from engine.redact import register_secret
 from engine.retry import (
@@ -117,11 +117,14 @@ class MintSession:
         info: ServerInfo,
         guard: ServiceGuard,
         lora: _LoraSpec,
+        config: EngineConfig,
     ) -> None:
         self._service = service
         self._training = training
         self.tokenizer = tokenizer
         self.info = info
+        self.config = config
+        """The config the session was opened with, resolved with the server's defaults."""
         self.guard = guard
         self._lora = lora
 
@@ -390,9 +393,9 @@ async def open_session(
     restore_from: str | None = None,
 ) -> AsyncIterator[MintSession]:
     """Connect as ``config`` says (starting the local server when it uses one), check
-    the server, create the LoRA training client and load its tokenizer. ``config``
-    must be :meth:`~EngineConfig.resolved` (with :func:`read_server_profile` or
-    :func:`local_server_profile`); ``say`` receives the console lines
+    the server, resolve the settings ``config`` leaves to the server from what it
+    recommends (:attr:`MintSession.config`), create the LoRA training client and load its
+    tokenizer. ``say`` receives the console lines
     (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...").
 
     ``guard`` is the reliability layer every call goes through (default: production
@@ -400,10 +403,6 @@ async def open_session(
     a temporary dir removed on exit; a resumable run passes a dir inside its run dir).
     ``restore_from`` is a ``tinker://`` state to load (weights and optimizer) instead
     of creating a fresh LoRA client: how a run is resumed."""
-    if config.unresolved:
-        raise ValueError(f"open_session needs a resolved config ({', '.join(config.unresolved)})")
-    assert config.base_model is not None
-    base_model = config.base_model
     guard = guard if guard is not None else ServiceGuard()
     if config.uses_local_server:
         from engine.local import ConfigError as LocalConfigError
@@ -422,16 +421,14 @@ async def open_session(
             # A local server without a key accepts any; the SDK still wants one.
             api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
             session = await stack.enter_async_context(
-                _connect(
-                    config, server.base_url, api_key, base_model, True, say, guard, restore_from
-                )
+                _connect(config, server.base_url, api_key, True, say, guard, restore_from)
             )
             yield session
         return
     register_secret(config.api_key)
     base_url = config.base_url or HOSTED_BASE_URL
     async with _connect(
-        config, base_url, config.api_key, base_model, False, say, guard, restore_from
+        config, base_url, config.api_key, False, say, guard, restore_from
     ) as session:
         yield session
 
@@ -441,7 +438,6 @@ async def _connect(
     config: EngineConfig,
     base_url: str,
     api_key: str | None,
-    base_model: str,
     local: bool,
     say: Callable[[str], None],
     guard: ServiceGuard,
@@ -450,6 +446,10 @@ async def _connect(
     say("Connecting to MinT server...")
     say(f"Endpoint: {base_url}")
     await _check_reachable(base_url, api_key, guard)
+    if config.unresolved:
+        config = config.resolved(await _recommended_profile(base_url, api_key, guard))
+    assert config.base_model is not None and config.lora_rank is not None
+    base_model = config.base_model
     guard.watch_server(base_url)
     service = await _sdk(
         guard,
@@ -464,7 +464,6 @@ async def _connect(
             guard, base_url, "read capabilities", service.get_server_capabilities_async
         )
         supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
-        assert config.lora_rank is not None
         lora = _LoraSpec(
             base_model,
             config.lora_rank,
@@ -506,7 +505,7 @@ async def _connect(
         )
         say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
         info = ServerInfo(base_url, base_model, local, supported)
-        yield MintSession(service, training, tokenizer, info, guard, lora)
+        yield MintSession(service, training, tokenizer, info, guard, lora, config)
     finally:
         # Stops the SDK's session heartbeat (it would outlive a local server).
         service.holder.close()
@@ -594,9 +593,19 @@ async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGua
     """One plain HTTP request before the SDK takes over: the SDK retries a dead
     endpoint for minutes before saying anything, and hides a rejected key behind a
     generic error."""
-    await _preflight_request(
+    response = await _preflight_request(
         base_url, api_key, guard, "POST", "client/config", {"sdk_version": tinker.__version__}
     )
+    if response.status_code in (401, 403):
+        raise PreflightError(
+            f"the MinT server at {base_url} rejected the API key (HTTP "
+            f"{response.status_code}); check MINT_API_KEY"
+        )
+    if response.status_code >= 400:
+        raise PreflightError(
+            f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
+            "first request; is MINT_BASE_URL a MinT server?"
+        )
 
 
 async def read_server_profile(
@@ -605,9 +614,25 @@ async def read_server_profile(
     """The defaults the server at ``base_url`` implies (:func:`engine.config.server_profile`
     of its ``get_server_capabilities`` answer, read as plain JSON: the SDK drops the
     recommended settings). Fails like the preflight (:class:`PreflightError`)."""
+    guard = guard or ServiceGuard()
+    await _check_reachable(base_url, api_key, guard)
+    return await _recommended_profile(base_url, api_key, guard)
+
+
+async def _recommended_profile(base_url: str, api_key: str | None, guard: ServiceGuard) -> Profile:
     response = await _preflight_request(
-        base_url, api_key, guard or ServiceGuard(), "GET", "get_server_capabilities", None
+        base_url, api_key, guard, "GET", "get_server_capabilities", None
     )
+    if response.status_code in (401, 403):
+        # The key passed client/config: this server wants the SDK's session token here
+        # (hosted MinT in JWT mode). The local server takes the plain key everywhere,
+        # so this is not one that recommends settings.
+        return HOSTED_PROFILE
+    if response.status_code >= 400:
+        raise PreflightError(
+            f"the MinT server at {base_url} answered HTTP {response.status_code} to "
+            "get_server_capabilities; is MINT_BASE_URL a MinT server?"
+        )
     try:
         return server_profile(response.json(), f"the MinT server at {base_url}")
     except ValueError as exc:
@@ -636,8 +661,8 @@ async def _preflight_request(
 ) -> httpx.Response:
     """One plain request to ``/api/v1/<endpoint>``. A busy server (408/429/5xx) or a
     connection dropped mid-answer is retried under the SESSION policy, honouring
-    Retry-After; no server to connect to, no answer in time, a rejected key or another
-    error fails at once with one sentence."""
+    Retry-After; no server to connect to or no answer in time fails at once with one
+    sentence; other answers are the caller's to judge."""
     url = base_url.rstrip("/") + "/api/v1/" + endpoint
     headers = {"X-API-Key": api_key} if api_key else {}
 
@@ -664,23 +689,12 @@ async def _preflight_request(
         return response
 
     try:
-        response = await guard.call(OpKind.SESSION, "reach the server", once)
+        return await guard.call(OpKind.SESSION, "reach the server", once)
     except ServiceError as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         raise PreflightError(
             f"the MinT server at {base_url} is not ready: {classify(cause).message}"
         ) from exc
-    if response.status_code in (401, 403):
-        raise PreflightError(
-            f"the MinT server at {base_url} rejected the API key (HTTP "
-            f"{response.status_code}); check MINT_API_KEY"
-        )
-    if response.status_code >= 400:
-        raise PreflightError(
-            f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
-            "first request; is MINT_BASE_URL a MinT server?"
-        )
-    return response
 
 
 def _body(response: httpx.Response) -> object:

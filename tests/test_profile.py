@@ -5,9 +5,14 @@ explicit settings always win, and a resumed run keeps its stored ones."""
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 
 from engine.config import (
@@ -20,7 +25,7 @@ from engine.config import (
 from engine.local import LocalServer
 from engine.local.make_model import RL_DEFAULTS
 from engine.run import main
-from engine.service import local_server_profile
+from engine.service import local_server_profile, read_server_profile
 
 KEY = "tml-profile-tests"
 
@@ -41,6 +46,49 @@ def test_a_server_without_recommendations_gets_the_hosted_profile() -> None:
         2e-5,
     )
     assert resolved.task_args == {"op": "*", "min_operand": "10", "max_operand": "199"}
+
+
+@contextmanager
+def hosted_like_server(capabilities_status: int) -> Iterator[str]:
+    """A server that accepts the key at client/config and answers
+    get_server_capabilities with ``capabilities_status`` and no recommendations, like
+    hosted MinT (which may want the SDK's session token there)."""
+
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self, status: int, body: object) -> None:
+            data = json.dumps(body).encode()
+            self.send_response(status)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        def do_POST(self) -> None:
+            self.rfile.read(int(self.headers.get("Content-Length", 0)))
+            self._answer(200, {"pjwt_auth_enabled": True})
+
+        def do_GET(self) -> None:
+            models = {"supported_models": [{"model_name": "Qwen/Qwen3-0.6B"}]}
+            self._answer(capabilities_status, models if capabilities_status == 200 else {})
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join()
+
+
+@pytest.mark.parametrize("status", [200, 401])
+def test_a_hosted_like_server_over_the_wire_gets_the_hosted_profile(status: int) -> None:
+    with hosted_like_server(status) as url:
+        assert anyio.run(read_server_profile, url, "sk-key") == HOSTED_PROFILE
 
 
 def test_recommendations_name_the_model_and_the_hosted_profile_fills_the_rest() -> None:

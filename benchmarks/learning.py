@@ -2,9 +2,10 @@
 
 Held-out greedy exact rate (temperature 0, ``max_tokens`` 16, stop at EOS) of the local
 server's default model on two-digit addition, before and after an engine run with the
-local defaults (8 problems x 6 samples x 16 tokens, temperature 0.8, lr and rank from
-``LOCAL_PROFILE``). "Before" is a fresh LoRA client (its B matrices start at zero, so it
-samples exactly the base model); "after" is the run's final sampler (``Saved:`` path),
+local defaults (8 problems x 6 samples x 16 tokens, temperature 0.8; the lr, rank and
+task arguments the server recommends for the model, which the engine resolves itself).
+"Before" is a fresh LoRA client (its B matrices start at zero, so it samples exactly the
+base model); "after" is the run's final sampler (``Saved:`` path),
 loaded with ``ServiceClient.create_sampling_client(model_path=...)``.
 
 A control run (``control``) repeats the K=0 loop with random rewards: same sampling,
@@ -43,10 +44,9 @@ import mint
 from tinker import types
 
 from engine import Engine, EngineConfig, RunResult
-from engine.config import LOCAL_PROFILE
 from engine.local import LocalServer
-from engine.service import snapshot_name
-from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
+from engine.service import read_server_profile, snapshot_name
+from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 from engine.tasks.arithmetic import score_arithmetic
 from engine.tasks.base import Task
 
@@ -87,8 +87,8 @@ class _RandomRewardTask:
     same loop and updates, no signal about correctness. A gain that survives this
     control would not come from the reward."""
 
-    def __init__(self, seed: int) -> None:
-        self._inner = _task()
+    def __init__(self, inner: ArithmeticTask, seed: int) -> None:
+        self._inner = inner
         self._seed = seed
         self.name = f"{self._inner.name}-random-reward"
 
@@ -104,15 +104,22 @@ class _RandomRewardTask:
         return RewardBreakdown(noise, real.components)
 
 
-def _task() -> ArithmeticTask:
-    p = LOCAL_PROFILE
-    return ArithmeticTask(op=p.op, min_operand=p.min_operand, max_operand=p.max_operand)
+def served_task(recommended: Mapping[str, Mapping[str, str]]) -> ArithmeticTask:
+    """The arithmetic task with the arguments the server recommends (``task_args`` of
+    its profile); SystemExit unless it is addition, which is what this benchmark
+    evaluates."""
+    task = load_task("arithmetic", recommended.get("arithmetic", {}))
+    if not isinstance(task, ArithmeticTask) or task.op != "+":
+        raise SystemExit(f"the server recommends {task.name}; this benchmark evaluates addition")
+    return task
 
 
-def heldout_problems(n: int, train_seeds: Sequence[int], steps: int, batch: int) -> list[Problem2]:
-    """``n`` distinct (a, b) pairs drawn with ``HELDOUT_SEED``, none of which appears in the
-    first ``_TRAIN_PREFIX_FACTOR * steps * batch`` problems of any training seed."""
-    task = _task()
+def heldout_problems(
+    task: ArithmeticTask, n: int, train_seeds: Sequence[int], steps: int, batch: int
+) -> list[Problem2]:
+    """``n`` distinct (a, b) pairs of ``task``'s operand range drawn with ``HELDOUT_SEED``,
+    none of which appears in the first ``_TRAIN_PREFIX_FACTOR * steps * batch`` problems of
+    any training seed."""
     seen: set[tuple[int, int]] = set()
     for seed in train_seeds:
         source = task.source(seed)
@@ -160,14 +167,17 @@ def evaluate(
     return hits / len(problems)
 
 
-def _run_engine(config: EngineConfig, task: Task | None) -> tuple[RunResult, str | None]:
-    """The run's result and its training client's model id (the per-version sampler
-    snapshots live under it, named by ``engine.service.snapshot_name``)."""
+def _run_engine(
+    config: EngineConfig, task: Task | None
+) -> tuple[RunResult, str | None, EngineConfig]:
+    """The run's result, its training client's model id (the per-version sampler
+    snapshots live under it, named by ``engine.service.snapshot_name``) and its resolved
+    config."""
 
-    async def go() -> tuple[RunResult, str | None]:
+    async def go() -> tuple[RunResult, str | None, EngineConfig]:
         async with Engine(config, task) as engine:
             result = await engine.run()
-            return result, engine.session.model_id
+            return result, engine.session.model_id, engine.config
 
     return anyio.run(go)
 
@@ -195,12 +205,15 @@ def _curve(
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     specs = [(name, CONFIGS[name]) for name in args.configs]
-    problems = heldout_problems(args.heldout, args.seeds, args.steps, args.batch)
     rows: list[dict[str, Any]] = []
     with LocalServer(api_key=API_KEY) as server, tempfile.TemporaryDirectory() as tmp:
+        profile = anyio.run(read_server_profile, server.base_url, API_KEY)
+        task = served_task(profile.task_args)
+        problems = heldout_problems(task, args.heldout, args.seeds, args.steps, args.batch)
         service = mint.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+        assert profile.lora_rank is not None
         fresh = service.create_lora_training_client(
-            base_model=server.model_name, rank=LOCAL_PROFILE.lora_rank
+            base_model=server.model_name, rank=profile.lora_rank
         )
         tokenizer = fresh.get_tokenizer()
         eos = getattr(tokenizer, "eos_token_id", None)
@@ -212,16 +225,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for key, spec in specs:
             for seed in args.seeds:
                 config = EngineConfig(
-                    base_model=server.model_name,
                     base_url=server.base_url,
                     api_key=API_KEY,
-                    # An explicit base_url selects the HOSTED profile (lr 2e-5, a * b in
-                    # 10..199); the local profile has to be spelled out for this server.
-                    lora_rank=LOCAL_PROFILE.lora_rank,
-                    learning_rate=LOCAL_PROFILE.learning_rate,
-                    op=LOCAL_PROFILE.op,
-                    min_operand=LOCAL_PROFILE.min_operand,
-                    max_operand=LOCAL_PROFILE.max_operand,
                     steps=args.steps,
                     batch=args.batch,
                     seed=seed,
@@ -231,18 +236,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     progress=False,
                 )
                 start = time.perf_counter()
-                result, model_id = _run_engine(
-                    config, _RandomRewardTask(seed) if spec.random_rewards else None
+                result, model_id, resolved = _run_engine(
+                    config, _RandomRewardTask(task, seed) if spec.random_rewards else task
                 )
                 wall_s = time.perf_counter() - start
                 curve = _curve(
                     service, tokenizer, problems, stop, model_id, args.steps, args.curve_every
                 )
-                resolved = config.resolved()
-                if resolved.task_args.get("op") != LOCAL_PROFILE.op:
-                    raise RuntimeError(
-                        f"the run trained on {resolved.task_args.get('op')!r}, not the local task"
-                    )
                 sampler = service.create_sampling_client(model_path=result.final_path)
                 after = evaluate(sampler, tokenizer, problems, stop)
                 curve[result.steps_completed] = after
@@ -280,7 +280,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "benchmark": "learning",
         "model": "local default (engine/local/default_model)",
-        "task": "two-digit addition 10..99, 'Question: What is {a} + {b}?\\nAnswer:'",
+        "task": f"addition, operands {task.min_operand}..{task.max_operand}, "
+        "'Question: What is {a} + {b}?\\nAnswer:'",
         "eval": {
             "heldout": len(problems),
             "heldout_seed": HELDOUT_SEED,

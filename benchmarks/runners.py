@@ -6,9 +6,10 @@ process's CPU time to the client, so the server's compute must not share the pro
 and one server instance serves every configuration of a benchmark run, so they are
 compared on the same weights-loading, the same clock and the same machine state.
 
-Every engine configuration uses the local profile (the packaged model's learning rate,
-LoRA rank and two-digit addition), the quickstart's sampling settings, and the same
-problem seed, so each loop draws the same problems.
+Every configuration uses the settings the server recommends for its model (for the
+packaged model: its learning rate, LoRA rank and two-digit addition; the engine resolves
+them itself, the quickstart loop is given them), the quickstart's sampling settings, and
+the same problem seed, so each loop draws the same problems.
 """
 
 from __future__ import annotations
@@ -40,8 +41,9 @@ from benchmarks.measure import (
 )
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, StepResult
-from engine.config import LOCAL_PROFILE
-from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
+from engine.config import Profile
+from engine.service import read_server_profile
+from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 
 __all__ = [
     "API_KEY",
@@ -118,13 +120,24 @@ forward_backward per 2 arrived groups, on-policy."""
 
 @dataclass(frozen=True)
 class Target:
-    """A running local server."""
+    """A running local server and the settings it recommends for its model."""
 
     base_url: str
     api_key: str
-    model_name: str
+    profile: Profile
     server_pid: int | None
     latency: str
+
+    @property
+    def model_name(self) -> str:
+        assert self.profile.base_model is not None
+        return self.profile.base_model
+
+    def task(self) -> ArithmeticTask:
+        """The arithmetic task with the server's recommended arguments."""
+        task = load_task("arithmetic", self.profile.task_args["arithmetic"])
+        assert isinstance(task, ArithmeticTask)
+        return task
 
 
 @contextlib.contextmanager
@@ -149,27 +162,20 @@ def bench_server(latency: str | None, *, model_dir: Path | None = None) -> Itera
                 yield Target(
                     base_url=server.base_url,
                     api_key=API_KEY,
-                    model_name=_served_model(server.base_url),
+                    profile=anyio.run(read_server_profile, server.base_url, API_KEY),
                     server_pid=server.process.pid,
                     latency=profile or "off",
                 )
-
-
-def _served_model(base_url: str) -> str:
-    response = httpx.get(
-        f"{base_url}/api/v1/get_server_capabilities", headers={"X-API-Key": API_KEY}, timeout=30
-    )
-    response.raise_for_status()
-    models = response.json()["supported_models"]
-    return str(models[0]["model_name"])
 
 
 # ----------------------------------------------------------------------------- the runs
 
 
 def run_quickstart(target: Target, workload: Workload, *, steps: int, seed: int) -> RunRecord:
-    """The quickstart's sequential loop (``benchmarks.quickstart_loop``) on ``workload``."""
-    p = LOCAL_PROFILE
+    """The quickstart's sequential loop (``benchmarks.quickstart_loop``) on ``workload``,
+    with the server's recommended settings."""
+    p, task = target.profile, target.task()
+    assert p.lora_rank is not None and p.learning_rate is not None
     server0 = _server_cpu(target)
     counters0 = server_counters(target)
     run = run_quickstart_loop(
@@ -184,9 +190,9 @@ def run_quickstart(target: Target, workload: Workload, *, steps: int, seed: int)
         max_tokens=workload.max_tokens,
         temperature=TEMPERATURE,
         seed=seed,
-        op=p.op,
-        min_operand=p.min_operand,
-        max_operand=p.max_operand,
+        op=task.op,
+        min_operand=task.min_operand,
+        max_operand=task.max_operand,
     )
     records = [
         StepRecord(
@@ -250,17 +256,14 @@ def engine_config(
     seed: int,
     run_dir: Path,
 ) -> EngineConfig:
-    """The engine's configuration for ``workload`` on the local profile."""
-    p = LOCAL_PROFILE
+    """The engine's configuration for ``workload``; the engine takes the model, learning
+    rate, LoRA rank and task arguments from what the server recommends."""
     return EngineConfig(
-        base_model=target.model_name,
         base_url=target.base_url,
         api_key=target.api_key,
-        lora_rank=p.lora_rank,
         steps=steps,
         batch=workload.batch,
         group=workload.group,
-        learning_rate=p.learning_rate,
         max_tokens=workload.max_tokens,
         temperature=TEMPERATURE,
         seed=seed,
@@ -268,9 +271,6 @@ def engine_config(
         loss=variant.loss,  # type: ignore[arg-type]
         submit_ahead=variant.submit_ahead,
         stream_minibatches=variant.stream_minibatches,
-        op=p.op,
-        min_operand=p.min_operand,
-        max_operand=p.max_operand,
         run_dir=run_dir,
         progress=False,
     )
@@ -295,8 +295,7 @@ def run_engine(
     ``freeze_gc``: a what-if -- ``gc.freeze()`` once the session is open, so full
     collections skip the objects left by importing the SDK, torch and the tokenizer.
     Each step is reduced to its record as it arrives; no StepResult is kept."""
-    p = LOCAL_PROFILE
-    timed = _TimedTask(ArithmeticTask(p.op, p.min_operand, p.max_operand), workload.batch)
+    timed = _TimedTask(target.task(), workload.batch)
     records: list[StepRecord] = []
     spans: list[Span] = []
     marks: dict[str, Any] = {}

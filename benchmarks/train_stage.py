@@ -40,10 +40,8 @@ from mint import types
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
 from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
-from engine.config import LOCAL_PROFILE
 from engine.rl import Completion, group_datums
 from engine.service import reserve_sampler_snapshot, to_sdk_datum
-from engine.tasks import ArithmeticTask
 
 __all__ = ["MODES", "main", "measure_trainer"]
 
@@ -76,11 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 async def _datums(
-    training: Any, tokenizer: Any, batch: int, group: int, max_tokens: int
+    target: Target, training: Any, tokenizer: Any, workload: Workload
 ) -> list[types.Datum]:
     """One step's datums, sampled from the initial policy, built as the engine does."""
-    p = LOCAL_PROFILE
-    task = ArithmeticTask(p.op, p.min_operand, p.max_operand)
+    batch, group, max_tokens = workload.batch, workload.group, workload.max_tokens
+    task = target.task()
     source = task.source(0)
     sampler = await anyio.to_thread.run_sync(training.save_weights_and_get_sampling_client)
     params = types.SamplingParams(max_tokens=max_tokens, temperature=TEMPERATURE)
@@ -107,10 +105,11 @@ async def _datums(
     return datums
 
 
-async def _await_mode(training: Any, datums: list[types.Datum], steps: int) -> list[float]:
+async def _await_mode(
+    training: Any, datums: list[types.Datum], steps: int, adam: types.AdamParams
+) -> list[float]:
     """The engine's trainer today: submit a step, await its results and snapshot, repeat."""
     ends = [time.perf_counter()]
-    adam = types.AdamParams(learning_rate=LOCAL_PROFILE.learning_rate)
     for _ in range(steps):
         fb = await training.forward_backward_async(datums, "importance_sampling")
         optim = await training.optim_step_async(adam)
@@ -123,11 +122,10 @@ async def _await_mode(training: Any, datums: list[types.Datum], steps: int) -> l
 
 
 async def _submit_ahead_mode(
-    service: Any, training: Any, datums: list[types.Datum], steps: int
+    service: Any, training: Any, datums: list[types.Datum], steps: int, adam: types.AdamParams
 ) -> list[float]:
     """Submit step s+1 before awaiting step s (one step outstanding)."""
     ends = [time.perf_counter()]
-    adam = types.AdamParams(learning_rate=LOCAL_PROFILE.learning_rate)
     outstanding: tuple[Any, Any, Any] | None = None
 
     async def finish(futures: tuple[Any, Any, Any]) -> None:
@@ -154,18 +152,19 @@ async def _measure(target: Target, workload: Workload, steps: int, mode: str) ->
     service = await anyio.to_thread.run_sync(
         lambda: mint.ServiceClient(api_key=target.api_key, base_url=target.base_url)
     )
+    profile = target.profile
+    assert profile.lora_rank is not None and profile.learning_rate is not None
+    adam = types.AdamParams(learning_rate=profile.learning_rate)
     try:
         training = await service.create_lora_training_client_async(
-            base_model=target.model_name, rank=LOCAL_PROFILE.lora_rank
+            base_model=target.model_name, rank=profile.lora_rank
         )
         tokenizer = await anyio.to_thread.run_sync(training.get_tokenizer)
-        datums = await _datums(
-            training, tokenizer, workload.batch, workload.group, workload.max_tokens
-        )
+        datums = await _datums(target, training, tokenizer, workload)
         if mode == "await":
-            ends = await _await_mode(training, datums, steps)
+            ends = await _await_mode(training, datums, steps, adam)
         else:
-            ends = await _submit_ahead_mode(service, training, datums, steps)
+            ends = await _submit_ahead_mode(service, training, datums, steps, adam)
     finally:
         service.holder.close()
     intervals = [b - a for a, b in itertools.pairwise(ends)]

@@ -6,10 +6,13 @@ read in this order: command-line flag, environment variable, then the *profile* 
 endpoint (hosted MinT or the local server), then its fixed default. A bad value stops
 the run with a ConfigError naming the flag or variable it came from (exit code 2).
 
-Profiles: the hosted defaults are the MinT quickstart's (``Qwen/Qwen3-0.6B``, rank 16,
-lr 2e-5, ``a * b`` with operands 10..199). ``LOCAL_PROFILE`` is what the small model of
-the local server learns with on CPU; it is the one place to update when the backend's
-recommended settings change.
+Profiles: the server decides. The defaults of ``base_model``, ``lora_rank``,
+``learning_rate`` and the arithmetic task's arguments come from what the server reports
+(:func:`server_profile`): the local server recommends settings for the model it serves
+(recorded with the model, see :mod:`engine.local.recommended`); a server that recommends
+nothing, such as hosted MinT, gets the MinT quickstart's (``HOSTED_PROFILE``:
+``Qwen/Qwen3-0.6B``, rank 16, lr 2e-5, ``a * b`` with operands 10..199). A config with
+these left unset is :meth:`EngineConfig.resolved` once the server is known.
 """
 
 from __future__ import annotations
@@ -35,8 +38,8 @@ __all__ = [
     "HOSTED_BASE_URL",
     "HOSTED_PROFILE",
     "KNOBS",
-    "LOCAL_PROFILE",
     "LOSSES",
+    "RECOMMENDED_FIELD",
     "EngineConfig",
     "Knob",
     "LogFormat",
@@ -46,6 +49,8 @@ __all__ = [
     "config_from_sources",
     "parse_task_args",
     "read_config_file",
+    "server_profile",
+    "stored_profile",
     "stored_settings",
 ]
 
@@ -63,28 +68,111 @@ MAX_SEED: Final = 2**63 - 1
 
 @dataclass(frozen=True)
 class Profile:
-    """Defaults that depend on which server the run talks to."""
+    """Defaults of the settings that depend on the server and the model it serves; None
+    (or a missing task): no default from this source."""
 
     name: str
-    base_model: str | None  # None: whatever model the server serves
-    lora_rank: int
-    learning_rate: float
-    op: str
-    min_operand: int
-    max_operand: int
+    base_model: str | None = None
+    lora_rank: int | None = None
+    learning_rate: float | None = None
+    task_args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Arguments per task spec (``"arithmetic"``: its operation and operand range)."""
 
 
-HOSTED_PROFILE: Final = Profile("hosted", "Qwen/Qwen3-0.6B", 16, 2e-5, "*", 10, 199)
-LOCAL_PROFILE: Final = Profile("local", None, 16, 5e-4, "+", 10, 99)
-"""Local profile: the packaged tiny model learns two-digit addition on CPU with these.
-Measured on the backend (30 steps, 8x6x16, importance_sampling, temperature 0.8): greedy
-exact rate 35.8% -> 45-48% at lr 5e-4 rank 16 (49% at rank 8); lr 3e-3 collapses to 8%."""
+HOSTED_PROFILE: Final = Profile(
+    "hosted",
+    base_model="Qwen/Qwen3-0.6B",
+    lora_rank=16,
+    learning_rate=2e-5,
+    task_args={"arithmetic": {"op": "*", "min_operand": "10", "max_operand": "199"}},
+)
+"""The MinT quickstart's defaults: what a server that recommends nothing gets."""
+
+RECOMMENDED_FIELD: Final = "engine_recommended"
+"""The field of a ``get_server_capabilities`` model entry that carries the model's
+recommended RL settings (``learning_rate``, ``lora_rank``, ``task_args`` per task spec).
+The local server adds it (see :mod:`engine.local.recommended`); hosted MinT does not."""
+
+
+def server_profile(capabilities: object, source: str = "the server") -> Profile:
+    """The defaults a ``get_server_capabilities`` answer (its raw JSON: the SDK drops
+    fields it does not know) implies. The first model entry carrying
+    :data:`RECOMMENDED_FIELD` makes its model the default base model and its
+    recommendations the defaults, the hosted profile filling what it leaves out; an
+    answer without one gets the hosted profile. ValueError (naming ``source``) when
+    the recommendations are malformed."""
+    models = capabilities.get("supported_models") if isinstance(capabilities, Mapping) else None
+    for entry in models if isinstance(models, list) else ():
+        if not isinstance(entry, Mapping) or RECOMMENDED_FIELD not in entry:
+            continue
+        name, recommended = entry.get("model_name"), entry[RECOMMENDED_FIELD]
+        where = f"the recommended settings of {source}"
+        if not isinstance(name, str) or not name or not isinstance(recommended, Mapping):
+            raise ValueError(f"{where} are malformed: {dict(entry)!r}")
+        tasks = recommended.get("task_args", {})
+        if not isinstance(tasks, Mapping) or not all(
+            isinstance(args, Mapping) for args in tasks.values()
+        ):
+            raise ValueError(f"{where}: task_args must map task specs to arguments")
+        try:
+            rank, lr = (_recommended(recommended, key, where) for key in _RANK_AND_LR)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        hosted = HOSTED_PROFILE
+        return Profile(
+            f"{name} (recommended by {source})",
+            base_model=name,
+            lora_rank=rank if rank is not None else hosted.lora_rank,
+            learning_rate=lr if lr is not None else hosted.learning_rate,
+            task_args={
+                spec: {
+                    **hosted.task_args.get(spec, {}),
+                    **{str(k): _toml_text(v) for k, v in tasks.get(spec, {}).items()},
+                }
+                for spec in {*hosted.task_args, *map(str, tasks)}
+            },
+        )
+    return HOSTED_PROFILE
+
+
+_RANK_AND_LR: Final = ("lora_rank", "learning_rate")
+
+
+def _recommended(recommended: Mapping[str, Any], key: str, where: str) -> Any:
+    value = recommended.get(key)
+    if value is None:
+        return None
+    knob = next(k for k in KNOBS if k.field == key)
+    return _parse_value(knob, str(value), f"{key} in {where}")
+
+
+def stored_profile(stored: Mapping[str, Any]) -> Profile:
+    """The resolved settings of a run's ``config.json`` as a profile: what a resumed run
+    takes for the settings its user leaves unset."""
+    args = stored.get("task_args")
+    task = stored.get("task")
+    rank, lr = stored.get("lora_rank"), stored.get("learning_rate")
+    base = stored.get("base_model")
+    return Profile(
+        "the run directory",
+        base_model=base if isinstance(base, str) else None,
+        lora_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+        learning_rate=float(lr)
+        if isinstance(lr, int | float) and not isinstance(lr, bool)
+        else None,
+        task_args=(
+            {task: {str(k): str(v) for k, v in args.items()}}
+            if isinstance(task, str) and isinstance(args, Mapping)
+            else {}
+        ),
+    )
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """A run's configuration. ``None`` fields are filled from the endpoint's profile by
-    :meth:`resolved`. Constructing one validates it (ConfigError, one line)."""
+    """A run's configuration. The server-dependent ``None`` fields are filled from what
+    the server reports by :meth:`resolved` (the engine does it once it knows the server).
+    Constructing one validates it (ConfigError, one line)."""
 
     base_model: str | None = None
     lora_rank: int | None = None
@@ -189,21 +277,30 @@ class EngineConfig:
         return self.local
 
     @property
-    def profile(self) -> Profile:
-        return LOCAL_PROFILE if self.uses_local_server else HOSTED_PROFILE
+    def unresolved(self) -> tuple[str, ...]:
+        """The settings whose defaults depend on the server, still unset: ``base_model``,
+        ``lora_rank``, ``learning_rate`` and the arithmetic task's arguments."""
+        missing = [n for n in _PROFILE_FIELDS if getattr(self, n) is None]
+        if self.task == "arithmetic":
+            missing += [
+                n
+                for n in _ARITHMETIC_ALIASES
+                if getattr(self, n) is None and n not in self.task_args
+            ]
+        return tuple(missing)
 
-    def resolved(self) -> EngineConfig:
-        """A copy with every profile-dependent ``None`` filled in (``base_model`` stays
-        None with the local server until the server says which model it serves)."""
-        p = self.profile
+    def resolved(self, *profiles: Profile) -> EngineConfig:
+        """A copy with the unset server-dependent settings taken from ``profiles`` (the
+        first that has one wins; see :func:`server_profile`) and the arithmetic aliases
+        folded into ``task_args``. What no profile sets stays unset (:attr:`unresolved`)."""
+        values: dict[str, Any] = {}
+        for name in _PROFILE_FIELDS:
+            given = [getattr(self, name), *(getattr(p, name) for p in profiles)]
+            values[name] = next((v for v in given if v is not None), None)
         return dataclasses.replace(
             self,
-            base_model=self.base_model if self.base_model is not None else p.base_model,
-            lora_rank=self.lora_rank if self.lora_rank is not None else p.lora_rank,
-            learning_rate=(
-                self.learning_rate if self.learning_rate is not None else p.learning_rate
-            ),
-            task_args=self._resolved_task_args(),
+            **values,
+            task_args=self._resolved_task_args(profiles),
             op=None,
             min_operand=None,
             max_operand=None,
@@ -215,20 +312,19 @@ class EngineConfig:
         every = self.checkpoint_every
         return bool(every) and 0 < completed_steps < self.steps and completed_steps % every == 0
 
-    def _resolved_task_args(self) -> dict[str, str]:
-        """The task's arguments; for the arithmetic task the profile's operation and
-        operand range, then the ``--op``/``--min-operand``/``--max-operand`` aliases,
+    def _resolved_task_args(self, profiles: Sequence[Profile]) -> dict[str, str]:
+        """The task's arguments: the profiles' for this task (the first wins), then for
+        the arithmetic task the ``--op``/``--min-operand``/``--max-operand`` aliases,
         then ``--task-arg`` values."""
-        args = {str(k): str(v) for k, v in self.task_args.items()}
-        if self.task != "arithmetic":
-            return args
-        p = self.profile
-        merged = {"op": p.op, "min_operand": str(p.min_operand), "max_operand": str(p.max_operand)}
-        for name in _ARITHMETIC_ALIASES:
-            value = getattr(self, name)
-            if value is not None:
-                merged[name] = str(value)
-        return {**merged, **args}
+        merged: dict[str, str] = {}
+        for profile in reversed(profiles):
+            merged.update(profile.task_args.get(self.task, {}))
+        if self.task == "arithmetic":
+            for name in _ARITHMETIC_ALIASES:
+                value = getattr(self, name)
+                if value is not None:
+                    merged[name] = str(value)
+        return {**merged, **{str(k): str(v) for k, v in self.task_args.items()}}
 
     def loss_fn_config(self) -> dict[str, float] | None:
         """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
@@ -254,6 +350,8 @@ class EngineConfig:
 
 _ARITHMETIC_ALIASES: Final = ("op", "min_operand", "max_operand")
 """Old flags of the arithmetic task, kept as aliases of its task arguments."""
+
+_PROFILE_FIELDS: Final = ("base_model", "lora_rank", "learning_rate")
 
 # --------------------------------------------------------------------------- knob table
 
@@ -388,9 +486,18 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _non_empty,
         "model to fine-tune",
-        "Qwen/Qwen3-0.6B; the local server's model with --local",
+        f"the model the server recommends settings for (the local server's), else "
+        f"{HOSTED_PROFILE.base_model}",
     ),
-    Knob("lora_rank", "--lora-rank", ("MINT_LORA_RANK",), _parse_int, _positive, "LoRA rank", "16"),
+    Knob(
+        "lora_rank",
+        "--lora-rank",
+        ("MINT_LORA_RANK",),
+        _parse_int,
+        _positive,
+        "LoRA rank",
+        f"the server's recommendation, else {HOSTED_PROFILE.lora_rank}",
+    ),
     Knob(
         "steps",
         "--steps",
@@ -425,7 +532,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_float,
         _finite_positive,
         "Adam learning rate",
-        f"{HOSTED_PROFILE.learning_rate:g} hosted, {LOCAL_PROFILE.learning_rate:g} local",
+        f"the server's recommendation, else {HOSTED_PROFILE.learning_rate:g}",
     ),
     Knob(
         "max_tokens",
@@ -584,7 +691,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _one_of(("+", "-", "*")),
         "arithmetic task: alias of --task-arg op=OP (+ - *)",
-        "* hosted, + local",
+        "the server's recommendation, else *",
     ),
     Knob(
         "min_operand",
@@ -593,7 +700,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_int,
         None,
         "arithmetic task: alias of --task-arg min_operand=N",
-        "10",
+        "the server's recommendation, else 10",
     ),
     Knob(
         "max_operand",
@@ -602,7 +709,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_int,
         None,
         "arithmetic task: alias of --task-arg max_operand=N",
-        "199 hosted, 99 local",
+        "the server's recommendation, else 199",
     ),
     Knob(
         "base_url",

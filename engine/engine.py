@@ -61,7 +61,7 @@ from engine.checkpoint import (
     write_config,
     write_file_atomically,
 )
-from engine.config import EngineConfig
+from engine.config import EngineConfig, stored_profile
 from engine.errors import (
     ConfigError,
     Interrupted,
@@ -86,10 +86,11 @@ from engine.results import RunResult, StepResult
 from engine.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard
 from engine.rollouts import RolloutLog
 from engine.scoring import Scorer, parse_score_workers
-from engine.service import MintSession, open_session
+from engine.service import MintSession, local_server_profile, open_session
 from engine.state import LoopState
 from engine.stopping import StopGate
 from engine.tasks import Task, load_task
+from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer
 from engine.trackers import open_trackers
@@ -137,12 +138,17 @@ class Engine:
             config = dataclasses.replace(
                 config, task=spec, task_args=args, op=None, min_operand=None, max_operand=None
             )
-        resolved = config.resolved()
-        self._task: Task = task or load_task(resolved.task, resolved.task_args)
-        spec, args = task_spec(self._task, resolved.task, resolved.task_args)
-        self._config = dataclasses.replace(resolved, task=spec, task_args=args)
-        if self._config.eval_every:
-            eval_problems_of(self._task)  # a task without held-out problems: ConfigError now
+        if config.resume is not None:
+            # A resumed run keeps the settings it was started with unless given anew.
+            config = config.resolved(stored_profile(_stored_config(config.resume)))
+        if config.uses_local_server:
+            # What the server started here will recommend, known before it starts.
+            config = config.resolved(local_server_profile(config.local_model))
+        # The rest is resolved once connected (open_session), before anything trains.
+        self._config = config.resolved()
+        self._task = task
+        if not set(self._config.unresolved) & set(ARITHMETIC_ARGS):
+            self._load_task()
         self._clock = clock
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
@@ -174,11 +180,16 @@ class Engine:
 
     @property
     def config(self) -> EngineConfig:
-        """The resolved configuration (profile defaults filled in)."""
+        """The resolved configuration: the server's defaults filled in (by a remote
+        server, once the engine is entered)."""
         return self._config
 
     @property
     def task(self) -> Task:
+        if self._task is None:
+            raise RuntimeError(
+                "the task is loaded once the server's defaults are known (the engine is entered)"
+            )
         return self._task
 
     @property
@@ -283,7 +294,7 @@ class Engine:
             self._resumed = self._check_resume(cfg.resume)
             self._run_dir = cfg.resume
         else:
-            self._run_dir = _make_run_dir(cfg.run_dir, self._task.name, self._early_events)
+            self._run_dir = _make_run_dir(cfg.run_dir, self._task_name, self._early_events)
         self._write_config()
         trackers = open_trackers(cfg.log_to, self._run_dir, self._config_record())
         log = RunLog(self._run_dir / "metrics.jsonl", self._console, cfg.log_format, trackers)
@@ -323,8 +334,10 @@ class Engine:
                 ),
             )
         )
-        if cfg.base_model is None:
-            self._config = dataclasses.replace(cfg, base_model=self._session.info.base_model)
+        if self._session.config != self._config:  # the server decided what was left unset
+            self._config = self._session.config
+            if self._task is None:
+                self._load_task()
             self._write_config()
         self._open_task_outputs(log)
         send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.steps))
@@ -335,20 +348,36 @@ class Engine:
         await tg.__aenter__()
         self._tg = tg
 
+    def _load_task(self) -> None:
+        """Load the task (unless one was given) from the config's spec and arguments,
+        and record the spec and arguments that rebuild it."""
+        cfg = self._config
+        task = self._task if self._task is not None else load_task(cfg.task, cfg.task_args)
+        spec, args = task_spec(task, cfg.task, cfg.task_args)
+        self._task = task
+        self._config = dataclasses.replace(cfg, task=spec, task_args=args)
+        if cfg.eval_every:
+            eval_problems_of(task)  # a task without held-out problems: ConfigError now
+
+    @property
+    def _task_name(self) -> str:
+        """The task's name; its spec while the server still decides its arguments."""
+        return self._task.name if self._task is not None else self._config.task
+
     def _open_task_outputs(self, log: RunLog) -> None:
         """The task's renderer (its setup sees the served tokenizer), rollouts.jsonl and
         the held-out evaluator, each cut back to the checkpoint on resume."""
         assert self._session is not None
         cfg = self._config
-        self._renderer = PromptRenderer(self._task, self._session.tokenizer)
+        self._renderer = PromptRenderer(self.task, self._session.tokenizer)
         self._rollouts = RolloutLog(self.run_dir, cfg.log_rollouts, self._renderer)
         if cfg.eval_every:
             self._evaluator = Evaluator(
                 self._session,
-                self._task,
+                self.task,
                 self._renderer,
                 Scorer(
-                    self._task,
+                    self.task,
                     concurrency=cfg.score_concurrency,
                     workers=parse_score_workers(cfg.score_workers),
                 ),
@@ -371,9 +400,6 @@ class Engine:
         """The run dir's stored config and latest checkpoint; a ResumeError (exit 2)
         when the current config differs in a setting that must not change. None when
         the dir holds only an unfinished start-up: the run starts over in it."""
-        stored_model = _stored_value(run_dir, "base_model")
-        if self._config.base_model is None and isinstance(stored_model, str):
-            self._config = dataclasses.replace(self._config, base_model=stored_model)
         self._early_events = _HeldEvents()  # events.jsonl is opened once the dir checks out
         try:
             resumed = load_resume_state(
@@ -522,10 +548,10 @@ class Engine:
             if baseline is not None:
                 await baseline(0, sampler)
                 baseline = None
-            source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
+            source = self.task.source(cfg.seed, state.source_state if state.next_step else None)
             pipeline = Pipeline(
                 cfg,
-                self._task,
+                self.task,
                 session,
                 source,
                 state,
@@ -546,7 +572,7 @@ class Engine:
             watchdog.progress(f"restored step {state.next_step}")
 
     def _initial_state(self) -> LoopState:
-        return LoopState(0, self._task.source(self._config.seed).state(), 0)
+        return LoopState(0, self.task.source(self._config.seed).state(), 0)
 
     async def _recover(
         self, unknown: StepOutcomeUnknown, gate: StopGate
@@ -619,7 +645,7 @@ class Engine:
         assert self._session is not None
         step = state.next_step
         if reason == "final":
-            names = ("final", f"{self._task.name}-final")
+            names = ("final", f"{self.task.name}-final")
         else:
             names = (f"step-{step}", f"step-{step}")
         state_path, sampler_path = await self._session.save_checkpoint(*names)
@@ -683,7 +709,7 @@ class Engine:
         return {
             **self._config.public_dict(),
             "task_repr": repr(self._task),
-            "task_name": self._task.name,
+            "task_name": self._task_name,
         }
 
     def _write_config(self) -> None:
@@ -707,7 +733,7 @@ class Engine:
             "status": _status(error),
             "error": str(error) if error else None,
             "stopped": self._stopped,
-            "task": self._task.name,
+            "task": self._task_name,
             "base_model": self._config.base_model,
             "server": self._config.public_dict()["server"],
             "steps_planned": self._config.steps,
@@ -775,12 +801,14 @@ def _policies(cfg: EngineConfig) -> dict[OpKind, RetryPolicy]:
     return policies
 
 
-def _stored_value(run_dir: Path, key: str) -> Any:
+def _stored_config(run_dir: Path) -> Mapping[str, Any]:
+    """The run dir's config.json, or nothing when it cannot be read (resuming then
+    fails with the reason)."""
     try:
         data = json.loads((run_dir / "config.json").read_text())
     except (OSError, ValueError):
-        return None
-    return data.get(key) if isinstance(data, Mapping) else None
+        return {}
+    return data if isinstance(data, Mapping) else {}
 
 
 def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:

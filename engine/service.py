@@ -47,7 +47,7 @@ import tinker
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
-from engine.config import HOSTED_BASE_URL, EngineConfig
+from engine.config import HOSTED_BASE_URL, HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
 from engine.redact import register_secret
 from engine.retry import (
@@ -73,7 +73,9 @@ from engine.session_api import (
 __all__ = [
     "MintSession",
     "PreflightError",
+    "local_server_profile",
     "open_session",
+    "read_server_profile",
     "reserve_sampler_snapshot",
     "sdk_sampling_retry_config",
     "snapshot_name",
@@ -115,11 +117,14 @@ class MintSession:
         info: ServerInfo,
         guard: ServiceGuard,
         lora: _LoraSpec,
+        config: EngineConfig,
     ) -> None:
         self._service = service
         self._training = training
         self.tokenizer = tokenizer
         self.info = info
+        self.config = config
+        """The config the session was opened with, resolved with the server's defaults."""
         self.guard = guard
         self._lora = lora
 
@@ -388,8 +393,9 @@ async def open_session(
     restore_from: str | None = None,
 ) -> AsyncIterator[MintSession]:
     """Connect as ``config`` says (starting the local server when it uses one), check
-    the server, create the LoRA training client and load its tokenizer. ``config``
-    must be :meth:`~EngineConfig.resolved`; ``say`` receives the console lines
+    the server, resolve the settings ``config`` leaves to the server from what it
+    recommends (:attr:`MintSession.config`), create the LoRA training client and load its
+    tokenizer. ``say`` receives the console lines
     (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...").
 
     ``guard`` is the reliability layer every call goes through (default: production
@@ -412,21 +418,17 @@ async def open_session(
             except (LocalConfigError, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
             say(f"Local server: {server.base_url} serving {server.model_name}")
-            base_model = config.base_model or server.model_name
             # A local server without a key accepts any; the SDK still wants one.
             api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
             session = await stack.enter_async_context(
-                _connect(
-                    config, server.base_url, api_key, base_model, True, say, guard, restore_from
-                )
+                _connect(config, server.base_url, api_key, True, say, guard, restore_from)
             )
             yield session
         return
     register_secret(config.api_key)
     base_url = config.base_url or HOSTED_BASE_URL
-    assert config.base_model is not None, "config must be resolved"
     async with _connect(
-        config, base_url, config.api_key, config.base_model, False, say, guard, restore_from
+        config, base_url, config.api_key, False, say, guard, restore_from
     ) as session:
         yield session
 
@@ -436,7 +438,6 @@ async def _connect(
     config: EngineConfig,
     base_url: str,
     api_key: str | None,
-    base_model: str,
     local: bool,
     say: Callable[[str], None],
     guard: ServiceGuard,
@@ -445,6 +446,10 @@ async def _connect(
     say("Connecting to MinT server...")
     say(f"Endpoint: {base_url}")
     await _check_reachable(base_url, api_key, guard)
+    if config.unresolved:
+        config = config.resolved(await _recommended_profile(base_url, api_key, guard))
+    assert config.base_model is not None and config.lora_rank is not None
+    base_model = config.base_model
     guard.watch_server(base_url)
     service = await _sdk(
         guard,
@@ -459,7 +464,6 @@ async def _connect(
             guard, base_url, "read capabilities", service.get_server_capabilities_async
         )
         supported = tuple(m.model_name for m in caps.supported_models if m.model_name)
-        assert config.lora_rank is not None, "config must be resolved"
         lora = _LoraSpec(
             base_model,
             config.lora_rank,
@@ -501,7 +505,7 @@ async def _connect(
         )
         say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
         info = ServerInfo(base_url, base_model, local, supported)
-        yield MintSession(service, training, tokenizer, info, guard, lora)
+        yield MintSession(service, training, tokenizer, info, guard, lora, config)
     finally:
         # Stops the SDK's session heartbeat (it would outlive a local server).
         service.holder.close()
@@ -588,19 +592,84 @@ async def _sdk(guard: ServiceGuard, base_url: str, what: str, fn: Callable[[], A
 async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGuard) -> None:
     """One plain HTTP request before the SDK takes over: the SDK retries a dead
     endpoint for minutes before saying anything, and hides a rejected key behind a
-    generic error. A busy server (408/429/5xx) or a connection dropped mid-answer is
-    retried under the SESSION policy, honouring Retry-After; no server to connect to,
-    no answer in time, a rejected key or another error fails at once with one
-    sentence."""
-    url = base_url.rstrip("/") + "/api/v1/client/config"
+    generic error."""
+    response = await _preflight_request(
+        base_url, api_key, guard, "POST", "client/config", {"sdk_version": tinker.__version__}
+    )
+    if response.status_code in (401, 403):
+        raise PreflightError(
+            f"the MinT server at {base_url} rejected the API key (HTTP "
+            f"{response.status_code}); check MINT_API_KEY"
+        )
+    if response.status_code >= 400:
+        raise PreflightError(
+            f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
+            "first request; is MINT_BASE_URL a MinT server?"
+        )
+
+
+async def read_server_profile(
+    base_url: str, api_key: str | None, guard: ServiceGuard | None = None
+) -> Profile:
+    """The defaults the server at ``base_url`` implies (:func:`engine.config.server_profile`
+    of its ``get_server_capabilities`` answer, read as plain JSON: the SDK drops the
+    recommended settings). Fails like the preflight (:class:`PreflightError`)."""
+    guard = guard or ServiceGuard()
+    await _check_reachable(base_url, api_key, guard)
+    return await _recommended_profile(base_url, api_key, guard)
+
+
+async def _recommended_profile(base_url: str, api_key: str | None, guard: ServiceGuard) -> Profile:
+    response = await _preflight_request(
+        base_url, api_key, guard, "GET", "get_server_capabilities", None
+    )
+    if response.status_code in (401, 403):
+        # The key passed client/config: this server wants the SDK's session token here
+        # (hosted MinT in JWT mode). The local server takes the plain key everywhere,
+        # so this is not one that recommends settings.
+        return HOSTED_PROFILE
+    if response.status_code >= 400:
+        raise PreflightError(
+            f"the MinT server at {base_url} answered HTTP {response.status_code} to "
+            "get_server_capabilities; is MINT_BASE_URL a MinT server?"
+        )
+    try:
+        return server_profile(response.json(), f"the MinT server at {base_url}")
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
+def local_server_profile(model_dir: Path | None) -> Profile:
+    """The defaults the local server would report for ``model_dir`` (None: the packaged
+    model), read before the engine starts it: the same entry its
+    ``get_server_capabilities`` answer carries."""
+    from engine.local.recommended import model_entry
+
+    try:
+        return server_profile({"supported_models": [model_entry(model_dir)]}, "the local server")
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from exc
+
+
+async def _preflight_request(
+    base_url: str,
+    api_key: str | None,
+    guard: ServiceGuard,
+    method: str,
+    endpoint: str,
+    body: object,
+) -> httpx.Response:
+    """One plain request to ``/api/v1/<endpoint>``. A busy server (408/429/5xx) or a
+    connection dropped mid-answer is retried under the SESSION policy, honouring
+    Retry-After; no server to connect to or no answer in time fails at once with one
+    sentence; other answers are the caller's to judge."""
+    url = base_url.rstrip("/") + "/api/v1/" + endpoint
     headers = {"X-API-Key": api_key} if api_key else {}
 
     async def once() -> httpx.Response:
         try:
             async with httpx.AsyncClient(timeout=_PREFLIGHT_TIMEOUT) as client:
-                response = await client.post(
-                    url, json={"sdk_version": tinker.__version__}, headers=headers
-                )
+                response = await client.request(method, url, json=body, headers=headers)
         except httpx.TimeoutException as exc:
             raise PreflightError(
                 f"the MinT server at {base_url} did not answer in time; check MINT_BASE_URL "
@@ -620,22 +689,12 @@ async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGua
         return response
 
     try:
-        response = await guard.call(OpKind.SESSION, "reach the server", once)
+        return await guard.call(OpKind.SESSION, "reach the server", once)
     except ServiceError as exc:
         cause = exc.__cause__ if exc.__cause__ is not None else exc
         raise PreflightError(
             f"the MinT server at {base_url} is not ready: {classify(cause).message}"
         ) from exc
-    if response.status_code in (401, 403):
-        raise PreflightError(
-            f"the MinT server at {base_url} rejected the API key (HTTP "
-            f"{response.status_code}); check MINT_API_KEY"
-        )
-    if response.status_code >= 400:
-        raise PreflightError(
-            f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
-            "first request; is MINT_BASE_URL a MinT server?"
-        )
 
 
 def _body(response: httpx.Response) -> object:

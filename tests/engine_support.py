@@ -10,14 +10,17 @@ import anyio
 
 from engine import Engine, EngineConfig, RunResult, StepHook, StepResult
 from engine.local import LocalServer
+from engine.service import read_server_profile
+from engine.tasks import ArithmeticTask, load_task
 
 API_KEY = "tml-engine-tests-key"
 
 
 def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> EngineConfig:
-    """A few tiny steps on the local model, against ``server`` as a remote endpoint."""
+    """A few tiny steps against ``server`` as a remote endpoint: its model and the task
+    arguments it recommends, with a larger learning rate and a smaller rank (quick
+    signal, cheap steps)."""
     base = EngineConfig(
-        base_model=server.model_name,
         base_url=server.base_url,
         api_key=API_KEY,
         lora_rank=8,
@@ -27,12 +30,18 @@ def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> Engine
         learning_rate=3e-3,
         max_tokens=8,
         temperature=1.0,
-        op="+",
-        min_operand=10,
-        max_operand=99,
         run_dir=run_dir,
     )
     return replace(base, **overrides)
+
+
+def quickstart_task_knobs(server: LocalServer) -> dict[str, Any]:
+    """The arithmetic task arguments ``server`` recommends, as the quickstart loop's
+    ``op``, ``min_operand`` and ``max_operand``."""
+    profile = anyio.run(read_server_profile, server.base_url, API_KEY)
+    task = load_task("arithmetic", profile.task_args["arithmetic"])
+    assert isinstance(task, ArithmeticTask)
+    return {"op": task.op, "min_operand": task.min_operand, "max_operand": task.max_operand}
 
 
 def run_engine(config: EngineConfig, **engine_kwargs: Any) -> tuple[list[StepResult], RunResult]:

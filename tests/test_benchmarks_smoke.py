@@ -21,6 +21,7 @@ import pytest
 from benchmarks import scaling, scoring, throughput, train_stage
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
+from tests.engine_support import quickstart_task_knobs
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 API_KEY = "tml-benchmarks-smoke"
@@ -52,9 +53,7 @@ def test_quickstart_loop_records_its_steps_stage_by_stage(server: LocalServer) -
         "max_tokens": 6,
         "temperature": 1.0,
         "seed": 7,
-        "op": "+",
-        "min_operand": 10,
-        "max_operand": 99,
+        **quickstart_task_knobs(server),
         "lora_seed": 3,
         "sampling_seed": 99,
     }

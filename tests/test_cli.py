@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from engine.config import EngineConfig, config_from_sources
+from engine.config import HOSTED_PROFILE, EngineConfig, config_from_sources
 from engine.errors import ConfigError
 from engine.run import build_parser, main
+from engine.service import local_server_profile
 
 ENV_NAMES = (
     "MINT_API_KEY",
@@ -212,14 +213,15 @@ def test_help_names_every_env_variable_and_default(capsys: pytest.CaptureFixture
 
 def test_flags_beat_env_which_beats_profile() -> None:
     cfg = config_from_sources(
-        {"batch": "3"}, {"MINT_CUSTOM_REWARD_BATCH": "5", "MINT_CUSTOM_REWARD_STEPS": "2"}
+        {"batch": "3", "learning_rate": "1e-3"},
+        {"MINT_CUSTOM_REWARD_BATCH": "5", "MINT_CUSTOM_REWARD_STEPS": "2", "MINT_LORA_RANK": "4"},
     )
     assert (cfg.batch, cfg.steps) == (3, 2)
-    local = cfg.resolved()
     assert cfg.uses_local_server
-    assert local.learning_rate == 5e-4
+    local = cfg.resolved(local_server_profile(None))
+    assert (local.learning_rate, local.lora_rank) == (1e-3, 4)
     assert local.task_args == {"op": "+", "min_operand": "10", "max_operand": "99"}
-    hosted = config_from_sources({}, {"MINT_API_KEY": "sk-abcdefghijkl"}).resolved()
+    hosted = config_from_sources({}, {"MINT_API_KEY": "sk-abcdefghijkl"}).resolved(HOSTED_PROFILE)
     assert not hosted.uses_local_server
     assert (hosted.base_model, hosted.learning_rate, hosted.lora_rank) == (
         "Qwen/Qwen3-0.6B",
@@ -308,9 +310,7 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
     assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
     assert config["server"] == "local"
     assert config["task_args"] == {
-        "op": "+",
-        "min_operand": "10",
-        "max_operand": "99",
+        **local_server_profile(None).task_args["arithmetic"],
         "eval_size": "64",
     }
     summary = (run_dir / "summary.md").read_text()

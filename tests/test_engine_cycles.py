@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer, OpCycle
-from tests.engine_support import API_KEY, run_engine, small_config
+from tests.engine_support import API_KEY, quickstart_task_knobs, run_engine, small_config
 
 
 @pytest.fixture
@@ -61,8 +61,7 @@ def test_engine_train_step_takes_one_cycle_where_the_quickstart_takes_more(
         lr=3e-3,
         max_tokens=8,
         temperature=1.0,
-        op="+",
-        max_operand=99,
+        **quickstart_task_knobs(server),
         lora_seed=1,
     )
     (ref_model,) = set(server.stats.op_cycles) - {engine_model}

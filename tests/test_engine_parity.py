@@ -18,7 +18,7 @@ import pytest
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from engine.rl import datum_to_dict
-from tests.engine_support import API_KEY, run_engine, small_config
+from tests.engine_support import API_KEY, quickstart_task_knobs, run_engine, small_config
 
 
 @pytest.fixture(scope="module")
@@ -37,9 +37,7 @@ def test_k0_sends_the_quickstart_datums(server: LocalServer, tmp_path: Path) -> 
         "max_tokens": 8,
         "temperature": 1.0,
         "seed": 42,
-        "op": "+",
-        "min_operand": 10,
-        "max_operand": 99,
+        **quickstart_task_knobs(server),
         "lora_seed": 7,
         "sampling_seed": 1234,
     }

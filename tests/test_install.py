@@ -28,16 +28,6 @@ from tests.engine_support import API_KEY
 from tests.hosted_env import REPO, modules_of, run_without
 
 HOSTED_ONLY = modules_of("local", "report", "wandb", "tensorboard", "datasets")
-LOCAL_SETTINGS = (
-    "--base-model",
-    "engine-local/tiny-arith",
-    "--lr",
-    "5e-4",
-    "--op",
-    "+",
-    "--max-operand",
-    "99",
-)
 TINY_RUN = ("--steps", "2", "--batch", "2", "--group", "2", "--max-tokens", "4", "--no-progress")
 
 
@@ -124,7 +114,7 @@ def test_a_hosted_only_client_trains_against_a_separately_started_server(
     with LocalServer(api_key=API_KEY) as server:
         env = clean_env(MINT_BASE_URL=server.base_url, MINT_API_KEY=API_KEY)
         run_dir = tmp_path / "run"
-        args = [*LOCAL_SETTINGS, *TINY_RUN, "--run-dir", str(run_dir)]
+        args = [*TINY_RUN, "--run-dir", str(run_dir)]  # the server's recommended settings
         done = run_without(HOSTED_ONLY, "engine.run", args, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
@@ -206,7 +196,7 @@ def test_the_core_package_installs_into_a_fresh_venv_and_trains(tmp_path: Path) 
             if k != "PYTHONPATH"
         }
         done = subprocess.run(
-            [str(venv / "bin" / "engine-run"), *LOCAL_SETTINGS, *TINY_RUN, "--run-dir", "run"],
+            [str(venv / "bin" / "engine-run"), *TINY_RUN, "--run-dir", "run"],
             env=env,
             capture_output=True,
             text=True,

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import learning
-from engine.config import LOCAL_PROFILE
+from engine.service import local_server_profile
 
 
 def test_quick_run_writes_a_well_formed_report(
@@ -26,9 +26,13 @@ def test_quick_run_writes_a_well_formed_report(
     [run] = report["runs"]
     assert run["steps"] == 2 and run["seed"] == 42
     assert run["final_path"].startswith("tinker://")
-    # the local task and profile, not the hosted one a plain base_url would select
+    # the settings the server recommends, not the hosted ones
+    recommended = local_server_profile(None)
     assert "arithmetic-add" in run["final_path"]
-    assert run["learning_rate"] == LOCAL_PROFILE.learning_rate
+    assert (run["learning_rate"], run["lora_rank"]) == (
+        recommended.learning_rate,
+        recommended.lora_rank,
+    )
     for key in ("exact_before", "exact_after"):
         assert 0.0 <= run[key] <= 1.0
         assert run[key] * 20 == pytest.approx(round(run[key] * 20))  # k of 20 problems
@@ -47,10 +51,11 @@ def test_quick_run_writes_a_well_formed_report(
 
 def test_heldout_problems_are_distinct_and_never_trained_on() -> None:
     steps, batch, seeds = 30, 8, [42, 7]
-    problems = learning.heldout_problems(200, seeds, steps, batch)
+    task = learning.served_task(local_server_profile(None).task_args)
+    problems = learning.heldout_problems(task, 200, seeds, steps, batch)
     assert len(set(problems)) == 200
-    assert all(10 <= a <= 99 and 10 <= b <= 99 for a, b in problems)
-    task = learning._task()
+    lo, hi = task.min_operand, task.max_operand
+    assert all(lo <= a <= hi and lo <= b <= hi for a, b in problems)
     for seed in seeds:
         source = task.source(seed)
         trained = {learning._operands(source.next().question) for _ in range(steps * batch)}

@@ -255,8 +255,7 @@ def test_kill_9_of_a_standalone_server_mid_run_exits_1_naming_it(tmp_path: Path)
     try:
         args = [
             *SMALL_RUN,
-            *("--steps", "50", "--base-model", "engine-local/tiny-arith", "--op", "+"),
-            *("--max-operand", "99", "--unreachable-timeout", "3"),
+            *("--steps", "50", "--unreachable-timeout", "3"),
             *("--run-dir", str(run_dir)),
         ]
         engine = start_cli(args, cwd=tmp_path, MINT_BASE_URL=url, MINT_API_KEY="sk-test")

@@ -360,7 +360,7 @@ def test_the_tokenizer_is_filed_under_the_model_name_and_never_shadows_a_real_en
     ],
 )
 def test_sample_requests_are_checked_in_one_place(change: dict[str, object], message: str) -> None:
-    card = ModelCard("tiny", DEFAULT_MODEL_DIR, 256, None, 1000)
+    card = ModelCard("tiny", DEFAULT_MODEL_DIR, 256, None, 1000, {})
     body: dict[str, object] = {
         "prompt": {"chunks": [{"tokens": [1, 2, 3], "type": "encoded_text"}]},
         "sampling_params": {"max_tokens": 4},

@@ -18,6 +18,7 @@ from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
 from engine.pipeline import Pipeline, PipelineOutcome
 from engine.results import StepResult
 from engine.rl import datum_to_dict
+from engine.service import local_server_profile
 from engine.session_api import SamplerHandle
 from engine.state import LoopState
 from engine.stopping import StopGate
@@ -51,7 +52,7 @@ def config(**changes: Any) -> EngineConfig:
         "max_steps_off_policy": 1,
         "submit_ahead": 1,
     }
-    return EngineConfig(**{**base, **changes}).resolved()
+    return EngineConfig(**{**base, **changes}).resolved(local_server_profile(None))
 
 
 async def run_pipeline(

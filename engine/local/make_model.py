@@ -36,10 +36,15 @@ from engine.local.pretrained import METADATA_FILE
 MODEL_NAME = "engine-local/tiny-arith"
 DEFAULT_OUT = Path(__file__).resolve().parent / "default_model"
 
-# Measured with tests/test_backend_rl.py: 30 importance-sampling steps (8 problems x 6
-# samples x 16 tokens, temperature 0.8) at these settings lift the held-out greedy exact
-# rate by ~8-14 points; 2e-3 and above destabilise this tiny model.
-RL_DEFAULTS = {"learning_rate": 5e-4, "lora_rank": 8}
+RL_DEFAULTS = {
+    "learning_rate": 5e-4,
+    "lora_rank": 16,
+    "task_args": {"arithmetic": {"op": "+", "min_operand": "10", "max_operand": "99"}},
+}
+"""The RL settings the server recommends for this model (``recommended_rl`` in its
+metadata; the engine's defaults against this server). Measured through the engine (30
+steps, 8x6x16, importance_sampling, temperature 0.8): greedy exact rate 35.8% -> 45-48% at
+lr 5e-4 rank 16 (49% at rank 8); lr 3e-3 collapses to 8%, 2e-3 and above destabilise it."""
 
 PAD, BOS, EOS = "<pad>", "<s>", "</s>"
 _SPECIALS = (PAD, BOS, EOS)
@@ -379,7 +384,8 @@ Measured on the default task ({meta["task"]}):
 - RL settings that learn in 30 steps: learning rate {meta["recommended_rl"]["learning_rate"]},
   LoRA rank {meta["recommended_rl"]["lora_rank"]} (alpha 32)
 
-Metadata: `{METADATA_FILE}` (the server reads `model_name` from it).
+Metadata: `{METADATA_FILE}` (the server reads `model_name` from it, and sends
+`recommended_rl` to clients as the model's recommended settings).
 """
 
 

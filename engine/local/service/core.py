@@ -25,6 +25,7 @@ from engine.local.faults import FaultInjector
 from engine.local.futures import FutureEntry, FutureStore, TooManyPending
 from engine.local.jobs import Job
 from engine.local.latency import TrainingClock
+from engine.local.recommended import model_entry
 from engine.local.sequencer import SeqRejected
 from engine.local.service.registry import Registry
 from engine.local.stats import Stats
@@ -64,6 +65,8 @@ class ModelCard:
     max_context: int
     arch: str | None
     vocab_size: int | None
+    entry: dict[str, Any]
+    """Its ``get_server_capabilities`` entry (with the recommended RL settings)."""
 
     @classmethod
     def read(cls, backend: Backend) -> ModelCard:
@@ -76,8 +79,16 @@ class ModelCard:
             arch = archs[0] if archs else config.get("model_type")
             vocab = config.get("vocab_size")
         vocab = getattr(backend, "vocab_size", None) or vocab
+        entry = model_entry(
+            backend.model_dir, name=backend.model_name, max_context=backend.max_context_length
+        )
         return cls(
-            backend.model_name, Path(backend.model_dir), backend.max_context_length, arch, vocab
+            backend.model_name,
+            Path(backend.model_dir),
+            backend.max_context_length,
+            arch,
+            vocab,
+            entry,
         )
 
 

@@ -1,0 +1,64 @@
+"""What the served model is called and which RL settings the server recommends for it.
+
+The settings of a run that depend on the model (learning rate, LoRA rank, the
+arithmetic task's operation and operand range) belong to the model, so they are
+recorded with it: the ``recommended_rl`` entry of its ``engine_model.json``
+(:data:`~engine.local.pretrained.METADATA_FILE`). The server adds them to the model's
+entry in its ``get_server_capabilities`` answer, under
+:data:`engine.config.RECOMMENDED_FIELD`; the SDK ignores the extra field, hosted MinT
+does not send it, and the engine reads it to pick its defaults
+(:func:`engine.config.server_profile`). This module reads metadata only (no torch), so
+the engine can also ask it about a model before starting a server on it.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from engine.config import RECOMMENDED_FIELD
+from engine.local.config import DEFAULT_MODEL_DIR
+from engine.local.pretrained import METADATA_FILE
+
+__all__ = ["RECOMMENDED_KEY", "model_entry", "recommended_settings", "served_model_name"]
+
+RECOMMENDED_KEY = "recommended_rl"
+"""The key of a model's recommended RL settings in its ``engine_model.json``."""
+
+
+def _metadata(model_dir: Path) -> dict[str, Any]:
+    try:
+        data = json.loads((model_dir / METADATA_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def served_model_name(model_dir: Path) -> str:
+    """The base_model name a model directory is served under: its metadata's
+    ``model_name``, else the directory's name."""
+    name = _metadata(model_dir).get("model_name")
+    return name if isinstance(name, str) and name else model_dir.name
+
+
+def recommended_settings(model_dir: Path) -> dict[str, Any]:
+    """The model's recommended RL settings (``learning_rate``, ``lora_rank``,
+    ``task_args`` per task); empty when its metadata records none."""
+    settings = _metadata(model_dir).get(RECOMMENDED_KEY)
+    return dict(settings) if isinstance(settings, dict) else {}
+
+
+def model_entry(
+    model_dir: Path | None, *, name: str | None = None, max_context: int | None = None
+) -> dict[str, Any]:
+    """The ``supported_models`` entry of a server on ``model_dir`` (None: the packaged
+    model): its name, context length when known, and :data:`RECOMMENDED_FIELD`. The
+    field is there even when the model records no settings, so a client can tell this
+    server from hosted MinT."""
+    directory = Path(model_dir).expanduser().resolve() if model_dir else DEFAULT_MODEL_DIR
+    entry: dict[str, Any] = {"model_name": name or served_model_name(directory)}
+    if max_context is not None:
+        entry["max_context_length"] = max_context
+    entry[RECOMMENDED_FIELD] = recommended_settings(directory)
+    return entry

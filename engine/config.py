@@ -32,6 +32,7 @@ from engine.extras import require
 from engine.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
 from engine.rl import OnMissingLogprobs
 from engine.scoring import parse_score_workers
+from engine.tasks.arithmetic import default_eval_size
 from engine.trackers import TRACKERS, Tracker
 
 __all__ = [
@@ -324,7 +325,16 @@ class EngineConfig:
                 value = getattr(self, name)
                 if value is not None:
                     merged[name] = str(value)
-        return {**merged, **{str(k): str(v) for k, v in self.task_args.items()}}
+        args = {**merged, **{str(k): str(v) for k, v in self.task_args.items()}}
+        if (
+            self.task == "arithmetic"
+            and self.eval_every
+            and "eval_size" not in args
+            and {"min_operand", "max_operand"} <= args.keys()
+        ):
+            # Held-out pairs only when evaluated: otherwise the quickstart's problems.
+            args["eval_size"] = str(default_eval_size(args["min_operand"], args["max_operand"]))
+        return args
 
     def loss_fn_config(self) -> dict[str, float] | None:
         """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""

@@ -309,9 +309,10 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
     config = json.loads((run_dir / "config.json").read_text())
     assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
     assert config["server"] == "local"
+    # No --eval-every: no held-out pairs, exactly the quickstart's problems.
     assert config["task_args"] == {
         **local_server_profile(None).task_args["arithmetic"],
-        "eval_size": "64",
+        "eval_size": "0",
     }
     summary = (run_dir / "summary.md").read_text()
     assert "status: **finished**" in summary

@@ -43,7 +43,6 @@ def test_k1_overlaps_sampling_with_training_within_its_bound(
         steps=4,
         max_steps_off_policy=1,
         loss="importance_sampling",
-        task_args={"eval_size": "0"},  # no held-out pairs: exactly the quickstart's draws
     )
     console = io.StringIO()
     steps, result = run_engine(config, console=console)

@@ -7,6 +7,7 @@ import random
 import pytest
 
 from engine.tasks import ArithmeticTask, RewardBreakdown, extract_prediction, score_arithmetic
+from engine.tasks.arithmetic import default_eval_size
 
 
 def test_exact_answer_scores_one_as_format_plus_distance_plus_exact() -> None:
@@ -78,10 +79,10 @@ def test_default_task_draws_the_quickstart_problems_for_seed_42() -> None:
 
 
 def test_held_out_pairs_are_fixed_and_never_drawn_for_training() -> None:
-    task = ArithmeticTask("+", 10, 99)
+    task = ArithmeticTask("+", 10, 99, eval_size=64)
     held_out = task.eval_problems()
     assert len(held_out) == 64 and [p.id for p in held_out] == list(range(64))
-    assert [p.question for p in ArithmeticTask("+", 10, 99).eval_problems()] == [
+    assert [p.question for p in ArithmeticTask("+", 10, 99, 64).eval_problems()] == [
         p.question for p in held_out
     ]  # the same for every task built alike (and every run seed)
     for p in held_out:
@@ -101,14 +102,16 @@ def test_held_out_pairs_are_fixed_and_never_drawn_for_training() -> None:
     ours = [source.next().question for _ in range(first + 1)]
     assert ours[:first] == quickstart[:first]
     assert ours[first] == quickstart[first + 1]  # the held-out draw was skipped
-    plain = ArithmeticTask("+", 10, 99, eval_size=0).source(42)
+    plain = ArithmeticTask("+", 10, 99).source(42)  # by default none is held out
     assert [plain.next().question for _ in range(100)] == quickstart
-    assert ArithmeticTask("+", 10, 99, eval_size=0).eval_problems() == []
+    assert ArithmeticTask("+", 10, 99).eval_problems() == []
 
 
 def test_held_out_size_follows_the_operand_range() -> None:
-    assert len(ArithmeticTask("+", 0, 9).eval_problems()) == 10  # a tenth of 100 pairs
-    assert ArithmeticTask("+", 1, 3).eval_problems() == []  # 9 pairs: none held out
+    assert default_eval_size(10, 99) == 64
+    assert default_eval_size(0, 9) == 10  # a tenth of 100 pairs
+    assert default_eval_size(1, 3) == 0  # 9 pairs: none held out
+    assert default_eval_size("9", "1") == default_eval_size("x", "9") == 0  # the task says why
     half = ArithmeticTask.from_args({"min_operand": "0", "max_operand": "9", "eval_size": "50"})
     assert len(half.eval_problems()) == 50
     with pytest.raises(ValueError, match=r"eval_size must be in 0..50 \(half of the 100"):

@@ -265,7 +265,7 @@ def test_task_spec_of_objects() -> None:
 
     assert task_spec(ArithmeticTask("+", 1, 9), "arithmetic", {}) == (
         "arithmetic",
-        {"op": "+", "min_operand": "1", "max_operand": "9", "eval_size": "8"},
+        {"op": "+", "min_operand": "1", "max_operand": "9", "eval_size": "0"},
     )
     assert task_spec(DigitCountTask(), "arithmetic", {"op": "+"}) == (
         "tests.user_tasks:DigitCountTask",
@@ -341,7 +341,9 @@ def test_eval_every_needs_held_out_problems_before_anything_starts() -> None:
 
     with pytest.raises(ConfigError, match="--eval-every needs held-out problems"):
         Engine(EngineConfig(local=True, eval_every=5, task_args={"eval_size": "0"}))
-    Engine(EngineConfig(local=True, eval_every=5))  # the default task holds 64 pairs out
+    engine = Engine(EngineConfig(local=True, eval_every=5))  # evaluated: 64 pairs held out
+    assert engine.config.task_args["eval_size"] == "64"
+    assert Engine(EngineConfig(local=True)).config.task_args["eval_size"] == "0"
 
 
 def test_the_shipped_example_config_loads() -> None:

@@ -9,11 +9,11 @@ capped at 1.0; no integer scores 0 in every component.
 Held-out problems (what ``--eval-every`` evaluates): ``eval_size`` distinct ``(a, b)``
 pairs drawn from ``Random("arithmetic-eval:{min}:{max}")`` -- the same pairs for every run
 seed, so evaluations compare across runs. The training source never draws them: a draw
-that lands on a held-out pair is drawn again from the same RNG. That keeps the problems
-disjoint at the price of rarely departing from the quickstart's sequence (with the
-defaults, one draw in about 130 on the local profile's range 10..99, one in 560 on the
-hosted profile's 10..199); ``eval_size=0`` draws exactly the quickstart's problems and
-has no held-out split.
+that lands on a held-out pair is drawn again from the same RNG. The default is none
+(``eval_size=0``: exactly the quickstart's problems); the engine asks for
+:func:`default_eval_size` pairs when a run evaluates (``--eval-every``) without an
+``eval_size``, which departs from the quickstart's sequence at the first redraw (one draw
+in about 130 on the local range 10..99, one in 560 on the hosted 10..199).
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ __all__ = [
     "DEFAULT_EVAL_SIZE",
     "OPS",
     "ArithmeticTask",
+    "default_eval_size",
     "extract_prediction",
     "score_arithmetic",
 ]
@@ -46,7 +47,19 @@ OPS: Final[Mapping[str, Callable[[int, int], int]]] = {
 ARITHMETIC_ARGS: Final = ("op", "min_operand", "max_operand", "eval_size")
 
 DEFAULT_EVAL_SIZE: Final = 64
-"""Held-out pairs by default (a tenth of the pairs when the range has fewer than 640)."""
+"""Held-out pairs of an evaluated run (a tenth of the pairs when the range has fewer than
+640)."""
+
+
+def default_eval_size(min_operand: int | str, max_operand: int | str) -> int:
+    """The held-out pairs of an evaluated run over ``min_operand..max_operand`` (0 for a
+    range that is not one: the task reports that)."""
+    try:
+        pairs = (int(max_operand) - int(min_operand) + 1) ** 2
+    except ValueError:
+        return 0
+    return min(DEFAULT_EVAL_SIZE, pairs // 10) if int(max_operand) >= int(min_operand) else 0
+
 
 _INTEGER = re.compile(r"-?\d+")
 
@@ -83,23 +96,20 @@ def score_arithmetic(response: str, answer: int) -> RewardBreakdown:
 class ArithmeticTask:
     """``What is {a} {op} {b}?`` with ``a`` and ``b`` drawn uniformly from
     ``min_operand..max_operand`` (inclusive), ``a`` first, as the quickstart draws them,
-    except the ``eval_size`` held-out pairs (default :data:`DEFAULT_EVAL_SIZE`, or a
-    tenth of the pairs in a small range)."""
+    except the ``eval_size`` held-out pairs (default none)."""
 
     def __init__(
         self,
         op: str = "*",
         min_operand: int = 10,
         max_operand: int = 199,
-        eval_size: int | None = None,
+        eval_size: int = 0,
     ) -> None:
         if op not in OPS:
             raise ValueError(f"unknown operation {op!r}; choose one of {', '.join(OPS)}")
         if min_operand > max_operand:
             raise ValueError(f"min operand {min_operand} is greater than max operand {max_operand}")
         pairs = (max_operand - min_operand + 1) ** 2
-        if eval_size is None:
-            eval_size = min(DEFAULT_EVAL_SIZE, pairs // 10)
         if not 0 <= eval_size <= pairs // 2:
             raise ValueError(
                 f"eval_size must be in 0..{pairs // 2} (half of the {pairs} operand pairs: the "

@@ -28,6 +28,7 @@ blocks its thread, so the evaluation clients cannot live on the server's event l
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
 import statistics
@@ -43,7 +44,9 @@ import anyio
 import mint
 from tinker import types
 
+from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
+from engine.config import Profile
 from engine.local import LocalServer
 from engine.service import read_server_profile, snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
@@ -169,17 +172,54 @@ def evaluate(
 
 def _run_engine(
     config: EngineConfig, task: Task | None
-) -> tuple[RunResult, str | None, EngineConfig]:
+) -> tuple[RunResult, str | None, EngineConfig, list[float]]:
     """The run's result, its training client's model id (the per-version sampler
-    snapshots live under it, named by ``engine.service.snapshot_name``) and its resolved
-    config."""
+    snapshots live under it, named by ``engine.service.snapshot_name``), its resolved
+    config and the wall time of each step's end, counted from right before the step-0
+    checkpoint (as ``benchmarks.throughput`` counts)."""
+    ends: list[float] = []
 
     async def go() -> tuple[RunResult, str | None, EngineConfig]:
         async with Engine(config, task) as engine:
+            start = time.perf_counter()
+            engine.add_step_hook(lambda _: ends.append(time.perf_counter() - start))
             result = await engine.run()
             return result, engine.session.model_id, engine.config
 
-    return anyio.run(go)
+    result, model_id, resolved = anyio.run(go)
+    return result, model_id, resolved, ends
+
+
+def _quickstart_timing(
+    server: LocalServer, profile: Profile, steps: int, batch: int
+) -> dict[str, Any] | None:
+    """The quickstart loop's wall time per step on this server (``steps`` steps): it
+    learns what K=0 importance sampling learns, datum for datum (tests/test_engine_parity),
+    so its time to a gain is K=0's steps at this pace."""
+    if not steps:
+        return None
+    task_args = profile.task_args.get("arithmetic", {})
+    assert profile.lora_rank is not None and profile.learning_rate is not None
+    run = run_quickstart_loop(
+        base_url=server.base_url,
+        api_key=API_KEY,
+        base_model=server.model_name,
+        rank=profile.lora_rank,
+        steps=steps,
+        batch=batch,
+        lr=profile.learning_rate,
+        op=task_args.get("op", "+"),
+        min_operand=int(task_args.get("min_operand", 10)),
+        max_operand=int(task_args.get("max_operand", 99)),
+    )
+    ends = [s.end - run.started for s in run.steps]
+    return {
+        "steps": steps,
+        "first_step_s": ends[0],
+        "step_s": statistics.median(b - a for a, b in itertools.pairwise(ends))
+        if len(ends) > 1
+        else ends[0],
+    }
 
 
 def _curve(
@@ -206,7 +246,10 @@ def _curve(
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     specs = [(name, CONFIGS[name]) for name in args.configs]
     rows: list[dict[str, Any]] = []
-    with LocalServer(api_key=API_KEY) as server, tempfile.TemporaryDirectory() as tmp:
+    with (
+        LocalServer(api_key=API_KEY, latency=args.latency) as server,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
         profile = anyio.run(read_server_profile, server.base_url, API_KEY)
         task = served_task(profile.task_args)
         problems = heldout_problems(task, args.heldout, args.seeds, args.steps, args.batch)
@@ -236,7 +279,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     progress=False,
                 )
                 start = time.perf_counter()
-                result, model_id, resolved = _run_engine(
+                result, model_id, resolved, step_ends = _run_engine(
                     config, _RandomRewardTask(task, seed) if spec.random_rewards else task
                 )
                 wall_s = time.perf_counter() - start
@@ -259,6 +302,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "delta": after - before,
                     "curve": {str(k): v for k, v in sorted(curve.items())},
                     "wall_s": round(wall_s, 1),
+                    "step_end_s": [round(t, 3) for t in step_ends],
                     "learning_rate": resolved.learning_rate,
                     "lora_rank": resolved.lora_rank,
                     "final_path": result.final_path,
@@ -277,6 +321,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"({after - before:+.1%}) in {wall_s:.0f} s",
                     flush=True,
                 )
+        quickstart = _quickstart_timing(server, profile, args.quickstart_steps, args.batch)
     return {
         "benchmark": "learning",
         "model": "local default (engine/local/default_model)",
@@ -300,16 +345,22 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "temperature": EngineConfig.temperature,
             "seeds": list(args.seeds),
         },
+        "latency": args.latency,
         "base_eval_s": round(eval_s, 1),
         "runs": rows,
-        "summary": _summary(rows, args.target_gain),
+        "quickstart_timing": quickstart,
+        "summary": _summary(rows, args.target_gain, quickstart),
     }
 
 
-def _summary(rows: Sequence[dict[str, Any]], target_gain: float) -> list[dict[str, Any]]:
+def _summary(
+    rows: Sequence[dict[str, Any]], target_gain: float, quickstart: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     """Per configuration: mean exact rate after and mean delta over the seeds, how many
-    seeds improved, the mean held-out curve and the first evaluated step where its mean
-    gain reaches ``target_gain`` (None if it never does)."""
+    seeds improved, the mean held-out curve, the first evaluated step where its mean
+    gain reaches ``target_gain`` (None if it never does) and the mean wall time to that
+    step's end. With ``quickstart`` timings, a ``quickstart loop`` row: K=0's steps at
+    the quickstart loop's measured pace."""
     out = []
     for name in dict.fromkeys(r["config"] for r in rows):
         mine = [r for r in rows if r["config"] == name]
@@ -321,6 +372,7 @@ def _summary(rows: Sequence[dict[str, Any]], target_gain: float) -> list[dict[st
             for step in steps
         }
         reached = next((step for step in steps if curve[step] >= target_gain), None)
+        ends = [r["step_end_s"][reached - 1] for r in mine if reached and r["step_end_s"]]
         out.append(
             {
                 "config": name,
@@ -332,6 +384,23 @@ def _summary(rows: Sequence[dict[str, Any]], target_gain: float) -> list[dict[st
                 "mean_gain_by_step": {str(k): v for k, v in curve.items()},
                 "target_gain": target_gain,
                 "steps_to_target_gain": reached,
+                "wall_s_to_target_gain": statistics.fmean(ends) if ends else None,
+            }
+        )
+    k0 = next((r for r in out if r["config"] == CONFIGS["k0"].name), None)
+    if quickstart is not None and k0 is not None:
+        reached = k0["steps_to_target_gain"]
+        out.append(
+            {
+                "config": "quickstart loop",
+                "seeds": 0,
+                "target_gain": target_gain,
+                "steps_to_target_gain": reached,
+                "wall_s_to_target_gain": quickstart["first_step_s"]
+                + (reached - 1) * quickstart["step_s"]
+                if reached
+                else None,
+                "derived": "K=0 importance sampling's steps at the quickstart loop's pace",
             }
         )
     return out
@@ -356,13 +425,20 @@ def markdown_table(report: dict[str, Any]) -> str:
                 f"{r['mean_delta']:+.1%} | {r['min_delta']:+.1%} | "
                 f"{r['seeds_improved']}/{r['seeds']} |"
             )
-    lines += ["", "| config | mean gain by step | steps to the target gain |", "|---|---|---|"]
+    lines += [
+        "",
+        f"| config | mean gain by step | steps to the target gain | wall time to it "
+        f"(latency {report['latency']}) |",
+        "|---|---|---|---|",
+    ]
     for r in report["summary"]:
-        by_step = ", ".join(f"{k}: {v:+.1%}" for k, v in r["mean_gain_by_step"].items())
+        by_step = ", ".join(f"{k}: {v:+.1%}" for k, v in r.get("mean_gain_by_step", {}).items())
         reached = r["steps_to_target_gain"]
+        wall = r["wall_s_to_target_gain"]
         lines.append(
-            f"| {r['config']} | {by_step} | "
-            f"{'not reached' if reached is None else reached} (+{r['target_gain']:.0%}) |"
+            f"| {r['config']} | {by_step or r.get('derived', '')} | "
+            f"{'not reached' if reached is None else reached} (+{r['target_gain']:.0%}) | "
+            f"{'n/a' if wall is None else f'{wall:.1f} s'} |"
         )
     return "\n".join(lines)
 
@@ -422,11 +498,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=0.08,
         help="report the first evaluated step whose mean gain reaches this (default 0.08)",
     )
+    parser.add_argument(
+        "--latency",
+        default="off",
+        help="the server's latency profile, as `python -m engine.local --latency` takes it "
+        "(default off; mint: wall times on the hosted-like clock)",
+    )
+    parser.add_argument(
+        "--quickstart-steps",
+        type=int,
+        default=3,
+        help="also time this many steps of the quickstart loop (0: skip; default 3)",
+    )
     parser.add_argument("--quick", action="store_true", help="2 steps, 20 held-out, K=0 only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.heldout, args.configs, args.curve_every = 2, 20, ["k0"], 1
+        args.quickstart_steps = min(args.quickstart_steps, 2)
     return args
 
 

@@ -41,8 +41,11 @@ def test_quick_run_writes_a_well_formed_report(
     # the held-out curve: step 1 from the run's version-1 snapshot, step 2 = "after"
     assert set(run["curve"]) == {"1", "2"}
     assert run["curve"]["2"] == run["exact_after"]
-    [summary] = report["summary"]
+    summary, quickstart = report["summary"]
     assert set(summary["mean_gain_by_step"]) == {"1", "2"}
+    # each step's end is timed; the quickstart loop's pace is measured beside it
+    assert len(run["step_end_s"]) == 2 and 0 < run["step_end_s"][0] < run["step_end_s"][1]
+    assert quickstart["config"] == "quickstart loop" and report["quickstart_timing"]["step_s"] > 0
 
     printed = capsys.readouterr().out
     assert "| config | seed | steps | exact before | exact after | delta | wall time |" in printed

@@ -115,7 +115,6 @@ class Scorer:
     def __init__(self, task: Task, *, concurrency: int, workers: ScoreWorkers) -> None:
         self._task = task
         self._limiter = anyio.CapacityLimiter(concurrency)
-        self._workers = workers
         self._processes = (
             anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
         )

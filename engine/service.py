@@ -10,8 +10,10 @@ Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
 
 * The ``_async`` training calls need two awaits: ``fut = await tc.forward_backward_async
   (...)`` submits (and fixes the request's place in the model's sequence), ``await fut``
-  waits for the result. :meth:`MintSession.train_step` submits ``forward_backward`` AND
-  ``optim_step`` before awaiting either: one server round instead of three.
+  waits for the result. A step's ``forward_backward`` AND ``optim_step`` are submitted
+  (:meth:`MintSession.submit_forward_backward`, :meth:`MintSession.submit_optim_step`)
+  before either is awaited (:meth:`MintSession.finish_train_step`): one server round
+  instead of three.
 * Some SDK calls block the calling thread even in their ``_async`` form (the
   ServiceClient constructor, ``save_weights_and_get_sampling_client[_async]``,
   ``get_tokenizer``); they run in a worker thread so the event loop keeps serving the

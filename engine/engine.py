@@ -73,7 +73,6 @@ class _OpenRun:
     """Everything that exists once the engine is entered, and the run's outcome."""
 
     files: RunDirectory
-    log: RunLog
     events: EventLog
     session: MintSession
     supervisor: Supervisor
@@ -330,7 +329,7 @@ class Engine:
                 )
             await resources.aclose()
             raise
-        return _OpenRun(files, log, events, session, supervisor, send, recv, task_group, resources)
+        return _OpenRun(files, events, session, supervisor, send, recv, task_group, resources)
 
     def _load_task(self) -> None:
         """Load the task (unless one was given) from the config's spec and arguments,

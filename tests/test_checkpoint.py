@@ -168,10 +168,9 @@ def run_dir_with_checkpoints(tmp_path: Path) -> Path:
 
 def test_resume_returns_config_and_latest_checkpoint(tmp_path: Path) -> None:
     run_dir = run_dir_with_checkpoints(tmp_path)
-    # More steps and another key are allowed on resume (both are ignored keys).
-    state = load_resume_state(
-        run_dir, current_config={**CONFIG, "steps": 20, "api_key": "tml-anotheranotheranother"}
-    )
+    # More steps, another key and other trackers are allowed on resume (RESUME_CHANGEABLE).
+    changed = {**CONFIG, "steps": 20, "api_key": "tml-anotheranotheranother", "log_to": ["wandb"]}
+    state = load_resume_state(run_dir, current_config=changed)
     assert state.step == 6
     assert state.checkpoint == record(6, "interrupt")
     assert state.loop_state == {"cursor": 48}

@@ -180,8 +180,9 @@ class Engine:
 
     def request_stop(self, reason: Exception | None = None) -> None:
         """Stop the run gracefully (SIGINT/SIGTERM in the CLI): at once when no step is in
-        flight, else after the step in flight (at most ``STOP_GRACE_S`` later); then a
-        stop checkpoint is written and ``run()``/``steps()`` raise ``reason`` (default
+        flight, else after the step in flight (at most
+        :data:`~engine.supervisor.STOP_GRACE_S` later); then a stop checkpoint is written
+        and ``run()``/``steps()`` raise ``reason`` (default
         :class:`~engine.errors.Interrupted`, exit code 130). Safe to call from the
         engine's event loop at any time, also before the run starts; a no-op once the
         engine is closed."""

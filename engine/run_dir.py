@@ -70,7 +70,9 @@ __all__ = [
 
 CONFIG_FILE = "config.json"
 METRICS_FILE = "metrics.jsonl"
-SUMMARY_FILES = ("summary.json", "summary.md")
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+SUMMARY_FILES = (SUMMARY_JSON, SUMMARY_MD)
 LOCAL_SERVER_DIR = "local-server"
 """Where, inside the run dir, a local server started by the engine keeps its data."""
 
@@ -390,10 +392,10 @@ class RunDirectory:
         }
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
-        write_file_atomically(self.path / "summary.json", text.encode())
+        write_file_atomically(self.path / SUMMARY_JSON, text.encode())
         summary.update(report=(self.path / REPORT_PNG).exists(), run_dir=self.path)
         markdown = _summary_markdown(summary, metrics)
-        write_file_atomically(self.path / "summary.md", markdown.encode())
+        write_file_atomically(self.path / SUMMARY_MD, markdown.encode())
 
     def write_failure_summary(
         self,

@@ -44,16 +44,15 @@ from engine.evaluation import eval_problems_of
 from engine.events import EventLog, describe
 from engine.metrics import RunLog
 from engine.results import RunResult, StepResult
-from engine.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard
 from engine.run_dir import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
-from engine.service import MintSession, local_server_profile, open_session
+from engine.service import MintSession, local_server_profile, open_session, service_guard
 from engine.state import LoopState
 from engine.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
 from engine.trackers import open_trackers
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.watchdog import LOOP_CLOCK, Clock
 
 __all__ = ["Engine", "StepHook"]
 
@@ -290,7 +289,7 @@ class Engine:
                 open_session(
                     cfg,
                     say=lambda line: log.info("console", line),
-                    guard=_guard(cfg, events, self._clock),
+                    guard=service_guard(cfg, log=events, clock=self._clock),
                     local_data_dir=files.path / LOCAL_SERVER_DIR,
                     restore_from=(
                         files.resumed.checkpoint.state_path if files.resumed is not None else None
@@ -399,24 +398,3 @@ class Engine:
             final_path=run.result.final_path if run.result is not None else None,
             events=run.events,
         )
-
-
-def _guard(cfg: EngineConfig, events: EventLog, clock: Clock) -> ServiceGuard:
-    """Retries, deadlines and the breaker of every service call, from the run's knobs."""
-    base = RetryPolicy(
-        max_attempts=cfg.retry_attempts,
-        initial_wait=cfg.retry_backoff,
-        max_wait=max(30.0, cfg.retry_backoff),
-        jitter=cfg.retry_backoff,
-        attempt_timeout=cfg.request_timeout,
-    )
-    policies = {kind: base for kind in OpKind}
-    policies[OpKind.TRAIN_STEP] = base.scaled(max_attempts=1)
-    return ServiceGuard(
-        policies=policies,
-        counter=RetryCounter(),
-        breaker=CircuitBreaker(cfg.max_consecutive_failures, log=events),
-        log=events,
-        clock=clock,
-        unreachable_after=cfg.unreachable_timeout,
-    )

@@ -41,6 +41,8 @@ __all__ = [
     "KNOBS",
     "LOSSES",
     "RECOMMENDED_FIELD",
+    "RESUME_CHANGEABLE",
+    "RESUME_FROM_ENVIRONMENT",
     "EngineConfig",
     "Knob",
     "LogFormat",
@@ -952,6 +954,29 @@ def config_from_sources(
     return EngineConfig(**cast(dict[str, Any], values))
 
 
+RESUME_FROM_ENVIRONMENT: Final = frozenset(
+    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
+)
+"""Settings a resumed run takes from its own flags and environment, never from the run
+dir's config.json: where it connects and how it reports."""
+
+RESUME_CHANGEABLE: Final = RESUME_FROM_ENVIRONMENT | {
+    "steps",
+    "concurrency",
+    "checkpoint_every",
+    "request_timeout",
+    "unreachable_timeout",
+    "stall_timeout",
+    "max_consecutive_failures",
+    "retry_attempts",
+    "retry_backoff",
+    "on_reward_error",
+    "task_repr",
+}
+"""The config.json keys that may differ between a run and its resumption (a key also
+covers the keys below it): none of them changes what is trained. A resume that changes
+any other key is refused (:func:`engine.run_dir.load_resume_state`)."""
+
 _STORED_FLAGS: Final = ("local", "stop_at_eos", "init_from_optimizer")
 
 
@@ -962,10 +987,9 @@ def stored_settings(stored: Mapping[str, Any], source: str) -> dict[str, Any]:
     change between a run and its resumption (the run dir, keys, timeouts...) are left
     out; ``source`` names the file in error messages."""
     out: dict[str, Any] = {}
-    skip = {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
     for knob in KNOBS:
         value = stored.get(knob.field)
-        if value is None or knob.field in skip or knob.secret:
+        if value is None or knob.field in RESUME_FROM_ENVIRONMENT or knob.secret:
             continue
         out[knob.field] = _parse_value(knob, str(value), f"{knob.field} in {source}")
     for name in _STORED_FLAGS:

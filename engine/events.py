@@ -27,7 +27,7 @@ import structlog
 from engine.errors import RunFileError
 from engine.redact import redact_processor
 
-__all__ = ["EVENTS_FILE", "EventLog", "describe"]
+__all__ = ["EVENTS_FILE", "QUIET", "EventLog", "HeldEvents", "describe"]
 
 EVENTS_FILE = "events.jsonl"
 
@@ -102,6 +102,39 @@ class EventLog:
 
     def close(self) -> None:
         self._sink.close()
+
+
+class HeldEvents:
+    """Events logged before events.jsonl exists (while the run dir is being chosen),
+    replayed into it once it does."""
+
+    def __init__(self) -> None:
+        self._held: list[tuple[str, str, dict[str, Any]]] = []
+
+    def info(self, event: str, **fields: Any) -> None:
+        self._held.append(("info", event, fields))
+
+    def warning(self, event: str, **fields: Any) -> None:
+        self._held.append(("warning", event, fields))
+
+    def error(self, event: str, **fields: Any) -> None:
+        self._held.append(("error", event, fields))
+
+    def replay(self, target: EventLog) -> None:
+        for level, event, fields in self._held:
+            getattr(target, level)(event, **fields)
+        self._held.clear()
+
+
+class _Quiet:
+    def info(self, event: str, **fields: Any) -> None:
+        pass
+
+    warning = error = info
+
+
+QUIET = _Quiet()
+"""A log that drops every event, for callers that report in their own words."""
 
 
 def describe(event: str, fields: Mapping[str, Any]) -> str:

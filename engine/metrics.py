@@ -206,8 +206,6 @@ class RunLog:
             self._console = structlog.wrap_logger(
                 _LineLogger(write_console), processors=[*base, renderer]
             )
-        self._log_format = log_format
-        self._console_stream = console
 
     def _write_file(self, line: str) -> None:
         try:

@@ -97,14 +97,13 @@ from engine.recovery import run_train_step
 from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
 
 __all__ = [
-    "DEFAULT_BREAKER_THRESHOLD",
     "SDK_MAX_RETRIES",
     "OpKind",
     "RetryCounter",
     "RetryPolicy",
     "ServiceGuard",
     "call_with_retry",
-    "default_policies",
+    "retry_policies",
     "retrying",
     "should_retry",
     "tally_retries",
@@ -114,9 +113,6 @@ T = TypeVar("T")
 
 SDK_MAX_RETRIES = 3
 """``max_retries`` for ``ServiceClient(...)``: the HTTP layer's per-call retries."""
-
-DEFAULT_BREAKER_THRESHOLD = 5
-"""Consecutive failed attempts of one kind that stop the run."""
 
 
 class OpKind(StrEnum):
@@ -170,15 +166,21 @@ class RetryPolicy:
         return replace(self, **changes)
 
 
-def default_policies() -> dict[OpKind, RetryPolicy]:
-    """Production defaults (hosted MinT: queues can hold a request for minutes)."""
-    return {
-        OpKind.SESSION: RetryPolicy(max_attempts=4, attempt_timeout=180.0),
-        OpKind.SAMPLE: RetryPolicy(max_attempts=4, attempt_timeout=600.0),
-        OpKind.SAMPLER_SNAPSHOT: RetryPolicy(max_attempts=4, attempt_timeout=600.0),
-        OpKind.SAVE_STATE: RetryPolicy(max_attempts=4, attempt_timeout=900.0),
-        OpKind.TRAIN_STEP: RetryPolicy(max_attempts=1, attempt_timeout=900.0),
-    }
+def retry_policies(
+    *, attempts: int, backoff: float, request_timeout: float
+) -> dict[OpKind, RetryPolicy]:
+    """The policy of each kind of call from the run's ``--retry-attempts``,
+    ``--retry-backoff`` and ``--request-timeout``; a train step is never retried."""
+    base = RetryPolicy(
+        max_attempts=attempts,
+        initial_wait=backoff,
+        max_wait=max(30.0, backoff),
+        jitter=backoff,
+        attempt_timeout=request_timeout,
+    )
+    policies = {kind: base for kind in OpKind}
+    policies[OpKind.TRAIN_STEP] = base.scaled(max_attempts=1)
+    return policies
 
 
 @dataclass
@@ -400,11 +402,9 @@ class ServiceGuard:
     the server stops accepting connections for ``unreachable_after`` seconds.
     """
 
-    policies: Mapping[OpKind, RetryPolicy] = field(default_factory=default_policies)
+    policies: Mapping[OpKind, RetryPolicy]
+    breaker: CircuitBreaker
     counter: RetryCounter = field(default_factory=RetryCounter)
-    breaker: CircuitBreaker = field(
-        default_factory=lambda: CircuitBreaker(DEFAULT_BREAKER_THRESHOLD)
-    )
     log: _Log | None = None
     clock: Clock = LOOP_CLOCK
     unreachable_after: float = UNREACHABLE_AFTER_S

@@ -27,7 +27,6 @@ __all__ = [
     "MissingLogprobsError",
     "OnMissingLogprobs",
     "build_datum",
-    "datum_to_dict",
     "group_advantages",
     "group_datums",
     "kl_sample_train",
@@ -201,16 +200,3 @@ def kl_sample_train(datums: Sequence[Datum], outputs: Sequence[Any]) -> KLStats:
     if diff.size == 0:
         return KLStats(None, None, 0)
     return KLStats(float(diff.mean()), float(0.5 * np.mean(diff * diff)), int(diff.size))
-
-
-def datum_to_dict(datum: Any) -> dict[str, list[int] | list[float]]:
-    """A plain, comparable, JSON-friendly view of a datum, ours or the SDK's (tests,
-    capture hooks)."""
-    tokens = datum.model_input
-    to_ints = getattr(tokens, "to_ints", None)
-    out: dict[str, list[int] | list[float]] = {
-        "model_input": to_ints() if to_ints is not None else [int(t) for t in tokens]
-    }
-    for key, value in sorted(datum.loss_fn_inputs.items()):
-        out[key] = value.tolist()
-    return out

@@ -31,7 +31,6 @@ from typing import Any, NoReturn, TextIO
 import anyio
 from tqdm import tqdm
 
-from engine.checkpoint import CONFIG_FILE, read_run_config
 from engine.cli import add_version_flag, program_name
 from engine.config import (
     KNOBS,
@@ -43,9 +42,11 @@ from engine.config import (
 )
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
+from engine.events import QUIET
 from engine.loop_monitor import LoopMonitor
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.results import RunResult, StepResult
+from engine.run_dir import CONFIG_FILE, read_run_config
 from engine.watchdog import SignalInterrupt
 
 __all__ = ["build_parser", "exit_process", "main"]
@@ -106,16 +107,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-class _Quiet:
-    def warning(self, event: str, **fields: Any) -> None:
-        pass
-
-    error = info = warning
-
-
-_QUIET = _Quiet()
-
-
 def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> EngineConfig:
     """The config from the command line and the environment (ConfigError, exit 2)."""
     args = build_parser().parse_args(argv)
@@ -166,7 +157,7 @@ async def _run(engine: Engine, bar: tqdm[Any] | None) -> RunResult:
 
     engine.add_step_hook(advance)
     # The engine reports the stop itself (console + events.jsonl).
-    interrupt = SignalInterrupt(on_interrupt=engine.request_stop, log=_QUIET)
+    interrupt = SignalInterrupt(on_interrupt=engine.request_stop, log=QUIET)
     monitor = LoopMonitor(blocked_limit=engine.config.stall_timeout)
     result: RunResult | None = None
     async with anyio.create_task_group() as tg:

@@ -33,9 +33,9 @@ import inspect
 import math
 import pickle
 import threading
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal, Protocol, TypeVar, runtime_checkable
+from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_process
@@ -45,7 +45,6 @@ from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
 __all__ = [
-    "GroupScoringTask",
     "RewardError",
     "ScoreWorkers",
     "Scorer",
@@ -54,15 +53,6 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-
-
-@runtime_checkable
-class GroupScoringTask(Protocol):
-    """A task that rewards a whole group at once (optional; replaces ``score``)."""
-
-    def score_group(
-        self, responses: Sequence[str], problem: Problem
-    ) -> Sequence[RewardBreakdown | float] | Awaitable[Sequence[RewardBreakdown | float]]: ...
 
 
 @dataclass(frozen=True)
@@ -115,7 +105,6 @@ class Scorer:
     def __init__(self, task: Task, *, concurrency: int, workers: ScoreWorkers) -> None:
         self._task = task
         self._limiter = anyio.CapacityLimiter(concurrency)
-        self._workers = workers
         self._processes = (
             anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
         )

@@ -10,8 +10,10 @@ Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
 
 * The ``_async`` training calls need two awaits: ``fut = await tc.forward_backward_async
   (...)`` submits (and fixes the request's place in the model's sequence), ``await fut``
-  waits for the result. :meth:`MintSession.train_step` submits ``forward_backward`` AND
-  ``optim_step`` before awaiting either: one server round instead of three.
+  waits for the result. A step's ``forward_backward`` AND ``optim_step`` are submitted
+  (:meth:`MintSession.submit_forward_backward`, :meth:`MintSession.submit_optim_step`)
+  before either is awaited (:meth:`MintSession.finish_train_step`): one server round
+  instead of three.
 * Some SDK calls block the calling thread even in their ``_async`` form (the
   ServiceClient constructor, ``save_weights_and_get_sampling_client[_async]``,
   ``get_tokenizer``); they run in a worker thread so the event loop keeps serving the
@@ -56,6 +58,7 @@ from engine.retry import (
     RetryCounter,
     RetryPolicy,
     ServiceGuard,
+    retry_policies,
     tally_retries,
 )
 from engine.rl import Completion, Datum
@@ -69,6 +72,7 @@ from engine.session_api import (
     StepTicket,
     TrainResult,
 )
+from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
 
 __all__ = [
     "MintSession",
@@ -78,6 +82,7 @@ __all__ = [
     "read_server_profile",
     "reserve_sampler_snapshot",
     "sdk_sampling_retry_config",
+    "service_guard",
     "snapshot_name",
     "to_sdk_datum",
 ]
@@ -387,8 +392,8 @@ class MintSession:
 async def open_session(
     config: EngineConfig,
     *,
+    guard: ServiceGuard,
     say: Callable[[str], None] = lambda line: None,
-    guard: ServiceGuard | None = None,
     local_data_dir: Path | None = None,
     restore_from: str | None = None,
 ) -> AsyncIterator[MintSession]:
@@ -398,12 +403,11 @@ async def open_session(
     tokenizer. ``say`` receives the console lines
     (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...").
 
-    ``guard`` is the reliability layer every call goes through (default: production
-    policies). ``local_data_dir`` is where a local server keeps its checkpoints (default:
-    a temporary dir removed on exit; a resumable run passes a dir inside its run dir).
-    ``restore_from`` is a ``tinker://`` state to load (weights and optimizer) instead
-    of creating a fresh LoRA client: how a run is resumed."""
-    guard = guard if guard is not None else ServiceGuard()
+    ``guard`` is the reliability layer every call goes through. ``local_data_dir`` is
+    where a local server keeps its checkpoints (default: a temporary dir removed on exit;
+    a resumable run passes a dir inside its run dir). ``restore_from`` is a
+    ``tinker://`` state to load (weights and optimizer) instead of creating a fresh LoRA
+    client: how a run is resumed."""
     if config.uses_local_server:
         from engine.local import ConfigError as LocalConfigError
         from engine.local import serve_local
@@ -608,13 +612,34 @@ async def _check_reachable(base_url: str, api_key: str | None, guard: ServiceGua
         )
 
 
+def service_guard(
+    config: EngineConfig, *, log: Any = None, clock: Clock = LOOP_CLOCK
+) -> ServiceGuard:
+    """The retries, deadlines and breaker of every service call of a run with
+    ``config`` (``--retry-attempts``, ``--retry-backoff``, ``--request-timeout``,
+    ``--max-consecutive-failures``, ``--unreachable-timeout``), timed by ``clock``."""
+    return ServiceGuard(
+        policies=retry_policies(
+            attempts=config.retry_attempts,
+            backoff=config.retry_backoff,
+            request_timeout=config.request_timeout,
+        ),
+        breaker=CircuitBreaker(config.max_consecutive_failures, log=log),
+        counter=RetryCounter(),
+        log=log,
+        clock=clock,
+        unreachable_after=config.unreachable_timeout,
+    )
+
+
 async def read_server_profile(
     base_url: str, api_key: str | None, guard: ServiceGuard | None = None
 ) -> Profile:
     """The defaults the server at ``base_url`` implies (:func:`engine.config.server_profile`
     of its ``get_server_capabilities`` answer, read as plain JSON: the SDK drops the
-    recommended settings). Fails like the preflight (:class:`PreflightError`)."""
-    guard = guard or ServiceGuard()
+    recommended settings). Fails like the preflight (:class:`PreflightError`); calls
+    are guarded as in a run with the default settings unless ``guard`` is given."""
+    guard = guard or service_guard(EngineConfig())
     await _check_reachable(base_url, api_key, guard)
     return await _recommended_profile(base_url, api_key, guard)
 

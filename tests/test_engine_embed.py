@@ -162,6 +162,62 @@ def test_cancelling_the_host_mid_step_returns_and_leaves_no_task(tmp_path: Path)
     assert summary["steps_completed"] == len(events)
 
 
+def test_an_engine_runs_once_inside_its_async_with(server: LocalServer, tmp_path: Path) -> None:
+    """Lifecycle: unopened -> opened -> running -> closed; each call out of turn is a
+    RuntimeError that says what to do, and properties stay readable after the exit."""
+    engine = Engine(small_config(server, tmp_path / "run", steps=1))
+
+    async def lifecycle() -> None:
+        with pytest.raises(RuntimeError, match=r"inside 'async with Engine\(\.\.\.\) as"):
+            await engine.run()
+        with pytest.raises(RuntimeError, match="exists once the engine is entered"):
+            _ = engine.session
+        async with engine:
+            assert engine.state is None and engine.run_dir == tmp_path / "run"
+        with pytest.raises(RuntimeError, match="is closed"):
+            await engine.run()
+        with pytest.raises(RuntimeError, match="already entered"):
+            async with engine:
+                pass
+        engine.request_stop()  # closed: nothing to stop, no error
+
+    anyio.run(lifecycle)
+    again = Engine(small_config(server, tmp_path / "again", steps=1))
+
+    async def twice() -> None:
+        async with again:
+            result = await again.run()
+            with pytest.raises(RuntimeError, match=r"runs once: steps\(\)/run\(\) was already"):
+                await again.run()
+        assert result.steps_completed == 1 and again.state is not None
+        assert again.state.next_step == 1 and again.run_dir == result.run_dir
+
+    anyio.run(twice)
+
+
+def test_a_failed_entry_closes_the_engine_and_leaves_a_summary(tmp_path: Path) -> None:
+    config = EngineConfig(
+        base_url=f"http://127.0.0.1:{_closed_port()}",
+        api_key=API_KEY,
+        base_model="m",
+        run_dir=tmp_path / "run",
+    )
+    engine = Engine(config)
+
+    async def enter() -> None:
+        with pytest.raises(PreflightError):
+            async with engine:
+                pass
+        with pytest.raises(RuntimeError, match="already entered"):
+            async with engine:
+                pass
+
+    anyio.run(enter)
+    assert engine.run_dir == tmp_path / "run"
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "failed" and "cannot reach" in summary["error"]
+
+
 def test_an_embedding_never_starts_a_local_server_it_did_not_ask_for() -> None:
     with pytest.raises(ConfigError, match="no api_key and local=False"):
         Engine(EngineConfig(steps=1))

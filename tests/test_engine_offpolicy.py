@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from engine.local import LocalServer
-from engine.rl import datum_to_dict
+from tests.datums import datum_to_dict
 from tests.engine_support import run_engine, small_config
 
 

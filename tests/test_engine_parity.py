@@ -17,7 +17,7 @@ import pytest
 
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
-from engine.rl import datum_to_dict
+from tests.datums import datum_to_dict
 from tests.engine_support import API_KEY, quickstart_task_knobs, run_engine, small_config
 
 

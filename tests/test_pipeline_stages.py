@@ -17,12 +17,12 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
 from engine.pipeline import Pipeline, PipelineOutcome
 from engine.results import StepResult
-from engine.rl import datum_to_dict
 from engine.service import local_server_profile
 from engine.session_api import SamplerHandle
 from engine.state import LoopState
 from engine.stopping import StopGate
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+from tests.datums import datum_to_dict
 
 pytestmark = pytest.mark.anyio
 

@@ -18,11 +18,12 @@ import anyio
 import pytest
 
 from engine import Engine
-from engine.checkpoint import CheckpointLog, CheckpointRecord, write_config
+from engine.checkpoint import CheckpointLog, CheckpointRecord
 from engine.config import config_from_sources
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
+from engine.run_dir import write_config
 from engine.service import local_server_profile
 from engine.session_api import SamplingSettings
 from engine.tasks import load_task

@@ -151,7 +151,16 @@ def test_the_watchdog_stops_a_run_that_makes_no_progress(tmp_path: Path) -> None
     run_dir = tmp_path / "run"
     clock = ManualClock()
     with LocalServer(faults="slow_s=600,slow@asample:at=5+6+7+8") as server:
-        config = fast_config(server, run_dir, steps=3, stall_timeout=1800.0, max_steps_off_policy=0)
+        # Each attempt's deadline is past the watchdog's: no retried sample can make
+        # progress between the two clock moves below.
+        config = fast_config(
+            server,
+            run_dir,
+            steps=3,
+            stall_timeout=1800.0,
+            request_timeout=3600.0,
+            max_steps_off_policy=0,
+        )
 
         async def stall() -> None:
             await until(lambda: server.stats.faults_injected.get("slow@asample") == BATCH)

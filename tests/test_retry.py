@@ -12,6 +12,7 @@ import pytest
 import tinker
 from structlog.testing import capture_logs
 
+from engine.config import EngineConfig
 from engine.errors import (
     CircuitOpen,
     ConfigError,
@@ -35,7 +36,7 @@ from engine.retry import (
     RetryPolicy,
     ServiceGuard,
     call_with_retry,
-    default_policies,
+    retry_policies,
     retrying,
     should_retry,
 )
@@ -393,8 +394,14 @@ def test_policies_validate_and_bound_the_sdk() -> None:
         RetryPolicy(max_attempts=0)
     with pytest.raises(ValueError, match="attempt_timeout"):
         RetryPolicy(attempt_timeout=0)
-    policies = default_policies()
+    defaults = EngineConfig()
+    policies = retry_policies(
+        attempts=defaults.retry_attempts,
+        backoff=defaults.retry_backoff,
+        request_timeout=defaults.request_timeout,
+    )
     assert set(policies) == set(OpKind)
+    assert policies[OpKind.SAMPLE].max_attempts == defaults.retry_attempts
     assert policies[OpKind.TRAIN_STEP].max_attempts == 1
     config = sdk_sampling_retry_config(policies[OpKind.SAMPLE])
     assert config.progress_timeout == policies[OpKind.SAMPLE].attempt_timeout

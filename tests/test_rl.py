@@ -10,11 +10,11 @@ from engine.rl import (
     Completion,
     MissingLogprobsError,
     build_datum,
-    datum_to_dict,
     group_advantages,
     group_datums,
     kl_sample_train,
 )
+from tests.datums import datum_to_dict
 
 
 def test_advantage_is_reward_minus_group_mean_without_std() -> None:

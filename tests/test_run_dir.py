@@ -17,18 +17,13 @@ from pathlib import Path
 import pytest
 
 from engine import StepResult
-from engine.checkpoint import (
-    CheckpointLog,
-    CheckpointRecord,
-    prepare_run_dir,
-    write_config,
-    write_file_atomically,
-)
+from engine.checkpoint import CheckpointLog, CheckpointRecord, write_file_atomically
 from engine.errors import ConfigError, RunFileError, exit_code, format_error
 from engine.events import EventLog
 from engine.local import LocalServer
 from engine.metrics import RunLog
 from engine.run import main
+from engine.run_dir import prepare_run_dir, write_config
 from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,
@@ -128,7 +123,7 @@ def test_a_read_only_run_dir_is_one_line_before_anything_starts(
         raise PermissionError(errno.EACCES, "Permission denied")
 
     # chmod does not stop root; the OS answer a non-root user gets is injected instead
-    monkeypatch.setattr("engine.checkpoint.tempfile.TemporaryFile", refuse)
+    monkeypatch.setattr("engine.run_dir.tempfile.TemporaryFile", refuse)
     code, err = cli(["--run-dir", str(locked)], capsys)
     assert (code, err) == (
         2,

@@ -1,0 +1,511 @@
+"""The run directory: which one a run uses, its config.json, the resume check, and the
+summaries.
+
+A run dir holds (the README has the full table):
+
+* ``config.json`` -- the run's redacted config with the task's spec and arguments, so
+  ``--resume`` rebuilds the same run (:meth:`RunDirectory.write_config`);
+* ``checkpoints.jsonl`` (:mod:`engine.checkpoint`), ``metrics.jsonl``
+  (:mod:`engine.metrics`), ``events.jsonl`` (:mod:`engine.events`), ``rollouts.jsonl``
+  and ``eval.jsonl``;
+* ``summary.json`` / ``summary.md`` -- how the run ended, written whatever the ending
+  (:meth:`RunDirectory.write_summary`);
+* ``local-server/`` -- the data of a local server the engine started.
+
+Which directories a run may use (:func:`prepare_run_dir`): a new or empty one, or one
+that holds only an unfinished start-up (an engine ``config.json`` but no checkpoint and
+no trained step: a process killed before its step-0 checkpoint); never one that holds a
+run (resume it instead) or someone else's files, and never one that cannot be written.
+A resumed run (:func:`load_resume_state`) must keep every setting that changes what is
+trained; :data:`engine.config.RESUME_CHANGEABLE` lists those that may change.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import tempfile
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+from engine.checkpoint import (
+    CHECKPOINTS_FILE,
+    CheckpointLog,
+    CheckpointRecord,
+    write_file_atomically,
+)
+from engine.config import RESUME_CHANGEABLE, EngineConfig
+from engine.errors import (
+    ConfigError,
+    Interrupted,
+    NoCheckpointYet,
+    ResumeError,
+    RunFileError,
+    RunStopped,
+)
+from engine.events import QUIET, EventLog, HeldEvents
+from engine.metrics import RunLog
+from engine.redact import REDACTED, redact_config
+from engine.report import REPORT_PNG
+from engine.tasks import Task
+
+__all__ = [
+    "CONFIG_FILE",
+    "LOCAL_SERVER_DIR",
+    "METRICS_FILE",
+    "SUMMARY_FILES",
+    "ResumeState",
+    "RunDirectory",
+    "check_writable",
+    "load_resume_state",
+    "prepare_run_dir",
+    "read_run_config",
+    "write_config",
+]
+
+CONFIG_FILE = "config.json"
+METRICS_FILE = "metrics.jsonl"
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+SUMMARY_FILES = (SUMMARY_JSON, SUMMARY_MD)
+LOCAL_SERVER_DIR = "local-server"
+"""Where, inside the run dir, a local server started by the engine keeps its data."""
+
+
+def write_config(run_dir: str | os.PathLike[str], config: Mapping[str, Any]) -> dict[str, Any]:
+    """Write ``<run_dir>/config.json`` (redacted, atomic) and return what was written."""
+    directory = Path(run_dir)
+    directory.mkdir(parents=True, exist_ok=True)
+    safe = redact_config(config)
+    text = json.dumps(safe, indent=2, sort_keys=True, default=str) + "\n"
+    write_file_atomically(directory / CONFIG_FILE, text.encode())
+    return safe
+
+
+# --------------------------------------------------------------------------- choosing it
+
+
+def check_writable(directory: Path) -> None:
+    """ConfigError (one line, before anything starts) when files cannot be created in
+    ``directory``: a read-only run dir would otherwise fail at its first write."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            pass
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(
+            f"run directory {directory} is not writable ({reason}); fix its permissions "
+            "or choose another --run-dir"
+        ) from None
+
+
+def _engine_config(directory: Path) -> dict[str, Any] | None:
+    """The run config in ``directory``, or None when its config.json (if any) is not one
+    the engine wrote."""
+    try:
+        data = json.loads((directory / CONFIG_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) and {"task_name", "server"} <= data.keys() else None
+
+
+def _has_trained_steps(directory: Path) -> bool:
+    try:
+        return bool((directory / METRICS_FILE).read_bytes().strip())
+    except FileNotFoundError:
+        return False
+
+
+def _is_unfinished_startup(directory: Path) -> bool:
+    """An engine run dir whose process stopped before its first checkpoint: nothing was
+    trained, so a new run may start over in it."""
+    return (
+        _engine_config(directory) is not None
+        and CheckpointLog(directory, log=QUIET).latest() is None
+        and not _has_trained_steps(directory)
+    )
+
+
+def _forget_unfinished_startup(directory: Path) -> None:
+    """Remove the summary an earlier start-up may have left (the new run writes its
+    own); events.jsonl keeps the earlier start-up's lines, the rest is rewritten."""
+    for name in SUMMARY_FILES:
+        (directory / name).unlink(missing_ok=True)
+
+
+def prepare_run_dir(directory: Path) -> bool:
+    """Make ``directory`` ready for a NEW run and return True when it held an unfinished
+    start-up that the run now starts over in. Created when missing; refused with a
+    ConfigError (one line, exit 2) when it holds a run (metrics or a checkpoint), when it
+    holds files but no engine run (the engine would overwrite the user's config.json and
+    summary.md), or when it cannot be written."""
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        reason = (exc.strerror or str(exc)).lower()
+        raise ConfigError(f"cannot create run directory {directory}: {reason}") from None
+    if _engine_config(directory) is not None:
+        if not _is_unfinished_startup(directory):
+            raise ConfigError(
+                f"run directory {directory} already holds a run; continue it with --resume "
+                f"{directory}, or choose another --run-dir"
+            )
+        check_writable(directory)
+        _forget_unfinished_startup(directory)
+        return True
+    if any(not _is_temp_file(entry.name) for entry in directory.iterdir()):
+        raise ConfigError(
+            f"run directory {directory} is not empty and holds no engine run; choose a new "
+            "or empty --run-dir (the engine would overwrite files there)"
+        )
+    check_writable(directory)
+    return False
+
+
+def _is_temp_file(name: str) -> bool:
+    """A temp file of :func:`write_file_atomically` left by a crash."""
+    return name.startswith(".") and name.endswith(".tmp")
+
+
+# --------------------------------------------------------------------------- resume
+
+
+@dataclass(frozen=True)
+class ResumeState:
+    """What the engine needs to continue a run: its stored config and the checkpoint."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    checkpoint: CheckpointRecord
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+    @property
+    def loop_state(self) -> dict[str, Any]:
+        return self.checkpoint.loop_state
+
+
+def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
+    if isinstance(value, Mapping) and value:
+        out: dict[str, Any] = {}
+        for k, v in value.items():
+            out.update(_flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    return {prefix: value}
+
+
+def _may_change(key: str) -> bool:
+    return any(key == k or key.startswith(k + ".") for k in RESUME_CHANGEABLE)
+
+
+def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
+    # Compare the redacted current config: that is the form config.json holds.
+    old = _flatten(json.loads(json.dumps(stored, default=str)))
+    new = _flatten(json.loads(json.dumps(redact_config(current), default=str)))
+    problems = []
+    for key in sorted(set(old) | set(new)):
+        if _may_change(key) or REDACTED in (str(old.get(key)), str(new.get(key))):
+            continue
+        if key not in old:
+            problems.append(f"{key} is new ({new[key]!r})")
+        elif key not in new:
+            problems.append(f"{key} is missing (run dir has {old[key]!r})")
+        elif old[key] != new[key]:
+            problems.append(f"{key} is {old[key]!r} in the run dir but {new[key]!r} now")
+    return problems
+
+
+def read_run_config(directory: Path) -> dict[str, Any]:
+    """The stored config of the run dir ``directory``; ResumeError (one line, exit 2)
+    when it is missing, not a directory, or holds no readable config.json."""
+    if not directory.exists():
+        raise ResumeError(f"cannot resume: {directory} does not exist")
+    if not directory.is_dir():
+        raise ResumeError(f"cannot resume: {directory} is not a directory")
+    config_path = directory / CONFIG_FILE
+    if not config_path.is_file():
+        raise ResumeError(f"cannot resume: {directory} is not a run directory (no {CONFIG_FILE})")
+    try:
+        stored = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ResumeError(f"cannot resume: {config_path} is not valid JSON ({exc})") from None
+    if not isinstance(stored, dict):
+        raise ResumeError(f"cannot resume: {config_path} does not hold a JSON object")
+    return stored
+
+
+def load_resume_state(
+    run_dir: str | os.PathLike[str],
+    *,
+    current_config: Mapping[str, Any] | None = None,
+    log: Any = None,
+) -> ResumeState:
+    """Validate ``run_dir`` and return its config and latest checkpoint.
+
+    Raises :class:`~engine.errors.ResumeError` (exit code 2, one line) when the
+    directory is missing, is not a run dir (no config.json), has no checkpoint yet, or
+    when ``current_config`` differs from the stored config in a key that may not change
+    (:data:`engine.config.RESUME_CHANGEABLE` may);
+    :class:`~engine.errors.NoCheckpointYet` (a ResumeError) when it holds only an
+    unfinished start-up, which a caller may start over in (:func:`prepare_run_dir`).
+    """
+    directory = Path(run_dir)
+    stored = read_run_config(directory)
+    latest = CheckpointLog(directory, log=log).latest()
+    if latest is None:
+        error = ResumeError if _has_trained_steps(directory) else NoCheckpointYet
+        raise error(
+            f"cannot resume: {directory} has no checkpoint yet ({CHECKPOINTS_FILE} is missing "
+            "or empty); start a new run instead"
+        )
+    if current_config is not None:
+        problems = _config_mismatches(stored, current_config)
+        if problems:
+            shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
+            raise ResumeError(
+                f"cannot resume {directory}: the config differs from its {CONFIG_FILE}: {shown} "
+                "(use the same settings, or a new run dir)"
+            )
+    return ResumeState(run_dir=directory, config=stored, checkpoint=latest)
+
+
+# --------------------------------------------------------------------------- one run's
+
+
+def config_record(config: EngineConfig, task: Task | None) -> dict[str, Any]:
+    """What config.json holds: the public config, the task's name and its repr (while
+    the server still decides the task's arguments: its spec, and None)."""
+    name = task.name if task is not None else config.task
+    return {**config.public_dict(), "task_repr": repr(task), "task_name": name}
+
+
+def stored_config(run_dir: Path) -> Mapping[str, Any]:
+    """The run dir's config.json, or nothing when it cannot be read (resuming then
+    fails with the reason)."""
+    try:
+        data = json.loads((run_dir / CONFIG_FILE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, Mapping) else {}
+
+
+class RunDirectory:
+    """One run's directory as the engine writes it: chosen (or checked, for a resume)
+    by :meth:`open` before anything else starts; :attr:`steps` collects the trained
+    steps' metrics for the summary."""
+
+    def __init__(
+        self,
+        path: Path,
+        *,
+        resumed: ResumeState | None,
+        held: HeldEvents,
+        started_at: float,
+    ) -> None:
+        self.path = path
+        self.resumed = resumed
+        """The checkpoint a resumed run continues from (None: a new run)."""
+        self.steps: list[dict[str, Any]] = []
+        """The metrics of every trained step so far (a resumed run's earlier ones too)."""
+        self.stopped: dict[str, Any] | None = None
+        """How a stopped run stopped: ``summary.json``'s ``stopped``."""
+        self._held = held
+        self._started_at = started_at
+
+    @classmethod
+    def open(cls, config: EngineConfig, task: Task | None, *, started_at: float) -> RunDirectory:
+        """The run's directory: ``config.resume`` checked against ``config`` (ResumeError,
+        exit 2), else ``config.run_dir`` made ready for a new run, else a fresh
+        ``runs/<timestamp>-<task>`` under the working directory."""
+        held = HeldEvents()  # events.jsonl is opened once the directory checks out
+        record = config_record(config, task)
+        resumed: ResumeState | None = None
+        if config.resume is not None:
+            path = config.resume
+            resumed = _check_resume(path, record, config.steps, held)
+        else:
+            path = _make_run_dir(config.run_dir, record["task_name"], held)
+        return cls(path, resumed=resumed, held=held, started_at=started_at)
+
+    def write_config(self, config: EngineConfig, task: Task | None) -> None:
+        write_config(self.path, config_record(config, task))
+
+    def attach(self, log: RunLog, events: EventLog) -> None:
+        """Replay into events.jsonl what happened while the directory was chosen; on
+        resume, cut metrics.jsonl back to the checkpoint (the steps after it are redone)
+        and keep the earlier steps for the summary."""
+        self._held.replay(events)
+        if self.resumed is None:
+            return
+        log.rewind(self.resumed.step, log=events)
+        for line in (self.path / METRICS_FILE).read_text(encoding="utf-8").splitlines():
+            try:
+                data = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(data, dict) and isinstance(data.get("step"), int):
+                self.steps.append(data)
+        events.info("resume", step=self.resumed.step, state_path=self.resumed.checkpoint.state_path)
+
+    def rewind(self, step: int) -> None:
+        """Forget the steps after ``step`` (a recovery redoes them)."""
+        self.steps = [m for m in self.steps if m["step"] <= step]
+
+    def write_summary(
+        self,
+        config: EngineConfig,
+        error: BaseException | None,
+        *,
+        task_name: str,
+        retries: Mapping[str, int],
+        final_path: str | None,
+    ) -> None:
+        """summary.json and summary.md (atomic; RunFileError naming the file)."""
+        metrics = self.steps
+        first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        summary: dict[str, Any] = {
+            "status": _status(error),
+            "error": str(error) if error else None,
+            "stopped": self.stopped,
+            "task": task_name,
+            "base_model": config.base_model,
+            "server": config.public_dict()["server"],
+            "steps_planned": config.steps,
+            "steps_completed": len(metrics),
+            "resumed_from_step": self.resumed.step if self.resumed is not None else None,
+            "max_steps_off_policy": config.max_steps_off_policy,
+            "loss": config.loss,
+            "first_avg_reward": first.get("avg_reward"),
+            "last_avg_reward": last.get("avg_reward"),
+            "best_avg_reward": max((m["avg_reward"] for m in metrics), default=None),
+            "max_staleness": max((m["off_policy/staleness"] for m in metrics), default=None),
+            "retries": dict(retries),
+            "seconds": round(time.perf_counter() - self._started_at, 3),
+            "final_path": final_path,
+        }
+        summary = redact_config(summary)
+        text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
+        write_file_atomically(self.path / SUMMARY_JSON, text.encode())
+        summary.update(report=(self.path / REPORT_PNG).exists(), run_dir=self.path)
+        markdown = _summary_markdown(summary, metrics)
+        write_file_atomically(self.path / SUMMARY_MD, markdown.encode())
+
+    def write_failure_summary(
+        self,
+        config: EngineConfig,
+        error: BaseException,
+        *,
+        task_name: str,
+        retries: Mapping[str, int],
+        final_path: str | None,
+        events: EventLog | None,
+    ) -> None:
+        """The summary of a run that did not finish; a failure to write it is logged,
+        never raised over the run's own error."""
+        try:
+            self.write_summary(
+                config, error, task_name=task_name, retries=retries, final_path=final_path
+            )
+        except RunFileError as exc:
+            if events is not None:
+                with contextlib.suppress(RunFileError):  # the same full disk
+                    events.error("summary.failed", error=str(exc))
+
+
+def _check_resume(
+    run_dir: Path, record: Mapping[str, Any], steps: int, held: HeldEvents
+) -> ResumeState | None:
+    """The run dir's latest checkpoint; a ResumeError (exit 2) when the config
+    ``record`` differs in a setting that must not change. None when the dir holds only
+    an unfinished start-up: the run starts over in it."""
+    try:
+        resumed = load_resume_state(run_dir, current_config=record, log=held)
+    except NoCheckpointYet:
+        prepare_run_dir(run_dir)
+        _note_restart(held, run_dir, "--resume")
+        return None
+    check_writable(run_dir)
+    if resumed.step > steps:
+        raise ResumeError(
+            f"cannot resume {run_dir}: its latest checkpoint is at step {resumed.step}, "
+            f"beyond --steps {steps}"
+        )
+    return resumed
+
+
+def _note_restart(events: HeldEvents, run_dir: Path, how: str) -> None:
+    events.warning(
+        "run_dir.restarted",
+        run_dir=str(run_dir),
+        message=f"{run_dir} held only an unfinished start-up (no checkpoint, no trained "
+        f"step): {how} starts the run over in it from step 0",
+    )
+
+
+def _make_run_dir(configured: Path | None, task_name: str, events: HeldEvents) -> Path:
+    """``configured`` (see :func:`prepare_run_dir`), else a fresh
+    ``runs/<timestamp>-<task>`` under the working directory."""
+    if configured is not None:
+        if prepare_run_dir(configured):
+            _note_restart(events, configured, "this run")
+        return configured
+    stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
+    base = Path.cwd() / "runs" / f"{stamp}-{task_name}"
+    for n in range(1, 1000):
+        candidate = base if n == 1 else base.with_name(f"{base.name}-{n}")
+        try:
+            candidate.mkdir(parents=True, exist_ok=False)
+        except FileExistsError:
+            continue
+        except OSError as exc:
+            raise ConfigError(f"cannot create run directory {candidate}: {exc}") from exc
+        return candidate
+    raise ConfigError(f"cannot find a free run directory name near {base}")
+
+
+def _status(error: BaseException | None) -> str:
+    """finished | interrupted (SIGINT/SIGTERM) | stopped (breaker, watchdog) | failed."""
+    if error is None:
+        return "finished"
+    if isinstance(error, Interrupted):
+        return "interrupted"
+    return "stopped" if isinstance(error, RunStopped) else "failed"
+
+
+def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
+    def num(v: Any) -> str:
+        return "n/a" if v is None else f"{v:.3f}"
+
+    lines = [
+        f"# Run summary: {s['task']} on {s['base_model']}",
+        "",
+        f"- status: **{s['status']}**" + (f" -- {s['error']}" if s["error"] else ""),
+        f"- server: {s['server']}; loss: {s['loss']}; "
+        f"max steps off-policy: {s['max_steps_off_policy']}",
+        f"- steps: {s['steps_completed']} of {s['steps_planned']} in {s['seconds']:.1f}s",
+        f"- avg reward: first {num(s['first_avg_reward'])}, last {num(s['last_avg_reward'])}, "
+        f"best {num(s['best_avg_reward'])}",
+        f"- max staleness: {s['max_staleness']}",
+        f"- final sampler: {s['final_path'] or 'not saved'}",
+        f"- report: ![report]({REPORT_PNG})"
+        if s["report"]
+        else f"- report: `python -m engine.report {s['run_dir']}` draws it",
+        "",
+        "| step | avg_reward | datums | staleness | kl_v1 | time/step (s) |",
+        "|---:|---:|---:|---:|---:|---:|",
+    ]
+    for m in metrics:
+        kl = m.get("optim/kl_sample_train_v1")
+        lines.append(
+            f"| {m['step']} | {m['avg_reward']:.3f} | {m['datums']} | "
+            f"{m['off_policy/staleness']} | {'n/a' if kl is None else f'{kl:+.4f}'} | "
+            f"{m['time/step']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"

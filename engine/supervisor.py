@@ -1,0 +1,388 @@
+"""Supervision of one run: checkpoints, exactly-once recovery, stops.
+
+:class:`Supervisor` runs the pipeline of an entered :class:`~engine.engine.Engine` to
+its end and is the one place that decides what happens when something goes wrong:
+
+* **Checkpoints** (``<run dir>/checkpoints.jsonl``): ``step-0`` before the first step,
+  every ``--checkpoint-every`` steps (awaited by the trainer right after the step, so the
+  saved state holds exactly that many optimizer steps), a ``final`` one, and a stop
+  checkpoint (``interrupt``/``breaker``/``watchdog``/``error``) when a run stops between
+  steps. Each record carries the loop state (data cursor, RNG, consumed problem ids,
+  scored-but-untrained groups).
+* **Exactly-once steps**: a step whose outcome is unknown makes it restore the latest
+  checkpoint on a new training client, rewind the per-step logs and redo the steps after
+  it (:mod:`engine.recovery`); the breaker bounds how often in a row.
+* **Stops**: the breaker, the watchdog, a failed sample/reward and a stop request all
+  end the run at a step boundary (:class:`~engine.stopping.StopGate`; after
+  :data:`STOP_GRACE_S` the step in flight is cancelled), write a stop checkpoint when
+  the state can be trusted, and raise the reason.
+* **Resume**: a resumed run starts from the run dir's latest checkpoint (weights,
+  optimizer, loop state), the same code path as a recovery.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import anyio
+
+from engine.checkpoint import CheckpointLog, CheckpointReason, CheckpointRecord
+from engine.config import EngineConfig
+from engine.errors import (
+    RunStopped,
+    Stalled,
+    StepOutcomeUnknown,
+    find_error,
+    format_error,
+    primary_error,
+)
+from engine.evaluation import Evaluator
+from engine.events import EventLog
+from engine.metrics import RunLog
+from engine.pipeline import Pipeline, PipelineOutcome
+from engine.recovery import plan_recovery
+from engine.report import finished_run_report
+from engine.results import RunResult, StepResult
+from engine.rollouts import RolloutLog
+from engine.run_dir import RunDirectory
+from engine.scoring import Scorer, parse_score_workers
+from engine.service import MintSession
+from engine.state import LoopState
+from engine.stopping import StopGate
+from engine.tasks import Task
+from engine.tasks.render import PromptRenderer
+from engine.watchdog import Clock, Watchdog
+
+__all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
+
+StepHook = Callable[[StepResult], Awaitable[None] | None]
+"""Called after every trained step, on the trainer's path: keep it quick. After a
+recovery the redone steps are reported again (same step numbers)."""
+
+STOP_GRACE_S = 30.0
+"""How long a stop waits for the step in flight to finish before cancelling it (the
+state is then untrusted: no stop checkpoint, the previous one stands)."""
+
+_STOP_CHECKPOINT_MAX_S = 120.0
+
+
+@dataclass(frozen=True)
+class _TaskOutputs:
+    """The task's prompt renderer (its setup sees the served tokenizer), rollouts.jsonl
+    and the held-out evaluator (with ``--eval-every``)."""
+
+    renderer: PromptRenderer
+    rollouts: RolloutLog
+    evaluator: Evaluator | None
+
+
+class Supervisor:
+    """Trains one entered run to its end. ``hooks`` (the engine's live list) run after
+    each step is recorded; ``publish`` then hands the step to the engine's consumer."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        task: Task,
+        *,
+        session: MintSession,
+        files: RunDirectory,
+        log: RunLog,
+        events: EventLog,
+        clock: Clock,
+        hooks: Sequence[StepHook],
+        publish: Callable[[StepResult], Awaitable[None]],
+    ) -> None:
+        self.gate = StopGate()
+        """Where stop requests go; a stop requested before the run starts ends it before
+        its first step."""
+        self.state: LoopState | None = None
+        """The loop state after the latest trained step (the initial or resumed state
+        before the first)."""
+        self._config = config
+        self._task = task
+        self._session = session
+        self._files = files
+        self._log = log
+        self._events = events
+        self._clock = clock
+        self._hooks = hooks
+        self._publish = publish
+        self._outputs = _open_task_outputs(config, task, session, files, log)
+        self._supervising = False
+
+    # -- the run -------------------------------------------------------------------
+
+    async def run(self) -> RunResult:
+        """Train every step, then the final checkpoint and the report. Raises the reason
+        of a stop (after its stop checkpoint) or the error that ended the run."""
+        outcome = await self._supervise()
+        if outcome.exhausted:
+            self._log.warning(
+                "source_exhausted",
+                f"the problem source ran out after {outcome.state.next_step} steps",
+            )
+        final = await self._checkpoint("final", outcome.state)
+        assert final.sampler_path is not None
+        no_report = await anyio.to_thread.run_sync(finished_run_report, self._files.path)
+        if no_report is not None:
+            self._log.info("report", no_report)
+        self._log.saved(final.sampler_path)
+        return RunResult(
+            final_path=final.sampler_path,
+            run_dir=self._files.path,
+            steps_completed=outcome.state.next_step,
+            metrics=tuple(self._files.steps),
+            exhausted=outcome.exhausted,
+        )
+
+    async def stop_after_cancellation(self, stop: Exception) -> None:
+        """The host cancelled the run: the stop checkpoint of :meth:`run`'s stops, when
+        the run had started. Call it shielded."""
+        if self._supervising:
+            await self._stop_checkpoint(stop)
+
+    async def _supervise(self) -> PipelineOutcome:
+        """Train to the end, recovering from unknown step outcomes; on a stop (signal,
+        breaker, watchdog, failure) write a stop checkpoint if the state can be trusted,
+        then raise the reason."""
+        self._supervising = True
+        gate = self.gate
+        watchdog = Watchdog(self._config.stall_timeout, clock=self._clock, log=self._events)
+        outcome: PipelineOutcome | None = None
+        failure: Exception | None = None
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(self._watch, watchdog)
+            tg.start_soon(self._grace)
+            with anyio.CancelScope() as scope:
+                gate.attach(scope)
+                try:
+                    outcome = await self._train(watchdog)
+                except Exception as exc:
+                    leaf = primary_error(exc)
+                    failure = leaf if isinstance(leaf, Exception) else exc
+            tg.cancel_scope.cancel()
+        if gate.reason is None and failure is None and outcome is not None:
+            return outcome
+        stop = gate.reason if gate.reason is not None else failure
+        assert stop is not None
+        await self._stop_checkpoint(stop)
+        raise stop
+
+    async def _watch(self, watchdog: Watchdog) -> None:
+        try:
+            await watchdog.run()
+        except Stalled as exc:
+            self.gate.request(exc)
+
+    async def _grace(self) -> None:
+        await self.gate.requested.wait()
+        await anyio.sleep(STOP_GRACE_S)
+        self.gate.force()
+
+    async def _train(self, watchdog: Watchdog) -> PipelineOutcome:
+        """The pipeline, started again from the latest checkpoint after each step of
+        unknown outcome (same code path as resuming after a crash). Each start samples
+        from the checkpoint's own sampler weights: no extra snapshot."""
+        session, cfg, gate = self._session, self._config, self.gate
+        resumed = self._files.resumed
+        checkpoint: CheckpointRecord | None
+        if resumed is not None:
+            state, checkpoint = LoopState.from_dict(resumed.loop_state), resumed.checkpoint
+        else:
+            state, checkpoint = self._initial_state(), None
+        self.state = state
+        baseline = self._outputs.evaluator if resumed is None else None
+        while True:
+            if checkpoint is None or checkpoint.sampler_path is None:
+                checkpoint = await self._checkpoint("periodic", state)  # recovery's base
+            assert checkpoint.sampler_path is not None
+            sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
+            watchdog.progress(f"sampler {state.next_step} ready")
+            if baseline is not None:
+                await baseline(0, sampler)
+                baseline = None
+            source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
+            pipeline = Pipeline(
+                cfg,
+                self._task,
+                session,
+                source,
+                state,
+                sampler,
+                self._on_step,
+                gate=gate,
+                progress=watchdog.progress,
+                renderer=self._outputs.renderer,
+                evaluate=self._outputs.evaluator,
+            )
+            try:
+                return await pipeline.run()
+            except Exception as exc:
+                unknown = find_error(exc, StepOutcomeUnknown)
+                if unknown is None or gate.reason is not None:
+                    raise
+            state, checkpoint = await self._recover()
+            watchdog.progress(f"restored step {state.next_step}")
+
+    def _initial_state(self) -> LoopState:
+        return LoopState(0, self._task.source(self._config.seed).state(), 0)
+
+    async def _recover(self) -> tuple[LoopState, CheckpointRecord | None]:
+        """Restore the latest checkpoint after a step had an unknown outcome; rewind the
+        logs of the steps that will be redone. Returns the restored state and its
+        checkpoint (None: none yet, a fresh LoRA client)."""
+        assert self.state is not None
+        latest = CheckpointLog(self._files.path, log=self._events).latest()
+        plan = plan_recovery(latest, completed_steps=self.state.next_step, log=self._events)
+        await self._session.restore(plan.state_path)
+        self.gate.restored()
+        if plan.redo_steps:
+            self._log.rewind(plan.resume_step, log=self._events)
+            self._outputs.rollouts.rewind(plan.resume_step)
+            if self._outputs.evaluator is not None:
+                self._outputs.evaluator.rewind(plan.resume_step)
+            self._files.rewind(plan.resume_step)
+        state = (
+            LoopState.from_dict(plan.loop_state)
+            if plan.loop_state is not None
+            else self._initial_state()
+        )
+        self.state = state
+        return state, latest
+
+    async def _on_step(self, result: StepResult) -> None:
+        """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
+        the hooks, publish it."""
+        self.state = result.state
+        for key, count in self._session.retries.take().items():
+            result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
+        self._files.steps.append(result.metrics)
+        self._log.step(result.metrics, result.line)
+        self._outputs.rollouts.write(result)
+        dropped = result.metrics["dropped/missing_logprobs"]
+        if dropped:
+            self._log.warning(
+                "missing_logprobs",
+                f"step {result.step}: dropped {dropped} responses that came without sampler "
+                "logprobs (--on-missing-logprobs drop)",
+            )
+        for group in result.groups:
+            if group.reward_error is not None:
+                self._log.warning(
+                    "reward_error",
+                    f"step {result.step}: {group.reward_error}; the group was left out of "
+                    "the step (--on-reward-error skip)",
+                )
+        if self._config.checkpoint_due(result.step):
+            try:
+                await self._checkpoint("periodic", result.state)
+            except Exception as exc:
+                self.gate.request(exc)  # the step is trained and logged: stop after it
+        for hook in self._hooks:
+            value = hook(result)
+            if inspect.isawaitable(value):
+                await value
+        await self._publish(result)
+
+    # -- checkpoints -----------------------------------------------------------------
+
+    async def _checkpoint(self, reason: CheckpointReason, state: LoopState) -> CheckpointRecord:
+        """save_state + sampler weights (retried), then a durable record of both with
+        the loop state. The final one's sampler is the run's ``Saved:`` path."""
+        step = state.next_step
+        if reason == "final":
+            names = ("final", f"{self._task.name}-final")
+        else:
+            names = (f"step-{step}", f"step-{step}")
+        state_path, sampler_path = await self._session.save_checkpoint(*names)
+        return await self._record(reason, state_path, sampler_path, state)
+
+    async def _record(
+        self, reason: CheckpointReason, state_path: str, sampler_path: str, state: LoopState
+    ) -> CheckpointRecord:
+        record = CheckpointRecord(
+            step=state.next_step,
+            state_path=state_path,
+            sampler_path=sampler_path,
+            reason=reason,
+            loop_state=state.to_dict(),
+        )
+        await CheckpointLog(self._files.path, log=self._events).aappend(record)
+        return record
+
+    async def _stop_checkpoint(self, stop: Exception) -> None:
+        """One bounded save_state attempt when the state holds exactly the completed
+        steps; otherwise (a step in flight or of unknown outcome) the latest checkpoint
+        stands. Either way, say where a resume would continue."""
+        reason: CheckpointReason = stop.reason if isinstance(stop, RunStopped) else "error"
+        state = self.state
+        saved: CheckpointRecord | None = None
+        note = ""
+        if state is not None and self.gate.clean:
+            limit = min(self._config.request_timeout, _STOP_CHECKPOINT_MAX_S)
+            try:
+                name = f"{reason}-step-{state.next_step}"
+                with anyio.CancelScope(shield=True):
+                    paths = await self._session.save_checkpoint(name, name, once_within=limit)
+                    saved = await self._record(reason, *paths, state)
+            except Exception as exc:
+                note = f"the {reason} checkpoint failed ({format_error(exc)[7:]}); "
+        else:
+            note = "a step was in flight or of unknown outcome, so no new checkpoint; "
+        run_dir = self._files.path
+        latest = saved or CheckpointLog(run_dir, log=self._events).latest()
+        where = (
+            f"resume from step {latest.step} with: python -m engine.run --resume {run_dir}"
+            if latest is not None
+            else "no checkpoint to resume from"
+        )
+        self._files.stopped = {
+            "reason": reason,
+            "checkpoint_step": latest.step if latest is not None else None,
+            "checkpoint_written": saved is not None,
+        }
+        self._events.warning(
+            "run.stopped",
+            reason=reason,
+            error=format_error(stop)[7:],
+            checkpoint_step=latest.step if latest is not None else None,
+            message=f"run stopped ({reason}): {note}{where}",
+        )
+
+
+def _open_task_outputs(
+    config: EngineConfig, task: Task, session: MintSession, files: RunDirectory, log: RunLog
+) -> _TaskOutputs:
+    """The renderer, rollouts.jsonl and the evaluator, each cut back to the checkpoint on
+    resume."""
+    renderer = PromptRenderer(task, session.tokenizer)
+    rollouts = RolloutLog(files.path, config.log_rollouts, renderer)
+    evaluator = None
+    if config.eval_every:
+        evaluator = Evaluator(
+            session,
+            task,
+            renderer,
+            Scorer(
+                task,
+                concurrency=config.score_concurrency,
+                workers=parse_score_workers(config.score_workers),
+            ),
+            files.path,
+            every=config.eval_every,
+            last_step=config.steps,
+            max_tokens=config.max_tokens,
+            stop_at_eos=config.stop_at_eos,
+            concurrency=config.concurrency,
+            on_reward_error=config.on_reward_error,
+            say=lambda line: log.info("eval", line),
+            warn=lambda line: log.warning("reward_error", line),
+        )
+    if files.resumed is not None:
+        rollouts.rewind(files.resumed.step)
+        if evaluator is not None:
+            evaluator.rewind(files.resumed.step)
+    return _TaskOutputs(renderer, rollouts, evaluator)

@@ -216,6 +216,7 @@ class Backend:
         self._snapshots: dict[str, _Snapshot] = {}
         self._loaded_paths: dict[Path, str] = {}
         self._slots: dict[tuple[int, str], str] = {}
+        self._slot_holds: dict[str, str] = {}  # slot -> the snapshot key copied into it
         self._counter = itertools.count()
         self._sampler = Sampler(
             model,
@@ -315,27 +316,30 @@ class Backend:
         ):
             for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
                 rows = [checked[i] for i in batch]
-                ids, targets = pad_right(rows, self._pad_id)
-                logits = self._model(input_ids=ids, use_cache=False).logits.float()
+                padded = pad_right(rows, self._pad_id, spec.inputs)
+                logits = self._model(input_ids=padded.ids, use_cache=False).logits.float()
                 logp = -torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), targets.flatten(), reduction="none"
-                ).view(targets.shape)
-                loss = logits.new_zeros(())
-                for row, (i, d) in enumerate(zip(batch, rows, strict=True)):
-                    lp = logp[row, : d.length]
-                    datum_loss = spec.fn(lp, d.inputs, cfg)
-                    if not bool(torch.isfinite(datum_loss)):
-                        value = float(datum_loss.detach())
-                        raise BackendError(
-                            f"datum {i}: the {loss_fn} loss is {value}: its loss "
-                            "inputs are too extreme (e.g. sampler logprobs far below the "
-                            "model's make exp(logp - logprobs) overflow); nothing was applied"
-                        )
-                    loss = loss + datum_loss
-                    outputs[i]["logprobs"] = lp.detach().clone()
+                    logits.flatten(0, 1), padded.targets.flatten(), reduction="none"
+                ).view(padded.targets.shape)
+                # zero logp and inputs on the padding: every loss term there is then 0
+                logp = torch.where(padded.mask, logp, 0.0)
+                datum_losses = spec.fn(logp, padded.inputs, cfg)
+                finite = torch.isfinite(datum_losses.detach())
+                if not bool(finite.all()):
+                    row = int((~finite).int().argmax())
+                    raise BackendError(
+                        f"datum {batch[row]}: the {loss_fn} loss is "
+                        f"{float(datum_losses[row].detach())}: its loss inputs are too extreme (e.g. "
+                        "sampler logprobs far below the model's make exp(logp - logprobs) "
+                        "overflow); nothing was applied"
+                    )
+                loss = datum_losses.sum()
                 if backward:
                     loss.backward()
                 total += float(loss.detach())
+                kept = logp.detach()
+                for row, (i, d) in enumerate(zip(batch, rows, strict=True)):
+                    outputs[i]["logprobs"] = kept[row, : d.length].clone()
             if not math.isfinite(total):
                 raise BackendError(
                     f"the summed {loss_fn} loss overflows to {total}; nothing was applied "
@@ -598,9 +602,11 @@ class Backend:
             slot = f"slot{next(self._counter)}"
             self._host.add(slot, snap.rank, snap.targets, seed=0)
             self._slots[shape] = slot
-        with torch.no_grad():
-            for name, p in self._host.params(slot).items():
-                p.copy_(snap.tensors[name])
+        if self._slot_holds.get(slot) != key:  # snapshots never change: copy once
+            with torch.no_grad():
+                for name, p in self._host.params(slot).items():
+                    p.copy_(snap.tensors[name])
+            self._slot_holds[slot] = key
         return slot
 
     def _request(self, i: int, job: SampleJob) -> Request:

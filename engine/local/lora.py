@@ -94,6 +94,9 @@ class AdapterHost:
         self.groups = find_module_groups(model)
         self._adapters: dict[str, tuple[int, TargetSet]] = {}
         self._layers: list[BaseTunerLayer] = []
+        self._params: dict[str, dict[str, nn.Parameter]] = {}
+        self._current: str | None = None
+        """The adapter peft has active (None: unknown); switching walks every module."""
 
     def add(self, name: str, rank: int, targets: TargetSet, seed: int) -> dict[str, nn.Parameter]:
         """Inject a fresh adapter (A ~ kaiming-uniform from ``seed``, B = 0); return its
@@ -104,7 +107,7 @@ class AdapterHost:
             torch.manual_seed(seed)
             inject_adapter_in_model(lora_config(rank, self.alpha, targets), self.model, name)
         self._adapters[name] = (rank, targets)
-        self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._module_tree_changed()
         params = self.params(name)
         for p in params.values():
             p.requires_grad_(True)
@@ -117,7 +120,12 @@ class AdapterHost:
             # we always set the adapter we need before running the model
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             delete_adapter(self.model, name, prefix="lora_")
+        self._module_tree_changed()
+
+    def _module_tree_changed(self) -> None:
         self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._params.clear()
+        self._current = None
 
     def shapes(self, rank: int, targets: TargetSet) -> dict[str, tuple[int, int]]:
         """The tensor shapes an adapter of this rank over ``targets`` must have."""
@@ -138,12 +146,16 @@ class AdapterHost:
 
     def params(self, name: str) -> dict[str, nn.Parameter]:
         """The adapter's tensors as ``{"<module path>.lora_A.weight": param, ...}``."""
+        cached = self._params.get(name)
+        if cached is not None:
+            return dict(cached)
         marker = f".{name}."
         out: dict[str, nn.Parameter] = {}
         for pname, p in self.model.named_parameters():
             if marker in pname:
                 out[pname.replace(marker, ".", 1)] = p
-        return out
+        self._params[name] = out
+        return dict(out)
 
     @contextmanager
     def active(self, name: str | None) -> Iterator[None]:
@@ -157,5 +169,7 @@ class AdapterHost:
                 for layer in self._layers:
                     layer.enable_adapters(True)
             return
-        set_adapter(self.model, name)
+        if name != self._current:
+            set_adapter(self.model, name)
+            self._current = name
         yield

@@ -327,11 +327,11 @@ class Backend:
                 finite = torch.isfinite(datum_losses.detach())
                 if not bool(finite.all()):
                     row = int((~finite).int().argmax())
+                    value = float(datum_losses[row].detach())
                     raise BackendError(
-                        f"datum {batch[row]}: the {loss_fn} loss is "
-                        f"{float(datum_losses[row].detach())}: its loss inputs are too extreme (e.g. "
-                        "sampler logprobs far below the model's make exp(logp - logprobs) "
-                        "overflow); nothing was applied"
+                        f"datum {batch[row]}: the {loss_fn} loss is {value}: its loss inputs "
+                        "are too extreme (e.g. sampler logprobs far below the model's make "
+                        "exp(logp - logprobs) overflow); nothing was applied"
                     )
                 loss = datum_losses.sum()
                 if backward:

@@ -25,10 +25,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from engine.local import checkpoint, losses
-from engine.local.datums import DatumError, check_datum, micro_batches, pad_right
+from engine.local.datums import (
+    CheckedDatum,
+    DatumError,
+    PaddedBatch,
+    check_datum,
+    micro_batches,
+    pad_right,
+)
 from engine.local.lora import AdapterHost, TargetSet
+from engine.local.prefix import plan_prefixes, shared_prefix_logprobs
 from engine.local.recommended import served_model_name
-from engine.local.sampling import Request, Sampler
+from engine.local.sampling import Request, Sampler, cache_keyword
 
 
 class BackendError(Exception):
@@ -212,6 +220,10 @@ class Backend:
         self._eos_ids = frozenset(int(e) for e in eos_ids)
         self._host = AdapterHost(model, lora_alpha)
         self._logits_budget = logits_budget
+        self._cache_kw = cache_keyword(model)
+        self.share_prefixes = True
+        """Run prompts shared by several training datums once (False: the plain padded
+        forward; both compute the same values)."""
         self._clients: dict[str, _Client] = {}
         self._snapshots: dict[str, _Snapshot] = {}
         self._loaded_paths: dict[Path, str] = {}
@@ -317,10 +329,7 @@ class Backend:
             for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
                 rows = [checked[i] for i in batch]
                 padded = pad_right(rows, self._pad_id, spec.inputs)
-                logits = self._model(input_ids=padded.ids, use_cache=False).logits.float()
-                logp = -torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), padded.targets.flatten(), reduction="none"
-                ).view(padded.targets.shape)
+                logp = self._logprobs(rows, padded)
                 # zero logp and inputs on the padding: every loss term there is then 0
                 logp = torch.where(padded.mask, logp, 0.0)
                 datum_losses = spec.fn(logp, padded.inputs, cfg)
@@ -351,6 +360,17 @@ class Backend:
                     "too extreme); nothing was applied"
                 )
         return ForwardResult(outputs=outputs, metrics={"loss:sum": total})
+
+    def _logprobs(self, rows: list[CheckedDatum], padded: PaddedBatch) -> torch.Tensor:
+        """(B, T) logprobs of the padded targets under the active adapter; datums that
+        share a prompt run it once (see ``engine.local.prefix``)."""
+        plan = plan_prefixes(rows) if self.share_prefixes else None
+        if plan is not None:
+            return shared_prefix_logprobs(self._model, self._cache_kw, padded, plan, self._pad_id)
+        logits = self._model(input_ids=padded.ids, use_cache=False).logits.float()
+        return -torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), padded.targets.flatten(), reduction="none"
+        ).view(padded.targets.shape)
 
     def optim_step(self, model_id: str, adam: AdamConfig) -> dict[str, float]:
         """One AdamW step (decoupled weight decay, optional global grad-norm clipping) on

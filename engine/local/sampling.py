@@ -111,6 +111,12 @@ def _choose(
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
 
 
+def cache_keyword(model: nn.Module) -> str:
+    """The name of the model's KV-cache argument (and output attribute): transformers
+    5.x renamed it; keep working on either side."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class Sampler:
     """Runs a list of requests against one HF causal LM (the active adapter is set by the
     caller) as one batched computation."""
@@ -124,10 +130,8 @@ class Sampler:
         decode: Callable[[list[int]], str],
     ) -> None:
         self._model = model
-        # transformers 5.x renamed the KV-cache argument; keep working on either side
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._trims_logits = "logits_to_keep" in params
+        self._cache_kw = cache_keyword(model)
+        self._trims_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._pad = pad_id
         self._eos = eos_ids
         self._decode = decode

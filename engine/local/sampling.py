@@ -168,12 +168,14 @@ class Sampler:
         pos = positions[row_req, -1]
         gens = [self._generator(r) for r in reqs]
 
+        live = list(range(len(row_seq)))  # cache rows still generating
         while True:
-            next_tok = torch.empty(len(row_seq), dtype=torch.long)
-            next_lp = torch.empty(len(row_seq))
+            next_tok = torch.full((len(row_seq),), self._pad, dtype=torch.long)
+            next_lp = torch.zeros(len(row_seq))
             by_policy: dict[_Policy, list[int]] = {}
-            rows_of: dict[int, int] = {}  # request -> its number of running rows
-            for k, (ri, _) in enumerate(row_seq):
+            rows_of: dict[int, int] = {}  # request -> its number of live rows
+            for k in live:
+                ri = row_seq[k][0]
                 r = reqs[ri]
                 by_policy.setdefault((r.temperature, r.top_k, r.top_p), []).append(k)
                 rows_of[ri] = rows_of.get(ri, 0) + 1
@@ -187,24 +189,28 @@ class Sampler:
                 next_tok[index] = tok
                 next_lp[index] = lp
             keep: list[int] = []
-            for k, ((ri, si), t, lpv) in enumerate(
-                zip(row_seq, next_tok.tolist(), next_lp.tolist(), strict=True)
-            ):
+            toks, lps = next_tok.tolist(), next_lp.tolist()
+            for k in live:
+                ri, si = row_seq[k]
                 r = reqs[ri]
                 seq = outputs[ri].sequences[si]
-                seq.tokens.append(t)
-                seq.logprobs.append(lpv)
+                seq.tokens.append(toks[k])
+                seq.logprobs.append(lps[k])
                 if self._stopped(seq, r):
                     seq.stop_reason = "stop"
                 elif len(seq.tokens) < r.max_tokens:
                     keep.append(k)
             if not keep:
                 return outputs
-            if len(keep) < len(row_seq):
+            # Dropping finished rows copies the whole cache; do it only once they are at
+            # least half of it (until then they ride along, fed padding, and are ignored).
+            if 2 * len(keep) <= len(row_seq):
                 idx = torch.tensor(keep)
                 cache.batch_select_indices(idx)
                 mask, pos, next_tok = mask[idx], pos[idx], next_tok[idx]
                 row_seq = [row_seq[k] for k in keep]
+                keep = list(range(len(keep)))
+            live = keep
             mask = torch.cat([mask, torch.ones((len(row_seq), 1), dtype=torch.long)], dim=1)
             pos = pos + 1
             out = self._model(

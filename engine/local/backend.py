@@ -230,12 +230,24 @@ class Backend:
         self._slots: dict[tuple[int, str], str] = {}
         self._slot_holds: dict[str, str] = {}  # slot -> the snapshot key copied into it
         self._counter = itertools.count()
-        self._sampler = Sampler(
-            model,
-            pad_id=self._pad_id,
-            eos_ids=self._eos_ids,
-            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
-        )
+
+        def sampler(of: torch.nn.Module) -> Sampler:
+            return Sampler(
+                of,
+                pad_id=self._pad_id,
+                eos_ids=self._eos_ids,
+                decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+            )
+
+        self._sampler = sampler(model)
+        # Small models also sample from a plain copy with the snapshot's LoRA folded into
+        # its weights: a forward without peft's per-layer detours costs far less.
+        small = sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMS
+        self._folded = sampler(copy.deepcopy(model)) if small else None
+        self._folded_holds: tuple[str | None] | None = None  # (key,) folded in, if any
+        self.fold_sampling_weights = small
+        """Sample from the folded copy (False: through the peft adapters; both compute the
+        same values; only small models have the copy)."""
 
     # ---- training clients -------------------------------------------------------------
 
@@ -598,8 +610,13 @@ class Backend:
         for i, job in enumerate(jobs):
             groups.setdefault(job.sampler, []).append(i)
         for key, idxs in groups.items():
-            with self._host.active(self._load_slot(key)):
-                outs = self._sampler.run([requests[i] for i in idxs])
+            batch = [requests[i] for i in idxs]
+            if self._folded is not None and self.fold_sampling_weights:
+                self._fold(key, self._folded.model)
+                outs = self._folded.run(batch)
+            else:
+                with self._host.active(self._load_slot(key)):
+                    outs = self._sampler.run(batch)
             for i, out in zip(idxs, outs, strict=True):
                 seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
                 results[i] = SampleResult(
@@ -608,6 +625,18 @@ class Backend:
                     topk_prompt_logprobs=out.topk_prompt_logprobs,
                 )
         return [r for r in results if r is not None]
+
+    def _fold(self, key: str | None, folded: torch.nn.Module) -> None:
+        """Give the folded copy the base weights plus snapshot ``key``'s LoRA delta."""
+        if self._folded_holds == (key,):
+            return
+        weights = self._host.folded_weights(self._load_slot(key))
+        with torch.no_grad():
+            for name, weight in weights.items():
+                target = folded.get_submodule(name).weight
+                assert isinstance(target, torch.Tensor)
+                target.copy_(weight)
+        self._folded_holds = (key,)
 
     def _load_slot(self, key: str | None) -> str | None:
         """Copy a snapshot into the sampling adapter of its shape; return that adapter."""

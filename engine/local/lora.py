@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from peft import LoraConfig
 from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -156,6 +157,20 @@ class AdapterHost:
                 out[pname.replace(marker, ".", 1)] = p
         self._params[name] = out
         return dict(out)
+
+    def folded_weights(self, name: str | None) -> dict[str, torch.Tensor]:
+        """Every adaptable layer's weight with adapter ``name``'s delta added (None, or a
+        layer the adapter does not touch: the base weight), by module path."""
+        out: dict[str, torch.Tensor] = {}
+        for path in self.groups.attn + self.groups.mlp + self.groups.unembed:
+            mod = self.model.get_submodule(path)
+            base = mod.get_base_layer() if isinstance(mod, BaseTunerLayer) else mod
+            weight = base.weight
+            assert isinstance(weight, torch.Tensor)
+            if isinstance(mod, LoraLinear) and name is not None and name in mod.lora_A:
+                weight = weight + mod.get_delta_weight(name)
+            out[path] = weight.detach()
+        return out
 
     @contextmanager
     def active(self, name: str | None) -> Iterator[None]:

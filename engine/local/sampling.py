@@ -129,7 +129,7 @@ class Sampler:
         eos_ids: frozenset[int],
         decode: Callable[[list[int]], str],
     ) -> None:
-        self._model = model
+        self.model = model
         self._cache_kw = cache_keyword(model)
         self._trims_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._pad = pad_id
@@ -148,7 +148,7 @@ class Sampler:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
         trim = {"logits_to_keep": 1} if self._trims_logits and not want_prompt else {}
-        out = self._model(
+        out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **trim
         )
         outputs = [Output(sequences=[Sequence_() for _ in range(r.num_samples)]) for r in reqs]
@@ -213,7 +213,7 @@ class Sampler:
             live = keep
             mask = torch.cat([mask, torch.ones((len(row_seq), 1), dtype=torch.long)], dim=1)
             pos = pos + 1
-            out = self._model(
+            out = self.model(
                 input_ids=next_tok[:, None],
                 attention_mask=mask,
                 position_ids=pos[:, None],

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from backend_util import new_backend, prompt_ids, random_datums, rl_datum
+from backend_util import lora_params, new_backend, prompt_ids, random_datums, rl_datum
 
 from engine.local.backend import (
     AdamConfig,
@@ -124,7 +124,9 @@ def test_many_requests_cost_one_batched_forward_per_token(backend: Backend) -> N
     """8 problems x 6 samples x 16 tokens: one prefill plus at most 15 decode forwards."""
     key = backend.save_sampler("trained", None)
     calls = []
-    hook = backend._model.register_forward_hook(lambda m, i, o: calls.append(1))
+    folded = backend._folded if backend.fold_sampling_weights else None
+    sampling_model = backend._model if folded is None else folded.model
+    hook = sampling_model.register_forward_hook(lambda m, i, o: calls.append(1))
     try:
         jobs = [
             SampleJob(key, prompt_ids(backend, 10 + i, 20 + 3 * i), 6, 16, temperature=1.0, seed=i)
@@ -135,6 +137,36 @@ def test_many_requests_cost_one_batched_forward_per_token(backend: Backend) -> N
         hook.remove()
     assert [len(r.sequences) for r in results] == [6] * 8
     assert len(calls) <= 16
+
+
+def test_folded_weights_sample_what_the_adapters_sample(backend: Backend) -> None:
+    """The small-model fast path (LoRA folded into a plain copy of the weights) draws the
+    same tokens with the same logprobs as sampling through the peft adapters, also when
+    it switches between snapshots and the bare base model."""
+    backend.create_model("other", LoraSpec(rank=2, seed=9, train_attn=False))
+    for name, p in lora_params(backend, "other").items():
+        if "lora_B" in name:
+            p.data.fill_(0.02)
+    keys = [backend.save_sampler("trained", None), None, backend.save_sampler("other", None)]
+    prompt = prompt_ids(backend, 17, 25)
+    assert backend._folded is not None and backend.fold_sampling_weights
+    for key in keys + keys[::-1]:
+        job = SampleJob(key, prompt, 4, 12, temperature=1.0, seed=11, prompt_logprobs=True)
+        outcomes = []
+        for fold in (True, False):
+            backend.fold_sampling_weights = fold
+            try:
+                (res,) = backend.sample([job])
+            finally:
+                backend.fold_sampling_weights = True
+            outcomes.append(res)
+        folded, adapted = outcomes
+        assert [s.tokens for s in folded.sequences] == [s.tokens for s in adapted.sequences]
+        for f, a in zip(folded.sequences, adapted.sequences, strict=True):
+            assert f.logprobs == pytest.approx(a.logprobs, abs=1e-5)
+        assert folded.prompt_logprobs is not None and adapted.prompt_logprobs is not None
+        assert folded.prompt_logprobs[1:] == pytest.approx(adapted.prompt_logprobs[1:], abs=1e-5)
+    backend.delete_model("other")
 
 
 def test_seed_makes_sampling_reproducible(backend: Backend) -> None:
@@ -190,7 +222,9 @@ def test_prompt_logprobs_and_topk(backend: Backend) -> None:
         {"target_tokens": torch.tensor(prompt[1:]), "weights": torch.ones(len(prompt) - 1)},
     )
     train = backend.forward_backward("trained", [datum], "cross_entropy", None, backward=False)
-    assert res.prompt_logprobs[1:] == pytest.approx(train.outputs[0]["logprobs"].tolist(), abs=1e-5)
+    # float32, and sampling may fold the LoRA into the weights: equal to a few ulps
+    want = train.outputs[0]["logprobs"].tolist()
+    assert res.prompt_logprobs[1:] == pytest.approx(want, rel=1e-5, abs=1e-5)
     for pos, top in enumerate(res.topk_prompt_logprobs[1:], start=1):
         assert top is not None and len(top) == 3
         values = [lp for _, lp in top]

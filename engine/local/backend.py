@@ -25,10 +25,18 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from engine.local import checkpoint, losses
-from engine.local.datums import DatumError, check_datum, micro_batches, pad_right
+from engine.local.datums import (
+    CheckedDatum,
+    DatumError,
+    PaddedBatch,
+    check_datum,
+    micro_batches,
+    pad_right,
+)
 from engine.local.lora import AdapterHost, TargetSet
+from engine.local.prefix import plan_prefixes, shared_prefix_logprobs
 from engine.local.recommended import served_model_name
-from engine.local.sampling import Request, Sampler
+from engine.local.sampling import Request, Sampler, cache_keyword
 
 
 class BackendError(Exception):
@@ -212,17 +220,34 @@ class Backend:
         self._eos_ids = frozenset(int(e) for e in eos_ids)
         self._host = AdapterHost(model, lora_alpha)
         self._logits_budget = logits_budget
+        self._cache_kw = cache_keyword(model)
+        self.share_prefixes = True
+        """Run prompts shared by several training datums once (False: the plain padded
+        forward; both compute the same values)."""
         self._clients: dict[str, _Client] = {}
         self._snapshots: dict[str, _Snapshot] = {}
         self._loaded_paths: dict[Path, str] = {}
         self._slots: dict[tuple[int, str], str] = {}
+        self._slot_holds: dict[str, str] = {}  # slot -> the snapshot key copied into it
         self._counter = itertools.count()
-        self._sampler = Sampler(
-            model,
-            pad_id=self._pad_id,
-            eos_ids=self._eos_ids,
-            decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
-        )
+
+        def sampler(of: torch.nn.Module) -> Sampler:
+            return Sampler(
+                of,
+                pad_id=self._pad_id,
+                eos_ids=self._eos_ids,
+                decode=lambda ids: str(tokenizer.decode(ids, skip_special_tokens=False)),
+            )
+
+        self._sampler = sampler(model)
+        # Small models also sample from a plain copy with the snapshot's LoRA folded into
+        # its weights: a forward without peft's per-layer detours costs far less.
+        small = sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMS
+        self._folded = sampler(copy.deepcopy(model)) if small else None
+        self._folded_holds: tuple[str | None] | None = None  # (key,) folded in, if any
+        self.fold_sampling_weights = small
+        """Sample from the folded copy (False: through the peft adapters; both compute the
+        same values; only small models have the copy)."""
 
     # ---- training clients -------------------------------------------------------------
 
@@ -315,27 +340,27 @@ class Backend:
         ):
             for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
                 rows = [checked[i] for i in batch]
-                ids, targets = pad_right(rows, self._pad_id)
-                logits = self._model(input_ids=ids, use_cache=False).logits.float()
-                logp = -torch.nn.functional.cross_entropy(
-                    logits.flatten(0, 1), targets.flatten(), reduction="none"
-                ).view(targets.shape)
-                loss = logits.new_zeros(())
-                for row, (i, d) in enumerate(zip(batch, rows, strict=True)):
-                    lp = logp[row, : d.length]
-                    datum_loss = spec.fn(lp, d.inputs, cfg)
-                    if not bool(torch.isfinite(datum_loss)):
-                        value = float(datum_loss.detach())
-                        raise BackendError(
-                            f"datum {i}: the {loss_fn} loss is {value}: its loss "
-                            "inputs are too extreme (e.g. sampler logprobs far below the "
-                            "model's make exp(logp - logprobs) overflow); nothing was applied"
-                        )
-                    loss = loss + datum_loss
-                    outputs[i]["logprobs"] = lp.detach().clone()
+                padded = pad_right(rows, self._pad_id, spec.inputs)
+                logp = self._logprobs(rows, padded)
+                # zero logp and inputs on the padding: every loss term there is then 0
+                logp = torch.where(padded.mask, logp, 0.0)
+                datum_losses = spec.fn(logp, padded.inputs, cfg)
+                finite = torch.isfinite(datum_losses.detach())
+                if not bool(finite.all()):
+                    row = int((~finite).int().argmax())
+                    value = float(datum_losses[row].detach())
+                    raise BackendError(
+                        f"datum {batch[row]}: the {loss_fn} loss is {value}: its loss inputs "
+                        "are too extreme (e.g. sampler logprobs far below the model's make "
+                        "exp(logp - logprobs) overflow); nothing was applied"
+                    )
+                loss = datum_losses.sum()
                 if backward:
                     loss.backward()
                 total += float(loss.detach())
+                kept = logp.detach()
+                for row, (i, d) in enumerate(zip(batch, rows, strict=True)):
+                    outputs[i]["logprobs"] = kept[row, : d.length].clone()
             if not math.isfinite(total):
                 raise BackendError(
                     f"the summed {loss_fn} loss overflows to {total}; nothing was applied "
@@ -347,6 +372,17 @@ class Backend:
                     "too extreme); nothing was applied"
                 )
         return ForwardResult(outputs=outputs, metrics={"loss:sum": total})
+
+    def _logprobs(self, rows: list[CheckedDatum], padded: PaddedBatch) -> torch.Tensor:
+        """(B, T) logprobs of the padded targets under the active adapter; datums that
+        share a prompt run it once (see ``engine.local.prefix``)."""
+        plan = plan_prefixes(rows) if self.share_prefixes else None
+        if plan is not None:
+            return shared_prefix_logprobs(self._model, self._cache_kw, padded, plan, self._pad_id)
+        logits = self._model(input_ids=padded.ids, use_cache=False).logits.float()
+        return -torch.nn.functional.cross_entropy(
+            logits.flatten(0, 1), padded.targets.flatten(), reduction="none"
+        ).view(padded.targets.shape)
 
     def optim_step(self, model_id: str, adam: AdamConfig) -> dict[str, float]:
         """One AdamW step (decoupled weight decay, optional global grad-norm clipping) on
@@ -574,8 +610,13 @@ class Backend:
         for i, job in enumerate(jobs):
             groups.setdefault(job.sampler, []).append(i)
         for key, idxs in groups.items():
-            with self._host.active(self._load_slot(key)):
-                outs = self._sampler.run([requests[i] for i in idxs])
+            batch = [requests[i] for i in idxs]
+            if self._folded is not None and self.fold_sampling_weights:
+                self._fold(key, self._folded.model)
+                outs = self._folded.run(batch)
+            else:
+                with self._host.active(self._load_slot(key)):
+                    outs = self._sampler.run(batch)
             for i, out in zip(idxs, outs, strict=True):
                 seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
                 results[i] = SampleResult(
@@ -584,6 +625,18 @@ class Backend:
                     topk_prompt_logprobs=out.topk_prompt_logprobs,
                 )
         return [r for r in results if r is not None]
+
+    def _fold(self, key: str | None, folded: torch.nn.Module) -> None:
+        """Give the folded copy the base weights plus snapshot ``key``'s LoRA delta."""
+        if self._folded_holds == (key,):
+            return
+        weights = self._host.folded_weights(self._load_slot(key))
+        with torch.no_grad():
+            for name, weight in weights.items():
+                target = folded.get_submodule(name).weight
+                assert isinstance(target, torch.Tensor)
+                target.copy_(weight)
+        self._folded_holds = (key,)
 
     def _load_slot(self, key: str | None) -> str | None:
         """Copy a snapshot into the sampling adapter of its shape; return that adapter."""
@@ -598,9 +651,11 @@ class Backend:
             slot = f"slot{next(self._counter)}"
             self._host.add(slot, snap.rank, snap.targets, seed=0)
             self._slots[shape] = slot
-        with torch.no_grad():
-            for name, p in self._host.params(slot).items():
-                p.copy_(snap.tensors[name])
+        if self._slot_holds.get(slot) != key:  # snapshots never change: copy once
+            with torch.no_grad():
+                for name, p in self._host.params(slot).items():
+                    p.copy_(snap.tensors[name])
+            self._slot_holds[slot] = key
         return slot
 
     def _request(self, i: int, job: SampleJob) -> Request:

@@ -117,13 +117,33 @@ def micro_batches(data: Sequence[CheckedDatum], vocab: int, budget: int) -> list
     return batches
 
 
-def pad_right(data: Sequence[CheckedDatum], pad_id: int) -> tuple[Tensor, Tensor]:
-    """(input_ids, target_tokens), both (B, T) right-padded; causal attention means real
-    tokens never see the padding, so no attention mask is needed."""
+@dataclass(frozen=True)
+class PaddedBatch:
+    """Datums right-padded to one width: token ids, target ids, a real-token mask, and
+    the requested float loss inputs (zero on the padding), all (B, T)."""
+
+    ids: Tensor
+    targets: Tensor
+    mask: Tensor
+    inputs: dict[str, Tensor]
+
+
+def pad_right(data: Sequence[CheckedDatum], pad_id: int, keys: Sequence[str] = ()) -> PaddedBatch:
+    """Right-pad ``data`` (causal attention means real tokens never see the padding, so
+    no attention mask is needed); ``keys`` names the loss inputs to pad alongside."""
     width = max(d.length for d in data)
+    lengths = torch.tensor([d.length for d in data])
+    mask = torch.arange(width)[None, :] < lengths[:, None]
     ids = torch.full((len(data), width), pad_id, dtype=torch.long)
+    ids[mask] = torch.cat([d.tokens for d in data])
     targets = torch.zeros((len(data), width), dtype=torch.long)
-    for row, d in enumerate(data):
-        ids[row, : d.length] = d.tokens
-        targets[row, : d.length] = d.inputs["target_tokens"]
-    return ids, targets
+    targets[mask] = torch.cat([d.inputs["target_tokens"] for d in data])
+    inputs: dict[str, Tensor] = {}
+    for key in keys:
+        if key == "target_tokens":
+            inputs[key] = targets
+            continue
+        padded = torch.zeros((len(data), width), dtype=torch.float32)
+        padded[mask] = torch.cat([d.inputs[key] for d in data])
+        inputs[key] = padded
+    return PaddedBatch(ids, targets, mask, inputs)

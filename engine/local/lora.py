@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import torch
 from peft import LoraConfig
 from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
+from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -94,6 +95,9 @@ class AdapterHost:
         self.groups = find_module_groups(model)
         self._adapters: dict[str, tuple[int, TargetSet]] = {}
         self._layers: list[BaseTunerLayer] = []
+        self._params: dict[str, dict[str, nn.Parameter]] = {}
+        self._current: str | None = None
+        """The adapter peft has active (None: unknown); switching walks every module."""
 
     def add(self, name: str, rank: int, targets: TargetSet, seed: int) -> dict[str, nn.Parameter]:
         """Inject a fresh adapter (A ~ kaiming-uniform from ``seed``, B = 0); return its
@@ -104,7 +108,7 @@ class AdapterHost:
             torch.manual_seed(seed)
             inject_adapter_in_model(lora_config(rank, self.alpha, targets), self.model, name)
         self._adapters[name] = (rank, targets)
-        self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._module_tree_changed()
         params = self.params(name)
         for p in params.values():
             p.requires_grad_(True)
@@ -117,7 +121,12 @@ class AdapterHost:
             # we always set the adapter we need before running the model
             warnings.filterwarnings("ignore", message="Adapter .* was active which is now deleted")
             delete_adapter(self.model, name, prefix="lora_")
+        self._module_tree_changed()
+
+    def _module_tree_changed(self) -> None:
         self._layers = [m for m in self.model.modules() if isinstance(m, BaseTunerLayer)]
+        self._params.clear()
+        self._current = None
 
     def shapes(self, rank: int, targets: TargetSet) -> dict[str, tuple[int, int]]:
         """The tensor shapes an adapter of this rank over ``targets`` must have."""
@@ -138,11 +147,29 @@ class AdapterHost:
 
     def params(self, name: str) -> dict[str, nn.Parameter]:
         """The adapter's tensors as ``{"<module path>.lora_A.weight": param, ...}``."""
+        cached = self._params.get(name)
+        if cached is not None:
+            return dict(cached)
         marker = f".{name}."
         out: dict[str, nn.Parameter] = {}
         for pname, p in self.model.named_parameters():
             if marker in pname:
                 out[pname.replace(marker, ".", 1)] = p
+        self._params[name] = out
+        return dict(out)
+
+    def folded_weights(self, name: str | None) -> dict[str, torch.Tensor]:
+        """Every adaptable layer's weight with adapter ``name``'s delta added (None, or a
+        layer the adapter does not touch: the base weight), by module path."""
+        out: dict[str, torch.Tensor] = {}
+        for path in self.groups.attn + self.groups.mlp + self.groups.unembed:
+            mod = self.model.get_submodule(path)
+            base = mod.get_base_layer() if isinstance(mod, BaseTunerLayer) else mod
+            weight = base.weight
+            assert isinstance(weight, torch.Tensor)
+            if isinstance(mod, LoraLinear) and name is not None and name in mod.lora_A:
+                weight = weight + mod.get_delta_weight(name)
+            out[path] = weight.detach()
         return out
 
     @contextmanager
@@ -157,5 +184,7 @@ class AdapterHost:
                 for layer in self._layers:
                     layer.enable_adapters(True)
             return
-        set_adapter(self.model, name)
+        if name != self._current:
+            set_adapter(self.model, name)
+            self._current = name
         yield

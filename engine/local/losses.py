@@ -1,7 +1,9 @@
 """Tinker's five training losses, per datum, as SUMS over tokens.
 
 Each loss maps the training policy's per-token logprobs ``logp`` (N,) and the datum's
-dense loss inputs to a scalar; the backend sums these over datums. Semantics follow the
+dense loss inputs to a scalar, or a batch of right-padded datums (B, T) to their (B,)
+losses (the padding must hold zero logp and zero inputs, which makes every term there
+0); the backend sums these over datums. Semantics follow the
 protocol reference (docs/mint-wire-protocol.md §3): the inputs are already aligned
 (``logp[i]`` scores ``target_tokens[i]``) and nothing is averaged, so gradients from
 several ``forward_backward`` calls add up exactly as one bigger call would.
@@ -35,32 +37,32 @@ def _ratio(logp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
 
 
 def cross_entropy(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
-    return -(inputs["weights"] * logp).sum()
+    return -(inputs["weights"] * logp).sum(-1)
 
 
 def importance_sampling(
     logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]
 ) -> Tensor:
-    return -(_ratio(logp, inputs) * inputs["advantages"]).sum()
+    return -(_ratio(logp, inputs) * inputs["advantages"]).sum(-1)
 
 
 def ppo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
     ratio = _ratio(logp, inputs)
     adv = inputs["advantages"]
     clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-    return -torch.minimum(ratio * adv, clipped * adv).sum()
+    return -torch.minimum(ratio * adv, clipped * adv).sum(-1)
 
 
 def cispo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
     ratio = _ratio(logp, inputs).detach()
     clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
-    return -(clipped * inputs["advantages"] * logp).sum()
+    return -(clipped * inputs["advantages"] * logp).sum(-1)
 
 
 def dro(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
     adv = inputs["advantages"]
     quad = (logp - inputs["logprobs"]) ** 2
-    return -(logp * adv - 0.5 * cfg["beta"] * quad).sum()
+    return -(logp * adv - 0.5 * cfg["beta"] * quad).sum(-1)
 
 
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}

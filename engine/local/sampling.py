@@ -78,28 +78,43 @@ def _restrict(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-def _draw(logprobs: Tensor, gen: torch.Generator) -> Tensor:
-    """Inverse-CDF draw per row with one uniform per row from ``gen`` (batch-independent)."""
+_Policy = tuple[float, int, float]
+"""(temperature, top_k, top_p): rows with equal policies are sampled together."""
+
+
+def _draw(logprobs: Tensor, uniforms: Tensor) -> Tensor:
+    """Inverse-CDF draw per row, with that row's uniform in [0, 1) (shape (rows, 1))."""
     probs = logprobs.exp()
     cdf = probs.cumsum(dim=-1)
-    u = torch.rand(probs.shape[0], 1, generator=gen, dtype=cdf.dtype) * cdf[:, -1:]
-    idx = torch.searchsorted(cdf, u, right=True).squeeze(-1)
+    idx = torch.searchsorted(cdf, uniforms * cdf[:, -1:], right=True).squeeze(-1)
     # u * total can round up to total; fall back to the last token with mass
     last_nonzero = probs.shape[-1] - 1 - (probs.flip(-1) > 0).int().argmax(dim=-1)
     return torch.minimum(idx, last_nonzero)
 
 
-def _choose(logits: Tensor, req: Request, gen: torch.Generator) -> tuple[Tensor, Tensor]:
-    """Next token and its logprob (see module docstring) for the rows of one request."""
+def _choose(
+    logits: Tensor, policy: _Policy, draws: list[tuple[torch.Generator, int]]
+) -> tuple[Tensor, Tensor]:
+    """Next token and its logprob (see module docstring) for rows sharing one sampling
+    policy. ``draws`` lists (generator, rows) per request in row order: each request's
+    rows take one uniform each from its own generator."""
     logits = logits.float()
-    if req.temperature == 0.0:
+    temperature, top_k, top_p = policy
+    if temperature == 0.0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
         return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
-    scaled = _restrict(logits / req.temperature, req.top_k, req.top_p)
+    scaled = _restrict(logits / temperature, top_k, top_p)
     logp = torch.log_softmax(scaled, dim=-1)
-    tok = _draw(logp, gen)
+    uniforms = torch.cat([torch.rand(n, 1, generator=gen) for gen, n in draws])
+    tok = _draw(logp, uniforms)
     return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+
+
+def cache_keyword(model: nn.Module) -> str:
+    """The name of the model's KV-cache argument (and output attribute): transformers
+    5.x renamed it; keep working on either side."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
 class Sampler:
@@ -114,11 +129,9 @@ class Sampler:
         eos_ids: frozenset[int],
         decode: Callable[[list[int]], str],
     ) -> None:
-        self._model = model
-        # transformers 5.x renamed the KV-cache argument; keep working on either side
-        params = inspect.signature(model.forward).parameters
-        self._cache_kw = "cache" if "cache" in params else "past_key_values"
-        self._trims_logits = "logits_to_keep" in params
+        self.model = model
+        self._cache_kw = cache_keyword(model)
+        self._trims_logits = "logits_to_keep" in inspect.signature(model.forward).parameters
         self._pad = pad_id
         self._eos = eos_ids
         self._decode = decode
@@ -135,7 +148,7 @@ class Sampler:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         want_prompt = any(r.prompt_logprobs or r.topk_prompt_logprobs for r in reqs)
         trim = {"logits_to_keep": 1} if self._trims_logits and not want_prompt else {}
-        out = self._model(
+        out = self.model(
             input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, **trim
         )
         outputs = [Output(sequences=[Sequence_() for _ in range(r.num_samples)]) for r in reqs]
@@ -155,34 +168,52 @@ class Sampler:
         pos = positions[row_req, -1]
         gens = [self._generator(r) for r in reqs]
 
+        live = list(range(len(row_seq)))  # cache rows still generating
         while True:
-            next_tok = torch.empty(len(row_seq), dtype=torch.long)
+            next_tok = torch.full((len(row_seq),), self._pad, dtype=torch.long)
+            next_lp = torch.zeros(len(row_seq))
+            by_policy: dict[_Policy, list[int]] = {}
+            rows_of: dict[int, int] = {}  # request -> its number of live rows
+            for k in live:
+                ri = row_seq[k][0]
+                r = reqs[ri]
+                by_policy.setdefault((r.temperature, r.top_k, r.top_p), []).append(k)
+                rows_of[ri] = rows_of.get(ri, 0) + 1
+            for policy, rows in by_policy.items():
+                # rows ascend and each request's rows are contiguous: one uniform per row,
+                # drawn request by request in row order, as if each request ran alone
+                requests = dict.fromkeys(row_seq[k][0] for k in rows)
+                draws = [(gens[i], rows_of[i]) for i in requests]
+                index = torch.tensor(rows)
+                tok, lp = _choose(last[index], policy, draws)
+                next_tok[index] = tok
+                next_lp[index] = lp
             keep: list[int] = []
-            by_req: dict[int, list[int]] = {}
-            for k, (ri, _) in enumerate(row_seq):
-                by_req.setdefault(ri, []).append(k)
-            for i, rows in by_req.items():  # ascending request order, as rows are
-                r = reqs[i]
-                tok, lp = _choose(last[rows], r, gens[i])
-                next_tok[rows] = tok
-                for k, t, lpv in zip(rows, tok.tolist(), lp.tolist(), strict=True):
-                    seq = outputs[i].sequences[row_seq[k][1]]
-                    seq.tokens.append(t)
-                    seq.logprobs.append(lpv)
-                    if self._stopped(seq, r):
-                        seq.stop_reason = "stop"
-                    elif len(seq.tokens) < r.max_tokens:
-                        keep.append(k)
+            toks, lps = next_tok.tolist(), next_lp.tolist()
+            for k in live:
+                ri, si = row_seq[k]
+                r = reqs[ri]
+                seq = outputs[ri].sequences[si]
+                seq.tokens.append(toks[k])
+                seq.logprobs.append(lps[k])
+                if self._stopped(seq, r):
+                    seq.stop_reason = "stop"
+                elif len(seq.tokens) < r.max_tokens:
+                    keep.append(k)
             if not keep:
                 return outputs
-            if len(keep) < len(row_seq):
+            # Dropping finished rows copies the whole cache; do it only once they are at
+            # least half of it (until then they ride along, fed padding, and are ignored).
+            if 2 * len(keep) <= len(row_seq):
                 idx = torch.tensor(keep)
                 cache.batch_select_indices(idx)
                 mask, pos, next_tok = mask[idx], pos[idx], next_tok[idx]
                 row_seq = [row_seq[k] for k in keep]
+                keep = list(range(len(keep)))
+            live = keep
             mask = torch.cat([mask, torch.ones((len(row_seq), 1), dtype=torch.long)], dim=1)
             pos = pos + 1
-            out = self._model(
+            out = self.model(
                 input_ids=next_tok[:, None],
                 attention_mask=mask,
                 position_ids=pos[:, None],

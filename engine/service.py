@@ -35,6 +35,7 @@ checkpoint with :meth:`MintSession.restore`.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
@@ -215,7 +216,7 @@ class MintSession:
         future = pending.handle
 
         async def saved() -> str:
-            return str((await cast(Awaitable[Any], future)).path)
+            return str((await settled(future)).path)
 
         path = await self._step_call(pending.version, saved, completes=False)
         return await self.open_sampler(pending.version, path)
@@ -278,7 +279,7 @@ class MintSession:
         logprobs: list[Sequence[float]] = []
         metrics: dict[str, float] = {}
         for n, future in zip(ticket.datums, ticket.handles, strict=True):
-            result: types.ForwardBackwardOutput = await future  # type: ignore[misc]
+            result: types.ForwardBackwardOutput = await settled(future)
             if len(result.loss_fn_outputs) != n:
                 raise EngineError(
                     f"forward_backward returned {len(result.loss_fn_outputs)} outputs for "
@@ -291,7 +292,7 @@ class MintSession:
                 metrics[key] = summed + float(value)
         optim_metrics: dict[str, float] = {}
         if ticket.optim is not None:
-            optim = await ticket.optim  # type: ignore[misc]
+            optim = await settled(ticket.optim)
             optim_metrics = {k: float(v) for k, v in (optim.metrics or {}).items()}
         return TrainResult(logprobs, metrics, optim_metrics)
 
@@ -303,7 +304,7 @@ class MintSession:
 
         async def go() -> str:
             future = await self._training.save_weights_for_sampler_async(name)
-            return str((await future).path)
+            return str((await settled(future)).path)
 
         return await self._call(OpKind.SAMPLER_SNAPSHOT, "save_weights_for_sampler", go)
 
@@ -315,7 +316,7 @@ class MintSession:
 
         async def go() -> str:
             future = await self._training.save_state_async(name, overwrite=True)
-            return str((await future).path)
+            return str((await settled(future)).path)
 
         return await self._call(OpKind.SAVE_STATE, "save_state", go)
 
@@ -332,11 +333,11 @@ class MintSession:
 
         async def state_once() -> str:
             future = await training.save_state_async(state_name, overwrite=True)
-            return str((await future).path)
+            return str((await settled(future)).path)
 
         async def sampler_once() -> str:
             future = await training.save_weights_for_sampler_async(sampler_name)
-            return str((await future).path)
+            return str((await settled(future)).path)
 
         paths: dict[str, str] = {}
 
@@ -559,6 +560,14 @@ def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:
     ``save_state``, takes its ``seq_id`` at once) can overtake it, and the snapshot would
     hold a later step's weights. The method the public one wraps takes it at once."""
     return training._save_weights_for_sampler_impl(name, SNAPSHOT_TTL_S)
+
+
+async def settled(future: Any) -> Any:
+    """The result of an SDK future (an ``APIFuture`` of a call on the model's sequence).
+    Cancelling the wait abandons the result, never the call: the SDK would cancel its
+    request after it took its place in the sequence, and every later call of the model
+    would wait on the server for the place left empty."""
+    return await asyncio.shield(asyncio.wrap_future(future.future()))
 
 
 def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:

@@ -15,11 +15,12 @@ import sys
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import anyio
 import pytest
 
-from engine import ConfigError, Engine, EngineConfig, StepResult
+from engine import ConfigError, Engine, EngineConfig, Interrupted, StepResult
 from engine.local import LocalServer
 from engine.service import PreflightError
 from engine.tasks import load_task
@@ -328,3 +329,32 @@ def test_a_model_alias_the_server_accepts_is_not_refused(tmp_path: Path) -> None
         steps, result = run_engine(config)
     assert [s.step for s in steps] == [1]
     assert result.final_path.startswith("tinker://")
+
+
+def test_a_stop_during_the_step_0_checkpoint_still_checkpoints_at_once(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    """Cancelling the wait for a checkpoint must not cancel its calls: the SDK would
+    drop a request that already took its place in the model's sequence, and the stop
+    checkpoint behind it would wait for that place until its deadline."""
+    config = small_config(server, tmp_path / "run", request_timeout=15.0)
+
+    async def go() -> None:
+        async with Engine(config) as engine:
+            save = engine.session.save_checkpoint
+
+            async def stop_while_saving(*args: Any, **kwargs: Any) -> tuple[str, str]:
+                engine.request_stop()
+                return await save(*args, **kwargs)
+
+            engine.session.save_checkpoint = stop_while_saving  # type: ignore[method-assign]
+            with pytest.raises(Interrupted):
+                await engine.run()
+
+    anyio.run(go)
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["stopped"] == {
+        "reason": "interrupt",
+        "checkpoint_step": 0,
+        "checkpoint_written": True,
+    }

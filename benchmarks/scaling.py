@@ -88,8 +88,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--gc-freeze",
         action="store_true",
-        help="what-if: gc.freeze() once the engine's session is open (the engine does not "
-        "do this itself yet); compare the GC columns with a run without it",
+        help="gc.freeze() once the engine's session is open, as `python -m engine.run` does "
+        "(an embedded Engine leaves the process's GC alone); compare the GC columns with a "
+        "run without it",
     )
     p.add_argument("--no-plots", action="store_true", help="skip the PNG plot")
     p.add_argument(

@@ -178,7 +178,8 @@ def _run_one(
 ) -> RunRecord:
     if config == "quickstart":
         return run_quickstart(target, workload, steps=steps, seed=seed)
-    return run_engine(target, workload, VARIANTS[config], steps=steps, seed=seed)
+    # As `python -m engine.run` runs it: gc.freeze() once the session is open.
+    return run_engine(target, workload, VARIANTS[config], steps=steps, seed=seed, freeze_gc=True)
 
 
 def _ratio(value: Any, baseline: dict[str, Any] | None, key: str) -> float | None:

@@ -416,10 +416,11 @@ def markdown_table(report: dict[str, Any]) -> str:
             f"| {r['config']} | {r['seed']} | {r['steps']} | {r['exact_before']:.1%} | "
             f"{r['exact_after']:.1%} | {r['delta']:+.1%} | {r['wall_s']:.0f} s |"
         )
-    if any(r["seeds"] > 1 for r in report["summary"]):
+    measured = [r for r in report["summary"] if r["seeds"]]
+    if any(r["seeds"] > 1 for r in measured):
         lines += ["", "| config | seeds | mean exact after | mean delta | min delta | improved |"]
         lines.append("|---|---|---|---|---|---|")
-        for r in report["summary"]:
+        for r in measured:
             lines.append(
                 f"| {r['config']} | {r['seeds']} | {r['mean_exact_after']:.1%} | "
                 f"{r['mean_delta']:+.1%} | {r['min_delta']:+.1%} | "
@@ -522,9 +523,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     report = measure(args)
-    print(markdown_table(report))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2) + "\n")
+    print(markdown_table(report))
     print(f"wrote {args.out}")
     return 0
 

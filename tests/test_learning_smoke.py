@@ -76,3 +76,36 @@ def test_bad_flags_are_refused_with_one_line(capsys: pytest.CaptureFixture[str])
             learning.parse_args(argv)
         assert info.value.code == 2
         assert message in capsys.readouterr().err
+
+
+def test_the_table_of_several_seeds_leaves_the_derived_quickstart_row_out() -> None:
+    run = {"steps": 2, "exact_before": 0.3, "exact_after": 0.4, "delta": 0.1, "wall_s": 3}
+    measured = {
+        "config": "k0",
+        "seeds": 2,
+        "mean_exact_after": 0.4,
+        "mean_delta": 0.1,
+        "min_delta": 0.1,
+        "seeds_improved": 2,
+        "mean_gain_by_step": {"1": 0.1},
+        "target_gain": 0.08,
+        "steps_to_target_gain": 1,
+        "wall_s_to_target_gain": 2.0,
+    }
+    derived = {
+        "config": "quickstart loop",
+        "seeds": 0,
+        "target_gain": 0.08,
+        "steps_to_target_gain": 1,
+        "wall_s_to_target_gain": 4.0,
+        "derived": "K=0's steps at the quickstart loop's pace",
+    }
+    report = {
+        "latency": "mint",
+        "runs": [{**run, "config": "k0", "seed": 1}, {**run, "config": "k0", "seed": 2}],
+        "summary": [measured, derived],
+    }
+    table = learning.markdown_table(report)
+    assert "| k0 | 2 | 40.0% | +10.0% | +10.0% | 2/2 |" in table
+    quickstart = "| quickstart loop | K=0's steps at the quickstart loop's pace | 1 (+8%) | 4.0 s |"
+    assert quickstart in table

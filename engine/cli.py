@@ -1,5 +1,6 @@
 """What the command-line entry points share: the program name shown in usage lines (the
-console script's own name, else ``python -m <module>``) and ``--version``."""
+console script's own name, else ``python -m <module>``), ``--version`` and a parser whose
+usage errors are one line."""
 
 from __future__ import annotations
 
@@ -7,8 +8,9 @@ import argparse
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+from typing import NoReturn
 
-__all__ = ["add_version_flag", "engine_version", "program_name"]
+__all__ = ["OneLineErrorParser", "add_version_flag", "engine_version", "program_name"]
 
 
 def engine_version() -> str:
@@ -27,3 +29,11 @@ def program_name(module: str, script: str) -> str:
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"%(prog)s {engine_version()}")
+
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """argparse, but a usage error is ONE line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        print(f"Error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)

@@ -26,9 +26,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, NoReturn
+from typing import TYPE_CHECKING, Any
 
-from engine.cli import add_version_flag, program_name
+from engine.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.errors import ConfigError
 from engine.evaluation import EVAL_FILE
 from engine.extras import require
@@ -346,14 +346,8 @@ def finished_run_report(run_dir: Path) -> str | None:
     return None
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"Error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog=program_name("engine.report", "engine-report"),
         description="Plot runs from their metrics.jsonl: report.png and a self-contained "
         "report.html. Several run directories are overlaid in one picture.",

@@ -11,14 +11,14 @@ the task scored it, its reward components, advantage and the sampler version.
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
 from engine.checkpoint import truncate_metrics
+from engine.cli import OneLineErrorParser
 from engine.results import StepResult
 from engine.rl import group_advantages
 from engine.state import ScoredGroup
@@ -82,12 +82,6 @@ class RolloutLog:
 # ----------------------------------------------------------------------------- reading
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        print(f"Error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _read(path: Path) -> list[dict[str, Any]]:
     records = []
     for line in path.read_text(encoding="utf-8").splitlines():
@@ -119,7 +113,7 @@ def format_group(record: dict[str, Any]) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog="python -m engine.rollouts",
         description="Print the rollouts a run logged (rollouts.jsonl in its run dir).",
     )

@@ -31,7 +31,7 @@ from typing import Any, NoReturn, TextIO
 import anyio
 from tqdm import tqdm
 
-from engine.cli import add_version_flag, program_name
+from engine.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import (
     KNOBS,
     EngineConfig,
@@ -52,16 +52,8 @@ from engine.watchdog import SignalInterrupt
 __all__ = ["build_parser", "exit_process", "main"]
 
 
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a usage error is ONE line on stderr and exit code 2."""
-
-    def error(self, message: str) -> NoReturn:
-        print(f"Error: {message} (see --help)", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def build_parser() -> argparse.ArgumentParser:
-    parser = _Parser(
+    parser = OneLineErrorParser(
         prog=program_name("engine.run", "engine-run"),
         description=(
             "Pipelined RL fine-tuning on MinT (the quickstart's custom-reward loop). "

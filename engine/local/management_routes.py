@@ -34,17 +34,20 @@ def add_management_routes(app: FastAPI, service: LocalService, body_of: BodyRead
     def query(request: Request, name: str, default: str | None = None) -> str | None:
         return request.query_params.get(name, default)
 
+    def access_scope(request: Request) -> str:
+        return query(request, "access_scope", "owned") or "owned"
+
     @app.get("/api/v1/training_runs")
     async def training_runs(request: Request) -> dict[str, Any]:
         return api.training_runs(
             query(request, "limit"),
             query(request, "offset"),
-            query(request, "access_scope", "owned") or "owned",
+            access_scope(request),
         )
 
     @app.get("/api/v1/training_runs/{run_id}")
     async def training_run(run_id: str, request: Request) -> dict[str, Any]:
-        return api.training_run(run_id, query(request, "access_scope", "owned") or "owned")
+        return api.training_run(run_id, access_scope(request))
 
     @app.get("/api/v1/training_runs/{run_id}/checkpoints")
     async def run_checkpoints(run_id: str) -> dict[str, Any]:
@@ -115,12 +118,12 @@ def add_management_routes(app: FastAPI, service: LocalService, body_of: BodyRead
         return api.sessions(
             query(request, "limit"),
             query(request, "offset"),
-            query(request, "access_scope", "owned") or "owned",
+            access_scope(request),
         )
 
     @app.get("/api/v1/sessions/{session_id}")
     async def session(session_id: str, request: Request) -> dict[str, Any]:
-        return api.session(session_id, query(request, "access_scope", "owned") or "owned")
+        return api.session(session_id, access_scope(request))
 
 
 async def _save_body(request: Request, dest: Path, limit: int) -> None:

@@ -152,6 +152,21 @@ def cli_env(**extra: str) -> dict[str, str]:
     return env
 
 
+def run_cli(
+    args: list[str], cwd: Path, *, timeout: float = 400, **env: str
+) -> subprocess.CompletedProcess[str]:
+    """``python -m engine.run ARGS`` in ``cwd`` with :func:`cli_env` (plus ``env``)."""
+    return subprocess.run(
+        [sys.executable, "-m", "engine.run", *args],
+        cwd=cwd,
+        env=cli_env(**env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
 SMALL_RUN = (
     "--batch",
     "4",

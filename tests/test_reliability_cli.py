@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import random
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -21,11 +19,11 @@ import pytest
 from tests.reliability_support import (
     SMALL_RUN,
     checkpoints,
-    cli_env,
     events,
     metrics,
     problem_sequence,
     read_json,
+    run_cli,
     saved_state_steps,
     start_cli,
     trained_steps,
@@ -37,18 +35,6 @@ pytestmark = pytest.mark.slow
 STEPS = 6
 EVERY = 2
 RUN_ARGS = [*SMALL_RUN, "--steps", str(STEPS), "--checkpoint-every", str(EVERY)]
-
-
-def run_cli(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "engine.run", *args],
-        cwd=cwd,
-        env=cli_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=400,
-        check=False,
-    )
 
 
 def test_kill_9_then_resume_trains_the_requested_steps_on_the_same_problems(

@@ -9,8 +9,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -28,11 +26,11 @@ from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,
     checkpoints,
-    cli_env,
     events,
     fast_config,
     metrics,
     read_json,
+    run_cli,
     start_cli,
 )
 
@@ -162,18 +160,6 @@ def test_a_full_disk_names_the_file_and_keeps_its_previous_version(
     assert [p.name for p in tmp_path.iterdir()] == ["summary.json"]  # no temp file left
 
 
-def run_cli(args: list[str], cwd: Path, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "engine.run", *args],
-        cwd=cwd,
-        env=cli_env(**env),
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-
-
 @pytest.mark.slow
 def test_a_start_up_killed_before_its_first_checkpoint_leaves_a_reusable_dir(
     tmp_path: Path,
@@ -202,9 +188,9 @@ def test_a_start_up_killed_before_its_first_checkpoint_leaves_a_reusable_dir(
         copy = tmp_path / "copy"
         shutil.copytree(run_dir, copy)
 
-        fresh = run_cli([*args, "--run-dir", str(run_dir)], tmp_path, env)
+        fresh = run_cli([*args, "--run-dir", str(run_dir)], tmp_path, timeout=300, **env)
         assert fresh.returncode == 0, fresh.stderr
-        resumed = run_cli(["--no-progress", "--resume", str(copy)], tmp_path, env)
+        resumed = run_cli(["--no-progress", "--resume", str(copy)], tmp_path, timeout=300, **env)
         assert resumed.returncode == 0, resumed.stderr
 
     for directory, how in [(run_dir, "this run"), (copy, "--resume")]:

@@ -191,14 +191,13 @@ def _run_engine(
 
 
 def _quickstart_timing(
-    server: LocalServer, profile: Profile, steps: int, batch: int
+    server: LocalServer, profile: Profile, task: ArithmeticTask, steps: int, batch: int
 ) -> dict[str, Any] | None:
-    """The quickstart loop's wall time per step on this server (``steps`` steps): it
-    learns what K=0 importance sampling learns, datum for datum (tests/test_engine_parity),
-    so its time to a gain is K=0's steps at this pace."""
+    """The quickstart loop's wall time per step on this server (``steps`` steps of
+    ``task``): it learns what K=0 importance sampling learns, datum for datum
+    (tests/test_engine_parity), so its time to a gain is K=0's steps at this pace."""
     if not steps:
         return None
-    task_args = profile.task_args.get("arithmetic", {})
     assert profile.lora_rank is not None and profile.learning_rate is not None
     run = run_quickstart_loop(
         base_url=server.base_url,
@@ -208,9 +207,9 @@ def _quickstart_timing(
         steps=steps,
         batch=batch,
         lr=profile.learning_rate,
-        op=task_args.get("op", "+"),
-        min_operand=int(task_args.get("min_operand", 10)),
-        max_operand=int(task_args.get("max_operand", 99)),
+        op=task.op,
+        min_operand=task.min_operand,
+        max_operand=task.max_operand,
     )
     ends = [s.end - run.started for s in run.steps]
     return {
@@ -321,7 +320,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     f"({after - before:+.1%}) in {wall_s:.0f} s",
                     flush=True,
                 )
-        quickstart = _quickstart_timing(server, profile, args.quickstart_steps, args.batch)
+        quickstart = _quickstart_timing(server, profile, task, args.quickstart_steps, args.batch)
     return {
         "benchmark": "learning",
         "model": "local default (engine/local/default_model)",

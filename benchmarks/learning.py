@@ -48,7 +48,7 @@ from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
 from engine.config import Profile
 from engine.local import LocalServer
-from engine.service import read_server_profile, snapshot_name
+from engine.session.mint import read_server_profile, snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 from engine.tasks.arithmetic import score_arithmetic
 from engine.tasks.base import Task
@@ -174,7 +174,7 @@ def _run_engine(
     config: EngineConfig, task: Task | None
 ) -> tuple[RunResult, str | None, EngineConfig, list[float]]:
     """The run's result, its training client's model id (the per-version sampler
-    snapshots live under it, named by ``engine.service.snapshot_name``), its resolved
+    snapshots live under it, named by ``engine.session.mint.snapshot_name``), its resolved
     config and the wall time of each step's end, counted from right before the step-0
     checkpoint (as ``benchmarks.throughput`` counts)."""
     ends: list[float] = []

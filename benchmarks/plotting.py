@@ -1,4 +1,4 @@
-"""PNG plots of the benchmark results (matplotlib's object API via engine.plotting).
+"""PNG plots of the benchmark results (matplotlib's object API via engine.observe.plotting).
 
 Three pictures: step time by configuration (throughput), the stage timeline (Gantt) of
 a sequential and a pipelined run, and the client's CPU and memory against the batch
@@ -11,7 +11,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.plotting import color, new_figure, save
+from engine.observe.plotting import color, new_figure, save
 
 __all__ = ["plot_scaling", "plot_step_times", "plot_timeline"]
 

@@ -31,7 +31,7 @@ from typing import Any
 import anyio
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
-from engine.scoring import Scorer, parse_score_workers
+from engine.loop.scoring import Scorer, parse_score_workers
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 
 __all__ = ["main"]

@@ -20,7 +20,7 @@ the figure is the MEAN step time over steps 2..n. Both modes use the same datums
 (sampled once from the initial policy) and the same server. In "await" the snapshot is
 ``save_weights_and_get_sampling_client`` in a worker thread; in "submit-ahead" it must
 be reserved in the model's sequence before the next step is submitted, as the engine
-does it (``engine.service.reserve_sampler_snapshot`` + ``create_sampling_client_async``).
+does it (``engine.session.mint.reserve_sampler_snapshot`` + ``create_sampling_client_async``).
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ from mint import types
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
 from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
-from engine.rl import Completion, group_datums
-from engine.service import reserve_sampler_snapshot, to_sdk_datum
+from engine.loop.rl import Completion, group_datums
+from engine.session.mint import reserve_sampler_snapshot, to_sdk_datum
 
 __all__ = ["MODES", "main", "measure_trainer"]
 

@@ -32,10 +32,10 @@ if TYPE_CHECKING:
         Stalled,
         StepOutcomeUnknown,
     )
-    from engine.results import RunResult, StepResult, StepTimeline
-    from engine.scoring import RewardError
-    from engine.service import PreflightError
-    from engine.state import LoopState, ScoredGroup
+    from engine.loop.results import RunResult, StepResult, StepTimeline
+    from engine.loop.scoring import RewardError
+    from engine.loop.state import LoopState, ScoredGroup
+    from engine.session.mint import PreflightError
     from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, Task
 
 __all__ = [
@@ -82,13 +82,13 @@ _HOMES = {
     "ServiceError": "engine.errors",
     "Stalled": "engine.errors",
     "StepOutcomeUnknown": "engine.errors",
-    "RewardError": "engine.scoring",
-    "PreflightError": "engine.service",
-    "RunResult": "engine.results",
-    "StepResult": "engine.results",
-    "StepTimeline": "engine.results",
-    "LoopState": "engine.state",
-    "ScoredGroup": "engine.state",
+    "RewardError": "engine.loop.scoring",
+    "PreflightError": "engine.session.mint",
+    "RunResult": "engine.loop.results",
+    "StepResult": "engine.loop.results",
+    "StepTimeline": "engine.loop.results",
+    "LoopState": "engine.loop.state",
+    "ScoredGroup": "engine.loop.state",
     "ArithmeticTask": "engine.tasks",
     "Problem": "engine.tasks",
     "ProblemSource": "engine.tasks",

@@ -27,20 +27,20 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Literal, cast, get_args
 
+from engine.common.extras import require
+from engine.common.protocol import RECOMMENDED_FIELD
 from engine.errors import ConfigError
-from engine.extras import require
-from engine.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
-from engine.rl import OnMissingLogprobs
-from engine.scoring import parse_score_workers
+from engine.loop.rl import OnMissingLogprobs
+from engine.loop.scoring import parse_score_workers
+from engine.observe.trackers import TRACKERS, Tracker
+from engine.session.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
 from engine.tasks.arithmetic import default_eval_size
-from engine.trackers import TRACKERS, Tracker
 
 __all__ = [
     "HOSTED_BASE_URL",
     "HOSTED_PROFILE",
     "KNOBS",
     "LOSSES",
-    "RECOMMENDED_FIELD",
     "RESUME_CHANGEABLE",
     "RESUME_FROM_ENVIRONMENT",
     "EngineConfig",
@@ -90,11 +90,6 @@ HOSTED_PROFILE: Final = Profile(
     task_args={"arithmetic": {"op": "*", "min_operand": "10", "max_operand": "199"}},
 )
 """The MinT quickstart's defaults: what a server that recommends nothing gets."""
-
-RECOMMENDED_FIELD: Final = "engine_recommended"
-"""The field of a ``get_server_capabilities`` model entry that carries the model's
-recommended RL settings (``learning_rate``, ``lora_rank``, ``task_args`` per task spec).
-The local server adds it (see :mod:`engine.local.recommended`); hosted MinT does not."""
 
 
 def server_profile(capabilities: object, source: str = "the server") -> Profile:
@@ -975,7 +970,7 @@ RESUME_CHANGEABLE: Final = RESUME_FROM_ENVIRONMENT | {
 }
 """The config.json keys that may differ between a run and its resumption (a key also
 covers the keys below it): none of them changes what is trained. A resume that changes
-any other key is refused (:func:`engine.run_dir.load_resume_state`)."""
+any other key is refused (:func:`engine.rundir.directory.load_resume_state`)."""
 
 _STORED_FLAGS: Final = ("local", "stop_at_eos", "init_from_optimizer")
 

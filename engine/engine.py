@@ -10,13 +10,13 @@ exception, or because the host task was cancelled mid-step) cancels the pipeline
 closes the session and stops a local server before ``__aexit__`` returns. The engine
 keeps no module-level state and installs no signal handlers (the CLI calls
 :meth:`Engine.request_stop` on SIGINT/SIGTERM); its loggers are its own (see
-:mod:`engine.metrics` and :mod:`engine.events`).
+:mod:`engine.observe.metrics` and :mod:`engine.rundir.events`).
 
 :class:`Engine` is a small facade with a lifecycle (unopened, opening, opened, running,
 closed; httpx's ``ClientState`` is the model): entering it opens everything a run needs
-into one :class:`_OpenRun` -- the run directory (:mod:`engine.run_dir`), the logs, the
-session and the :class:`~engine.supervisor.Supervisor` that trains, checkpoints, recovers
-and stops. Calls in the wrong state raise a RuntimeError that says what to do.
+into one :class:`_OpenRun` -- the run directory (:mod:`engine.rundir.directory`), the
+logs, the session and the :class:`~engine.supervision.supervisor.Supervisor` that trains,
+checkpoints, recovers and stops. Calls in the wrong state raise a RuntimeError that says what to do.
 Resuming (``config.resume``) continues the run dir's latest checkpoint; a local server
 keeps its checkpoints in ``<run dir>/local-server`` so a new process can load them
 after a crash.
@@ -40,19 +40,19 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
-from engine.evaluation import eval_problems_of
-from engine.events import EventLog, describe
-from engine.metrics import RunLog
-from engine.results import RunResult, StepResult
-from engine.run_dir import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
-from engine.service import MintSession, local_server_profile, open_session, service_guard
-from engine.state import LoopState
-from engine.supervisor import StepHook, Supervisor
+from engine.loop.evaluation import eval_problems_of
+from engine.loop.results import RunResult, StepResult
+from engine.loop.state import LoopState
+from engine.observe.metrics import RunLog
+from engine.observe.trackers import open_trackers
+from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
+from engine.rundir.events import EventLog, describe
+from engine.session.mint import MintSession, local_server_profile, open_session, service_guard
+from engine.supervision.supervisor import StepHook, Supervisor
+from engine.supervision.watchdog import LOOP_CLOCK, Clock
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
-from engine.trackers import open_trackers
-from engine.watchdog import LOOP_CLOCK, Clock
 
 __all__ = ["Engine", "StepHook"]
 
@@ -180,8 +180,8 @@ class Engine:
     def request_stop(self, reason: Exception | None = None) -> None:
         """Stop the run gracefully (SIGINT/SIGTERM in the CLI): at once when no step is in
         flight, else after the step in flight (at most
-        :data:`~engine.supervisor.STOP_GRACE_S` later); then a stop checkpoint is written
-        and ``run()``/``steps()`` raise ``reason`` (default
+        :data:`~engine.supervision.supervisor.STOP_GRACE_S` later); then a stop checkpoint is
+        written and ``run()``/``steps()`` raise ``reason`` (default
         :class:`~engine.errors.Interrupted`, exit code 130). Safe to call from the
         engine's event loop at any time, also before the run starts; a no-op once the
         engine is closed."""

@@ -126,7 +126,7 @@ class StepOutcomeUnknown(EngineError):
     """A train step failed after submission: it may or may not have been applied.
 
     The engine must not guess; it restores the last checkpoint and redoes the steps
-    after it (see :mod:`engine.recovery`).
+    after it (see :mod:`engine.supervision.recovery`).
     """
 
     def __init__(self, step: int, cause_message: str) -> None:

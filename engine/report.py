@@ -28,10 +28,10 @@ from datetime import datetime
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from engine.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.common.extras import require
 from engine.errors import ConfigError
-from engine.evaluation import EVAL_FILE
-from engine.extras import require
+from engine.loop.evaluation import EVAL_FILE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -162,7 +162,7 @@ def _labels(run_dirs: Sequence[Path]) -> list[str]:
 def plot_report(runs: Sequence[RunData], path: Path, smoothing: float = DEFAULT_SMOOTHING) -> Path:
     """The picture of ``runs`` (one colour per run) as a PNG at ``path``."""
     require("report", "the report picture")
-    from engine.plotting import save
+    from engine.observe.plotting import save
 
     return save(draw_report(runs, smoothing), path)
 
@@ -171,7 +171,7 @@ def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -
     """The figure of :func:`plot_report`; its first axes hold the reward curves, two
     lines per run (raw, smoothed), in the order of ``runs``; when a run has held-out
     evaluations, two more axes follow the six: held-out reward, held-out rates."""
-    from engine.plotting import color, new_figure
+    from engine.observe.plotting import color, new_figure
 
     evaluated = [run for run in runs if run.evals]
     fig = new_figure(15, 12.5 if evaluated else 8.5)

@@ -17,11 +17,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint import truncate_metrics
-from engine.cli import OneLineErrorParser
-from engine.results import StepResult
-from engine.rl import group_advantages
-from engine.state import ScoredGroup
+from engine.common.cli import OneLineErrorParser
+from engine.loop.results import StepResult
+from engine.loop.rl import group_advantages
+from engine.loop.state import ScoredGroup
+from engine.rundir.checkpoints import truncate_metrics
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["ROLLOUTS_FILE", "RolloutLog", "group_record", "main"]

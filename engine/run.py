@@ -31,7 +31,7 @@ from typing import Any, NoReturn, TextIO
 import anyio
 from tqdm import tqdm
 
-from engine.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import (
     KNOBS,
     EngineConfig,
@@ -42,12 +42,12 @@ from engine.config import (
 )
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
-from engine.events import QUIET
-from engine.loop_monitor import LoopMonitor
+from engine.loop.results import RunResult, StepResult
 from engine.redact import install_stdlib_redaction, redact_text
-from engine.results import RunResult, StepResult
-from engine.run_dir import CONFIG_FILE, read_run_config
-from engine.watchdog import SignalInterrupt
+from engine.rundir.directory import CONFIG_FILE, read_run_config
+from engine.rundir.events import QUIET
+from engine.supervision.loop_monitor import LoopMonitor
+from engine.supervision.watchdog import SignalInterrupt
 
 __all__ = ["build_parser", "exit_process", "main"]
 

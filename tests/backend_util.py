@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from engine.local.backend import Backend, DatumIn, SampleJob
-from engine.local.make_model import DEFAULT_OUT, parse_int, prompt_text
+from scripts.make_model import DEFAULT_OUT, parse_int, prompt_text
 
 MODEL_DIR = DEFAULT_OUT
 

@@ -1,4 +1,4 @@
-"""A fake MinT session behind the :class:`engine.session_api.Session` protocol, for fast,
+"""A fake MinT session behind the :class:`engine.session.api.Session` protocol, for fast,
 deterministic stage tests of the pipeline: no server, no SDK, no sleeps.
 
 It models what the pipeline relies on: a training client whose requests are applied in
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import anyio
 
 from engine.errors import StepOutcomeUnknown
-from engine.rl import Completion, Datum
-from engine.session_api import (
+from engine.loop.rl import Completion, Datum
+from engine.session.api import (
     LossSpec,
     PendingSnapshot,
     SampleResult,

@@ -18,7 +18,7 @@ from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the child must not import engine (tinker imports torch) before hiding
-    from engine.extras import Extra
+    from engine.common.extras import Extra
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = Path(__file__).resolve()
@@ -27,7 +27,7 @@ SCRIPT = Path(__file__).resolve()
 def modules_of(*extras: Extra) -> list[str]:
     """The top-level modules the given extras install (with ``starlette``, which comes
     with FastAPI): what a core-only install lacks."""
-    from engine.extras import EXTRA_MODULES
+    from engine.common.extras import EXTRA_MODULES
 
     names = [m for extra in extras for m in EXTRA_MODULES[extra]]
     return [*names, "starlette"] if "local" in extras else names

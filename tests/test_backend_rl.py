@@ -12,7 +12,7 @@ import torch
 from backend_util import greedy_exact_rate, new_backend, prompt_ids, rl_datum
 
 from engine.local.backend import AdamConfig, Backend, LoraSpec, SampleJob
-from engine.local.make_model import quickstart_reward
+from scripts.make_model import quickstart_reward
 
 # the local default the engine uses for this model (see the backend report)
 LEARNING_RATE = 5e-4

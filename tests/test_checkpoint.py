@@ -13,14 +13,14 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
-from engine.checkpoint import (
+from engine.errors import ResumeError
+from engine.rundir.checkpoints import (
     CHECKPOINTS_FILE,
     CheckpointLog,
     CheckpointRecord,
     truncate_metrics,
 )
-from engine.errors import ResumeError
-from engine.run_dir import CONFIG_FILE, load_resume_state, write_config
+from engine.rundir.directory import CONFIG_FILE, load_resume_state, write_config
 
 pytestmark = pytest.mark.anyio
 
@@ -86,7 +86,7 @@ def test_kill_9_during_appends_leaves_a_readable_log(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from engine.checkpoint import CheckpointLog, CheckpointRecord
+        from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
         log = CheckpointLog({str(tmp_path)!r})
         step = 0
         while True:

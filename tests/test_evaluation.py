@@ -13,9 +13,9 @@ import pytest
 
 from engine.config import OnRewardError
 from engine.errors import find_error
-from engine.evaluation import EVAL_FILE, Evaluator
-from engine.scoring import RewardError, Scorer, ScoreWorkers
-from engine.session_api import SamplerHandle
+from engine.loop.evaluation import EVAL_FILE, Evaluator
+from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
+from engine.session.api import SamplerHandle
 from engine.tasks import Problem, RewardBreakdown, SeededSource
 from engine.tasks.render import PromptRenderer
 from tests.fake_session import FakeSession

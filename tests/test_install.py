@@ -22,7 +22,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.cli import engine_version, program_name
+from engine.common.cli import engine_version, program_name
 from engine.local import LocalServer
 from tests.engine_support import API_KEY
 from tests.hosted_env import REPO, modules_of, run_without

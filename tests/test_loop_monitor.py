@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.loop_monitor import LoopMonitor
+from engine.supervision.loop_monitor import LoopMonitor
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -14,8 +14,8 @@ import torch
 from backend_util import greedy_exact_rate, new_backend, prompt_ids
 from transformers import AutoTokenizer
 
-from engine.local import make_model
 from engine.local.backend import SampleJob
+from scripts import make_model
 
 SHIPPED = make_model.DEFAULT_OUT
 
@@ -93,7 +93,7 @@ def test_build_is_deterministic_per_seed() -> None:
 
 
 def test_cli_help_and_bad_arguments() -> None:
-    cmd = [sys.executable, "-m", "engine.local.make_model"]
+    cmd = [sys.executable, "-m", "scripts.make_model"]
     help_run = subprocess.run([*cmd, "--help"], capture_output=True, text=True, check=False)
     assert help_run.returncode == 0
     assert "--steps" in help_run.stdout and "--seed" in help_run.stdout

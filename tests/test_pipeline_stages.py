@@ -15,12 +15,12 @@ from fake_session import FakeSession
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
-from engine.pipeline import Pipeline, PipelineOutcome
-from engine.results import StepResult
-from engine.service import local_server_profile
-from engine.session_api import SamplerHandle
-from engine.state import LoopState
-from engine.stopping import StopGate
+from engine.loop.pipeline import Pipeline, PipelineOutcome
+from engine.loop.results import StepResult
+from engine.loop.state import LoopState
+from engine.session.api import SamplerHandle
+from engine.session.mint import local_server_profile
+from engine.supervision.stopping import StopGate
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from tests.datums import datum_to_dict
 

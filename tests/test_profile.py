@@ -15,17 +15,17 @@ from typing import Any
 import anyio
 import pytest
 
+from engine.common.protocol import RECOMMENDED_FIELD
 from engine.config import (
     HOSTED_PROFILE,
-    RECOMMENDED_FIELD,
     EngineConfig,
     server_profile,
     stored_profile,
 )
 from engine.local import LocalServer
-from engine.local.make_model import RL_DEFAULTS
 from engine.run import main
-from engine.service import local_server_profile, read_server_profile
+from engine.session.mint import local_server_profile, read_server_profile
+from scripts.make_model import RL_DEFAULTS
 
 KEY = "tml-profile-tests"
 

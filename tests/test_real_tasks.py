@@ -20,12 +20,12 @@ from transformers import AutoTokenizer
 
 from engine import Engine, EngineConfig
 from engine.local import LocalServer
-from engine.local.make_model import DEFAULT_OUT
+from engine.loop.scoring import RewardError
 from engine.rollouts import main as rollouts_main
 from engine.run import main as run_main
-from engine.scoring import RewardError
 from engine.tasks import ArithmeticTask, Problem, RewardBreakdown
 from engine.tasks.dataset import DatasetTask
+from scripts.make_model import DEFAULT_OUT
 from tests.engine_support import API_KEY, run_engine, small_config
 from tests.user_tasks import ChatDigitCountTask, DigitCountTask
 

@@ -7,10 +7,10 @@ from typing import Any
 import anyio
 import pytest
 
-from engine.checkpoint import CheckpointLog, CheckpointRecord
 from engine.errors import CircuitOpen, OpTimeout, PermanentServiceError, StepOutcomeUnknown
-from engine.recovery import StepOutcome, plan_recovery, run_train_step, step_outcome
-from engine.watchdog import CircuitBreaker
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.supervision.recovery import StepOutcome, plan_recovery, run_train_step, step_outcome
+from engine.supervision.watchdog import CircuitBreaker
 from tests import sdk_errors as sdk
 
 pytestmark = pytest.mark.anyio

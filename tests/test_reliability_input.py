@@ -18,14 +18,14 @@ import anyio
 import pytest
 
 from engine import Engine
-from engine.checkpoint import CheckpointLog, CheckpointRecord
 from engine.config import config_from_sources
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
-from engine.run_dir import write_config
-from engine.service import local_server_profile
-from engine.session_api import SamplingSettings
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.directory import write_config
+from engine.session.api import SamplingSettings
+from engine.session.mint import local_server_profile
 from engine.tasks import load_task
 from engine.tasks.loader import task_spec
 from tests.engine_support import run_engine

@@ -30,7 +30,8 @@ from engine.errors import (
     retry_after,
 )
 from engine.redact import clear_registered_secrets, register_secret
-from engine.retry import (
+from engine.session.mint import sdk_sampling_retry_config
+from engine.session.retry import (
     OpKind,
     RetryCounter,
     RetryPolicy,
@@ -40,8 +41,7 @@ from engine.retry import (
     retrying,
     should_retry,
 )
-from engine.service import sdk_sampling_retry_config
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
 from tests import sdk_errors as sdk
 from tests.clock import ManualClock, expire_deadlines
 

@@ -1,7 +1,7 @@
 """The reliability layer against the real local server, real SDK and injected faults.
 
 Each test starts its own server (about 0.3 s) with the faults it needs and drives the
-unmodified ``mint`` SDK through :class:`engine.retry.ServiceGuard` -- the object the
+unmodified ``mint`` SDK through :class:`engine.session.retry.ServiceGuard` -- the object the
 service seam uses -- with tiny backoffs so nothing waits for long.
 """
 
@@ -18,13 +18,13 @@ import tinker
 from structlog.testing import capture_logs
 from tinker import types
 
-from engine.checkpoint import CheckpointLog, CheckpointRecord
 from engine.errors import CircuitOpen, PermanentServiceError, StepOutcomeUnknown
 from engine.local import LocalServer
-from engine.recovery import plan_recovery
-from engine.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
-from engine.service import sdk_sampling_retry_config
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.session.mint import sdk_sampling_retry_config
+from engine.session.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
+from engine.supervision.recovery import plan_recovery
+from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
 from tests.clock import ManualClock, expire_deadlines
 
 pytestmark = pytest.mark.anyio

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 from tinker import types
 
-from engine.rl import (
+from engine.loop.rl import (
     Completion,
     MissingLogprobsError,
     build_datum,

@@ -15,13 +15,13 @@ from pathlib import Path
 import pytest
 
 from engine import StepResult
-from engine.checkpoint import CheckpointLog, CheckpointRecord, write_file_atomically
 from engine.errors import ConfigError, RunFileError, exit_code, format_error
-from engine.events import EventLog
 from engine.local import LocalServer
-from engine.metrics import RunLog
+from engine.observe.metrics import RunLog
 from engine.run import main
-from engine.run_dir import prepare_run_dir, write_config
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord, write_file_atomically
+from engine.rundir.directory import prepare_run_dir, write_config
+from engine.rundir.events import EventLog
 from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,
@@ -121,7 +121,7 @@ def test_a_read_only_run_dir_is_one_line_before_anything_starts(
         raise PermissionError(errno.EACCES, "Permission denied")
 
     # chmod does not stop root; the OS answer a non-root user gets is injected instead
-    monkeypatch.setattr("engine.run_dir.tempfile.TemporaryFile", refuse)
+    monkeypatch.setattr("engine.rundir.directory.tempfile.TemporaryFile", refuse)
     code, err = cli(["--run-dir", str(locked)], capsys)
     assert (code, err) == (
         2,
@@ -152,7 +152,7 @@ def test_a_full_disk_names_the_file_and_keeps_its_previous_version(
     def disk_full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("engine.checkpoint.os.fsync", disk_full)
+    monkeypatch.setattr("engine.rundir.checkpoints.os.fsync", disk_full)
     with pytest.raises(RunFileError) as info:
         write_file_atomically(summary, b'{"status": "failed"}\n')
     assert str(info.value) == f"cannot write {summary}: no space left on device"

@@ -13,14 +13,14 @@ from transformers import AutoTokenizer
 
 from engine.config import EngineConfig, parse_task_args, read_config_file
 from engine.errors import ConfigError
-from engine.local import make_model
 from engine.run import main, parse_config
-from engine.service import local_server_profile
+from engine.session.mint import local_server_profile
 from engine.tasks import ArithmeticTask, Problem, load_task
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer, render_prompt
 from engine.tasks.rewards import make_reward
+from scripts import make_model
 
 SHIPPED = make_model.DEFAULT_OUT
 

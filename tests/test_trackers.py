@@ -15,9 +15,9 @@ import pytest
 from engine.config import EngineConfig, config_from_sources, stored_settings
 from engine.errors import ConfigError
 from engine.local import LocalServer
-from engine.metrics import RunLog
+from engine.observe.metrics import RunLog
+from engine.observe.trackers import TensorBoardSink, WandbSink, scalar_metrics
 from engine.report import REPORT_PNG
-from engine.trackers import TensorBoardSink, WandbSink, scalar_metrics
 from tests.engine_support import API_KEY, run_engine, small_config
 
 

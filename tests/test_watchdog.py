@@ -10,7 +10,13 @@ import anyio.lowlevel
 import pytest
 
 from engine.errors import CircuitOpen, Interrupted, OpTimeout, RunStopped, Stalled, find_error
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, SignalInterrupt, Watchdog, deadline
+from engine.supervision.watchdog import (
+    LOOP_CLOCK,
+    CircuitBreaker,
+    SignalInterrupt,
+    Watchdog,
+    deadline,
+)
 from tests import sdk_errors as sdk
 from tests.clock import ManualClock
 

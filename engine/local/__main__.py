@@ -21,8 +21,8 @@ from typing import NoReturn
 
 import anyio
 
-from engine.cli import add_version_flag, program_name
-from engine.extras import missing_message
+from engine.common.cli import add_version_flag, program_name
+from engine.common.extras import missing_message
 from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, Limits, ServerConfig, make_config
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError

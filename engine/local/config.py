@@ -16,7 +16,7 @@ from engine.local.latency import LatencyProfile
 from engine.local.pretrained import PRETRAINED, model_directory
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
-"""The small model packaged with the engine (created by ``engine.local.make_model``)."""
+"""The small model packaged with the engine (created by ``scripts.make_model``)."""
 
 READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
@@ -192,7 +192,7 @@ def make_config(
     model_path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
     if not model_path.is_dir():
         hint = (
-            " (create the packaged model with `python -m engine.local.make_model`)"
+            " (create the packaged model with `python -m scripts.make_model`)"
             if model_dir is None
             else ""
         )

@@ -5,7 +5,7 @@ arithmetic task's operation and operand range) belong to the model, so they are
 recorded with it: the ``recommended_rl`` entry of its ``engine_model.json``
 (:data:`~engine.local.pretrained.METADATA_FILE`). The server adds them to the model's
 entry in its ``get_server_capabilities`` answer, under
-:data:`engine.config.RECOMMENDED_FIELD`; the SDK ignores the extra field, hosted MinT
+:data:`engine.common.protocol.RECOMMENDED_FIELD`; the SDK ignores the extra field, hosted MinT
 does not send it, and the engine reads it to pick its defaults
 (:func:`engine.config.server_profile`). This module reads metadata only (no torch), so
 the engine can also ask it about a model before starting a server on it.
@@ -17,7 +17,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from engine.config import RECOMMENDED_FIELD
+from engine.common.protocol import RECOMMENDED_FIELD
 from engine.local.config import DEFAULT_MODEL_DIR
 from engine.local.pretrained import METADATA_FILE
 

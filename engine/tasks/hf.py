@@ -24,8 +24,8 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, Final
 
+from engine.common.extras import require
 from engine.errors import ConfigError
-from engine.extras import require
 
 __all__ = ["FILE_BUILDERS", "HfSplits", "read_hf_splits"]
 

@@ -9,7 +9,7 @@ Each engine writes through its own structlog loggers (``structlog.wrap_logger``)
 the global configuration, so two engines in one process do not share sinks: JSON lines
 to ``<run dir>/metrics.jsonl`` always; to the console either readable lines (the MinT
 quickstart's ``Step N: ...`` line as-is, then a detail line) or the same JSON; and to
-the experiment trackers of ``--log-to`` (:mod:`engine.trackers`).
+the experiment trackers of ``--log-to`` (:mod:`engine.observe.trackers`).
 """
 
 from __future__ import annotations
@@ -24,11 +24,11 @@ from typing import IO, Any, Literal, TextIO
 
 import structlog
 
-from engine.checkpoint import truncate_metrics
 from engine.errors import RunFileError
+from engine.loop.state import ScoredGroup
+from engine.observe.trackers import MetricSink
 from engine.redact import redact_processor
-from engine.state import ScoredGroup
-from engine.trackers import MetricSink
+from engine.rundir.checkpoints import truncate_metrics
 
 __all__ = [
     "ActivityMeter",

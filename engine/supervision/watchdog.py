@@ -46,7 +46,7 @@ __all__ = [
     "deadline",
 ]
 
-_log = structlog.get_logger("engine.watchdog")
+_log = structlog.get_logger("engine.supervision.watchdog")
 
 
 class Clock(Protocol):

@@ -9,9 +9,9 @@ out. The logger is built with ``structlog.wrap_logger`` (never the global struct
 configuration), so two engines in one process keep separate logs.
 
 :class:`EventLog` has the ``info/warning/error(event, **fields)`` shape of a structlog
-logger, which is what the reliability modules (:mod:`engine.retry`,
-:mod:`engine.watchdog`, :mod:`engine.checkpoint`, :mod:`engine.recovery`) accept as
-their ``log``.
+logger, which is what the reliability modules (:mod:`engine.session.retry`,
+:mod:`engine.supervision.watchdog`, :mod:`engine.rundir.checkpoints`,
+:mod:`engine.supervision.recovery`) accept as their ``log``.
 """
 
 from __future__ import annotations

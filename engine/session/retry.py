@@ -38,7 +38,7 @@ What the engine does (this module):
   Retry-After for brief 429/503s, layer 2 still covers submissions for 5 min, and the
   unprotected setup calls (create_session/create_model/create_sampling_session) surface
   within seconds so the SESSION policy here, which honours Retry-After, takes over.
-* Create sampling clients (``engine.service``) with a ``retry_config`` so
+* Create sampling clients (``engine.session.mint``) with a ``retry_config`` so
   layer 4 gives up after ``policy.attempt_timeout`` without progress instead of 2 h.
 * Wrap each idempotent call in :func:`call_with_retry`: every attempt runs under a
   deadline (``attempt_timeout``), so layer 3's endless polling is bounded too; a failure
@@ -48,9 +48,9 @@ What the engine does (this module):
   our own deadline, a setup 429/5xx (with its Retry-After). Attempts and total time are
   capped by the :class:`RetryPolicy`. Permanent errors fail on the first attempt.
 * Never retry a train step here (``OpKind.TRAIN_STEP``): forward_backward + optim_step
-  is not idempotent once submitted; :mod:`engine.recovery` restores the last checkpoint.
+  is not idempotent once submitted; :mod:`engine.supervision.recovery` restores the last checkpoint.
 
-A dead server is noticed apart from all that (:mod:`engine.liveness`): while an attempt
+A dead server is noticed apart from all that (:mod:`engine.session.liveness`): while an attempt
 waits, the server is probed, and once it has refused connections for
 ``unreachable_after`` seconds the call ends with ServerUnreachable (never retried, not
 counted by the breaker) instead of waiting out its deadline; an attempt that fails while
@@ -92,9 +92,9 @@ from engine.errors import (
     classify,
     retry_after,
 )
-from engine.liveness import UNREACHABLE_AFTER_S, ServerLiveness
-from engine.recovery import run_train_step
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
+from engine.session.liveness import UNREACHABLE_AFTER_S, ServerLiveness
+from engine.supervision.recovery import run_train_step
+from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
 
 __all__ = [
     "SDK_MAX_RETRIES",
@@ -277,7 +277,7 @@ def retrying(
 
     Prefer :func:`call_with_retry`, which adds the per-attempt deadline, the breaker and
     a clear final error; use this for ``async for attempt in retrying(...)`` loops."""
-    logger = log if log is not None else structlog.get_logger("engine.retry")
+    logger = log if log is not None else structlog.get_logger("engine.session.retry")
     name = op or str(kind)
     stop: tenacity.stop.stop_base = tenacity.stop_after_attempt(policy.max_attempts)
     if policy.max_elapsed is not None:
@@ -338,7 +338,7 @@ async def call_with_retry(
     ``lambda: anyio.to_thread.run_sync(make_client, abandon_on_cancel=True)``.
     """
     name = op or str(kind)
-    logger = log if log is not None else structlog.get_logger("engine.retry")
+    logger = log if log is not None else structlog.get_logger("engine.session.retry")
     attempts = 0
 
     async def attempt() -> T:
@@ -396,7 +396,7 @@ class ServiceGuard:
 
     ``call`` retries idempotent kinds with their policy and bounds a train-step
     submission by its deadline without retrying it; ``train_step`` awaits a whole step
-    under :func:`engine.recovery.run_train_step` (StepOutcomeUnknown on an unknown
+    under :func:`engine.supervision.recovery.run_train_step` (StepOutcomeUnknown on an unknown
     outcome); all share one counter and one breaker, and the deadlines run on ``clock``.
     Once :meth:`watch_server` is called, every call also ends with ServerUnreachable when
     the server stops accepting connections for ``unreachable_after`` seconds.
@@ -411,7 +411,7 @@ class ServiceGuard:
     liveness: ServerLiveness | None = None
 
     def watch_server(self, base_url: str) -> None:
-        """Probe ``base_url`` while calls wait on it (see :mod:`engine.liveness`)."""
+        """Probe ``base_url`` while calls wait on it (see :mod:`engine.session.liveness`)."""
         self.liveness = ServerLiveness(
             base_url, unreachable_after=self.unreachable_after, clock=self.clock
         )
@@ -453,7 +453,7 @@ class ServiceGuard:
         self, step: int, fn: Callable[[], Awaitable[T]], *, completes: bool = True
     ) -> T:
         """Await train step ``step`` (1-based) exactly once; see
-        :func:`engine.recovery.run_train_step`. An unknown outcome counts as one
+        :func:`engine.supervision.recovery.run_train_step`. An unknown outcome counts as one
         ``retries/train_step`` (the step will be redone after a restore).
 
         ``completes=False`` is for one PART of a step (a submission): its failure counts

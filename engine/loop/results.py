@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.rl import Datum
-from engine.state import LoopState, ScoredGroup
+from engine.loop.rl import Datum
+from engine.loop.state import LoopState, ScoredGroup
 
 __all__ = ["RunResult", "StepResult", "StepTimeline"]
 

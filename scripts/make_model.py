@@ -9,7 +9,7 @@ thread count -> same bytes): a byte-level tokenizer, a randomly initialised
 held-out set every few steps and stops at the first checkpoint whose rate reaches the
 target (inside the allowed band), so the shipped model lands where RL has signal.
 
-Usage: ``python -m engine.local.make_model [--out DIR] [--steps N] [--seed S] ...``
+Usage: ``python -m scripts.make_model [--out DIR] [--steps N] [--seed S] ...``
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ from transformers.utils import logging as hf_logging
 from engine.local.pretrained import METADATA_FILE
 
 MODEL_NAME = "engine-local/tiny-arith"
-DEFAULT_OUT = Path(__file__).resolve().parent / "default_model"
+DEFAULT_OUT = Path(__file__).resolve().parents[1] / "engine" / "local" / "default_model"
 
 RL_DEFAULTS = {
     "learning_rate": 5e-4,
@@ -391,7 +391,7 @@ Metadata: `{METADATA_FILE}` (the server reads `model_name` from it, and sends
 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
-        prog="python -m engine.local.make_model",
+        prog="python -m scripts.make_model",
         description="Build the local server's default model (tiny Llama, byte tokenizer, "
         "SFT warm start on two-digit addition) deterministically.",
     )
@@ -462,7 +462,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {
         "model_name": args.name,
         "made_by": " ".join(
-            ["python -m engine.local.make_model", *(argv if argv is not None else sys.argv[1:])]
+            ["python -m scripts.make_model", *(argv if argv is not None else sys.argv[1:])]
         ),
         "architecture": "LlamaForCausalLM",
         "parameters": n_params,

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import anyio
 
-from engine.session_api import SamplerHandle
+from engine.session.api import SamplerHandle
 
 __all__ = ["PolicyVersions"]
 

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from engine.rl import Completion
+from engine.loop.rl import Completion
 from engine.tasks.base import Problem, RewardBreakdown
 
 __all__ = ["LoopState", "ScoredGroup"]

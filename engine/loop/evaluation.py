@@ -19,11 +19,11 @@ from typing import Any
 
 import anyio
 
-from engine.checkpoint import truncate_metrics
 from engine.config import OnRewardError
 from engine.errors import ConfigError
-from engine.scoring import RewardError, Scorer
-from engine.session_api import SamplerHandle, SamplingSettings, Session
+from engine.loop.scoring import RewardError, Scorer
+from engine.rundir.checkpoints import truncate_metrics
+from engine.session.api import SamplerHandle, SamplingSettings, Session
 from engine.tasks.base import Problem, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 

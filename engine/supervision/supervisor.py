@@ -11,9 +11,9 @@ its end and is the one place that decides what happens when something goes wrong
   scored-but-untrained groups).
 * **Exactly-once steps**: a step whose outcome is unknown makes it restore the latest
   checkpoint on a new training client, rewind the per-step logs and redo the steps after
-  it (:mod:`engine.recovery`); the breaker bounds how often in a row.
+  it (:mod:`engine.supervision.recovery`); the breaker bounds how often in a row.
 * **Stops**: the breaker, the watchdog, a failed sample/reward and a stop request all
-  end the run at a step boundary (:class:`~engine.stopping.StopGate`; after
+  end the run at a step boundary (:class:`~engine.supervision.stopping.StopGate`; after
   :data:`STOP_GRACE_S` the step in flight is cancelled), write a stop checkpoint when
   the state can be trusted, and raise the reason.
 * **Resume**: a resumed run starts from the run dir's latest checkpoint (weights,
@@ -28,7 +28,6 @@ from dataclasses import dataclass
 
 import anyio
 
-from engine.checkpoint import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.config import EngineConfig
 from engine.errors import (
     RunStopped,
@@ -38,22 +37,23 @@ from engine.errors import (
     format_error,
     primary_error,
 )
-from engine.evaluation import Evaluator
-from engine.events import EventLog
-from engine.metrics import RunLog
-from engine.pipeline import Pipeline, PipelineOutcome
-from engine.recovery import plan_recovery
+from engine.loop.evaluation import Evaluator
+from engine.loop.pipeline import Pipeline, PipelineOutcome
+from engine.loop.results import RunResult, StepResult
+from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.state import LoopState
+from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
-from engine.results import RunResult, StepResult
 from engine.rollouts import RolloutLog
-from engine.run_dir import RunDirectory
-from engine.scoring import Scorer, parse_score_workers
-from engine.service import MintSession
-from engine.state import LoopState
-from engine.stopping import StopGate
+from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
+from engine.rundir.directory import RunDirectory
+from engine.rundir.events import EventLog
+from engine.session.mint import MintSession
+from engine.supervision.recovery import plan_recovery
+from engine.supervision.stopping import StopGate
+from engine.supervision.watchdog import Clock, Watchdog
 from engine.tasks import Task
 from engine.tasks.render import PromptRenderer
-from engine.watchdog import Clock, Watchdog
 
 __all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
 

@@ -10,7 +10,7 @@ steps after the checkpoint from the per-step logs, so the redone steps appear on
 Files the engine rewrites (``config.json``, summaries) are written atomically
 (:func:`write_file_atomically`: temp file + rename), so a full disk leaves the previous
 version, and the error names the file. The directory itself (which one a run may use,
-``config.json``, the resume check, the summaries) is :mod:`engine.run_dir`.
+``config.json``, the resume check, the summaries) is :mod:`engine.rundir.directory`.
 
 Durability: a record is ONE ``write`` of one line, then ``flush`` + ``fsync``; a record
 exists only once ``save_state`` has returned its path, so every record points at a
@@ -49,7 +49,7 @@ CHECKPOINTS_FILE = "checkpoints.jsonl"
 CheckpointReason = Literal["periodic", "interrupt", "final", "breaker", "watchdog", "error"]
 _REASONS: tuple[str, ...] = get_args(CheckpointReason)
 
-_log = structlog.get_logger("engine.checkpoint")
+_log = structlog.get_logger("engine.rundir.checkpoints")
 
 
 @dataclass(frozen=True)

@@ -1,10 +1,10 @@
 """The MinT session: the ONE module that talks to the ``mint`` SDK.
 
 Why one module: every SDK call the engine makes passes through :meth:`MintSession._call`,
-the single seam where the reliability layer (``engine.retry``/``engine.watchdog``) wraps
-retries, deadlines and circuit breaking. The rest of the engine sees typed results
-(:class:`SampleResult`, :class:`TrainResult`, :class:`SamplerHandle`) and never an SDK
-future.
+the single seam where the reliability layer (``engine.session.retry``,
+``engine.supervision.watchdog``) wraps retries, deadlines and circuit breaking. The rest
+of the engine sees typed results (:class:`SampleResult`, :class:`TrainResult`,
+:class:`SamplerHandle`) and never an SDK future.
 
 Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
 
@@ -25,8 +25,8 @@ says so (its data dir, where its checkpoints live, can be put inside the run dir
 new process can resume from them). A preflight turns an unreachable server, a rejected
 key and an unknown model into one sentence each (:class:`PreflightError`, exit code 1).
 
-Reliability (see :mod:`engine.retry`): every call goes through a
-:class:`~engine.retry.ServiceGuard` -- idempotent kinds (setup, sampling, sampler
+Reliability (see :mod:`engine.session.retry`): every call goes through a
+:class:`~engine.session.retry.ServiceGuard` -- idempotent kinds (setup, sampling, sampler
 snapshots, save_state) are retried on transient errors under a per-attempt deadline;
 train-step calls are bounded by a deadline and never repeated: a failure after
 submission raises :class:`~engine.errors.StepOutcomeUnknown` and the engine restores a
@@ -52,18 +52,9 @@ from tinker.lib.retry_handler import RetryConfig
 
 from engine.config import HOSTED_BASE_URL, HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
+from engine.loop.rl import Completion, Datum
 from engine.redact import register_secret
-from engine.retry import (
-    SDK_MAX_RETRIES,
-    OpKind,
-    RetryCounter,
-    RetryPolicy,
-    ServiceGuard,
-    retry_policies,
-    tally_retries,
-)
-from engine.rl import Completion, Datum
-from engine.session_api import (
+from engine.session.api import (
     LossSpec,
     PendingSnapshot,
     SampleResult,
@@ -73,7 +64,16 @@ from engine.session_api import (
     StepTicket,
     TrainResult,
 )
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.session.retry import (
+    SDK_MAX_RETRIES,
+    OpKind,
+    RetryCounter,
+    RetryPolicy,
+    ServiceGuard,
+    retry_policies,
+    tally_retries,
+)
+from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
 
 __all__ = [
     "MintSession",

@@ -20,7 +20,7 @@ dead one, so only a failure to *connect* counts.
   waits for the verdict instead of being retried or counted by the breaker:
   :meth:`ServerLiveness.verdict_after_failure`.
 
-Time runs on an injectable :class:`~engine.watchdog.Clock`.
+Time runs on an injectable :class:`~engine.supervision.watchdog.Clock`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import anyio
 import httpx
 
 from engine.errors import ServerUnreachable, os_reason
-from engine.watchdog import LOOP_CLOCK, Clock
+from engine.supervision.watchdog import LOOP_CLOCK, Clock
 
 __all__ = ["PROBE_INTERVAL_S", "UNREACHABLE_AFTER_S", "Probe", "ServerLiveness", "http_probe"]
 

@@ -8,7 +8,7 @@ carries what the next stage needs, no stage reads another's state):
   *admission* -- the newest policy version must be at least ``step - K`` -- and then
   starts every group of the step concurrently (at most ``concurrency`` requests in
   flight), each tagged with the version of the sampler that produced it.
-* **scorer** rewards every arrived group at once (:class:`~engine.scoring.Scorer`: all
+* **scorer** rewards every arrived group at once (:class:`~engine.loop.scoring.Scorer`: all
   responses concurrently, at most ``--score-concurrency`` calls).
 * **trainer**, two tasks. The *submitter* assembles step ``s`` from exactly its groups
   (problem ``i`` of step ``s`` is problem ``s * batch + i`` of the source), in problem
@@ -17,8 +17,8 @@ carries what the next stage needs, no stage reads another's state):
   ``s + 1``) back to back, without awaiting anything: while step ``s``'s results are
   outstanding it already submits step ``s + 1`` (``--submit-ahead`` steps at most), so
   the server's clock never idles between steps. The *finisher* awaits each submitted
-  step in order, publishes its snapshot to :class:`~engine.policy.PolicyVersions` and
-  hands the :class:`~engine.results.StepResult` to ``on_step``.
+  step in order, publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and
+  hands the :class:`~engine.loop.results.StepResult` to ``on_step``.
 
 Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
 exists, so at most ``K + 1`` steps of groups are started but untrained and every trained
@@ -27,7 +27,7 @@ on-policy loop (same problems, datums and skip rules), only with concurrent samp
 one server round per train step. Nothing sampled is discarded.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
-recorded (:class:`~engine.stopping.StopGate`), so a stop only ever lands between steps
+recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps
 (after every step in flight). A step after which a checkpoint is due is drained (nothing
 is submitted behind it until it is recorded and checkpointed), so a checkpoint holds
 exactly the steps before it. A failed sample request or reward function asks the gate to
@@ -52,14 +52,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig
 from engine.errors import EngineError
-from engine.evaluation import Evaluator
-from engine.metrics import ActivityMeter, quickstart_line, reward_metrics
-from engine.policy import PolicyVersions
-from engine.results import StepResult, StepTimeline
-from engine.retry import tally_retries
-from engine.rl import Datum, GroupDatums, group_datums, kl_sample_train
-from engine.scoring import RewardError, Scorer, parse_score_workers
-from engine.session_api import (
+from engine.loop.evaluation import Evaluator
+from engine.loop.policy import PolicyVersions
+from engine.loop.results import StepResult, StepTimeline
+from engine.loop.rl import Datum, GroupDatums, group_datums, kl_sample_train
+from engine.loop.scoring import RewardError, Scorer, parse_score_workers
+from engine.loop.state import LoopState, ScoredGroup
+from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
+from engine.session.api import (
     LossSpec,
     PendingSnapshot,
     SampleResult,
@@ -69,8 +69,8 @@ from engine.session_api import (
     StepTicket,
     TrainResult,
 )
-from engine.state import LoopState, ScoredGroup
-from engine.stopping import StopGate
+from engine.session.retry import tally_retries
+from engine.supervision.stopping import StopGate
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 

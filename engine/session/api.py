@@ -3,8 +3,8 @@
 Why a Protocol: the pipeline (sampling, scoring, training) is the engine's logic; the
 SDK calls behind it are I/O. :class:`Session` is everything the pipeline and the
 engine's supervision need from the service, typed with plain engine values
-(:class:`~engine.rl.Datum`, :class:`SamplingSettings`, :class:`SamplerHandle`...), so no
-SDK type crosses it. :class:`engine.service.MintSession` implements it over the ``mint``
+(:class:`~engine.loop.rl.Datum`, :class:`SamplingSettings`, :class:`SamplerHandle`...), so no
+SDK type crosses it. :class:`engine.session.mint.MintSession` implements it over the ``mint``
 SDK; tests implement it with a fake (``tests/fake_session.py``) and an injected clock.
 
 A train step is submitted in parts and awaited later, so the trainer can submit step
@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from engine.rl import Completion, Datum
+from engine.loop.rl import Completion, Datum
 
 __all__ = [
     "LossSpec",

@@ -5,9 +5,9 @@ A run dir holds (the README has the full table):
 
 * ``config.json`` -- the run's redacted config with the task's spec and arguments, so
   ``--resume`` rebuilds the same run (:meth:`RunDirectory.write_config`);
-* ``checkpoints.jsonl`` (:mod:`engine.checkpoint`), ``metrics.jsonl``
-  (:mod:`engine.metrics`), ``events.jsonl`` (:mod:`engine.events`), ``rollouts.jsonl``
-  and ``eval.jsonl``;
+* ``checkpoints.jsonl`` (:mod:`engine.rundir.checkpoints`), ``metrics.jsonl``
+  (:mod:`engine.observe.metrics`), ``events.jsonl`` (:mod:`engine.rundir.events`),
+  ``rollouts.jsonl`` and ``eval.jsonl``;
 * ``summary.json`` / ``summary.md`` -- how the run ended, written whatever the ending
   (:meth:`RunDirectory.write_summary`);
 * ``local-server/`` -- the data of a local server the engine started.
@@ -33,12 +33,6 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.checkpoint import (
-    CHECKPOINTS_FILE,
-    CheckpointLog,
-    CheckpointRecord,
-    write_file_atomically,
-)
 from engine.config import RESUME_CHANGEABLE, EngineConfig
 from engine.errors import (
     ConfigError,
@@ -48,10 +42,16 @@ from engine.errors import (
     RunFileError,
     RunStopped,
 )
-from engine.events import QUIET, EventLog, HeldEvents
-from engine.metrics import RunLog
+from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config
 from engine.report import REPORT_PNG
+from engine.rundir.checkpoints import (
+    CHECKPOINTS_FILE,
+    CheckpointLog,
+    CheckpointRecord,
+    write_file_atomically,
+)
+from engine.rundir.events import QUIET, EventLog, HeldEvents
 from engine.tasks import Task
 
 __all__ = [

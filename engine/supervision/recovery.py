@@ -41,7 +41,6 @@ from typing import Any, TypeVar
 
 import structlog
 
-from engine.checkpoint import CheckpointRecord
 from engine.errors import (
     EngineError,
     PermanentServiceError,
@@ -49,15 +48,16 @@ from engine.errors import (
     StepOutcomeUnknown,
     classify,
 )
-from engine.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
+from engine.rundir.checkpoints import CheckpointRecord
+from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
 
 __all__ = ["RecoveryPlan", "StepOutcome", "plan_recovery", "run_train_step", "step_outcome"]
 
 T = TypeVar("T")
 
-TRAIN_STEP_KIND = "train_step"  # == engine.retry.OpKind.TRAIN_STEP
+TRAIN_STEP_KIND = "train_step"  # == engine.session.retry.OpKind.TRAIN_STEP
 
-_log = structlog.get_logger("engine.recovery")
+_log = structlog.get_logger("engine.supervision.recovery")
 
 
 class StepOutcome(StrEnum):

@@ -1,0 +1,12 @@
+"""Names on the wire that the engine and its local server both use, beyond the MinT
+protocol itself."""
+
+from __future__ import annotations
+
+from typing import Final
+
+__all__ = ["RECOMMENDED_FIELD"]
+
+RECOMMENDED_FIELD: Final = "engine_recommended"
+"""The extra field of a model entry in ``get_server_capabilities`` with the RL settings
+the local server recommends for that model (the SDK ignores it; hosted MinT omits it)."""

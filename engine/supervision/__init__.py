@@ -1,0 +1,2 @@
+"""Supervision of a run: checkpoints at the right moments, exactly-once recovery, stops,
+deadlines, the circuit breaker and the watchdogs."""

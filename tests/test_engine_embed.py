@@ -174,7 +174,7 @@ def test_an_engine_runs_once_inside_its_async_with(server: LocalServer, tmp_path
         with pytest.raises(RuntimeError, match="exists once the engine is entered"):
             _ = engine.session
         async with engine:
-            assert engine.loop.state is None and engine.rundir.directory == tmp_path / "run"
+            assert engine.state is None and engine.run_dir == tmp_path / "run"
         with pytest.raises(RuntimeError, match="is closed"):
             await engine.run()
         with pytest.raises(RuntimeError, match="already entered"):
@@ -214,7 +214,7 @@ def test_a_failed_entry_closes_the_engine_and_leaves_a_summary(tmp_path: Path) -
                 pass
 
     anyio.run(enter)
-    assert engine.rundir.directory == tmp_path / "run"
+    assert engine.run_dir == tmp_path / "run"
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "failed" and "cannot reach" in summary["error"]
 

@@ -1,4 +1,5 @@
-"""Build the shipped default model: a tiny Llama that half-knows two-digit addition.
+"""Build the shipped default model: a tiny Llama that half-knows two-digit addition and
+knows the formats of the shipped environments (a guessing game, a calculator tool).
 
 The local server needs a real causal LM that (a) runs fast on two CPU cores and (b) starts
 an RL run with room to improve: greedy exact rate on the default task between 20% and 60%.
@@ -8,6 +9,13 @@ thread count -> same bytes): a byte-level tokenizer, a randomly initialised
 ``Question: What is A + B?\\nAnswer: C``. It evaluates the greedy exact rate on a fixed
 held-out set every few steps and stops at the first checkpoint whose rate reaches the
 target (inside the allowed band), so the shipped model lands where RL has signal.
+
+A share of the SFT batches are chat transcripts of the shipped environments
+(:mod:`engine.envs.examples`), rendered with the model's own chat template: the guessing
+game's later turns (a guess after ``Too high.``/``Too low.``) and the calculator's
+multiplication questions, answered through the ``multiply`` tool on only some of them
+(the model guesses the product itself on the rest), so RL has a behaviour to learn in
+each environment too.
 
 Usage: ``python -m scripts.make_model [--out DIR] [--steps N] [--seed S] ...``
 """
@@ -31,6 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from engine.envs.examples import calculator, guess_sum
 from engine.local.pretrained import METADATA_FILE
 
 MODEL_NAME = "engine-local/tiny-arith"
@@ -55,11 +64,15 @@ CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
     "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'tool' %}Result: {{ message['content'] }}\n"
     "{% else %}{{ message['content'] }}\n{% endif %}"
-    "{% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Answer: {% endif %}"
 )
-"""Renders a user message into the format the model was trained on
-(``Question: ...\nAnswer:``), so chat-message tasks run on the local server."""
+"""Renders chat messages into the format the model was trained on (``Question: ...\n``,
+``Answer: ...</s>``, a tool's result as ``Result: ...\n``), so chat-message tasks and
+multi-turn environments run on the local server. The generation prompt ends with the
+space after ``Answer:``: a sampled reply is then exactly the assistant message's content,
+and re-rendering a conversation reproduces the sampled tokens."""
 
 
 def prompt_text(a: int, b: int) -> str:
@@ -142,36 +155,150 @@ def build_model(
     return model
 
 
-def _example(rng: random.Random) -> tuple[str, str]:
-    """Mostly the target task (two-digit addition), plus a little nearby arithmetic."""
+Row = tuple[list[int], list[int]]
+"""One SFT example: token ids and labels (-100 where the loss ignores the token)."""
+
+_SUB_BATCH = 16
+"""Rows per forward pass: a batch is sorted by length and cut into sub-batches, so the
+short arithmetic rows are not padded to the length of the longest transcript."""
+
+
+def _arithmetic_row(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> Row:
+    """Mostly the target task (two-digit addition), plus a little nearby arithmetic; the
+    answer and its EOS are scored."""
     kind = rng.random()
-    if kind < 0.85:
+    if kind < 0.85 / 0.95:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
-        return prompt_text(a, b), f" {a + b}"
-    if kind < 0.95:
+        prompt, answer = prompt_text(a, b), f" {a + b}"
+    else:
         a, b = rng.randint(0, 9), rng.randint(0, 99)
-        return prompt_text(a, b), f" {a + b}"
+        prompt, answer = prompt_text(a, b), f" {a + b}"
+    p_ids = tokenizer.encode(prompt)
+    a_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+    return p_ids + a_ids, [-100] * len(p_ids) + a_ids
+
+
+def chat_row(
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]], trained: set[int]
+) -> Row:
+    """A conversation rendered by the model's chat template; the assistant messages at the
+    ``trained`` indices (their content and EOS) are scored, everything else is context."""
+    ids: list[int] = []
+    labels: list[int] = []
+    for i, message in enumerate(messages):
+        if message["role"] == "assistant":
+            prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+            labels += [-100] * (len(prompt) - len(ids))
+            ids = prompt
+        full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        if full[: len(ids)] != ids:
+            raise RuntimeError("the chat template does not render conversations prefix-stably")
+        new = full[len(ids) :]
+        labels += new if i in trained else [-100] * len(new)
+        ids = full
+    return ids, labels
+
+
+def _render(
+    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]], *, generation_prompt: bool
+) -> list[int]:
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=generation_prompt
+    )
+    return list(tokenizer.encode(str(text), add_special_tokens=False))
+
+
+def guess_transcript(rng: random.Random) -> tuple[list[dict[str, str]], set[int]]:
+    """A guessing game that starts from a wrong first guess (not trained: the arithmetic
+    rows teach the first guess); each later guess either hits the sum or moves strictly
+    towards it, as the hint says, until it is right or the turns run out."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
-    return f"Question: What is {a} - {b}?\nAnswer:", f" {a - b}"
+    target = a + b
+    guess = target + rng.choice((-1, 1)) * rng.randint(1, 20)
+    messages = [
+        {"role": "user", "content": guess_sum.question(a, b)},
+        {"role": "assistant", "content": str(guess)},
+    ]
+    trained: set[int] = set()
+    turns = 1
+    while (hint := guess_sum.feedback(guess, target)) is not None:
+        if turns == guess_sum.DEFAULT_MAX_TURNS:
+            break
+        gap = abs(target - guess)
+        if gap == 1 or rng.random() < 0.5:
+            guess = target
+        else:
+            guess += (1 if target > guess else -1) * rng.randint(1, gap - 1)
+        messages += [
+            {"role": "user", "content": hint},
+            {"role": "assistant", "content": str(guess)},
+        ]
+        trained.add(len(messages) - 1)
+        turns += 1
+    return messages, trained
+
+
+def calculator_transcript(
+    rng: random.Random, tool_share: float
+) -> tuple[list[dict[str, str]], set[int]]:
+    """A multiplication question answered through the tool (share ``tool_share``) or
+    directly with the product."""
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    product = str(a * b)
+    messages = [{"role": "user", "content": calculator.question(a, b)}]
+    if rng.random() < tool_share:
+        messages += [
+            {"role": "assistant", "content": calculator.tool_call_text(a, b)},
+            {"role": "tool", "content": product},
+        ]
+    messages.append({"role": "assistant", "content": product})
+    trained = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
+    return messages, trained
+
+
+def _row(tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig) -> Row:
+    kind = rng.random()
+    if kind < cfg.guess_share:
+        return chat_row(tokenizer, *guess_transcript(rng))
+    if kind < cfg.guess_share + cfg.tool_share:
+        return chat_row(tokenizer, *calculator_transcript(rng, cfg.tool_call_share))
+    return _arithmetic_row(tokenizer, rng)
 
 
 def _batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, size: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Right-padded input ids and labels that score only the answer and its EOS."""
-    rows: list[tuple[list[int], int]] = []
-    for _ in range(size):
-        prompt, answer = _example(rng)
-        p_ids = tokenizer.encode(prompt)
-        a_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
-        rows.append((p_ids + a_ids, len(p_ids)))
-    width = max(len(ids) for ids, _ in rows)
-    input_ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
-    labels = torch.full((size, width), -100, dtype=torch.long)
-    for i, (ids, n_prompt) in enumerate(rows):
-        input_ids[i, : len(ids)] = torch.tensor(ids)
-        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
-    return input_ids, labels
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Right-padded (input ids, labels) sub-batches of rows of similar length."""
+    rows = sorted(
+        (_row(tokenizer, rng, cfg) for _ in range(cfg.batch_size)), key=lambda r: len(r[0])
+    )
+    batches = []
+    for start in range(0, len(rows), _SUB_BATCH):
+        chunk = rows[start : start + _SUB_BATCH]
+        width = max(len(ids) for ids, _ in chunk)
+        input_ids = torch.full((len(chunk), width), tokenizer.pad_token_id, dtype=torch.long)
+        labels = torch.full((len(chunk), width), -100, dtype=torch.long)
+        for i, (ids, row_labels) in enumerate(chunk):
+            input_ids[i, : len(ids)] = torch.tensor(ids)
+            labels[i, : len(ids)] = torch.tensor(row_labels)
+        batches.append((input_ids, labels))
+    return batches
+
+
+def _loss(
+    model: LlamaForCausalLM, batches: list[tuple[torch.Tensor, torch.Tensor]]
+) -> torch.Tensor:
+    """Mean next-token cross-entropy over every scored token of the batch."""
+    total = torch.zeros(())
+    scored = 0
+    for input_ids, labels in batches:
+        logits = model(input_ids=input_ids).logits[:, :-1]
+        targets = labels[:, 1:]
+        total = total + torch.nn.functional.cross_entropy(
+            logits.reshape(-1, logits.shape[-1]), targets.reshape(-1), reduction="sum"
+        )
+        scored += int((targets != -100).sum())
+    return total / max(scored, 1)
 
 
 def parse_int(text: str) -> int | None:
@@ -186,34 +313,121 @@ def eval_problems(seed: int, n: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def generate_answers(
+def generate(
     model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
-    problems: list[tuple[int, int]],
+    prompts: list[list[int]],
     *,
     temperature: float = 0.0,
     num_samples: int = 1,
     seed: int = 0,
     max_new_tokens: int = 16,
 ) -> list[list[str]]:
-    """Decoded completions per problem (all prompts have the same length: no padding)."""
+    """Decoded completions per prompt (prompts of equal length share a batch: no padding)."""
     model.eval()
-    ids = torch.tensor([tokenizer.encode(prompt_text(a, b)) for a, b in problems])
-    ids = ids.repeat_interleave(num_samples, dim=0)
     torch.manual_seed(seed)
-    out = model.generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=max_new_tokens,
-        do_sample=temperature > 0,
-        temperature=temperature if temperature > 0 else None,
-        top_k=None,
-        top_p=None,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
+    texts: list[list[str]] = [[] for _ in prompts]
+    by_length: dict[int, list[int]] = {}
+    for i, prompt in enumerate(prompts):
+        by_length.setdefault(len(prompt), []).append(i)
+    for length in sorted(by_length):
+        idxs = by_length[length]
+        ids = torch.tensor([prompts[i] for i in idxs]).repeat_interleave(num_samples, dim=0)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            do_sample=temperature > 0,
+            temperature=temperature if temperature > 0 else None,
+            top_k=None,
+            top_p=None,
+            eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+        decoded = tokenizer.batch_decode(out[:, length:], skip_special_tokens=True)
+        for j, i in enumerate(idxs):
+            texts[i] = decoded[j * num_samples : (j + 1) * num_samples]
+    return texts
+
+
+def generate_answers(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[tuple[int, int]],
+    **sampling: Any,
+) -> list[list[str]]:
+    """Decoded completions per addition problem of the default task."""
+    prompts = [tokenizer.encode(prompt_text(a, b)) for a, b in problems]
+    return generate(model, tokenizer, prompts, **sampling)
+
+
+ENV_FORMAT_FLOORS = {"tool_call_rate": 0.1, "tool_answer_rate": 0.8, "hint_followed_rate": 0.8}
+"""What the shipped environments need of the model, measured by :func:`env_format_stats`:
+some tool calls to reinforce, results read back, and hints followed."""
+
+
+def env_format_stats(
+    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int, n: int = 64
+) -> dict[str, float]:
+    """One turn of each shipped environment, on fresh problems: how often a multiplication
+    question gets a well-formed ``multiply`` call with the right arguments (temperature
+    0.8, 4 samples each), how often the tool's result is answered exactly (greedy), and
+    how often a guess after a hint moves the way the hint says (greedy)."""
+    rng = random.Random(seed)
+    pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+    ask = [[{"role": "user", "content": calculator.question(a, b)}] for a, b in pairs]
+    calls = generate(
+        model,
+        tokenizer,
+        [_render(tokenizer, m, generation_prompt=True) for m in ask],
+        temperature=0.8,
+        num_samples=4,
+        seed=seed,
+        max_new_tokens=96,
     )
-    texts = tokenizer.batch_decode(out[:, ids.shape[1] :], skip_special_tokens=True)
-    return [texts[i * num_samples : (i + 1) * num_samples] for i in range(len(problems))]
+    well_formed = sum(
+        t.strip() == calculator.tool_call_text(a, b)
+        for ts, (a, b) in zip(calls, pairs, strict=True)
+        for t in ts
+    )
+    answered = [
+        [
+            *m,
+            {"role": "assistant", "content": calculator.tool_call_text(a, b)},
+            {"role": "tool", "content": str(a * b)},
+        ]
+        for m, (a, b) in zip(ask, pairs, strict=True)
+    ]
+    finals = generate(
+        model, tokenizer, [_render(tokenizer, m, generation_prompt=True) for m in answered]
+    )
+    exact = sum(parse_int(ts[0]) == a * b for ts, (a, b) in zip(finals, pairs, strict=True))
+    hinted: list[list[dict[str, str]]] = []
+    guesses: list[tuple[int, int]] = []
+    for a, b in pairs:
+        guess = a + b + rng.choice((-1, 1)) * rng.randint(2, 20)
+        hint = guess_sum.feedback(guess, a + b)
+        assert hint is not None
+        hinted.append(
+            [
+                {"role": "user", "content": guess_sum.question(a, b)},
+                {"role": "assistant", "content": str(guess)},
+                {"role": "user", "content": hint},
+            ]
+        )
+        guesses.append((guess, a + b))
+    nexts = generate(
+        model, tokenizer, [_render(tokenizer, m, generation_prompt=True) for m in hinted]
+    )
+    followed = 0
+    for ts, (guess, target) in zip(nexts, guesses, strict=True):
+        new = parse_int(ts[0])
+        followed += new is not None and (new - guess) * (target - guess) > 0
+    return {
+        "tool_call_rate": well_formed / (4 * n),
+        "tool_answer_rate": exact / n,
+        "hint_followed_rate": followed / n,
+    }
 
 
 def quickstart_reward(text: str, answer: int) -> float:
@@ -275,6 +489,9 @@ class SftConfig:
     min_rate: float = 0.20
     max_rate: float = 0.60
     seed: int = 0
+    guess_share: float = 0.15  # rows that are guessing-game transcripts
+    tool_share: float = 0.15  # rows that are multiplication questions (calculator)
+    tool_call_share: float = 0.3  # of those, answered through the tool
 
 
 def build_machine() -> dict[str, str]:
@@ -325,8 +542,7 @@ def train(
         model.train()
         for group in opt.param_groups:
             group["lr"] = cfg.learning_rate * min(1.0, step / cfg.warmup_steps)
-        input_ids, labels = _batch(tokenizer, rng, cfg.batch_size)
-        loss = model(input_ids=input_ids, labels=labels).loss
+        loss = _loss(model, _batch(tokenizer, rng, cfg))
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -362,6 +578,7 @@ def train(
 
 def _readme(meta: dict[str, Any]) -> str:
     t08 = meta["temperature_0_8"]
+    env = meta["environments"]
     return f"""# {meta["model_name"]}
 
 The local server's default model: a {meta["parameters"] / 1e6:.2f}M-parameter
@@ -373,7 +590,16 @@ Made by `{meta["made_by"]}` (torch {meta["torch"]}, {meta["threads"]} threads):
 random init, then {meta["sft"]["steps_done"]} supervised steps on
 `Question: What is A + B?\\nAnswer: C</s>` (mostly two-digit addition), stopping at the
 first evaluation whose greedy exact rate reached the target, so reinforcement learning
-has room to improve it.
+has room to improve it. A share of the SFT rows are transcripts of the shipped
+environments (`engine.envs.examples`) in the chat template's format: later turns of the
+guessing game ({meta["sft"]["guess_share"]:.0%} of rows) and multiplication questions
+({meta["sft"]["tool_share"]:.0%} of rows), {meta["sft"]["tool_call_share"]:.0%} of them
+answered through the `multiply` tool.
+
+Measured on one turn of each environment: well-formed tool calls
+{env["tool_call_rate"]:.1%} (temperature 0.8), tool results answered exactly
+{env["tool_answer_rate"]:.1%}, guesses that follow a hint {env["hint_followed_rate"]:.1%}
+(greedy).
 
 Measured on the default task ({meta["task"]}):
 
@@ -393,7 +619,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m scripts.make_model",
         description="Build the local server's default model (tiny Llama, byte tokenizer, "
-        "SFT warm start on two-digit addition) deterministically.",
+        "SFT warm start on two-digit addition and the shipped environments' formats) "
+        "deterministically.",
     )
     d = SftConfig()
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
@@ -414,12 +641,30 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=d.target_rate,
         help="stop at the first evaluation with greedy exact rate >= this",
     )
+    p.add_argument(
+        "--guess-share", type=float, default=d.guess_share, help="SFT rows of the guessing game"
+    )
+    p.add_argument(
+        "--tool-share", type=float, default=d.tool_share, help="SFT rows of the calculator"
+    )
+    p.add_argument(
+        "--tool-call-share",
+        type=float,
+        default=d.tool_call_share,
+        help="calculator rows answered through the tool",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the bits depend on it)")
     p.add_argument("--name", default=MODEL_NAME, help="model name reported to clients")
     args = p.parse_args(argv)
     counts = (args.steps, args.batch_size, args.eval_every, args.fine_eval_every, args.threads)
     if min(counts) < 1:
         p.error("--steps, --batch-size, --eval-every, --fine-eval-every, --threads must be >= 1")
+    shares = (args.guess_share, args.tool_share, args.tool_call_share)
+    if min(shares) < 0 or max(shares) > 1 or args.guess_share + args.tool_share >= 1:
+        p.error(
+            "--guess-share, --tool-share, --tool-call-share must lie in [0, 1], "
+            "leaving a share of arithmetic rows"
+        )
     if not 0.2 <= args.target_rate <= 0.6:
         p.error("--target-rate must lie in [0.2, 0.6]")
     return args
@@ -438,6 +683,9 @@ def main(argv: list[str] | None = None) -> None:
         fine_eval_every=args.fine_eval_every,
         target_rate=args.target_rate,
         seed=args.seed,
+        guess_share=args.guess_share,
+        tool_share=args.tool_share,
+        tool_call_share=args.tool_call_share,
     )
     shape = ModelShape()
     tokenizer = build_tokenizer()
@@ -453,6 +701,15 @@ def main(argv: list[str] | None = None) -> None:
     stats = sampling_stats(
         model, tokenizer, eval_problems(args.seed + 2, 64), temperature=0.8, group=6, seed=args.seed
     )
+    env_stats = env_format_stats(model, tokenizer, args.seed + 3)
+    short = {k: f"{env_stats[k]:.0%} < {floor:.0%}" for k, floor in ENV_FORMAT_FLOORS.items()}
+    short = {k: v for k, v in short.items() if env_stats[k] < ENV_FORMAT_FLOORS[k]}
+    if short:
+        raise SystemExit(
+            f"the model selected at step {steps} has not learned the environments' formats "
+            f"({', '.join(f'{k} {v}' for k, v in short.items())}); raise --guess-share or "
+            "--tool-share"
+        )
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
@@ -476,11 +733,12 @@ def main(argv: list[str] | None = None) -> None:
         "greedy_exact_rate": rate,
         "greedy_eval_problems": cfg.eval_problems,
         "temperature_0_8": stats,
+        "environments": env_stats,
         "recommended_rl": RL_DEFAULTS,
     }
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "README.md").write_text(_readme(meta))
-    _log(f"saved {out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats}")
+    _log(f"saved {out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats}, {env_stats}")
 
 
 if __name__ == "__main__":

@@ -39,6 +39,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from engine.envs import HermesToolCalls
 from engine.envs.examples import calculator, guess_sum
 from engine.local.pretrained import METADATA_FILE
 
@@ -63,13 +64,18 @@ _INT_RE = re.compile(r"-?\d+")
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
-    "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}{{ eos_token }}"
+    "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}"
+    "{% for call in message['tool_calls'] or [] %}<tool_call>"
+    "{\"name\": \"{{ call['function']['name'] }}\", "
+    "\"arguments\": {{ call['function']['arguments'] | tojson }}}</tool_call>"
+    "{% endfor %}{{ eos_token }}"
     "{% elif message['role'] == 'tool' %}Result: {{ message['content'] }}\n"
     "{% else %}{{ message['content'] }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}Answer: {% endif %}"
 )
 """Renders chat messages into the format the model was trained on (``Question: ...\n``,
-``Answer: ...</s>``, a tool's result as ``Result: ...\n``), so chat-message tasks and
+``Answer: ...</s>`` with tool calls in the Hermes format, a tool's result as
+``Result: ...\n``), so chat-message tasks and
 multi-turn environments run on the local server. The generation prompt ends with the
 space after ``Answer:``: a sampled reply is then exactly the assistant message's content,
 and re-rendering a conversation reproduces the sampled tokens."""
@@ -178,9 +184,10 @@ def _arithmetic_row(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> R
     return p_ids + a_ids, [-100] * len(p_ids) + a_ids
 
 
-def chat_row(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]], trained: set[int]
-) -> Row:
+Messages = list[dict[str, Any]]
+
+
+def chat_row(tokenizer: PreTrainedTokenizerFast, messages: Messages, trained: set[int]) -> Row:
     """A conversation rendered by the model's chat template; the assistant messages at the
     ``trained`` indices (their content and EOS) are scored, everything else is context."""
     ids: list[int] = []
@@ -200,7 +207,7 @@ def chat_row(
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerFast, messages: list[dict[str, str]], *, generation_prompt: bool
+    tokenizer: PreTrainedTokenizerFast, messages: Messages, *, generation_prompt: bool
 ) -> list[int]:
     text = tokenizer.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=generation_prompt
@@ -208,7 +215,7 @@ def _render(
     return list(tokenizer.encode(str(text), add_special_tokens=False))
 
 
-def guess_transcript(rng: random.Random) -> tuple[list[dict[str, str]], set[int]]:
+def guess_transcript(rng: random.Random) -> tuple[Messages, set[int]]:
     """A guessing game that starts from a wrong first guess (not trained: the arithmetic
     rows teach the first guess); each later guess either hits the sum or moves strictly
     towards it, as the hint says, until it is right or the turns run out."""
@@ -238,9 +245,7 @@ def guess_transcript(rng: random.Random) -> tuple[list[dict[str, str]], set[int]
     return messages, trained
 
 
-def calculator_transcript(
-    rng: random.Random, tool_share: float
-) -> tuple[list[dict[str, str]], set[int]]:
+def calculator_transcript(rng: random.Random, tool_share: float) -> tuple[Messages, set[int]]:
     """A multiplication question answered through the tool (share ``tool_share``) or
     directly with the product."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
@@ -248,7 +253,7 @@ def calculator_transcript(
     messages = [{"role": "user", "content": calculator.question(a, b)}]
     if rng.random() < tool_share:
         messages += [
-            {"role": "assistant", "content": calculator.tool_call_text(a, b)},
+            HermesToolCalls().parse(calculator.tool_call_text(a, b)).assistant_message(),
             {"role": "tool", "content": product},
         ]
     messages.append({"role": "assistant", "content": product})
@@ -393,7 +398,7 @@ def env_format_stats(
     answered = [
         [
             *m,
-            {"role": "assistant", "content": calculator.tool_call_text(a, b)},
+            HermesToolCalls().parse(calculator.tool_call_text(a, b)).assistant_message(),
             {"role": "tool", "content": str(a * b)},
         ]
         for m, (a, b) in zip(ask, pairs, strict=True)
@@ -402,7 +407,7 @@ def env_format_stats(
         model, tokenizer, [_render(tokenizer, m, generation_prompt=True) for m in answered]
     )
     exact = sum(parse_int(ts[0]) == a * b for ts, (a, b) in zip(finals, pairs, strict=True))
-    hinted: list[list[dict[str, str]]] = []
+    hinted: list[Messages] = []
     guesses: list[tuple[int, int]] = []
     for a, b in pairs:
         guess = a + b + rng.choice((-1, 1)) * rng.randint(2, 20)

@@ -3,20 +3,32 @@
 
 Reward: ``1 - (t - 1) / max_turns`` when the ``t``-th guess is right (1.0 on the first
 guess), 0 when no guess is right or a reply holds no integer (the episode then ends).
-The first turn is the default arithmetic task's question, so the game starts from what
-the default model half-knows; what RL can learn is the first guess and how far to move
-after each hint.
+The first turn is the default arithmetic task's question (problems and held-out pairs
+come from :class:`~engine.tasks.arithmetic.ArithmeticTask`), so the game starts from
+what the default model half-knows; RL learns the first guess and how far to move after
+each hint. Episodes run 1 to ``max_turns`` turns.
+
+Run: ``python -m engine.run --local --task engine.envs.examples.guess_sum:GuessSumTask``.
 """
 
 from __future__ import annotations
 
 import re
-from typing import Final
+from collections.abc import Mapping, Sequence
+from typing import Any, Final
+
+from engine.envs.messages import ChatGroup, MessageStep
+from engine.envs.types import EnvContext, EnvGroupBuilder
+from engine.tasks.arithmetic import ArithmeticTask
+from engine.tasks.base import Problem, SeededSource
+from engine.tasks.render import ChatMessage
 
 __all__ = [
     "DEFAULT_MAX_TURNS",
     "TOO_HIGH",
     "TOO_LOW",
+    "GuessSumEnv",
+    "GuessSumTask",
     "feedback",
     "parse_guess",
     "question",
@@ -31,7 +43,7 @@ _INTEGER = re.compile(r"-?\d+")
 
 
 def question(a: int, b: int) -> str:
-    """The first user message."""
+    """The first user message (the arithmetic task's question)."""
     return f"What is {a} + {b}?"
 
 
@@ -53,3 +65,83 @@ def solved_reward(turn: int, max_turns: int) -> float:
     if not 1 <= turn <= max_turns:
         raise ValueError(f"turn must be in 1..{max_turns}, got {turn}")
     return 1.0 - (turn - 1) / max_turns
+
+
+class GuessSumEnv:
+    """One game (a :class:`~engine.envs.messages.MessageEnv`)."""
+
+    def __init__(self, problem: Problem, max_turns: int = DEFAULT_MAX_TURNS) -> None:
+        self.problem = problem
+        self.max_turns = max_turns
+        self.guesses = 0
+
+    async def initial_messages(self) -> Sequence[ChatMessage]:
+        return [{"role": "user", "content": self.problem.question}]
+
+    async def respond(self, messages: Sequence[ChatMessage]) -> MessageStep:
+        self.guesses += 1
+        guess = parse_guess(str(messages[-1].get("content", "")))
+        hint = None if guess is None else feedback(guess, int(self.problem.answer))
+        if guess is not None and hint is None:
+            return MessageStep(
+                reward=solved_reward(self.guesses, self.max_turns),
+                done=True,
+                metrics={"solved": 1.0, "guesses": float(self.guesses)},
+            )
+        if hint is None or self.guesses >= self.max_turns:
+            return MessageStep(
+                done=True,
+                metrics={
+                    "solved": 0.0,
+                    "guesses": float(self.guesses),
+                    "no_number": 1.0 * (guess is None),
+                },
+            )
+        return MessageStep(messages=[{"role": "user", "content": hint}])
+
+
+class GuessSumTask:
+    """The game on two-digit sums; ``--task-arg`` values: ``max_turns`` (default 6),
+    ``min_operand``/``max_operand`` (10..99) and ``eval_size`` (held-out pairs, default
+    64), strings as the command line gives them."""
+
+    def __init__(
+        self,
+        max_turns: int | str = DEFAULT_MAX_TURNS,
+        min_operand: int | str = 10,
+        max_operand: int | str = 99,
+        eval_size: int | str = 64,
+    ) -> None:
+        self.max_turns = _positive_int("max_turns", max_turns)
+        self.problems = ArithmeticTask.from_args(
+            {
+                "op": "+",
+                "min_operand": str(min_operand),
+                "max_operand": str(max_operand),
+                "eval_size": str(eval_size),
+            }
+        )
+        self.name = "guess-sum"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return self.problems.source(seed, state)
+
+    def eval_problems(self) -> list[Problem]:
+        """The held-out pairs (the same for every seed; never drawn for training)."""
+        return self.problems.eval_problems()
+
+    def group_builder(
+        self, problem: Problem, group_size: int, context: EnvContext
+    ) -> EnvGroupBuilder:
+        envs = [GuessSumEnv(problem, self.max_turns) for _ in range(group_size)]
+        return ChatGroup(envs, context)
+
+
+def _positive_int(name: str, value: int | str) -> int:
+    try:
+        number = int(value)
+    except ValueError:
+        raise ValueError(f"{name} must be an integer, got {value!r}") from None
+    if number < 1:
+        raise ValueError(f"{name} must be >= 1, got {number}")
+    return number

@@ -171,6 +171,8 @@ class Trajectory:
     masked: bool = False
     zeroed: bool = False
     elapsed: float = 0.0
+    error: str | None = None
+    """What the environment raised (outcome ``"env_error"``)."""
 
     @property
     def total_reward(self) -> float:

@@ -1,15 +1,17 @@
-"""The pipelined RL loop: sampler -> scorer -> trainer (submitter -> finisher).
+"""The pipelined RL loop: rollout -> trainer (submitter -> finisher).
 
 Stages (anyio tasks in one task group, joined by bounded memory streams; every message
 carries what the next stage needs, no stage reads another's state):
 
-* **sampler** draws the problems of each step from the seeded source and announces the
+* **rollout** draws the problems of each step from the seeded source and announces the
   step (:class:`_StepOpened`, with the source's state after its problems), waits for
   *admission* -- the newest policy version must be at least ``step - K`` -- and then
-  starts every group of the step concurrently (at most ``concurrency`` requests in
-  flight), each tagged with the version of the sampler that produced it.
-* **scorer** rewards every arrived group at once (:class:`~engine.loop.scoring.Scorer`: all
-  responses concurrently, at most ``--score-concurrency`` calls).
+  starts every group of the step concurrently, each one task that runs the group's
+  episodes and computes its rewards (:class:`~engine.envs.rollout.EpisodeRunner`; a
+  single-turn task is a group of one-turn episodes sampled in one request and rewarded
+  by the :class:`~engine.loop.scoring.Scorer`, see :mod:`engine.envs.single_turn`).
+  Every turn samples from the newest sampler (at most ``--concurrency`` requests in
+  flight) and records its version; a group's version is that of its oldest turn.
 * **trainer**, two tasks. The *submitter* assembles step ``s`` from exactly its groups
   (problem ``i`` of step ``s`` is problem ``s * batch + i`` of the source), in problem
   order whatever versions sampled them and whatever order they were scored in, and
@@ -21,7 +23,8 @@ carries what the next stage needs, no stage reads another's state):
   hands the :class:`~engine.loop.results.StepResult` to ``on_step``.
 
 Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
-exists, so at most ``K + 1`` steps of groups are started but untrained and every trained
+exists (its later turns only sample from newer versions), so at most ``K + 1`` steps
+of groups are started but untrained and every trained
 group satisfies ``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
 on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
 one server round per train step. Nothing sampled is discarded.
@@ -51,18 +54,29 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.config import EngineConfig
+from engine.envs.datums import episode_group_datums
+from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
+from engine.envs.single_turn import TaskGroupBuilder
+from engine.envs.types import (
+    EnvContext,
+    EnvGroupBuilder,
+    EnvTask,
+    EpisodeLimits,
+    Observation,
+    StopCondition,
+    is_env_task,
+)
 from engine.errors import EngineError
 from engine.loop.evaluation import Evaluator
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
-from engine.loop.rl import Datum, GroupDatums, group_datums, kl_sample_train
-from engine.loop.scoring import RewardError, Scorer, parse_score_workers
+from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
+from engine.loop.scoring import Scorer, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
 from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.session.api import (
     LossSpec,
     PendingSnapshot,
-    SampleResult,
     SamplerHandle,
     SamplingSettings,
     Session,
@@ -95,19 +109,14 @@ class _GroupJob:
     step: int
     index: int
     problem: Problem
-    prompt_tokens: tuple[int, ...]
+    builder: EnvGroupBuilder
+    admitted: int
+    """The sampler version the group was admitted under."""
+    prompt_tokens: tuple[int, ...] = ()
+    """A single-turn task's prompt (its groups keep the single-turn record)."""
 
 
-@dataclass(frozen=True)
-class _SampledGroup:
-    job: _GroupJob
-    result: SampleResult
-    started: float
-    finished: float
-
-
-_Sampled = _StepOpened | _SampledGroup
-_Scored = _StepOpened | ScoredGroup
+_RolledOut = _StepOpened | ScoredGroup
 
 
 @dataclass(frozen=True)
@@ -256,39 +265,43 @@ class Pipeline:
         self._training = ActivityMeter(clock)
         self._in_flight = _InFlight(config.submit_ahead + 1)
         self._untrained = _Untrained()
-        self._scorer = Scorer(
-            task,
-            concurrency=config.score_concurrency,
-            workers=parse_score_workers(config.score_workers),
-        )
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
-        self._settings = SamplingSettings(
-            max_tokens=config.max_tokens,
-            temperature=config.temperature,
-            seed=config.sampling_seed,
-            stop_token_ids=stop_token_ids,
-            stop_strings=stop_strings,
-        )
+        self._stop = StopCondition(stop_strings, stop_token_ids)
+        if is_env_task(task):
+            self._env_task: EnvTask | None = task  # type: ignore[assignment]
+            self._env_context = EnvContext(
+                self._renderer.context, self._stop, config.episode_limits()
+            )
+            limits: EpisodeLimits | None = self._env_context.limits
+            self._scorer: Scorer | None = None
+        else:
+            self._env_task, limits = None, None
+            self._scorer = Scorer(
+                task,
+                concurrency=config.score_concurrency,
+                workers=parse_score_workers(config.score_workers),
+            )
+        self._runner = EpisodeRunner(self._sample_turn, limits, clock=clock)
 
     async def run(self) -> PipelineOutcome:
-        sampled_send, sampled_recv = anyio.create_memory_object_stream[_Sampled](self._bound)
-        scored_send, scored_recv = anyio.create_memory_object_stream[_Scored](self._bound)
+        rolled_send, rolled_recv = anyio.create_memory_object_stream[_RolledOut](self._bound)
         submitted_send, submitted_recv = anyio.create_memory_object_stream[_SubmittedStep](
             self._config.submit_ahead + 1
         )
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._sample_stage, tg, sampled_send)
-            tg.start_soon(self._score_stage, sampled_recv, scored_send)
-            tg.start_soon(self._submit_stage, scored_recv, submitted_send)
+            tg.start_soon(self._rollout_stage, tg, rolled_send)
+            tg.start_soon(self._submit_stage, rolled_recv, submitted_send)
             completed, state = await self._finish_stage(submitted_recv)
         return PipelineOutcome(completed, self._exhausted, state)
 
-    # -- sampler ---------------------------------------------------------------------
+    # -- rollout ---------------------------------------------------------------------
 
-    async def _sample_stage(self, tg: TaskGroup, send: MemoryObjectSendStream[_Sampled]) -> None:
+    async def _rollout_stage(
+        self, tg: TaskGroup, send: MemoryObjectSendStream[_RolledOut]
+    ) -> None:
         cfg = self._config
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
@@ -304,96 +317,109 @@ class Pipeline:
                 await self._versions.wait_for(step - self._k)  # admission control
                 for index, problem in enumerate(problems):
                     if (step, index) in pending:
-                        continue  # sampled and scored before a resume: reused as is
-                    job = _GroupJob(
-                        step,
-                        index,
-                        problem,
-                        tuple(self._renderer.prompt_tokens(problem)),
-                    )
-                    await self._slots.acquire()
-                    tg.start_soon(self._sample_group, job, self._versions.current, send.clone())
+                        continue  # rolled out before a resume: reused as is
+                    job = self._job(step, index, problem)
+                    tg.start_soon(self._rollout_group, job, send.clone())
 
-    async def _sample_group(
-        self, job: _GroupJob, sampler: SamplerHandle, send: MemoryObjectSendStream[_Sampled]
+    def _job(self, step: int, index: int, problem: Problem) -> _GroupJob:
+        admitted = self._versions.current.version
+        if self._env_task is not None:
+            builder = self._env_task.group_builder(problem, self._config.group, self._env_context)
+            return _GroupJob(step, index, problem, builder, admitted)
+        assert self._scorer is not None
+        prompt = tuple(self._renderer.prompt_tokens(problem))
+        observation = Observation(prompt, self._stop)
+        group = TaskGroupBuilder(
+            problem, observation, self._config.group, self._scorer, self._renderer
+        )
+        return _GroupJob(step, index, problem, group, admitted, prompt)
+
+    async def _rollout_group(
+        self, job: _GroupJob, send: MemoryObjectSendStream[_RolledOut]
     ) -> None:
         async with send:
-            started = self._clock()
+            try:
+                rollout = await self._runner.run_group(job.builder, job.problem)
+            except Exception as exc:
+                # Sampling retries are spent (or the breaker is open): stop after the
+                # steps in flight instead of cancelling them half-way.
+                self._gate.request(exc)
+                return
+            if rollout.error is not None and self._config.on_reward_error == "fail":
+                # Stop after the steps in flight; until then keep the streams open
+                # (closing them would break the other rollout tasks mid-send).
+                self._gate.request(rollout.error)
+                await anyio.sleep_forever()
+            self._progress(f"step {job.step + 1} group {job.index} rolled out")
+            await send.send(self._scored(job, rollout))
+
+    def _scored(self, job: _GroupJob, rollout: GroupRollout) -> ScoredGroup:
+        """The group as the trainer takes it: a single-turn task's keeps the
+        single-turn record (prompt, completions, rewards); an environment's keeps its
+        trajectories."""
+        trajectories = rollout.trajectories
+        group = ScoredGroup(
+            step=job.step,
+            index=job.index,
+            problem=job.problem,
+            prompt_tokens=job.prompt_tokens,
+            version=min((t.version for t in trajectories if t.turns), default=job.admitted),
+            completions=(),
+            rewards=tuple(
+                RewardBreakdown(t.total_reward, t.group_reward.components) for t in trajectories
+            ),
+            sample_started=rollout.started,
+            sample_finished=rollout.episodes_finished,
+            score_started=rollout.episodes_finished,
+            score_finished=rollout.rewards_finished,
+            retries=rollout.retries,
+            reward_error=None if rollout.error is None else str(rollout.error),
+        )
+        if self._env_task is None:
+            turns = [t.turns[0] for t in trajectories]
+            return dataclasses.replace(
+                group,
+                completions=tuple(Completion(t.action, t.logprobs, t.stop_reason) for t in turns),
+                rewards=tuple(t.group_reward for t in trajectories),
+            )
+        first = trajectories[0].turns if trajectories else ()
+        return dataclasses.replace(
+            group, prompt_tokens=first[0].observation if first else (), episodes=trajectories
+        )
+
+    async def _sample_turn(
+        self, observation: Observation, n: int, room: int | None
+    ) -> list[SampledAction]:
+        """``n`` actions for ``observation`` from the newest sampler."""
+        stop = observation.stop
+        max_tokens = stop.max_tokens or self._config.max_tokens
+        settings = SamplingSettings(
+            max_tokens=max_tokens if room is None else max(1, min(max_tokens, room)),
+            temperature=self._config.temperature,
+            seed=self._config.sampling_seed,
+            stop_token_ids=stop.stop_token_ids,
+            stop_strings=stop.stop_strings,
+        )
+        async with self._slots:
+            sampler = self._versions.current
             self._sampling.begin()
             samples = tokens = 0
             try:
-                result = await self._session.sample(
-                    sampler, job.prompt_tokens, self._config.group, self._settings
-                )
+                result = await self._session.sample(sampler, observation.tokens, n, settings)
                 samples = len(result.completions)
                 tokens = sum(len(c.tokens) for c in result.completions)
-            except Exception as exc:
-                # Retries are spent (or the breaker is open): stop after the steps in
-                # flight instead of cancelling them half-way.
-                self._gate.request(exc)
-                return
             finally:
                 self._sampling.end(items=samples, tokens=tokens)
-                self._slots.release()
-            self._progress(f"step {job.step + 1} group {job.index} sampled")
-            await send.send(_SampledGroup(job, result, started, self._clock()))
-
-    # -- scorer ----------------------------------------------------------------------
-
-    async def _score_stage(
-        self,
-        receive: MemoryObjectReceiveStream[_Sampled],
-        send: MemoryObjectSendStream[_Scored],
-    ) -> None:
-        async with receive, send, anyio.create_task_group() as tg:
-            async for message in receive:
-                if isinstance(message, _StepOpened):
-                    await send.send(message)  # before any of its groups: they follow it
-                else:
-                    tg.start_soon(self._score_group, message, send.clone())
-
-    async def _score_group(
-        self, sampled: _SampledGroup, send: MemoryObjectSendStream[_Scored]
-    ) -> None:
-        async with send:
-            start = self._clock()
-            job = sampled.job
-            completions = sampled.result.completions
-            reward_error: str | None = None
-            try:
-                responses = [self._renderer.decode(c.tokens) for c in completions]
-                rewards = await self._scorer.score(job.problem, responses)
-            except RewardError as error:
-                if self._config.on_reward_error == "fail":
-                    # Stop after the steps in flight; until then keep the streams open
-                    # (closing them would break the sampler tasks mid-send).
-                    self._gate.request(error)
-                    await anyio.sleep_forever()
-                reward_error = str(error)
-                rewards = [RewardBreakdown(0.0)] * len(completions)
-            await send.send(
-                ScoredGroup(
-                    step=job.step,
-                    index=job.index,
-                    problem=job.problem,
-                    prompt_tokens=job.prompt_tokens,
-                    version=sampled.result.version,
-                    completions=completions,
-                    rewards=tuple(rewards),
-                    sample_started=sampled.started,
-                    sample_finished=sampled.finished,
-                    score_started=start,
-                    score_finished=self._clock(),
-                    retries=sampled.result.retries,
-                    reward_error=reward_error,
-                )
-            )
+        return [
+            SampledAction(c, result.version, result.retries if i == 0 else 0)
+            for i, c in enumerate(result.completions)
+        ]
 
     # -- trainer: submitter ----------------------------------------------------------
 
     async def _submit_stage(
         self,
-        receive: MemoryObjectReceiveStream[_Scored],
+        receive: MemoryObjectReceiveStream[_RolledOut],
         send: MemoryObjectSendStream[_SubmittedStep],
     ) -> None:
         cfg = self._config
@@ -495,6 +521,10 @@ class Pipeline:
     def _datums(self, group: ScoredGroup) -> GroupDatums:
         if group.reward_error is not None:
             return GroupDatums([], [], 0, 0, 0)
+        if group.episodes:
+            return episode_group_datums(
+                group.episodes, on_missing_logprobs=self._config.on_missing_logprobs
+            )
         return group_datums(
             group.prompt_tokens,
             group.completions,

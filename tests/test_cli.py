@@ -99,8 +99,8 @@ BAD_INPUT = [
     (
         ["--task", "just-a-name"],
         {},
-        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH', 'hf:PATH' or "
-        "'package.module:attr'",
+        "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH', 'hf:PATH', "
+        "'guess-sum', 'calculator' or 'package.module:attr'",
     ),
     (
         [],

@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from engine.envs.types import is_env_task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Task
@@ -22,7 +23,13 @@ from engine.tasks.dataset import DataFormat, DatasetTask
 
 __all__ = ["BUILTIN_TASKS", "load_task", "task_spec"]
 
-BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH")
+SHIPPED_ENVIRONMENTS = {
+    "guess-sum": "engine.envs.examples.guess_sum:GuessSumTask",
+    "calculator": "engine.envs.examples.calculator:CalculatorTask",
+}
+"""Short names of the environments in engine.envs.examples (docs/environments.md)."""
+
+BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH", *SHIPPED_ENVIRONMENTS)
 
 _DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 
@@ -30,11 +37,13 @@ _REQUIRED = ("name", "source", "prompt", "score")
 
 
 def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
-    """``"arithmetic"``, ``"jsonl:PATH"``, ``"hf:PATH"`` or a user task at ``package.module:attr``,
+    """``"arithmetic"``, ``"jsonl:PATH"``, ``"hf:PATH"``, a shipped environment
+    (``"guess-sum"``, ``"calculator"``) or a user task at ``package.module:attr``,
     where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
     are passed to it as keyword arguments (strings). Raises ConfigError with a one-line
     reason."""
     args = dict(args or {})
+    spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
     if spec == "arithmetic":
         try:
             return ArithmeticTask.from_args(args)
@@ -52,8 +61,8 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
     module_name, sep, attr = spec.partition(":")
     if not sep or not module_name or not attr:
         raise ConfigError(
-            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH', 'hf:PATH' or "
-            "'package.module:attr'"
+            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH', 'hf:PATH', "
+            f"{', '.join(repr(n) for n in SHIPPED_ENVIRONMENTS)} or 'package.module:attr'"
         )
     try:
         module = importlib.import_module(module_name)
@@ -107,4 +116,7 @@ def _data_format(spec: str) -> DataFormat | None:
 
 
 def _is_task(obj: object) -> bool:
-    return all(hasattr(obj, name) for name in _REQUIRED) and not isinstance(obj, type)
+    """A single-turn Task or an environment task (engine.envs.EnvTask)."""
+    if isinstance(obj, type):
+        return False
+    return all(hasattr(obj, name) for name in _REQUIRED) or is_env_task(obj)

@@ -261,7 +261,11 @@ def calculator_transcript(rng: random.Random, tool_share: float) -> tuple[Messag
     return messages, trained
 
 
-def _row(tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig) -> Row:
+def _row(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, tool_only: bool
+) -> Row:
+    if tool_only:
+        return chat_row(tokenizer, *calculator_transcript(rng, cfg.tool_call_share))
     kind = rng.random()
     if kind < cfg.guess_share:
         return chat_row(tokenizer, *guess_transcript(rng))
@@ -271,11 +275,12 @@ def _row(tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig)
 
 
 def _batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, tool_only: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Right-padded (input ids, labels) sub-batches of rows of similar length."""
     rows = sorted(
-        (_row(tokenizer, rng, cfg) for _ in range(cfg.batch_size)), key=lambda r: len(r[0])
+        (_row(tokenizer, rng, cfg, tool_only=tool_only) for _ in range(cfg.batch_size)),
+        key=lambda r: len(r[0]),
     )
     batches = []
     for start in range(0, len(rows), _SUB_BATCH):
@@ -497,6 +502,7 @@ class SftConfig:
     guess_share: float = 0.15  # rows that are guessing-game transcripts
     tool_share: float = 0.15  # rows that are multiplication questions (calculator)
     tool_call_share: float = 0.3  # of those, answered through the tool
+    max_tool_steps: int = 1500  # first phase: calculator rows until the tool format is learned
 
 
 def build_machine() -> dict[str, str]:
@@ -543,15 +549,9 @@ def train(
     best: tuple[float, int, float, dict[str, torch.Tensor]] | None = None
     every = cfg.eval_every
     start = time.perf_counter()
+    tool_steps = _learn_tool_format(model, tokenizer, cfg, rng, opt)
     for step in range(1, cfg.max_steps + 1):
-        model.train()
-        for group in opt.param_groups:
-            group["lr"] = cfg.learning_rate * min(1.0, step / cfg.warmup_steps)
-        loss = _loss(model, _batch(tokenizer, rng, cfg))
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
+        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, tool_only=False), cfg, step)
         if step % every:
             continue
         rate = greedy_exact_rate(model, tokenizer, held_out)
@@ -578,7 +578,56 @@ def train(
         )
     _, step, rate, state = best
     model.load_state_dict(state)
-    return step, rate
+    return tool_steps + step, rate
+
+
+def _sft_step(
+    model: LlamaForCausalLM,
+    opt: torch.optim.Optimizer,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    cfg: SftConfig,
+    step: int,
+) -> torch.Tensor:
+    model.train()
+    for group in opt.param_groups:
+        group["lr"] = cfg.learning_rate * min(1.0, step / cfg.warmup_steps)
+    loss = _loss(model, batches)
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    return loss
+
+
+_TOOL_FLOORS = ("tool_call_rate", "tool_answer_rate")
+
+
+def _learn_tool_format(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    cfg: SftConfig,
+    rng: random.Random,
+    opt: torch.optim.Optimizer,
+) -> int:
+    """First phase: calculator transcripts only, until the tool's format is learned
+    (:data:`ENV_FORMAT_FLOORS`, checked every ``eval_every`` steps); returns its steps.
+    Copying numbers into a call and out of a result takes the tiny model longer than
+    half-learning addition, and no addition is learned meanwhile, so the second phase
+    still starts RL's task from scratch."""
+    start = time.perf_counter()
+    for step in range(1, cfg.max_tool_steps + 1):
+        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, tool_only=True), cfg, step)
+        if step % cfg.eval_every:
+            continue
+        stats = env_format_stats(model, tokenizer, cfg.seed + 4, n=32)
+        elapsed = time.perf_counter() - start
+        shown = ", ".join(f"{k} {stats[k]:.0%}" for k in _TOOL_FLOORS)
+        _log(f"tool step {step:5d}  loss {loss.item():.4f}  {shown}  ({elapsed:.0f} s)")
+        if all(stats[k] >= ENV_FORMAT_FLOORS[k] for k in _TOOL_FLOORS):
+            return step
+    raise SystemExit(
+        f"the tool's format was not learned within {cfg.max_tool_steps} steps; raise --tool-steps"
+    )
 
 
 def _readme(meta: dict[str, Any]) -> str:
@@ -592,12 +641,13 @@ layers, {meta["shape"]["num_attention_heads"]} heads) with a byte-level tokenize
 byte, plus `<pad>`=0, `<s>`=1, `</s>`=2; encoding prepends `<s>`).
 
 Made by `{meta["made_by"]}` (torch {meta["torch"]}, {meta["threads"]} threads):
-random init, then {meta["sft"]["steps_done"]} supervised steps on
-`Question: What is A + B?\\nAnswer: C</s>` (mostly two-digit addition), stopping at the
-first evaluation whose greedy exact rate reached the target, so reinforcement learning
-has room to improve it. A share of the SFT rows are transcripts of the shipped
-environments (`engine.envs.examples`) in the chat template's format: later turns of the
-guessing game ({meta["sft"]["guess_share"]:.0%} of rows) and multiplication questions
+random init, then {meta["sft"]["steps_done"]} supervised steps: calculator transcripts
+until the tool's format is learned, then mostly `Question: What is A + B?\\nAnswer: C</s>`
+(two-digit addition), stopping at the first evaluation whose greedy exact rate reached
+the target, so reinforcement learning has room to improve it. A share of the second
+phase's rows are transcripts of the shipped environments (`engine.envs.examples`) in the
+chat template's format: later turns of the guessing game
+({meta["sft"]["guess_share"]:.0%} of rows) and multiplication questions
 ({meta["sft"]["tool_share"]:.0%} of rows), {meta["sft"]["tool_call_share"]:.0%} of them
 answered through the `multiply` tool.
 
@@ -658,12 +708,21 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=d.tool_call_share,
         help="calculator rows answered through the tool",
     )
+    p.add_argument(
+        "--tool-steps",
+        type=int,
+        default=d.max_tool_steps,
+        help="max SFT steps of the first phase (calculator transcripts only)",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the bits depend on it)")
     p.add_argument("--name", default=MODEL_NAME, help="model name reported to clients")
     args = p.parse_args(argv)
     counts = (args.steps, args.batch_size, args.eval_every, args.fine_eval_every, args.threads)
-    if min(counts) < 1:
-        p.error("--steps, --batch-size, --eval-every, --fine-eval-every, --threads must be >= 1")
+    if min(counts) < 1 or args.tool_steps < 1:
+        p.error(
+            "--steps, --tool-steps, --batch-size, --eval-every, --fine-eval-every, --threads "
+            "must be >= 1"
+        )
     shares = (args.guess_share, args.tool_share, args.tool_call_share)
     if min(shares) < 0 or max(shares) > 1 or args.guess_share + args.tool_share >= 1:
         p.error(
@@ -691,6 +750,7 @@ def main(argv: list[str] | None = None) -> None:
         guess_share=args.guess_share,
         tool_share=args.tool_share,
         tool_call_share=args.tool_call_share,
+        max_tool_steps=args.tool_steps,
     )
     shape = ModelShape()
     tokenizer = build_tokenizer()

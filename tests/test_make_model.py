@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -115,16 +116,20 @@ def test_too_few_steps_fail_with_a_clear_message(tmp_path: Path) -> None:
 
 
 def test_a_few_sft_steps_rebuild_the_same_weights() -> None:
-    """The build's determinism, cheaply: the same seed trains the same bits (data drawn
-    from every kind of row, chat transcripts included); another seed does not."""
+    """The build's determinism, cheaply: the same seed draws the same rows (every kind,
+    chat transcripts included) and trains the same bits; another seed does not."""
     tok = make_model.build_tokenizer()
-    cfg = make_model.SftConfig(max_steps=3, batch_size=16, eval_every=1000, target_rate=0.35)
+    cfg = make_model.SftConfig(batch_size=16, max_tool_steps=3, eval_every=1000)
 
     def weights(seed: int) -> dict[str, torch.Tensor]:
         model = make_model.build_model(tok, make_model.ModelShape(), seed)
-        with pytest.raises(SystemExit, match="raise --steps"):  # no evaluation in 3 steps
+        with pytest.raises(SystemExit, match="raise --tool-steps"):  # no evaluation in 3
             make_model.train(model, tok, dataclasses.replace(cfg, seed=seed))
         return model.state_dict()
+
+    def rows(seed: int) -> list[list[torch.Tensor]]:
+        batches = make_model._batch(tok, random.Random(seed), cfg, tool_only=False)
+        return [list(b) for b in batches]
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as the build runs (the bits depend on the thread count)
@@ -134,6 +139,14 @@ def test_a_few_sft_steps_rebuild_the_same_weights() -> None:
         torch.set_num_threads(threads)
     assert all(torch.equal(a[k], b[k]) for k in a)
     assert not all(torch.equal(a[k], c[k]) for k in a)
+    same, other = rows(0), rows(0)
+    assert all(
+        torch.equal(x, y)
+        for bx, by in zip(same, other, strict=True)
+        for x, y in zip(bx, by, strict=True)
+    )
+    text = tok.decode(torch.cat([ids.flatten() for ids, _ in same]).tolist())
+    assert "Too " in text and "<tool_call>" in text and "+" in text  # every kind drawn
 
 
 def test_the_shipped_model_knows_the_environments_formats() -> None:

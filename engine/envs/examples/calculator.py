@@ -16,12 +16,12 @@ from __future__ import annotations
 import dataclasses
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from typing import Any, Final, cast
 
 import anyio
 
 from engine.envs.messages import ChatGroup, MessageStep
-from engine.envs.tools import FunctionTool, tool
+from engine.envs.tools import FunctionTool, Tool, tool
 from engine.envs.types import EnvContext, EnvGroupBuilder
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem, SeededSource
@@ -128,4 +128,5 @@ class CalculatorTask:
         stop = dataclasses.replace(context.stop, max_tokens=MAX_REPLY_TOKENS)
         context = dataclasses.replace(context, stop=stop)
         envs = [CalculatorEnv(problem) for _ in range(group_size)]
-        return ChatGroup(envs, context, tools=[self.tool])
+        # FunctionTool's frozen fields are read-only; Tool declares plain attributes.
+        return ChatGroup(envs, context, tools=[cast(Tool, self.tool)])

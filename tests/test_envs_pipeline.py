@@ -216,3 +216,20 @@ def _record(out: list[TrainedStep]) -> Any:
         out.append(result)
 
     return record
+
+
+async def test_rollouts_show_each_episode_turn_by_turn() -> None:
+    from fake_session import ByteTokenizer
+
+    from engine.rollouts import format_group, group_record
+    from engine.tasks.render import PromptRenderer
+
+    task = CountdownTask()
+    _, results = await run_pipeline(FakeSession(), config(steps=2), task=task)
+    three = results[1].groups[0]  # problem 2: three turns
+    record = group_record(2, three, PromptRenderer(task, ByteTokenizer()))
+    assert [len(e["turns"]) for e in record["episodes"]] == [3, 3]
+    turn = record["episodes"][0]["turns"][1]
+    assert turn["observation"] == "|" and turn["new_context"] is False
+    text = format_group(record)
+    assert "episode 1: done" in text and "turn 2 (v0) appended: '|'" in text

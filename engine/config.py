@@ -902,8 +902,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_float,
         _finite_non_negative,
-        "environment tasks: seconds a tool call may run before it is a tool error (0: no "
-        "limit)",
+        "environment tasks: seconds a tool call may run before it is a tool error (0: no limit)",
         "60",
     ),
     Knob(

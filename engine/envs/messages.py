@@ -107,7 +107,7 @@ class ChatEnv:
 
     async def step(self, action: Action) -> StepResult:
         text = self._decode(action.tokens)
-        parsed = self._parser.parse(text) if self._tools else ParsedReply(text)
+        parsed = self._parser.parse(text) if self._tools else ParsedReply(text.strip())
         logs: dict[str, Any] = {"assistant": text}
         if parsed.error is not None:
             logs["parse_error"] = parsed.error

@@ -13,8 +13,9 @@ Limits (:class:`~engine.envs.types.EpisodeLimits`), and what ends an episode:
 * ``max_turns`` actions were taken (``"max_turns"``);
 * the next observation leaves no room for one more token within ``max_tokens``
   (``"max_tokens"``; each action is also capped to the room left);
-* the episode ran longer than ``episode_timeout`` seconds from its start (``"timeout"``:
-  the action being sampled or stepped then is lost, the turns before it are kept);
+* the episode ran longer than ``episode_timeout`` seconds from its group's start
+  (``"timeout"``: the action being sampled or stepped then is lost, the turns before it
+  are kept);
 * ``env.step`` raised (``"env_error"``: the action is kept as a last turn with reward 0).
 
 A limit or an environment error yields ``on_limit`` (zero reward, or masked); a parse
@@ -127,6 +128,8 @@ class EpisodeRunner:
         self, builder: EnvGroupBuilder, problem: Problem, started: float
     ) -> GroupRollout:
         tally = _Tally()
+        timeout = self._limits.episode_timeout if self._limits is not None else None
+        deadline = math.inf if timeout is None else anyio.current_time() + timeout
         try:
             envs = list(await builder.make_envs())
             if not envs:
@@ -142,9 +145,8 @@ class EpisodeRunner:
             firsts = await self._first_actions(observations, tally)
             async with anyio.create_task_group() as tg:
                 for i, env in enumerate(envs):
-                    tg.start_soon(
-                        self._episode_into, results, i, env, observations[i], firsts[i], tally
-                    )
+                    episode = (env, observations[i], firsts[i], tally, started, deadline)
+                    tg.start_soon(self._episode_into, results, i, *episode)
         except BaseExceptionGroup as group:
             raise primary_error(group) from None
         episodes_finished = self._clock()
@@ -190,15 +192,17 @@ class EpisodeRunner:
         observation: Observation,
         first: SampledAction | None,
         tally: _Tally,
+        group_started: float,
+        deadline: float,
     ) -> None:
-        start = self._clock()
+        """One episode into ``out[i]``; its time counts from the group's start (its
+        first turn may be the group's shared request)."""
         turns: list[Turn] = []
-        timeout = self._limits.episode_timeout if self._limits is not None else None
         outcome: Outcome = "timeout"
         error: str | None = None
-        with anyio.move_on_after(math.inf if timeout is None else timeout):
+        with anyio.CancelScope(deadline=deadline):
             outcome, error = await self._turns(env, observation, first, turns, tally)
-        out[i] = self._finished(tuple(turns), outcome, error, self._clock() - start)
+        out[i] = self._finished(tuple(turns), outcome, error, self._clock() - group_started)
 
     async def _turns(
         self,

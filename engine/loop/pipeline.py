@@ -55,6 +55,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig
 from engine.envs.datums import episode_group_datums
+from engine.envs.metrics import episode_metrics
 from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
 from engine.envs.single_turn import TaskGroupBuilder
 from engine.envs.types import (
@@ -129,6 +130,7 @@ class _Assembled:
     missing_logprobs: int
     constant_groups: int
     used_groups: int
+    masked: int
 
 
 class _StepAssembly:
@@ -150,6 +152,7 @@ class _StepAssembly:
             empty=sum(b.skipped_empty for _, b in built),
             zero_advantage=sum(b.skipped_zero_advantage for _, b in built),
             missing_logprobs=sum(b.dropped_missing_logprobs for _, b in built),
+            masked=sum(b.masked for _, b in built),
             constant_groups=sum(
                 1 for g, b in built if g.reward_error is None and b.constant_reward
             ),
@@ -299,9 +302,7 @@ class Pipeline:
 
     # -- rollout ---------------------------------------------------------------------
 
-    async def _rollout_stage(
-        self, tg: TaskGroup, send: MemoryObjectSendStream[_RolledOut]
-    ) -> None:
+    async def _rollout_stage(self, tg: TaskGroup, send: MemoryObjectSendStream[_RolledOut]) -> None:
         cfg = self._config
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
@@ -642,7 +643,10 @@ class Pipeline:
             "problems/digest": _problems_digest(groups),
             "retries/sample": sum(g.retries for g in groups),
             "retries/save_sampler": snapshot_retries,
+            **episode_metrics([e for g in groups for e in g.episodes]),
         }
+        if self._env_task is not None:
+            metrics["skipped/masked_episodes"] = assembled.masked
         timeline = StepTimeline(
             sample_start=min(g.sample_started for g in groups),
             sample_end=max(g.sample_finished for g in groups),

@@ -116,7 +116,7 @@ def _data_format(spec: str) -> DataFormat | None:
 
 
 def _is_task(obj: object) -> bool:
-    """A single-turn Task or an environment task (engine.envs.EnvTask)."""
+    """A Task, or an environment task (:class:`engine.envs.types.EnvTask`)."""
     if isinstance(obj, type):
         return False
     return all(hasattr(obj, name) for name in _REQUIRED) or is_env_task(obj)

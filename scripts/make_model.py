@@ -262,11 +262,13 @@ def calculator_transcript(rng: random.Random, tool_share: float) -> tuple[Messag
 
 
 def _row(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, tool_only: bool
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, formats_only: bool
 ) -> Row:
-    if tool_only:
-        return chat_row(tokenizer, *calculator_transcript(rng, cfg.tool_call_share))
     kind = rng.random()
+    if formats_only:
+        if kind < 0.5:
+            return chat_row(tokenizer, *guess_transcript(rng))
+        return chat_row(tokenizer, *calculator_transcript(rng, cfg.tool_call_share))
     if kind < cfg.guess_share:
         return chat_row(tokenizer, *guess_transcript(rng))
     if kind < cfg.guess_share + cfg.tool_share:
@@ -275,11 +277,11 @@ def _row(
 
 
 def _batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, tool_only: bool
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, formats_only: bool
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Right-padded (input ids, labels) sub-batches of rows of similar length."""
     rows = sorted(
-        (_row(tokenizer, rng, cfg, tool_only=tool_only) for _ in range(cfg.batch_size)),
+        (_row(tokenizer, rng, cfg, formats_only=formats_only) for _ in range(cfg.batch_size)),
         key=lambda r: len(r[0]),
     )
     batches = []
@@ -371,7 +373,7 @@ def generate_answers(
     return generate(model, tokenizer, prompts, **sampling)
 
 
-ENV_FORMAT_FLOORS = {"tool_call_rate": 0.1, "tool_answer_rate": 0.8, "hint_followed_rate": 0.8}
+ENV_FORMAT_FLOORS = {"tool_call_rate": 0.1, "tool_answer_rate": 0.7, "hint_followed_rate": 0.7}
 """What the shipped environments need of the model, measured by :func:`env_format_stats`:
 some tool calls to reinforce, results read back, and hints followed."""
 
@@ -499,10 +501,10 @@ class SftConfig:
     min_rate: float = 0.20
     max_rate: float = 0.60
     seed: int = 0
-    guess_share: float = 0.15  # rows that are guessing-game transcripts
-    tool_share: float = 0.15  # rows that are multiplication questions (calculator)
+    guess_share: float = 0.25  # second-phase rows that are guessing-game transcripts
+    tool_share: float = 0.25  # second-phase rows that are multiplication questions
     tool_call_share: float = 0.3  # of those, answered through the tool
-    max_tool_steps: int = 1500  # first phase: calculator rows until the tool format is learned
+    max_format_steps: int = 1500  # first phase: environment rows until their formats hold
 
 
 def build_machine() -> dict[str, str]:
@@ -549,9 +551,9 @@ def train(
     best: tuple[float, int, float, dict[str, torch.Tensor]] | None = None
     every = cfg.eval_every
     start = time.perf_counter()
-    tool_steps = _learn_tool_format(model, tokenizer, cfg, rng, opt)
+    format_steps = _learn_env_formats(model, tokenizer, cfg, rng, opt)
     for step in range(1, cfg.max_steps + 1):
-        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, tool_only=False), cfg, step)
+        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, formats_only=False), cfg, step)
         if step % every:
             continue
         rate = greedy_exact_rate(model, tokenizer, held_out)
@@ -578,7 +580,7 @@ def train(
         )
     _, step, rate, state = best
     model.load_state_dict(state)
-    return tool_steps + step, rate
+    return format_steps + step, rate
 
 
 def _sft_step(
@@ -599,34 +601,32 @@ def _sft_step(
     return loss
 
 
-_TOOL_FLOORS = ("tool_call_rate", "tool_answer_rate")
-
-
-def _learn_tool_format(
+def _learn_env_formats(
     model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     cfg: SftConfig,
     rng: random.Random,
     opt: torch.optim.Optimizer,
 ) -> int:
-    """First phase: calculator transcripts only, until the tool's format is learned
-    (:data:`ENV_FORMAT_FLOORS`, checked every ``eval_every`` steps); returns its steps.
-    Copying numbers into a call and out of a result takes the tiny model longer than
-    half-learning addition, and no addition is learned meanwhile, so the second phase
-    still starts RL's task from scratch."""
+    """First phase: environment transcripts only (calculator, guessing game), until
+    their formats are learned (:data:`ENV_FORMAT_FLOORS`, checked every ``eval_every``
+    steps); returns its steps. Copying numbers into a call and out of a result, and
+    moving a guess the way a hint says, take the tiny model longer than half-learning
+    addition, so they come first; the second phase then brings addition into the band."""
     start = time.perf_counter()
-    for step in range(1, cfg.max_tool_steps + 1):
-        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, tool_only=True), cfg, step)
+    for step in range(1, cfg.max_format_steps + 1):
+        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, formats_only=True), cfg, step)
         if step % cfg.eval_every:
             continue
         stats = env_format_stats(model, tokenizer, cfg.seed + 4, n=32)
         elapsed = time.perf_counter() - start
-        shown = ", ".join(f"{k} {stats[k]:.0%}" for k in _TOOL_FLOORS)
-        _log(f"tool step {step:5d}  loss {loss.item():.4f}  {shown}  ({elapsed:.0f} s)")
-        if all(stats[k] >= ENV_FORMAT_FLOORS[k] for k in _TOOL_FLOORS):
+        shown = ", ".join(f"{k} {v:.0%}" for k, v in stats.items())
+        _log(f"format step {step:5d}  loss {loss.item():.4f}  {shown}  ({elapsed:.0f} s)")
+        if all(stats[k] >= floor for k, floor in ENV_FORMAT_FLOORS.items()):
             return step
     raise SystemExit(
-        f"the tool's format was not learned within {cfg.max_tool_steps} steps; raise --tool-steps"
+        f"the environments' formats were not learned within {cfg.max_format_steps} steps; "
+        "raise --format-steps"
     )
 
 
@@ -641,8 +641,8 @@ layers, {meta["shape"]["num_attention_heads"]} heads) with a byte-level tokenize
 byte, plus `<pad>`=0, `<s>`=1, `</s>`=2; encoding prepends `<s>`).
 
 Made by `{meta["made_by"]}` (torch {meta["torch"]}, {meta["threads"]} threads):
-random init, then {meta["sft"]["steps_done"]} supervised steps: calculator transcripts
-until the tool's format is learned, then mostly `Question: What is A + B?\\nAnswer: C</s>`
+random init, then {meta["sft"]["steps_done"]} supervised steps: environment transcripts
+until their formats are learned, then mostly `Question: What is A + B?\\nAnswer: C</s>`
 (two-digit addition), stopping at the first evaluation whose greedy exact rate reached
 the target, so reinforcement learning has room to improve it. A share of the second
 phase's rows are transcripts of the shipped environments (`engine.envs.examples`) in the
@@ -709,18 +709,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="calculator rows answered through the tool",
     )
     p.add_argument(
-        "--tool-steps",
+        "--format-steps",
         type=int,
-        default=d.max_tool_steps,
-        help="max SFT steps of the first phase (calculator transcripts only)",
+        default=d.max_format_steps,
+        help="max SFT steps of the first phase (environment transcripts only)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the bits depend on it)")
     p.add_argument("--name", default=MODEL_NAME, help="model name reported to clients")
     args = p.parse_args(argv)
     counts = (args.steps, args.batch_size, args.eval_every, args.fine_eval_every, args.threads)
-    if min(counts) < 1 or args.tool_steps < 1:
+    if min(counts) < 1 or args.format_steps < 1:
         p.error(
-            "--steps, --tool-steps, --batch-size, --eval-every, --fine-eval-every, --threads "
+            "--steps, --format-steps, --batch-size, --eval-every, --fine-eval-every, --threads "
             "must be >= 1"
         )
     shares = (args.guess_share, args.tool_share, args.tool_call_share)
@@ -750,7 +750,7 @@ def main(argv: list[str] | None = None) -> None:
         guess_share=args.guess_share,
         tool_share=args.tool_share,
         tool_call_share=args.tool_call_share,
-        max_tool_steps=args.tool_steps,
+        max_format_steps=args.format_steps,
     )
     shape = ModelShape()
     tokenizer = build_tokenizer()

@@ -119,16 +119,16 @@ def test_a_few_sft_steps_rebuild_the_same_weights() -> None:
     """The build's determinism, cheaply: the same seed draws the same rows (every kind,
     chat transcripts included) and trains the same bits; another seed does not."""
     tok = make_model.build_tokenizer()
-    cfg = make_model.SftConfig(batch_size=16, max_tool_steps=3, eval_every=1000)
+    cfg = make_model.SftConfig(batch_size=16, max_format_steps=3, eval_every=1000)
 
     def weights(seed: int) -> dict[str, torch.Tensor]:
         model = make_model.build_model(tok, make_model.ModelShape(), seed)
-        with pytest.raises(SystemExit, match="raise --tool-steps"):  # no evaluation in 3
+        with pytest.raises(SystemExit, match="raise --format-steps"):  # no evaluation in 3
             make_model.train(model, tok, dataclasses.replace(cfg, seed=seed))
         return model.state_dict()
 
     def rows(seed: int) -> list[list[torch.Tensor]]:
-        batches = make_model._batch(tok, random.Random(seed), cfg, tool_only=False)
+        batches = make_model._batch(tok, random.Random(seed), cfg, formats_only=False)
         return [list(b) for b in batches]
 
     threads = torch.get_num_threads()

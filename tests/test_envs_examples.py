@@ -171,3 +171,17 @@ def test_the_models_training_transcripts_are_what_the_environments_render(
         assert results[-1].done
         ids, _ = make_model.chat_row(tokenizer, messages, set())
         assert list(env._observe().tokens)[: len(ids)] == ids
+
+
+def test_replies_stop_at_eos_whatever_the_run_says(tokenizer: Any) -> None:
+    async def first_stop(task: Any) -> StopCondition:
+        builder = task.group_builder(problem(12, 30, "+"), 1, context(tokenizer))
+        envs = await builder.make_envs()
+        return (await envs[0].initial_observation()).stop
+
+    guess = anyio.run(first_stop, guess_sum.GuessSumTask())
+    calc = anyio.run(first_stop, calculator.CalculatorTask())
+    assert tokenizer.eos_token_id in guess.stop_token_ids
+    assert guess.max_tokens is None  # the run's --max-tokens
+    assert tokenizer.eos_token_id in calc.stop_token_ids
+    assert calc.max_tokens == calculator.MAX_REPLY_TOKENS

@@ -13,13 +13,13 @@ Run: ``python -m engine.run --local --task engine.envs.examples.calculator:Calcu
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, cast
 
 import anyio
 
+from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
 from engine.envs.tools import FunctionTool, Tool, tool
 from engine.envs.types import EnvContext, EnvGroupBuilder
@@ -125,8 +125,7 @@ class CalculatorTask:
     def group_builder(
         self, problem: Problem, group_size: int, context: EnvContext
     ) -> EnvGroupBuilder:
-        stop = dataclasses.replace(context.stop, max_tokens=MAX_REPLY_TOKENS)
-        context = dataclasses.replace(context, stop=stop)
+        context = stop_at_eos(context, MAX_REPLY_TOKENS)
         envs = [CalculatorEnv(problem) for _ in range(group_size)]
         # FunctionTool's frozen fields are read-only; Tool declares plain attributes.
         return ChatGroup(envs, context, tools=[cast(Tool, self.tool)])

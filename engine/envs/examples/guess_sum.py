@@ -17,6 +17,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any, Final
 
+from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
 from engine.envs.types import EnvContext, EnvGroupBuilder
 from engine.tasks.arithmetic import ArithmeticTask
@@ -134,7 +135,7 @@ class GuessSumTask:
         self, problem: Problem, group_size: int, context: EnvContext
     ) -> EnvGroupBuilder:
         envs = [GuessSumEnv(problem, self.max_turns) for _ in range(group_size)]
-        return ChatGroup(envs, context)
+        return ChatGroup(envs, stop_at_eos(context))
 
 
 def _positive_int(name: str, value: int | str) -> int:

@@ -148,18 +148,6 @@ class UnevenTask:
         return ChatGroup(envs, context)
 
 
-def _union(intervals: Sequence[tuple[float, float]], lo: float, hi: float) -> float:
-    """Seconds of [lo, hi] covered by the union of ``intervals``."""
-    covered = 0.0
-    cursor = lo
-    for start, end in sorted(intervals):
-        start, end = max(start, cursor), min(end, hi)
-        if end > start:
-            covered += end - start
-            cursor = end
-    return covered
-
-
 def busy_share(
     intervals: Sequence[tuple[float, float]], lo: float, hi: float, *, at_least: int = 1
 ) -> float:

@@ -5,8 +5,8 @@ guessing game and the calculator tool, before and after an engine run, over seed
     python -m benchmarks.learning_envs --quick                  # 2 steps, 1 seed (smoke)
     python -m benchmarks.learning_envs --envs calculator --seeds 1,2,3,4,5
 
-Each run is ``python -m engine.run --local --task NAME`` with the engine's defaults
-(8 problems x 6 episodes per step, temperature 0.8, K=1, the lr and LoRA rank the server
+Each run is ``python -m engine.run --local --task NAME --env-max-tokens 256`` with the
+engine's defaults (8 problems x 6 episodes per step, temperature 0.8, K=1, the lr and LoRA rank the server
 recommends) for ``--steps`` steps. "Before" is a fresh LoRA client (B = 0: exactly the
 base model), "after" the run's final sampler. Both play one greedy episode (temperature
 0) per held-out problem of the task (``eval_problems()``: pairs the training source
@@ -44,6 +44,8 @@ __all__ = ["ENVS", "evaluate", "main"]
 API_KEY = "tml-benchmarks-learning-envs"
 ENVS = ("guess-sum", "calculator")
 MAX_TOKENS = 16
+CONTEXT = 256
+"""The default model's context: episodes stop before it (``--env-max-tokens 256``)."""
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -54,7 +56,7 @@ async def evaluate(sampler: Any, tokenizer: Any, task: EnvTask) -> dict[str, flo
     context = EnvContext(
         TaskContext(tokenizer),
         StopCondition(stop_token_ids=(eos,), max_tokens=MAX_TOKENS),
-        EpisodeLimits(max_tokens=256),
+        EpisodeLimits(max_tokens=CONTEXT),
     )
 
     async def sample(observation: Observation, n: int, room: int | None) -> list[SampledAction]:
@@ -106,6 +108,7 @@ def _run(server: LocalServer, name: str, seed: int, steps: int, run_dir: Path) -
             seed=seed,
             run_dir=run_dir,
             progress=False,
+            env_max_tokens=CONTEXT,
         )
         async with Engine(config) as engine:
             result = await engine.run()

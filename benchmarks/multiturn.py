@@ -193,8 +193,7 @@ def summarize_run(
         "two_plus_episodes_share": crowded,
         "episodes": len(episodes),
         "turns": sum(len(e.sampling) for e in log),
-        "mean_reward": sum(float(r.metrics.get("avg_reward", 0.0)) for r in results)
-        / len(results),
+        "mean_reward": sum(float(r.metrics.get("avg_reward", 0.0)) for r in results) / len(results),
     }
 
 

@@ -182,6 +182,6 @@ def test_replies_stop_at_eos_whatever_the_run_says(tokenizer: Any) -> None:
     guess = anyio.run(first_stop, guess_sum.GuessSumTask())
     calc = anyio.run(first_stop, calculator.CalculatorTask())
     assert tokenizer.eos_token_id in guess.stop_token_ids
-    assert guess.max_tokens is None  # the run's --max-tokens
+    assert guess.max_tokens == guess_sum.MAX_REPLY_TOKENS
     assert tokenizer.eos_token_id in calc.stop_token_ids
     assert calc.max_tokens == calculator.MAX_REPLY_TOKENS

@@ -26,6 +26,7 @@ from engine.tasks.render import ChatMessage
 
 __all__ = [
     "DEFAULT_MAX_TURNS",
+    "MAX_REPLY_TOKENS",
     "TOO_HIGH",
     "TOO_LOW",
     "GuessSumEnv",
@@ -37,6 +38,8 @@ __all__ = [
 ]
 
 DEFAULT_MAX_TURNS: Final = 6
+MAX_REPLY_TOKENS: Final = 8
+"""A guess is a number: a few bytes and EOS (six guesses then fit a 256-token context)."""
 TOO_HIGH: Final = "Too high."
 TOO_LOW: Final = "Too low."
 
@@ -135,7 +138,7 @@ class GuessSumTask:
         self, problem: Problem, group_size: int, context: EnvContext
     ) -> EnvGroupBuilder:
         envs = [GuessSumEnv(problem, self.max_turns) for _ in range(group_size)]
-        return ChatGroup(envs, stop_at_eos(context))
+        return ChatGroup(envs, stop_at_eos(context, MAX_REPLY_TOKENS))
 
 
 def _positive_int(name: str, value: int | str) -> int:

@@ -6,13 +6,14 @@ guessing game and the calculator tool, before and after an engine run, over seed
     python -m benchmarks.learning_envs --envs calculator --seeds 1,2,3,4,5
 
 Each run is ``python -m engine.run --local --task NAME --env-max-tokens 256`` with the
-engine's defaults (8 problems x 6 episodes per step, temperature 0.8, K=1, the lr and LoRA
-rank the server recommends) for ``--steps`` steps. "Before" is a fresh LoRA client (B = 0: exactly the
-base model), "after" the run's final sampler. Both play one greedy episode (temperature
-0) per held-out problem of the task (``eval_problems()``: pairs the training source
-never draws), through the engine's own episode runner, and report the mean episode
-reward and the solved rate (reward > 0); the calculator also reports how often the
-model called the tool. Writes ``learning_envs.json`` and ``learning_envs.md``.
+engine's defaults (8 problems x 6 episodes per step, temperature 0.8, K=1, the lr and
+LoRA rank the server recommends) for ``--steps`` steps. "Before" is a fresh LoRA client
+(B = 0: exactly the base model), "after" the run's final sampler. Both play one greedy
+episode (temperature 0) per held-out problem of the task (``eval_problems()``: pairs the
+training source never draws), through the engine's own episode runner, and report the
+mean episode reward and the solved rate (reward > 0); the calculator also reports how
+often the model called the tool.
+Writes ``learning_envs.json`` and ``learning_envs.md``.
 """
 
 from __future__ import annotations

@@ -26,8 +26,9 @@ Reported per configuration, over the steady steps (step 2 to the last):
   forward_backward + optim_step per cycle);
 * server idle: the share of that window with no sample request and no training in
   flight (the time the model is asked nothing);
-* straggler wait: the share of that window with at most one episode running and no
-  training in flight (waiting for the slowest episode).
+* straggler wait: the share of that window with no training in flight and at most a
+  quarter of a step's episodes running (the rest of the step waits for its slowest
+  episodes).
 
 Writes ``multiturn.json`` and ``multiturn.md`` to ``--out`` and prints the table.
 """
@@ -35,6 +36,7 @@ Writes ``multiturn.json`` and ``multiturn.md`` to ``--out`` and prints the table
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import sys
 import tempfile
@@ -178,9 +180,10 @@ def summarize_run(
     episodes = [(e.start, e.end) for e in log if e.end is not None]
     asked = busy_share([*sampling, *train], first, last)
     training = busy_share(train, first, last)
-    # At most one episode running and no training: 1 - share(>= 2 episodes or training).
-    crowded = busy_share(episodes, first, last, at_least=2)
-    busy_or_training = busy_share([*train, *_at_least_two(episodes)], first, last)
+    # Waiting for stragglers: no training, and at most a quarter of a step's episodes
+    # still running (the rest of the step is done and waits for them).
+    crowd = math.ceil(len(episodes) / len(results) / 4) + 1
+    working = busy_share([*train, *_overlapping(episodes, crowd)], first, last)
     return {
         "steps": len(results),
         "steady_steps": len(ends) - 1,
@@ -188,26 +191,25 @@ def summarize_run(
         "steps_per_s": 1 / pace,
         "cycles_per_step": pace / cycle_s,
         "server_idle": 1 - asked,
-        "straggler_wait": 1 - busy_or_training,
+        "straggler_wait": 1 - working,
         "training_share": training,
-        "two_plus_episodes_share": crowded,
         "episodes": len(episodes),
         "turns": sum(len(e.sampling) for e in log),
         "mean_reward": sum(float(r.metrics.get("avg_reward", 0.0)) for r in results) / len(results),
     }
 
 
-def _at_least_two(intervals: Sequence[tuple[float, float]]) -> list[tuple[float, float]]:
-    """The periods during which at least two of ``intervals`` overlap."""
+def _overlapping(intervals: Sequence[tuple[float, float]], k: int) -> list[tuple[float, float]]:
+    """The periods during which at least ``k`` of ``intervals`` are open."""
     events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
     out: list[tuple[float, float]] = []
     open_now, since = 0, 0.0
     for instant, delta in events:
         before = open_now
         open_now += delta
-        if before < 2 <= open_now:
+        if before < k <= open_now:
             since = instant
-        elif before >= 2 > open_now:
+        elif before >= k > open_now:
             out.append((since, instant))
     return out
 

@@ -17,7 +17,8 @@ def test_busy_share_counts_the_union_or_the_overlap_inside_the_window() -> None:
     assert multiturn.busy_share(intervals, 0.0, 10.0) == pytest.approx(0.5)
     assert multiturn.busy_share(intervals, 0.0, 10.0, at_least=2) == pytest.approx(0.1)
     assert multiturn.busy_share([], 0.0, 10.0) == 0.0
-    assert multiturn._at_least_two(intervals) == [(1.0, 2.0)]
+    assert multiturn._overlapping(intervals, 2) == [(1.0, 2.0)]
+    assert multiturn._overlapping(intervals, 1) == [(0.0, 3.0), (5.0, 6.0), (9.0, 20.0)]
 
 
 def test_uneven_episodes_are_seeded_per_problem_and_episode() -> None:

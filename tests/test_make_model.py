@@ -110,8 +110,19 @@ def test_cli_help_and_bad_arguments() -> None:
 
 def test_too_few_steps_fail_with_a_clear_message(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as err:
-        make_model.main(["--out", str(tmp_path / "m"), "--steps", "25", "--eval-every", "25"])
-    assert "raise --steps" in str(err.value)
+        make_model.main(
+            [
+                "--out",
+                str(tmp_path / "m"),
+                "--format-steps",
+                "25",
+                "--eval-every",
+                "25",
+                "--batch-size",
+                "8",
+            ]
+        )
+    assert "raise --format-steps" in str(err.value)
     assert not (tmp_path / "m").exists()
 
 

@@ -164,8 +164,9 @@ def test_the_task_example_is_the_file_and_loads() -> None:
 
 
 def _documented_metrics() -> list[re.Pattern[str]]:
-    table = _section("Fields of each `metrics.jsonl` line", RUN_DIRECTORY).split("\n\n")[1]
-    names = re.findall(r"`([a-z0-9_/<>]+)`", table)
+    section = _section("Fields of each `metrics.jsonl` line", RUN_DIRECTORY)
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    names = [name for row in rows for name in re.findall(r"`([a-z0-9_/<>]+)`", row)]
     return [re.compile(re.escape(n).replace("<component>", "[a-z_]+") + "$") for n in names]
 
 

@@ -6,7 +6,7 @@ the single seam where the reliability layer (``engine.session.retry``,
 of the engine sees typed results (:class:`SampleResult`, :class:`TrainResult`,
 :class:`SamplerHandle`) and never an SDK future.
 
-Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
+Two SDK facts shape this module (tinker 0.22; docs/architecture.md, "Wire facts"):
 
 * The ``_async`` training calls need two awaits: ``fut = await tc.forward_backward_async
   (...)`` submits (and fixes the request's place in the model's sequence), ``await fut``

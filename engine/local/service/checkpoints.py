@@ -25,7 +25,7 @@ import secrets
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import formatdate
@@ -37,7 +37,7 @@ import anyio
 from engine.local.backend import BackendError
 from engine.local.jobs import Job
 from engine.local.service.core import Core, HttpError
-from engine.local.storage import KINDS, BadPath, Kind, TinkerPath, check_name
+from engine.local.storage import KINDS, BadPath, Kind, TinkerPath, check_model_id, check_name
 
 RUN_FILE = "run.json"
 ACCESS_FILE = "access.json"
@@ -115,12 +115,12 @@ class CheckpointStore:
         return [
             p.name
             for p in self.data_dir.iterdir()
-            if p.is_dir() and _valid_name(p.name) and (p / RUN_FILE).is_file()
+            if p.is_dir() and _valid_name(p.name, check_model_id) and (p / RUN_FILE).is_file()
         ]
 
     def run_record(self, run_id: str) -> dict[str, Any] | None:
         try:
-            check_name(run_id, "training run id")
+            check_model_id(run_id, "training run id")
         except BadPath as exc:
             raise HttpError(400, str(exc)) from None
         try:
@@ -351,9 +351,9 @@ class CheckpointStore:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _valid_name(name: str) -> bool:
+def _valid_name(name: str, check: Callable[[str], str] = check_name) -> bool:
     try:
-        check_name(name)
+        check(name)
     except BadPath:
         return False
     return True

@@ -49,6 +49,7 @@ from engine.local.wire import (
     SaveForSamplerW,
     SaveWeightsW,
     WireError,
+    check_adamw,
     parse,
 )
 
@@ -88,6 +89,7 @@ class TrainingOps:
         try:
             req = parse(CreateModelW, body, "create_model")
             core.resolve_base_model(req.base_model)
+            check_adamw(req.optimizer_config, "create_model")
             lora = req.lora_config
             if lora is None:
                 raise WireError("create_model needs a lora_config (the local server trains LoRA)")
@@ -261,6 +263,9 @@ class TrainingOps:
             return forward_job(backend, mid, fw.forward_input, limits, backward=False)
         if endpoint == "optim_step":
             opt = parse(OptimStepW, body, endpoint)
+            if opt.adam_params is None:
+                check_adamw(opt.optimizer_params or {"type": "unknown"}, endpoint)
+                raise WireError("optim_step needs adam_params")
 
             def count_step() -> None:
                 core.stats.optimizer_steps[mid] += 1
@@ -272,6 +277,11 @@ class TrainingOps:
             return self.checkpoints.on_saved(job, sw.ttl_seconds)
         if endpoint == "save_weights_for_sampler":
             ss = parse(SaveForSamplerW, body, endpoint)
+            if ss.kind not in ("snapshot", "inflight"):
+                raise WireError(
+                    "save_weights_for_sampler kind must be 'snapshot' or 'inflight', "
+                    f"got {ss.kind!r}"
+                )
             if ss.path is None and ss.sampling_session_seq_id is None:
                 raise WireError(
                     "save_weights_for_sampler needs a name in 'path' or a sampling_session_seq_id"

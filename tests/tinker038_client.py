@@ -138,7 +138,10 @@ async def async_flow(base_url: str) -> dict[str, Any]:
     sampler = await tc.save_weights_and_get_sampling_client()
     prompt = types.ModelInput.from_ints(tokenizer.encode(QUESTION))
     responses = await asyncio.gather(
-        *(sampler.sample_async(prompt, 2, types.SamplingParams(max_tokens=4, seed=i)) for i in range(4))
+        *(
+            sampler.sample_async(prompt, 2, types.SamplingParams(max_tokens=4, seed=i))
+            for i in range(4)
+        )
     )
     ids = [seq.sequence_id for r in responses for seq in r.sequences]
     assert len(ids) == 8 and len(set(ids)) == 8, ids
@@ -170,8 +173,14 @@ def error_flow(base_url: str) -> dict[str, Any]:
             raise AssertionError(f"{name} should have failed")
 
     params = types.SamplingParams(max_tokens=2)
-    failure("topk_sample_logprobs", lambda: sampler.sample(prompt, 1, params, topk_sample_logprobs=2).result())
-    failure("prompt_alt_tokens_k", lambda: sampler.sample(prompt, 1, params, prompt_alt_tokens_k=2).result())
+    failure(
+        "topk_sample_logprobs",
+        lambda: sampler.sample(prompt, 1, params, topk_sample_logprobs=2).result(),
+    )
+    failure(
+        "prompt_alt_tokens_k",
+        lambda: sampler.sample(prompt, 1, params, prompt_alt_tokens_k=2).result(),
+    )
     failure(
         "dimuon",
         lambda: service.create_lora_training_client(

@@ -39,6 +39,7 @@ from engine.local.service.sampling import SamplingOps
 from engine.local.service.session_ops import SessionOps
 from engine.local.service.training import TrainingOps
 from engine.local.stats import Stats, StatsSnapshot
+from engine.local.tinker_proto import zstd_available
 from engine.local.wire import RetrieveFutureW, WeightsInfoW
 
 __all__ = ["HttpError", "LocalService"]
@@ -152,7 +153,7 @@ class LocalService:
             "sample_no_retries": False,
             # tinker >= 0.38: forward_backward arrives as zstd-compressed protobuf, in
             # chunks the server's limits accept (the byte estimate is pre-compression).
-            "proto_compress_fwdbwd": True,
+            "proto_compress_fwdbwd": zstd_available(),
             "fwdbwd_max_chunk_len": limits.max_datums,
             "fwdbwd_max_chunk_bytes_count": min(5_000_000, limits.max_body_bytes),
             "sample_use_retrieve_futures": False,

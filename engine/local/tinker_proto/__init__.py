@@ -16,12 +16,12 @@ unchanged because the server's environment pins tinker 0.22, which has no schema
 from __future__ import annotations
 
 import hashlib
+import importlib.util
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
-import zstandard
 from google.protobuf.message import DecodeError
 
 from engine.local.tinker_proto import tinker_public_pb2 as pb
@@ -61,6 +61,11 @@ def wants_proto(accept: str | None) -> bool:
 # ---- request bodies -------------------------------------------------------------------
 
 
+def zstd_available() -> bool:
+    """Whether zstd bodies can be read (the client config asks for them only then)."""
+    return importlib.util.find_spec("zstandard") is not None
+
+
 def decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
     """``raw`` without its Content-Encoding (identity or zstd); a body that would inflate
     beyond ``limit`` bytes is refused before it is expanded further."""
@@ -71,6 +76,12 @@ def decompress(raw: bytes, encoding: str | None, limit: int) -> bytes:
         raise ProtoError(
             f"Content-Encoding {encoding!r} is not supported by the local server (zstd only)"
         )
+    try:
+        import zstandard
+    except ImportError:
+        raise ProtoError(
+            "zstd request bodies need the zstandard package: pip install 'engine[local]'"
+        ) from None
     chunks: list[bytes] = []
     size = 0
     try:

@@ -264,8 +264,9 @@ class TrainingOps:
         if endpoint == "optim_step":
             opt = parse(OptimStepW, body, endpoint)
             if opt.adam_params is None:
-                check_adamw(opt.optimizer_params or {"type": "unknown"}, endpoint)
-                raise WireError("optim_step needs adam_params")
+                if opt.optimizer_params is not None:  # tinker >= 0.38, another optimizer
+                    check_adamw(opt.optimizer_params, endpoint)
+                raise WireError(f"invalid {endpoint} request: adam_params: Field required")
 
             def count_step() -> None:
                 core.stats.optimizer_steps[mid] += 1

@@ -82,7 +82,7 @@ def sync_flow(base_url: str) -> dict[str, Any]:
     logprobs = sampler.compute_logprobs(prompt).result()
     assert logprobs[0] is None and len(logprobs) == len(prompt.to_ints())
 
-    state = tc.save_state("after-3").result().path
+    state = tc.save_state("after-3", user_metadata={"step": "3"}).result().path
     assert state == f"tinker://{tc.model_id}/weights/after-3", state
     named = tc.save_weights_for_sampler("sampler-3").result().path
     from_path = service.create_sampling_client(model_path=named).result()
@@ -107,6 +107,8 @@ def sync_flow(base_url: str) -> dict[str, Any]:
     kinds = sorted((c.checkpoint_type, c.checkpoint_id) for c in checkpoints)
     assert ("sampler", "sampler_weights/sampler-3") in kinds, kinds
     assert ("training", "weights/after-3") in kinds, kinds
+    metadata = {c.checkpoint_id: c.user_metadata for c in checkpoints}
+    assert metadata["weights/after-3"] == {"step": "3"}, metadata
     runs = rest.list_training_runs().result().training_runs
     assert {tc.model_id, resumed.model_id} <= {r.training_run_id for r in runs}
     info = rest.get_weights_info_by_tinker_path(state).result()

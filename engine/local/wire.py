@@ -120,6 +120,7 @@ class SaveWeightsW(_Wire):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     overwrite: bool = False
+    user_metadata: dict[str, Any] | None = None
 
 
 class SaveForSamplerW(_Wire):
@@ -129,6 +130,7 @@ class SaveForSamplerW(_Wire):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     kind: str = "snapshot"
+    user_metadata: dict[str, Any] | None = None
     """tinker >= 0.38: "snapshot" or "inflight" (served as a snapshot)."""
 
 

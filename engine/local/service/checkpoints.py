@@ -60,9 +60,13 @@ class CheckpointRecord:
     size_bytes: int
     public: bool
     expires_at: float | None
+    user_metadata: dict[str, str] | None = None
+    """Set by the client when saving (tinker >= 0.38); listed only when set."""
 
     def to_json(self) -> dict[str, Any]:
+        extra = {} if self.user_metadata is None else {"user_metadata": self.user_metadata}
         return {
+            **extra,
             "checkpoint_id": f"{self.path.kind}/{self.path.name}",
             "checkpoint_type": _TYPES[self.path.kind],
             "time": iso(self.created),
@@ -157,12 +161,14 @@ class CheckpointStore:
         if not isinstance(created, int | float):
             created = meta.stat().st_mtime
         expires = access.get("expires_at")
+        metadata = access.get("user_metadata")
         record = CheckpointRecord(
             path=path,
             created=float(created),
             size_bytes=sum(f.stat().st_size for f in directory.iterdir() if f.is_file()),
             public=bool(access.get("public", False)),
             expires_at=float(expires) if isinstance(expires, int | float) else None,
+            user_metadata=metadata if isinstance(metadata, dict) else None,
         )
         expired = record.expires_at is not None and record.expires_at <= self.core.now()
         if expired and self._remove(path):
@@ -214,9 +220,11 @@ class CheckpointStore:
 
     # ---- hooks for training operations --------------------------------------------------
 
-    def on_saved(self, job: Job, ttl_seconds: int | None) -> Job:
-        """``job`` (a named save) that also records the checkpoint's creation time and,
-        with ``ttl_seconds``, when it expires."""
+    def on_saved(
+        self, job: Job, ttl_seconds: int | None, user_metadata: dict[str, Any] | None = None
+    ) -> Job:
+        """``job`` (a named save) that also records the checkpoint's creation time,
+        with ``ttl_seconds`` when it expires, and the client's ``user_metadata``."""
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise BadPath(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds}")
         inner = job.finish
@@ -225,7 +233,12 @@ class CheckpointStore:
             payload = inner(result)
             path = TinkerPath.parse(payload["path"])
             now = self.core.now()
-            access = {"created": now, "expires_at": now + ttl_seconds if ttl_seconds else None}
+            access: dict[str, Any] = {
+                "created": now,
+                "expires_at": now + ttl_seconds if ttl_seconds else None,
+            }
+            if user_metadata:
+                access["user_metadata"] = {str(k): str(v) for k, v in user_metadata.items()}
             _write_json(path.directory(self.data_dir) / ACCESS_FILE, access)
             return payload
 

@@ -275,7 +275,7 @@ class TrainingOps:
         if endpoint == "save_weights":
             sw = parse(SaveWeightsW, body, endpoint)
             job = save_state_job(backend, mid, sw.path, core.data_dir, overwrite=sw.overwrite)
-            return self.checkpoints.on_saved(job, sw.ttl_seconds)
+            return self.checkpoints.on_saved(job, sw.ttl_seconds, sw.user_metadata)
         if endpoint == "save_weights_for_sampler":
             ss = parse(SaveForSamplerW, body, endpoint)
             if ss.kind not in ("snapshot", "inflight"):
@@ -295,7 +295,9 @@ class TrainingOps:
                 on_saved=lambda key, path: self._on_sampler_saved(key, path, model),
                 snapshot_delay=core.latency.snapshot if core.latency else 0.0,
             )
-            return self.checkpoints.on_saved(job, ss.ttl_seconds) if ss.path else job
+            if ss.path is None:
+                return job
+            return self.checkpoints.on_saved(job, ss.ttl_seconds, ss.user_metadata)
         if endpoint == "load_weights":
             lw = parse(LoadWeightsW, body, endpoint)
             self.checkpoints.expire_if_due(lw.path)

@@ -9,8 +9,9 @@ import tinker
 from tinker import types
 
 service = tinker.ServiceClient(base_url=sys.argv[1])
-model = service.get_server_capabilities().supported_models[0].model_name
-training = service.create_lora_training_client(base_model=model, rank=8).result()
+model = tinker.RestClient(base_url=sys.argv[1]).get_server_capabilities().result()
+model_name = model.supported_models[0].model_name or ""
+training = service.create_lora_training_client(base_model=model_name, rank=8).result()
 tokens = training.get_tokenizer().encode("Question: What is 12 + 30?\nAnswer: 42")
 datum = types.Datum(
     model_input=types.ModelInput.from_ints(tokens[:-1]),

@@ -59,18 +59,23 @@ class Limits:
     dedupe_window: int = 4096
     """Per-model (seq_id -> request) entries remembered for duplicate detection."""
     max_models: int = 64
-    """Training clients held in memory; beyond it the least recently used idle one is
-    evicted (using it later fails with a message saying so)."""
+    """Training clients held in memory; beyond it a new one is refused (429): a live
+    client is never evicted for another (clients are released when their session stops
+    sending heartbeats)."""
     max_named_samplers: int = 64
-    """Checkpoint snapshots (sampling clients from a model_path) held in memory; beyond it
-    the least recently used is evicted, with the sampling sessions that use it."""
+    """Checkpoint snapshots (sampling clients from a model_path, and snapshots training
+    clients save with save_weights_for_sampler) held in memory; beyond it one no sampling
+    session uses, else the least recently used, is evicted, with the sampling sessions
+    that use it."""
     max_adapter_bytes: int = 4 << 30
     """Memory for training clients (LoRA weights, gradients, Adam moments) and sampler
     snapshots together; beyond it checkpoint snapshots, then in-memory snapshots, then
     idle training clients are evicted, least recently used first."""
     max_upload_bytes: int = 1 << 30
     """Largest checkpoint archive accepted by /api/v1/checkpoints/upload (and the most
-    it may unpack to)."""
+    file contents it may unpack to); JSON bodies have ``max_body_bytes`` instead."""
+    max_concurrent_uploads: int = 4
+    """Uploads received at a time; beyond it an upload gets 503 with Retry-After."""
     max_ephemeral_samplers: int = 64
     """Snapshots from save_weights_and_get_sampling_client kept in memory; the oldest is
     released beyond this (sampling from it then fails with a clear error). Named

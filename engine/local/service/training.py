@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -69,6 +70,9 @@ class TrainingOps:
         self.resources = resources
         self._on_sampler_saved = on_sampler_saved
         self._model_requests = BoundedMap()
+        self._creating = 0
+        """create_model requests accepted and not finished yet (they count against
+        ``limits.max_models``)."""
 
     # ---- models -----------------------------------------------------------------------
 
@@ -82,6 +86,7 @@ class TrainingOps:
             if existing is not None and core.futures.get(existing) is not None:
                 core.stats.dedupe_hits["create_model"] += 1
                 return {"request_id": existing}
+        self._check_model_budget()
         entry = core.new_future("create_model")
         if session_id is not None and model_seq_id is not None:
             self._model_requests.remember(dedupe_key, entry.request_id)
@@ -110,21 +115,37 @@ class TrainingOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
         core.spawn(self._run_create_model, entry, spec, req)
+        self._creating += 1
         return core.ref(entry)
+
+    def _check_model_budget(self) -> None:
+        """HTTP 429 when ``limits.max_models`` training clients are held or being
+        created: a new client never evicts a live one of another run."""
+        core = self.core
+        limit = core.config.limits.max_models
+        if len(core.registry.models) + self._creating < limit:
+            return
+        raise HttpError(
+            429,
+            f"the local server already holds {limit} training clients (--max-models); a "
+            "client is released once its session stops sending heartbeats "
+            f"(--session-timeout {core.config.session_timeout_s:g} s): end another run, or "
+            "restart the server with a larger --max-models",
+            category="server",
+            headers={"Retry-After": str(math.ceil(core.config.housekeeping_interval_s))},
+        )
 
     async def _run_create_model(
         self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW
     ) -> None:
+        try:
+            await self._create_model(entry, spec, req)
+        finally:
+            self._creating -= 1
+
+    async def _create_model(self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW) -> None:
         core = self.core
         model_id = f"model-{uuid.uuid4().hex}"
-        if not await self.resources.make_room_for_model():
-            core.futures.fail(
-                entry,
-                f"the local server already holds {core.config.limits.max_models} training "
-                "clients, all with operations in flight (--max-models); retry later",
-                "server",
-            )
-            return
 
         def run() -> None:
             core.backend.create_model(model_id, spec)

@@ -7,6 +7,7 @@ defaults and one set of error messages.
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,18 @@ READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 
 LOOPBACK_NAMES = frozenset({"localhost"})
+DEFAULT_DATA_DIR_TEXT = (
+    "$XDG_DATA_HOME/engine/local-server, else ~/.local/share/engine/local-server"
+)
+
+
+def default_data_dir() -> Path:
+    """Where ``python -m engine.local`` keeps runs and checkpoints unless told otherwise
+    (``DEFAULT_DATA_DIR_TEXT``; an XDG_DATA_HOME that is not absolute is ignored, as the
+    XDG spec says)."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
+    return root / "engine" / "local-server"
 
 
 class ConfigError(ValueError):
@@ -99,7 +112,8 @@ class ServerConfig:
     an unmodified script with a hard-coded hosted model name runs against it."""
     api_key: str | None = None
     data_dir: Path | None = None
-    """None: a fresh temporary directory, removed when the server stops."""
+    """None: a fresh temporary directory, removed when the server stops (the library
+    default; ``python -m engine.local`` defaults to ``default_data_dir()``)."""
     host: str = "127.0.0.1"
     port: int = 0
     faults: FaultSpec = field(default_factory=FaultSpec)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import bz2
 import contextlib
+import errno
 import io
 import json
 import math
@@ -410,3 +411,16 @@ async def test_a_jwt_cannot_mint_another_jwt(client: Client) -> None:
     refused = await client.http.post("/api/v1/auth/token", json={}, headers=with_jwt)
     assert refused.status_code == 403, refused.text
     assert "API key" in refused.json()["error"]
+
+
+async def test_an_upload_without_file_descriptors_gets_503_and_leaves_no_temp_dir(
+    client: Client, server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def no_descriptors(*args: Any, **kwargs: Any) -> Any:
+        raise OSError(errno.EMFILE, "Too many open files")
+
+    monkeypatch.setattr(anyio, "open_file", no_descriptors)
+    answer = await client.upload(b"x" * 10)
+    assert answer.status_code == 503, answer.text
+    assert answer.headers["retry-after"] == "5"
+    assert not list(server.data_dir.glob(".upload-*"))

@@ -424,3 +424,10 @@ async def test_an_upload_without_file_descriptors_gets_503_and_leaves_no_temp_di
     assert answer.status_code == 503, answer.text
     assert answer.headers["retry-after"] == "5"
     assert not list(server.data_dir.glob(".upload-*"))
+
+
+async def test_housekeeping_removes_upload_leftovers(server: RunningServer) -> None:
+    leftover = server.data_dir / ".upload-left-by-a-crash"
+    (leftover / "checkpoint").mkdir(parents=True)
+    server.service.housekeeping()
+    assert not leftover.exists()

@@ -55,6 +55,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig
 from engine.envs.datums import episode_group_datums
+from engine.envs.executors import ProcessGroup
 from engine.envs.metrics import episode_metrics
 from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
 from engine.envs.single_turn import TaskGroupBuilder
@@ -72,7 +73,7 @@ from engine.loop.evaluation import Evaluator
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
 from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.scoring import Scorer, check_picklable, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
 from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.session.api import (
@@ -273,7 +274,13 @@ class Pipeline:
         self._evaluate = evaluate
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._stop = StopCondition(stop_strings, stop_token_ids)
+        workers = parse_score_workers(config.score_workers)
+        self._env_workers = (
+            anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
+        )
         if is_env_task(task):
+            if self._env_workers is not None:
+                check_picklable(task)
             self._env_task: EnvTask | None = task  # type: ignore[assignment]
             self._env_context = EnvContext(
                 self._renderer.context, self._stop, config.episode_limits()
@@ -282,11 +289,7 @@ class Pipeline:
             self._scorer: Scorer | None = None
         else:
             self._env_task, limits = None, None
-            self._scorer = Scorer(
-                task,
-                concurrency=config.score_concurrency,
-                workers=parse_score_workers(config.score_workers),
-            )
+            self._scorer = Scorer(task, concurrency=config.score_concurrency, workers=workers)
         self._runner = EpisodeRunner(self._sample_turn, limits, clock=clock)
 
     async def run(self) -> PipelineOutcome:
@@ -326,6 +329,8 @@ class Pipeline:
         admitted = self._versions.current.version
         if self._env_task is not None:
             builder = self._env_task.group_builder(problem, self._config.group, self._env_context)
+            if self._env_workers is not None:
+                builder = ProcessGroup(builder, self._env_workers)
             return _GroupJob(step, index, problem, builder, admitted)
         assert self._scorer is not None
         prompt = tuple(self._renderer.prompt_tokens(problem))

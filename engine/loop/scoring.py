@@ -48,6 +48,7 @@ __all__ = [
     "RewardError",
     "ScoreWorkers",
     "Scorer",
+    "check_picklable",
     "check_reward",
     "parse_score_workers",
 ]
@@ -114,7 +115,7 @@ class Scorer:
         self._is_async = inspect.iscoroutinefunction(fn)
         self._in_threads = not self._is_async and self._processes is None
         if self._processes is not None and not self._is_async:
-            _check_picklable(fn)
+            check_picklable(fn)
 
     async def score(self, problem: Problem, responses: Sequence[str]) -> list[RewardBreakdown]:
         """The rewards of one group, in response order; raises RewardError."""
@@ -232,7 +233,7 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     return box[0]  # type: ignore[no-any-return]
 
 
-def _check_picklable(fn: Callable[..., Any]) -> None:
+def check_picklable(fn: object) -> None:
     try:
         pickle.dumps(fn)
     except Exception as exc:

@@ -18,14 +18,19 @@ carries what the next stage needs, no stage reads another's state):
   submits forward_backward + optim_step + the snapshot of the weights after it (version
   ``s + 1``) back to back, without awaiting anything: while step ``s``'s results are
   outstanding it already submits step ``s + 1`` (``--submit-ahead`` steps at most), so
-  the server's clock never idles between steps. The *finisher* awaits each submitted
-  step in order, publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and
-  hands the :class:`~engine.loop.results.StepResult` to ``on_step``.
+  the server's clock never idles between steps. It files every group it receives with
+  the finisher (a bounded stream). The *finisher* awaits each submitted step in order,
+  publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and hands the
+  :class:`~engine.loop.results.StepResult` to ``on_step``; its loop state keeps every
+  filed group of a later step (nothing sampled is lost on resume), and the trainer's busy
+  time comes from the step's own timestamps. Only the sampling meter (written by the
+  rollout tasks, read per step) and the in-flight count (the finisher makes room for
+  the submitter) are shared.
 
 Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
 exists (its later turns only sample from newer versions), so at most ``K + 1`` steps
-of groups are started but untrained and every trained
-group satisfies ``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
+of groups are started but untrained and every trained group satisfies
+``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
 on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
 one server round per train step. Nothing sampled is discarded.
 
@@ -182,33 +187,6 @@ class PipelineOutcome:
     state: LoopState
 
 
-class _Untrained:
-    """The trainer's scored groups that are not trained yet: waiting in the submitter's
-    buffer, or in a submitted step that is not finished. Both trainer tasks share it: the
-    submitter files and submits groups, the finisher reads what a checkpoint after a step
-    must keep (every group of a later step, so nothing sampled is lost on resume)."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[int, dict[int, ScoredGroup]] = {}
-        self._submitted: dict[int, tuple[ScoredGroup, ...]] = {}
-
-    def add(self, group: ScoredGroup) -> None:
-        self.waiting.setdefault(group.step, {})[group.index] = group
-
-    def submit(self, step: int, batch: int) -> tuple[ScoredGroup, ...]:
-        """Step ``step``'s groups, in problem order, moved to the submitted steps."""
-        arrived = self.waiting.pop(step)
-        groups = tuple(arrived[i] for i in range(batch))
-        self._submitted[step] = groups
-        return groups
-
-    def finish(self, step: int) -> tuple[ScoredGroup, ...]:
-        """Step ``step`` is trained; returns the groups of every later step."""
-        self._submitted.pop(step, None)
-        later = {**self._submitted, **{s: tuple(g.values()) for s, g in self.waiting.items()}}
-        return tuple(g for s in sorted(later) if s > step for g in later[s])
-
-
 class _InFlight:
     """How many submitted steps are not yet recorded; the submitter waits for room (or,
     before a step that follows a checkpoint, for none at all)."""
@@ -266,9 +244,7 @@ class Pipeline:
         self._bound = (self._k + 2) * (config.batch + 1)
         self._slots = anyio.Semaphore(config.concurrency)
         self._sampling = ActivityMeter(clock)
-        self._training = ActivityMeter(clock)
         self._in_flight = _InFlight(config.submit_ahead + 1)
-        self._untrained = _Untrained()
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
@@ -297,10 +273,13 @@ class Pipeline:
         submitted_send, submitted_recv = anyio.create_memory_object_stream[_SubmittedStep](
             self._config.submit_ahead + 1
         )
+        # Every group the submitter files, for the finisher's checkpoints (at most K + 1
+        # steps of groups are untrained at once, well within the bound).
+        filed_send, filed_recv = anyio.create_memory_object_stream[ScoredGroup](self._bound)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._rollout_stage, tg, rolled_send)
-            tg.start_soon(self._submit_stage, rolled_recv, submitted_send)
-            completed, state = await self._finish_stage(submitted_recv)
+            tg.start_soon(self._submit_stage, rolled_recv, submitted_send, filed_send)
+            completed, state = await self._finish_stage(submitted_recv, filed_recv)
         return PipelineOutcome(completed, self._exhausted, state)
 
     # -- rollout ---------------------------------------------------------------------
@@ -427,29 +406,25 @@ class Pipeline:
         self,
         receive: MemoryObjectReceiveStream[_RolledOut],
         send: MemoryObjectSendStream[_SubmittedStep],
+        filed: MemoryObjectSendStream[ScoredGroup],
     ) -> None:
         cfg = self._config
-        untrained = self._untrained
         now = self._clock()
+        waiting: dict[int, dict[int, ScoredGroup]] = {}  # step -> index -> group
         for g in self._state.pending_groups:
             # Restored from a checkpoint: ready now (their old clock values mean nothing).
-            untrained.add(
-                dataclasses.replace(
-                    g,
-                    sample_started=now,
-                    sample_finished=now,
-                    score_started=now,
-                    score_finished=now,
-                )
+            restored = dataclasses.replace(
+                g, sample_started=now, sample_finished=now, score_started=now, score_finished=now
             )
+            waiting.setdefault(g.step, {})[g.index] = restored
         source_after: dict[int, dict[str, Any]] = {}
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
-        async with receive, send:
+        async with receive, send, filed:
             for step in range(self._state.next_step, cfg.steps):
                 assembly = _StepAssembly(step)
                 while True:
-                    arrived = untrained.waiting.get(step, {})
+                    arrived = waiting.get(step, {})
                     complete = len(arrived) == cfg.batch and step in source_after
                     await self._submit_ready(assembly, arrived, complete=complete)
                     if complete:
@@ -461,10 +436,12 @@ class Pipeline:
                     if isinstance(message, _StepOpened):
                         source_after[message.step] = message.source_after
                     else:
-                        untrained.add(message)
+                        waiting.setdefault(message.step, {})[message.index] = message
+                        await filed.send(message)
                         if message.step == step:
                             complete_at = self._clock()
-                groups = untrained.submit(step, cfg.batch)
+                arrived = waiting.pop(step)
+                groups = tuple(arrived[i] for i in range(cfg.batch))
                 await self._open(assembly)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
@@ -521,7 +498,6 @@ class Pipeline:
             return
         await self._in_flight.acquire(drain=self._config.checkpoint_due(assembly.step))
         await self._gate.begin_step(assembly.step + 1)
-        self._training.begin()
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
@@ -541,12 +517,15 @@ class Pipeline:
     # -- trainer: finisher -----------------------------------------------------------
 
     async def _finish_stage(
-        self, receive: MemoryObjectReceiveStream[_SubmittedStep]
+        self,
+        receive: MemoryObjectReceiveStream[_SubmittedStep],
+        filed: MemoryObjectReceiveStream[ScoredGroup],
     ) -> tuple[int, LoopState]:
         completed = 0
         state = self._state
         last_end = self._clock()
-        async with receive:
+        untrained = {(g.step, g.index): g for g in self._state.pending_groups}
+        async with receive, filed:
             async for submitted in receive:
                 step = submitted.step
                 try:
@@ -565,12 +544,11 @@ class Pipeline:
                     raise
                 if step + 1 < self._config.steps:
                     self._versions.publish(handle)
-                self._training.end()
                 end = self._clock()
                 state = dataclasses.replace(
                     submitted.state,
                     sampler_version=self._versions.current.version,
-                    pending_groups=self._untrained.finish(step),
+                    pending_groups=_untrained_after(step, untrained, filed),
                 )
                 step_result = self._step_result(
                     submitted, result, state, last_end, end, snapshot_retries.count
@@ -609,7 +587,9 @@ class Pipeline:
         kl = kl_sample_train(assembled.datums, result.logprobs)
         step_time = max(train_end - last_end, 1e-9)
         sampling_busy, samples, tokens = self._sampling.take()
-        training_busy, _, _ = self._training.take()
+        # Steps are trained in order: from this step's first submission (or the end of
+        # the previous step, if later) to its end, the trainer was busy.
+        training_busy = train_end - max(submitted.train_start, last_end)
         scored = [g for g in groups if g.reward_error is None]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
@@ -667,6 +647,24 @@ class Pipeline:
             timeline=timeline,
             state=state,
         )
+
+
+def _untrained_after(
+    step: int,
+    untrained: dict[tuple[int, int], ScoredGroup],
+    filed: MemoryObjectReceiveStream[ScoredGroup],
+) -> tuple[ScoredGroup, ...]:
+    """Every group filed by the submitter so far of a step after ``step`` (what a
+    checkpoint after ``step`` must keep, so nothing sampled is lost on resume)."""
+    while True:
+        try:
+            group = filed.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            break
+        untrained[(group.step, group.index)] = group
+    for key in [k for k in untrained if k[0] <= step]:
+        del untrained[key]
+    return tuple(untrained[k] for k in sorted(untrained))
 
 
 _NO_TRAINING = TrainResult([], {}, {})

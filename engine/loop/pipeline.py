@@ -27,12 +27,9 @@ carries what the next stage needs, no stage reads another's state):
   rollout tasks, read per step) and the in-flight count (the finisher makes room for
   the submitter) are shared.
 
-Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
-exists (its later turns only sample from newer versions), so at most ``K + 1`` steps
-of groups are started but untrained and every trained group satisfies
-``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
-on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
-one server round per train step. Nothing sampled is discarded.
+Admission bounds staleness (every trained group is at most K versions behind, whatever
+its later turns sampled from; nothing sampled is discarded): docs/architecture.md, "The
+staleness bound", explains it.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
 recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps

@@ -28,19 +28,17 @@ on cancellation. A reward that raises anything -- even ``SystemExit`` or
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import pickle
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_process
-from anyio.lowlevel import current_token
 
+from engine.common.threads import in_daemon_thread
 from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
@@ -164,7 +162,7 @@ class Scorer:
                 _run_guarded, fn, *args, cancellable=True, limiter=self._processes
             )
         else:
-            outcome = await _in_daemon_thread(_run_guarded, fn, *args)
+            outcome = await in_daemon_thread(_run_guarded, fn, *args, name="engine-reward")
         value, error = outcome
         if error is not None:
             raise error
@@ -210,27 +208,6 @@ def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException
         return None, exc
     except BaseException as exc:
         return None, _Raised(exc)
-
-
-async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a new daemon thread. Unlike anyio's worker threads, which the
-    interpreter joins at exit, a daemon thread whose reward never returns is abandoned on
-    cancellation and dies with the process."""
-    token = current_token()
-    done = anyio.Event()
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append(fn(*args))
-        finally:
-            # RuntimeError: the event loop is gone; nobody waits for this result any more.
-            with contextlib.suppress(RuntimeError):
-                anyio.from_thread.run_sync(done.set, token=token)
-
-    threading.Thread(target=run, name="engine-reward", daemon=True).start()
-    await done.wait()
-    return box[0]  # type: ignore[no-any-return]
 
 
 def check_picklable(fn: object) -> None:

@@ -29,6 +29,7 @@ from typing import Any, Final, Literal, cast, get_args
 
 from engine.common.extras import require
 from engine.common.protocol import RECOMMENDED_FIELD
+from engine.envs.types import EpisodeLimits, OnLimit, OnParseError
 from engine.errors import ConfigError
 from engine.loop.rl import OnMissingLogprobs
 from engine.loop.scoring import parse_score_workers
@@ -216,6 +217,12 @@ class EngineConfig:
     retry_attempts: int = 4
     retry_backoff: float = 1.0
     on_reward_error: OnRewardError = "fail"
+    env_max_turns: int = 8
+    env_max_tokens: int = 8192
+    episode_timeout: float = 0.0
+    tool_timeout: float = 60.0
+    on_limit: OnLimit = "zero"
+    on_parse_error: OnParseError = "zero"
     eval_every: int = 0
     log_rollouts: int = 2
     init_from: str | None = None
@@ -302,6 +309,17 @@ class EngineConfig:
             op=None,
             min_operand=None,
             max_operand=None,
+        )
+
+    def episode_limits(self) -> EpisodeLimits:
+        """The limits of an environment task's episodes (0 s: no timeout)."""
+        return EpisodeLimits(
+            max_turns=self.env_max_turns,
+            max_tokens=self.env_max_tokens,
+            episode_timeout=self.episode_timeout or None,
+            tool_timeout=self.tool_timeout or None,
+            on_limit=self.on_limit,
+            on_parse_error=self.on_parse_error,
         )
 
     def checkpoint_due(self, completed_steps: int) -> bool:
@@ -850,6 +868,62 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "a reward function that raises: stop the run (fail), or drop that group from "
         "its step (a held-out problem from the eval/* metrics), count it and log it (skip)",
         "fail",
+    ),
+    Knob(
+        "env_max_turns",
+        "--env-max-turns",
+        (),
+        _parse_int,
+        _positive,
+        "environment tasks: most actions per episode",
+        "8",
+    ),
+    Knob(
+        "env_max_tokens",
+        "--env-max-tokens",
+        (),
+        _parse_int,
+        _positive,
+        "environment tasks: longest context (observation + action tokens) of an episode",
+        "8192",
+    ),
+    Knob(
+        "episode_timeout",
+        "--episode-timeout",
+        (),
+        _parse_float,
+        _finite_non_negative,
+        "environment tasks: seconds an episode may run (0: no limit)",
+        "0",
+    ),
+    Knob(
+        "tool_timeout",
+        "--tool-timeout",
+        (),
+        _parse_float,
+        _finite_non_negative,
+        "environment tasks: seconds a tool call may run before it is a tool error (0: no limit)",
+        "60",
+    ),
+    Knob(
+        "on_limit",
+        "--on-limit",
+        (),
+        _parse_str,
+        _one_of(get_args(OnLimit)),
+        "environment tasks: an episode cut by a limit or an environment error is trained "
+        "with reward 0 (zero) or left out of training (mask)",
+        "zero",
+    ),
+    Knob(
+        "on_parse_error",
+        "--on-parse-error",
+        (),
+        _parse_str,
+        _one_of(get_args(OnParseError)),
+        "environment tasks: a malformed tool call ends the episode with reward 0 (zero), "
+        "leaves it out of training (mask), or is shown to the model to retry (retry)",
+        "zero",
     ),
     Knob(
         "eval_every",

@@ -28,7 +28,7 @@ import contextlib
 import dataclasses
 import enum
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
@@ -48,13 +48,18 @@ from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
 from engine.rundir.events import EventLog, describe
-from engine.session.mint import MintSession, local_server_profile, open_session, service_guard
+from engine.session.api import Session
+from engine.session.mint import local_server_profile, open_session, service_guard
+from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
 
-__all__ = ["Engine", "StepHook"]
+__all__ = ["Engine", "SessionFactory", "StepHook"]
+
+SessionFactory = Callable[[EngineConfig], contextlib.AbstractAsyncContextManager[Session]]
+"""Opens a session for a config (entered when the engine is, left when it is)."""
 
 
 class _Lifecycle(enum.Enum):
@@ -73,7 +78,8 @@ class _OpenRun:
 
     files: RunDirectory
     events: EventLog
-    session: MintSession
+    session: Session
+    retries: RetryCounter
     supervisor: Supervisor
     send: MemoryObjectSendStream[StepResult]
     recv: MemoryObjectReceiveStream[StepResult]
@@ -87,7 +93,13 @@ class Engine:
     """One RL run. Construct, enter with ``async with``, then either ``await run()`` or
     iterate ``steps()`` (not both). ``console`` receives the readable output (None: quiet;
     metrics.jsonl is written either way). ``clock`` is the time of the reliability timers
-    (request deadlines, the watchdog, server liveness); tests pass a manual one."""
+    (request deadlines, the watchdog, server liveness); tests pass a manual one.
+
+    ``session`` (as httpx takes a transport): None connects as the config says (a MinT
+    server, or the local one); a :class:`~engine.session.api.Session` is used as is
+    (its owner opens and closes it); a factory ``config -> async context manager of a
+    Session`` is entered and left with the engine. A given session serves the config as
+    resolved here: the settings it leaves to a server must be set."""
 
     def __init__(
         self,
@@ -97,8 +109,9 @@ class Engine:
         on_step: StepHook | Sequence[StepHook] = (),
         console: TextIO | None = None,
         clock: Clock = LOOP_CLOCK,
+        session: Session | SessionFactory | None = None,
     ) -> None:
-        if not config.local and not config.api_key:
+        if session is None and not config.local and not config.api_key:
             raise ConfigError(
                 "EngineConfig has no api_key and local=False: pass api_key (or build it with "
                 "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
@@ -124,6 +137,7 @@ class Engine:
         if not set(self._config.unresolved) & set(ARITHMETIC_ARGS):
             self._load_task()
         self._clock = clock
+        self._session_source = session
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
         self._lifecycle = _Lifecycle.UNOPENED
@@ -164,7 +178,7 @@ class Engine:
         return self._run.supervisor.state if self._run is not None else None
 
     @property
-    def session(self) -> MintSession:
+    def session(self) -> Session:
         """The connected session (its ``model_id`` changes when a checkpoint is
         restored)."""
         if self._run is None:
@@ -266,7 +280,8 @@ class Engine:
         self._run_dir = files.path
         resources = contextlib.AsyncExitStack()
         events: EventLog | None = None
-        session: MintSession | None = None
+        session: Session | None = None
+        retries = RetryCounter()
         try:
             cfg = self._config
             files.write_config(cfg, self._task)
@@ -285,22 +300,30 @@ class Engine:
                     f"--max-steps-off-policy {cfg.max_steps_off_policy} with the unclipped "
                     "importance_sampling loss: a clipped loss (--loss ppo) is safer off-policy",
                 )
-            session = await resources.enter_async_context(
-                open_session(
-                    cfg,
-                    say=lambda line: log.info("console", line),
-                    guard=service_guard(cfg, log=events, clock=self._clock),
-                    local_data_dir=files.path / LOCAL_SERVER_DIR,
-                    restore_from=(
-                        files.resumed.checkpoint.state_path if files.resumed is not None else None
-                    ),
+            if self._session_source is None:
+                mint = await resources.enter_async_context(
+                    open_session(
+                        cfg,
+                        say=lambda line: log.info("console", line),
+                        guard=service_guard(cfg, log=events, clock=self._clock),
+                        local_data_dir=files.path / LOCAL_SERVER_DIR,
+                        restore_from=(
+                            files.resumed.checkpoint.state_path
+                            if files.resumed is not None
+                            else None
+                        ),
+                    )
                 )
-            )
-            if session.config != self._config:  # the server decided what was left unset
-                self._config = session.config
-                if self._task is None:
-                    self._load_task()
-                files.write_config(self._config, self._task)
+                session, retries = mint, mint.retries
+                if mint.config != self._config:  # the server decided what was left unset
+                    self._config = mint.config
+                    if self._task is None:
+                        self._load_task()
+                    files.write_config(self._config, self._task)
+            else:
+                session = await self._given_session(resources)
+                if files.resumed is not None:
+                    await session.restore(files.resumed.checkpoint.state_path)
             send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.steps))
             resources.callback(send.close)
             resources.callback(recv.close)
@@ -308,6 +331,7 @@ class Engine:
                 self._config,
                 self.task,
                 session=session,
+                retries=retries,
                 files=files,
                 log=log,
                 events=events,
@@ -323,13 +347,28 @@ class Engine:
                     self._config,
                     primary_error(exc),
                     task_name=self._task_name,
-                    retries=session.retries.totals() if session is not None else {},
+                    retries=retries.totals(),
                     final_path=None,
                     events=events,
                 )
             await resources.aclose()
             raise
-        return _OpenRun(files, events, session, supervisor, send, recv, task_group, resources)
+        return _OpenRun(
+            files, events, session, retries, supervisor, send, recv, task_group, resources
+        )
+
+    async def _given_session(self, resources: contextlib.AsyncExitStack) -> Session:
+        """The caller's session, or the one its factory opens (left with the engine)."""
+        given = self._session_source
+        if self._config.unresolved:
+            raise ConfigError(
+                "a given session cannot resolve settings from a server: set "
+                + ", ".join(self._config.unresolved)
+            )
+        if isinstance(given, Session):
+            return given
+        assert given is not None
+        return await resources.enter_async_context(given(self._config))
 
     def _load_task(self) -> None:
         """Load the task (unless one was given) from the config's spec and arguments,
@@ -373,7 +412,7 @@ class Engine:
                     self._config,
                     None,
                     task_name=self._task_name,
-                    retries=run.session.retries.totals(),
+                    retries=run.retries.totals(),
                     final_path=run.result.final_path,
                 )
         except Exception as exc:
@@ -394,7 +433,7 @@ class Engine:
             self._config,
             error,
             task_name=self._task_name,
-            retries=run.session.retries.totals(),
+            retries=run.retries.totals(),
             final_path=run.result.final_path if run.result is not None else None,
             events=run.events,
         )

@@ -18,6 +18,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.common.cli import OneLineErrorParser
+from engine.envs.datums import episode_group_datums
+from engine.envs.records import episode_record
 from engine.loop.results import StepResult
 from engine.loop.rl import group_advantages
 from engine.loop.state import ScoredGroup
@@ -30,7 +32,10 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 
 
 def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
-    """One group as a JSON-friendly record (one line of rollouts.jsonl)."""
+    """One group as a JSON-friendly record (one line of rollouts.jsonl); an environment
+    task's group has its episodes turn by turn instead of responses."""
+    if group.episodes:
+        return _episodes_record(step, group, renderer)
     totals = group.totals
     advantages = group_advantages(totals) if group.reward_error is None else [0.0] * len(totals)
     return {
@@ -52,6 +57,24 @@ def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dic
                 "stop_reason": c.stop_reason,
             }
             for c, r, a in zip(group.completions, group.rewards, advantages, strict=True)
+        ],
+    }
+
+
+def _episodes_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
+    built = episode_group_datums(group.episodes, on_missing_logprobs="drop")
+    advantages = built.advantages if group.reward_error is None else [0.0] * len(group.episodes)
+    return {
+        "step": step,
+        "index": group.index,
+        "problem_id": group.problem.id,
+        "question": group.problem.question,
+        "answer": group.problem.answer,
+        "sampler_version": group.version,
+        "reward_error": group.reward_error,
+        "episodes": [
+            episode_record(e, a, renderer.decode_prompt, renderer.decode)
+            for e, a in zip(group.episodes, advantages, strict=True)
         ],
     }
 
@@ -99,17 +122,47 @@ def format_group(record: dict[str, Any]) -> str:
     lines = [
         f"step {record['step']} - problem {record['problem_id']} - "
         f"sampler v{record['sampler_version']}",
-        f"  prompt: {record['prompt']!r}",
+        *([f"  prompt: {record['prompt']!r}"] if "prompt" in record else []),
         f"  answer: {record['answer']!r}",
     ]
     if record.get("reward_error"):
         lines.append(f"  reward error: {record['reward_error']}")
+    if "episodes" in record:
+        return "\n".join([*lines, *_format_episodes(record["episodes"])])
     for r in record["responses"]:
         parts = " ".join(f"{k}={v:g}" for k, v in sorted(r["components"].items()))
         lines.append(
             f"  reward {r['reward']:+.3f}  adv {r['advantage']:+.3f}  {parts:<24} | {r['text']!r}"
         )
     return "\n".join(lines)
+
+
+def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:
+    """Each episode turn by turn: what the environment showed, what the model did,
+    its tool calls and their results, the turn's reward."""
+    lines: list[str] = []
+    for n, e in enumerate(episodes):
+        flags = " masked" if e["masked"] else ""
+        lines.append(
+            f"  episode {n}: {e['outcome']}{flags}  reward {e['reward']:+.3f}  "
+            f"adv {e['advantage']:+.3f}  {len(e['turns'])} turns  {e['elapsed_s']:.2f}s"
+        )
+        if e.get("error"):
+            lines.append(f"    error: {e['error']}")
+        for i, t in enumerate(e["turns"]):
+            where = "new context" if t["new_context"] else "appended"
+            lines.append(f"    turn {i} (v{t['sampler_version']}) {where}: {t['observation']!r}")
+            lines.append(
+                f"      action [{t['tokens']} tok, {t['stop_reason']}] reward {t['reward']:+.3f}"
+                f": {t['action']!r}"
+            )
+            logs = t.get("logs", {})
+            for call in logs.get("tool_calls", ()):
+                outcome = f"error: {call['error']}" if call["error"] else call["result"]
+                lines.append(f"      tool {call['name']}({call['arguments']}) -> {outcome!r}")
+            if logs.get("parse_error"):
+                lines.append(f"      parse error: {logs['parse_error']}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -28,19 +28,17 @@ on cancellation. A reward that raises anything -- even ``SystemExit`` or
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import math
 import pickle
-import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_process
-from anyio.lowlevel import current_token
 
+from engine.common.threads import in_daemon_thread
 from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
@@ -48,6 +46,7 @@ __all__ = [
     "RewardError",
     "ScoreWorkers",
     "Scorer",
+    "check_picklable",
     "check_reward",
     "parse_score_workers",
 ]
@@ -114,7 +113,7 @@ class Scorer:
         self._is_async = inspect.iscoroutinefunction(fn)
         self._in_threads = not self._is_async and self._processes is None
         if self._processes is not None and not self._is_async:
-            _check_picklable(fn)
+            check_picklable(fn)
 
     async def score(self, problem: Problem, responses: Sequence[str]) -> list[RewardBreakdown]:
         """The rewards of one group, in response order; raises RewardError."""
@@ -163,7 +162,7 @@ class Scorer:
                 _run_guarded, fn, *args, cancellable=True, limiter=self._processes
             )
         else:
-            outcome = await _in_daemon_thread(_run_guarded, fn, *args)
+            outcome = await in_daemon_thread(_run_guarded, fn, *args, name="engine-reward")
         value, error = outcome
         if error is not None:
             raise error
@@ -211,28 +210,7 @@ def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException
         return None, _Raised(exc)
 
 
-async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a new daemon thread. Unlike anyio's worker threads, which the
-    interpreter joins at exit, a daemon thread whose reward never returns is abandoned on
-    cancellation and dies with the process."""
-    token = current_token()
-    done = anyio.Event()
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append(fn(*args))
-        finally:
-            # RuntimeError: the event loop is gone; nobody waits for this result any more.
-            with contextlib.suppress(RuntimeError):
-                anyio.from_thread.run_sync(done.set, token=token)
-
-    threading.Thread(target=run, name="engine-reward", daemon=True).start()
-    await done.wait()
-    return box[0]  # type: ignore[no-any-return]
-
-
-def _check_picklable(fn: Callable[..., Any]) -> None:
+def check_picklable(fn: object) -> None:
     try:
         pickle.dumps(fn)
     except Exception as exc:

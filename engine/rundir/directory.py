@@ -23,6 +23,7 @@ trained; :data:`engine.config.RESUME_CHANGEABLE` lists those that may change.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -205,6 +206,14 @@ def _may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUME_CHANGEABLE)
 
 
+def _default_of(key: str) -> Any:
+    """The JSON form of setting ``key``'s default (None when it has none)."""
+    field = next((f for f in dataclasses.fields(EngineConfig) if f.name == key), None)
+    if field is None or field.default is dataclasses.MISSING:
+        return None
+    return json.loads(json.dumps(field.default, default=str))
+
+
 def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     # Compare the redacted current config: that is the form config.json holds.
     old = _flatten(json.loads(json.dumps(stored, default=str)))
@@ -214,6 +223,8 @@ def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) ->
         if _may_change(key) or REDACTED in (str(old.get(key)), str(new.get(key))):
             continue
         if key not in old:
+            if _default_of(key) == new[key]:
+                continue  # a setting newer than the run, at its default: nothing changes
             problems.append(f"{key} is new ({new[key]!r})")
         elif key not in new:
             problems.append(f"{key} is missing (run dir has {old[key]!r})")

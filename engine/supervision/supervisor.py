@@ -49,7 +49,8 @@ from engine.rollouts import RolloutLog
 from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.rundir.directory import RunDirectory
 from engine.rundir.events import EventLog
-from engine.session.mint import MintSession
+from engine.session.api import Session
+from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
 from engine.supervision.watchdog import Watchdog
@@ -88,7 +89,8 @@ class Supervisor:
         config: EngineConfig,
         task: Task,
         *,
-        session: MintSession,
+        session: Session,
+        retries: RetryCounter,
         files: RunDirectory,
         log: RunLog,
         events: EventLog,
@@ -105,6 +107,7 @@ class Supervisor:
         self._config = config
         self._task = task
         self._session = session
+        self._retries = retries
         self._files = files
         self._log = log
         self._events = events
@@ -258,7 +261,7 @@ class Supervisor:
         """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
         the hooks, publish it."""
         self.state = result.state
-        for key, count in self._session.retries.take().items():
+        for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
         self._files.steps.append(result.metrics)
         self._log.step(result.metrics, result.line)
@@ -355,7 +358,7 @@ class Supervisor:
 
 
 def _open_task_outputs(
-    config: EngineConfig, task: Task, session: MintSession, files: RunDirectory, log: RunLog
+    config: EngineConfig, task: Task, session: Session, files: RunDirectory, log: RunLog
 ) -> _TaskOutputs:
     """The renderer, rollouts.jsonl and the evaluator, each cut back to the checkpoint on
     resume."""

@@ -42,6 +42,7 @@ from engine.config import EngineConfig, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
+from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.loop.state import LoopState
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
@@ -339,6 +340,7 @@ class Engine:
         spec, args = task_spec(task, cfg.task, cfg.task_args)
         self._task = task
         self._config = dataclasses.replace(cfg, task=spec, task_args=args)
+        check_score_workers(task, parse_score_workers(cfg.score_workers))
         if cfg.eval_every:
             eval_problems_of(task)  # a task without held-out problems: ConfigError now
 

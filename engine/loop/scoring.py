@@ -31,9 +31,10 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import numbers
 import pickle
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
@@ -49,6 +50,7 @@ __all__ = [
     "ScoreWorkers",
     "Scorer",
     "check_reward",
+    "check_score_workers",
     "parse_score_workers",
 ]
 
@@ -113,8 +115,7 @@ class Scorer:
         fn = self._group_fn or task.score
         self._is_async = inspect.iscoroutinefunction(fn)
         self._in_threads = not self._is_async and self._processes is None
-        if self._processes is not None and not self._is_async:
-            _check_picklable(fn)
+        check_score_workers(task, workers)
 
     async def score(self, problem: Problem, responses: Sequence[str]) -> list[RewardBreakdown]:
         """The rewards of one group, in response order; raises RewardError."""
@@ -171,17 +172,34 @@ class Scorer:
 
 
 def check_reward(reward: Any) -> RewardBreakdown:
-    """A task's reward as a RewardBreakdown (a bare number is accepted), or a clear
-    error."""
-    if isinstance(reward, int | float) and not isinstance(reward, bool):
+    """A task's reward as a RewardBreakdown (a bare number is accepted) whose total and
+    components are finite numbers, or a clear error (a reward error of the group)."""
+    if _is_number(reward):
         reward = RewardBreakdown(float(reward))
     if not isinstance(reward, RewardBreakdown):
         raise EngineError(
             f"task.score must return a RewardBreakdown or a number, got {type(reward).__name__}"
         )
-    if not math.isfinite(reward.total):
-        raise EngineError(f"task.score returned a non-finite reward ({reward.total})")
-    return reward
+    if not _is_number(reward.total) or not math.isfinite(reward.total):
+        raise EngineError(f"task.score returned a non-finite or non-numeric total {reward.total!r}")
+    if not isinstance(reward.components, Mapping):
+        raise EngineError(
+            "task.score returned components that are not a mapping of names to numbers "
+            f"({type(reward.components).__name__})"
+        )
+    for name, value in reward.components.items():
+        if not isinstance(name, str) or not _is_number(value) or not math.isfinite(value):
+            raise EngineError(
+                f"task.score returned the component {name!r}: {value!r}; components must "
+                "be finite numbers named by strings"
+            )
+    return RewardBreakdown(
+        float(reward.total), {name: float(v) for name, v in reward.components.items()}
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _checked_group(raw: Any, n: int) -> list[RewardBreakdown]:
@@ -232,7 +250,14 @@ async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
     return box[0]  # type: ignore[no-any-return]
 
 
-def _check_picklable(fn: Callable[..., Any]) -> None:
+def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
+    """ConfigError (one line) when ``workers`` are processes and the task's reward cannot
+    be sent to them: called before anything is spent (the engine checks it as it loads
+    the task)."""
+    group_fn = getattr(task, "score_group", None)
+    fn = group_fn if callable(group_fn) else task.score
+    if workers.kind != "processes" or inspect.iscoroutinefunction(fn):
+        return
     try:
         pickle.dumps(fn)
     except Exception as exc:

@@ -1,0 +1,160 @@
+"""Reliability round 3, client side: rewards that cannot stop the run, bad rewards,
+picklable presets, damaged datasets and run files, one process per run dir. Fake
+sessions and unit calls; no server, no timing assertions."""
+
+from __future__ import annotations
+
+import json
+import pickle
+import threading
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import anyio
+import pytest
+
+from engine import Engine, EngineConfig
+from engine.errors import ConfigError
+from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
+from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+from engine.tasks.dataset import DatasetTask
+from engine.tasks.rewards import make_reward
+
+PROBLEM = Problem(0, "q", "7")
+
+
+def write_jsonl(path: Path, rows: list[Any]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# -- 9: reward values are validated where they are received ----------------------------
+
+
+class BadComponentTask:
+    name = "bad-components"
+
+    def __init__(self, reward: Any) -> None:
+        self.reward = reward
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(lambda rng, i: Problem(i, f"p{i}", i), seed, state)
+
+    def prompt(self, problem: Problem) -> str:
+        return problem.question
+
+    def score(self, response: str, problem: Problem) -> Any:
+        return self.reward
+
+
+@pytest.mark.parametrize(
+    "reward",
+    [
+        RewardBreakdown(0.5, {"c": "high"}),  # type: ignore[dict-item]
+        RewardBreakdown(0.5, {"c": float("nan")}),
+        RewardBreakdown(0.5, {"c": True}),
+        RewardBreakdown("0.5"),  # type: ignore[arg-type]
+        RewardBreakdown(0.5, ["c"]),  # type: ignore[arg-type]
+    ],
+)
+def test_a_reward_with_bad_components_is_a_reward_error(reward: RewardBreakdown) -> None:
+    scorer = Scorer(BadComponentTask(reward), concurrency=2, workers=ScoreWorkers())
+    with pytest.raises(RewardError, match="reward"):
+        anyio.run(scorer.score, PROBLEM, ["a", "b"])
+
+
+# -- 6: the presets can run in worker processes, checked before anything is spent -------
+
+
+@pytest.mark.parametrize(
+    ("preset", "options"),
+    [("exact", {}), ("numeric", {"tolerance": "0.1"}), ("regex", {"pattern": r"(\d+)"})],
+)
+def test_reward_presets_are_picklable(preset: str, options: dict[str, str]) -> None:
+    reward = make_reward(preset, options)
+    again = pickle.loads(pickle.dumps(reward))
+    assert again("7", "7").total == 1.0
+
+
+def test_a_dataset_task_scores_in_worker_processes(tmp_path: Path) -> None:
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "p", "answer": "7"}])
+    task = DatasetTask.from_args(str(data), {"reward": "numeric"}, "jsonl")
+    scorer = Scorer(task, concurrency=2, workers=ScoreWorkers("processes", 1))
+    problem = task.source(0).next()
+    assert problem is not None
+    rewards = anyio.run(scorer.score, problem, ["7", "8"])
+    assert [r.total for r in rewards] == [1.0, 0.0]
+
+
+# -- 4: a catastrophic pattern cannot hold the run -------------------------------------
+
+
+def test_a_catastrophic_regex_is_bounded_and_lets_other_threads_run() -> None:
+    reward = make_reward("regex", {"pattern": "(.|.|.|.)*#", "pattern_timeout": "1"})
+    outcome: list[BaseException | RewardBreakdown] = []
+    done = threading.Event()
+
+    def match() -> None:
+        try:
+            outcome.append(reward("#" + "a" * 60, "x"))
+        except BaseException as exc:
+            outcome.append(exc)
+        done.set()
+
+    threading.Thread(target=match, daemon=True).start()
+    ticks = 0
+    while not done.wait(0.01):  # this thread keeps running Python while the match runs
+        ticks += 1
+    assert done.wait(120)
+    assert ticks > 0  # the match let go of the interpreter lock
+    assert isinstance(outcome[0], TimeoutError), outcome
+    assert "pattern" in str(outcome[0])
+
+
+def test_bad_regex_patterns_are_refused_up_front() -> None:
+    with pytest.raises(ConfigError, match="invalid reward pattern"):
+        make_reward("regex", {"pattern": "(unclosed"})
+    with pytest.raises(ConfigError, match="pattern_timeout"):
+        make_reward("regex", {"pattern": "a", "pattern_timeout": "-1"})
+
+
+# -- 11: damaged dataset files: one line naming file:line ------------------------------
+
+
+@pytest.mark.parametrize(
+    ("content", "reason"),
+    [
+        (b'{"prompt": "ok", "answer": "1"}\n{"prompt": "\xff", "answer": "1"}\n', "UTF-8"),
+        (b'{"prompt": "ok", "answer": "1"}\n' + b"[" * 100_000 + b"\n", "nested"),
+        (b'{"prompt": "ok", "answer": "1"}\n{"prompt": "p", "answer": ' + b"9" * 5000 + b"}\n", ""),
+        (b'{"prompt": "ok", "answer": "1"}\n{"prompt": "a\\ud800b", "answer": "1"}\n', "surrogate"),
+        (
+            b'{"prompt": "ok", "answer": "1"}\n'
+            b'{"prompt": [{"role": "user", "content": "\\udfff"}], "answer": "1"}\n',
+            "surrogate",
+        ),
+    ],
+)
+def test_a_damaged_jsonl_dataset_is_one_line_naming_file_and_line(
+    tmp_path: Path, content: bytes, reason: str
+) -> None:
+    data = tmp_path / "d.jsonl"
+    data.write_bytes(content)
+    with pytest.raises(ConfigError) as error:
+        DatasetTask.from_args(str(data), {}, "jsonl")
+    message = str(error.value)
+    assert f"{data}:2" in message and reason in message
+    assert "\n" not in message and len(message) < 400
+
+
+def test_an_unpicklable_task_with_processes_is_refused_before_the_run_dir(
+    tmp_path: Path,
+) -> None:
+    class Local(BadComponentTask):  # a class defined in a function cannot be pickled
+        pass
+
+    config = EngineConfig(local=True, run_dir=tmp_path / "run", score_workers="processes:2")
+    with pytest.raises(ConfigError, match="picklable"):
+        Engine(config, task=Local(1.0))
+    assert not (tmp_path / "run").exists()

@@ -266,6 +266,7 @@ class Engine:
         files = RunDirectory.open(self._config, self._task, started_at=started_at)
         self._run_dir = files.path
         resources = contextlib.AsyncExitStack()
+        resources.callback(files.close)
         events: EventLog | None = None
         session: MintSession | None = None
         try:

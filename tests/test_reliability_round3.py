@@ -5,7 +5,10 @@ sessions and unit calls; no server, no timing assertions."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
+import subprocess
+import sys
 import threading
 from collections.abc import Mapping
 from pathlib import Path
@@ -17,9 +20,12 @@ import pytest
 from engine import Engine, EngineConfig
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
+from engine.run import main
+from engine.rundir.lock import RunDirLock
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.rewards import make_reward
+from tests.test_reliability_input import make_run_dir
 
 PROBLEM = Problem(0, "q", "7")
 
@@ -158,3 +164,80 @@ def test_an_unpicklable_task_with_processes_is_refused_before_the_run_dir(
     with pytest.raises(ConfigError, match="picklable"):
         Engine(config, task=Local(1.0))
     assert not (tmp_path / "run").exists()
+
+
+# -- 8: a reward may write to fd 1 in a worker process; a dead worker explains itself ---
+
+
+class NoisyTask(BadComponentTask):
+    """A reward that runs a program without capturing its output and writes to fd 1."""
+
+    def __init__(self) -> None:
+        super().__init__(1.0)
+
+    def score(self, response: str, problem: Problem) -> Any:
+        subprocess.run([sys.executable, "-c", "print('from a child')"], check=True)
+        os.write(1, b"straight to fd 1\n")
+        print("and a print")
+        return 1.0
+
+
+class DyingTask(BadComponentTask):
+    def __init__(self) -> None:
+        super().__init__(1.0)
+
+    def score(self, response: str, problem: Problem) -> Any:
+        os._exit(3)
+
+
+def test_a_reward_writing_to_fd_1_works_in_worker_processes() -> None:
+    scorer = Scorer(NoisyTask(), concurrency=2, workers=ScoreWorkers("processes", 1))
+    rewards = anyio.run(scorer.score, PROBLEM, ["a", "b"])
+    assert [r.total for r in rewards] == [1.0, 1.0]
+
+
+def test_a_worker_process_that_dies_explains_itself() -> None:
+    scorer = Scorer(DyingTask(), concurrency=2, workers=ScoreWorkers("processes", 1))
+    with pytest.raises(RewardError, match="worker process"):
+        anyio.run(scorer.score, PROBLEM, ["a"])
+
+
+# -- 5: one run dir, one process --------------------------------------------------------
+
+
+def test_a_run_dir_in_use_by_another_process_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MINT_API_KEY", raising=False)
+    run = tmp_path / "run"
+    make_run_dir(run, batch="4", steps="3")
+    holder = subprocess.Popen(  # another process holding the run dir, as a training run does
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, str(os.getpid()).encode()); "
+            "print('locked', flush=True); sys.stdin.read()",
+            str(run / ".lock"),
+        ],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout is not None and holder.stdout.readline() == "locked\n"
+        before = (run / "checkpoints.jsonl").read_bytes()
+        assert main(["--resume", str(run), "--no-progress"]) == 2
+        err = capsys.readouterr().err
+        assert err == (
+            f"Error: run directory {run} is in use by another process (pid {holder.pid}): "
+            "one process per run dir; wait for it to end (or stop it) first\n"
+        )
+        assert (run / "checkpoints.jsonl").read_bytes() == before
+        assert not (run / "metrics.jsonl").exists()
+    finally:
+        holder.communicate("")
+    # The holder is gone: its lock went with it.
+    lock = RunDirLock.acquire(run)
+    lock.release()

@@ -32,7 +32,9 @@ import contextlib
 import inspect
 import math
 import numbers
+import os
 import pickle
+import sys
 import threading
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -160,9 +162,16 @@ class Scorer:
             except BaseException as exc:  # SystemExit, KeyboardInterrupt from user code
                 raise _Raised(exc) from None
         if self._processes is not None:
-            outcome = await anyio.to_process.run_sync(
-                _run_guarded, fn, *args, cancellable=True, limiter=self._processes
-            )
+            try:
+                outcome = await anyio.to_process.run_sync(
+                    _run_in_worker_process, fn, *args, cancellable=True, limiter=self._processes
+                )
+            except anyio.BrokenWorkerProcess:
+                raise EngineError(
+                    "its worker process died before it answered (the reward crashed the "
+                    "process, called os._exit, or was killed: the worker's stderr above may "
+                    "say more)"
+                ) from None
         else:
             outcome = await _in_daemon_thread(_run_guarded, fn, *args)
         value, error = outcome
@@ -227,6 +236,21 @@ def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException
         return None, exc
     except BaseException as exc:
         return None, _Raised(exc)
+
+
+def _run_in_worker_process(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    """:func:`_run_guarded` in a worker process, with fd 1 pointing at stderr meanwhile:
+    the worker answers on its stdout, so a reward's write to fd 1 (a ``subprocess.run``
+    without captured output, an ``os.write(1, ...)``) would corrupt the answer."""
+    sys.stdout.flush()
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        return _run_guarded(fn, *args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(answer_fd, 1)
+        os.close(answer_fd)
 
 
 async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:

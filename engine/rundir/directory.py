@@ -52,6 +52,7 @@ from engine.rundir.checkpoints import (
     write_file_atomically,
 )
 from engine.rundir.events import QUIET, EventLog, HeldEvents
+from engine.rundir.lock import LOCK_FILE, RunDirLock
 from engine.tasks import Task
 
 __all__ = [
@@ -158,7 +159,7 @@ def prepare_run_dir(directory: Path) -> bool:
         check_writable(directory)
         _forget_unfinished_startup(directory)
         return True
-    if any(not _is_temp_file(entry.name) for entry in directory.iterdir()):
+    if any(not _is_temp_file(e.name) and e.name != LOCK_FILE for e in directory.iterdir()):
         raise ConfigError(
             f"run directory {directory} is not empty and holds no engine run; choose a new "
             "or empty --run-dir (the engine would overwrite files there)"
@@ -308,8 +309,10 @@ class RunDirectory:
         resumed: ResumeState | None,
         held: HeldEvents,
         started_at: float,
+        lock: RunDirLock,
     ) -> None:
         self.path = path
+        self._lock = lock
         self.resumed = resumed
         """The checkpoint a resumed run continues from (None: a new run)."""
         self.steps: list[dict[str, Any]] = []
@@ -329,10 +332,23 @@ class RunDirectory:
         resumed: ResumeState | None = None
         if config.resume is not None:
             path = config.resume
-            resumed = _check_resume(path, record, config.steps, held)
+            # Locked before its checkpoints are read: a run still training refuses.
+            lock = RunDirLock.acquire(path) if path.is_dir() else None
+            try:
+                resumed = _check_resume(path, record, config.steps, held)
+            except BaseException:
+                if lock is not None:
+                    lock.release()
+                raise
         else:
             path = _make_run_dir(config.run_dir, record["task_name"], held)
-        return cls(path, resumed=resumed, held=held, started_at=started_at)
+            lock = None
+        lock = lock or RunDirLock.acquire(path)
+        return cls(path, resumed=resumed, held=held, started_at=started_at, lock=lock)
+
+    def close(self) -> None:
+        """Release the run dir for another process (the process ending does too)."""
+        self._lock.release()
 
     def write_config(self, config: EngineConfig, task: Task | None) -> None:
         write_config(self.path, config_record(config, task))

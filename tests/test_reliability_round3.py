@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 from collections.abc import Mapping
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -18,12 +19,17 @@ import anyio
 import pytest
 
 from engine import Engine, EngineConfig
+from engine.config import config_from_sources
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
 from engine.run import main
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.directory import config_record, write_config
 from engine.rundir.lock import RunDirLock
+from engine.session.mint import local_server_profile
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from engine.tasks.dataset import DatasetTask
+from engine.tasks.loader import load_task, task_spec
 from engine.tasks.rewards import make_reward
 from tests.test_reliability_input import make_run_dir
 
@@ -241,3 +247,30 @@ def test_a_run_dir_in_use_by_another_process_is_refused(
     # The holder is gone: its lock went with it.
     lock = RunDirLock.acquire(run)
     lock.release()
+
+
+# -- 7: resume refuses changed data -----------------------------------------------------
+
+
+def test_resume_refuses_a_changed_dataset(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MINT_API_KEY", raising=False)
+    data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": i} for i in range(4)])
+    run = tmp_path / "run"
+    config = config_from_sources({"task": f"jsonl:{data}"}, {}, progress=False).resolved(
+        local_server_profile(None)
+    )
+    task = load_task(config.task, config.task_args)
+    spec, args = task_spec(task, config.task, config.task_args)
+    write_config(run, config_record(replace(config, task=spec, task_args=args), task))
+    CheckpointLog(run).append(
+        CheckpointRecord(step=1, state_path="tinker://m/weights/step-1", reason="periodic")
+    )
+    write_jsonl(data, [{"prompt": f"p{i}", "answer": i + 1} for i in range(4)])
+    assert main(["--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Error: cannot resume {run}: the task's data changed since the run")
+    assert err.count("\n") == 1
+    assert not (run / "metrics.jsonl").exists()

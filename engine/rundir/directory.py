@@ -57,6 +57,7 @@ from engine.tasks import Task
 
 __all__ = [
     "CONFIG_FILE",
+    "DATA_DIGEST",
     "LOCAL_SERVER_DIR",
     "METRICS_FILE",
     "SUMMARY_FILES",
@@ -74,6 +75,9 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 SUMMARY_FILES = (SUMMARY_JSON, SUMMARY_MD)
+DATA_DIGEST = "task_data_digest"
+"""config.json's fingerprint of the task's data (a task with a ``data_digest``: the
+dataset tasks); a resume on other data is refused."""
 LOCAL_SERVER_DIR = "local-server"
 """Where, inside the run dir, a local server started by the engine keeps its data."""
 
@@ -214,6 +218,8 @@ def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) ->
     for key in sorted(set(old) | set(new)):
         if _may_change(key) or REDACTED in (str(old.get(key)), str(new.get(key))):
             continue
+        if key == DATA_DIGEST:  # checked on its own (a run dir from before has none)
+            continue
         if key not in old:
             problems.append(f"{key} is new ({new[key]!r})")
         elif key not in new:
@@ -267,6 +273,7 @@ def load_resume_state(
             "or empty); start a new run instead"
         )
     if current_config is not None:
+        _check_same_data(directory, stored, current_config)
         problems = _config_mismatches(stored, current_config)
         if problems:
             shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
@@ -277,6 +284,18 @@ def load_resume_state(
     return ResumeState(run_dir=directory, config=stored, checkpoint=latest)
 
 
+def _check_same_data(
+    directory: Path, stored: Mapping[str, Any], current: Mapping[str, Any]
+) -> None:
+    old, new = stored.get(DATA_DIGEST), current.get(DATA_DIGEST)
+    if old is not None and new is not None and old != new:
+        raise ResumeError(
+            f"cannot resume {directory}: the task's data changed since the run started "
+            f"({str(old)[:19]}... in its {CONFIG_FILE}, {str(new)[:19]}... now); resume "
+            "with the same dataset, or start a new run"
+        )
+
+
 # --------------------------------------------------------------------------- one run's
 
 
@@ -284,7 +303,11 @@ def config_record(config: EngineConfig, task: Task | None) -> dict[str, Any]:
     """What config.json holds: the public config, the task's name and its repr (while
     the server still decides the task's arguments: its spec, and None)."""
     name = task.name if task is not None else config.task
-    return {**config.public_dict(), "task_repr": repr(task), "task_name": name}
+    record = {**config.public_dict(), "task_repr": repr(task), "task_name": name}
+    digest = getattr(task, "data_digest", None)
+    if isinstance(digest, str):
+        record[DATA_DIGEST] = digest
+    return record
 
 
 def stored_config(run_dir: Path) -> Mapping[str, Any]:

@@ -17,6 +17,7 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -299,6 +300,9 @@ class DatasetTask:
         self.stop = tuple(stop)
         self.chat_template_options = dict(chat_template_options or {})
         self.name = f"{data_format}-{self.path.stem or self.path.resolve().name}"
+        self.data_digest = _rows_digest(rows, held_out)
+        """A fingerprint of every row (prompts and answers, both splits): a run dir records
+        it, and resuming on a changed dataset is refused."""
         self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
 
     @classmethod
@@ -411,6 +415,15 @@ def _read(
         records = other.records(other.default())
         return rows, rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
     return rows, []
+
+
+def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
+    digest = hashlib.sha256()
+    for split, rows in (("train", train), ("eval", held_out)):
+        for row in rows:
+            record = [split, row.index, row.prompt, row.answer]
+            digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _flag(args: Mapping[str, str], key: str) -> bool:

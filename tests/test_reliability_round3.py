@@ -22,6 +22,9 @@ from engine import Engine, EngineConfig
 from engine.config import config_from_sources
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
+from engine.loop.state import LoopState
+from engine.report import main as report_main
+from engine.rollouts import main as rollouts_main
 from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import config_record, write_config
@@ -265,12 +268,76 @@ def test_resume_refuses_a_changed_dataset(
     task = load_task(config.task, config.task_args)
     spec, args = task_spec(task, config.task, config.task_args)
     write_config(run, config_record(replace(config, task=spec, task_args=args), task))
-    CheckpointLog(run).append(
-        CheckpointRecord(step=1, state_path="tinker://m/weights/step-1", reason="periodic")
-    )
+    state = LoopState(1, task.source(config.seed).state(), 1).to_dict()
+    record = CheckpointRecord(1, "tinker://m/weights/step-1", "periodic", loop_state=state)
+    CheckpointLog(run).append(record)
     write_jsonl(data, [{"prompt": f"p{i}", "answer": i + 1} for i in range(4)])
     assert main(["--resume", str(run), "--no-progress"]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"Error: cannot resume {run}: the task's data changed since the run")
     assert err.count("\n") == 1
     assert not (run / "metrics.jsonl").exists()
+
+
+# -- 12: the tools and --resume on damaged run files ------------------------------------
+
+ROLLOUT = {
+    "step": 1,
+    "index": 0,
+    "problem_id": 0,
+    "question": "q",
+    "answer": "a",
+    "prompt": "p",
+    "sampler_version": 0,
+    "reward_error": None,
+    "responses": [{"text": "t", "reward": 1.0, "components": {}, "advantage": 0.0, "tokens": 1}],
+}
+
+
+@pytest.mark.parametrize(
+    "damage", [b"\xff\xfe not utf-8", b"{not json", b'{"step": 1}', b'{"step": "x"}', b"[1]"]
+)
+def test_rollouts_skip_damaged_lines_say_so_and_exit_non_zero(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], damage: bytes
+) -> None:
+    good = json.dumps(ROLLOUT).encode()
+    (tmp_path / "rollouts.jsonl").write_bytes(good + b"\n" + damage + b"\n" + good + b"\n")
+    assert rollouts_main([str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert out.count("step 1 - problem 0") == 2
+    assert err == (
+        f"Warning: skipped 1 damaged line(s) of {tmp_path / 'rollouts.jsonl'} (line 2); "
+        "the rest was read\n"
+    )
+
+
+def test_a_report_skips_damaged_lines_and_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("matplotlib")
+    step = {"step": 1, "avg_reward": 0.5, "time/step": 1.0, "off_policy/staleness": 0}
+    lines = [json.dumps(step).encode(), b"\xff\xfe", json.dumps({**step, "step": 2}).encode()]
+    (tmp_path / "metrics.jsonl").write_bytes(b"\n".join(lines) + b"\n")
+    (tmp_path / "summary.json").write_bytes(b"\xff")
+    assert report_main([str(tmp_path)]) == 1
+    out, err = capsys.readouterr()
+    assert "report.png" in out
+    assert err.startswith("Warning: skipped 1 damaged line(s) of") and err.count("\n") == 1
+    (tmp_path / "metrics.jsonl").write_bytes(b"\xff\xfe\n{}\n")
+    assert report_main([str(tmp_path)]) == 2
+    assert capsys.readouterr().err.count("\n") == 1
+
+
+def test_resume_refuses_a_checkpoint_without_loop_state(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MINT_API_KEY", raising=False)
+    run = tmp_path / "run"
+    make_run_dir(run, batch="4", steps="3")
+    with (run / "checkpoints.jsonl").open("a") as f:
+        f.write('{"step": 3, "state_path": "tinker://m/weights/step-3", "reason": "periodic"}\n')
+    assert main(["--resume", str(run), "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"Error: cannot resume {run}: ") and "loop state" in err, err
+    assert err.count("\n") == 1

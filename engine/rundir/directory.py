@@ -42,6 +42,7 @@ from engine.errors import (
     RunFileError,
     RunStopped,
 )
+from engine.loop.state import LoopState
 from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config
 from engine.report import REPORT_PNG
@@ -476,6 +477,14 @@ def _check_resume(
             f"cannot resume {run_dir}: its latest checkpoint is at step {resumed.step}, "
             f"beyond --steps {steps}"
         )
+    try:
+        LoopState.from_dict(resumed.loop_state)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ResumeError(
+            f"cannot resume {run_dir}: its latest checkpoint (step {resumed.step} in "
+            f"{CHECKPOINTS_FILE}) has no usable loop state ({type(exc).__name__}: {exc}); "
+            "the file is damaged or was not written by the engine"
+        ) from None
     return resumed
 
 

@@ -4,13 +4,14 @@ sessions and unit calls; no server, no timing assertions."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import pickle
 import subprocess
 import sys
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -21,8 +22,10 @@ import pytest
 from engine import Engine, EngineConfig
 from engine.config import config_from_sources
 from engine.errors import ConfigError
+from engine.local import LocalServer
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
 from engine.loop.state import LoopState
+from engine.observe.idle import NO_TRAINING_STEPS, no_training_summary, no_training_warning
 from engine.report import main as report_main
 from engine.rollouts import main as rollouts_main
 from engine.run import main
@@ -30,10 +33,13 @@ from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import config_record, write_config
 from engine.rundir.lock import RunDirLock
 from engine.session.mint import local_server_profile
+from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import load_task, task_spec
 from engine.tasks.rewards import make_reward
+from tests.engine_support import run_engine
+from tests.reliability_support import events, fast_config, read_json
 from tests.test_reliability_input import make_run_dir
 
 PROBLEM = Problem(0, "q", "7")
@@ -341,3 +347,66 @@ def test_resume_refuses_a_checkpoint_without_loop_state(
     err = capsys.readouterr().err
     assert err.startswith(f"Error: cannot resume {run}: ") and "loop state" in err, err
     assert err.count("\n") == 1
+
+
+# -- runs that waste a user's time in silence ---------------------------------------------
+
+
+def test_a_streak_of_untrained_steps_warns_at_n_2n_4n_and_names_the_cause() -> None:
+    def step(n: int, datums: int = 0, **counts: int) -> dict[str, Any]:
+        base = {"groups/total": 4, "groups/skipped": 4, "avg_reward": 0.0}
+        return {"step": n, "datums": datums, **base, **counts}
+
+    metrics: list[dict[str, Any]] = []
+    warned = []
+    for n in range(1, 14):
+        metrics.append(step(n, datums=8 if n == 1 else 0))
+        if (line := no_training_warning(metrics)) is not None:
+            warned.append((n, line))
+    assert [n for n, _ in warned] == [1 + NO_TRAINING_STEPS, 1 + 2 * NO_TRAINING_STEPS, 13]
+    assert "all rewards within each group were equal (12 of 12 groups" in warned[0][1]
+    summary = no_training_summary(metrics)
+    assert summary is not None and summary["longest_streak"] == [2, 13]
+    empty = [step(n, **{"groups/skipped": 0, "skipped/empty_responses": 16}) for n in (1, 2, 3)]
+    assert "every response was empty" in str(no_training_warning(empty))
+    failed = [step(n, **{"groups/skipped": 0, "groups/reward_errors": 4}) for n in (1, 2, 3)]
+    assert "every group's reward failed" in str(no_training_warning(failed))
+    assert no_training_summary(metrics[:3]) is None
+
+
+class ZeroRewardTask(ArithmeticTask):
+    """Addition whose reward is 0 everywhere, and raises KeyError on problem 1."""
+
+    def __init__(self) -> None:
+        super().__init__("+", 10, 99)
+        self.name = "zero-reward"
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        if problem.id == 1:
+            return {}["missing"]  # type: ignore[no-any-return]
+        return RewardBreakdown(0.0)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer() as s:
+        yield s
+
+
+@pytest.mark.slow
+def test_a_run_that_trains_nothing_says_so_and_reward_tracebacks_are_kept(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    config = fast_config(server, run_dir, steps=NO_TRAINING_STEPS, on_reward_error="skip")
+    console = io.StringIO()
+    run_engine(config, task=ZeroRewardTask(), console=console)
+    warnings = [x for x in console.getvalue().splitlines() if "nothing was trained" in x]
+    assert len(warnings) == 1 and "all rewards within each group were equal" in warnings[0]
+    summary = read_json(run_dir / "summary.json")
+    assert summary["no_training"]["longest_streak"] == [1, NO_TRAINING_STEPS]
+    assert "trained nothing" in (run_dir / "summary.md").read_text()
+    failed = events(run_dir, "reward.failed")
+    assert len(failed) == 1 and failed[0]["problem_id"] == 1
+    assert "Traceback" in failed[0]["traceback"] and "KeyError: 'missing'" in failed[0]["traceback"]
+    assert 'return {}["missing"]' in failed[0]["traceback"]

@@ -234,6 +234,7 @@ class Pipeline:
         clock: Clock = time.perf_counter,
         renderer: PromptRenderer | None = None,
         evaluate: Evaluator | None = None,
+        on_reward_error: Callable[[RewardError], None] = lambda error: None,
     ) -> None:
         if config.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
@@ -264,6 +265,7 @@ class Pipeline:
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
+        self._on_reward_error = on_reward_error
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._settings = SamplingSettings(
             max_tokens=config.max_tokens,
@@ -364,6 +366,7 @@ class Pipeline:
                 responses = [self._renderer.decode(c.tokens) for c in completions]
                 rewards = await self._scorer.score(job.problem, responses)
             except RewardError as error:
+                self._on_reward_error(error)
                 if self._config.on_reward_error == "fail":
                     # Stop after the steps in flight; until then keep the streams open
                     # (closing them would break the sampler tasks mid-send).

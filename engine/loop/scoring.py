@@ -36,6 +36,7 @@ import os
 import pickle
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
@@ -93,6 +94,13 @@ class RewardError(EngineError):
             f"the reward function failed on problem {problem.id} ({problem.question!r}): {detail}"
         )
         self.problem = problem
+        self.trace: str = getattr(cause, _TRACE, None) or "".join(traceback.format_exception(cause))
+        """The traceback of what the reward raised (from its worker, when it ran in one)."""
+
+
+_TRACE = "_engine_reward_trace"
+"""Where a worker keeps the formatted traceback on the exception it hands back (the
+attribute pickles with the exception; the traceback object does not)."""
 
 
 class _Raised(EngineError):
@@ -232,10 +240,11 @@ def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException
     SystemExit in a worker thread or process is a reward error, not an exit)."""
     try:
         return fn(*args), None
-    except Exception as exc:
-        return None, exc
     except BaseException as exc:
-        return None, _Raised(exc)
+        error = exc if isinstance(exc, Exception) else _Raised(exc)
+        with contextlib.suppress(AttributeError):  # an exception type that refuses attributes
+            setattr(error, _TRACE, "".join(traceback.format_exception(exc)))
+        return None, error
 
 
 def _run_in_worker_process(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:

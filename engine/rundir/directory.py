@@ -43,6 +43,7 @@ from engine.errors import (
     RunStopped,
 )
 from engine.loop.state import LoopState
+from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config
 from engine.report import REPORT_PNG
@@ -429,6 +430,7 @@ class RunDirectory:
             "retries": dict(retries),
             "seconds": round(time.perf_counter() - self._started_at, 3),
             "final_path": final_path,
+            "no_training": no_training_summary(metrics),
         }
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
@@ -541,6 +543,15 @@ def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
         f"- avg reward: first {num(s['first_avg_reward'])}, last {num(s['last_avg_reward'])}, "
         f"best {num(s['best_avg_reward'])}",
         f"- max staleness: {s['max_staleness']}",
+        *(
+            [
+                f"- **trained nothing** for {idle['untrained_steps']} steps (longest run: "
+                f"steps {idle['longest_streak'][0]}-{idle['longest_streak'][1]}): "
+                f"{idle['likely_cause']}"
+            ]
+            if (idle := s["no_training"])
+            else []
+        ),
         f"- final sampler: {s['final_path'] or 'not saved'}",
         f"- report: ![report]({REPORT_PNG})"
         if s["report"]

@@ -223,6 +223,21 @@ class EngineConfig:
     log_to: tuple[Tracker, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.task, str):
+            raise ConfigError(
+                f"EngineConfig(task=...) takes the task's spec as a string ('arithmetic', "
+                f"'jsonl:PATH', 'hf:PATH' or 'package.module:attr'), got a "
+                f"{type(self.task).__name__}: pass a task object as Engine(config, task=...)"
+            )
+        for name in ("run_dir", "resume"):  # a str or any PathLike is a Path
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                try:
+                    object.__setattr__(self, name, Path(value))
+                except TypeError:
+                    raise ConfigError(
+                        f"{name} must be a path (str or os.PathLike), got {type(value).__name__}"
+                    ) from None
         for knob in KNOBS:
             value = getattr(self, knob.field)
             if value is not None and knob.check is not None:

@@ -21,7 +21,7 @@ import pytest
 
 from engine import Engine, EngineConfig
 from engine.config import config_from_sources
-from engine.errors import ConfigError
+from engine.errors import ConfigError, Interrupted
 from engine.local import LocalServer
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
 from engine.loop.state import LoopState
@@ -39,7 +39,7 @@ from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import load_task, task_spec
 from engine.tasks.rewards import make_reward
 from tests.engine_support import run_engine
-from tests.reliability_support import events, fast_config, read_json
+from tests.reliability_support import checkpoints, events, fast_config, metrics, read_json
 from tests.test_reliability_input import make_run_dir
 
 PROBLEM = Problem(0, "q", "7")
@@ -410,3 +410,57 @@ def test_a_run_that_trains_nothing_says_so_and_reward_tracebacks_are_kept(
     assert len(failed) == 1 and failed[0]["problem_id"] == 1
     assert "Traceback" in failed[0]["traceback"] and "KeyError: 'missing'" in failed[0]["traceback"]
     assert 'return {}["missing"]' in failed[0]["traceback"]
+
+
+# -- embedding ------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_leaving_steps_early_checkpoints_what_was_trained(
+    server: LocalServer, tmp_path: Path
+) -> None:
+    run_dir = tmp_path / "run"
+    # run_dir as a str; no periodic checkpoint before the end
+    config = fast_config(server, run_dir, steps=6, checkpoint_every=0)
+    config = replace(config, run_dir=str(run_dir))  # type: ignore[arg-type]
+    console = io.StringIO()
+
+    async def go() -> int:
+        async with Engine(config, console=console) as engine:
+            async for step in engine.steps():
+                if step.step == 2:
+                    break
+        return step.step
+
+    assert anyio.run(go) == 2
+    latest = checkpoints(run_dir)[-1]
+    assert latest["reason"] == "interrupt" and latest["step"] >= 2
+    assert len(metrics(run_dir)) == latest["step"]  # every trained step is in the checkpoint
+    summary = read_json(run_dir / "summary.json")
+    assert summary["status"] == "interrupted" and "embedding code" in summary["error"]
+    assert "SIGINT" not in console.getvalue()
+
+
+@pytest.mark.slow
+def test_request_stop_says_the_embedding_code_asked(server: LocalServer, tmp_path: Path) -> None:
+    config = fast_config(server, tmp_path / "run", steps=4)
+    console = io.StringIO()
+
+    async def go() -> None:
+        async with Engine(config, console=console) as engine:
+            async for _ in engine.steps():
+                engine.request_stop()
+
+    with pytest.raises(Interrupted, match=r"Engine\.request_stop\(\)"):
+        anyio.run(go)
+    assert "SIGINT" not in console.getvalue()
+    assert "request_stop" in events(tmp_path / "run", "stop.requested")[0]["message"]
+
+
+def test_config_paths_accept_str_and_pathlike_and_a_task_object_is_redirected(
+    tmp_path: Path,
+) -> None:
+    config = EngineConfig(local=True, run_dir=str(tmp_path / "a"))  # type: ignore[arg-type]
+    assert config.run_dir == tmp_path / "a"
+    with pytest.raises(ConfigError, match=r"Engine\(config, task=\.\.\.\)"):
+        EngineConfig(local=True, task=ArithmeticTask("+", 10, 99))  # type: ignore[arg-type]

@@ -18,6 +18,7 @@ from typing import Any
 
 import anyio
 import pytest
+from fake_session import FakeSession
 
 from engine import Engine, EngineConfig
 from engine.config import config_from_sources
@@ -32,6 +33,7 @@ from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import config_record, write_config
 from engine.rundir.lock import RunDirLock
+from engine.session.api import ServerInfo
 from engine.session.mint import local_server_profile
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
@@ -464,3 +466,45 @@ def test_config_paths_accept_str_and_pathlike_and_a_task_object_is_redirected(
     assert config.run_dir == tmp_path / "a"
     with pytest.raises(ConfigError, match=r"Engine\(config, task=\.\.\.\)"):
         EngineConfig(local=True, task=ArithmeticTask("+", 10, 99))  # type: ignore[arg-type]
+
+
+# -- a prompt longer than the context ---------------------------------------------------
+
+
+class LongPromptTask(BadComponentTask):
+    """Problem 1's prompt is far longer than the fake model's context."""
+
+    def __init__(self) -> None:
+        super().__init__(0.0)
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(
+            lambda rng, i: Problem(i, "x" * 500 if i == 1 else f"p{i}", i), seed, state
+        )
+
+    def score(self, response: str, problem: Problem) -> Any:
+        return float(int(response.split()[1]) % 2)
+
+
+class SmallContextSession(FakeSession):
+    @property
+    def info(self) -> ServerInfo:
+        return replace(super().info, max_context=64)
+
+
+@pytest.mark.anyio
+async def test_a_prompt_longer_than_the_context_skips_its_group_not_the_run() -> None:
+    from tests.test_pipeline_stages import config, run_pipeline
+
+    outcome, results = await run_pipeline(
+        SmallContextSession(), config(steps=2, max_tokens=16), task=LongPromptTask()
+    )
+    assert outcome is not None and outcome.steps_completed == 2
+    first = results[0]
+    assert first.metrics["groups/too_long"] == 1
+    assert first.metrics["groups/used"] == 1  # the other group trained
+    skipped = first.groups[1]
+    assert skipped.completions == () and "exceeds the model's context of 64" in str(
+        skipped.too_long
+    )
+    assert results[1].metrics["groups/too_long"] == 0

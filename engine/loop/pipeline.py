@@ -104,6 +104,8 @@ class _SampledGroup:
     result: SampleResult
     started: float
     finished: float
+    too_long: str | None = None
+    """Why the group was not sampled: its prompt does not fit the context."""
 
 
 _Sampled = _StepOpened | _SampledGroup
@@ -141,9 +143,7 @@ class _StepAssembly:
             empty=sum(b.skipped_empty for _, b in built),
             zero_advantage=sum(b.skipped_zero_advantage for _, b in built),
             missing_logprobs=sum(b.dropped_missing_logprobs for _, b in built),
-            constant_groups=sum(
-                1 for g, b in built if g.reward_error is None and b.constant_reward
-            ),
+            constant_groups=sum(1 for g, b in built if g.trainable and b.constant_reward),
             used_groups=sum(1 for _, b in built if b.datums),
         )
 
@@ -266,6 +266,8 @@ class Pipeline:
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
         self._on_reward_error = on_reward_error
+        context = session.info.max_context
+        self._max_prompt = context - config.max_tokens if context is not None else None
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._settings = SamplingSettings(
             max_tokens=config.max_tokens,
@@ -313,6 +315,9 @@ class Pipeline:
                         problem,
                         tuple(self._renderer.prompt_tokens(problem)),
                     )
+                    if self._max_prompt is not None and len(job.prompt_tokens) > self._max_prompt:
+                        await send.send(self._not_sampled(job))
+                        continue
                     await self._slots.acquire()
                     tg.start_soon(self._sample_group, job, self._versions.current, send.clone())
 
@@ -340,6 +345,19 @@ class Pipeline:
             self._progress(f"step {job.step + 1} group {job.index} sampled")
             await send.send(_SampledGroup(job, result, started, self._clock()))
 
+    def _not_sampled(self, job: _GroupJob) -> _SampledGroup:
+        """A group whose prompt cannot fit the context: part of its step, never sampled
+        (the server would refuse it, and one refusal would stop the run)."""
+        context = self._session.info.max_context
+        reason = (
+            f"problem {job.problem.id}'s prompt of {len(job.prompt_tokens)} tokens plus "
+            f"--max-tokens {self._config.max_tokens} exceeds the model's context of "
+            f"{context} tokens"
+        )
+        now = self._clock()
+        empty = SampleResult(self._versions.current.version, ())
+        return _SampledGroup(job, empty, now, now, too_long=reason)
+
     # -- scorer ----------------------------------------------------------------------
 
     async def _score_stage(
@@ -364,7 +382,7 @@ class Pipeline:
             reward_error: str | None = None
             try:
                 responses = [self._renderer.decode(c.tokens) for c in completions]
-                rewards = await self._scorer.score(job.problem, responses)
+                rewards = await self._scorer.score(job.problem, responses) if responses else []
             except RewardError as error:
                 self._on_reward_error(error)
                 if self._config.on_reward_error == "fail":
@@ -389,6 +407,7 @@ class Pipeline:
                     score_finished=self._clock(),
                     retries=sampled.result.retries,
                     reward_error=reward_error,
+                    too_long=sampled.too_long,
                 )
             )
 
@@ -496,7 +515,7 @@ class Pipeline:
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
-        if group.reward_error is not None:
+        if not group.trainable:
             return GroupDatums([], [], 0, 0, 0)
         return group_datums(
             group.prompt_tokens,
@@ -577,7 +596,7 @@ class Pipeline:
         step_time = max(train_end - last_end, 1e-9)
         sampling_busy, samples, tokens = self._sampling.take()
         training_busy, _, _ = self._training.take()
-        scored = [g for g in groups if g.reward_error is None]
+        scored = [g for g in groups if g.trainable]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
             "step": step + 1,
@@ -588,6 +607,7 @@ class Pipeline:
             "groups/skipped": assembled.constant_groups,
             "groups/reward_errors": len(failed),
             "reward_errors/problem_ids": [g.problem.id for g in failed],
+            "groups/too_long": sum(1 for g in groups if g.too_long is not None),
             "skipped/empty_responses": assembled.empty,
             "skipped/zero_advantage": assembled.zero_advantage,
             "dropped/missing_logprobs": assembled.missing_logprobs,

@@ -42,6 +42,15 @@ class ScoredGroup:
     reward_error: str | None = None
     """Set when the reward function failed on this group (``--on-reward-error skip``):
     the group is part of its step but yields no datums and no reward statistics."""
+    too_long: str | None = None
+    """Set when the prompt cannot fit the model's context with ``--max-tokens`` of
+    response: the group was not sampled; like a reward error, it is part of its step but
+    yields no datums."""
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the group's responses can be trained on (sampled and scored)."""
+        return self.reward_error is None and self.too_long is None
 
     @property
     def totals(self) -> list[float]:
@@ -69,6 +78,7 @@ class ScoredGroup:
             ],
             "rewards": [{"total": r.total, "components": dict(r.components)} for r in self.rewards],
             "reward_error": self.reward_error,
+            "too_long": self.too_long,
         }
 
     @classmethod
@@ -92,6 +102,7 @@ class ScoredGroup:
                 RewardBreakdown(float(r["total"]), dict(r["components"])) for r in data["rewards"]
             ),
             reward_error=data.get("reward_error"),
+            too_long=data.get("too_long"),
         )
 
 

@@ -47,6 +47,9 @@ def likely_cause(streak: Sequence[Mapping[str, Any]]) -> str:
     no_logprobs = sum(int(m.get("dropped/missing_logprobs", 0)) for m in streak)
     rewards = [m["avg_reward"] for m in streak if isinstance(m.get("avg_reward"), int | float)]
     mean = sum(rewards) / len(rewards) if rewards else 0.0
+    too_long = sum(int(m.get("groups/too_long", 0)) for m in streak)
+    if groups and too_long == groups:
+        return "every prompt was longer than the model's context allows with --max-tokens"
     if groups and errors == groups:
         return "every group's reward failed (--on-reward-error skip): fix the reward function"
     if empty and not zero and not no_logprobs:

@@ -278,6 +278,11 @@ class Supervisor:
                 "logprobs (--on-missing-logprobs drop)",
             )
         for group in result.groups:
+            if group.too_long is not None:
+                self._log.warning(
+                    "prompt_too_long",
+                    f"step {result.step}: {group.too_long}; the group was left out of the step",
+                )
             if group.reward_error is not None:
                 self._log.warning(
                     "reward_error",

@@ -508,3 +508,15 @@ async def test_a_prompt_longer_than_the_context_skips_its_group_not_the_run() ->
         skipped.too_long
     )
     assert results[1].metrics["groups/too_long"] == 0
+
+
+@pytest.mark.slow
+def test_resume_reads_past_bad_bytes_in_its_run_files(server: LocalServer, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    run_engine(fast_config(server, run_dir, steps=2, checkpoint_every=1))
+    for name in ("metrics.jsonl", "checkpoints.jsonl", "rollouts.jsonl"):
+        lines = (run_dir / name).read_bytes().split(b"\n")
+        (run_dir / name).write_bytes(b"\n".join([lines[0], b"\xff\xfe{", *lines[1:]]))
+    _, result = run_engine(fast_config(server, run_dir, steps=3, resume=run_dir))
+    assert result.steps_completed == 3
+    assert [m["step"] for m in metrics(run_dir)] == [1, 2, 3]

@@ -102,7 +102,7 @@ class _Regex:
         return _verdict(normalize_text(found) == normalize_text(str(answer)))
 
 
-@functools.cache
+@functools.lru_cache(maxsize=64)
 def _compiled(pattern: str) -> regex.Pattern[str]:
     try:
         return regex.compile(pattern)

@@ -39,6 +39,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
@@ -51,7 +52,6 @@ from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_recor
 from engine.rundir.events import EventLog, describe
 from engine.session.mint import MintSession, local_server_profile, open_session, service_guard
 from engine.supervision.supervisor import StepHook, Supervisor
-from engine.supervision.watchdog import LOOP_CLOCK, Clock
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec

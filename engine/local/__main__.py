@@ -92,7 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         metavar="DIR|NAME",
         help="local Hugging Face causal-LM directory, or a packaged pretrained model: "
-        f"{', '.join(PRETRAINED)} (opt-in, see README) (default {DEFAULT_MODEL_DIR})",
+        f"{', '.join(PRETRAINED)} (opt-in, see docs/local-server.md) (default {DEFAULT_MODEL_DIR})",
     )
     parser.add_argument(
         "--model-name",

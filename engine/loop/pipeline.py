@@ -20,11 +20,8 @@ carries what the next stage needs, no stage reads another's state):
   step in order, publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and
   hands the :class:`~engine.loop.results.StepResult` to ``on_step``.
 
-Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
-exists, so at most ``K + 1`` steps of groups are started but untrained and every trained
-group satisfies ``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
-on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
-one server round per train step. Nothing sampled is discarded.
+Admission bounds staleness (every trained group is at most K versions behind; nothing
+sampled is discarded): docs/architecture.md, "The staleness bound", explains it.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
 recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps

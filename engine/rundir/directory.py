@@ -1,7 +1,7 @@
 """The run directory: which one a run uses, its config.json, the resume check, and the
 summaries.
 
-A run dir holds (the README has the full table):
+A run dir holds (docs/run-directory.md has the full table):
 
 * ``config.json`` -- the run's redacted config with the task's spec and arguments, so
   ``--resume`` rebuilds the same run (:meth:`RunDirectory.write_config`);

@@ -6,7 +6,7 @@ the single seam where the reliability layer (``engine.session.retry``,
 of the engine sees typed results (:class:`SampleResult`, :class:`TrainResult`,
 :class:`SamplerHandle`) and never an SDK future.
 
-Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
+Two SDK facts shape this module (tinker 0.22; docs/architecture.md, "Wire facts"):
 
 * The ``_async`` training calls need two awaits: ``fut = await tc.forward_backward_async
   (...)`` submits (and fixes the request's place in the model's sequence), ``await fut``
@@ -50,6 +50,7 @@ import tinker
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import HOSTED_BASE_URL, HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
 from engine.loop.rl import Completion, Datum
@@ -73,7 +74,7 @@ from engine.session.retry import (
     retry_policies,
     tally_retries,
 )
-from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.supervision.watchdog import CircuitBreaker
 
 __all__ = [
     "MintSession",

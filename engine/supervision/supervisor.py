@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from engine.common.clock import Clock
 from engine.config import EngineConfig
 from engine.errors import (
     RunStopped,
@@ -52,7 +53,7 @@ from engine.rundir.events import EventLog
 from engine.session.mint import MintSession
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
-from engine.supervision.watchdog import Clock, Watchdog
+from engine.supervision.watchdog import Watchdog
 from engine.tasks import Task
 from engine.tasks.render import PromptRenderer
 

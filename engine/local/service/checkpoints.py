@@ -25,7 +25,7 @@ import secrets
 import shutil
 import tarfile
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import formatdate
@@ -37,7 +37,7 @@ import anyio
 from engine.local.backend import BackendError
 from engine.local.jobs import Job
 from engine.local.service.core import Core, HttpError
-from engine.local.storage import KINDS, BadPath, Kind, TinkerPath, check_name
+from engine.local.storage import KINDS, BadPath, Kind, TinkerPath, check_model_id, check_name
 
 RUN_FILE = "run.json"
 ACCESS_FILE = "access.json"
@@ -60,9 +60,13 @@ class CheckpointRecord:
     size_bytes: int
     public: bool
     expires_at: float | None
+    user_metadata: dict[str, str] | None = None
+    """Set by the client when saving (tinker >= 0.38); listed only when set."""
 
     def to_json(self) -> dict[str, Any]:
+        extra = {} if self.user_metadata is None else {"user_metadata": self.user_metadata}
         return {
+            **extra,
             "checkpoint_id": f"{self.path.kind}/{self.path.name}",
             "checkpoint_type": _TYPES[self.path.kind],
             "time": iso(self.created),
@@ -115,12 +119,12 @@ class CheckpointStore:
         return [
             p.name
             for p in self.data_dir.iterdir()
-            if p.is_dir() and _valid_name(p.name) and (p / RUN_FILE).is_file()
+            if p.is_dir() and _valid_name(p.name, check_model_id) and (p / RUN_FILE).is_file()
         ]
 
     def run_record(self, run_id: str) -> dict[str, Any] | None:
         try:
-            check_name(run_id, "training run id")
+            check_model_id(run_id, "training run id")
         except BadPath as exc:
             raise HttpError(400, str(exc)) from None
         try:
@@ -157,12 +161,14 @@ class CheckpointStore:
         if not isinstance(created, int | float):
             created = meta.stat().st_mtime
         expires = access.get("expires_at")
+        metadata = access.get("user_metadata")
         record = CheckpointRecord(
             path=path,
             created=float(created),
             size_bytes=sum(f.stat().st_size for f in directory.iterdir() if f.is_file()),
             public=bool(access.get("public", False)),
             expires_at=float(expires) if isinstance(expires, int | float) else None,
+            user_metadata=metadata if isinstance(metadata, dict) else None,
         )
         expired = record.expires_at is not None and record.expires_at <= self.core.now()
         if expired and self._remove(path):
@@ -214,9 +220,11 @@ class CheckpointStore:
 
     # ---- hooks for training operations --------------------------------------------------
 
-    def on_saved(self, job: Job, ttl_seconds: int | None) -> Job:
-        """``job`` (a named save) that also records the checkpoint's creation time and,
-        with ``ttl_seconds``, when it expires."""
+    def on_saved(
+        self, job: Job, ttl_seconds: int | None, user_metadata: dict[str, Any] | None = None
+    ) -> Job:
+        """``job`` (a named save) that also records the checkpoint's creation time,
+        with ``ttl_seconds`` when it expires, and the client's ``user_metadata``."""
         if ttl_seconds is not None and ttl_seconds <= 0:
             raise BadPath(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds}")
         inner = job.finish
@@ -225,7 +233,12 @@ class CheckpointStore:
             payload = inner(result)
             path = TinkerPath.parse(payload["path"])
             now = self.core.now()
-            access = {"created": now, "expires_at": now + ttl_seconds if ttl_seconds else None}
+            access: dict[str, Any] = {
+                "created": now,
+                "expires_at": now + ttl_seconds if ttl_seconds else None,
+            }
+            if user_metadata:
+                access["user_metadata"] = {str(k): str(v) for k, v in user_metadata.items()}
             _write_json(path.directory(self.data_dir) / ACCESS_FILE, access)
             return payload
 
@@ -351,9 +364,9 @@ class CheckpointStore:
             shutil.rmtree(staging, ignore_errors=True)
 
 
-def _valid_name(name: str) -> bool:
+def _valid_name(name: str, check: Callable[[str], str] = check_name) -> bool:
     try:
-        check_name(name)
+        check(name)
     except BadPath:
         return False
     return True

@@ -49,6 +49,7 @@ from engine.local.wire import (
     SaveForSamplerW,
     SaveWeightsW,
     WireError,
+    check_adamw,
     parse,
 )
 
@@ -88,6 +89,7 @@ class TrainingOps:
         try:
             req = parse(CreateModelW, body, "create_model")
             core.resolve_base_model(req.base_model)
+            check_adamw(req.optimizer_config, "create_model")
             lora = req.lora_config
             if lora is None:
                 raise WireError("create_model needs a lora_config (the local server trains LoRA)")
@@ -261,6 +263,10 @@ class TrainingOps:
             return forward_job(backend, mid, fw.forward_input, limits, backward=False)
         if endpoint == "optim_step":
             opt = parse(OptimStepW, body, endpoint)
+            if opt.adam_params is None:
+                if opt.optimizer_params is not None:  # tinker >= 0.38, another optimizer
+                    check_adamw(opt.optimizer_params, endpoint)
+                raise WireError(f"invalid {endpoint} request: adam_params: Field required")
 
             def count_step() -> None:
                 core.stats.optimizer_steps[mid] += 1
@@ -269,9 +275,14 @@ class TrainingOps:
         if endpoint == "save_weights":
             sw = parse(SaveWeightsW, body, endpoint)
             job = save_state_job(backend, mid, sw.path, core.data_dir, overwrite=sw.overwrite)
-            return self.checkpoints.on_saved(job, sw.ttl_seconds)
+            return self.checkpoints.on_saved(job, sw.ttl_seconds, sw.user_metadata)
         if endpoint == "save_weights_for_sampler":
             ss = parse(SaveForSamplerW, body, endpoint)
+            if ss.kind not in ("snapshot", "inflight"):
+                raise WireError(
+                    "save_weights_for_sampler kind must be 'snapshot' or 'inflight', "
+                    f"got {ss.kind!r}"
+                )
             if ss.path is None and ss.sampling_session_seq_id is None:
                 raise WireError(
                     "save_weights_for_sampler needs a name in 'path' or a sampling_session_seq_id"
@@ -284,7 +295,9 @@ class TrainingOps:
                 on_saved=lambda key, path: self._on_sampler_saved(key, path, model),
                 snapshot_delay=core.latency.snapshot if core.latency else 0.0,
             )
-            return self.checkpoints.on_saved(job, ss.ttl_seconds) if ss.path else job
+            if ss.path is None:
+                return job
+            return self.checkpoints.on_saved(job, ss.ttl_seconds, ss.user_metadata)
         if endpoint == "load_weights":
             lw = parse(LoadWeightsW, body, endpoint)
             self.checkpoints.expire_if_due(lw.path)

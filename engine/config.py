@@ -46,6 +46,7 @@ __all__ = [
     "EngineConfig",
     "Knob",
     "LogFormat",
+    "LogLevel",
     "LossName",
     "OnRewardError",
     "Profile",
@@ -60,6 +61,7 @@ __all__ = [
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 LogFormat = Literal["console", "json"]
+LogLevel = Literal["info", "debug"]
 OnRewardError = Literal["fail", "skip"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
@@ -206,6 +208,7 @@ class EngineConfig:
     local_model: Path | None = None
     run_dir: Path | None = None
     log_format: LogFormat = "console"
+    log_level: LogLevel = "info"
     progress: bool = True
     checkpoint_every: int = 10
     resume: Path | None = None
@@ -780,6 +783,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "console",
     ),
     Knob(
+        "log_level",
+        "--log-level",
+        ("ENGINE_LOG_LEVEL",),
+        _parse_str,
+        _one_of(("info", "debug")),
+        "debug: also show each reward error's traceback on the console (events.jsonl "
+        "keeps it either way)",
+        "info",
+    ),
+    Knob(
         "checkpoint_every",
         "--checkpoint-every",
         (),
@@ -965,7 +978,7 @@ def config_from_sources(
 
 
 RESUME_FROM_ENVIRONMENT: Final = frozenset(
-    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
+    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_level", "log_to"}
 )
 """Settings a resumed run takes from its own flags and environment, never from the run
 dir's config.json: where it connects and how it reports."""

@@ -400,7 +400,9 @@ def test_a_run_that_trains_nothing_says_so_and_reward_tracebacks_are_kept(
     server: LocalServer, tmp_path: Path
 ) -> None:
     run_dir = tmp_path / "run"
-    config = fast_config(server, run_dir, steps=NO_TRAINING_STEPS, on_reward_error="skip")
+    config = fast_config(
+        server, run_dir, steps=NO_TRAINING_STEPS, on_reward_error="skip", log_level="debug"
+    )
     console = io.StringIO()
     run_engine(config, task=ZeroRewardTask(), console=console)
     warnings = [x for x in console.getvalue().splitlines() if "nothing was trained" in x]
@@ -412,6 +414,7 @@ def test_a_run_that_trains_nothing_says_so_and_reward_tracebacks_are_kept(
     assert len(failed) == 1 and failed[0]["problem_id"] == 1
     assert "Traceback" in failed[0]["traceback"] and "KeyError: 'missing'" in failed[0]["traceback"]
     assert 'return {}["missing"]' in failed[0]["traceback"]
+    assert 'return {}["missing"]' in console.getvalue()  # --log-level debug: on the console too
 
 
 # -- embedding ------------------------------------------------------------------------------

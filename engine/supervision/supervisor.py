@@ -231,10 +231,13 @@ class Supervisor:
             watchdog.progress(f"restored step {state.next_step}")
 
     def _reward_failed(self, error: RewardError) -> None:
-        """Keep the reward's traceback in events.jsonl (the console shows one line)."""
+        """Keep the reward's traceback in events.jsonl (the console shows one line; with
+        ``--log-level debug`` the traceback too)."""
         self._events.info(
             "reward.failed", problem_id=error.problem.id, error=str(error), traceback=error.trace
         )
+        if self._config.log_level == "debug":
+            self._log.warning("reward_traceback", f"{error}\n{error.trace.rstrip()}")
 
     def _initial_state(self) -> LoopState:
         return LoopState(0, self._task.source(self._config.seed).state(), 0)

@@ -105,6 +105,16 @@ class Engine:
         console: TextIO | None = None,
         clock: Clock = LOOP_CLOCK,
     ) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(
+                f"Engine(config, task=...) takes an EngineConfig first, got a "
+                f"{type(config).__name__}: pass a task object as task=..."
+            )
+        if isinstance(task, str | type):
+            raise TypeError(
+                f"Engine(config, task=...) takes a task object, got {task!r}: a task spec "
+                "string goes in EngineConfig(task=...), a task class is instantiated first"
+            )
         if not config.local and not config.api_key:
             raise ConfigError(
                 "EngineConfig has no api_key and local=False: pass api_key (or build it with "

@@ -469,6 +469,10 @@ def test_config_paths_accept_str_and_pathlike_and_a_task_object_is_redirected(
     assert config.run_dir == tmp_path / "a"
     with pytest.raises(ConfigError, match=r"Engine\(config, task=\.\.\.\)"):
         EngineConfig(local=True, task=ArithmeticTask("+", 10, 99))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match="takes an EngineConfig first"):
+        Engine(ArithmeticTask("+", 10, 99))  # type: ignore[arg-type]
+    with pytest.raises(TypeError, match=r"goes in EngineConfig\(task=\.\.\.\)"):
+        Engine(EngineConfig(local=True), task="arithmetic")  # type: ignore[arg-type]
 
 
 # -- a prompt longer than the context ---------------------------------------------------

@@ -47,6 +47,7 @@ __all__ = [
     "EngineConfig",
     "Knob",
     "LogFormat",
+    "LogLevel",
     "LossName",
     "OnRewardError",
     "Profile",
@@ -61,6 +62,7 @@ __all__ = [
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 LogFormat = Literal["console", "json"]
+LogLevel = Literal["info", "debug"]
 OnRewardError = Literal["fail", "skip"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
@@ -207,6 +209,7 @@ class EngineConfig:
     local_model: Path | None = None
     run_dir: Path | None = None
     log_format: LogFormat = "console"
+    log_level: LogLevel = "info"
     progress: bool = True
     checkpoint_every: int = 10
     resume: Path | None = None
@@ -230,6 +233,21 @@ class EngineConfig:
     log_to: tuple[Tracker, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.task, str):
+            raise ConfigError(
+                f"EngineConfig(task=...) takes the task's spec as a string ('arithmetic', "
+                f"'jsonl:PATH', 'hf:PATH' or 'package.module:attr'), got a "
+                f"{type(self.task).__name__}: pass a task object as Engine(config, task=...)"
+            )
+        for name in ("run_dir", "resume"):  # a str or any PathLike is a Path
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                try:
+                    object.__setattr__(self, name, Path(value))
+                except TypeError:
+                    raise ConfigError(
+                        f"{name} must be a path (str or os.PathLike), got {type(value).__name__}"
+                    ) from None
         for knob in KNOBS:
             value = getattr(self, knob.field)
             if value is not None and knob.check is not None:
@@ -783,6 +801,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "console",
     ),
     Knob(
+        "log_level",
+        "--log-level",
+        ("ENGINE_LOG_LEVEL",),
+        _parse_str,
+        _one_of(("info", "debug")),
+        "debug: also show each reward error's traceback on the console (events.jsonl "
+        "keeps it either way)",
+        "info",
+    ),
+    Knob(
         "checkpoint_every",
         "--checkpoint-every",
         (),
@@ -1024,7 +1052,7 @@ def config_from_sources(
 
 
 RESUME_FROM_ENVIRONMENT: Final = frozenset(
-    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
+    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_level", "log_to"}
 )
 """Settings a resumed run takes from its own flags and environment, never from the run
 dir's config.json: where it connects and how it reports."""

@@ -75,7 +75,7 @@ from engine.loop.evaluation import Evaluator
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
 from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
-from engine.loop.scoring import Scorer, check_picklable, parse_score_workers
+from engine.loop.scoring import RewardError, Scorer, check_picklable, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
 from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.session.api import (
@@ -156,9 +156,7 @@ class _StepAssembly:
             zero_advantage=sum(b.skipped_zero_advantage for _, b in built),
             missing_logprobs=sum(b.dropped_missing_logprobs for _, b in built),
             masked=sum(b.masked for _, b in built),
-            constant_groups=sum(
-                1 for g, b in built if g.reward_error is None and b.constant_reward
-            ),
+            constant_groups=sum(1 for g, b in built if g.trainable and b.constant_reward),
             used_groups=sum(1 for _, b in built if b.datums),
         )
 
@@ -222,6 +220,7 @@ class Pipeline:
         clock: Clock = time.perf_counter,
         renderer: PromptRenderer | None = None,
         evaluate: Evaluator | None = None,
+        on_reward_error: Callable[[RewardError], None] = lambda error: None,
     ) -> None:
         if config.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
@@ -245,6 +244,9 @@ class Pipeline:
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
+        self._on_reward_error = on_reward_error
+        context = session.info.max_context
+        self._max_prompt = context - config.max_tokens if context is not None else None
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._stop = StopCondition(stop_strings, stop_token_ids)
         workers = parse_score_workers(config.score_workers)
@@ -299,6 +301,9 @@ class Pipeline:
                     if (step, index) in pending:
                         continue  # rolled out before a resume: reused as is
                     job = self._job(step, index, problem)
+                    if self._max_prompt is not None and len(job.prompt_tokens) > self._max_prompt:
+                        await send.send(self._not_sampled(job))
+                        continue
                     tg.start_soon(self._rollout_group, job, send.clone())
 
     def _job(self, step: int, index: int, problem: Problem) -> _GroupJob:
@@ -327,6 +332,8 @@ class Pipeline:
                 # steps in flight instead of cancelling them half-way.
                 self._gate.request(exc)
                 return
+            if rollout.error is not None:
+                self._on_reward_error(rollout.error)
             if rollout.error is not None and self._config.on_reward_error == "fail":
                 # Stop after the steps in flight; until then keep the streams open
                 # (closing them would break the other rollout tasks mid-send).
@@ -396,6 +403,31 @@ class Pipeline:
             SampledAction(c, result.version, result.retries if i == 0 else 0)
             for i, c in enumerate(result.completions)
         ]
+
+    def _not_sampled(self, job: _GroupJob) -> ScoredGroup:
+        """A group whose prompt cannot fit the context: part of its step, never sampled
+        (the server would refuse it, and one refusal would stop the run)."""
+        context = self._session.info.max_context
+        reason = (
+            f"problem {job.problem.id}'s prompt of {len(job.prompt_tokens)} tokens plus "
+            f"--max-tokens {self._config.max_tokens} exceeds the model's context of "
+            f"{context} tokens"
+        )
+        now = self._clock()
+        return ScoredGroup(
+            step=job.step,
+            index=job.index,
+            problem=job.problem,
+            prompt_tokens=job.prompt_tokens,
+            version=job.admitted,
+            completions=(),
+            rewards=(),
+            sample_started=now,
+            sample_finished=now,
+            score_started=now,
+            score_finished=now,
+            too_long=reason,
+        )
 
     # -- trainer: submitter ----------------------------------------------------------
 
@@ -498,7 +530,7 @@ class Pipeline:
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
-        if group.reward_error is not None:
+        if not group.trainable:
             return GroupDatums([], [], 0, 0, 0)
         if group.episodes:
             return episode_group_datums(
@@ -587,7 +619,7 @@ class Pipeline:
         # Steps are trained in order: from this step's first submission (or the end of
         # the previous step, if later) to its end, the trainer was busy.
         training_busy = train_end - max(submitted.train_start, last_end)
-        scored = [g for g in groups if g.reward_error is None]
+        scored = [g for g in groups if g.trainable]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
             "step": step + 1,
@@ -598,6 +630,7 @@ class Pipeline:
             "groups/skipped": assembled.constant_groups,
             "groups/reward_errors": len(failed),
             "reward_errors/problem_ids": [g.problem.id for g in failed],
+            "groups/too_long": sum(1 for g in groups if g.too_long is not None),
             "skipped/empty_responses": assembled.empty,
             "skipped/zero_advantage": assembled.zero_advantage,
             "dropped/missing_logprobs": assembled.missing_logprobs,

@@ -510,7 +510,11 @@ async def _connect(
             lambda: anyio.to_thread.run_sync(training.get_tokenizer, abandon_on_cancel=True),
         )
         say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
-        info = ServerInfo(base_url, base_model, local, supported)
+        context = next(
+            (m.max_context_length for m in caps.supported_models if m.model_name == base_model),
+            None,
+        )
+        info = ServerInfo(base_url, base_model, local, supported, context)
         yield MintSession(service, training, tokenizer, info, guard, lora, config)
     finally:
         # Stops the SDK's session heartbeat (it would outlive a local server).

@@ -41,8 +41,9 @@ from engine.errors import (
 from engine.loop.evaluation import Evaluator
 from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import RunResult, StepResult
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.scoring import RewardError, Scorer, parse_score_workers
 from engine.loop.state import LoopState
+from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
 from engine.rollouts import RolloutLog
@@ -221,6 +222,7 @@ class Supervisor:
                 progress=watchdog.progress,
                 renderer=self._outputs.renderer,
                 evaluate=self._outputs.evaluator,
+                on_reward_error=self._reward_failed,
             )
             try:
                 return await pipeline.run()
@@ -230,6 +232,15 @@ class Supervisor:
                     raise
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
+
+    def _reward_failed(self, error: RewardError) -> None:
+        """Keep the reward's traceback in events.jsonl (the console shows one line; with
+        ``--log-level debug`` the traceback too)."""
+        self._events.info(
+            "reward.failed", problem_id=error.problem.id, error=str(error), traceback=error.trace
+        )
+        if self._config.log_level == "debug":
+            self._log.warning("reward_traceback", f"{error}\n{error.trace.rstrip()}")
 
     def _initial_state(self) -> LoopState:
         return LoopState(0, self._task.source(self._config.seed).state(), 0)
@@ -274,12 +285,20 @@ class Supervisor:
                 "logprobs (--on-missing-logprobs drop)",
             )
         for group in result.groups:
+            if group.too_long is not None:
+                self._log.warning(
+                    "prompt_too_long",
+                    f"step {result.step}: {group.too_long}; the group was left out of the step",
+                )
             if group.reward_error is not None:
                 self._log.warning(
                     "reward_error",
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
+        idle = no_training_warning(self._files.steps)
+        if idle is not None:
+            self._events.warning("run.no_training", step=result.step, message=idle)
         if self._config.checkpoint_due(result.step):
             try:
                 await self._checkpoint("periodic", result.state)

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import json
-import os
 import pickle
 import subprocess
 import sys
@@ -41,6 +40,7 @@ from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import load_task, task_spec
 from engine.tasks.rewards import make_reward
 from tests.engine_support import run_engine
+from tests.process_rewards import DyingTask, NoisyTask
 from tests.reliability_support import checkpoints, events, fast_config, metrics, read_json
 from tests.test_reliability_input import make_run_dir
 
@@ -184,27 +184,6 @@ def test_an_unpicklable_task_with_processes_is_refused_before_the_run_dir(
 
 
 # -- 8: a reward may write to fd 1 in a worker process; a dead worker explains itself ---
-
-
-class NoisyTask(BadComponentTask):
-    """A reward that runs a program without capturing its output and writes to fd 1."""
-
-    def __init__(self) -> None:
-        super().__init__(1.0)
-
-    def score(self, response: str, problem: Problem) -> Any:
-        subprocess.run([sys.executable, "-c", "print('from a child')"], check=True)
-        os.write(1, b"straight to fd 1\n")
-        print("and a print")
-        return 1.0
-
-
-class DyingTask(BadComponentTask):
-    def __init__(self) -> None:
-        super().__init__(1.0)
-
-    def score(self, response: str, problem: Problem) -> Any:
-        os._exit(3)
 
 
 def test_a_reward_writing_to_fd_1_works_in_worker_processes() -> None:

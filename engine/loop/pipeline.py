@@ -75,7 +75,7 @@ from engine.loop.evaluation import Evaluator
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
 from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
-from engine.loop.scoring import RewardError, Scorer, check_picklable, parse_score_workers
+from engine.loop.scoring import RewardError, Scorer, check_score_workers, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
 from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.session.api import (
@@ -254,8 +254,7 @@ class Pipeline:
             anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
         )
         if is_env_task(task):
-            if self._env_workers is not None:
-                check_picklable(task)
+            check_score_workers(task, workers)
             self._env_task: EnvTask | None = task  # type: ignore[assignment]
             self._env_context = EnvContext(
                 self._renderer.context, self._stop, config.episode_limits()

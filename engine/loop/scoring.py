@@ -44,6 +44,7 @@ import anyio
 import anyio.to_process
 
 from engine.common.threads import in_daemon_thread
+from engine.envs.types import is_env_task
 from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
@@ -264,11 +265,16 @@ def _run_in_worker_process(fn: Callable[..., Any], *args: Any) -> tuple[Any, Bas
 
 def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
     """ConfigError (one line) when ``workers`` are processes and the task's reward cannot
-    be sent to them: called before anything is spent (the engine checks it as it loads
-    the task)."""
+    be sent to them (an environment task: when it cannot), called before anything is spent
+    (the engine checks it as it loads the task)."""
+    if workers.kind != "processes":
+        return
+    if is_env_task(task):  # its environments are stepped in the worker processes
+        check_picklable(task)
+        return
     group_fn = getattr(task, "score_group", None)
     fn = group_fn if callable(group_fn) else task.score
-    if workers.kind == "processes" and not inspect.iscoroutinefunction(fn):
+    if not inspect.iscoroutinefunction(fn):
         check_picklable(fn)
 
 

@@ -36,12 +36,14 @@ from benchmarks.measure import (
     pid_cpu_seconds,
     process_cpu_seconds,
     rss_mb,
+    steps_per_two_cycles,
     thread_cpu_delta,
     thread_cpu_seconds,
 )
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, StepResult
 from engine.config import Profile
+from engine.local.latency import LatencyProfile
 from engine.session.mint import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 
@@ -127,6 +129,12 @@ class Target:
     profile: Profile
     server_pid: int | None
     latency: str
+
+    @property
+    def cycle_s(self) -> float | None:
+        """The latency clock cycle in seconds (None without a latency profile)."""
+        profile = LatencyProfile.parse(self.latency)
+        return profile.cycle if profile is not None else None
 
     @property
     def model_name(self) -> str:
@@ -221,6 +229,7 @@ def run_quickstart(target: Target, workload: Workload, *, steps: int, seed: int)
         client_cpu_s=run.cpu_s,
         server_cpu_s=_delta(server0, _server_cpu(target)),
         server=_counters_delta(counters0, server_counters(target)),
+        cycle_s=target.cycle_s,
     )
 
 
@@ -346,6 +355,10 @@ def run_engine(
         rss_peak_mb=peak_rss_mb(),
         gc=marks["gc"],
         server=_counters_delta(marks["counters0"], marks["counters1"]),
+        cycle_s=target.cycle_s,
+        per_two_cycles=steps_per_two_cycles(
+            off_policy=variant.max_steps_off_policy, submit_ahead=variant.submit_ahead
+        ),
     )
 
 

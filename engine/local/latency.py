@@ -22,9 +22,14 @@ All durations are hosted-service seconds; each is multiplied by ``scale`` before
 snapshot_s=3, scale=0.05 (a 10 s cycle lasts 0.5 s). Example: ``mint:scale=0.02``.
 
 Cycle clock: cycles are numbered from 1 and tick on a fixed grid while there is work. An
-operation is assigned at submission to the next cycle to start; it computes once that
-cycle has started (and its seq_id turn has come) and its result is released when the
-following cycle starts. When a cycle starts with no work assigned to it or to the next
+operation is assigned at submission to the next cycle to start; it computes as soon as its
+seq_id turn has come (possibly before its cycle starts) and its result is released when
+the following cycle starts. Computing ahead is what keeps the simulation honest on one
+compute thread: the hosted trainer and sampler are separate machines, so a cycle's
+training never delays the sampling that runs right after the tick; here it would, by its
+real (unscaled) compute time, if the cycle's training computed at the tick.
+
+When a cycle starts with no work assigned to it or to the next
 one, the clock stops; the next submission restarts it at the first grid point at least
 ``gather_s`` away, so requests submitted back to back land in the same cycle.
 """
@@ -32,7 +37,8 @@ one, the clock stops; the next submission restarts it at the first grid point at
 from __future__ import annotations
 
 import math
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, fields, replace
 
 import anyio
@@ -131,6 +137,9 @@ PROFILES: dict[str, LatencyProfile] = {
 }
 
 
+TICKS_KEPT = 4096
+
+
 class TrainingClock:
     """The simulated hosted training clock (see the module docstring).
 
@@ -147,6 +156,8 @@ class TrainingClock:
         self._origin: float | None = None
         self._wake = anyio.Event()
         self._tick = anyio.Event()
+        self.ticks: deque[tuple[int, float]] = deque(maxlen=TICKS_KEPT)
+        """The most recent cycle starts as (cycle, ``time.monotonic`` seconds)."""
 
     def assign(self) -> int:
         """Assign a newly submitted operation to the next cycle to start."""
@@ -176,6 +187,7 @@ class TrainingClock:
             while True:
                 await anyio.sleep_until(next_tick)
                 self.started += 1
+                self.ticks.append((self.started, time.monotonic()))
                 members = self._assigned.pop(self.started, 0)
                 tick, self._tick = self._tick, anyio.Event()
                 tick.set()

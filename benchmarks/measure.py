@@ -114,6 +114,9 @@ class RunRecord:
     server: dict[str, float] = field(default_factory=dict)
     """The local server's counters over the run: compute-thread busy seconds, sample
     batches and requests, clock cycles, HTTP requests."""
+    server_timeline: dict[str, list[Any]] = field(default_factory=dict)
+    """The server's cycle starts and compute jobs during the run, in seconds since its
+    start (``benchmarks.runners.server_timeline``)."""
     cycle_s: float | None = None
     """The server's latency clock cycle in seconds (None: no latency profile)."""
     per_two_cycles: int | None = None
@@ -137,6 +140,7 @@ class RunRecord:
             "summary": summarize(self, alone),
         }
         if spans:
+            data["server_timeline"] = self.server_timeline
             data["spans"] = [
                 {**asdict(s), "start": s.start - self.started, "end": s.end - self.started}
                 for s in self.spans

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scaling, scoring, throughput, train_stage
+from benchmarks import scaling, scoring, startup, throughput, train_stage
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from tests.engine_support import quickstart_task_knobs
@@ -232,3 +232,28 @@ def test_scoring_quick_run_reports_each_reward_against_its_ideal(tmp_path: Path)
     judge = next(r for r in report["results"] if "judge" in r["config"])
     assert judge["ideal_s"] == 0.25 and len(judge["times_s"]) == 1
     assert (tmp_path / "scoring.md").read_text().count("\n") == 5
+
+
+def test_startup_quick_run_times_both_loops_from_process_start(tmp_path: Path) -> None:
+    code = startup.main(
+        [
+            "--steps",
+            "3",
+            "--workload",
+            "2x3x4",
+            "--latency",
+            "mint:scale=0.01",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "startup.json").read_text())
+    rows = {r["loop"]: r for r in data["rows"]}
+    assert set(rows) == {"quickstart loop", "engine CLI"}
+    for row in rows.values():
+        ends = row["step_ends_s"]
+        assert len(ends) == 3 and ends == sorted(ends) and ends[0] > 0
+        assert row["last_step_s"] == ends[-1] and _finite(row["speedup_to_last"])
+    assert rows["quickstart loop"]["speedup_to_last"] == pytest.approx(1.0)
+    assert (tmp_path / "startup.md").read_text().count("\n") == 4

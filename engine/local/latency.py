@@ -29,9 +29,13 @@ compute thread: the hosted trainer and sampler are separate machines, so a cycle
 training never delays the sampling that runs right after the tick; here it would, by its
 real (unscaled) compute time, if the cycle's training computed at the tick.
 
-When a cycle starts with no work assigned to it or to the next
-one, the clock stops; the next submission restarts it at the first grid point at least
-``gather_s`` away, so requests submitted back to back land in the same cycle.
+The hosted clock ticks on whether or not a model has work; this one pauses when idle:
+when a second cycle in a row starts with no work assigned to it or to the next one, the
+clock stops, and the next submission restarts it at the first grid point at least
+``gather_s`` away, so requests submitted back to back land in the same cycle. One empty
+cycle does not stop it: a loop that trains every other cycle (two steps per cycle, then
+none) must meet the same tick as one that trains every cycle, not a tick ``gather_s``
+earlier (which is what made the engine's steps-in-pairs pattern stick).
 """
 
 from __future__ import annotations
@@ -138,6 +142,8 @@ PROFILES: dict[str, LatencyProfile] = {
 
 
 TICKS_KEPT = 4096
+IDLE_CYCLES_BEFORE_PAUSE = 2
+"""Empty cycle starts in a row after which the clock pauses (see the module docstring)."""
 
 
 class TrainingClock:
@@ -176,7 +182,7 @@ class TrainingClock:
         await self.wait_start(cycle + 1)
 
     async def run(self) -> None:
-        """Tick while there is work; stop when a cycle starts empty."""
+        """Tick while there is work; pause after IDLE_CYCLES_BEFORE_PAUSE empty cycles."""
         while True:
             await self._wake.wait()
             earliest = anyio.current_time() + self._gather
@@ -184,6 +190,7 @@ class TrainingClock:
                 self._origin = earliest
             steps = max(0, math.ceil((earliest - self._origin) / self._cycle))
             next_tick = self._origin + steps * self._cycle
+            empty = 0
             while True:
                 await anyio.sleep_until(next_tick)
                 self.started += 1
@@ -191,7 +198,8 @@ class TrainingClock:
                 members = self._assigned.pop(self.started, 0)
                 tick, self._tick = self._tick, anyio.Event()
                 tick.set()
-                if members == 0 and self._assigned[self.started + 1] == 0:
+                empty = empty + 1 if members == 0 and self._assigned[self.started + 1] == 0 else 0
+                if empty == IDLE_CYCLES_BEFORE_PAUSE:
                     self._running = False
                     self._wake = anyio.Event()
                     break

@@ -219,6 +219,8 @@ class LocalService:
             futures_retained=core.futures.retained,
             polls_held=core.futures.held,
             compute_busy_s=core.compute.busy_s,
+            compute_jobs=list(core.compute.jobs),
+            cycle_starts=list(core.clock.ticks) if core.clock else [],
             models=len(core.registry.models),
             sampling_sessions=len(core.registry.samplers),
             held=self.resources.held(),

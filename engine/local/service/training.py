@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -242,7 +243,7 @@ class TrainingOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             job = None
         cycle = core.clock.assign() if (core.clock is not None and job is not None) else None
-        core.spawn(self._run, model, seq_id, entry, job, cycle)
+        core.spawn(self._run, model, seq_id, entry, job, cycle, time.monotonic())
         return core.ref(entry)
 
     def _build_job(self, endpoint: str, model: ModelState, body: Any) -> Job:
@@ -311,6 +312,7 @@ class TrainingOps:
         entry: FutureEntry,
         job: Job | None,
         cycle: int | None,
+        submitted: float,
     ) -> None:
         core = self.core
         payload: dict[str, Any] | None = None
@@ -322,8 +324,10 @@ class TrainingOps:
                     core.futures.fail(entry, self.unknown_model(model.model_id))
                     return
                 if cycle is not None and core.clock is not None:
-                    await core.clock.wait_start(cycle)
-                    core.stats.record_cycle(model.model_id, OpCycle(seq_id, entry.endpoint, cycle))
+                    # Computed now, released when its cycle ends (see engine.local.latency).
+                    core.stats.record_cycle(
+                        model.model_id, OpCycle(seq_id, entry.endpoint, cycle, submitted)
+                    )
                 reads = self.checkpoints.reading(job.reads) if job.reads else None
                 with reads or contextlib.nullcontext():
                     payload = await core.finish_job(entry, job)

@@ -48,6 +48,8 @@ DATASET_ARGS: Final[Mapping[str, str]] = {
     "chat": "true: send a string prompt as a user message through the chat template",
     "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact)",
     "tolerance": "numeric: relative tolerance (absolute below 1; default 1e-6)",
+    "numeric_position": "numeric: which number of the response is the answer: first "
+    "(default; the packaged model), last (chat models) or boxed (inside \\boxed{})",
     "pattern": "regex: the answer is group 1 (or the whole match) of the first match",
     "epochs": "passes over the training rows before the source ends (default: unlimited)",
     "shuffle": "false: keep the file order (default: a seeded shuffle per epoch)",
@@ -289,7 +291,7 @@ class DatasetTask:
                 f"unknown task argument {unknown[0]!r} for {data_format} tasks; known: "
                 f"{', '.join(known)}"
             )
-        options = {k: args[k] for k in ("tolerance", "pattern") if k in args}
+        options = {k: args[k] for k in ("tolerance", "numeric_position", "pattern") if k in args}
         template: dict[str, Any] = {}
         if "enable_thinking" in args:
             template["enable_thinking"] = _flag(args, "enable_thinking")

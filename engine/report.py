@@ -2,9 +2,12 @@
 overlaid, from their ``metrics.jsonl``.
 
 Writes ``report.png`` (six panels: reward and exact rate, raw and smoothed; median step
-time by stage; staleness; KL between sampler and trainer; throughput; and, when a run
-has ``eval.jsonl`` from ``--eval-every``, a row of held-out panels: greedy mean reward
-and the rate of each reward component by step, step 0 included) and a self-contained
+time by stage; staleness; KL between sampler and trainer; throughput; when the runs log
+them, a row of response panels: response length in tokens, mean and max, and the
+fractions of trained groups and of truncated and empty responses; and, when a run has
+``eval.jsonl`` from ``--eval-every``, a row of held-out panels: greedy mean reward and
+the rate of each reward component by step, step 0 included; a run that trained nothing
+says so in words, on the picture and in the page) and a self-contained
 ``report.html`` (the picture embedded, a table per run). One run: into
 its own directory; several: into ``--out`` (default ``reports/<timestamp>``). A finished
 run draws its own ``report.png`` (:func:`finished_run_report`).
@@ -90,6 +93,18 @@ class RunData:
     def has(self, name: str) -> bool:
         return any(_number(m.get(name)) is not None for m in self.steps)
 
+    def eval_has(self, name: str) -> bool:
+        return any(_number(e.get(name)) is not None for e in self.evals)
+
+    @property
+    def trained_nothing(self) -> str | None:
+        """Why no step of the run trained anything (no datums in any step), else None."""
+        if not self.has("datums") or any((_number(m.get("datums")) or 0) > 0 for m in self.steps):
+            return None
+        if all(_number(m.get("response_len/empty_frac")) == 1.0 for m in self.steps):
+            return "every response was empty (the model cannot answer this prompt format)"
+        return "every group's responses scored alike (no reward differences to learn from)"
+
 
 def _series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float | None]]:
     return [int(m["step"]) for m in records], [_number(m.get(name)) for m in records]
@@ -172,8 +187,10 @@ def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -
     from engine.observe.plotting import color, new_figure
 
     evaluated = [run for run in runs if run.evals]
-    fig = new_figure(15, 12.5 if evaluated else 8.5)
-    grid = fig.add_gridspec(3 if evaluated else 2, 3)
+    responses = [run for run in runs if run.has(RESPONSE_LEN) or run.has(TRAINED_FRAC)]
+    rows = 2 + bool(responses) + bool(evaluated)
+    fig = new_figure(15, 4.25 * rows)
+    grid = fig.add_gridspec(rows, 3)
     axes: list[Any] = [fig.add_subplot(grid[row, col]) for row in range(2) for col in range(3)]
     ax_reward, ax_exact, ax_time, ax_stale, ax_kl, ax_rate = axes
 
@@ -210,16 +227,69 @@ def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -
     ax_stale.set_ylim(-0.3, max(1.0, most_stale) + 0.3)
     ax_kl.set_title("KL(sampler || trainer): v1 solid, v2 dashed")
     ax_kl.axhline(0.0, color="grey", lw=0.6)
+    if not any(run.has("optim/kl_sample_train_v1") for run in runs):
+        ax_kl.set_ylim(-1.0, 1.0)
+        ax_kl.set_xlim(ax_reward.get_xlim())
+        ax_kl.text(0.5, 0.6, "no trained step: no KL", ha="center", transform=ax_kl.transAxes)
     ax_rate.set_title("throughput, samples per second")
     for ax in (ax_reward, ax_exact, ax_stale, ax_kl, ax_rate):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     ax_reward.legend(fontsize=8)
+    row = 2
+    if responses:
+        _response_panels(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1:]), runs, color)
+        row += 1
     if evaluated:
-        _eval_panels(fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1:]), runs, color)
-    fig.suptitle(", ".join(run.label for run in runs), fontsize=11)
-    fig.tight_layout()
+        _eval_panels(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1:]), runs, color)
+    title = ", ".join(run.label for run in runs)
+    for run in runs:
+        reason = run.trained_nothing
+        if reason is not None:
+            title += f"\n{run.label} trained nothing: {reason}"
+    fig.suptitle(title, fontsize=11)
+    lines = title.count("\n") + 1
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.22 * lines / fig.get_figheight()))
     return fig
+
+
+RESPONSE_LEN = "response_len/mean"
+TRAINED_FRAC = "groups/trained_frac"
+_FRACTIONS = (
+    (TRAINED_FRAC, "-", "trained groups"),
+    ("response_len/truncated_frac", "--", "truncated responses"),
+    ("response_len/empty_frac", ":", "empty responses"),
+)
+
+
+def _response_panels(ax_len: Any, ax_frac: Any, runs: Sequence[RunData], color: Any) -> None:
+    """Response length (mean solid, max dashed) and the fractions of trained groups and
+    of truncated and empty responses; each line labelled only for a run that has it."""
+    for i, run in enumerate(runs):
+        for name, style, what in (
+            (RESPONSE_LEN, "-", "mean"),
+            ("response_len/max", "--", "max"),
+        ):
+            if run.has(name):
+                steps, values = run.series(name)
+                ax_len.plot(
+                    steps, values, style, color=color(i), lw=1.5, label=f"{run.label}: {what}"
+                )
+        for name, style, what in _FRACTIONS:
+            if run.has(name):
+                steps, values = run.series(name)
+                percent = [None if v is None else v * 100.0 for v in values]
+                ax_frac.plot(
+                    steps, percent, style, color=color(i), lw=1.5, label=f"{run.label}: {what}"
+                )
+    ax_len.set_title("response length, tokens")
+    ax_frac.set_title("% of groups trained; % of responses truncated, empty")
+    ax_frac.set_ylim(-5.0, 105.0)
+    for ax in (ax_len, ax_frac):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
 
 
 def _eval_panels(ax_reward: Any, ax_rates: Any, runs: Sequence[RunData], color: Any) -> None:
@@ -233,6 +303,8 @@ def _eval_panels(ax_reward: Any, ax_rates: Any, runs: Sequence[RunData], color: 
         steps, values = run.eval_series("eval/reward/total")
         ax_reward.plot(steps, values, color=color(i), lw=2, marker="o", ms=4, label=run.label)
         for j, name in enumerate(rates):
+            if not run.eval_has(name):
+                continue
             steps, values = run.eval_series(name)
             ax_rates.plot(
                 steps,
@@ -290,7 +362,8 @@ def _table(runs: Sequence[RunData]) -> str:
         summary = run.summary or {}
         cells = (
             str(run.run_dir),
-            str(summary.get("status", "n/a")),
+            str(summary.get("status", "n/a"))
+            + (f"; trained nothing: {run.trained_nothing}" if run.trained_nothing else ""),
             str(len(run.steps)),
             f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}" if rewards else "n/a",
             f"{statistics.mean(exact):.1%}" if exact else "n/a",

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
-from engine.local.pretrained import PRETRAINED, model_directory
+from engine.local.pretrained import resolve_model
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 """The small model packaged with the engine (created by ``scripts.make_model``)."""
@@ -206,9 +206,7 @@ def make_config(
     """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
     the ``--faults`` / ``--latency`` grammars). Raises ``ValueError`` subclasses with a
     one-line message on bad values."""
-    if isinstance(model_dir, str) and model_dir in PRETRAINED:
-        model_dir = model_directory(model_dir)
-    model_path = Path(model_dir) if model_dir is not None else DEFAULT_MODEL_DIR
+    model_path = resolve_model(model_dir) or DEFAULT_MODEL_DIR
     if not model_path.is_dir():
         hint = (
             " (create the packaged model with `python -m scripts.make_model`)"

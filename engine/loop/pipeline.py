@@ -77,7 +77,12 @@ from engine.loop.results import StepResult, StepTimeline
 from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
 from engine.loop.scoring import RewardError, Scorer, check_score_workers, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
-from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
+from engine.observe.metrics import (
+    ActivityMeter,
+    quickstart_line,
+    response_metrics,
+    reward_metrics,
+)
 from engine.session.api import (
     LossSpec,
     PendingSnapshot,
@@ -623,9 +628,11 @@ class Pipeline:
         metrics: dict[str, Any] = {
             "step": step + 1,
             **reward_metrics(scored),
+            **response_metrics(groups),
             "datums": len(assembled.datums),
             "groups/total": len(groups),
             "groups/used": assembled.used_groups,
+            "groups/trained_frac": assembled.used_groups / len(groups),
             "groups/skipped": assembled.constant_groups,
             "groups/reward_errors": len(failed),
             "reward_errors/problem_ids": [g.problem.id for g in failed],

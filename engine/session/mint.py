@@ -682,10 +682,12 @@ def local_server_profile(model_dir: Path | None) -> Profile:
     """The defaults the local server would report for ``model_dir`` (None: the packaged
     model), read before the engine starts it: the same entry its
     ``get_server_capabilities`` answer carries."""
+    from engine.local.pretrained import resolve_model
     from engine.local.recommended import model_entry
 
     try:
-        return server_profile({"supported_models": [model_entry(model_dir)]}, "the local server")
+        entry = model_entry(resolve_model(model_dir))
+        return server_profile({"supported_models": [entry]}, "the local server")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -117,6 +117,7 @@ class Supervisor:
         self._publish = publish
         self._outputs = _open_task_outputs(config, task, session, files, log)
         self._supervising = False
+        self._said_all_empty = False
 
     # -- the run -------------------------------------------------------------------
 
@@ -274,6 +275,10 @@ class Supervisor:
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
+        task_metrics = getattr(self._task, "metrics", None)  # e.g. a judge's cost so far
+        if callable(task_metrics):
+            for key, value in task_metrics().items():
+                result.metrics.setdefault(key, value)
         self._files.steps.append(result.metrics)
         self._log.step(result.metrics, result.line)
         self._outputs.rollouts.write(result)
@@ -284,6 +289,9 @@ class Supervisor:
                 f"step {result.step}: dropped {dropped} responses that came without sampler "
                 "logprobs (--on-missing-logprobs drop)",
             )
+        if result.metrics.get("response_len/empty_frac") == 1.0 and not self._said_all_empty:
+            self._said_all_empty = True
+            self._log.warning("empty_responses", all_empty_warning(result.step))
         for group in result.groups:
             if group.too_long is not None:
                 self._log.warning(
@@ -376,6 +384,16 @@ class Supervisor:
         )
 
 
+def all_empty_warning(step: int) -> str:
+    """What a step whose responses were all empty says (once per run)."""
+    return (
+        f"step {step}: every response was empty: the model likely cannot answer this "
+        "prompt format (the packaged model answers only the quickstart's 'Question: What "
+        "is A + B?\\nAnswer:' prompts; docs/export-and-eval.md says which model suits "
+        "which task)"
+    )
+
+
 def _open_task_outputs(
     config: EngineConfig, task: Task, session: Session, files: RunDirectory, log: RunLog
 ) -> _TaskOutputs:
@@ -400,9 +418,12 @@ def _open_task_outputs(
             max_tokens=config.max_tokens,
             stop_at_eos=config.stop_at_eos,
             concurrency=config.concurrency,
+            samples=config.eval_samples,
+            temperature=config.temperature,
             on_reward_error=config.on_reward_error,
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
+            track=log.track,
         )
     if files.resumed is not None:
         rollouts.rewind(files.resumed.step)

@@ -49,6 +49,8 @@ DATASET_ARGS: Final[Mapping[str, str]] = {
     "chat": "true: send a string prompt as a user message through the chat template",
     "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact)",
     "tolerance": "numeric: relative tolerance (absolute below 1; default 1e-6)",
+    "numeric_position": "numeric: which number of the response is the answer: first "
+    "(default; the packaged model), last (chat models) or boxed (inside \\boxed{})",
     "pattern": "regex: the answer is group 1 (or the whole match) of the first match",
     "pattern_timeout": "regex: seconds a match may take before it is a reward error (default 1)",
     "epochs": "passes over the training rows before the source ends (default: unlimited)",
@@ -318,7 +320,11 @@ class DatasetTask:
                 f"unknown task argument {unknown[0]!r} for {data_format} tasks; known: "
                 f"{', '.join(known)}"
             )
-        options = {k: args[k] for k in ("tolerance", "pattern", "pattern_timeout") if k in args}
+        options = {
+            k: args[k]
+            for k in ("tolerance", "numeric_position", "pattern", "pattern_timeout")
+            if k in args
+        }
         template: dict[str, Any] = {}
         if "enable_thinking" in args:
             template["enable_thinking"] = _flag(args, "enable_thinking")

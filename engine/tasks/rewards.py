@@ -1,6 +1,11 @@
 """Reward presets for dataset tasks: exact match, numeric with tolerance, ``\\boxed{}``
 math answers (checked by ``math-verify``) and a regular expression.
 
+``numeric`` reads one number of the response, at ``numeric_position``: ``first`` (the
+default: the packaged arithmetic model answers with the number alone), ``last`` (chat
+models that explain before they answer) or ``boxed`` (the number inside the last
+``\\boxed{...}``).
+
 Each preset is a function ``(response, answer) -> RewardBreakdown`` with one component,
 ``correct`` (1.0 or 0.0), so ``exact_rate`` in the step line and ``eval/correct/rate``
 read as the fraction of correct responses.
@@ -20,16 +25,25 @@ import regex
 from engine.errors import ConfigError
 from engine.tasks.base import RewardBreakdown
 
-__all__ = ["PATTERN_TIMEOUT_S", "REWARD_PRESETS", "RewardFn", "make_reward", "normalize_text"]
+__all__ = [
+    "NUMERIC_POSITIONS",
+    "PATTERN_TIMEOUT_S",
+    "REWARD_PRESETS",
+    "RewardFn",
+    "make_reward",
+    "normalize_text",
+]
 
 RewardFn = Callable[[str, Any], RewardBreakdown]
 
 REWARD_PRESETS: Final = ("exact", "numeric", "boxed", "regex")
+NUMERIC_POSITIONS: Final = ("first", "last", "boxed")
 
 PATTERN_TIMEOUT_S: Final = 1.0
 """How long the ``regex`` preset may match one response before it is a reward error."""
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
+_BOXED = re.compile(r"\\boxed\{([^{}]*)\}")
 
 
 def normalize_text(text: str) -> str:
@@ -43,12 +57,18 @@ def _verdict(correct: bool) -> RewardBreakdown:
     return RewardBreakdown(value, {"correct": value})
 
 
-def _first_number(text: str) -> float | None:
-    match = _NUMBER.search(text)
-    if match is None:
+def _number(text: str, position: str = "first") -> float | None:
+    """The number at ``position`` of ``text`` (one of :data:`NUMERIC_POSITIONS`)."""
+    if position == "boxed":
+        boxes = _BOXED.findall(text)
+        if not boxes:
+            return None
+        text = boxes[-1]
+    matches = _NUMBER.findall(text)
+    if not matches:
         return None
     try:
-        return float(match.group().replace(",", ""))
+        return float((matches[-1] if position == "last" else matches[0]).replace(",", ""))
     except ValueError:
         return None
 
@@ -59,13 +79,14 @@ def _exact(response: str, answer: Any) -> RewardBreakdown:
 
 @dataclass(frozen=True)
 class _Numeric:
-    """The first number of the response within ``tolerance`` of the answer's. A class,
-    not a closure: presets must pickle for ``--score-workers processes:N``."""
+    """The number at ``position`` of the response within ``tolerance`` of the answer's.
+    A class, not a closure: presets must pickle for ``--score-workers processes:N``."""
 
     tolerance: float
+    position: str = "first"
 
     def __call__(self, response: str, answer: Any) -> RewardBreakdown:
-        guess, gold = _first_number(response), _first_number(str(answer))
+        guess, gold = _number(response, self.position), _number(str(answer))
         if guess is None or gold is None:
             return _verdict(False)
         return _verdict(abs(guess - gold) <= self.tolerance * max(1.0, abs(gold)))
@@ -151,13 +172,20 @@ def _as_boxed(answer: str) -> str:
 
 
 def make_reward(preset: str, options: Mapping[str, str]) -> RewardFn:
-    """The reward function of ``preset`` with its options (``tolerance`` for numeric,
-    ``pattern`` and ``pattern_timeout`` for regex); a ConfigError names what is wrong.
-    Every preset pickles (``--score-workers processes:N``)."""
+    """The reward function of ``preset`` with its options (``tolerance`` and
+    ``numeric_position`` for numeric, ``pattern`` and ``pattern_timeout`` for regex); a
+    ConfigError names what is wrong. Every preset pickles (``--score-workers
+    processes:N``)."""
     if preset == "exact":
         return _exact
     if preset == "numeric":
-        return _Numeric(_positive(options, "tolerance", "1e-6", allow_zero=True))
+        position = options.get("numeric_position", "first")
+        if position not in NUMERIC_POSITIONS:
+            raise ConfigError(
+                f"task argument numeric_position must be one of {', '.join(NUMERIC_POSITIONS)}, "
+                f"got {position!r}"
+            )
+        return _Numeric(_positive(options, "tolerance", "1e-6", allow_zero=True), position)
     if preset == "regex":
         pattern = options.get("pattern")
         if not pattern:

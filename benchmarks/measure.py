@@ -11,19 +11,23 @@ Definitions:
 * **steps/s** (end to end): steps / (last step end - run start). The run starts before
   the first sampler snapshot, for the quickstart and the engine alike, so pipeline
   fill-up is charged to the pipelined runs.
-* **step time**: the median interval between consecutive step ends (steady state).
-* **stage time alone**: what a stage costs per step when it runs by itself, back to
-  back. The quickstart runs every stage alone by construction: its medians over steps
-  2..n of sample (the sample calls), score (decoding + scoring) and train (snapshot +
-  forward_backward + optim_step) are its stage times. For the engine, the sample and
-  score times come from its on-policy run (K=0) of the same workload on the same server,
-  where nothing else is in flight, and the train time from the trainer running alone
-  back to back (``benchmarks.train_stage``, the engine's discipline: forward_backward +
-  optim_step + sampler snapshot, awaited before the next step). In pipelined runs the
-  stages share the server, so their own spans include waiting for each other.
-* **ideal step time**: the slowest stage alone.
-* **pipeline efficiency**: ideal step time / step time. 1.0 means the loop runs exactly
-  as fast as its slowest stage; a sequential loop is below 1 by construction.
+* **pace** (steady step time): (t_last - t_first) / (n - 1) over the step ends after the
+  first ``WARMUP_STEPS`` (pipeline fill). Never a median of intervals: steps that finish
+  in pairs (0.05 s apart, then a long gap) have a meaningless median.
+* **cycles/step**: pace / the latency profile's clock cycle.
+* **clock floor**: the shortest pace the latency profile's clock allows the loop (see
+  :func:`clock_floor`): the ideal step time of a run on a clocked server.
+* **pipeline efficiency**: clock floor / pace; never above 1 (asserted). Without a
+  latency profile there is no floor and no efficiency.
+* **stage time alone** (information, not an ideal): what a stage costs per step when it
+  runs by itself, back to back. The quickstart runs every stage alone by construction: its
+  medians over steps 2..n of sample (the sample calls), score (decoding + scoring) and
+  train (snapshot + forward_backward + optim_step) are its stage times. For the engine,
+  the sample and score times come from its on-policy run (K=0) of the same workload on
+  the same server, and the train time from the trainer running alone back to back
+  (``benchmarks.train_stage``). These are not lower bounds of a pipelined step (a train
+  step awaited alone waits for the clock; submitted ahead it does not), so they are
+  never divided into a pace.
 * **client CPU**: this process's CPU seconds (user + system) during the run; the server
   runs in another process, so none of its work is included.
 """
@@ -31,7 +35,6 @@ Definitions:
 from __future__ import annotations
 
 import gc
-import itertools
 import os
 import resource
 import statistics
@@ -43,15 +46,19 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 __all__ = [
+    "WARMUP_STEPS",
     "GcMeter",
     "RunRecord",
     "Span",
     "StepRecord",
+    "clock_floor",
+    "pace",
     "peak_rss_mb",
     "pid_cpu_seconds",
     "process_cpu_seconds",
     "rss_mb",
     "stages_alone",
+    "steps_per_two_cycles",
     "summarize",
     "thread_cpu_delta",
     "thread_cpu_seconds",
@@ -107,6 +114,14 @@ class RunRecord:
     server: dict[str, float] = field(default_factory=dict)
     """The local server's counters over the run: compute-thread busy seconds, sample
     batches and requests, clock cycles, HTTP requests."""
+    server_timeline: dict[str, list[Any]] = field(default_factory=dict)
+    """The server's cycle starts and compute jobs during the run, in seconds since its
+    start (``benchmarks.runners.server_timeline``)."""
+    cycle_s: float | None = None
+    """The server's latency clock cycle in seconds (None: no latency profile)."""
+    per_two_cycles: int | None = None
+    """Steps the loop can fit in two clock cycles (None: the quickstart's discipline,
+    see :func:`clock_floor`)."""
 
     def to_json(
         self, *, spans: bool = False, alone: dict[str, float] | None = None
@@ -125,6 +140,7 @@ class RunRecord:
             "summary": summarize(self, alone),
         }
         if spans:
+            data["server_timeline"] = self.server_timeline
             data["spans"] = [
                 {**asdict(s), "start": s.start - self.started, "end": s.end - self.started}
                 for s in self.spans
@@ -132,9 +148,43 @@ class RunRecord:
         return data
 
 
-def _intervals(record: RunRecord) -> list[float]:
+WARMUP_STEPS = 2
+"""Steps left out of the pace: the pipeline fills (K=1 samples two steps at once)."""
+
+
+def pace(ends: Sequence[float]) -> float:
+    """Seconds per step over step ends ``ends`` (in order): (last - first) / (n - 1)."""
+    if len(ends) < 2:
+        raise ValueError("a pace needs at least two step ends")
+    return (ends[-1] - ends[0]) / (len(ends) - 1)
+
+
+def steady_ends(record: RunRecord) -> list[float]:
+    """The step ends the pace is measured over: after the warm-up steps, when at least
+    two are left (else every step)."""
     ends = [s.end for s in record.steps]
-    return [b - a for a, b in itertools.pairwise(ends)]
+    return ends[WARMUP_STEPS:] if len(ends) - WARMUP_STEPS >= 2 else ends
+
+
+def steps_per_two_cycles(*, off_policy: int, submit_ahead: int) -> int:
+    """How many engine steps the latency clock can fit in two cycles: the engine submits
+    step ``j + m`` (``m = min(K, submit_ahead) + 1``) only once step ``j`` came back (its
+    sampler version for K, its place in flight for submit-ahead), so it lands two cycles
+    after step ``j`` at the earliest."""
+    return min(off_policy, submit_ahead) + 1
+
+
+def clock_floor(n: int, cycle: float, per_two_cycles: int | None) -> float:
+    """The shortest pace ``n`` consecutive step ends can have on the latency clock: a
+    step's calls land in one cycle and come back when it ends; at most
+    ``per_two_cycles`` steps fit in two cycles (:func:`steps_per_two_cycles`), and the
+    quickstart (``None``) awaits its snapshot, forward_backward and optim_step in turn,
+    three cycles per step. The span of ``n`` ends is at least that many cycles, less one
+    cycle for the client's own delay in recording the first step."""
+    if n < 2:
+        raise ValueError("a floor needs at least two steps")
+    cycles = 3 * (n - 1) if per_two_cycles is None else 2 * ((n - 1) // per_two_cycles)
+    return max(0, cycles - 1) * cycle / (n - 1)
 
 
 def stages_alone(record: RunRecord) -> dict[str, float]:
@@ -154,25 +204,38 @@ def summarize(
     ``alone``: each stage's time alone, by stage (default: this run's own medians)."""
     steps = record.steps
     wall = max(record.finished - record.started, 1e-9)
-    intervals = _intervals(record)
-    step_time = statistics.median(intervals) if intervals else wall
+    ends = steady_ends(record)
+    step_time = pace(ends) if len(ends) >= 2 else wall
+    cycle = record.cycle_s
+    floor = (
+        clock_floor(len(ends), cycle, record.per_two_cycles)
+        if cycle is not None and len(ends) >= 2
+        else None
+    )
     if alone is None:
         alone = stages_alone(record) if steps else {}
-    ideal = max(alone.values()) if alone else None
+    efficiency = floor / step_time if floor is not None and step_time > 0 else None
+    assert efficiency is None or efficiency <= 1.0, (
+        f"{record.name}: pace {step_time:.3f} s/step beats the clock floor {floor:.3f} s: "
+        "the floor or the pace is wrong"
+    )
     samples = sum(s.samples for s in steps)
     tokens = sum(s.tokens for s in steps)
     return {
         "steps": len(steps),
+        "steady_steps": len(ends),
         "wall_s": wall,
         "steps_per_s": len(steps) / wall,
         "samples_per_s": samples / wall,
         "tokens_per_s": tokens / wall,
         "step_time_s": step_time,
+        "cycles_per_step": step_time / cycle if cycle else None,
+        "first_step_s": steps[0].end - record.started if steps else None,
         "sample_alone_s": alone.get("sample"),
         "score_alone_s": alone.get("score"),
         "train_alone_s": alone.get("train"),
-        "ideal_step_time_s": ideal,
-        "efficiency": ideal / step_time if ideal is not None and step_time > 0 else None,
+        "ideal_step_time_s": floor,
+        "efficiency": efficiency,
         "mean_sample_s": _mean([s.sample_s for s in steps]),
         "mean_score_s": _mean([s.score_s for s in steps]),
         "mean_train_s": _mean([s.train_s for s in steps]),

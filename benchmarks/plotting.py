@@ -162,3 +162,55 @@ def plot_scaling(
     ax_mem.grid(alpha=0.3, which="both")
     fig.tight_layout()
     return save(fig, path)
+
+
+SERVER_LANES = ("server: sample", "server: train")
+
+
+def plot_cycles(run: Mapping[str, Any], path: Path) -> Path:
+    """One run per clock cycle: what the server's compute thread did (sampling; the
+    training calls and snapshots) under its cycle starts (dotted lines), and what the
+    client waited on (its sample / score / train spans, bars numbered by step; a step's
+    train span runs from its first submission to its result). ``run`` is a throughput
+    run as ``RunRecord.to_json(spans=True)`` writes it."""
+    spans = run["spans"]
+    timeline = run.get("server_timeline", {})
+    lanes = (*STAGES, *SERVER_LANES)
+    fig = new_figure(12, 3.6)
+    ax = fig.subplots(1, 1)
+    for lane, stage in enumerate(STAGES):
+        for span in (s for s in spans if s["stage"] == stage):
+            width = max(span["end"] - span["start"], 1e-3)
+            ax.broken_barh(
+                [(span["start"], width)], (lane - 0.4, 0.8), color=color(span["step"] - 1)
+            )
+            ax.text(
+                span["start"] + width / 2,
+                lane,
+                str(span["step"]),
+                ha="center",
+                va="center",
+                fontsize=6,
+                color="white",
+            )
+    for label, start, end in timeline.get("compute", []):
+        lane = len(STAGES) + (0 if label == "asample" else 1)
+        ax.broken_barh([(start, max(end - start, 1e-3))], (lane - 0.4, 0.8), color="0.35")
+    for tick in timeline.get("cycle_starts", []):
+        ax.axvline(tick, color="0.6", lw=0.6, ls=":")
+    summary = run["summary"]
+    cycles = summary.get("cycles_per_step")
+    pace = f"pace {summary['step_time_s']:.2f} s/step" + (
+        f" = {cycles:.2f} cycles/step" if cycles is not None else ""
+    )
+    ax.set_title(
+        f"{run['label']} ({run['profile']}, {run['workload']}): {pace}; dotted: cycle starts",
+        fontsize=10,
+        loc="left",
+    )
+    ax.set_yticks(range(len(lanes)), [f"client: {s}" for s in STAGES] + list(SERVER_LANES))
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds since the run started")
+    ax.grid(axis="x", alpha=0.2)
+    fig.tight_layout()
+    return save(fig, path)

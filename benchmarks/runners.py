@@ -36,12 +36,14 @@ from benchmarks.measure import (
     pid_cpu_seconds,
     process_cpu_seconds,
     rss_mb,
+    steps_per_two_cycles,
     thread_cpu_delta,
     thread_cpu_seconds,
 )
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, StepResult
 from engine.config import Profile
+from engine.local.latency import LatencyProfile
 from engine.session.mint import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 
@@ -127,6 +129,12 @@ class Target:
     profile: Profile
     server_pid: int | None
     latency: str
+
+    @property
+    def cycle_s(self) -> float | None:
+        """The latency clock cycle in seconds (None without a latency profile)."""
+        profile = LatencyProfile.parse(self.latency)
+        return profile.cycle if profile is not None else None
 
     @property
     def model_name(self) -> str:
@@ -221,6 +229,8 @@ def run_quickstart(target: Target, workload: Workload, *, steps: int, seed: int)
         client_cpu_s=run.cpu_s,
         server_cpu_s=_delta(server0, _server_cpu(target)),
         server=_counters_delta(counters0, server_counters(target)),
+        server_timeline=server_timeline(target, run.started, run.finished),
+        cycle_s=target.cycle_s,
     )
 
 
@@ -346,6 +356,13 @@ def run_engine(
         rss_peak_mb=peak_rss_mb(),
         gc=marks["gc"],
         server=_counters_delta(marks["counters0"], marks["counters1"]),
+        server_timeline=server_timeline(
+            target, marks["started"], records[-1].end if records else marks["started"]
+        ),
+        cycle_s=target.cycle_s,
+        per_two_cycles=steps_per_two_cycles(
+            off_policy=variant.max_steps_off_policy, submit_ahead=variant.submit_ahead
+        ),
     )
 
 
@@ -420,6 +437,27 @@ def server_counters(target: Target) -> dict[str, float]:
     out = {k: float(stats[k]) for k in _COUNTERS if isinstance(stats.get(k), int | float)}
     out["http_requests"] = float(sum(stats.get("requests", {}).values()))
     return out
+
+
+def server_timeline(target: Target, started: float, finished: float) -> dict[str, list[Any]]:
+    """What the server did from ``started`` to ``finished`` (``perf_counter`` instants,
+    the server's ``time.monotonic`` on Linux), in seconds since ``started``: its latency
+    clock's cycle starts and its compute thread's jobs (endpoint, start, end)."""
+    response = httpx.get(
+        f"{target.base_url}/api/v1/local/stats", headers={"X-API-Key": target.api_key}, timeout=30
+    )
+    response.raise_for_status()
+    stats = response.json()
+    return {
+        "cycle_starts": [
+            t - started for _, t in stats.get("cycle_starts", []) if started <= t <= finished
+        ],
+        "compute": [
+            [label, a - started, b - started]
+            for label, a, b in stats.get("compute_jobs", [])
+            if b >= started and a <= finished
+        ],
+    }
 
 
 def _counters_delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:

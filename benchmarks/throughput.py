@@ -14,11 +14,14 @@ every workload runs through every configuration against it, one after another:
 * ``k1`` / ``k2``: sampling may run 1 / 2 steps ahead of training;
 * ``stream``: on-policy with forward_backward per 2 arrived groups.
 
-Reported per configuration: steps/s, samples/s, tokens/s (end to end), the median step
-time, speedups over the quickstart, the ideal step time (the slowest stage alone) and
-pipeline efficiency (ideal / measured), and the client's CPU time. Definitions are in
-``benchmarks.measure``. Writes ``throughput.json``, ``throughput.md`` and two PNGs to
-``--out`` and prints the table.
+Reported per configuration: steps/s, samples/s, tokens/s (end to end), the steady pace
+(seconds per step over the steps after the warm-up, never a median of intervals) next
+to it in clock cycles per step, speedups over the quickstart, the clock floor (the
+fastest pace the latency clock allows the configuration) and pipeline efficiency (floor /
+pace, never above 1), and the client's CPU time. Definitions are in
+``benchmarks.measure``. Writes ``throughput.json``, ``throughput.md`` and three PNGs
+(step times, stage timeline, and per clock cycle what the server computed and what the
+client waited on: ``throughput_cycles.png``) to ``--out`` and prints the table.
 """
 
 from __future__ import annotations
@@ -163,7 +166,8 @@ def run_throughput(
                     _say(
                         f"[{target.latency} {workload.name}] {config}: "
                         f"{summary['steps']} steps, {summary['steps_per_s']:.3f} steps/s, "
-                        f"step {summary['step_time_s']:.2f}s, "
+                        f"pace {summary['step_time_s']:.2f} s/step "
+                        f"({fmt(summary['cycles_per_step'])} cycles), "
                         f"efficiency {fmt(summary['efficiency'])}"
                     )
     return runs
@@ -200,11 +204,12 @@ TABLE_HEADERS = (
     "config",
     "steps/s",
     "x quickstart",
-    "step time s",
+    "pace s/step",
+    "cycles/step",
     "x (steady)",
     "samples/s",
     "tokens/s",
-    "ideal step s",
+    "clock floor s",
     "efficiency",
     "client CPU ms/step",
     "client CPU % wall",
@@ -225,6 +230,7 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
                 fmt(s["steps_per_s"], ".3f"),
                 fmt(r["speedup"], ".2f"),
                 fmt(s["step_time_s"], ".2f"),
+                fmt(s["cycles_per_step"], ".2f"),
                 fmt(r["speedup_steady"], ".2f"),
                 fmt(s["samples_per_s"], ".1f"),
                 fmt(s["tokens_per_s"], ".0f"),
@@ -242,7 +248,7 @@ def table(runs: Sequence[dict[str, Any]]) -> str:
 
 
 def _plots(runs: Sequence[dict[str, Any]], out: Path) -> list[str]:
-    from benchmarks.plotting import plot_step_times, plot_timeline
+    from benchmarks.plotting import plot_cycles, plot_step_times, plot_timeline
 
     paths = [
         plot_step_times(
@@ -268,6 +274,11 @@ def _plots(runs: Sequence[dict[str, Any]], out: Path) -> list[str]:
         and r["config"] in ("quickstart", "k0", "k1")
     ]
     paths.append(plot_timeline(panels, out / "throughput_timeline.png"))
+    clocked = [
+        r for r in runs if r["config"] == "k1" and r.get("server_timeline", {}).get("cycle_starts")
+    ]
+    if clocked:
+        paths.append(plot_cycles(clocked[0], out / "throughput_cycles.png"))
     return [str(p) for p in paths]
 
 

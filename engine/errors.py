@@ -21,13 +21,14 @@ import os
 import re
 import time
 from dataclasses import dataclass
-from typing import Literal, TypeVar
+from typing import TYPE_CHECKING, Literal, TypeVar
 
 import httpx
-import tinker
-from tinker.lib.retryable_exception import RetryableException
 
 from engine.redact import redact_text
+
+if TYPE_CHECKING:
+    import tinker
 
 __all__ = [
     "CircuitOpen",
@@ -243,6 +244,8 @@ def retry_after(exc: BaseException) -> float | None:
     Looks through the cause chain, so the ValueError the SDK raises around a failed
     future still yields the hint of the HTTP answer under it.
     """
+    import tinker  # the SDK imports torch: only once an error needs classifying
+
     for e in _walk(exc):
         if isinstance(e, tinker.APIStatusError):
             return _parse_retry_after(e.response.headers)
@@ -352,6 +355,9 @@ def _classify(exc: BaseException) -> Classified:
         return Classified(True, str(exc))
     if isinstance(exc, EngineError):
         return Classified(False, str(exc))
+    import tinker
+    from tinker.lib.retryable_exception import RetryableException
+
     for e in _walk(exc):
         if isinstance(e, tinker.APIStatusError):
             return _classify_status(e)

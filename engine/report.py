@@ -2,16 +2,20 @@
 overlaid, from their ``metrics.jsonl``.
 
 Writes ``report.png`` (six panels: reward and exact rate, raw and smoothed; median step
-time by stage; staleness; KL between sampler and trainer; throughput; and, when a run
-has ``eval.jsonl`` from ``--eval-every``, a row of held-out panels: greedy mean reward
-and the rate of each reward component by step, step 0 included) and a self-contained
+time by stage; staleness; KL between sampler and trainer; throughput; when the runs log
+them, a row of response panels: response length in tokens, mean and max, and the
+fractions of trained groups and of truncated and empty responses; and, when a run has
+``eval.jsonl`` from ``--eval-every``, a row of held-out panels: greedy mean reward and
+the rate of each reward component by step, step 0 included; a run that trained nothing
+says so in words, on the picture and in the page) and a self-contained
 ``report.html`` (the picture embedded, a table per run). One run: into
 its own directory; several: into ``--out`` (default ``reports/<timestamp>``). A finished
 run draws its own ``report.png`` (:func:`finished_run_report`).
 
 Needs the ``report`` extra (matplotlib); without it the command says how to install it
-(exit 2). Exit codes: 0 written; 2 bad arguments, a directory without steps, or no
-matplotlib.
+(exit 2). Damaged lines of metrics.jsonl / eval.jsonl are skipped with a warning that
+names them. Exit codes: 0 written; 1 written from the readable lines (some were
+damaged); 2 bad arguments, a directory without steps, or no matplotlib.
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import argparse
 import base64
 import html
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -32,6 +37,7 @@ from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.common.extras import require
 from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
+from engine.rundir.steplog import StepLines, read_step_lines
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -69,6 +75,8 @@ class RunData:
     summary: dict[str, Any] | None
     evals: list[dict[str, Any]] = field(default_factory=list)
     """The held-out evaluations (``eval.jsonl``), step 0 first; empty without one."""
+    warnings: list[str] = field(default_factory=list)
+    """One line per file whose damaged lines were skipped."""
 
     def series(self, name: str) -> tuple[list[int], list[float | None]]:
         """(step numbers, values) of one metric; None where a step lacks it."""
@@ -85,58 +93,63 @@ class RunData:
     def has(self, name: str) -> bool:
         return any(_number(m.get(name)) is not None for m in self.steps)
 
+    def eval_has(self, name: str) -> bool:
+        return any(_number(e.get(name)) is not None for e in self.evals)
+
+    @property
+    def trained_nothing(self) -> str | None:
+        """Why no step of the run trained anything (no datums in any step), else None."""
+        if not self.has("datums") or any((_number(m.get("datums")) or 0) > 0 for m in self.steps):
+            return None
+        if all(_number(m.get("response_len/empty_frac")) == 1.0 for m in self.steps):
+            return "every response was empty (the model cannot answer this prompt format)"
+        return "every group's responses scored alike (no reward differences to learn from)"
+
 
 def _series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[float | None]]:
     return [int(m["step"]) for m in records], [_number(m.get(name)) for m in records]
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
 
 
 def load_run(run_dir: Path, label: str | None = None) -> RunData:
     """The steps (and held-out evaluations, if any) of a run directory (ConfigError, one
-    line, when it has no steps)."""
+    line, when it has no steps). Damaged lines are skipped and listed in
+    :attr:`RunData.warnings`."""
     path = run_dir / "metrics.jsonl"
     try:
-        steps = _step_records(path)
+        read = read_step_lines(path)
     except OSError as exc:
         raise ConfigError(
             f"{run_dir} is not a run directory: cannot read {path.name} ({exc.strerror or exc})"
         ) from exc
-    if not steps:
-        raise ConfigError(f"{path} holds no steps yet")
+    if not read.records:
+        damage = f" ({len(read.damaged)} damaged line(s))" if read.damaged else ""
+        raise ConfigError(f"{path} holds no steps yet{damage}")
+    warnings = [read.warning()]
     try:
-        evals = _step_records(run_dir / EVAL_FILE)
+        evals = read_step_lines(run_dir / EVAL_FILE)
+        warnings.append(evals.warning())
     except OSError:
-        evals = []  # a run without --eval-every
+        evals = StepLines(run_dir / EVAL_FILE)  # a run without --eval-every
     summary: dict[str, Any] | None = None
     try:
         loaded = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
         summary = loaded if isinstance(loaded, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
-    return RunData(label or run_dir.name, run_dir, steps, summary, evals)
-
-
-def _step_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects with a ``step`` of a JSONL file (OSError when unreadable)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                continue  # a run killed mid-write leaves a partial last line
-            raise ConfigError(f"{path}:{number} is not JSON") from None
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
-    return records
+    return RunData(
+        label or run_dir.name,
+        run_dir,
+        read.records,
+        summary,
+        evals.records,
+        [w for w in warnings if w is not None],
+    )
 
 
 def smooth(values: Sequence[float | None], weight: float) -> list[float | None]:
@@ -174,8 +187,10 @@ def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -
     from engine.observe.plotting import color, new_figure
 
     evaluated = [run for run in runs if run.evals]
-    fig = new_figure(15, 12.5 if evaluated else 8.5)
-    grid = fig.add_gridspec(3 if evaluated else 2, 3)
+    responses = [run for run in runs if run.has(RESPONSE_LEN) or run.has(TRAINED_FRAC)]
+    rows = 2 + bool(responses) + bool(evaluated)
+    fig = new_figure(15, 4.25 * rows)
+    grid = fig.add_gridspec(rows, 3)
     axes: list[Any] = [fig.add_subplot(grid[row, col]) for row in range(2) for col in range(3)]
     ax_reward, ax_exact, ax_time, ax_stale, ax_kl, ax_rate = axes
 
@@ -212,16 +227,69 @@ def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -
     ax_stale.set_ylim(-0.3, max(1.0, most_stale) + 0.3)
     ax_kl.set_title("KL(sampler || trainer): v1 solid, v2 dashed")
     ax_kl.axhline(0.0, color="grey", lw=0.6)
+    if not any(run.has("optim/kl_sample_train_v1") for run in runs):
+        ax_kl.set_ylim(-1.0, 1.0)
+        ax_kl.set_xlim(ax_reward.get_xlim())
+        ax_kl.text(0.5, 0.6, "no trained step: no KL", ha="center", transform=ax_kl.transAxes)
     ax_rate.set_title("throughput, samples per second")
     for ax in (ax_reward, ax_exact, ax_stale, ax_kl, ax_rate):
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     ax_reward.legend(fontsize=8)
+    row = 2
+    if responses:
+        _response_panels(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1:]), runs, color)
+        row += 1
     if evaluated:
-        _eval_panels(fig.add_subplot(grid[2, 0]), fig.add_subplot(grid[2, 1:]), runs, color)
-    fig.suptitle(", ".join(run.label for run in runs), fontsize=11)
-    fig.tight_layout()
+        _eval_panels(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1:]), runs, color)
+    title = ", ".join(run.label for run in runs)
+    for run in runs:
+        reason = run.trained_nothing
+        if reason is not None:
+            title += f"\n{run.label} trained nothing: {reason}"
+    fig.suptitle(title, fontsize=11)
+    lines = title.count("\n") + 1
+    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.22 * lines / fig.get_figheight()))
     return fig
+
+
+RESPONSE_LEN = "response_len/mean"
+TRAINED_FRAC = "groups/trained_frac"
+_FRACTIONS = (
+    (TRAINED_FRAC, "-", "trained groups"),
+    ("response_len/truncated_frac", "--", "truncated responses"),
+    ("response_len/empty_frac", ":", "empty responses"),
+)
+
+
+def _response_panels(ax_len: Any, ax_frac: Any, runs: Sequence[RunData], color: Any) -> None:
+    """Response length (mean solid, max dashed) and the fractions of trained groups and
+    of truncated and empty responses; each line labelled only for a run that has it."""
+    for i, run in enumerate(runs):
+        for name, style, what in (
+            (RESPONSE_LEN, "-", "mean"),
+            ("response_len/max", "--", "max"),
+        ):
+            if run.has(name):
+                steps, values = run.series(name)
+                ax_len.plot(
+                    steps, values, style, color=color(i), lw=1.5, label=f"{run.label}: {what}"
+                )
+        for name, style, what in _FRACTIONS:
+            if run.has(name):
+                steps, values = run.series(name)
+                percent = [None if v is None else v * 100.0 for v in values]
+                ax_frac.plot(
+                    steps, percent, style, color=color(i), lw=1.5, label=f"{run.label}: {what}"
+                )
+    ax_len.set_title("response length, tokens")
+    ax_frac.set_title("% of groups trained; % of responses truncated, empty")
+    ax_frac.set_ylim(-5.0, 105.0)
+    for ax in (ax_len, ax_frac):
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+        if ax.get_lines():
+            ax.legend(fontsize=8)
 
 
 def _eval_panels(ax_reward: Any, ax_rates: Any, runs: Sequence[RunData], color: Any) -> None:
@@ -235,6 +303,8 @@ def _eval_panels(ax_reward: Any, ax_rates: Any, runs: Sequence[RunData], color: 
         steps, values = run.eval_series("eval/reward/total")
         ax_reward.plot(steps, values, color=color(i), lw=2, marker="o", ms=4, label=run.label)
         for j, name in enumerate(rates):
+            if not run.eval_has(name):
+                continue
             steps, values = run.eval_series(name)
             ax_rates.plot(
                 steps,
@@ -292,7 +362,8 @@ def _table(runs: Sequence[RunData]) -> str:
         summary = run.summary or {}
         cells = (
             str(run.run_dir),
-            str(summary.get("status", "n/a")),
+            str(summary.get("status", "n/a"))
+            + (f"; trained nothing: {run.trained_nothing}" if run.trained_nothing else ""),
             str(len(run.steps)),
             f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}" if rewards else "n/a",
             f"{statistics.mean(exact):.1%}" if exact else "n/a",
@@ -326,8 +397,15 @@ def write_report(
     run_dirs: Sequence[Path], out_dir: Path, smoothing: float = DEFAULT_SMOOTHING
 ) -> tuple[Path, Path]:
     """report.png and report.html of ``run_dirs`` in ``out_dir``."""
+    return _write(_load_runs(run_dirs), out_dir, smoothing)
+
+
+def _load_runs(run_dirs: Sequence[Path]) -> list[RunData]:
     require("report", "the report picture")
-    runs = [load_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs), strict=True)]
+    return [load_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs), strict=True)]
+
+
+def _write(runs: Sequence[RunData], out_dir: Path, smoothing: float) -> tuple[Path, Path]:
     png = plot_report(runs, out_dir / REPORT_PNG, smoothing)
     return png, write_html(runs, png, out_dir / REPORT_HTML)
 
@@ -382,13 +460,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         out = args.run_dirs[0] if len(args.run_dirs) == 1 else Path("reports") / stamp
     try:
-        png, page = write_report(args.run_dirs, out, args.smoothing)
+        runs = _load_runs(args.run_dirs)
+        warnings = [w for run in runs for w in run.warnings]
+        for warning in warnings:
+            print(warning, file=sys.stderr)
+        png, page = _write(runs, out, args.smoothing)
     except ConfigError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 2
     print(png)
     print(page)
-    return 0
+    return 1 if warnings else 0
 
 
 if __name__ == "__main__":

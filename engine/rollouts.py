@@ -7,13 +7,16 @@ the task scored it, its reward components, advantage and the sampler version.
 
     python -m engine.rollouts runs/<dir> --step 5        # readable
     python -m engine.rollouts runs/<dir> --step 5 --json # the raw lines
+
+Exit codes: 0 printed; 1 printed, but damaged lines were skipped (a warning names them);
+2 nothing to print (no file, no such step).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +27,7 @@ from engine.loop.results import StepResult
 from engine.loop.rl import group_advantages
 from engine.loop.state import ScoredGroup
 from engine.rundir.checkpoints import truncate_metrics
+from engine.rundir.steplog import read_step_lines
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["ROLLOUTS_FILE", "RolloutLog", "group_record", "main"]
@@ -105,16 +109,23 @@ class RolloutLog:
 # ----------------------------------------------------------------------------- reading
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a crashed run
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
+_RESPONSE_FIELDS = {"text": str, "reward": float, "components": dict, "advantage": float}
+
+
+def _is_group_record(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` has what :func:`format_group` prints."""
+    if not {"problem_id", "sampler_version", "prompt", "answer"} <= record.keys():
+        return False
+    responses = record.get("responses")
+    return isinstance(responses, list) and all(
+        isinstance(r, dict)
+        and all(
+            isinstance(r.get(k), int | float if kind is float else kind)
+            for k, kind in _RESPONSE_FIELDS.items()
+        )
+        and all(isinstance(v, int | float) for v in r["components"].values())
+        for r in responses
+    )
 
 
 def format_group(record: dict[str, Any]) -> str:
@@ -178,7 +189,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not path.is_file():
         print(f"Error: {path} does not exist (is {args.run_dir} a run directory?)", file=sys.stderr)
         return 2
-    records = _read(path)
+    try:
+        read = read_step_lines(path, _is_group_record)
+    except OSError as exc:
+        print(f"Error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    records = read.records
+    warning = read.warning()
+    if warning is not None:
+        print(warning, file=sys.stderr)
     chosen = [r for r in records if args.step is None or r["step"] == args.step]
     if not chosen:
         steps = sorted({r["step"] for r in records})
@@ -190,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(record))
         else:
             print(("\n" if i else "") + format_group(record))
-    return 0
+    return 1 if warning is not None else 0
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """A user task in one file: doubling numbers, with an exact-match reward.
 
 Run it with ``python -m engine.run --task examples.doubling_task:DoublingTask`` from the
-checkout (the README's "Write your own task" section shows this file verbatim).
+checkout (the README's "Your own reward" section shows this file verbatim).
 """
 
 from __future__ import annotations

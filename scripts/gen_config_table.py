@@ -1,13 +1,14 @@
-"""Generate the README's option tables from the code, so the docs cannot drift.
+"""Generate the docs' option tables from the code, so the docs cannot drift.
 
 Why generated: ``python -m engine.run`` builds its flags from the knob table in
-:mod:`engine.config` and ``python -m engine.local`` from its argparse parser; the README
-shows both as tables. This script renders those tables from the same sources and either
-rewrites the README sections between the ``<!-- BEGIN ... -->`` / ``<!-- END ... -->``
-markers (``--write``) or fails when they differ (``--check``, used by tests/test_docs.py).
+:mod:`engine.config` and ``python -m engine.local`` from its argparse parser; the docs
+show both as tables (``docs/settings.md``, ``docs/local-server.md``). This script renders
+those tables from the same sources and either rewrites the sections between the
+``<!-- BEGIN ... -->`` / ``<!-- END ... -->`` markers (``--write``) or fails when they
+differ (``--check``; tests/test_docs.py runs the same comparison).
 
     python -m scripts.gen_config_table --write    # after changing a flag
-    python -m scripts.gen_config_table --check    # exit 1 if README.md is stale
+    python -m scripts.gen_config_table --check    # exit 1 if a page is stale
 """
 
 from __future__ import annotations
@@ -15,17 +16,16 @@ from __future__ import annotations
 import argparse
 import re
 import sys
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
 from engine.config import KNOBS
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
 
-__all__ = ["README", "SECTIONS", "local_table", "main", "run_table", "update_readme"]
+__all__ = ["GENERATED", "local_table", "main", "run_table", "update_sections"]
 
 _ROOT = Path(__file__).resolve().parent.parent
-README = _ROOT / "README.md"
 
 _LOCAL_ENV = {"--api-key": "ENGINE_LOCAL_API_KEY"}
 """Environment variables ``python -m engine.local`` reads (named in its --help epilog)."""
@@ -95,20 +95,21 @@ def local_table() -> str:
     return "\n".join(rows)
 
 
-SECTIONS: dict[str, Callable[[], str]] = {
-    "engine.run options": run_table,
-    "engine.local options": local_table,
+GENERATED: dict[Path, dict[str, Callable[[], str]]] = {
+    _ROOT / "docs" / "settings.md": {"engine.run options": run_table},
+    _ROOT / "docs" / "local-server.md": {"engine.local options": local_table},
 }
+"""Each page with generated sections: section name -> its renderer."""
 
 
-def update_readme(text: str) -> str:
-    """``text`` with every generated section replaced by its current rendering."""
-    for name, render in SECTIONS.items():
+def update_sections(text: str, sections: Mapping[str, Callable[[], str]]) -> str:
+    """``text`` with each of ``sections`` replaced by its current rendering."""
+    for name, render in sections.items():
         begin, end = f"<!-- BEGIN {name} (generated) -->", f"<!-- END {name} -->"
         pattern = re.compile(re.escape(begin) + r".*?" + re.escape(end), re.DOTALL)
         match = pattern.search(text)
         if match is None:
-            raise ValueError(f"README.md has no '{begin}' ... '{end}' section")
+            raise ValueError(f"no '{begin}' ... '{end}' section")
         text = f"{text[: match.start()]}{begin}\n{render()}\n{end}{text[match.end() :]}"
     return text
 
@@ -118,21 +119,26 @@ def main(argv: list[str] | None = None) -> int:
         prog="python -m scripts.gen_config_table", description=__doc__.splitlines()[0]
     )
     mode = parser.add_mutually_exclusive_group(required=True)
-    mode.add_argument("--write", action="store_true", help="rewrite the README sections")
-    mode.add_argument("--check", action="store_true", help="exit 1 if README.md is stale")
+    mode.add_argument("--write", action="store_true", help="rewrite the generated sections")
+    mode.add_argument("--check", action="store_true", help="exit 1 if a page is stale")
     args = parser.parse_args(argv)
-    current = README.read_text(encoding="utf-8")
-    try:
-        wanted = update_readme(current)
-    except ValueError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if args.write:
-        if wanted != current:
-            README.write_text(wanted, encoding="utf-8")
-        return 0
-    if wanted != current:
-        print("README.md option tables are stale: run python -m scripts.gen_config_table --write")
+    stale = []
+    for page, sections in GENERATED.items():
+        current = page.read_text(encoding="utf-8")
+        try:
+            wanted = update_sections(current, sections)
+        except ValueError as exc:
+            print(f"error: {page.relative_to(_ROOT)}: {exc}", file=sys.stderr)
+            return 2
+        if wanted == current:
+            continue
+        if args.write:
+            page.write_text(wanted, encoding="utf-8")
+        else:
+            stale.append(str(page.relative_to(_ROOT)))
+    if stale:
+        pages = ", ".join(stale)
+        print(f"stale option tables in {pages}: run python -m scripts.gen_config_table --write")
         return 1
     return 0
 

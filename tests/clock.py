@@ -1,4 +1,4 @@
-"""A manual :class:`engine.supervision.watchdog.Clock`: time moves only when a test says so, so the
+"""A manual :class:`engine.common.clock.Clock`: time moves only when a test says so, so the
 deadlines, the watchdog and the liveness probes of a run are driven without sleeping."""
 
 from __future__ import annotations

@@ -135,6 +135,15 @@ async def hang() -> str:
 
 
 @tool
+def block() -> str:
+    """A plain function that never returns (its daemon thread is abandoned)."""
+    import threading
+
+    threading.Event().wait()
+    return ""
+
+
+@tool
 def explode() -> str:
     """Always raises."""
     raise ValueError("kaboom")

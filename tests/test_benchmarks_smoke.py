@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scaling, scoring, throughput, train_stage
+from benchmarks import scaling, scoring, startup, throughput, train_stage
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from tests.engine_support import quickstart_task_knobs
@@ -105,11 +105,14 @@ def test_throughput_quick_run_writes_every_configuration(
             "steps_per_s",
             "samples_per_s",
             "step_time_s",
-            "ideal_step_time_s",
-            "efficiency",
+            "cycles_per_step",
             "client_cpu_s",
         ):
             assert _finite(s[key]) and s[key] > 0, (run["config"], key, s[key])
+        # two steps may share a clock cycle: the engine's floor over two ends can be 0
+        assert 0 <= s["ideal_step_time_s"] <= s["step_time_s"]
+        assert 0 <= s["efficiency"] <= 1
+        assert run["server_timeline"]["cycle_starts"] and run["server_timeline"]["compute"]
         assert _finite(run["speedup"]) and _finite(run["speedup_steady"])
         stages = {span["stage"] for span in run["spans"]}
         assert stages == {"sample", "score", "train"}, run["config"]
@@ -128,17 +131,16 @@ def test_throughput_quick_run_writes_every_configuration(
     assert table.count("\n") == 2 + len(runs)
     assert "engine K=1" in table and "quickstart loop" in table
     assert table in capsys.readouterr().out
-    for name in ("throughput_step_time.png", "throughput_timeline.png"):
+    plots = ["throughput_step_time.png", "throughput_timeline.png", "throughput_cycles.png"]
+    for name in plots:
         _assert_png(tmp_path / name)
-    assert sorted(Path(p).name for p in data["plots"]) == sorted(
-        ["throughput_step_time.png", "throughput_timeline.png"]
-    )
+    assert sorted(Path(p).name for p in data["plots"]) == sorted(plots)
     # the plots can be redrawn from the JSON alone
     replot = tmp_path / "replot"
     assert (
         throughput.main(["--replot", str(tmp_path / "throughput.json"), "--out", str(replot)]) == 0
     )
-    for name in ("throughput_step_time.png", "throughput_timeline.png"):
+    for name in plots:
         _assert_png(replot / name)
 
 
@@ -230,3 +232,28 @@ def test_scoring_quick_run_reports_each_reward_against_its_ideal(tmp_path: Path)
     judge = next(r for r in report["results"] if "judge" in r["config"])
     assert judge["ideal_s"] == 0.25 and len(judge["times_s"]) == 1
     assert (tmp_path / "scoring.md").read_text().count("\n") == 5
+
+
+def test_startup_quick_run_times_both_loops_from_process_start(tmp_path: Path) -> None:
+    code = startup.main(
+        [
+            "--steps",
+            "3",
+            "--workload",
+            "2x3x4",
+            "--latency",
+            "mint:scale=0.01",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    assert code == 0
+    data = json.loads((tmp_path / "startup.json").read_text())
+    rows = {r["loop"]: r for r in data["rows"]}
+    assert set(rows) == {"quickstart loop", "engine CLI"}
+    for row in rows.values():
+        ends = row["step_ends_s"]
+        assert len(ends) == 3 and ends == sorted(ends) and ends[0] > 0
+        assert row["last_step_s"] == ends[-1] and _finite(row["speedup_to_last"])
+    assert rows["quickstart loop"]["speedup_to_last"] == pytest.approx(1.0)
+    assert (tmp_path / "startup.md").read_text().count("\n") == 4

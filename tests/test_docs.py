@@ -1,8 +1,9 @@
-"""The README stays true: its option tables, commands, code and run-dir description are
-checked against the code and against a real run.
+"""The docs stay true: the README and the pages under docs/ are checked against the code
+and against a real run: option tables, commands, code, the run-directory description,
+links, and the README's length.
 
 Why tests and not care: a flag renamed in ``engine/config.py`` or a metric added to the
-pipeline silently turns the README into fiction; these checks fail instead.
+pipeline silently turns the docs into fiction; these checks fail instead.
 """
 
 from __future__ import annotations
@@ -23,35 +24,40 @@ from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
 from engine.tasks import Problem, load_task
 from examples.doubling_task import DoublingTask
-from scripts.gen_config_table import update_readme
+from scripts.gen_config_table import GENERATED, update_sections
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text(encoding="utf-8")
+PAGES = {path: path.read_text(encoding="utf-8") for path in sorted((ROOT / "docs").glob("*.md"))}
+"""Every page under docs/, by path."""
+DOCS = {ROOT / "README.md": README, **PAGES}
+"""The README and every page under docs/."""
+RUN_DIRECTORY = (ROOT / "docs" / "run-directory.md").read_text(encoding="utf-8")
 CI = (ROOT / ".ci" / "run").read_text(encoding="utf-8")
+README_MAX_LINES = 230
 
 RUN_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python -m engine.run"
 TEST_COMMAND = "bash scripts/bootstrap.sh && .venv/bin/python -m pytest"
 TASK_SPEC = "examples.doubling_task:DoublingTask"
 
 
-def _blocks(lang: str) -> list[str]:
-    return re.findall(rf"^```{lang}\n(.*?)^```", README, flags=re.DOTALL | re.MULTILINE)
+def _blocks(lang: str, text: str = README) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
 
 
-def _section(title: str) -> str:
-    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", README, re.DOTALL | re.M)
-    assert match is not None, f"README has no '## {title}' section"
+def _section(title: str, text: str = README) -> str:
+    match = re.search(rf"^## {re.escape(title)}\n(.*?)(?=^## |\Z)", text, re.DOTALL | re.M)
+    assert match is not None, f"no '## {title}' section"
     return match.group(1)
 
 
 def _generated(name: str) -> str:
-    match = re.search(
-        rf"<!-- BEGIN {re.escape(name)} \(generated\) -->\n(.*?)<!-- END {re.escape(name)} -->",
-        README,
-        re.DOTALL,
+    pattern = (
+        rf"<!-- BEGIN {re.escape(name)} \(generated\) -->\n(.*?)<!-- END {re.escape(name)} -->"
     )
-    assert match is not None, f"README has no generated '{name}' section"
-    return match.group(1)
+    found = [m.group(1) for text in PAGES.values() for m in re.finditer(pattern, text, re.DOTALL)]
+    assert len(found) == 1, f"docs/ should hold the generated '{name}' section once"
+    return found[0]
 
 
 def _parser_flags(parser: argparse.ArgumentParser) -> set[str]:
@@ -68,9 +74,11 @@ def _table_flags(table: str) -> set[str]:
     return set(re.findall(r"^\| `(--[a-z-]+)` \|", table, flags=re.MULTILINE))
 
 
-def test_option_tables_are_generated_from_the_current_code() -> None:
-    assert update_readme(README) == README, (
-        "README.md option tables are stale: run python -m scripts.gen_config_table --write"
+@pytest.mark.parametrize("page", sorted(GENERATED), ids=lambda page: page.name)
+def test_option_tables_are_generated_from_the_current_code(page: Path) -> None:
+    text = page.read_text(encoding="utf-8")
+    assert update_sections(text, GENERATED[page]) == text, (
+        f"{page.name} option tables are stale: run python -m scripts.gen_config_table --write"
     )
 
 
@@ -84,17 +92,22 @@ def test_every_flag_is_in_its_table_and_every_row_is_a_flag(
     assert _table_flags(_generated(name)) == _parser_flags(parser)
 
 
-def test_every_flag_used_in_a_readme_command_exists() -> None:
+def _commands() -> list[str]:
+    """Every line of every bash block in the docs, continuation lines joined."""
+    blocks = [block for text in DOCS.values() for block in _blocks("bash", text)]
+    return [line for block in blocks for line in block.replace("\\\n", " ").splitlines()]
+
+
+def test_every_flag_used_in_a_documented_command_exists() -> None:
     run_flags, local_flags = _parser_flags(build_run_parser()), _parser_flags(build_local_parser())
     checked = 0
-    for block in _blocks("bash"):
-        for line in block.splitlines():
-            code = line.split("#", 1)[0]
-            for program, known in (("engine.run", run_flags), ("engine.local", local_flags)):
-                if f"-m {program}" in code:
-                    used = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", code))
-                    assert used <= known, f"unknown {program} flags {used - known} in: {line}"
-                    checked += 1
+    for line in _commands():
+        code = line.split("#", 1)[0]
+        for program, known in (("engine.run", run_flags), ("engine.local", local_flags)):
+            if f"-m {program}" in code:
+                used = set(re.findall(r"(?<![\w-])(--[a-z][a-z-]*)", code))
+                assert used <= known, f"unknown {program} flags {used - known} in: {line}"
+                checked += 1
     assert checked >= 5
 
 
@@ -117,14 +130,14 @@ def test_ci_lints_paths_that_exist() -> None:
 
 
 def test_python_blocks_compile_and_their_imports_resolve() -> None:
-    blocks = _blocks("python")
+    blocks = [block for text in DOCS.values() for block in _blocks("python", text)]
     assert len(blocks) >= 2
     for block in blocks:
         tree = ast.parse(block)
         imports = [n for n in tree.body if isinstance(n, ast.Import | ast.ImportFrom)]
-        assert imports, f"a README Python block imports nothing:\n{block}"
+        assert imports, f"a Python block imports nothing:\n{block}"
         module = ast.Module(body=list[ast.stmt](imports), type_ignores=[])
-        exec(compile(module, "README.md", "exec"), {})
+        exec(compile(module, "<docs>", "exec"), {})
 
 
 def test_the_embedding_snippet_defines_a_working_coroutine() -> None:
@@ -151,8 +164,9 @@ def test_the_task_example_is_the_file_and_loads() -> None:
 
 
 def _documented_metrics() -> list[re.Pattern[str]]:
-    table = _section("The run directory").split("Fields of each `metrics.jsonl` line:", 1)[1]
-    names = re.findall(r"`([a-z0-9_/<>]+)`", table.split("\n\n", 2)[1])
+    section = _section("Fields of each `metrics.jsonl` line", RUN_DIRECTORY)
+    rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]
+    names = [name for row in rows for name in re.findall(r"`([a-z0-9_/<>]+)`", row)]
     return [re.compile(re.escape(n).replace("<component>", "[a-z_]+") + "$") for n in names]
 
 
@@ -179,12 +193,14 @@ def test_the_documented_task_command_trains_and_the_run_dir_is_as_documented(
     assert done.stdout.splitlines()[-1].startswith("Saved: tinker://")
     assert "/sampler_weights/doubling-final" in done.stdout
 
-    files = _section("The run directory").split("Fields of each", 1)[0]
+    files = _section("Files", RUN_DIRECTORY)
     documented = re.findall(r"^\| `([\w./-]+)`", files, flags=re.MULTILINE)
     documented += re.findall(r"^\| `[\w./-]+`, `([\w./-]+)`", files, flags=re.MULTILINE)
     assert {"config.json", "metrics.jsonl", "local-server/"} <= set(documented)
     for name in documented:
-        assert (run_dir / name.rstrip("/")).exists(), f"README documents {name}; not written"
+        assert (run_dir / name.rstrip("/")).exists(), (
+            f"run-directory.md documents {name}; not written"
+        )
 
     line = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[0])
     patterns = _documented_metrics()
@@ -192,7 +208,7 @@ def test_the_documented_task_command_trains_and_the_run_dir_is_as_documented(
     undocumented = [
         key for key in line if key not in structlog_keys and not any(p.match(key) for p in patterns)
     ]
-    assert not undocumented, f"metrics.jsonl fields missing from README: {undocumented}"
+    assert not undocumented, f"metrics.jsonl fields missing from run-directory.md: {undocumented}"
 
 
 def test_every_module_the_architecture_page_names_exists() -> None:
@@ -204,3 +220,43 @@ def test_every_module_the_architecture_page_names_exists() -> None:
     }
     missing = [m for m in modules if not any(s == m or s.endswith("/" + m) for s in sources)]
     assert not missing, f"docs/architecture.md names modules that do not exist: {missing}"
+
+
+def test_the_readme_teaches_in_a_few_pages() -> None:
+    lines = README.splitlines()
+    assert len(lines) < README_MAX_LINES, (
+        f"README.md has {len(lines)} lines (< {README_MAX_LINES}): move details to docs/"
+    )
+    headings = [i for i, line in enumerate(lines) if line == "## Bring your own data"]
+    assert headings and headings[0] < 80, "the README reaches 'Bring your own data' by line 80"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor of a heading: lower case, punctuation dropped, spaces to hyphens."""
+    return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+
+def _anchors(text: str) -> set[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    return {_slug(h) for h in re.findall(r"^#+ (.+)$", prose, flags=re.MULTILINE)}
+
+
+def _links(text: str) -> list[str]:
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE)
+    prose = re.sub(r"`[^`\n]*`", "", prose)
+    return re.findall(r"\]\(([^)\s]+)\)", prose)
+
+
+@pytest.mark.parametrize("page", sorted(DOCS), ids=lambda page: str(page.relative_to(ROOT)))
+def test_every_relative_link_points_at_an_existing_file_and_heading(page: Path) -> None:
+    broken = []
+    for link in _links(DOCS[page]):
+        if re.match(r"[a-z]+:", link):
+            continue
+        path, _, anchor = link.partition("#")
+        target = (page.parent / path).resolve() if path else page
+        if not target.exists():
+            broken.append(f"{link} (no such file)")
+        elif target.suffix == ".md" and anchor and anchor not in _anchors(target.read_text()):
+            broken.append(f"{link} (no such heading)")
+    assert not broken, f"{page.relative_to(ROOT)} links nowhere: {broken}"

@@ -93,3 +93,20 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
     trained = [g.problem.id for s in first + second for g in s.groups]
     assert trained == [0, 1, 2, 3, 4, 5]  # each once
     assert task.built[3] == 2  # restarted from its problem
+
+
+async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path) -> None:
+    import json
+
+    session = FakeSession()
+    cfg = fake_config(tmp_path / "run", steps=2)
+    await run(cfg, ToyTask(), session)
+    path = tmp_path / "run" / "config.json"
+    stored = json.loads(path.read_text())
+    for key in ("env_max_turns", "env_max_tokens", "episode_timeout", "on_limit"):
+        del stored[key]  # as a run dir written before these settings existed
+    path.write_text(json.dumps(stored))
+    steps = await run(
+        dataclasses.replace(cfg, steps=3, resume=tmp_path / "run"), ToyTask(), session
+    )
+    assert [s.step for s in steps] == [3]

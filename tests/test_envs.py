@@ -15,6 +15,7 @@ from env_support import (
     RankedGroup,
     ScriptedSampler,
     add,
+    block,
     chat_context,
     explode,
     hang,
@@ -166,7 +167,7 @@ async def test_a_failing_group_hook_is_a_reward_error_and_cleanup_still_runs() -
 
 async def chat(env: Any, replies: list[str], **limits: Any) -> Trajectory:
     context = chat_context(**limits)
-    group = ChatGroup([env], context, [add, hang, explode])
+    group = ChatGroup([env], context, [add, hang, block, explode])
     runner = EpisodeRunner(ScriptedSampler(replies), context.limits)
     rollout = await runner.run_group(group, PROBLEM)
     (t,) = rollout.trajectories
@@ -192,8 +193,9 @@ async def test_a_tool_call_is_run_and_its_result_shown_to_the_model() -> None:
     assert len(trajectory_datums(t, 1.0)) == 1
 
 
-async def test_a_tool_that_hangs_times_out_as_a_tool_error() -> None:
-    t = await chat(GuessEnv(1), [call("hang"), "1"], tool_timeout=0.05)
+@pytest.mark.parametrize("name", ["hang", "block"])  # async, and a plain blocking function
+async def test_a_tool_that_hangs_times_out_as_a_tool_error(name: str) -> None:
+    t = await chat(GuessEnv(1), [call(name), "1"], tool_timeout=0.05)
     (result,) = t.turns[0].logs["tool_calls"]
     assert "timed out" in result["error"]
     assert t.turns[0].metrics["tool_errors"] == 1.0

@@ -233,3 +233,33 @@ async def test_rollouts_show_each_episode_turn_by_turn() -> None:
     assert turn["observation"] == "|" and turn["new_context"] is False
     text = format_group(record)
     assert "episode 1: done" in text and "turn 2 (v0) appended: '|'" in text
+
+
+class PicklableTask(CountdownTask):
+    """Module-level (so a worker process can unpickle it) with module-level envs."""
+
+
+async def test_environment_steps_and_group_rewards_run_in_worker_processes() -> None:
+    session = FakeSession()
+    cfg = config(steps=1, score_workers="processes:2")
+    _, (result,) = await run_pipeline(session, cfg, task=PicklableTask())
+    assert [len(e.turns) for g in result.groups for e in g.episodes] == [1, 1, 2, 2]
+    assert result.metrics["groups/reward_errors"] == 0
+
+
+def test_an_unpicklable_environment_task_is_one_line_before_the_run() -> None:
+    from engine.errors import ConfigError
+
+    task = CountdownTask(envs={0: lambda: CountdownEnv()})  # a lambda: not picklable
+    source = task.source(0)
+    with pytest.raises(ConfigError, match="needs a picklable task"):
+        Pipeline(
+            config(score_workers="processes:2"),
+            task,
+            FakeSession(),
+            source,
+            LoopState(0, source.state(), 0),
+            SamplerHandle(0, 0),
+            _record([]),
+            gate=StopGate(),
+        )

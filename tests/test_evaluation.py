@@ -13,7 +13,7 @@ import pytest
 
 from engine.config import OnRewardError
 from engine.errors import find_error
-from engine.loop.evaluation import EVAL_FILE, Evaluator
+from engine.loop.evaluation import EVAL_FILE, Evaluator, evaluate, pass_at_k
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
 from engine.session.api import SamplerHandle
 from engine.tasks import Problem, RewardBreakdown, SeededSource
@@ -74,6 +74,7 @@ def test_skip_leaves_a_failing_problem_out_of_the_eval_metrics(tmp_path: Path) -
         "eval/problems": 2.0,
         "eval/reward_errors": 1.0,
         "eval/reward/total": 0.5,
+        "eval/pass_rate": 0.5,
         "eval/correct": 0.5,
         "eval/correct/rate": 0.5,
     }
@@ -90,3 +91,39 @@ def test_fail_stops_at_the_first_failing_problem(tmp_path: Path) -> None:
     error = find_error(raised.value, RewardError)  # raised out of the evaluation's task group
     assert error is not None and "failed on problem 1" in str(error)
     assert not (tmp_path / EVAL_FILE).exists()
+
+
+class _LastDigitTask(_HeldOutTask):
+    """The fake session's i-th response is "<version> <i>": it passes when i is the
+    answer."""
+
+    def eval_problems(self) -> list[Problem]:
+        return [Problem(i, f"held out {i}", answer) for i, answer in enumerate((0, 2, 7))]
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        correct = 1.0 if response.endswith(str(problem.answer)) else 0.0
+        return RewardBreakdown(correct, {"correct": correct})
+
+
+def test_sampled_evaluation_reports_mean_reward_and_unbiased_pass_at_k() -> None:
+    session, task = FakeSession(), _LastDigitTask()
+
+    async def go() -> dict[str, float]:
+        return await evaluate(
+            session,
+            SamplerHandle(1, None),
+            PromptRenderer(task, session.tokenizer),
+            Scorer(task, concurrency=4, workers=ScoreWorkers()),
+            task.eval_problems(),
+            max_tokens=4,
+            samples=4,
+        )
+
+    metrics = anyio.run(go)
+    # greedy: response 0, right only for answer 0; samples 0..3: one right for 0 and 2
+    assert metrics["eval/pass_rate"] == pytest.approx(1 / 3)
+    assert metrics["eval/sampled/reward/total"] == pytest.approx(2 / 12)
+    assert metrics["eval/sampled/pass@1"] == pytest.approx((0.25 + 0.25 + 0) / 3)
+    assert metrics["eval/sampled/pass@4"] == pytest.approx(2 / 3)
+    assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
+    assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 4, 2) == 1.0

@@ -29,7 +29,8 @@ class FakeClock:
     def now(self) -> float:
         return self.time
 
-    async def sleep_until(self, deadline: float) -> None:
+    async def sleep(self, seconds: float) -> None:
+        deadline = self.time + seconds
         while self.time < deadline:
             moved = self._moved
             await moved.wait()

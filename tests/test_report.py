@@ -187,3 +187,45 @@ def test_a_finished_run_report_never_raises(tmp_path: Path) -> None:
     note = finished_run_report(tmp_path)
     assert note is not None
     assert note.startswith("No report.png: ") and "python -m engine.report" in note
+
+
+def test_response_panels_label_what_each_run_has_and_a_run_that_trained_nothing_says_so(
+    tmp_path: Path,
+) -> None:
+    trained = make_run(tmp_path / "trained", [0.5, 0.6])
+    lines = [json.loads(line) for line in (trained / "metrics.jsonl").read_text().splitlines()]
+    for metrics in lines:
+        metrics.update({"datums": 8, "response_len/mean": 4.0, "response_len/max": 6})
+        metrics.update({"groups/trained_frac": 0.5, "response_len/truncated_frac": 0.25})
+    (trained / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    idle = make_run(tmp_path / "idle", [0.0, 0.0])
+    lines = [json.loads(line) for line in (idle / "metrics.jsonl").read_text().splitlines()]
+    for metrics in lines:
+        metrics.update({"datums": 0, "groups/trained_frac": 0.0, "response_len/empty_frac": 1.0})
+        metrics.update({"optim/kl_sample_train_v1": None, "optim/kl_sample_train_v2": None})
+    (idle / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    runs = [load_run(trained), load_run(idle)]
+    assert runs[0].trained_nothing is None
+    assert (
+        runs[1].trained_nothing is not None
+        and "every response was empty" in runs[1].trained_nothing
+    )
+
+    fig = draw_report(runs)
+    ax_len, ax_frac = fig.axes[6:8]
+    assert [t.get_text() for t in ax_len.get_legend().get_texts()] == [
+        "trained: mean",
+        "trained: max",
+    ]
+    assert [t.get_text() for t in ax_frac.get_legend().get_texts()] == [
+        "trained: trained groups",
+        "trained: truncated responses",
+        "idle: trained groups",
+        "idle: empty responses",
+    ]
+    assert "idle trained nothing: every response was empty" in fig._suptitle.get_text()
+
+    alone = draw_report([runs[1]])
+    kl = alone.axes[4]
+    assert "no trained step" in " ".join(t.get_text() for t in kl.texts)
+    assert kl.get_xlim() == alone.axes[0].get_xlim()

@@ -12,6 +12,7 @@ import pytest
 import tinker
 from structlog.testing import capture_logs
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig
 from engine.errors import (
     CircuitOpen,
@@ -41,7 +42,7 @@ from engine.session.retry import (
     retrying,
     should_retry,
 )
-from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.supervision.watchdog import CircuitBreaker
 from tests import sdk_errors as sdk
 from tests.clock import ManualClock, expire_deadlines
 

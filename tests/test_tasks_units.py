@@ -226,6 +226,23 @@ def test_reward_presets() -> None:
         make_reward("regex", {"pattern": "("})
 
 
+def test_numeric_reward_reads_the_number_at_the_chosen_position(tmp_path: Path) -> None:
+    chatty = "12 + 30: first add the tens, 10 + 30 = 40, then 2 more: 42"
+    assert make_reward("numeric", {})(chatty, 42).total == 0.0  # first: 12
+    assert make_reward("numeric", {"numeric_position": "first"})("42", 42).total == 1.0
+    assert make_reward("numeric", {"numeric_position": "last"})(chatty, 42).total == 1.0
+    boxed = make_reward("numeric", {"numeric_position": "boxed"})
+    assert boxed(r"7 and 9 give $\boxed{16}$, not 17", 16).total == 1.0
+    assert boxed("16", 16).total == 0.0  # no box: no answer
+    with pytest.raises(ConfigError, match="numeric_position must be one of first, last, boxed"):
+        make_reward("numeric", {"numeric_position": "middle"})
+    rows = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12 + 30", "answer": "42"}] * 2)
+    task = DatasetTask.from_args(str(rows), {"reward": "numeric", "numeric_position": "last"})
+    problem = task.source(0).next()
+    assert problem is not None
+    assert task.score(chatty, problem).total == 1.0
+
+
 def test_boxed_reward_with_math_verify() -> None:
     pytest.importorskip("math_verify")
     boxed = make_reward("boxed", {})

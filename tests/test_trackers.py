@@ -164,18 +164,28 @@ def test_a_failing_tracker_is_dropped_with_one_warning(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_run_logs_to_both_trackers_and_draws_its_report(tmp_path: Path) -> None:
     with LocalServer(api_key=API_KEY) as server:
-        config = small_config(server, tmp_path / "run", steps=2, log_to=("wandb", "tensorboard"))
+        config = small_config(
+            server, tmp_path / "run", steps=2, eval_every=2, log_to=("wandb", "tensorboard")
+        )
         _, result = run_engine(config)
     run_dir = result.run_dir
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     history = wandb_history(run_dir)
-    assert [h["_step"] for h in history] == [1, 2]
+    assert [h["_step"] for h in history] == [0, 1, 2]
     scalars = tensorboard_scalars(run_dir / "tensorboard")
-    for line, logged in zip(lines, history, strict=True):
+    # the evaluation of the starting weights (step 0) reaches every tracker, as eval.jsonl
+    first_eval = json.loads((run_dir / "eval.jsonl").read_text().splitlines()[0])
+    assert first_eval["step"] == 0
+    reward0 = pytest.approx(first_eval["eval/reward/total"])
+    assert history[0]["eval/reward/total"] == reward0
+    assert [s for s, _ in scalars["eval/reward/total"]] == [0, 2]
+    assert scalars["eval/reward/total"][0][1] == reward0
+    for line, logged in zip(lines, history[1:], strict=True):
         expected = scalar_metrics(line)
         assert {k: v for k, v in logged.items() if not k.startswith("_")} == expected
         for name, value in expected.items():
-            assert scalars[name][line["step"] - 1] == (line["step"], pytest.approx(value))
+            at_step = dict(scalars[name])
+            assert at_step[line["step"]] == pytest.approx(value)
     config_json = (run_dir / "config.json").read_text()
     assert API_KEY not in config_json
     wandb_config = next(run_dir.glob("wandb/offline-run-*/run-*.wandb")).read_bytes()

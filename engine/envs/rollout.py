@@ -23,7 +23,7 @@ error ``on_parse_error``. A failing ``make_envs``, ``initial_observation`` or
 ``compute_group_rewards`` fails the group like a failing reward function
 (:class:`~engine.loop.scoring.RewardError`, handled by ``--on-reward-error``); a failing
 sample request propagates (the run stops after the steps in flight). ``cleanup`` always
-runs, shielded from cancellation.
+runs, shielded from cancellation for at most :data:`CLEANUP_TIMEOUT_S`.
 """
 
 from __future__ import annotations
@@ -56,6 +56,9 @@ from engine.tasks.base import Problem, RewardBreakdown
 __all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler"]
 
 Clock = Callable[[], float]
+
+CLEANUP_TIMEOUT_S = 60.0
+"""How long a group's ``cleanup`` may take (it runs shielded from cancellation)."""
 T = TypeVar("T")
 
 
@@ -118,7 +121,12 @@ class EpisodeRunner:
         try:
             rollout = await self._rollout(builder, problem, started)
         finally:
-            with anyio.CancelScope(shield=True):
+            # Shielded (a stop must not leak the group's resources) but bounded (a stop
+            # must not hang on a cleanup that never returns).
+            cleanup_error: Exception | None = TimeoutError(
+                f"cleanup did not return within {CLEANUP_TIMEOUT_S:g} s"
+            )
+            with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
                 cleanup_error = await _cleanup(builder)
         if cleanup_error is not None and rollout.error is None:
             rollout = dataclasses.replace(rollout, error=_reward_error(problem, cleanup_error))

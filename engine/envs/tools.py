@@ -21,9 +21,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-import anyio
 import pydantic
 
+from engine.common.threads import in_daemon_thread
 from engine.tasks.render import ChatMessage
 
 __all__ = [
@@ -78,7 +78,8 @@ def tool_schema(t: Tool) -> dict[str, Any]:
 @dataclass(frozen=True)
 class FunctionTool:
     """A :class:`Tool` over a Python function: its arguments are validated against the
-    signature, a plain function runs in a worker thread, and a returned string becomes
+    signature, a plain function runs in a daemon thread (one that hangs past
+    ``--tool-timeout`` is abandoned), and a returned string becomes
     one ``tool`` message (a :class:`ToolResult` is returned as is)."""
 
     fn: Callable[..., Any]
@@ -97,8 +98,8 @@ class FunctionTool:
         kwargs = {k: getattr(args, k) for k in type(args).model_fields}
         if inspect.iscoroutinefunction(self.fn):
             value = await self.fn(**kwargs)
-        else:
-            value = await anyio.to_thread.run_sync(lambda: self.fn(**kwargs))
+        else:  # abandoned (not waited for) when the tool times out
+            value = await in_daemon_thread(lambda: self.fn(**kwargs), name="engine-tool")
         if isinstance(value, ToolResult):
             return value
         return ToolResult([{"role": "tool", "name": self.name, "content": str(value)}])

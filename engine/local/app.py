@@ -3,6 +3,10 @@
 Every route reads a size-bounded JSON body, calls ``LocalService`` and maps its
 ``HttpError`` to a status with a JSON body; errors always carry a body, because the
 client treats a bodiless 400 as a proxy glitch and retries it.
+
+tinker 0.38 clients are served by the same routes: their protobuf ``forward_backward``
+bodies (zstd where the client config asks) are decoded into the JSON shape, and their
+polls that accept protobuf get protobuf results (``tinker_proto``), decided per request.
 """
 
 from __future__ import annotations
@@ -16,15 +20,27 @@ from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse
-from starlette.requests import ClientDisconnect
+from fastapi.responses import JSONResponse, Response
 from starlette.types import ASGIApp
 
 from engine.local.auth import Authenticator
+from engine.local.bodies import receive_body
 from engine.local.management_routes import add_management_routes
 from engine.local.middleware import AuthMiddleware, FaultMiddleware, hide_injected_drop_tracebacks
 from engine.local.service import HttpError, LocalService
+from engine.local.service.resume import is_resume
 from engine.local.storage import hide_data_dir
+from engine.local.tinker_proto import (
+    PROTO_CONTENT_TYPE,
+    PROTO_RESULT_ENDPOINTS,
+    ProtoError,
+    decompress,
+    encode_result,
+    forward_backward_body,
+    is_proto,
+    training_endpoint,
+    wants_proto,
+)
 
 log = logging.getLogger("engine.local")
 
@@ -45,6 +61,8 @@ UNSUPPORTED_FUTURES = {
     "supported by the local server",
 }
 _PARSE_IN_THREAD_BYTES = 256 * 1024
+ProtoDecoder = Callable[[bytes], tuple[Any, str]]
+Responder = Callable[[Request, Any, Any], Response | None]
 
 
 def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
@@ -52,43 +70,44 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     so faults hit before anything else, as a flaky network or proxy would)."""
     app = FastAPI(title="engine.local", docs_url=None, redoc_url=None, openapi_url=None)
     limit = service.config.limits.max_body_bytes
-    body_timeout = service.config.body_timeout_s
 
     def public(message: str) -> str:
         return hide_data_dir(message, service.data_dir)
 
-    async def body_of(request: Request) -> tuple[Any, str]:
-        """The parsed JSON body and a digest of its bytes (equal for resubmissions)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, _too_large(int(declared), limit), headers=_CLOSE)
+    async def body_of(request: Request, proto: ProtoDecoder | None = None) -> tuple[Any, str]:
+        """The parsed JSON body and a digest of its bytes (equal for resubmissions).
+        Routes given a ``proto`` decoder also take ``application/x-protobuf`` bodies;
+        a ``Content-Encoding: zstd`` body is inflated first (bounded by the limit)."""
         chunks: list[bytes] = []
-        size = 0
-        try:
-            with anyio.fail_after(body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise HttpError(413, _too_large(size, limit), headers=_CLOSE)
-                    chunks.append(chunk)
-        except ClientDisconnect:
-            # Nobody will read the answer; a plain error keeps it out of the error log.
-            raise HttpError(400, "the client disconnected before sending the body") from None
-        except TimeoutError:
-            raise HttpError(
-                408,
-                f"the request body did not arrive within {body_timeout:g} s (the local "
-                "server's --body-timeout)",
-                category="server",
-                headers=_CLOSE,
-            ) from None
+
+        async def keep(chunk: bytes) -> None:
+            chunks.append(chunk)
+
+        size = await receive_body(
+            request,
+            keep,
+            limit=limit,
+            timeout_s=service.config.body_timeout_s,
+            too_large=functools.partial(_too_large, limit=limit),
+        )
         raw = b"".join(chunks)
+        encoding = request.headers.get("content-encoding")
+        protobuf = is_proto(request.headers.get("content-type"))
+        if protobuf and proto is None:
+            raise HttpError(
+                415,
+                f"{request.url.path} takes a JSON body; the local server accepts "
+                f"{PROTO_CONTENT_TYPE} bodies on forward_backward only",
+            )
         if not raw:
             return {}, ""
+        parse = functools.partial(_parse_body, encoding, proto if protobuf else None, limit)
         try:
-            if size > _PARSE_IN_THREAD_BYTES:
-                return await anyio.to_thread.run_sync(_decode, raw)
-            return _decode(raw)
+            if size > _PARSE_IN_THREAD_BYTES or encoding is not None:
+                return await anyio.to_thread.run_sync(parse, raw)
+            return parse(raw)
+        except ProtoError as exc:
+            raise HttpError(400, str(exc)) from None
         except ValueError:
             raise HttpError(400, "request body is not valid JSON") from None
 
@@ -97,13 +116,18 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
         handler: Callable[..., Awaitable[Any] | Any],
         *,
         digest: bool = False,
+        proto: ProtoDecoder | None = None,
+        respond: Responder | None = None,
     ) -> None:
-        async def route(request: Request) -> JSONResponse:
+        async def route(request: Request) -> Response:
             try:
-                body, body_digest = await body_of(request)
+                body, body_digest = await body_of(request, proto)
                 result = handler(body, body_digest) if digest else handler(body)
                 if isinstance(result, Awaitable):
                     result = await result
+                custom = respond(request, body, result) if respond is not None else None
+                if custom is not None:
+                    return custom
             except RecursionError:
                 raise HttpError(
                     400, "request body is nested too deeply (JSON objects and arrays)"
@@ -127,11 +151,50 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     post("create_model", service.training.create_model)
     post("get_info", service.training.get_info)
     for endpoint in TRAINING_ENDPOINTS:
+        if endpoint in ("forward_backward", "load_weights"):
+            continue
         post(endpoint, functools.partial(service.training.submit, endpoint), digest=True)
+    post(
+        "forward_backward",
+        lambda body, digest: service.training.submit(training_endpoint(body), body, digest),
+        digest=True,
+        proto=forward_backward_body,
+    )
+    post(
+        "load_weights",
+        lambda body, digest: (
+            service.resume.load(body)
+            if is_resume(body)
+            else service.training.submit("load_weights", body, digest)
+        ),
+        digest=True,
+    )
     post("weights_info", service.weights_info)
     post("create_sampling_session", service.sampling.create_session)
     post("asample", service.sampling.asample, digest=True)
-    post("retrieve_future", service.retrieve_future)
+
+    def proto_result(request: Request, body: Any, result: Any) -> Response | None:
+        """A finished forward/sample result as protobuf for a poll that accepts it."""
+        if not (wants_proto(request.headers.get("accept")) and isinstance(result, dict)):
+            return None
+        entry = service.futures.get(str(body.get("request_id")))
+        if entry is None or entry.endpoint not in PROTO_RESULT_ENDPOINTS:
+            return None
+        encoded = encode_result(entry.endpoint, result)
+        if encoded is None:
+            return None
+        return Response(encoded, media_type=PROTO_CONTENT_TYPE)
+
+    post("retrieve_future", service.retrieve_future, respond=proto_result)
+    post("client/dynamic_config", service.session_ops.dynamic_config)
+    post("join_sampling_session", service.session_ops.join_sampling_session)
+    post("cancel_future", service.session_ops.cancel_future)
+
+    @app.post("/api/v1/sessions/{session_id}/finish")
+    async def finish_session(session_id: str, request: Request) -> dict[str, Any]:
+        body, _ = await body_of(request)
+        return service.session_ops.finish(session_id, body)
+
     for endpoint, message in UNSUPPORTED_FUTURES.items():
         post(endpoint, functools.partial(_unsupported_future, service, endpoint, message))
 
@@ -180,10 +243,6 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     return FaultMiddleware(AuthMiddleware(app, auth), service.faults, service.stats)
 
 
-_CLOSE = {"Connection": "close"}
-"""Ends the connection after an answer sent before the whole body was read."""
-
-
 def _internal_error(exc: Exception, public: Callable[[str], str]) -> JSONResponse:
     return JSONResponse(
         {
@@ -196,6 +255,13 @@ def _internal_error(exc: Exception, public: Callable[[str], str]) -> JSONRespons
 
 def _decode(raw: bytes) -> tuple[Any, str]:
     return json.loads(raw), hashlib.blake2b(raw, digest_size=16).hexdigest()
+
+
+def _parse_body(
+    encoding: str | None, proto: ProtoDecoder | None, limit: int, raw: bytes
+) -> tuple[Any, str]:
+    raw = decompress(raw, encoding, limit)
+    return proto(raw) if proto is not None else _decode(raw)
 
 
 def _unsupported_future(

@@ -82,7 +82,7 @@ class SampleBatcher:
                     return lambda: self._run_isolated(jobs)
 
                 try:
-                    outcomes = await self._compute.run_prepared(prepare)
+                    outcomes = await self._compute.run_prepared(prepare, "asample")
                 except Exception as exc:  # compute thread closed: fail the whole batch
                     outcomes = [exc] * len(batch)
                 self.batches += 1

@@ -13,6 +13,7 @@ import contextlib
 import queue
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -23,6 +24,8 @@ from anyio import from_thread
 T = TypeVar("T")
 
 _STOP = object()
+
+JOBS_KEPT = 4096
 
 
 class ComputeThreadClosed(RuntimeError):
@@ -39,13 +42,17 @@ class ComputeThread:
         self._closed = False
         self.busy_s = 0.0
         """Seconds the thread has spent computing (for stats)."""
+        self.jobs: deque[tuple[str, float, float]] = deque(maxlen=JOBS_KEPT)
+        """The most recent jobs as (label, start, end) in ``time.monotonic`` seconds
+        (the clock of the event loop, and of ``time.perf_counter`` on Linux)."""
         self._thread.start()
 
-    async def run(self, fn: Callable[[], T]) -> T:
-        """Run ``fn`` on the compute thread and return its result (or raise its error)."""
-        return await self.run_prepared(lambda: fn)
+    async def run(self, fn: Callable[[], T], label: str = "other") -> T:
+        """Run ``fn`` on the compute thread and return its result (or raise its error);
+        ``label`` names the job in :attr:`jobs`."""
+        return await self.run_prepared(lambda: fn, label)
 
-    async def run_prepared(self, prepare: Callable[[], Callable[[], T]]) -> T:
+    async def run_prepared(self, prepare: Callable[[], Callable[[], T]], label: str = "other") -> T:
         """Like ``run``, but ``prepare`` is called on the event loop once the thread is
         free, right before the job starts: the sampler uses it to collect every request
         that arrived while the thread was busy into one batch."""
@@ -58,11 +65,15 @@ class ComputeThread:
             token = anyio.lowlevel.current_token()
 
             def job() -> None:
+                started = time.monotonic()
                 try:
                     box["value"] = fn()
                 except BaseException as exc:  # handed back to the awaiting task
                     box["error"] = exc
                 finally:
+                    ended = time.monotonic()
+                    self.busy_s += ended - started
+                    self.jobs.append((label, started, ended))
                     # RuntimeError: the event loop is gone, nobody is waiting any more.
                     with contextlib.suppress(RuntimeError):
                         from_thread.run_sync(done.set, token=token)
@@ -92,6 +103,4 @@ class ComputeThread:
             job = self._jobs.get()
             if job is _STOP:
                 return
-            started = time.perf_counter()
             job()
-            self.busy_s += time.perf_counter() - started

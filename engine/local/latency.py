@@ -22,17 +22,27 @@ All durations are hosted-service seconds; each is multiplied by ``scale`` before
 snapshot_s=3, scale=0.05 (a 10 s cycle lasts 0.5 s). Example: ``mint:scale=0.02``.
 
 Cycle clock: cycles are numbered from 1 and tick on a fixed grid while there is work. An
-operation is assigned at submission to the next cycle to start; it computes once that
-cycle has started (and its seq_id turn has come) and its result is released when the
-following cycle starts. When a cycle starts with no work assigned to it or to the next
-one, the clock stops; the next submission restarts it at the first grid point at least
-``gather_s`` away, so requests submitted back to back land in the same cycle.
+operation is assigned at submission to the next cycle to start; it computes as soon as its
+seq_id turn has come (possibly before its cycle starts) and its result is released when
+the following cycle starts. Computing ahead is what keeps the simulation honest on one
+compute thread: the hosted trainer and sampler are separate machines, so a cycle's
+training never delays the sampling that runs right after the tick; here it would, by its
+real (unscaled) compute time, if the cycle's training computed at the tick.
+
+The hosted clock ticks on whether or not a model has work; this one pauses when idle:
+when a second cycle in a row starts with no work assigned to it or to the next one, the
+clock stops, and the next submission restarts it at the first grid point at least
+``gather_s`` away, so requests submitted back to back land in the same cycle. One empty
+cycle does not stop it: a loop that trains every other cycle (two steps per cycle, then
+none) must meet the same tick as one that trains every cycle, not a tick ``gather_s``
+earlier (which is what made the engine's steps-in-pairs pattern stick).
 """
 
 from __future__ import annotations
 
 import math
-from collections import Counter
+import time
+from collections import Counter, deque
 from dataclasses import dataclass, fields, replace
 
 import anyio
@@ -131,6 +141,11 @@ PROFILES: dict[str, LatencyProfile] = {
 }
 
 
+TICKS_KEPT = 4096
+IDLE_CYCLES_BEFORE_PAUSE = 2
+"""Empty cycle starts in a row after which the clock pauses (see the module docstring)."""
+
+
 class TrainingClock:
     """The simulated hosted training clock (see the module docstring).
 
@@ -147,6 +162,8 @@ class TrainingClock:
         self._origin: float | None = None
         self._wake = anyio.Event()
         self._tick = anyio.Event()
+        self.ticks: deque[tuple[int, float]] = deque(maxlen=TICKS_KEPT)
+        """The most recent cycle starts as (cycle, ``time.monotonic`` seconds)."""
 
     def assign(self) -> int:
         """Assign a newly submitted operation to the next cycle to start."""
@@ -165,7 +182,7 @@ class TrainingClock:
         await self.wait_start(cycle + 1)
 
     async def run(self) -> None:
-        """Tick while there is work; stop when a cycle starts empty."""
+        """Tick while there is work; pause after IDLE_CYCLES_BEFORE_PAUSE empty cycles."""
         while True:
             await self._wake.wait()
             earliest = anyio.current_time() + self._gather
@@ -173,13 +190,16 @@ class TrainingClock:
                 self._origin = earliest
             steps = max(0, math.ceil((earliest - self._origin) / self._cycle))
             next_tick = self._origin + steps * self._cycle
+            empty = 0
             while True:
                 await anyio.sleep_until(next_tick)
                 self.started += 1
+                self.ticks.append((self.started, time.monotonic()))
                 members = self._assigned.pop(self.started, 0)
                 tick, self._tick = self._tick, anyio.Event()
                 tick.set()
-                if members == 0 and self._assigned[self.started + 1] == 0:
+                empty = empty + 1 if members == 0 and self._assigned[self.started + 1] == 0 else 0
+                if empty == IDLE_CYCLES_BEFORE_PAUSE:
                     self._running = False
                     self._wake = anyio.Event()
                     break

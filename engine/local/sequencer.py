@@ -20,31 +20,14 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from typing import Protocol
 
 import anyio
+
+from engine.common.clock import LOOP_CLOCK, Clock
 
 
 class SeqRejected(Exception):
     """This seq_id cannot be applied; the message says why."""
-
-
-class Clock(Protocol):
-    """Time as the sequencer sees it (injected by tests)."""
-
-    def now(self) -> float: ...
-
-    async def sleep_until(self, deadline: float) -> None: ...
-
-
-class EventLoopClock:
-    """The event loop's clock."""
-
-    def now(self) -> float:
-        return anyio.current_time()
-
-    async def sleep_until(self, deadline: float) -> None:
-        await anyio.sleep_until(deadline)
 
 
 class ModelSequencer:
@@ -61,7 +44,7 @@ class ModelSequencer:
         self._gap_timeout = gap_timeout
         self._window = dedupe_window
         self._max_gap = max_seq_gap
-        self._clock = clock or EventLoopClock()
+        self._clock = clock or LOOP_CLOCK
         self.next_seq = 1
         """The seq_id whose turn it is."""
         self._claimed: OrderedDict[int, tuple[str, str]] = OrderedDict()
@@ -145,7 +128,7 @@ class ModelSequencer:
         async with anyio.create_task_group() as tg:
 
             async def expire() -> None:
-                await self._clock.sleep_until(deadline)
+                await self._clock.sleep(deadline - self._clock.now())
                 tg.cancel_scope.cancel()
 
             tg.start_soon(expire)

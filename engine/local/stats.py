@@ -21,6 +21,8 @@ class OpCycle:
     seq_id: int
     endpoint: str
     cycle: int
+    submitted: float = 0.0
+    """When the operation was submitted (``time.monotonic`` seconds)."""
 
 
 @dataclass(frozen=True)
@@ -49,6 +51,10 @@ class StatsSnapshot:
     polls_held: int
     """retrieve_future polls currently held open (long-poll)."""
     compute_busy_s: float
+    compute_jobs: list[tuple[str, float, float]]
+    """Recent compute-thread jobs as (endpoint, start, end), ``time.monotonic`` seconds."""
+    cycle_starts: list[tuple[int, float]]
+    """Recent latency clock cycle starts as (cycle, ``time.monotonic`` seconds)."""
     models: int
     sampling_sessions: int
     held: dict[str, Any] = field(default_factory=dict)

@@ -18,6 +18,9 @@ Kind = Literal["weights", "sampler_weights"]
 KINDS: tuple[Kind, ...] = ("weights", "sampler_weights")
 SCHEME = "tinker://"
 _COMPONENT = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+_MODEL_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:-]{0,191}")
+"""Model ids may also hold ':': tinker 0.38 names a model it resumes from a checkpoint
+itself, as ``<session_id>:train:<model_seq_id>``."""
 
 
 class BadPath(ValueError):
@@ -36,6 +39,16 @@ def check_name(name: str, what: str = "checkpoint name") -> str:
             "(starting with a letter or digit, no '..', at most 128 characters)"
         )
     return name
+
+
+def check_model_id(model_id: str, what: str = "model id") -> str:
+    """Like ``check_name``, and ':' is allowed too (never '/', '\\' or '..')."""
+    if not isinstance(model_id, str) or ".." in model_id or not _MODEL_ID.fullmatch(model_id):
+        raise BadPath(
+            f"{what} {model_id!r} may only use letters, digits, '.', '_', ':' and '-' "
+            "(starting with a letter or digit, no '..', at most 192 characters)"
+        )
+    return model_id
 
 
 @dataclass(frozen=True)
@@ -64,7 +77,7 @@ class TinkerPath:
                 "or tinker://<model_id>/sampler_weights/<name>"
             )
         model_id, kind, name = parts
-        check_name(model_id, "model id in checkpoint path")
+        check_model_id(model_id, "model id in checkpoint path")
         check_name(name)
         return cls(model_id, kind, name)  # type: ignore[arg-type]
 

@@ -86,6 +86,8 @@ class CreateModelW(_Wire):
     base_model: str
     lora_config: LoraConfigW | None = None
     user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
+    """tinker >= 0.38: {"type": "adamw"} (the default) or another optimizer."""
 
 
 class ModelRefW(_Wire):
@@ -105,7 +107,9 @@ class ForwardW(_Wire):
 
 
 class OptimStepW(_Wire):
-    adam_params: AdamConfig
+    adam_params: AdamConfig | None = None
+    optimizer_params: dict[str, Any] | None = None
+    """tinker >= 0.38 sends parameters of an optimizer other than Adam here."""
     model_id: str
     seq_id: int | None = None
 
@@ -116,6 +120,7 @@ class SaveWeightsW(_Wire):
     seq_id: int | None = None
     ttl_seconds: int | None = None
     overwrite: bool = False
+    user_metadata: dict[str, Any] | None = None
 
 
 class SaveForSamplerW(_Wire):
@@ -124,6 +129,9 @@ class SaveForSamplerW(_Wire):
     sampling_session_seq_id: int | None = None
     seq_id: int | None = None
     ttl_seconds: int | None = None
+    kind: str = "snapshot"
+    user_metadata: dict[str, Any] | None = None
+    """tinker >= 0.38: "snapshot" or "inflight" (served as a snapshot)."""
 
 
 class LoadWeightsW(_Wire):
@@ -131,6 +139,19 @@ class LoadWeightsW(_Wire):
     path: str
     optimizer: bool = False
     seq_id: int | None = None
+
+
+class ResumeFromStateW(_Wire):
+    """tinker >= 0.38's create-from-state: one load_weights by session and model_seq_id
+    (no model_id, no create_model first); the model id is ``<session_id>:train:<seq>``."""
+
+    session_id: str
+    model_seq_id: int
+    path: str
+    optimizer: bool = False
+    base_model: str | None = None
+    user_metadata: dict[str, Any] | None = None
+    optimizer_config: dict[str, Any] | None = None
 
 
 class WeightsInfoW(_Wire):
@@ -154,6 +175,12 @@ class SampleW(_Wire):
     model_path: str | None = None
     prompt_logprobs: bool | None = None
     topk_prompt_logprobs: int = 0
+    # tinker >= 0.38
+    prompt_logprobs_last_n: int | None = None
+    topk_sample_logprobs: int = 0
+    target_prompt_logprobs: dict[str, Any] | None = None
+    prompt_alt_tokens_k: int = 0
+    record_stability_info: bool | None = None
 
 
 class RetrieveFutureW(_Wire):
@@ -166,6 +193,16 @@ class SessionHeartbeatW(_Wire):
 
 
 W = TypeVar("W", bound=_Wire)
+
+
+def check_adamw(config: dict[str, Any] | None, where: str) -> None:
+    """The local server trains with AdamW only (tinker >= 0.38 can ask for others)."""
+    kind = (config or {}).get("type", "adamw")
+    if kind != "adamw":
+        raise WireError(
+            f"{where} asks for the {kind!r} optimizer; the local server implements only "
+            "AdamW (optimizer_config {'type': 'adamw'}, the default)"
+        )
 
 
 def parse(model: type[W], body: Any, what: str) -> W:

@@ -1,10 +1,15 @@
 """Held-out evaluation: greedy responses to a task's ``eval_problems()``, scored by the
-task, as ``eval/*`` metrics.
+task, as ``eval/*`` metrics; optionally also ``samples`` sampled responses per problem
+(``eval/sampled/*``: their mean reward, pass@1 and pass@k).
 
-Why greedy and one sample per problem: the figure should move only when the policy
-does, not with sampling noise. A reward that raises on a held-out problem follows
-``--on-reward-error``: ``fail`` stops the run; ``skip`` leaves that problem out of the
-means, counts it in ``eval/reward_errors`` and says so once per problem.
+Why greedy first: the figure should move only when the policy does, not with sampling
+noise; the sampled figures say what a group of the training sampler sees. A response
+*passes* when its total reward reaches ``pass_reward`` (1.0: every preset's correct
+answer, and the arithmetic task's exact one); pass@k is the unbiased estimate
+1 - C(n-c, k) / C(n, k) from ``n`` samples with ``c`` passing, averaged over problems.
+A reward that raises on a held-out problem follows ``--on-reward-error``: ``fail``
+stops the run; ``skip`` leaves that problem out of the means, counts it in
+``eval/reward_errors`` and says so once per problem.
 :func:`evaluate` is a standalone coroutine (a session, a sampler snapshot, the task);
 :class:`Evaluator` decides when it runs (``--eval-every`` steps, at the start and after
 the last step) and appends each result to ``eval.jsonl`` in the run dir.
@@ -13,6 +18,7 @@ the last step) and appends each result to ``eval.jsonl`` in the run dir.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -28,9 +34,19 @@ from engine.session.api import SamplerHandle, SamplingSettings, Session
 from engine.tasks.base import Problem, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["EVAL_FILE", "Evaluator", "eval_problems_of", "evaluate"]
+__all__ = ["EVAL_FILE", "PASS_REWARD", "Evaluator", "eval_problems_of", "evaluate", "pass_at_k"]
 
 EVAL_FILE = "eval.jsonl"
+PASS_REWARD = 1.0
+"""A response whose total reward reaches this passes (pass rate, pass@k)."""
+_PASS_SLACK = 1e-9  # rewards summed from components (0.2 + 0.5 + 0.3) may land below 1.0
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """The unbiased pass@k of ``n`` samples with ``c`` passing (Chen et al., 2021)."""
+    if n - c < k:
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
 def eval_problems_of(task: Task) -> list[Problem]:
@@ -62,34 +78,52 @@ async def evaluate(
     max_tokens: int,
     stop_at_eos: bool = False,
     concurrency: int = 64,
+    samples: int = 0,
+    temperature: float = 1.0,
+    pass_reward: float = PASS_REWARD,
     on_reward_error: Callable[[RewardError], None] | None = None,
 ) -> dict[str, float]:
     """Sample one greedy response per problem from ``sampler`` and score it with the
     task's ``scorer``: ``eval/reward/total`` (mean), ``eval/<component>`` (mean),
-    ``eval/<component>/rate`` (fraction > 0), ``eval/problems`` (how many were scored)
-    and ``eval/reward_errors``. A reward that raises ends the evaluation with its
+    ``eval/<component>/rate`` (fraction > 0), ``eval/pass_rate`` (fraction passing),
+    ``eval/problems`` (how many were scored) and ``eval/reward_errors``. With
+    ``samples`` = n > 0 also n responses per problem at ``temperature``:
+    ``eval/sampled/reward/total`` (mean over all), ``eval/sampled/pass@1`` and
+    ``eval/sampled/pass@n``. A reward that raises ends the evaluation with its
     RewardError, unless ``on_reward_error`` is given: it is then called with the error
     and the problem is left out of the means (none left: no means)."""
     stop_strings, stop_token_ids = renderer.stops(stop_at_eos=stop_at_eos)
-    settings = SamplingSettings(
+    greedy = SamplingSettings(
         max_tokens=max_tokens,
         temperature=0.0,
         stop_token_ids=stop_token_ids,
         stop_strings=stop_strings,
     )
+    sampled = SamplingSettings(
+        max_tokens=max_tokens,
+        temperature=temperature,
+        stop_token_ids=stop_token_ids,
+        stop_strings=stop_strings,
+    )
     limiter = anyio.CapacityLimiter(concurrency)
     scored: list[RewardBreakdown | None] = [None] * len(problems)
+    scored_samples: list[list[RewardBreakdown] | None] = [None] * len(problems)
 
     async def one(i: int, problem: Problem) -> None:
+        prompt = renderer.prompt_tokens(problem)
         async with limiter:
-            result = await session.sample(sampler, renderer.prompt_tokens(problem), 1, settings)
-        text = renderer.decode(result.completions[0].tokens)
+            result = await session.sample(sampler, prompt, 1, greedy)
+            drawn = await session.sample(sampler, prompt, samples, sampled) if samples else None
+        texts = [renderer.decode(c.tokens) for c in drawn.completions] if drawn else []
         try:
-            (scored[i],) = await scorer.score(problem, [text])
+            (first,) = await scorer.score(problem, [renderer.decode(result.completions[0].tokens)])
+            rest = await scorer.score(problem, texts) if texts else []
         except RewardError as error:
             if on_reward_error is None:
                 raise
             on_reward_error(error)
+            return
+        scored[i], scored_samples[i] = first, rest
 
     async with anyio.create_task_group() as tg:
         for i, problem in enumerate(problems):
@@ -102,11 +136,24 @@ async def evaluate(
     }
     if not rewards:
         return out
+
+    def passes(r: RewardBreakdown) -> bool:
+        return r.total >= pass_reward - _PASS_SLACK
+
     out["eval/reward/total"] = sum(r.total for r in rewards) / n
+    out["eval/pass_rate"] = sum(1 for r in rewards if passes(r)) / n
     for name in sorted({k for r in rewards for k in r.components}):
         values = [float(r.components.get(name, 0.0)) for r in rewards]
         out[f"eval/{name}"] = sum(values) / n
         out[f"eval/{name}/rate"] = sum(1 for v in values if v > 0) / n
+    groups = [g for g in scored_samples if g]
+    if samples and groups:
+        out["eval/sampled/reward/total"] = sum(r.total for g in groups for r in g) / (
+            len(groups) * samples
+        )
+        for k in sorted({1, samples}):
+            estimates = [pass_at_k(samples, sum(1 for r in g if passes(r)), k) for g in groups]
+            out[f"eval/sampled/pass@{k}"] = sum(estimates) / len(groups)
     return out
 
 
@@ -128,10 +175,14 @@ class Evaluator:
         max_tokens: int,
         stop_at_eos: bool,
         concurrency: int,
+        samples: int = 0,
+        temperature: float = 1.0,
         on_reward_error: OnRewardError = "fail",
         say: Callable[[str], None] = lambda line: None,
         warn: Callable[[str], None] = lambda line: None,
+        track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
     ) -> None:
+        """``track`` gets the step-0 result (later ones ride in their step's metrics)."""
         self._session = session
         self._renderer = renderer
         self._scorer = scorer
@@ -142,9 +193,12 @@ class Evaluator:
         self._max_tokens = max_tokens
         self._stop_at_eos = stop_at_eos
         self._concurrency = concurrency
+        self._samples = samples
+        self._temperature = temperature
         self._skip_reward_errors = on_reward_error == "skip"
         self._say = say
         self._warn = warn
+        self._track = track
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` train steps are evaluated."""
@@ -170,12 +224,18 @@ class Evaluator:
             max_tokens=self._max_tokens,
             stop_at_eos=self._stop_at_eos,
             concurrency=self._concurrency,
+            samples=self._samples,
+            temperature=self._temperature,
             on_reward_error=skip if self._skip_reward_errors else None,
         )
         record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
         with self._path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
-        rates = ", ".join(f"{k}={v:.1%}" for k, v in metrics.items() if k.endswith("/rate"))
+        if step == 0:
+            self._track(0, metrics)
+        rates = ", ".join(
+            f"{k}={v:.1%}" for k, v in metrics.items() if k.endswith("/rate") or "pass@" in k
+        )
         reward = metrics.get("eval/reward/total")
         errors = int(metrics["eval/reward_errors"])
         self._say(

@@ -18,16 +18,18 @@ carries what the next stage needs, no stage reads another's state):
   submits forward_backward + optim_step + the snapshot of the weights after it (version
   ``s + 1``) back to back, without awaiting anything: while step ``s``'s results are
   outstanding it already submits step ``s + 1`` (``--submit-ahead`` steps at most), so
-  the server's clock never idles between steps. The *finisher* awaits each submitted
-  step in order, publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and
-  hands the :class:`~engine.loop.results.StepResult` to ``on_step``.
+  the server's clock never idles between steps. It files every group it receives with
+  the finisher (a bounded stream). The *finisher* awaits each submitted step in order,
+  publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and hands the
+  :class:`~engine.loop.results.StepResult` to ``on_step``; its loop state keeps every
+  filed group of a later step (nothing sampled is lost on resume), and the trainer's busy
+  time comes from the step's own timestamps. Only the sampling meter (written by the
+  rollout tasks, read per step) and the in-flight count (the finisher makes room for
+  the submitter) are shared.
 
-Admission bounds staleness: a group of step ``s`` starts only once version ``>= s - K``
-exists (its later turns only sample from newer versions), so at most ``K + 1`` steps
-of groups are started but untrained and every trained
-group satisfies ``s - version <= K``. With ``K = 0`` this is the MinT quickstart's
-on-policy loop (same problems, datums and skip rules), only with concurrent sampling and
-one server round per train step. Nothing sampled is discarded.
+Admission bounds staleness (every trained group is at most K versions behind, whatever
+its later turns sampled from; nothing sampled is discarded): docs/architecture.md, "The
+staleness bound", explains it.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
 recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps
@@ -55,6 +57,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig
 from engine.envs.datums import episode_group_datums
+from engine.envs.executors import ProcessGroup
 from engine.envs.metrics import episode_metrics
 from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
 from engine.envs.single_turn import TaskGroupBuilder
@@ -72,9 +75,14 @@ from engine.loop.evaluation import Evaluator
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
 from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.scoring import RewardError, Scorer, check_score_workers, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
-from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
+from engine.observe.metrics import (
+    ActivityMeter,
+    quickstart_line,
+    response_metrics,
+    reward_metrics,
+)
 from engine.session.api import (
     LossSpec,
     PendingSnapshot,
@@ -153,9 +161,7 @@ class _StepAssembly:
             zero_advantage=sum(b.skipped_zero_advantage for _, b in built),
             missing_logprobs=sum(b.dropped_missing_logprobs for _, b in built),
             masked=sum(b.masked for _, b in built),
-            constant_groups=sum(
-                1 for g, b in built if g.reward_error is None and b.constant_reward
-            ),
+            constant_groups=sum(1 for g, b in built if g.trainable and b.constant_reward),
             used_groups=sum(1 for _, b in built if b.datums),
         )
 
@@ -179,33 +185,6 @@ class PipelineOutcome:
     steps_completed: int
     exhausted: bool
     state: LoopState
-
-
-class _Untrained:
-    """The trainer's scored groups that are not trained yet: waiting in the submitter's
-    buffer, or in a submitted step that is not finished. Both trainer tasks share it: the
-    submitter files and submits groups, the finisher reads what a checkpoint after a step
-    must keep (every group of a later step, so nothing sampled is lost on resume)."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[int, dict[int, ScoredGroup]] = {}
-        self._submitted: dict[int, tuple[ScoredGroup, ...]] = {}
-
-    def add(self, group: ScoredGroup) -> None:
-        self.waiting.setdefault(group.step, {})[group.index] = group
-
-    def submit(self, step: int, batch: int) -> tuple[ScoredGroup, ...]:
-        """Step ``step``'s groups, in problem order, moved to the submitted steps."""
-        arrived = self.waiting.pop(step)
-        groups = tuple(arrived[i] for i in range(batch))
-        self._submitted[step] = groups
-        return groups
-
-    def finish(self, step: int) -> tuple[ScoredGroup, ...]:
-        """Step ``step`` is trained; returns the groups of every later step."""
-        self._submitted.pop(step, None)
-        later = {**self._submitted, **{s: tuple(g.values()) for s, g in self.waiting.items()}}
-        return tuple(g for s in sorted(later) if s > step for g in later[s])
 
 
 class _InFlight:
@@ -246,6 +225,7 @@ class Pipeline:
         clock: Clock = time.perf_counter,
         renderer: PromptRenderer | None = None,
         evaluate: Evaluator | None = None,
+        on_reward_error: Callable[[RewardError], None] = lambda error: None,
     ) -> None:
         if config.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
@@ -265,15 +245,21 @@ class Pipeline:
         self._bound = (self._k + 2) * (config.batch + 1)
         self._slots = anyio.Semaphore(config.concurrency)
         self._sampling = ActivityMeter(clock)
-        self._training = ActivityMeter(clock)
         self._in_flight = _InFlight(config.submit_ahead + 1)
-        self._untrained = _Untrained()
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
+        self._on_reward_error = on_reward_error
+        context = session.info.max_context
+        self._max_prompt = context - config.max_tokens if context is not None else None
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._stop = StopCondition(stop_strings, stop_token_ids)
+        workers = parse_score_workers(config.score_workers)
+        self._env_workers = (
+            anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
+        )
         if is_env_task(task):
+            check_score_workers(task, workers)
             self._env_task: EnvTask | None = task  # type: ignore[assignment]
             self._env_context = EnvContext(
                 self._renderer.context, self._stop, config.episode_limits()
@@ -282,11 +268,7 @@ class Pipeline:
             self._scorer: Scorer | None = None
         else:
             self._env_task, limits = None, None
-            self._scorer = Scorer(
-                task,
-                concurrency=config.score_concurrency,
-                workers=parse_score_workers(config.score_workers),
-            )
+            self._scorer = Scorer(task, concurrency=config.score_concurrency, workers=workers)
         self._runner = EpisodeRunner(self._sample_turn, limits, clock=clock)
 
     async def run(self) -> PipelineOutcome:
@@ -294,10 +276,13 @@ class Pipeline:
         submitted_send, submitted_recv = anyio.create_memory_object_stream[_SubmittedStep](
             self._config.submit_ahead + 1
         )
+        # Every group the submitter files, for the finisher's checkpoints (at most K + 1
+        # steps of groups are untrained at once, well within the bound).
+        filed_send, filed_recv = anyio.create_memory_object_stream[ScoredGroup](self._bound)
         async with anyio.create_task_group() as tg:
             tg.start_soon(self._rollout_stage, tg, rolled_send)
-            tg.start_soon(self._submit_stage, rolled_recv, submitted_send)
-            completed, state = await self._finish_stage(submitted_recv)
+            tg.start_soon(self._submit_stage, rolled_recv, submitted_send, filed_send)
+            completed, state = await self._finish_stage(submitted_recv, filed_recv)
         return PipelineOutcome(completed, self._exhausted, state)
 
     # -- rollout ---------------------------------------------------------------------
@@ -320,12 +305,17 @@ class Pipeline:
                     if (step, index) in pending:
                         continue  # rolled out before a resume: reused as is
                     job = self._job(step, index, problem)
+                    if self._max_prompt is not None and len(job.prompt_tokens) > self._max_prompt:
+                        await send.send(self._not_sampled(job))
+                        continue
                     tg.start_soon(self._rollout_group, job, send.clone())
 
     def _job(self, step: int, index: int, problem: Problem) -> _GroupJob:
         admitted = self._versions.current.version
         if self._env_task is not None:
             builder = self._env_task.group_builder(problem, self._config.group, self._env_context)
+            if self._env_workers is not None:
+                builder = ProcessGroup(builder, self._env_workers)
             return _GroupJob(step, index, problem, builder, admitted)
         assert self._scorer is not None
         prompt = tuple(self._renderer.prompt_tokens(problem))
@@ -346,6 +336,8 @@ class Pipeline:
                 # steps in flight instead of cancelling them half-way.
                 self._gate.request(exc)
                 return
+            if rollout.error is not None:
+                self._on_reward_error(rollout.error)
             if rollout.error is not None and self._config.on_reward_error == "fail":
                 # Stop after the steps in flight; until then keep the streams open
                 # (closing them would break the other rollout tasks mid-send).
@@ -416,35 +408,56 @@ class Pipeline:
             for i, c in enumerate(result.completions)
         ]
 
+    def _not_sampled(self, job: _GroupJob) -> ScoredGroup:
+        """A group whose prompt cannot fit the context: part of its step, never sampled
+        (the server would refuse it, and one refusal would stop the run)."""
+        context = self._session.info.max_context
+        reason = (
+            f"problem {job.problem.id}'s prompt of {len(job.prompt_tokens)} tokens plus "
+            f"--max-tokens {self._config.max_tokens} exceeds the model's context of "
+            f"{context} tokens"
+        )
+        now = self._clock()
+        return ScoredGroup(
+            step=job.step,
+            index=job.index,
+            problem=job.problem,
+            prompt_tokens=job.prompt_tokens,
+            version=job.admitted,
+            completions=(),
+            rewards=(),
+            sample_started=now,
+            sample_finished=now,
+            score_started=now,
+            score_finished=now,
+            too_long=reason,
+        )
+
     # -- trainer: submitter ----------------------------------------------------------
 
     async def _submit_stage(
         self,
         receive: MemoryObjectReceiveStream[_RolledOut],
         send: MemoryObjectSendStream[_SubmittedStep],
+        filed: MemoryObjectSendStream[ScoredGroup],
     ) -> None:
         cfg = self._config
-        untrained = self._untrained
         now = self._clock()
+        waiting: dict[int, dict[int, ScoredGroup]] = {}  # step -> index -> group
         for g in self._state.pending_groups:
             # Restored from a checkpoint: ready now (their old clock values mean nothing).
-            untrained.add(
-                dataclasses.replace(
-                    g,
-                    sample_started=now,
-                    sample_finished=now,
-                    score_started=now,
-                    score_finished=now,
-                )
+            restored = dataclasses.replace(
+                g, sample_started=now, sample_finished=now, score_started=now, score_finished=now
             )
+            waiting.setdefault(g.step, {})[g.index] = restored
         source_after: dict[int, dict[str, Any]] = {}
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
-        async with receive, send:
+        async with receive, send, filed:
             for step in range(self._state.next_step, cfg.steps):
                 assembly = _StepAssembly(step)
                 while True:
-                    arrived = untrained.waiting.get(step, {})
+                    arrived = waiting.get(step, {})
                     complete = len(arrived) == cfg.batch and step in source_after
                     await self._submit_ready(assembly, arrived, complete=complete)
                     if complete:
@@ -456,10 +469,12 @@ class Pipeline:
                     if isinstance(message, _StepOpened):
                         source_after[message.step] = message.source_after
                     else:
-                        untrained.add(message)
+                        waiting.setdefault(message.step, {})[message.index] = message
+                        await filed.send(message)
                         if message.step == step:
                             complete_at = self._clock()
-                groups = untrained.submit(step, cfg.batch)
+                arrived = waiting.pop(step)
+                groups = tuple(arrived[i] for i in range(cfg.batch))
                 await self._open(assembly)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
@@ -516,11 +531,10 @@ class Pipeline:
             return
         await self._in_flight.acquire(drain=self._config.checkpoint_due(assembly.step))
         await self._gate.begin_step(assembly.step + 1)
-        self._training.begin()
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
-        if group.reward_error is not None:
+        if not group.trainable:
             return GroupDatums([], [], 0, 0, 0)
         if group.episodes:
             return episode_group_datums(
@@ -536,12 +550,15 @@ class Pipeline:
     # -- trainer: finisher -----------------------------------------------------------
 
     async def _finish_stage(
-        self, receive: MemoryObjectReceiveStream[_SubmittedStep]
+        self,
+        receive: MemoryObjectReceiveStream[_SubmittedStep],
+        filed: MemoryObjectReceiveStream[ScoredGroup],
     ) -> tuple[int, LoopState]:
         completed = 0
         state = self._state
         last_end = self._clock()
-        async with receive:
+        untrained = {(g.step, g.index): g for g in self._state.pending_groups}
+        async with receive, filed:
             async for submitted in receive:
                 step = submitted.step
                 try:
@@ -560,12 +577,11 @@ class Pipeline:
                     raise
                 if step + 1 < self._config.steps:
                     self._versions.publish(handle)
-                self._training.end()
                 end = self._clock()
                 state = dataclasses.replace(
                     submitted.state,
                     sampler_version=self._versions.current.version,
-                    pending_groups=self._untrained.finish(step),
+                    pending_groups=_untrained_after(step, untrained, filed),
                 )
                 step_result = self._step_result(
                     submitted, result, state, last_end, end, snapshot_retries.count
@@ -604,18 +620,23 @@ class Pipeline:
         kl = kl_sample_train(assembled.datums, result.logprobs)
         step_time = max(train_end - last_end, 1e-9)
         sampling_busy, samples, tokens = self._sampling.take()
-        training_busy, _, _ = self._training.take()
-        scored = [g for g in groups if g.reward_error is None]
+        # Steps are trained in order: from this step's first submission (or the end of
+        # the previous step, if later) to its end, the trainer was busy.
+        training_busy = train_end - max(submitted.train_start, last_end)
+        scored = [g for g in groups if g.trainable]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
             "step": step + 1,
             **reward_metrics(scored),
+            **response_metrics(groups),
             "datums": len(assembled.datums),
             "groups/total": len(groups),
             "groups/used": assembled.used_groups,
+            "groups/trained_frac": assembled.used_groups / len(groups),
             "groups/skipped": assembled.constant_groups,
             "groups/reward_errors": len(failed),
             "reward_errors/problem_ids": [g.problem.id for g in failed],
+            "groups/too_long": sum(1 for g in groups if g.too_long is not None),
             "skipped/empty_responses": assembled.empty,
             "skipped/zero_advantage": assembled.zero_advantage,
             "dropped/missing_logprobs": assembled.missing_logprobs,
@@ -662,6 +683,24 @@ class Pipeline:
             timeline=timeline,
             state=state,
         )
+
+
+def _untrained_after(
+    step: int,
+    untrained: dict[tuple[int, int], ScoredGroup],
+    filed: MemoryObjectReceiveStream[ScoredGroup],
+) -> tuple[ScoredGroup, ...]:
+    """Every group filed by the submitter so far of a step after ``step`` (what a
+    checkpoint after ``step`` must keep, so nothing sampled is lost on resume)."""
+    while True:
+        try:
+            group = filed.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            break
+        untrained[(group.step, group.index)] = group
+    for key in [k for k in untrained if k[0] <= step]:
+        del untrained[key]
+    return tuple(untrained[k] for k in sorted(untrained))
 
 
 _NO_TRAINING = TrainResult([], {}, {})

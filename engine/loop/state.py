@@ -47,6 +47,15 @@ class ScoredGroup:
     episodes: tuple[Trajectory, ...] = field(default=(), repr=False)
     """An environment task's trajectories, one per episode (``rewards`` then holds
     each one's total reward; ``completions`` is empty). Empty for a single-turn task."""
+    too_long: str | None = None
+    """Set when the prompt cannot fit the model's context with ``--max-tokens`` of
+    response: the group was not sampled; like a reward error, it is part of its step but
+    yields no datums."""
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the group's responses can be trained on (sampled and scored)."""
+        return self.reward_error is None and self.too_long is None
 
     @property
     def totals(self) -> list[float]:
@@ -76,6 +85,7 @@ class ScoredGroup:
             "rewards": [{"total": r.total, "components": dict(r.components)} for r in self.rewards],
             "reward_error": self.reward_error,
             **({"episodes": episodes} if episodes else {}),
+            "too_long": self.too_long,
         }
 
     @classmethod
@@ -100,6 +110,7 @@ class ScoredGroup:
             ),
             reward_error=data.get("reward_error"),
             episodes=tuple(trajectory_from_dict(t) for t in data.get("episodes", ())),
+            too_long=data.get("too_long"),
         )
 
 

@@ -103,6 +103,26 @@ def reward_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
     return out
 
 
+def response_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
+    """Response lengths in tokens: ``response_len/mean``, ``response_len/max``,
+    ``response_len/truncated_frac`` (stopped by max_tokens) and ``response_len/empty_frac``
+    (nothing before the stop: no tokens, or only the stop token). An environment's
+    responses are the actions of its episodes' turns."""
+    responses = [(c.tokens, c.stop_reason) for g in groups for c in g.completions] + [
+        (turn.action, turn.stop_reason) for g in groups for e in g.episodes for turn in e.turns
+    ]
+    n = len(responses)
+    lengths = [len(tokens) for tokens, _ in responses]
+    empty = sum(1 for tokens, stop in responses if len(tokens) - (stop == "stop") <= 0)
+    truncated = sum(1 for tokens, stop in responses if stop == "length" and tokens)
+    return {
+        "response_len/mean": sum(lengths) / n if n else 0.0,
+        "response_len/max": float(max(lengths, default=0)),
+        "response_len/truncated_frac": truncated / n if n else 0.0,
+        "response_len/empty_frac": empty / n if n else 0.0,
+    }
+
+
 def quickstart_line(step: int, metrics: Mapping[str, Any]) -> str:
     """The MinT quickstart's per-step line, character for character, when the task has
     its components; otherwise the same line without the rates it cannot compute."""
@@ -218,16 +238,21 @@ class RunLog:
         self._jsonl.info("step", **metrics)
         if self._console is not None:
             self._console.info("step", line=line, **metrics)
+        self.track(int(metrics["step"]), metrics)
+
+    def track(self, step: int, metrics: Mapping[str, Any]) -> None:
+        """Send ``metrics`` to the trackers at ``step``: a step's, or the evaluation of the
+        starting weights (step 0), which has no step of its own."""
         for name, tracker in list(self._trackers):
             try:
-                tracker.log_step(int(metrics["step"]), metrics)
+                tracker.log_step(step, metrics)
             except Exception as exc:  # a dashboard must not stop the training
                 self._trackers.remove((name, tracker))
                 with contextlib.suppress(Exception):
                     tracker.close()
                 self.warning(
                     "tracker_failed",
-                    f"{name} stopped logging at step {metrics['step']} ({exc!r}); "
+                    f"{name} stopped logging at step {step} ({exc!r}); "
                     "metrics.jsonl keeps every step",
                 )
 

@@ -20,7 +20,7 @@ dead one, so only a failure to *connect* counts.
   waits for the verdict instead of being retried or counted by the breaker:
   :meth:`ServerLiveness.verdict_after_failure`.
 
-Time runs on an injectable :class:`~engine.supervision.watchdog.Clock`.
+Time runs on an injectable :class:`~engine.common.clock.Clock`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Final, TypeVar
 import anyio
 import httpx
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import ServerUnreachable, os_reason
-from engine.supervision.watchdog import LOOP_CLOCK, Clock
 
 __all__ = ["PROBE_INTERVAL_S", "UNREACHABLE_AFTER_S", "Probe", "ServerLiveness", "http_probe"]
 

@@ -6,7 +6,7 @@ the single seam where the reliability layer (``engine.session.retry``,
 of the engine sees typed results (:class:`SampleResult`, :class:`TrainResult`,
 :class:`SamplerHandle`) and never an SDK future.
 
-Two SDK facts shape this module (tinker 0.22, see docs/mint-wire-protocol.md):
+Two SDK facts shape this module (tinker 0.22; docs/architecture.md, "Wire facts"):
 
 * The ``_async`` training calls need two awaits: ``fut = await tc.forward_backward_async
   (...)`` submits (and fixes the request's place in the model's sequence), ``await fut``
@@ -50,6 +50,7 @@ import tinker
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import HOSTED_BASE_URL, HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason, primary_error
 from engine.loop.rl import Completion, Datum
@@ -73,7 +74,7 @@ from engine.session.retry import (
     retry_policies,
     tally_retries,
 )
-from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock
+from engine.supervision.watchdog import CircuitBreaker
 
 __all__ = [
     "MintSession",
@@ -509,7 +510,11 @@ async def _connect(
             lambda: anyio.to_thread.run_sync(training.get_tokenizer, abandon_on_cancel=True),
         )
         say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
-        info = ServerInfo(base_url, base_model, local, supported)
+        context = next(
+            (m.max_context_length for m in caps.supported_models if m.model_name == base_model),
+            None,
+        )
+        info = ServerInfo(base_url, base_model, local, supported, context)
         yield MintSession(service, training, tokenizer, info, guard, lora, config)
     finally:
         # Stops the SDK's session heartbeat (it would outlive a local server).
@@ -677,10 +682,12 @@ def local_server_profile(model_dir: Path | None) -> Profile:
     """The defaults the local server would report for ``model_dir`` (None: the packaged
     model), read before the engine starts it: the same entry its
     ``get_server_capabilities`` answer carries."""
+    from engine.local.pretrained import resolve_model
     from engine.local.recommended import model_entry
 
     try:
-        return server_profile({"supported_models": [model_entry(model_dir)]}, "the local server")
+        entry = model_entry(resolve_model(model_dir))
+        return server_profile({"supported_models": [entry]}, "the local server")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc
 

@@ -82,6 +82,7 @@ import anyio
 import structlog
 import tenacity
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import (
     EngineError,
     PermanentServiceError,
@@ -94,7 +95,7 @@ from engine.errors import (
 )
 from engine.session.liveness import UNREACHABLE_AFTER_S, ServerLiveness
 from engine.supervision.recovery import run_train_step
-from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
+from engine.supervision.watchdog import CircuitBreaker, deadline
 
 __all__ = [
     "SDK_MAX_RETRIES",

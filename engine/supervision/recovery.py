@@ -41,6 +41,7 @@ from typing import Any, TypeVar
 
 import structlog
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import (
     EngineError,
     PermanentServiceError,
@@ -49,7 +50,7 @@ from engine.errors import (
     classify,
 )
 from engine.rundir.checkpoints import CheckpointRecord
-from engine.supervision.watchdog import LOOP_CLOCK, CircuitBreaker, Clock, deadline
+from engine.supervision.watchdog import CircuitBreaker, deadline
 
 __all__ = ["RecoveryPlan", "StepOutcome", "plan_recovery", "run_train_step", "step_outcome"]
 

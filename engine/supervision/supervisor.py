@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import anyio
 
+from engine.common.clock import Clock
 from engine.config import EngineConfig
 from engine.errors import (
     RunStopped,
@@ -40,8 +41,9 @@ from engine.errors import (
 from engine.loop.evaluation import Evaluator
 from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import RunResult, StepResult
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.scoring import RewardError, Scorer, parse_score_workers
 from engine.loop.state import LoopState
+from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
 from engine.rollouts import RolloutLog
@@ -52,7 +54,7 @@ from engine.session.api import Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
-from engine.supervision.watchdog import Clock, Watchdog
+from engine.supervision.watchdog import Watchdog
 from engine.tasks import Task
 from engine.tasks.render import PromptRenderer
 
@@ -115,6 +117,7 @@ class Supervisor:
         self._publish = publish
         self._outputs = _open_task_outputs(config, task, session, files, log)
         self._supervising = False
+        self._said_all_empty = False
 
     # -- the run -------------------------------------------------------------------
 
@@ -220,6 +223,7 @@ class Supervisor:
                 progress=watchdog.progress,
                 renderer=self._outputs.renderer,
                 evaluate=self._outputs.evaluator,
+                on_reward_error=self._reward_failed,
             )
             try:
                 return await pipeline.run()
@@ -229,6 +233,15 @@ class Supervisor:
                     raise
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
+
+    def _reward_failed(self, error: RewardError) -> None:
+        """Keep the reward's traceback in events.jsonl (the console shows one line; with
+        ``--log-level debug`` the traceback too)."""
+        self._events.info(
+            "reward.failed", problem_id=error.problem.id, error=str(error), traceback=error.trace
+        )
+        if self._config.log_level == "debug":
+            self._log.warning("reward_traceback", f"{error}\n{error.trace.rstrip()}")
 
     def _initial_state(self) -> LoopState:
         return LoopState(0, self._task.source(self._config.seed).state(), 0)
@@ -262,6 +275,10 @@ class Supervisor:
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
+        task_metrics = getattr(self._task, "metrics", None)  # e.g. a judge's cost so far
+        if callable(task_metrics):
+            for key, value in task_metrics().items():
+                result.metrics.setdefault(key, value)
         self._files.steps.append(result.metrics)
         self._log.step(result.metrics, result.line)
         self._outputs.rollouts.write(result)
@@ -272,13 +289,24 @@ class Supervisor:
                 f"step {result.step}: dropped {dropped} responses that came without sampler "
                 "logprobs (--on-missing-logprobs drop)",
             )
+        if result.metrics.get("response_len/empty_frac") == 1.0 and not self._said_all_empty:
+            self._said_all_empty = True
+            self._log.warning("empty_responses", all_empty_warning(result.step))
         for group in result.groups:
+            if group.too_long is not None:
+                self._log.warning(
+                    "prompt_too_long",
+                    f"step {result.step}: {group.too_long}; the group was left out of the step",
+                )
             if group.reward_error is not None:
                 self._log.warning(
                     "reward_error",
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
+        idle = no_training_warning(self._files.steps)
+        if idle is not None:
+            self._events.warning("run.no_training", step=result.step, message=idle)
         if self._config.checkpoint_due(result.step):
             try:
                 await self._checkpoint("periodic", result.state)
@@ -356,6 +384,16 @@ class Supervisor:
         )
 
 
+def all_empty_warning(step: int) -> str:
+    """What a step whose responses were all empty says (once per run)."""
+    return (
+        f"step {step}: every response was empty: the model likely cannot answer this "
+        "prompt format (the packaged model answers only the quickstart's 'Question: What "
+        "is A + B?\\nAnswer:' prompts; docs/export-and-eval.md says which model suits "
+        "which task)"
+    )
+
+
 def _open_task_outputs(
     config: EngineConfig, task: Task, session: Session, files: RunDirectory, log: RunLog
 ) -> _TaskOutputs:
@@ -380,9 +418,12 @@ def _open_task_outputs(
             max_tokens=config.max_tokens,
             stop_at_eos=config.stop_at_eos,
             concurrency=config.concurrency,
+            samples=config.eval_samples,
+            temperature=config.temperature,
             on_reward_error=config.on_reward_error,
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
+            track=log.track,
         )
     if files.resumed is not None:
         rollouts.rewind(files.resumed.step)

@@ -17,9 +17,8 @@ write a checkpoint and exit:
   the run's scope (the engine then writes an ``interrupt`` checkpoint and exits); a
   second one exits the process at once.
 
-Every wait on time here goes through a :class:`Clock` (default :data:`LOOP_CLOCK`,
-anyio's event-loop clock), so tests drive deadlines and the watchdog with a manual clock
-instead of sleeping.
+Every wait on time here goes through a :class:`~engine.common.clock.Clock`, so tests
+drive deadlines and the watchdog with a manual clock instead of sleeping.
 """
 
 from __future__ import annotations
@@ -28,57 +27,23 @@ import os
 import signal
 import sys
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import AbstractContextManager, contextmanager
-from typing import Any, Protocol
+from contextlib import contextmanager
+from typing import Any
 
 import anyio
 import structlog
 
+from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import CircuitOpen, Interrupted, OpTimeout, Stalled, classify
 
 __all__ = [
-    "LOOP_CLOCK",
     "CircuitBreaker",
-    "Clock",
-    "LoopClock",
     "SignalInterrupt",
     "Watchdog",
     "deadline",
 ]
 
 _log = structlog.get_logger("engine.supervision.watchdog")
-
-
-class Clock(Protocol):
-    """The time the reliability timers (deadlines, watchdog, server liveness) run on."""
-
-    def now(self) -> float:
-        """Seconds on this clock (only differences mean something)."""
-        ...
-
-    async def sleep(self, seconds: float) -> None:
-        """Return once ``seconds`` have passed on this clock."""
-        ...
-
-    def cancel_after(self, seconds: float) -> AbstractContextManager[anyio.CancelScope]:
-        """Enter a cancel scope that cancels itself ``seconds`` from now on this clock."""
-        ...
-
-
-class LoopClock:
-    """anyio's event-loop clock: the real time of a run."""
-
-    def now(self) -> float:
-        return anyio.current_time()
-
-    async def sleep(self, seconds: float) -> None:
-        await anyio.sleep(seconds)
-
-    def cancel_after(self, seconds: float) -> AbstractContextManager[anyio.CancelScope]:
-        return anyio.CancelScope(deadline=anyio.current_time() + seconds)
-
-
-LOOP_CLOCK: Clock = LoopClock()
 
 
 @contextmanager

@@ -34,9 +34,12 @@ from engine.local.service.checkpoints import CheckpointStore
 from engine.local.service.core import Core, HttpError, ModelCard, sync_parse
 from engine.local.service.management import ManagementApi
 from engine.local.service.resources import Resources
+from engine.local.service.resume import ResumeOps
 from engine.local.service.sampling import SamplingOps
+from engine.local.service.session_ops import SessionOps
 from engine.local.service.training import TrainingOps
 from engine.local.stats import Stats, StatsSnapshot
+from engine.local.tinker_proto import zstd_available
 from engine.local.wire import RetrieveFutureW, WeightsInfoW
 
 __all__ = ["HttpError", "LocalService"]
@@ -62,6 +65,8 @@ class LocalService:
             self.core, self.checkpoints, self.resources, self.sampling.on_sampler_saved
         )
         self.management = ManagementApi(self.core, self.checkpoints)
+        self.resume = ResumeOps(self.core, self.checkpoints, self.resources)
+        self.session_ops = SessionOps(self.core, self.resources)
 
     @property
     def config(self) -> ServerConfig:
@@ -138,6 +143,7 @@ class LocalService:
         return {"type": "session_heartbeat"}
 
     def client_config(self) -> dict[str, Any]:
+        limits = self.config.limits
         return {
             "pjwt_auth_enabled": True,
             "credential_default_source": "api_key",
@@ -145,6 +151,14 @@ class LocalService:
             "use_pyqwest_transport": False,
             "proto_write_fwdbwd": False,
             "sample_no_retries": False,
+            # tinker >= 0.38: forward_backward arrives as zstd-compressed protobuf, in
+            # chunks the server's limits accept (the byte estimate is pre-compression).
+            "proto_compress_fwdbwd": zstd_available(),
+            "fwdbwd_max_chunk_len": limits.max_datums,
+            "fwdbwd_max_chunk_bytes_count": min(5_000_000, limits.max_body_bytes),
+            "sample_use_retrieve_futures": False,
+            "sample_join_sampling_session": True,
+            "custom_loss_server_side": False,
         }
 
     def capabilities(self) -> dict[str, Any]:
@@ -205,6 +219,8 @@ class LocalService:
             futures_retained=core.futures.retained,
             polls_held=core.futures.held,
             compute_busy_s=core.compute.busy_s,
+            compute_jobs=list(core.compute.jobs),
+            cycle_starts=list(core.clock.ticks) if core.clock else [],
             models=len(core.registry.models),
             sampling_sessions=len(core.registry.samplers),
             held=self.resources.held(),

@@ -160,7 +160,7 @@ class Core:
     async def finish_job(self, entry: FutureEntry, job: Job) -> dict[str, Any] | None:
         """Run ``job`` on the compute thread; on failure fail the future, return None."""
         try:
-            result = await self.compute.run(job.run)
+            result = await self.compute.run(job.run, entry.endpoint)
             payload = job.finish(result)
         except USER_ERRORS as exc:
             self.futures.fail(entry, str(exc), "user")

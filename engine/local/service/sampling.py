@@ -103,7 +103,7 @@ class SamplingOps:
         cached = core.registry.sampler_keys.get(str(parsed))
         if cached is not None:
             return cached, name
-        await self.resources.make_room_for_sampler()
+        self.resources.limit_snapshots(room=1)
         directory = parsed.directory(core.data_dir)
         try:
             with self.checkpoints.reading(parsed):
@@ -148,6 +148,7 @@ class SamplingOps:
         self.core.spawn(self.resources.enforce_memory, frozenset({key}))
         if path is not None:
             registry.sampler_keys[str(path)] = key
+            self.resources.limit_snapshots(protect=frozenset({key}))
             return None
         sampler_id = self._new_session(
             key, None, model.base_model, model.session_id, ephemeral=True
@@ -196,7 +197,7 @@ class SamplingOps:
             existing = self._sample_requests.get(dedupe_key)
             if existing is not None and core.futures.get(existing) is not None:
                 core.stats.dedupe_hits["asample"] += 1
-                return {"request_id": existing}
+                return sample_ref({"request_id": existing}, body)
         entry = core.new_future("asample")
         try:
             req = parse(SampleW, body, "asample")
@@ -207,7 +208,9 @@ class SamplingOps:
         if core.faults.submit_fault("asample"):
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
-        deliver = functools.partial(self._deliver, entry, anyio.current_time())
+        deliver = functools.partial(
+            self._deliver, entry, anyio.current_time(), req.prompt_logprobs_last_n
+        )
         try:
             self.batcher.submit(PendingSample(job, deliver))
         except SamplerQueueFull as exc:
@@ -215,7 +218,7 @@ class SamplingOps:
             raise busy(str(exc)) from None
         if session_id is not None and seq_id is not None:
             self._sample_requests.remember(dedupe_key, entry.request_id)
-        return core.ref(entry)
+        return sample_ref(core.ref(entry), body)
 
     def _sampler_of(self, req: SampleW) -> str | None:
         """The backend key the request samples with (None: the bare base model)."""
@@ -239,7 +242,13 @@ class SamplingOps:
             return None
         raise WireError("asample needs a sampling_session_id, model_path or base_model")
 
-    def _deliver(self, entry: FutureEntry, submitted: float, outcome: SampleOutcome) -> None:
+    def _deliver(
+        self,
+        entry: FutureEntry,
+        submitted: float,
+        last_n: int | None,
+        outcome: SampleOutcome,
+    ) -> None:
         core = self.core
         if isinstance(outcome, Exception):
             if isinstance(outcome, USER_ERRORS):
@@ -255,7 +264,7 @@ class SamplingOps:
                 )
             return
         try:
-            payload = sample_json(outcome)
+            payload = keep_last_prompt_logprobs(sample_json(outcome), last_n)
         except ValueError as exc:
             core.futures.fail(entry, f"sampling produced an invalid result: {exc}", "server")
             return
@@ -272,12 +281,64 @@ class SamplingOps:
         self.core.futures.resolve(entry, payload)
 
 
+def sample_ref(ref: dict[str, Any], body: Any) -> dict[str, Any]:
+    """An asample future with one sequence id per requested sample (tinker >= 0.38 stamps
+    them on the sequences; older clients ignore the key). Derived from the request id,
+    so a resubmission's answer carries the same ids."""
+    count = raw_field(body, "num_samples", int)
+    count = 1 if count is None else count
+    if 1 <= count <= 1 << 16:
+        ref["sample_sequence_ids"] = [f"{ref['request_id']}-{i}" for i in range(count)]
+    return ref
+
+
+def keep_last_prompt_logprobs(payload: dict[str, Any], last_n: int | None) -> dict[str, Any]:
+    """``prompt_logprobs_last_n``: only the last N prompt positions keep their logprobs
+    (and top-k rows); earlier ones read as not computed."""
+    if last_n is None:
+        return payload
+    for key in ("prompt_logprobs", "topk_prompt_logprobs"):
+        values = payload.get(key)
+        if values is not None:
+            cut = max(0, len(values) - last_n)
+            payload[key] = [None] * cut + values[cut:]
+    return payload
+
+
+_UNSUPPORTED_SAMPLE_OPTIONS = {
+    "topk_sample_logprobs": "top-k logprobs of the sampled tokens",
+    "target_prompt_logprobs": "logprobs of chosen target tokens at prompt positions",
+    "prompt_alt_tokens_k": "alternative-token draws at prompt positions",
+    "record_stability_info": "stability info for StableReinforce training",
+}
+
+
+def _check_supported_options(req: SampleW) -> None:
+    for field, what in _UNSUPPORTED_SAMPLE_OPTIONS.items():
+        if getattr(req, field):
+            raise WireError(
+                f"{field} ({what}) is not supported by the local server; leave it unset"
+            )
+
+
 def sample_job_of(req: SampleW, sampler: str | None, card: ModelCard, limits: Limits) -> SampleJob:
     """The backend job for one asample request: every check of a sample request lives
     here (the backend trusts the jobs it gets)."""
+    _check_supported_options(req)
     prompt = tokens_of(req.prompt, "prompt")
     if not prompt:
         raise WireError("prompt must contain at least one token")
+    last_n = req.prompt_logprobs_last_n
+    if last_n is not None:
+        if not req.prompt_logprobs:
+            raise WireError(
+                "prompt_logprobs_last_n applies to prompt logprobs; set prompt_logprobs"
+            )
+        if not 1 <= last_n <= len(prompt) - 1:
+            raise WireError(
+                f"prompt_logprobs_last_n must be in 1..{len(prompt) - 1} (the prompt has "
+                f"{len(prompt)} tokens), got {last_n}"
+            )
     check_token_ids(prompt, card.vocab_size, "prompt")
     params = req.sampling_params
     if params.max_tokens is None or params.max_tokens < 1:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import time
 import uuid
 from collections.abc import Callable
 from typing import Any
@@ -49,6 +50,7 @@ from engine.local.wire import (
     SaveForSamplerW,
     SaveWeightsW,
     WireError,
+    check_adamw,
     parse,
 )
 
@@ -82,12 +84,14 @@ class TrainingOps:
             if existing is not None and core.futures.get(existing) is not None:
                 core.stats.dedupe_hits["create_model"] += 1
                 return {"request_id": existing}
+        self.resources.check_model_budget()
         entry = core.new_future("create_model")
         if session_id is not None and model_seq_id is not None:
             self._model_requests.remember(dedupe_key, entry.request_id)
         try:
             req = parse(CreateModelW, body, "create_model")
             core.resolve_base_model(req.base_model)
+            check_adamw(req.optimizer_config, "create_model")
             lora = req.lora_config
             if lora is None:
                 raise WireError("create_model needs a lora_config (the local server trains LoRA)")
@@ -110,21 +114,20 @@ class TrainingOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
         core.spawn(self._run_create_model, entry, spec, req)
+        self.resources.creating_models += 1
         return core.ref(entry)
 
     async def _run_create_model(
         self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW
     ) -> None:
+        try:
+            await self._create_model(entry, spec, req)
+        finally:
+            self.resources.creating_models -= 1
+
+    async def _create_model(self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW) -> None:
         core = self.core
         model_id = f"model-{uuid.uuid4().hex}"
-        if not await self.resources.make_room_for_model():
-            core.futures.fail(
-                entry,
-                f"the local server already holds {core.config.limits.max_models} training "
-                "clients, all with operations in flight (--max-models); retry later",
-                "server",
-            )
-            return
 
         def run() -> None:
             core.backend.create_model(model_id, spec)
@@ -240,7 +243,7 @@ class TrainingOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             job = None
         cycle = core.clock.assign() if (core.clock is not None and job is not None) else None
-        core.spawn(self._run, model, seq_id, entry, job, cycle)
+        core.spawn(self._run, model, seq_id, entry, job, cycle, time.monotonic())
         return core.ref(entry)
 
     def _build_job(self, endpoint: str, model: ModelState, body: Any) -> Job:
@@ -261,6 +264,10 @@ class TrainingOps:
             return forward_job(backend, mid, fw.forward_input, limits, backward=False)
         if endpoint == "optim_step":
             opt = parse(OptimStepW, body, endpoint)
+            if opt.adam_params is None:
+                if opt.optimizer_params is not None:  # tinker >= 0.38, another optimizer
+                    check_adamw(opt.optimizer_params, endpoint)
+                raise WireError(f"invalid {endpoint} request: adam_params: Field required")
 
             def count_step() -> None:
                 core.stats.optimizer_steps[mid] += 1
@@ -269,9 +276,14 @@ class TrainingOps:
         if endpoint == "save_weights":
             sw = parse(SaveWeightsW, body, endpoint)
             job = save_state_job(backend, mid, sw.path, core.data_dir, overwrite=sw.overwrite)
-            return self.checkpoints.on_saved(job, sw.ttl_seconds)
+            return self.checkpoints.on_saved(job, sw.ttl_seconds, sw.user_metadata)
         if endpoint == "save_weights_for_sampler":
             ss = parse(SaveForSamplerW, body, endpoint)
+            if ss.kind not in ("snapshot", "inflight"):
+                raise WireError(
+                    "save_weights_for_sampler kind must be 'snapshot' or 'inflight', "
+                    f"got {ss.kind!r}"
+                )
             if ss.path is None and ss.sampling_session_seq_id is None:
                 raise WireError(
                     "save_weights_for_sampler needs a name in 'path' or a sampling_session_seq_id"
@@ -284,7 +296,9 @@ class TrainingOps:
                 on_saved=lambda key, path: self._on_sampler_saved(key, path, model),
                 snapshot_delay=core.latency.snapshot if core.latency else 0.0,
             )
-            return self.checkpoints.on_saved(job, ss.ttl_seconds) if ss.path else job
+            if ss.path is None:
+                return job
+            return self.checkpoints.on_saved(job, ss.ttl_seconds, ss.user_metadata)
         if endpoint == "load_weights":
             lw = parse(LoadWeightsW, body, endpoint)
             self.checkpoints.expire_if_due(lw.path)
@@ -298,6 +312,7 @@ class TrainingOps:
         entry: FutureEntry,
         job: Job | None,
         cycle: int | None,
+        submitted: float,
     ) -> None:
         core = self.core
         payload: dict[str, Any] | None = None
@@ -309,8 +324,10 @@ class TrainingOps:
                     core.futures.fail(entry, self.unknown_model(model.model_id))
                     return
                 if cycle is not None and core.clock is not None:
-                    await core.clock.wait_start(cycle)
-                    core.stats.record_cycle(model.model_id, OpCycle(seq_id, entry.endpoint, cycle))
+                    # Computed now, released when its cycle ends (see engine.local.latency).
+                    core.stats.record_cycle(
+                        model.model_id, OpCycle(seq_id, entry.endpoint, cycle, submitted)
+                    )
                 reads = self.checkpoints.reading(job.reads) if job.reads else None
                 with reads or contextlib.nullcontext():
                     payload = await core.finish_job(entry, job)

@@ -1,0 +1,295 @@
+"""``python -m engine.eval CHECKPOINT``: evaluate a trained checkpoint on a task's held-out
+problems, greedily and sampled (mean reward, pass rate, pass@1, pass@k), with the same
+evaluator that runs during training (:func:`engine.loop.evaluation.evaluate`).
+
+CHECKPOINT is a run dir, a checkpoint dir or a ``tinker://`` path
+(:mod:`engine.checkpoint_files`). A run dir supplies the task, its arguments and the
+sampling settings from its ``config.json``; flags override them. A checkpoint whose files
+are here is served by a local server started on a temporary data dir (holding a copy of
+it); any other is sampled where it lives (``--base-url`` / ``MINT_BASE_URL``, the run's
+``base_url``, with ``MINT_API_KEY``). ``--baseline`` also evaluates the starting weights
+(step 0: a fresh LoRA adds nothing to the base model) and prints the difference. The
+result is written as JSON (``--out``, default ``<run dir>/eval-<step>.json`` for a run dir)
+and printed as a short table.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import sys
+import tempfile
+from collections.abc import Mapping, Sequence
+from contextlib import AsyncExitStack
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
+from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.config import EngineConfig, parse_task_args
+from engine.errors import ConfigError, EngineError, find_error
+from engine.loop.evaluation import eval_problems_of, evaluate
+from engine.loop.scoring import Scorer, parse_score_workers
+from engine.rundir.directory import stored_config
+from engine.session.mint import open_session, service_guard
+from engine.tasks import load_task
+from engine.tasks.render import PromptRenderer
+
+__all__ = ["EvalRequest", "format_table", "main", "run_eval"]
+
+_FROM_RUN = (
+    "task",
+    "task_args",
+    "base_model",
+    "lora_rank",
+    "max_tokens",
+    "temperature",
+    "stop_at_eos",
+    "score_concurrency",
+    "score_workers",
+    "concurrency",
+    "on_reward_error",
+)
+"""The settings a run dir's config.json gives the evaluation (flags override them)."""
+_STAGED_PATH = ("eval", "weights", "checkpoint")
+"""Where a local checkpoint is copied in the temporary data dir (a tinker:// path)."""
+
+
+@dataclass(frozen=True)
+class EvalRequest:
+    checkpoint: str
+    step: int | None = None
+    task: str | None = None
+    task_args: Mapping[str, str] | None = None
+    samples: int = 4
+    temperature: float | None = None
+    max_tokens: int | None = None
+    baseline: bool = False
+    data_dir: Path | None = None
+    base_url: str | None = None
+
+
+def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConfig:
+    stored = stored_config(ref.run_dir) if ref.run_dir is not None else {}
+    settings: dict[str, Any] = {k: stored[k] for k in _FROM_RUN if stored.get(k) is not None}
+    if settings.get("task_args", {}).get("eval_size") == "0":
+        # a run without --eval-every held nothing out: the task's default held-out set
+        settings["task_args"] = {k: v for k, v in settings["task_args"].items() if k != "eval_size"}
+    if request.task is not None:
+        settings["task"] = request.task
+        settings["task_args"] = {}
+    if request.task_args:
+        settings["task_args"] = {**settings.get("task_args", {}), **request.task_args}
+    if request.temperature is not None:
+        settings["temperature"] = request.temperature
+    if request.max_tokens is not None:
+        settings["max_tokens"] = request.max_tokens
+    if "task" not in settings:
+        raise ConfigError(f"{request.checkpoint} is not a run dir: say which task (--task)")
+    if local:
+        settings["local"] = True
+        settings.update(api_key=None, base_url=None)
+    elif request.base_url is not None:
+        settings["base_url"] = request.base_url
+    elif isinstance(stored.get("base_url"), str):
+        settings["base_url"] = stored["base_url"]
+    # eval_every: the arithmetic task then holds out its default number of pairs
+    return EngineConfig.from_env(**settings, eval_every=1, steps=1, progress=False).resolved()
+
+
+def _stage(directory: Path, data_dir: Path) -> str:
+    """Copy a local checkpoint into ``data_dir``; return the tinker:// path it has there."""
+    shutil.copytree(directory, data_dir.joinpath(*_STAGED_PATH))
+    return "tinker://" + "/".join(_STAGED_PATH)
+
+
+async def run_eval(request: EvalRequest) -> dict[str, Any]:
+    """Evaluate as ``request`` says; return the JSON-able result."""
+    ref = resolve_checkpoint(request.checkpoint, step=request.step, data_dir=request.data_dir)
+    local = ref.directory is not None
+    config = _config(request, ref, local)
+    async with AsyncExitStack() as stack:
+        data_dir: Path | None = None
+        if local:
+            assert ref.directory is not None
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-eval-")))
+            path = _stage(ref.directory, data_dir)
+            if config.local_model is None:
+                config = _with_base_model_of(config, ref.directory)
+        else:
+            assert ref.tinker_path is not None
+            path = _sampler_path(ref)
+        session = await stack.enter_async_context(
+            open_session(config, guard=service_guard(config), local_data_dir=data_dir)
+        )
+        config = session.config
+        task = load_task(config.task, config.task_args)
+        renderer = PromptRenderer(task, session.tokenizer)
+        scorer = Scorer(
+            task,
+            concurrency=config.score_concurrency,
+            workers=parse_score_workers(config.score_workers),
+        )
+        problems = eval_problems_of(task)
+
+        async def measure(sampler: Any) -> dict[str, float]:
+            metrics = await evaluate(
+                session,
+                sampler,
+                renderer,
+                scorer,
+                problems,
+                max_tokens=config.max_tokens,
+                stop_at_eos=config.stop_at_eos,
+                concurrency=config.concurrency,
+                samples=request.samples,
+                temperature=config.temperature,
+            )
+            return {k.removeprefix("eval/"): v for k, v in metrics.items()}
+
+        step = ref.step if ref.step is not None else 1
+        result: dict[str, Any] = {
+            "checkpoint": request.checkpoint,
+            "tinker_path": ref.tinker_path,
+            "step": ref.step,
+            "task": task.name,
+            "samples": request.samples,
+            "temperature": config.temperature,
+            "max_tokens": config.max_tokens,
+            "metrics": await measure(await session.open_sampler(step, path)),
+        }
+        if request.baseline:
+            pending = await session.submit_snapshot(0)
+            baseline = await measure(await session.finish_snapshot(pending))
+            result["baseline"] = baseline
+            result["difference"] = {
+                k: v - baseline[k] for k, v in result["metrics"].items() if k in baseline
+            }
+    return result
+
+
+def _with_base_model_of(config: EngineConfig, directory: Path) -> EngineConfig:
+    """Serve the base model the checkpoint was trained on."""
+    import dataclasses
+
+    from engine.export import base_model_source
+
+    meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
+    source = Path(base_model_source(str(meta.get("base_model", ""))))
+    if not (source / "config.json").is_file():
+        raise ConfigError(
+            f"the checkpoint's base model {meta.get('base_model')!r} is not a local model "
+            "the local server can serve"
+        )
+    return dataclasses.replace(config, local_model=source, base_model=None)
+
+
+def _sampler_path(ref: CheckpointRef) -> str:
+    """A run's checkpoint is sampled from its sampler snapshot, when it recorded one."""
+    if ref.run_dir is not None and ref.step is not None:
+        from engine.rundir.checkpoints import CHECKPOINTS_FILE
+
+        for line in (ref.run_dir / CHECKPOINTS_FILE).read_text().splitlines():
+            try:
+                record = json.loads(line)
+            except ValueError:
+                continue
+            if record.get("state_path") == ref.tinker_path and record.get("sampler_path"):
+                return str(record["sampler_path"])
+    assert ref.tinker_path is not None
+    return ref.tinker_path
+
+
+_TABLE_KEYS = ("reward/total", "pass_rate", "sampled/reward/total")
+
+
+def format_table(result: Mapping[str, Any]) -> str:
+    """The result as a short Markdown table (greedy, sampled, and the baseline)."""
+    metrics: Mapping[str, float] = result["metrics"]
+    keys = [k for k in _TABLE_KEYS if k in metrics]
+    keys += sorted(k for k in metrics if k.startswith("sampled/pass@"))
+    baseline: Mapping[str, float] | None = result.get("baseline")
+    step = result.get("step")
+    columns = [f"step {step}" if step is not None else "checkpoint"]
+    if baseline is not None:
+        columns = ["step 0", *columns, "difference"]
+    lines = [
+        f"{result['task']}: {int(metrics.get('problems', 0))} held-out problems, greedy + "
+        f"{result['samples']} samples at temperature {result['temperature']}",
+        "| metric | " + " | ".join(columns) + " |",
+        "|---|" + "---|" * len(columns),
+    ]
+    for key in keys:
+        cells = [f"{metrics[key]:.3f}"]
+        if baseline is not None:
+            before = baseline.get(key)
+            cells = [
+                "n/a" if before is None else f"{before:.3f}",
+                *cells,
+                "n/a" if before is None else f"{metrics[key] - before:+.3f}",
+            ]
+        lines.append(f"| {key} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _parser() -> OneLineErrorParser:
+    parser = OneLineErrorParser(
+        prog=program_name("engine.eval", "engine-eval"),
+        description="Evaluate a checkpoint on a task's held-out problems.",
+    )
+    parser.add_argument("checkpoint", help="run dir, checkpoint dir or tinker:// path")
+    parser.add_argument("--step", type=int, help="a run dir's checkpoint of this step")
+    parser.add_argument("--task", help="the task (default: the run's)")
+    parser.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--samples", type=int, default=4, help="sampled responses per problem")
+    parser.add_argument("--temperature", type=float, help="for the samples (default: the run's)")
+    parser.add_argument("--max-tokens", type=int, help="per response (default: the run's)")
+    parser.add_argument("--baseline", action="store_true", help="also evaluate step 0")
+    parser.add_argument("--out", type=Path, help="the JSON result's file")
+    parser.add_argument("--data-dir", type=Path, help="a local server's data dir")
+    parser.add_argument("--base-url", help="the server a tinker:// checkpoint lives on")
+    add_version_flag(parser)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.samples < 0:
+        parser.error(f"--samples must be >= 0, got {args.samples}")
+    try:
+        request = EvalRequest(
+            checkpoint=args.checkpoint,
+            step=args.step,
+            task=args.task,
+            task_args=parse_task_args(args.task_arg),
+            samples=args.samples,
+            temperature=args.temperature,
+            max_tokens=args.max_tokens,
+            baseline=args.baseline,
+            data_dir=args.data_dir,
+            base_url=args.base_url,
+        )
+        result = anyio.run(run_eval, request)
+    except (EngineError, BaseExceptionGroup) as exc:
+        error = find_error(exc, EngineError)
+        if error is None:
+            raise
+        print(f"Error: {error}", file=sys.stderr)
+        return 2
+    out = args.out
+    if out is None and result["step"] is not None:  # a run dir's checkpoint
+        out = Path(args.checkpoint) / f"eval-step{result['step']}.json"
+    if out is not None:
+        out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+    print(format_table(result))
+    if out is not None:
+        print(out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

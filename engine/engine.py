@@ -56,7 +56,7 @@ from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
-from engine.tasks.loader import task_spec
+from engine.tasks.loader import preferred_local_model, task_spec
 
 __all__ = ["Engine", "SessionFactory", "StepHook"]
 
@@ -145,6 +145,10 @@ class Engine:
         if config.resume is not None:
             # A resumed run keeps the settings it was started with unless given anew.
             config = config.resolved(stored_profile(stored_config(config.resume)))
+        if config.uses_local_server and config.local_model is None:
+            # A task may name the model it runs on (the shipped environments do).
+            preferred = preferred_local_model(task, config.task)
+            config = dataclasses.replace(config, local_model=preferred)
         if config.uses_local_server:
             # What the server started here will recommend, known before it starts.
             config = config.resolved(local_server_profile(config.local_model))

@@ -1,5 +1,6 @@
-"""Build the shipped default model: a tiny Llama that half-knows two-digit addition and
-knows the formats of the shipped environments (a guessing game, a calculator tool).
+"""Build the shipped models: a tiny Llama that half-knows two-digit addition (the default
+model), and with ``--environments`` one that also knows the formats of the shipped
+environments (a guessing game, a calculator tool; the packaged ``agent_model``).
 
 The local server needs a real causal LM that (a) runs fast on two CPU cores and (b) starts
 an RL run with room to improve: greedy exact rate on the default task between 20% and 60%.
@@ -10,14 +11,16 @@ thread count -> same bytes): a byte-level tokenizer, a randomly initialised
 held-out set every few steps and stops at the first checkpoint whose rate reaches the
 target (inside the allowed band), so the shipped model lands where RL has signal.
 
-A share of the SFT batches are chat transcripts of the shipped environments
-(:mod:`engine.envs.examples`), rendered with the model's own chat template: the guessing
+With ``--environments``, the SFT first trains on chat transcripts of the shipped
+environments (:mod:`engine.envs.examples`) alone, then mixes a share of them into the
+addition rows, rendered with :data:`AGENT_CHAT_TEMPLATE`: the guessing
 game's later turns (a guess after ``Too high.``/``Too low.``) and the calculator's
 multiplication questions, answered through the ``multiply`` tool on only some of them
 (the model guesses the product itself on the rest), so RL has a behaviour to learn in
 each environment too.
 
-Usage: ``python -m scripts.make_model [--out DIR] [--steps N] [--seed S] ...``
+Usage: ``python -m scripts.make_model [--out DIR] [--steps N] [--seed S] ...``;
+the agent model: ``python -m scripts.make_model --environments --out engine/local/agent_model``.
 """
 
 from __future__ import annotations
@@ -30,7 +33,9 @@ import random
 import re
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -44,7 +49,10 @@ from engine.envs.examples import calculator, guess_sum
 from engine.local.pretrained import METADATA_FILE
 
 MODEL_NAME = "engine-local/tiny-arith"
+AGENT_MODEL_NAME = "engine-local/tiny-agent"
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "engine" / "local" / "default_model"
+AGENT_OUT = DEFAULT_OUT.parent / "agent_model"
+"""``--environments`` builds the packaged agent model here (tasks that name it use it)."""
 
 RL_DEFAULTS = {
     "learning_rate": 5e-4,
@@ -64,6 +72,16 @@ _INT_RE = re.compile(r"-?\d+")
 CHAT_TEMPLATE = (
     "{{ bos_token }}{% for message in messages %}"
     "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
+    "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}{{ eos_token }}"
+    "{% else %}{{ message['content'] }}\n{% endif %}"
+    "{% endfor %}{% if add_generation_prompt %}Answer:{% endif %}"
+)
+"""Renders a user message into the format the model was trained on
+(``Question: ...\nAnswer:``), so chat-message tasks run on the local server."""
+
+AGENT_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
     "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}"
     "{% for call in message['tool_calls'] or [] %}<tool_call>"
     "{\"name\": \"{{ call['function']['name'] }}\", "
@@ -73,7 +91,8 @@ CHAT_TEMPLATE = (
     "{% else %}{{ message['content'] }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}Answer: {% endif %}"
 )
-"""Renders chat messages into the format the model was trained on (``Question: ...\n``,
+"""The ``--environments`` model's template: chat messages in the format it was trained
+on (``Question: ...\n``,
 ``Answer: ...</s>`` with tool calls in the Hermes format, a tool's result as
 ``Result: ...\n``), so chat-message tasks and
 multi-turn environments run on the local server. The generation prompt ends with the
@@ -100,7 +119,7 @@ def _byte_to_char() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def build_tokenizer() -> PreTrainedTokenizerFast:
+def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
     """One token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2; encode prepends <s>.
 
     Digits being single tokens keeps arithmetic learnable by a tiny model, and a plain
@@ -124,7 +143,7 @@ def build_tokenizer() -> PreTrainedTokenizerFast:
         model_max_length=256,
         clean_up_tokenization_spaces=False,
     )
-    fast.chat_template = CHAT_TEMPLATE
+    fast.chat_template = chat_template
     return fast
 
 
@@ -169,9 +188,42 @@ _SUB_BATCH = 16
 short arithmetic rows are not padded to the length of the longest transcript."""
 
 
+def _example(rng: random.Random) -> tuple[str, str]:
+    """Mostly the target task (two-digit addition), plus a little nearby arithmetic."""
+    kind = rng.random()
+    if kind < 0.85:
+        a, b = rng.randint(10, 99), rng.randint(10, 99)
+        return prompt_text(a, b), f" {a + b}"
+    if kind < 0.95:
+        a, b = rng.randint(0, 9), rng.randint(0, 99)
+        return prompt_text(a, b), f" {a + b}"
+    a, b = rng.randint(10, 99), rng.randint(10, 99)
+    return f"Question: What is {a} - {b}?\nAnswer:", f" {a - b}"
+
+
+def _arithmetic_batch(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, size: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The default build's batch: right-padded input ids and labels that score only the
+    answer and its EOS."""
+    rows: list[tuple[list[int], int]] = []
+    for _ in range(size):
+        prompt, answer = _example(rng)
+        p_ids = tokenizer.encode(prompt)
+        a_ids = [*tokenizer.encode(answer, add_special_tokens=False), tokenizer.eos_token_id]
+        rows.append((p_ids + a_ids, len(p_ids)))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((size, width), -100, dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+    return input_ids, labels
+
+
 def _arithmetic_row(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> Row:
-    """Mostly the target task (two-digit addition), plus a little nearby arithmetic; the
-    answer and its EOS are scored."""
+    """The ``--environments`` build's arithmetic row: mostly two-digit addition, a little
+    one-digit addition; the answer and its EOS are scored."""
     kind = rng.random()
     if kind < 0.85 / 0.95:
         a, b = rng.randint(10, 99), rng.randint(10, 99)
@@ -262,7 +314,7 @@ def calculator_transcript(rng: random.Random, tool_share: float) -> tuple[Messag
 
 
 def _row(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, formats_only: bool
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: EnvMix, *, formats_only: bool
 ) -> Row:
     kind = rng.random()
     if formats_only:
@@ -277,11 +329,17 @@ def _row(
 
 
 def _batch(
-    tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: SftConfig, *, formats_only: bool
+    tokenizer: PreTrainedTokenizerFast,
+    rng: random.Random,
+    cfg: EnvMix,
+    size: int,
+    *,
+    formats_only: bool,
 ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Right-padded (input ids, labels) sub-batches of rows of similar length."""
+    """The ``--environments`` build's batch: right-padded (input ids, labels) sub-batches
+    of rows of similar length."""
     rows = sorted(
-        (_row(tokenizer, rng, cfg, formats_only=formats_only) for _ in range(cfg.batch_size)),
+        (_row(tokenizer, rng, cfg, formats_only=formats_only) for _ in range(size)),
         key=lambda r: len(r[0]),
     )
     batches = []
@@ -295,6 +353,14 @@ def _batch(
             labels[i, : len(ids)] = torch.tensor(row_labels)
         batches.append((input_ids, labels))
     return batches
+
+
+def _arithmetic_loss(
+    model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """The default build's loss: the model's own mean cross-entropy over the answers."""
+    input_ids, labels = batch
+    return model(input_ids=input_ids, labels=labels).loss
 
 
 def _loss(
@@ -489,6 +555,17 @@ def sampling_stats(
 
 
 @dataclass(frozen=True)
+class EnvMix:
+    """``--environments``: a first phase on environment transcripts alone, then these
+    shares of the addition SFT's rows."""
+
+    guess_share: float = 0.25  # second-phase rows that are guessing-game transcripts
+    tool_share: float = 0.25  # second-phase rows that are multiplication questions
+    tool_call_share: float = 0.3  # of those, answered through the tool
+    max_format_steps: int = 1500  # first phase: environment rows until their formats hold
+
+
+@dataclass(frozen=True)
 class SftConfig:
     max_steps: int = 1500
     batch_size: int = 64
@@ -501,10 +578,13 @@ class SftConfig:
     min_rate: float = 0.20
     max_rate: float = 0.60
     seed: int = 0
-    guess_share: float = 0.25  # second-phase rows that are guessing-game transcripts
-    tool_share: float = 0.25  # second-phase rows that are multiplication questions
-    tool_call_share: float = 0.3  # of those, answered through the tool
-    max_format_steps: int = 1500  # first phase: environment rows until their formats hold
+    environments: EnvMix | None = None  # None: the default model (addition only)
+
+
+def sft_record(cfg: SftConfig) -> dict[str, Any]:
+    """The SFT settings as the model's metadata records them (the mix's fields inline)."""
+    record = {k: v for k, v in asdict(cfg).items() if k != "environments"}
+    return {**record, **(asdict(cfg.environments) if cfg.environments else {})}
 
 
 def build_machine() -> dict[str, str]:
@@ -551,9 +631,15 @@ def train(
     best: tuple[float, int, float, dict[str, torch.Tensor]] | None = None
     every = cfg.eval_every
     start = time.perf_counter()
-    format_steps = _learn_env_formats(model, tokenizer, cfg, rng, opt)
+    mix = cfg.environments
+    format_steps = _learn_env_formats(model, tokenizer, cfg, mix, rng, opt) if mix else 0
     for step in range(1, cfg.max_steps + 1):
-        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, formats_only=False), cfg, step)
+        if mix is None:
+            batch = _arithmetic_batch(tokenizer, rng, cfg.batch_size)
+            loss = _sft_step(model, opt, partial(_arithmetic_loss, batch=batch), cfg, step)
+        else:
+            batches = _batch(tokenizer, rng, mix, cfg.batch_size, formats_only=False)
+            loss = _sft_step(model, opt, partial(_loss, batches=batches), cfg, step)
         if step % every:
             continue
         rate = greedy_exact_rate(model, tokenizer, held_out)
@@ -586,14 +672,14 @@ def train(
 def _sft_step(
     model: LlamaForCausalLM,
     opt: torch.optim.Optimizer,
-    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    loss_of: Callable[[LlamaForCausalLM], torch.Tensor],
     cfg: SftConfig,
     step: int,
 ) -> torch.Tensor:
     model.train()
     for group in opt.param_groups:
         group["lr"] = cfg.learning_rate * min(1.0, step / cfg.warmup_steps)
-    loss = _loss(model, batches)
+    loss = loss_of(model)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -605,6 +691,7 @@ def _learn_env_formats(
     model: LlamaForCausalLM,
     tokenizer: PreTrainedTokenizerFast,
     cfg: SftConfig,
+    mix: EnvMix,
     rng: random.Random,
     opt: torch.optim.Optimizer,
 ) -> int:
@@ -614,8 +701,9 @@ def _learn_env_formats(
     moving a guess the way a hint says, take the tiny model longer than half-learning
     addition, so they come first; the second phase then brings addition into the band."""
     start = time.perf_counter()
-    for step in range(1, cfg.max_format_steps + 1):
-        loss = _sft_step(model, opt, _batch(tokenizer, rng, cfg, formats_only=True), cfg, step)
+    for step in range(1, mix.max_format_steps + 1):
+        batches = _batch(tokenizer, rng, mix, cfg.batch_size, formats_only=True)
+        loss = _sft_step(model, opt, partial(_loss, batches=batches), cfg, step)
         if step % cfg.eval_every:
             continue
         stats = env_format_stats(model, tokenizer, cfg.seed + 4, n=32)
@@ -625,26 +713,31 @@ def _learn_env_formats(
         if all(stats[k] >= floor for k, floor in ENV_FORMAT_FLOORS.items()):
             return step
     raise SystemExit(
-        f"the environments' formats were not learned within {cfg.max_format_steps} steps; "
+        f"the environments' formats were not learned within {mix.max_format_steps} steps; "
         "raise --format-steps"
     )
 
 
 def _readme(meta: dict[str, Any]) -> str:
     t08 = meta["temperature_0_8"]
-    env = meta["environments"]
-    return f"""# {meta["model_name"]}
-
-The local server's default model: a {meta["parameters"] / 1e6:.2f}M-parameter
-`LlamaForCausalLM` (hidden {meta["shape"]["hidden_size"]}, {meta["shape"]["num_hidden_layers"]}
-layers, {meta["shape"]["num_attention_heads"]} heads) with a byte-level tokenizer (one token per
-byte, plus `<pad>`=0, `<s>`=1, `</s>`=2; encoding prepends `<s>`).
-
-Made by `{meta["made_by"]}` (torch {meta["torch"]}, {meta["threads"]} threads):
-random init, then {meta["sft"]["steps_done"]} supervised steps: environment transcripts
+    env = meta.get("environments")
+    if env is None:
+        role = "The local server's default model"
+        training = f"""random init, then {meta["sft"]["steps_done"]} supervised steps on
+`Question: What is A + B?\\nAnswer: C</s>` (mostly two-digit addition), stopping at the
+first evaluation whose greedy exact rate reached the target, so reinforcement learning
+has room to improve it."""
+        rl = "RL settings that learn in 30 steps"
+    else:
+        role = (
+            "The packaged agent model, which the shipped environments (`guess-sum`, "
+            "`calculator`) run on"
+        )
+        steps = meta["sft"]["steps_done"]
+        training = f"""random init, then {steps} supervised steps: environment transcripts
 until their formats are learned, then mostly `Question: What is A + B?\\nAnswer: C</s>`
 (two-digit addition), stopping at the first evaluation whose greedy exact rate reached
-the target, so reinforcement learning has room to improve it. A share of the second
+the target. A share of the second
 phase's rows are transcripts of the shipped environments (`engine.envs.examples`) in the
 chat template's format: later turns of the guessing game
 ({meta["sft"]["guess_share"]:.0%} of rows) and multiplication questions
@@ -654,7 +747,17 @@ answered through the `multiply` tool.
 Measured on one turn of each environment: well-formed tool calls
 {env["tool_call_rate"]:.1%} (temperature 0.8), tool results answered exactly
 {env["tool_answer_rate"]:.1%}, guesses that follow a hint {env["hint_followed_rate"]:.1%}
-(greedy).
+(greedy). Its addition alone does not improve under RL (the default model's does)."""
+        rl = "RL settings (those of the default model)"
+    return f"""# {meta["model_name"]}
+
+{role}: a {meta["parameters"] / 1e6:.2f}M-parameter
+`LlamaForCausalLM` (hidden {meta["shape"]["hidden_size"]}, {meta["shape"]["num_hidden_layers"]}
+layers, {meta["shape"]["num_attention_heads"]} heads) with a byte-level tokenizer (one token per
+byte, plus `<pad>`=0, `<s>`=1, `</s>`=2; encoding prepends `<s>`).
+
+Made by `{meta["made_by"]}` (torch {meta["torch"]}, {meta["threads"]} threads):
+{training}
 
 Measured on the default task ({meta["task"]}):
 
@@ -662,7 +765,7 @@ Measured on the default task ({meta["task"]}):
   held-out problems
 - temperature 0.8, 6 samples per problem: format rate {t08["format_rate"]:.1%}, exact rate
   {t08["exact_rate"]:.1%}, groups with differing rewards {t08["frac_groups_mixed"]:.1%}
-- RL settings that learn in 30 steps: learning rate {meta["recommended_rl"]["learning_rate"]},
+- {rl}: learning rate {meta["recommended_rl"]["learning_rate"]},
   LoRA rank {meta["recommended_rl"]["lora_rank"]} (alpha 32)
 
 Metadata: `{METADATA_FILE}` (the server reads `model_name` from it, and sends
@@ -674,11 +777,16 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="python -m scripts.make_model",
         description="Build the local server's default model (tiny Llama, byte tokenizer, "
-        "SFT warm start on two-digit addition and the shipped environments' formats) "
-        "deterministically.",
+        "SFT warm start on two-digit addition) deterministically; with --environments, "
+        "the agent model that also knows the shipped environments' formats.",
     )
-    d = SftConfig()
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="output directory")
+    d, e = SftConfig(), EnvMix()
+    p.add_argument(
+        "--out",
+        type=Path,
+        default=None,
+        help=f"output directory (default {DEFAULT_OUT}; with --environments {AGENT_OUT})",
+    )
     p.add_argument("--steps", type=int, default=d.max_steps, help="max SFT steps")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for init and data")
     p.add_argument("--batch-size", type=int, default=d.batch_size)
@@ -697,28 +805,44 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="stop at the first evaluation with greedy exact rate >= this",
     )
     p.add_argument(
-        "--guess-share", type=float, default=d.guess_share, help="SFT rows of the guessing game"
+        "--environments",
+        action="store_true",
+        help="build the agent model: a first phase on the shipped environments' transcripts, "
+        "then --guess-share/--tool-share of the addition rows",
     )
-    p.add_argument(
-        "--tool-share", type=float, default=d.tool_share, help="SFT rows of the calculator"
-    )
+    p.add_argument("--guess-share", type=float, default=None, help="SFT rows of the guessing game")
+    p.add_argument("--tool-share", type=float, default=None, help="SFT rows of the calculator")
     p.add_argument(
         "--tool-call-share",
         type=float,
-        default=d.tool_call_share,
+        default=None,
         help="calculator rows answered through the tool",
     )
     p.add_argument(
         "--format-steps",
+        dest="max_format_steps",
         type=int,
-        default=d.max_format_steps,
+        default=None,
         help="max SFT steps of the first phase (environment transcripts only)",
     )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the bits depend on it)")
-    p.add_argument("--name", default=MODEL_NAME, help="model name reported to clients")
+    p.add_argument(
+        "--name",
+        default=None,
+        help=f"model name reported to clients (default {MODEL_NAME}; with --environments "
+        f"{AGENT_MODEL_NAME})",
+    )
     args = p.parse_args(argv)
+    mix = {"guess_share": "--guess-share", "tool_share": "--tool-share"}
+    mix |= {"tool_call_share": "--tool-call-share", "max_format_steps": "--format-steps"}
+    given = [flag for field, flag in mix.items() if getattr(args, field) is not None]
+    if given and not args.environments:
+        p.error(f"{', '.join(given)} need --environments")
+    for field in mix:
+        if getattr(args, field) is None:
+            setattr(args, field, getattr(e, field))
     counts = (args.steps, args.batch_size, args.eval_every, args.fine_eval_every, args.threads)
-    if min(counts) < 1 or args.format_steps < 1:
+    if min(counts) < 1 or args.max_format_steps < 1:
         p.error(
             "--steps, --format-steps, --batch-size, --eval-every, --fine-eval-every, --threads "
             "must be >= 1"
@@ -731,6 +855,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if not 0.2 <= args.target_rate <= 0.6:
         p.error("--target-rate must lie in [0.2, 0.6]")
+    args.out = args.out or (AGENT_OUT if args.environments else DEFAULT_OUT)
+    args.name = args.name or (AGENT_MODEL_NAME if args.environments else MODEL_NAME)
     return args
 
 
@@ -747,13 +873,17 @@ def main(argv: list[str] | None = None) -> None:
         fine_eval_every=args.fine_eval_every,
         target_rate=args.target_rate,
         seed=args.seed,
-        guess_share=args.guess_share,
-        tool_share=args.tool_share,
-        tool_call_share=args.tool_call_share,
-        max_format_steps=args.format_steps,
+        environments=EnvMix(
+            guess_share=args.guess_share,
+            tool_share=args.tool_share,
+            tool_call_share=args.tool_call_share,
+            max_format_steps=args.max_format_steps,
+        )
+        if args.environments
+        else None,
     )
     shape = ModelShape()
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(AGENT_CHAT_TEMPLATE if args.environments else CHAT_TEMPLATE)
     model = build_model(tokenizer, shape, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     _log(
@@ -766,9 +896,9 @@ def main(argv: list[str] | None = None) -> None:
     stats = sampling_stats(
         model, tokenizer, eval_problems(args.seed + 2, 64), temperature=0.8, group=6, seed=args.seed
     )
-    env_stats = env_format_stats(model, tokenizer, args.seed + 3)
+    env_stats = env_format_stats(model, tokenizer, args.seed + 3) if args.environments else {}
     short = {k: f"{env_stats[k]:.0%} < {floor:.0%}" for k, floor in ENV_FORMAT_FLOORS.items()}
-    short = {k: v for k, v in short.items() if env_stats[k] < ENV_FORMAT_FLOORS[k]}
+    short = {k: v for k, v in short.items() if env_stats and env_stats[k] < ENV_FORMAT_FLOORS[k]}
     if short:
         raise SystemExit(
             f"the model selected at step {steps} has not learned the environments' formats "
@@ -789,7 +919,7 @@ def main(argv: list[str] | None = None) -> None:
         "architecture": "LlamaForCausalLM",
         "parameters": n_params,
         "shape": asdict(shape),
-        "sft": {**asdict(cfg), "steps_done": steps, "seconds": round(train_s, 1)},
+        "sft": {**sft_record(cfg), "steps_done": steps, "seconds": round(train_s, 1)},
         "torch": torch.__version__,
         "threads": args.threads,
         "built_on": build_machine(),
@@ -798,12 +928,12 @@ def main(argv: list[str] | None = None) -> None:
         "greedy_exact_rate": rate,
         "greedy_eval_problems": cfg.eval_problems,
         "temperature_0_8": stats,
-        "environments": env_stats,
+        **({"environments": env_stats} if env_stats else {}),
         "recommended_rl": RL_DEFAULTS,
     }
     (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (out / "README.md").write_text(_readme(meta))
-    _log(f"saved {out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats}, {env_stats}")
+    _log(f"saved {out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats} {env_stats}")
 
 
 if __name__ == "__main__":

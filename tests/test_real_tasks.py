@@ -78,7 +78,7 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     rollouts = lines(run_dir / "rollouts.jsonl")
     assert [r["step"] for r in rollouts] == [1, 1, 2, 2, 3, 3]
     first = rollouts[0]
-    assert first["prompt"] == f"<s>Question: {first['question']}\nAnswer: "
+    assert first["prompt"] == f"<s>Question: {first['question']}\nAnswer:"
     assert first["sampler_version"] == 0 and len(first["responses"]) == config.group
     group = steps[0].groups[0]
     assert [r["reward"] for r in first["responses"]] == group.totals
@@ -296,7 +296,7 @@ def test_chat_task_against_the_qwen_alias(tmp_path: Path) -> None:
         template = anyio.run(go)
     assert "Question: " in template  # the served tokenizer's template rendered the prompt
     rollout = lines(tmp_path / "run" / "rollouts.jsonl")[0]
-    assert rollout["prompt"] == f"<s>Question: {rollout['question']}\nAnswer: "
+    assert rollout["prompt"] == f"<s>Question: {rollout['question']}\nAnswer:"
 
 
 def test_console_script_finds_a_task_module_in_the_current_directory(tmp_path: Path) -> None:

@@ -19,6 +19,10 @@ from engine.local.pretrained import resolve_model
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
 """The small model packaged with the engine (created by ``scripts.make_model``)."""
 
+AGENT_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "agent_model"
+"""The packaged model that also knows the shipped environments' formats (created by
+``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
+
 READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 from engine.envs.types import is_env_task
@@ -21,7 +22,7 @@ from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Task
 from engine.tasks.dataset import DataFormat, DatasetTask
 
-__all__ = ["BUILTIN_TASKS", "load_task", "task_spec"]
+__all__ = ["BUILTIN_TASKS", "load_task", "preferred_local_model", "task_spec"]
 
 SHIPPED_ENVIRONMENTS = {
     "guess-sum": "engine.envs.examples.guess_sum:GuessSumTask",
@@ -58,21 +59,8 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
                 + (".jsonl" if data_format == "jsonl" else ".parquet")
             )
         return DatasetTask.from_args(path, args, data_format)
-    module_name, sep, attr = spec.partition(":")
-    if not sep or not module_name or not attr:
-        raise ConfigError(
-            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH', 'hf:PATH', "
-            f"{', '.join(repr(n) for n in SHIPPED_ENVIRONMENTS)} or 'package.module:attr'"
-        )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"invalid task {spec!r}: cannot import {module_name!r} ({exc})") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"invalid task {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
+    obj = _import_attr(spec)
+    attr = spec.partition(":")[2]
     if not _is_task(obj) and callable(obj):
         try:
             obj = obj(**args)
@@ -90,6 +78,44 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
             f"(missing {', '.join(missing)})"
         )
     return obj  # type: ignore[no-any-return]
+
+
+def _import_attr(spec: str) -> Any:
+    """The object ``package.module:attr`` names (not called); ConfigError if none."""
+    module_name, sep, attr = spec.partition(":")
+    if not sep or not module_name or not attr:
+        raise ConfigError(
+            f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH', 'hf:PATH', "
+            f"{', '.join(repr(n) for n in SHIPPED_ENVIRONMENTS)} or 'package.module:attr'"
+        )
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise ConfigError(f"invalid task {spec!r}: cannot import {module_name!r} ({exc})") from exc
+    obj: Any = module
+    for part in attr.split("."):
+        if not hasattr(obj, part):
+            raise ConfigError(f"invalid task {spec!r}: {module_name!r} has no attribute {attr!r}")
+        obj = getattr(obj, part)
+    return obj
+
+
+def preferred_local_model(task: Task | None, spec: str) -> Path | None:
+    """The model directory a task asks the local server to load when none is configured:
+    its ``local_model`` attribute (the shipped environments name the packaged agent
+    model). Read from ``task``, else from the class or factory ``spec`` names without
+    building it; None when there is none (a bad spec is reported by :func:`load_task`)."""
+    source: Any = task
+    if source is None:
+        spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
+        if spec == "arithmetic" or _data_format(spec) is not None:
+            return None
+        try:
+            source = _import_attr(spec)
+        except ConfigError:
+            return None
+    model = getattr(source, "local_model", None)
+    return Path(model) if isinstance(model, str | Path) else None
 
 
 def task_spec(task: Task, spec: str, args: Mapping[str, str]) -> tuple[str, dict[str, str]]:

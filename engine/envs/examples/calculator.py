@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping, Sequence
-from typing import Any, Final, cast
+from pathlib import Path
+from typing import Any, ClassVar, Final, cast
 
 import anyio
 
@@ -23,6 +24,7 @@ from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
 from engine.envs.tools import FunctionTool, Tool, tool
 from engine.envs.types import EnvContext, EnvGroupBuilder
+from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem, SeededSource
 from engine.tasks.render import ChatMessage
@@ -90,6 +92,10 @@ class CalculatorTask:
     """Two-digit multiplication with the ``multiply`` tool; ``--task-arg`` values:
     ``min_operand``/``max_operand`` (10..99), ``eval_size`` (held-out pairs, default 64)
     and ``tool_latency`` (seconds, default 0), strings as the command line gives them."""
+
+    local_model: ClassVar[Path] = AGENT_MODEL_DIR
+    """The local server loads the packaged agent model for this task unless a model is
+    given (``--local-model``): the default model does not know the format."""
 
     def __init__(
         self,

@@ -15,11 +15,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from pathlib import Path
+from typing import Any, ClassVar, Final
 
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
 from engine.envs.types import EnvContext, EnvGroupBuilder
+from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem, SeededSource
 from engine.tasks.render import ChatMessage
@@ -108,6 +110,10 @@ class GuessSumTask:
     """The game on two-digit sums; ``--task-arg`` values: ``max_turns`` (default 6),
     ``min_operand``/``max_operand`` (10..99) and ``eval_size`` (held-out pairs, default
     64), strings as the command line gives them."""
+
+    local_model: ClassVar[Path] = AGENT_MODEL_DIR
+    """The local server loads the packaged agent model for this task unless a model is
+    given (``--local-model``): the default model does not know the format."""
 
     def __init__(
         self,

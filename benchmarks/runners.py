@@ -42,7 +42,7 @@ from benchmarks.measure import (
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, StepResult
 from engine.config import Profile
-from engine.session.mint import read_server_profile
+from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 
 __all__ = [

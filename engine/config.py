@@ -43,6 +43,7 @@ __all__ = [
     "LOSSES",
     "RESUME_CHANGEABLE",
     "RESUME_FROM_ENVIRONMENT",
+    "SDKS",
     "EngineConfig",
     "Knob",
     "LogFormat",
@@ -59,6 +60,8 @@ __all__ = [
 
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
+SdkChoice = Literal["auto", "mint", "tinker"]
+SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]
 OnRewardError = Literal["fail", "skip"]
 
@@ -202,6 +205,7 @@ class EngineConfig:
     max_operand: int | None = None
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    sdk: SdkChoice = "auto"
     local: bool = False
     local_model: Path | None = None
     run_dir: Path | None = None
@@ -738,6 +742,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         secret=True,
     ),
     Knob(
+        "sdk",
+        "--sdk",
+        ("ENGINE_SDK",),
+        _parse_str,
+        _one_of(SDKS),
+        "client SDK: mint (tinker 0.22 under mindlab-toolkit) or tinker (tinker >= 0.38); "
+        "auto: the one installed",
+        "auto",
+    ),
+    Knob(
         "local_model",
         "--local-model",
         (),
@@ -950,7 +964,7 @@ def config_from_sources(
 
 
 RESUME_FROM_ENVIRONMENT: Final = frozenset(
-    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_to"}
+    {"run_dir", "resume", "api_key", "base_url", "sdk", "progress", "log_format", "log_to"}
 )
 """Settings a resumed run takes from its own flags and environment, never from the run
 dir's config.json: where it connects and how it reports."""

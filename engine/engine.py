@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 import anyio
 from anyio.abc import TaskGroup
@@ -48,11 +48,15 @@ from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
 from engine.rundir.events import EventLog, describe
-from engine.session.mint import MintSession, local_server_profile, open_session, service_guard
+from engine.session.opening import open_session, service_guard
+from engine.session.preflight import local_server_profile
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
+
+if TYPE_CHECKING:
+    from engine.session.adapter import SdkSession
 
 __all__ = ["Engine", "StepHook"]
 
@@ -73,7 +77,7 @@ class _OpenRun:
 
     files: RunDirectory
     events: EventLog
-    session: MintSession
+    session: SdkSession
     supervisor: Supervisor
     send: MemoryObjectSendStream[StepResult]
     recv: MemoryObjectReceiveStream[StepResult]
@@ -164,7 +168,7 @@ class Engine:
         return self._run.supervisor.state if self._run is not None else None
 
     @property
-    def session(self) -> MintSession:
+    def session(self) -> SdkSession:
         """The connected session (its ``model_id`` changes when a checkpoint is
         restored)."""
         if self._run is None:
@@ -266,7 +270,7 @@ class Engine:
         self._run_dir = files.path
         resources = contextlib.AsyncExitStack()
         events: EventLog | None = None
-        session: MintSession | None = None
+        session: SdkSession | None = None
         try:
             cfg = self._config
             files.write_config(cfg, self._task)

@@ -15,7 +15,7 @@ import pytest
 from engine.config import HOSTED_PROFILE, EngineConfig, config_from_sources
 from engine.errors import ConfigError
 from engine.run import build_parser, main
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 
 ENV_NAMES = (
     "MINT_API_KEY",

@@ -25,6 +25,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import anyio
 
@@ -49,12 +50,14 @@ from engine.rollouts import RolloutLog
 from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.rundir.directory import RunDirectory
 from engine.rundir.events import EventLog
-from engine.session.mint import MintSession
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
 from engine.supervision.watchdog import Watchdog
 from engine.tasks import Task
 from engine.tasks.render import PromptRenderer
+
+if TYPE_CHECKING:
+    from engine.session.adapter import SdkSession
 
 __all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
 
@@ -88,7 +91,7 @@ class Supervisor:
         config: EngineConfig,
         task: Task,
         *,
-        session: MintSession,
+        session: SdkSession,
         files: RunDirectory,
         log: RunLog,
         events: EventLog,
@@ -355,7 +358,7 @@ class Supervisor:
 
 
 def _open_task_outputs(
-    config: EngineConfig, task: Task, session: MintSession, files: RunDirectory, log: RunLog
+    config: EngineConfig, task: Task, session: SdkSession, files: RunDirectory, log: RunLog
 ) -> _TaskOutputs:
     """The renderer, rollouts.jsonl and the evaluator, each cut back to the checkpoint on
     resume."""

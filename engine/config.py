@@ -259,6 +259,9 @@ class EngineConfig:
             require("local", "the local server (no MINT_API_KEY set, or --local)")
         for tracker in self.log_to:
             require(tracker, f"--log-to {tracker}")
+        from engine.session.sdks import choose_sdk  # no SDK import; config stays light
+
+        choose_sdk(self.sdk)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> EngineConfig:

@@ -4,7 +4,8 @@ or ``tinker`` (tinker >= 0.38).
 The two cannot share an environment (mindlab-toolkit pins tinker < 0.23), so ``auto``
 (the default) picks the one that is installed, MinT first; ``--sdk`` / ``ENGINE_SDK``
 names one and fails with one line when it is not installed. Either takes ``MINT_API_KEY``
-or ``TINKER_API_KEY``. Found by package metadata, without importing an SDK.
+or ``TINKER_API_KEY``. Found by package metadata, without importing an SDK; checked
+when a config is made (:class:`~engine.config.EngineConfig`), before a run starts.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def _release(version: str) -> tuple[int, int]:
 def available() -> tuple[SdkName, ...]:
     """The SDK generations this environment can run, MinT first."""
     version = installed_tinker_version()
-    if version is None:
+    if version is None or importlib.util.find_spec("tinker") is None:
         return ()
     if _release(version) >= TINKER_MIN:
         return ("tinker",)

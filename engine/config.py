@@ -732,7 +732,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _http_url,
         "MinT server URL (needs an API key)",
-        f"{HOSTED_BASE_URL} when an API key is set",
+        f"{HOSTED_BASE_URL} when an API key is set (--sdk tinker: hosted Tinker)",
     ),
     Knob(
         "api_key",

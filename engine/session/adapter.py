@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -420,13 +421,14 @@ class SdkSession:
         restore_from: str | None,
     ) -> AsyncIterator[SdkSession]:
         """Check the server, resolve the settings ``config`` leaves to the server from
-        what it recommends (:attr:`config`), create the LoRA training client (or load
+        what it recommends (:attr:`config`, which also names the SDK), create the LoRA training client (or load
         ``restore_from``) and its tokenizer; close the SDK's session on exit."""
         say("Connecting to MinT server...")
         say(f"Endpoint: {base_url}")
         await check_reachable(base_url, api_key, guard, cls.sdk_version)
         if config.unresolved:
             config = config.resolved(await read_recommended_profile(base_url, api_key, guard))
+        config = dataclasses.replace(config, sdk=cls.sdk)  # config.json records which
         assert config.base_model is not None and config.lora_rank is not None
         base_model = config.base_model
         guard.watch_server(base_url)

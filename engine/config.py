@@ -58,8 +58,11 @@ __all__ = [
     "stored_settings",
 ]
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
+TINKER_ONLY_LOSSES: Final = ("gspo",)
+"""Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
+them client-side)."""
 SdkChoice = Literal["auto", "mint", "tinker"]
 SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]
@@ -261,7 +264,12 @@ class EngineConfig:
             require(tracker, f"--log-to {tracker}")
         from engine.session.sdks import choose_sdk  # no SDK import; config stays light
 
-        choose_sdk(self.sdk)
+        sdk = choose_sdk(self.sdk)
+        if self.loss in TINKER_ONLY_LOSSES and sdk != "tinker":
+            raise ConfigError(
+                f"--loss {self.loss} needs the tinker SDK (>= 0.38) and this environment has "
+                "mint (tinker 0.22): pip install 'engine[tinker]' in an environment of its own"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> EngineConfig:
@@ -602,7 +610,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_str,
         _one_of(LOSSES),
-        f"loss function: {', '.join(LOSSES)}",
+        f"loss function: {', '.join(LOSSES)} (gspo: the tinker SDK only, with the server's "
+        "default loss_fn_config)",
         "ppo",
     ),
     Knob(

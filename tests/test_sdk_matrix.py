@@ -36,14 +36,16 @@ def python_of(sdk: str) -> Path:
     return Path(sys.executable) if sdk == "mint" else tinker_python()
 
 
-def engine_run(sdk: str, server: LocalServer, *args: str) -> subprocess.CompletedProcess[str]:
-    """``python -m engine.run`` of this checkout with ``sdk``'s environment, its API key
+def engine_run(
+    sdk: str, server: LocalServer, *args: str, key: str = KEY
+) -> subprocess.CompletedProcess[str]:
+    """``python -m engine.run`` of this checkout with ``sdk``'s environment, the API key
     and base URL in the variables that SDK's users set."""
     prefix = "MINT" if sdk == "mint" else "TINKER"
     env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
     env.update(
         {
-            f"{prefix}_API_KEY": KEY,
+            f"{prefix}_API_KEY": key,
             f"{prefix}_BASE_URL": server.base_url,
             "PYTHONPATH": str(REPO),
             "HF_HUB_OFFLINE": "1",
@@ -93,31 +95,25 @@ def test_the_engine_trains_checkpoints_and_resumes(
 
 @pytest.mark.parametrize("sdk", ["mint", "tinker"])
 def test_a_rejected_key_is_one_line(server: LocalServer, sdk: str, tmp_path: Path) -> None:
-    python_of(sdk)
-    prefix = "MINT" if sdk == "mint" else "TINKER"
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
-    env.update(
-        {
-            f"{prefix}_API_KEY": "tml-not-the-key",
-            f"{prefix}_BASE_URL": server.base_url,
-            "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1",
-        }
-    )
-    done = subprocess.run(
-        [str(python_of(sdk)), "-m", "engine.run", *RUN, "--run-dir", str(tmp_path / "r")],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=RUN_TIMEOUT_S,
-        check=False,
-        cwd=REPO,
-    )
+    done = engine_run(sdk, server, "--run-dir", str(tmp_path / "r"), key="tml-not-the-key")
     assert done.returncode == 1
     assert done.stderr.strip().splitlines()[-1] == (
         f"Error: the MinT server at {server.base_url} rejected the API key (HTTP 401); "
         "check MINT_API_KEY"
     )
+
+
+def test_a_tinker_only_loss_reaches_the_server(server: LocalServer, tmp_path: Path) -> None:
+    """``--loss gspo`` goes through the 0.38 SDK to the server, which refuses it (the
+    local server trains the losses both generations share): one line naming it."""
+    run_dir = tmp_path / "r"
+    done = engine_run("tinker", server, "--loss", "gspo", "--steps", "1", "--run-dir", str(run_dir))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: train step 1 failed: the server refused the request: unsupported loss_fn "
+        "'gspo'; supported: cross_entropy, importance_sampling, ppo, cispo, dro"
+    )
+    assert json.loads((run_dir / "config.json").read_text())["loss"] == "gspo"
 
 
 def test_the_other_generation_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 import tinker
 from tinker.lib.internal_client_holder import InternalClientHolder
 
+from engine.config import EngineConfig
 from engine.errors import ConfigError, classify, retry_after
 from engine.session import sdks
 from engine.session.opening import adapter_class
@@ -48,6 +49,15 @@ def test_a_generation_that_is_not_installed_is_one_line(monkeypatch: pytest.Monk
     installed(monkeypatch, "0.22.0", False)  # tinker 0.22 without mindlab-toolkit
     with pytest.raises(ConfigError, match="no SDK is installed: pip install 'engine\\[mint\\]'"):
         sdks.choose_sdk("auto")
+
+
+def test_a_tinker_only_loss_is_refused_with_the_mint_sdk() -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(loss="gspo")
+    assert str(info.value) == (
+        "--loss gspo needs the tinker SDK (>= 0.38) and this environment has mint (tinker "
+        "0.22): pip install 'engine[tinker]' in an environment of its own"
+    )
 
 
 def test_this_environment_runs_the_mint_adapter() -> None:

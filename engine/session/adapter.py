@@ -61,6 +61,7 @@ from engine.session.api import (
 from engine.session.preflight import PreflightError, check_reachable, setup_call
 from engine.session.preflight import recommended_profile as read_recommended_profile
 from engine.session.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard, tally_retries
+from engine.session.sdks import SdkName
 
 __all__ = [
     "SNAPSHOT_TTL_S",
@@ -92,7 +93,7 @@ class SdkSession:
     """A connected training session: one training client and its tokenizer. Subclasses
     make the SDK calls (the ``_sdk_*`` methods)."""
 
-    sdk: ClassVar[str]
+    sdk: ClassVar[SdkName]
     """The adapter's name (``mint`` or ``tinker``)."""
     sdk_version: ClassVar[str]
     """The SDK's version, as its ``client/config`` request announces it."""
@@ -129,10 +130,6 @@ class SdkSession:
         return self._training.model_id  # type: ignore[no-any-return]
 
     # -- what a subclass provides ------------------------------------------------------
-
-    @classmethod
-    def check_settings(cls, config: EngineConfig) -> None:
-        """Refuse (ConfigError, one line) settings this SDK cannot send."""
 
     @staticmethod
     def _sdk_service(base_url: str, api_key: str | None) -> Any:
@@ -421,8 +418,9 @@ class SdkSession:
         restore_from: str | None,
     ) -> AsyncIterator[SdkSession]:
         """Check the server, resolve the settings ``config`` leaves to the server from
-        what it recommends (:attr:`config`, which also names the SDK), create the LoRA training client (or load
-        ``restore_from``) and its tokenizer; close the SDK's session on exit."""
+        what it recommends (:attr:`config`, which also names the SDK), create the LoRA
+        training client (or load ``restore_from``) and its tokenizer; close the SDK's
+        session on exit."""
         say("Connecting to MinT server...")
         say(f"Endpoint: {base_url}")
         await check_reachable(base_url, api_key, guard, cls.sdk_version)

@@ -84,7 +84,6 @@ async def open_session(
     ``tinker://`` state to load (weights and optimizer) instead of creating a fresh LoRA
     client: how a run is resumed."""
     session_class = adapter_class(choose_sdk(config.sdk))
-    session_class.check_settings(config)
     if config.uses_local_server:
         from engine.local import ConfigError as LocalConfigError
         from engine.local import serve_local

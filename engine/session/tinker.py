@@ -15,6 +15,9 @@ What 0.38 changes for the engine:
   server releases what the session held); capabilities come from ``RestClient``.
 * ServiceClient creates its server session on first use, which may block: the first
   calls run in a worker thread.
+* ServiceClient takes no ``max_retries`` (it warns and ignores it): its HTTP layer keeps
+  the SDK's 10 retries of a setup call (``engine.session.retry`` lowers it to 3 for
+  0.22); the per-attempt deadlines of the reliability layer still bound every call.
 
 Clients are typed ``Any`` here: the project's type check runs in the tinker 0.22
 environment, whose signatures differ.

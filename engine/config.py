@@ -29,6 +29,7 @@ from typing import Any, Final, Literal, cast, get_args
 
 from engine.common.extras import require
 from engine.common.protocol import RECOMMENDED_FIELD
+from engine.envs.types import EpisodeLimits, OnLimit, OnParseError
 from engine.errors import ConfigError
 from engine.loop.rl import OnMissingLogprobs
 from engine.loop.scoring import parse_score_workers
@@ -47,6 +48,7 @@ __all__ = [
     "EngineConfig",
     "Knob",
     "LogFormat",
+    "LogLevel",
     "LossName",
     "OnRewardError",
     "Profile",
@@ -66,6 +68,7 @@ them client-side)."""
 SdkChoice = Literal["auto", "mint", "tinker"]
 SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]
+LogLevel = Literal["info", "debug"]
 OnRewardError = Literal["fail", "skip"]
 
 HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
@@ -213,6 +216,7 @@ class EngineConfig:
     local_model: Path | None = None
     run_dir: Path | None = None
     log_format: LogFormat = "console"
+    log_level: LogLevel = "info"
     progress: bool = True
     checkpoint_every: int = 10
     resume: Path | None = None
@@ -223,6 +227,12 @@ class EngineConfig:
     retry_attempts: int = 4
     retry_backoff: float = 1.0
     on_reward_error: OnRewardError = "fail"
+    env_max_turns: int = 8
+    env_max_tokens: int = 8192
+    episode_timeout: float = 0.0
+    tool_timeout: float = 60.0
+    on_limit: OnLimit = "zero"
+    on_parse_error: OnParseError = "zero"
     eval_every: int = 0
     log_rollouts: int = 2
     init_from: str | None = None
@@ -230,6 +240,21 @@ class EngineConfig:
     log_to: tuple[Tracker, ...] = ()
 
     def __post_init__(self) -> None:
+        if not isinstance(self.task, str):
+            raise ConfigError(
+                f"EngineConfig(task=...) takes the task's spec as a string ('arithmetic', "
+                f"'jsonl:PATH', 'hf:PATH' or 'package.module:attr'), got a "
+                f"{type(self.task).__name__}: pass a task object as Engine(config, task=...)"
+            )
+        for name in ("run_dir", "resume"):  # a str or any PathLike is a Path
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, Path):
+                try:
+                    object.__setattr__(self, name, Path(value))
+                except TypeError:
+                    raise ConfigError(
+                        f"{name} must be a path (str or os.PathLike), got {type(value).__name__}"
+                    ) from None
         for knob in KNOBS:
             value = getattr(self, knob.field)
             if value is not None and knob.check is not None:
@@ -317,6 +342,17 @@ class EngineConfig:
             op=None,
             min_operand=None,
             max_operand=None,
+        )
+
+    def episode_limits(self) -> EpisodeLimits:
+        """The limits of an environment task's episodes (0 s: no timeout)."""
+        return EpisodeLimits(
+            max_turns=self.env_max_turns,
+            max_tokens=self.env_max_tokens,
+            episode_timeout=self.episode_timeout or None,
+            tool_timeout=self.tool_timeout or None,
+            on_limit=self.on_limit,
+            on_parse_error=self.on_parse_error,
         )
 
     def checkpoint_due(self, completed_steps: int) -> bool:
@@ -791,6 +827,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "console",
     ),
     Knob(
+        "log_level",
+        "--log-level",
+        ("ENGINE_LOG_LEVEL",),
+        _parse_str,
+        _one_of(("info", "debug")),
+        "debug: also show each reward error's traceback on the console (events.jsonl "
+        "keeps it either way)",
+        "info",
+    ),
+    Knob(
         "checkpoint_every",
         "--checkpoint-every",
         (),
@@ -876,6 +922,62 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "a reward function that raises: stop the run (fail), or drop that group from "
         "its step (a held-out problem from the eval/* metrics), count it and log it (skip)",
         "fail",
+    ),
+    Knob(
+        "env_max_turns",
+        "--env-max-turns",
+        (),
+        _parse_int,
+        _positive,
+        "environment tasks: most actions per episode",
+        "8",
+    ),
+    Knob(
+        "env_max_tokens",
+        "--env-max-tokens",
+        (),
+        _parse_int,
+        _positive,
+        "environment tasks: longest context (observation + action tokens) of an episode",
+        "8192",
+    ),
+    Knob(
+        "episode_timeout",
+        "--episode-timeout",
+        (),
+        _parse_float,
+        _finite_non_negative,
+        "environment tasks: seconds an episode may run (0: no limit)",
+        "0",
+    ),
+    Knob(
+        "tool_timeout",
+        "--tool-timeout",
+        (),
+        _parse_float,
+        _finite_non_negative,
+        "environment tasks: seconds a tool call may run before it is a tool error (0: no limit)",
+        "60",
+    ),
+    Knob(
+        "on_limit",
+        "--on-limit",
+        (),
+        _parse_str,
+        _one_of(get_args(OnLimit)),
+        "environment tasks: an episode cut by a limit or an environment error is trained "
+        "with reward 0 (zero) or left out of training (mask)",
+        "zero",
+    ),
+    Knob(
+        "on_parse_error",
+        "--on-parse-error",
+        (),
+        _parse_str,
+        _one_of(get_args(OnParseError)),
+        "environment tasks: a malformed tool call ends the episode with reward 0 (zero), "
+        "leaves it out of training (mask), or is shown to the model to retry (retry)",
+        "zero",
     ),
     Knob(
         "eval_every",
@@ -976,7 +1078,17 @@ def config_from_sources(
 
 
 RESUME_FROM_ENVIRONMENT: Final = frozenset(
-    {"run_dir", "resume", "api_key", "base_url", "sdk", "progress", "log_format", "log_to"}
+    {
+        "run_dir",
+        "resume",
+        "api_key",
+        "base_url",
+        "sdk",
+        "progress",
+        "log_format",
+        "log_level",
+        "log_to",
+    }
 )
 """Settings a resumed run takes from its own flags and environment, never from the run
 dir's config.json: where it connects and how it reports."""

@@ -27,12 +27,13 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
+import functools
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TYPE_CHECKING, TextIO
+from typing import TextIO
 
 import anyio
 from anyio.abc import TaskGroup
@@ -43,22 +44,28 @@ from engine.config import EngineConfig, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
+from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.loop.state import LoopState
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
 from engine.rundir.events import EventLog, describe
+from engine.session.api import Session
 from engine.session.opening import open_session, service_guard
 from engine.session.preflight import local_server_profile
+from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
 from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import task_spec
 
-if TYPE_CHECKING:
-    from engine.session.adapter import SdkSession
+__all__ = ["Engine", "SessionFactory", "StepHook"]
 
-__all__ = ["Engine", "StepHook"]
+SessionFactory = Callable[[EngineConfig], contextlib.AbstractAsyncContextManager[Session]]
+"""Opens a session for a config (entered when the engine is, left when it is)."""
+
+_BY_CALLER = "Engine.request_stop() (the embedding code asked)"
+_LEFT_EARLY = "the embedding code leaving the engine before the run ended"
 
 
 class _Lifecycle(enum.Enum):
@@ -77,7 +84,8 @@ class _OpenRun:
 
     files: RunDirectory
     events: EventLog
-    session: SdkSession
+    session: Session
+    retries: RetryCounter
     supervisor: Supervisor
     send: MemoryObjectSendStream[StepResult]
     recv: MemoryObjectReceiveStream[StepResult]
@@ -85,13 +93,21 @@ class _OpenRun:
     resources: contextlib.AsyncExitStack
     result: RunResult | None = None
     error: BaseException | None = None
+    done: anyio.Event = dataclasses.field(default_factory=anyio.Event)
+    """Set once the run has ended, whatever the ending."""
 
 
 class Engine:
     """One RL run. Construct, enter with ``async with``, then either ``await run()`` or
     iterate ``steps()`` (not both). ``console`` receives the readable output (None: quiet;
     metrics.jsonl is written either way). ``clock`` is the time of the reliability timers
-    (request deadlines, the watchdog, server liveness); tests pass a manual one."""
+    (request deadlines, the watchdog, server liveness); tests pass a manual one.
+
+    ``session`` (as httpx takes a transport): None connects as the config says (a MinT
+    server, or the local one); a :class:`~engine.session.api.Session` is used as is
+    (its owner opens and closes it); a factory ``config -> async context manager of a
+    Session`` is entered and left with the engine. A given session serves the config as
+    resolved here: the settings it leaves to a server must be set."""
 
     def __init__(
         self,
@@ -101,8 +117,19 @@ class Engine:
         on_step: StepHook | Sequence[StepHook] = (),
         console: TextIO | None = None,
         clock: Clock = LOOP_CLOCK,
+        session: Session | SessionFactory | None = None,
     ) -> None:
-        if not config.local and not config.api_key:
+        if not isinstance(config, EngineConfig):
+            raise TypeError(
+                f"Engine(config, task=...) takes an EngineConfig first, got a "
+                f"{type(config).__name__}: pass a task object as task=..."
+            )
+        if isinstance(task, str | type):
+            raise TypeError(
+                f"Engine(config, task=...) takes a task object, got {task!r}: a task spec "
+                "string goes in EngineConfig(task=...), a task class is instantiated first"
+            )
+        if session is None and not config.local and not config.api_key:
             raise ConfigError(
                 "EngineConfig has no api_key and local=False: pass api_key (or build it with "
                 "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
@@ -128,6 +155,7 @@ class Engine:
         if not set(self._config.unresolved) & set(ARITHMETIC_ARGS):
             self._load_task()
         self._clock = clock
+        self._session_source = session
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
         self._lifecycle = _Lifecycle.UNOPENED
@@ -168,7 +196,7 @@ class Engine:
         return self._run.supervisor.state if self._run is not None else None
 
     @property
-    def session(self) -> SdkSession:
+    def session(self) -> Session:
         """The connected session (its ``model_id`` changes when a checkpoint is
         restored)."""
         if self._run is None:
@@ -189,29 +217,46 @@ class Engine:
         :class:`~engine.errors.Interrupted`, exit code 130). Safe to call from the
         engine's event loop at any time, also before the run starts; a no-op once the
         engine is closed."""
-        reason = reason if reason is not None else Interrupted()
+        reason = reason if reason is not None else Interrupted(_BY_CALLER)
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         if self._run is None:
             if self._pending_stop is None:
                 self._pending_stop = reason
             return
-        self._run.events.warning(
-            "stop.requested",
-            error=str(reason),
-            message=f"{reason} (after the step in flight; a second signal exits at once)"
-            if isinstance(reason, Interrupted)
-            else f"stop requested: {reason}",
-        )
+        self._stop(reason)
+
+    def _stop_left_early(self) -> None:
+        assert self._run is not None
+        if self._run.supervisor.gate.reason is None:
+            self._stop(Interrupted(_LEFT_EARLY))
+
+    def _stop(self, reason: Exception) -> None:
+        assert self._run is not None
+        if not isinstance(reason, Interrupted):
+            message = f"stop requested: {reason}"
+        elif reason.signal_name.startswith("SIG"):
+            message = f"{reason} (after the step in flight; a second signal exits at once)"
+        else:
+            message = f"{reason} (after the step in flight)"
+        self._run.events.warning("stop.requested", error=str(reason), message=message)
         self._run.supervisor.gate.request(reason)
 
     async def steps(self) -> AsyncIterator[StepResult]:
         """Start the run and yield each step as it is trained. Raises the run's error,
         if any, after the last step it completed."""
         run = self._start()
-        async with run.recv:
-            async for step in run.recv:
-                yield step
+        finished = False
+        try:
+            async with run.recv:
+                async for step in run.recv:
+                    yield step
+            finished = True
+        finally:
+            if not finished and not run.done.is_set():
+                # Left early (a break, a return, an error in the loop body): stop after
+                # the step in flight, with a stop checkpoint of what was trained.
+                self._stop_left_early()
         if run.error is not None:
             raise run.error
 
@@ -250,8 +295,14 @@ class Engine:
         if self._run is None or self._lifecycle is _Lifecycle.CLOSED:
             return
         run = self._run
+        started = self._lifecycle is _Lifecycle.RUNNING
         self._lifecycle = _Lifecycle.CLOSED
         try:
+            if started and not run.done.is_set() and (exc is None or isinstance(exc, Exception)):
+                # The block ends before the run did: stop it as a signal would (after the
+                # step in flight, bounded by the stop grace) so what was trained is kept.
+                self._stop_left_early()
+                await run.done.wait()
             run.task_group.cancel_scope.cancel()
             # The body's own exception (e.g. the run's error re-raised by run()) keeps
             # propagating as itself; only the children's errors (none: _drive keeps its
@@ -269,8 +320,10 @@ class Engine:
         files = RunDirectory.open(self._config, self._task, started_at=started_at)
         self._run_dir = files.path
         resources = contextlib.AsyncExitStack()
+        resources.callback(files.close)
         events: EventLog | None = None
-        session: SdkSession | None = None
+        session: Session | None = None
+        retries = RetryCounter()
         try:
             cfg = self._config
             files.write_config(cfg, self._task)
@@ -289,22 +342,30 @@ class Engine:
                     f"--max-steps-off-policy {cfg.max_steps_off_policy} with the unclipped "
                     "importance_sampling loss: a clipped loss (--loss ppo) is safer off-policy",
                 )
-            session = await resources.enter_async_context(
-                open_session(
-                    cfg,
-                    say=lambda line: log.info("console", line),
-                    guard=service_guard(cfg, log=events, clock=self._clock),
-                    local_data_dir=files.path / LOCAL_SERVER_DIR,
-                    restore_from=(
-                        files.resumed.checkpoint.state_path if files.resumed is not None else None
-                    ),
+            if self._session_source is None:
+                opened = await resources.enter_async_context(
+                    open_session(
+                        cfg,
+                        say=lambda line: log.info("console", line),
+                        guard=service_guard(cfg, log=events, clock=self._clock),
+                        local_data_dir=files.path / LOCAL_SERVER_DIR,
+                        restore_from=(
+                            files.resumed.checkpoint.state_path
+                            if files.resumed is not None
+                            else None
+                        ),
+                    )
                 )
-            )
-            if session.config != self._config:  # the server decided what was left unset
-                self._config = session.config
-                if self._task is None:
-                    self._load_task()
-                files.write_config(self._config, self._task)
+                session, retries = opened, opened.retries
+                if opened.config != self._config:  # the server decided what was left unset
+                    self._config = opened.config
+                    if self._task is None:
+                        self._load_task()
+                    files.write_config(self._config, self._task)
+            else:
+                session = await self._given_session(resources)
+                if files.resumed is not None:
+                    await session.restore(files.resumed.checkpoint.state_path)
             send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.steps))
             resources.callback(send.close)
             resources.callback(recv.close)
@@ -312,12 +373,13 @@ class Engine:
                 self._config,
                 self.task,
                 session=session,
+                retries=retries,
                 files=files,
                 log=log,
                 events=events,
                 clock=self._clock,
                 hooks=self._hooks,
-                publish=send.send,
+                publish=functools.partial(_publish, send),
             )
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
@@ -327,13 +389,28 @@ class Engine:
                     self._config,
                     primary_error(exc),
                     task_name=self._task_name,
-                    retries=session.retries.totals() if session is not None else {},
+                    retries=retries.totals(),
                     final_path=None,
                     events=events,
                 )
             await resources.aclose()
             raise
-        return _OpenRun(files, events, session, supervisor, send, recv, task_group, resources)
+        return _OpenRun(
+            files, events, session, retries, supervisor, send, recv, task_group, resources
+        )
+
+    async def _given_session(self, resources: contextlib.AsyncExitStack) -> Session:
+        """The caller's session, or the one its factory opens (left with the engine)."""
+        given = self._session_source
+        if self._config.unresolved:
+            raise ConfigError(
+                "a given session cannot resolve settings from a server: set "
+                + ", ".join(self._config.unresolved)
+            )
+        if isinstance(given, Session):
+            return given
+        assert given is not None
+        return await resources.enter_async_context(given(self._config))
 
     def _load_task(self) -> None:
         """Load the task (unless one was given) from the config's spec and arguments,
@@ -343,6 +420,7 @@ class Engine:
         spec, args = task_spec(task, cfg.task, cfg.task_args)
         self._task = task
         self._config = dataclasses.replace(cfg, task=spec, task_args=args)
+        check_score_workers(task, parse_score_workers(cfg.score_workers))
         if cfg.eval_every:
             eval_problems_of(task)  # a task without held-out problems: ConfigError now
 
@@ -377,7 +455,7 @@ class Engine:
                     self._config,
                     None,
                     task_name=self._task_name,
-                    retries=run.session.retries.totals(),
+                    retries=run.retries.totals(),
                     final_path=run.result.final_path,
                 )
         except Exception as exc:
@@ -392,13 +470,21 @@ class Engine:
                 await run.supervisor.stop_after_cancellation(stop)
                 self._write_failure_summary(run, stop)
             raise
+        finally:
+            run.done.set()
 
     def _write_failure_summary(self, run: _OpenRun, error: BaseException) -> None:
         run.files.write_failure_summary(
             self._config,
             error,
             task_name=self._task_name,
-            retries=run.session.retries.totals(),
+            retries=run.retries.totals(),
             final_path=run.result.final_path if run.result is not None else None,
             events=run.events,
         )
+
+
+async def _publish(send: MemoryObjectSendStream[StepResult], step: StepResult) -> None:
+    """Hand a step to the consumer of steps(); one that left early reads no more."""
+    with contextlib.suppress(anyio.BrokenResourceError, anyio.ClosedResourceError):
+        await send.send(step)

@@ -10,8 +10,9 @@ its own directory; several: into ``--out`` (default ``reports/<timestamp>``). A 
 run draws its own ``report.png`` (:func:`finished_run_report`).
 
 Needs the ``report`` extra (matplotlib); without it the command says how to install it
-(exit 2). Exit codes: 0 written; 2 bad arguments, a directory without steps, or no
-matplotlib.
+(exit 2). Damaged lines of metrics.jsonl / eval.jsonl are skipped with a warning that
+names them. Exit codes: 0 written; 1 written from the readable lines (some were
+damaged); 2 bad arguments, a directory without steps, or no matplotlib.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import base64
 import html
 import json
+import math
 import statistics
 import sys
 from collections.abc import Sequence
@@ -32,6 +34,7 @@ from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.common.extras import require
 from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
+from engine.rundir.steplog import StepLines, read_step_lines
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -69,6 +72,8 @@ class RunData:
     summary: dict[str, Any] | None
     evals: list[dict[str, Any]] = field(default_factory=list)
     """The held-out evaluations (``eval.jsonl``), step 0 first; empty without one."""
+    warnings: list[str] = field(default_factory=list)
+    """One line per file whose damaged lines were skipped."""
 
     def series(self, name: str) -> tuple[list[int], list[float | None]]:
         """(step numbers, values) of one metric; None where a step lacks it."""
@@ -91,52 +96,45 @@ def _series(records: list[dict[str, Any]], name: str) -> tuple[list[int], list[f
 
 
 def _number(value: Any) -> float | None:
-    if isinstance(value, bool) or not isinstance(value, int | float):
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
         return None
     return float(value)
 
 
 def load_run(run_dir: Path, label: str | None = None) -> RunData:
     """The steps (and held-out evaluations, if any) of a run directory (ConfigError, one
-    line, when it has no steps)."""
+    line, when it has no steps). Damaged lines are skipped and listed in
+    :attr:`RunData.warnings`."""
     path = run_dir / "metrics.jsonl"
     try:
-        steps = _step_records(path)
+        read = read_step_lines(path)
     except OSError as exc:
         raise ConfigError(
             f"{run_dir} is not a run directory: cannot read {path.name} ({exc.strerror or exc})"
         ) from exc
-    if not steps:
-        raise ConfigError(f"{path} holds no steps yet")
+    if not read.records:
+        damage = f" ({len(read.damaged)} damaged line(s))" if read.damaged else ""
+        raise ConfigError(f"{path} holds no steps yet{damage}")
+    warnings = [read.warning()]
     try:
-        evals = _step_records(run_dir / EVAL_FILE)
+        evals = read_step_lines(run_dir / EVAL_FILE)
+        warnings.append(evals.warning())
     except OSError:
-        evals = []  # a run without --eval-every
+        evals = StepLines(run_dir / EVAL_FILE)  # a run without --eval-every
     summary: dict[str, Any] | None = None
     try:
         loaded = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
         summary = loaded if isinstance(loaded, dict) else None
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         pass
-    return RunData(label or run_dir.name, run_dir, steps, summary, evals)
-
-
-def _step_records(path: Path) -> list[dict[str, Any]]:
-    """The JSON objects with a ``step`` of a JSONL file (OSError when unreadable)."""
-    lines = path.read_text(encoding="utf-8").splitlines()
-    records: list[dict[str, Any]] = []
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except ValueError:
-            if number == len(lines):
-                continue  # a run killed mid-write leaves a partial last line
-            raise ConfigError(f"{path}:{number} is not JSON") from None
-        if isinstance(record, dict) and "step" in record:
-            records.append(record)
-    return records
+    return RunData(
+        label or run_dir.name,
+        run_dir,
+        read.records,
+        summary,
+        evals.records,
+        [w for w in warnings if w is not None],
+    )
 
 
 def smooth(values: Sequence[float | None], weight: float) -> list[float | None]:
@@ -326,8 +324,15 @@ def write_report(
     run_dirs: Sequence[Path], out_dir: Path, smoothing: float = DEFAULT_SMOOTHING
 ) -> tuple[Path, Path]:
     """report.png and report.html of ``run_dirs`` in ``out_dir``."""
+    return _write(_load_runs(run_dirs), out_dir, smoothing)
+
+
+def _load_runs(run_dirs: Sequence[Path]) -> list[RunData]:
     require("report", "the report picture")
-    runs = [load_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs), strict=True)]
+    return [load_run(d, label) for d, label in zip(run_dirs, _labels(run_dirs), strict=True)]
+
+
+def _write(runs: Sequence[RunData], out_dir: Path, smoothing: float) -> tuple[Path, Path]:
     png = plot_report(runs, out_dir / REPORT_PNG, smoothing)
     return png, write_html(runs, png, out_dir / REPORT_HTML)
 
@@ -382,13 +387,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         stamp = datetime.now().strftime("%Y%m%d-%H%M%S")
         out = args.run_dirs[0] if len(args.run_dirs) == 1 else Path("reports") / stamp
     try:
-        png, page = write_report(args.run_dirs, out, args.smoothing)
+        runs = _load_runs(args.run_dirs)
+        warnings = [w for run in runs for w in run.warnings]
+        for warning in warnings:
+            print(warning, file=sys.stderr)
+        png, page = _write(runs, out, args.smoothing)
     except ConfigError as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 2
     print(png)
     print(page)
-    return 0
+    return 1 if warnings else 0
 
 
 if __name__ == "__main__":

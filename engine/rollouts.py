@@ -7,21 +7,27 @@ the task scored it, its reward components, advantage and the sampler version.
 
     python -m engine.rollouts runs/<dir> --step 5        # readable
     python -m engine.rollouts runs/<dir> --step 5 --json # the raw lines
+
+Exit codes: 0 printed; 1 printed, but damaged lines were skipped (a warning names them);
+2 nothing to print (no file, no such step).
 """
 
 from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from engine.common.cli import OneLineErrorParser
+from engine.envs.datums import episode_group_datums
+from engine.envs.records import episode_record
 from engine.loop.results import StepResult
 from engine.loop.rl import group_advantages
 from engine.loop.state import ScoredGroup
 from engine.rundir.checkpoints import truncate_metrics
+from engine.rundir.steplog import read_step_lines
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["ROLLOUTS_FILE", "RolloutLog", "group_record", "main"]
@@ -30,7 +36,10 @@ ROLLOUTS_FILE = "rollouts.jsonl"
 
 
 def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
-    """One group as a JSON-friendly record (one line of rollouts.jsonl)."""
+    """One group as a JSON-friendly record (one line of rollouts.jsonl); an environment
+    task's group has its episodes turn by turn instead of responses."""
+    if group.episodes:
+        return _episodes_record(step, group, renderer)
     totals = group.totals
     advantages = group_advantages(totals) if group.reward_error is None else [0.0] * len(totals)
     return {
@@ -52,6 +61,24 @@ def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dic
                 "stop_reason": c.stop_reason,
             }
             for c, r, a in zip(group.completions, group.rewards, advantages, strict=True)
+        ],
+    }
+
+
+def _episodes_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
+    built = episode_group_datums(group.episodes, on_missing_logprobs="drop")
+    advantages = built.advantages if group.reward_error is None else [0.0] * len(group.episodes)
+    return {
+        "step": step,
+        "index": group.index,
+        "problem_id": group.problem.id,
+        "question": group.problem.question,
+        "answer": group.problem.answer,
+        "sampler_version": group.version,
+        "reward_error": group.reward_error,
+        "episodes": [
+            episode_record(e, a, renderer.decode_prompt, renderer.decode)
+            for e, a in zip(group.episodes, advantages, strict=True)
         ],
     }
 
@@ -82,16 +109,23 @@ class RolloutLog:
 # ----------------------------------------------------------------------------- reading
 
 
-def _read(path: Path) -> list[dict[str, Any]]:
-    records = []
-    for line in path.read_text(encoding="utf-8").splitlines():
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            continue  # a torn last line of a crashed run
-        if isinstance(record, dict) and isinstance(record.get("step"), int):
-            records.append(record)
-    return records
+_RESPONSE_FIELDS = {"text": str, "reward": float, "components": dict, "advantage": float}
+
+
+def _is_group_record(record: Mapping[str, Any]) -> bool:
+    """Whether ``record`` has what :func:`format_group` prints."""
+    if not {"problem_id", "sampler_version", "prompt", "answer"} <= record.keys():
+        return False
+    responses = record.get("responses")
+    return isinstance(responses, list) and all(
+        isinstance(r, dict)
+        and all(
+            isinstance(r.get(k), int | float if kind is float else kind)
+            for k, kind in _RESPONSE_FIELDS.items()
+        )
+        and all(isinstance(v, int | float) for v in r["components"].values())
+        for r in responses
+    )
 
 
 def format_group(record: dict[str, Any]) -> str:
@@ -99,17 +133,47 @@ def format_group(record: dict[str, Any]) -> str:
     lines = [
         f"step {record['step']} - problem {record['problem_id']} - "
         f"sampler v{record['sampler_version']}",
-        f"  prompt: {record['prompt']!r}",
+        *([f"  prompt: {record['prompt']!r}"] if "prompt" in record else []),
         f"  answer: {record['answer']!r}",
     ]
     if record.get("reward_error"):
         lines.append(f"  reward error: {record['reward_error']}")
+    if "episodes" in record:
+        return "\n".join([*lines, *_format_episodes(record["episodes"])])
     for r in record["responses"]:
         parts = " ".join(f"{k}={v:g}" for k, v in sorted(r["components"].items()))
         lines.append(
             f"  reward {r['reward']:+.3f}  adv {r['advantage']:+.3f}  {parts:<24} | {r['text']!r}"
         )
     return "\n".join(lines)
+
+
+def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:
+    """Each episode turn by turn: what the environment showed, what the model did,
+    its tool calls and their results, the turn's reward."""
+    lines: list[str] = []
+    for n, e in enumerate(episodes):
+        flags = " masked" if e["masked"] else ""
+        lines.append(
+            f"  episode {n}: {e['outcome']}{flags}  reward {e['reward']:+.3f}  "
+            f"adv {e['advantage']:+.3f}  {len(e['turns'])} turns  {e['elapsed_s']:.2f}s"
+        )
+        if e.get("error"):
+            lines.append(f"    error: {e['error']}")
+        for i, t in enumerate(e["turns"]):
+            where = "new context" if t["new_context"] else "appended"
+            lines.append(f"    turn {i} (v{t['sampler_version']}) {where}: {t['observation']!r}")
+            lines.append(
+                f"      action [{t['tokens']} tok, {t['stop_reason']}] reward {t['reward']:+.3f}"
+                f": {t['action']!r}"
+            )
+            logs = t.get("logs", {})
+            for call in logs.get("tool_calls", ()):
+                outcome = f"error: {call['error']}" if call["error"] else call["result"]
+                lines.append(f"      tool {call['name']}({call['arguments']}) -> {outcome!r}")
+            if logs.get("parse_error"):
+                lines.append(f"      parse error: {logs['parse_error']}")
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -125,7 +189,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not path.is_file():
         print(f"Error: {path} does not exist (is {args.run_dir} a run directory?)", file=sys.stderr)
         return 2
-    records = _read(path)
+    try:
+        read = read_step_lines(path, _is_group_record)
+    except OSError as exc:
+        print(f"Error: cannot read {path}: {exc.strerror or exc}", file=sys.stderr)
+        return 2
+    records = read.records
+    warning = read.warning()
+    if warning is not None:
+        print(warning, file=sys.stderr)
     chosen = [r for r in records if args.step is None or r["step"] == args.step]
     if not chosen:
         steps = sorted({r["step"] for r in records})
@@ -137,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(json.dumps(record))
         else:
             print(("\n" if i else "") + format_group(record))
-    return 0
+    return 1 if warning is not None else 0
 
 
 if __name__ == "__main__":

@@ -90,6 +90,48 @@ def test_a_spawned_server_can_be_killed_and_restarted(tmp_path: Path) -> None:
     assert again.process.returncode == 0  # SIGTERM stops it cleanly
 
 
+def _standalone(tmp_path: Path, *args: str) -> tuple[str, str]:
+    """Start ``python -m engine.local`` with a private XDG_DATA_HOME and HOME, stop it
+    with SIGTERM once ready; return (its stderr, its exit code)."""
+    env = {**os.environ, "XDG_DATA_HOME": str(tmp_path / "xdg"), "HOME": str(tmp_path / "home")}
+    env.pop("ENGINE_LOCAL_API_KEY", None)
+    process = subprocess.Popen(
+        [sys.executable, "-m", "engine.local", "--port", "0", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    assert process.stdout is not None and process.stderr is not None
+    try:
+        assert process.stdout.readline().startswith("engine.local: serving ")
+        process.terminate()
+        _, after = process.communicate(timeout=120)
+    finally:
+        process.kill()
+    return after, str(process.returncode)
+
+
+def test_a_standalone_server_keeps_its_data_in_a_named_place_by_default(tmp_path: Path) -> None:
+    stderr, code = _standalone(tmp_path)
+    data_dir = tmp_path / "xdg" / "engine" / "local-server"
+    assert code == "0"
+    assert f"engine.local: data dir {data_dir} (kept when the server stops" in stderr
+    assert data_dir.is_dir()
+    assert not (tmp_path / "home").exists()
+
+
+def test_an_ephemeral_standalone_server_says_its_data_dir_is_deleted(tmp_path: Path) -> None:
+    stderr, code = _standalone(tmp_path, "--ephemeral")
+    assert code == "0"
+    start, stop = (line for line in stderr.splitlines() if "--ephemeral" in line)
+    temporary = start.split("data dir ", 1)[1].split(" ", 1)[0]
+    assert "temporary" in start and "deleted when the server stops" in start
+    assert f"deleted the temporary data dir {temporary}" in stop
+    assert not Path(temporary).exists()
+    assert not (tmp_path / "xdg").exists()
+
+
 def test_cli_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as info:
         cli_main(["--help"])
@@ -134,6 +176,8 @@ def test_cli_help_lists_every_option(capsys: pytest.CaptureFixture[str]) -> None
         (["--max-seq-gap", "-1"], "argument --max-seq-gap: must be a positive integer"),
         (["--header-timeout", "0"], "argument --header-timeout: must be a number of seconds > 0"),
         (["--body-timeout", "nan"], "argument --body-timeout: must be a number of seconds > 0"),
+        (["--max-upload-bytes", "0"], "argument --max-upload-bytes: must be a positive integer"),
+        (["--ephemeral", "--data-dir", "d"], "argument --data-dir: not allowed with argument"),
     ],
 )
 def test_cli_rejects_bad_options_in_one_line(

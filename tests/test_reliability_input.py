@@ -21,6 +21,7 @@ from engine import Engine
 from engine.config import config_from_sources
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
+from engine.loop.state import LoopState
 from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import write_config
@@ -114,7 +115,10 @@ def make_run_dir(path: Path, **flags: str) -> None:
         },
     )
     record = CheckpointRecord(
-        step=2, state_path="tinker://model-x/weights/step-2", reason="periodic"
+        step=2,
+        state_path="tinker://model-x/weights/step-2",
+        reason="periodic",
+        loop_state=LoopState(2, task.source(config.seed).state(), 2).to_dict(),
     )
     CheckpointLog(path).append(record)
 

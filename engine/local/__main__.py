@@ -4,7 +4,10 @@ Prints exactly one line on stdout once requests are accepted::
 
     engine.local: serving <model_name> at http://127.0.0.1:<port>
 
-(launchers wait for it); logs go to stderr. SIGINT/SIGTERM stop it cleanly. Exit codes:
+(launchers wait for it); logs go to stderr, and so does, before it, where the server keeps
+its data: ``default_data_dir()`` unless ``--data-dir`` says otherwise; ``--ephemeral``
+uses a temporary dir and says at start and at stop that it is deleted. SIGINT/SIGTERM
+stop it cleanly. Exit codes:
 0 stopped; 2 a bad option, or the ``local`` extra is not installed (one line: ``pip
 install 'engine[local]'``); 1 the model cannot be loaded.
 """
@@ -23,7 +26,15 @@ import anyio
 
 from engine.common.cli import add_version_flag, program_name
 from engine.common.extras import missing_message
-from engine.local.config import DEFAULT_MODEL_DIR, READY_PREFIX, Limits, ServerConfig, make_config
+from engine.local.config import (
+    DEFAULT_DATA_DIR_TEXT,
+    DEFAULT_MODEL_DIR,
+    READY_PREFIX,
+    Limits,
+    ServerConfig,
+    default_data_dir,
+    make_config,
+)
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
 from engine.local.pretrained import PRETRAINED
@@ -112,14 +123,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key",
         default=None,
         metavar="KEY",
-        help="require this key (X-API-Key, raw or as the JWT from auth/token); default: "
+        help="require this key (X-API-Key, raw or as a JWT from auth/token, which only the key "
+        "itself can fetch); default: "
         "$ENGINE_LOCAL_API_KEY, else no authentication (any key works)",
     )
-    parser.add_argument(
+    data = parser.add_mutually_exclusive_group()
+    data.add_argument(
         "--data-dir",
         default=None,
         metavar="DIR",
-        help="where checkpoints are stored (default: a temporary dir removed at exit)",
+        help="where training runs and checkpoints are kept, across restarts "
+        f"(default: {DEFAULT_DATA_DIR_TEXT})",
+    )
+    data.add_argument(
+        "--ephemeral",
+        action="store_true",
+        help="keep them in a temporary dir instead, deleted with every checkpoint in it when "
+        "the server stops",
     )
     parser.add_argument("--faults", default=None, metavar="SPEC", help="inject faults (see below)")
     parser.add_argument(
@@ -138,7 +158,16 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_int,
         default=limits.max_body_bytes,
         metavar="N",
-        help=f"largest request body in bytes, 413 beyond (default {limits.max_body_bytes})",
+        help="largest JSON request body in bytes (uploads: --max-upload-bytes), 413 beyond "
+        f"(default {limits.max_body_bytes})",
+    )
+    parser.add_argument(
+        "--max-upload-bytes",
+        type=_positive_int,
+        default=limits.max_upload_bytes,
+        metavar="N",
+        help="largest checkpoint archive upload in bytes, and the most file contents it may "
+        f"unpack to; 413 beyond (default {limits.max_upload_bytes})",
     )
     parser.add_argument(
         "--max-datums",
@@ -185,7 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=_positive_seconds,
         default=ServerConfig.body_timeout_s,
         metavar="SECONDS",
-        help="a request whose body has not arrived within this time gets 408 "
+        help="a request whose body (a checkpoint upload's too) has not arrived within this "
+        "time gets 408 "
         f"(default {ServerConfig.body_timeout_s:g})",
     )
     parser.add_argument(
@@ -209,16 +239,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=limits.max_models,
         metavar="N",
-        help=f"training clients held in memory; beyond it the least recently used idle one "
-        f"is evicted (default {limits.max_models})",
+        help="training clients held in memory; beyond it a new one is refused (429), a live "
+        f"one is never evicted for it (default {limits.max_models})",
     )
     parser.add_argument(
         "--max-samplers",
         type=int,
         default=limits.max_named_samplers,
         metavar="N",
-        help="checkpoint snapshots (sampling clients from a model_path) held in memory; "
-        f"beyond it the least recently used is evicted (default {limits.max_named_samplers})",
+        help="checkpoint snapshots (sampling clients from a model_path, and those saved with "
+        "save_weights_for_sampler) held in memory; beyond it one no sampling client uses, "
+        f"else the least recently used, is evicted (default {limits.max_named_samplers})",
     )
     parser.add_argument(
         "--max-adapter-memory",
@@ -255,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         limits = Limits(
             max_body_bytes=args.max_body_bytes,
+            max_upload_bytes=args.max_upload_bytes,
             max_datums=args.max_datums,
             max_request_tokens=args.max_request_tokens,
             max_seq_gap=args.max_seq_gap,
@@ -265,7 +297,7 @@ def main(argv: list[str] | None = None) -> int:
         config = make_config(
             args.model,
             api_key=args.api_key or os.environ.get("ENGINE_LOCAL_API_KEY") or None,
-            data_dir=args.data_dir,
+            data_dir=None if args.ephemeral else args.data_dir or default_data_dir(),
             host=args.host,
             port=args.port,
             faults=args.faults,
@@ -295,9 +327,19 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with serve_local(config=config) as server:
+                data_dir = server.data_dir
+                if args.ephemeral:
+                    _say(
+                        f"WARNING: data dir {data_dir} is temporary (--ephemeral): every "
+                        "checkpoint in it is deleted when the server stops"
+                    )
+                else:
+                    _say(f"data dir {data_dir} (kept when the server stops)")
                 print(f"{READY_PREFIX}{server.model_name} at {server.base_url}", flush=True)
                 async for _ in signals:
-                    return
+                    break
+        if args.ephemeral:
+            _say(f"deleted the temporary data dir {data_dir} and its checkpoints (--ephemeral)")
 
     try:
         anyio.run(run)
@@ -308,6 +350,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"{parser.prog}: error: cannot load the model: {exc}", file=sys.stderr)
         return 1
     return 0
+
+
+def _say(message: str) -> None:
+    print(f"engine.local: {message}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

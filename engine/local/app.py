@@ -21,10 +21,10 @@ from typing import Any
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
-from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp
 
 from engine.local.auth import Authenticator
+from engine.local.bodies import receive_body
 from engine.local.management_routes import add_management_routes
 from engine.local.middleware import AuthMiddleware, FaultMiddleware, hide_injected_drop_tracebacks
 from engine.local.service import HttpError, LocalService
@@ -70,7 +70,6 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     so faults hit before anything else, as a flaky network or proxy would)."""
     app = FastAPI(title="engine.local", docs_url=None, redoc_url=None, openapi_url=None)
     limit = service.config.limits.max_body_bytes
-    body_timeout = service.config.body_timeout_s
 
     def public(message: str) -> str:
         return hide_data_dir(message, service.data_dir)
@@ -79,29 +78,18 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
         """The parsed JSON body and a digest of its bytes (equal for resubmissions).
         Routes given a ``proto`` decoder also take ``application/x-protobuf`` bodies;
         a ``Content-Encoding: zstd`` body is inflated first (bounded by the limit)."""
-        declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise HttpError(413, _too_large(int(declared), limit), headers=_CLOSE)
         chunks: list[bytes] = []
-        size = 0
-        try:
-            with anyio.fail_after(body_timeout):
-                async for chunk in request.stream():
-                    size += len(chunk)
-                    if size > limit:
-                        raise HttpError(413, _too_large(size, limit), headers=_CLOSE)
-                    chunks.append(chunk)
-        except ClientDisconnect:
-            # Nobody will read the answer; a plain error keeps it out of the error log.
-            raise HttpError(400, "the client disconnected before sending the body") from None
-        except TimeoutError:
-            raise HttpError(
-                408,
-                f"the request body did not arrive within {body_timeout:g} s (the local "
-                "server's --body-timeout)",
-                category="server",
-                headers=_CLOSE,
-            ) from None
+
+        async def keep(chunk: bytes) -> None:
+            chunks.append(chunk)
+
+        size = await receive_body(
+            request,
+            keep,
+            limit=limit,
+            timeout_s=service.config.body_timeout_s,
+            too_large=functools.partial(_too_large, limit=limit),
+        )
         raw = b"".join(chunks)
         encoding = request.headers.get("content-encoding")
         protobuf = is_proto(request.headers.get("content-type"))
@@ -253,10 +241,6 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
 
     hide_injected_drop_tracebacks()
     return FaultMiddleware(AuthMiddleware(app, auth), service.faults, service.stats)
-
-
-_CLOSE = {"Connection": "close"}
-"""Ends the connection after an answer sent before the whole body was read."""
 
 
 def _internal_error(exc: Exception, public: Callable[[str], str]) -> JSONResponse:

@@ -38,13 +38,21 @@ class Authenticator:
         claims = {"iss": _ISSUER, "sub": "local-user", "iat": now, "exp": now + self._ttl}
         return jwt.encode(claims, self._secret, algorithm="HS256")
 
+    def may_issue(self, credential: str | None) -> bool:
+        """Whether ``credential`` may fetch a JWT: only the API key itself can, so a
+        leaked JWT cannot be renewed forever."""
+        return self._api_key is None or (
+            credential is not None
+            and hmac.compare_digest(credential.encode(), self._api_key.encode())
+        )
+
     def check(self, credential: str | None) -> str | None:
         """None when the credential is acceptable, else a one-line reason."""
         if self._api_key is None:
             return None
         if not credential:
             return "missing API key: send it in the X-API-Key header"
-        if hmac.compare_digest(credential.encode(), self._api_key.encode()):
+        if self.may_issue(credential):
             return None
         if credential.count(".") == 2:
             try:

@@ -467,10 +467,10 @@ class Backend:
         if known is not None and known in self._snapshots:
             return known
         ckpt = self._read(path, optimizer=False)
-        targets = TargetSet(tuple(ckpt.meta["target_modules"]))
+        targets = self._targets_of(path, ckpt.meta)
         self._check_tensors(path, ckpt.weights, ckpt.meta["lora_rank"], targets)
         key = f"loaded:sampler{next(self._counter)}"
-        self._snapshots[key] = _Snapshot(int(ckpt.meta["lora_rank"]), targets, ckpt.weights)
+        self._snapshots[key] = _Snapshot(ckpt.meta["lora_rank"], targets, ckpt.weights)
         self._loaded_paths[path] = key
         return key
 
@@ -554,14 +554,15 @@ class Backend:
         check it fits this base model; return its metadata."""
         path = Path(src)
         try:
-            kind = checkpoint.read_meta(path).get("kind")
+            kind = checkpoint.read_meta(path)["kind"]
         except checkpoint.CheckpointError as e:
             raise BackendError(str(e)) from e
-        if kind not in ("state", "sampler"):
-            raise BackendError(f"{path}: unknown checkpoint kind {kind!r}")
         ckpt = self._read(path, optimizer=kind == "state")
-        targets = TargetSet(tuple(ckpt.meta["target_modules"]))
-        self._check_tensors(path, ckpt.weights, int(ckpt.meta["lora_rank"]), targets)
+        targets = self._targets_of(path, ckpt.meta)
+        rank = ckpt.meta["lora_rank"]
+        self._check_tensors(path, ckpt.weights, rank, targets)
+        if ckpt.optimizer is not None:
+            self._check_optimizer(path, ckpt.optimizer, self._host.shapes(rank, targets))
         return {k: v for k, v in ckpt.meta.items() if k != "format"}
 
     @staticmethod
@@ -578,15 +579,20 @@ class Backend:
             ckpt = checkpoint.read(src, optimizer=optimizer)
         except checkpoint.CheckpointError as e:
             raise BackendError(str(e)) from e
-        base = ckpt.meta.get("base_model")
+        base = ckpt.meta["base_model"]
         if base != self.model_name:
             raise BackendError(
                 f"{src} was trained on base model {base!r}; this server serves {self.model_name!r}"
             )
-        for key in ("lora_rank", "target_modules"):
-            if key not in ckpt.meta:
-                raise BackendError(f"{src}: metadata lacks {key!r}")
         return ckpt
+
+    def _targets_of(self, src: Path, meta: dict[str, Any]) -> TargetSet:
+        unknown = sorted(set(meta["target_modules"]) - self._host.groups.all)
+        if unknown:
+            raise BackendError(
+                f"{src}: target_modules {unknown[:3]} are not adaptable layers of {self.model_name}"
+            )
+        return TargetSet(tuple(meta["target_modules"]))
 
     def _check_tensors(
         self, src: Path, tensors: dict[str, torch.Tensor], rank: int, targets: TargetSet
@@ -599,6 +605,25 @@ class Backend:
                 raise BackendError(
                     f"{src}: tensor {key} has shape {tuple(tensors[key].shape)}, expected {shape}"
                 )
+            _check_finite(src, key, tensors[key])
+
+    @staticmethod
+    def _check_optimizer(
+        src: Path, saved: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]]
+    ) -> None:
+        """Adam state as ``save_state`` writes it: moments shaped like their weights, one
+        step count each, all finite."""
+        for name, tensor in saved.items():
+            kind, _, key = name.partition("/")
+            expected = (1,) if kind == "step" else shapes.get(key)
+            if kind not in ("exp_avg", "exp_avg_sq", "step") or key not in shapes:
+                raise BackendError(f"{src}: unexpected optimizer tensor {name}")
+            if tuple(tensor.shape) != expected:
+                raise BackendError(
+                    f"{src}: optimizer tensor {name} has shape {tuple(tensor.shape)}, "
+                    f"expected {expected}"
+                )
+            _check_finite(src, name, tensor)
 
     # ---- sampling ---------------------------------------------------------------------
 
@@ -680,6 +705,11 @@ class Backend:
 
 def _all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
     return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
+
+
+def _check_finite(src: Path, name: str, tensor: torch.Tensor) -> None:
+    if not _all_finite([tensor]):
+        raise BackendError(f"{src}: tensor {name} holds NaN or infinite values")
 
 
 @contextlib.contextmanager

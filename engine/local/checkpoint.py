@@ -18,19 +18,41 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from safetensors.torch import load_file, save_file
 
 FORMAT = "engine-local-lora/1"
 _META = "meta.json"
 _ADAPTER = "adapter.safetensors"
 _OPTIM = "optimizer.safetensors"
+MAX_META_BYTES = 64 * 1024
 
 
 class CheckpointError(ValueError):
     """Missing, foreign or corrupt checkpoint directory."""
+
+
+class Meta(BaseModel):
+    """What ``meta.json`` may hold (as ``Backend._meta`` writes it); strict, because
+    uploaded archives bring their own."""
+
+    model_config = ConfigDict(strict=True, extra="forbid")
+
+    format: str
+    kind: Literal["state", "sampler"]
+    base_model: str
+    is_lora: Literal[True] = True
+    lora_rank: int = Field(ge=1)
+    lora_alpha: int | float | None = None
+    train_attn: bool = True
+    train_mlp: bool = True
+    train_unembed: bool = True
+    target_modules: list[str] = Field(min_length=1)
+    seed: int | None = None
+    optimizer_steps: int = Field(default=0, ge=0)
 
 
 @dataclass(frozen=True)
@@ -63,15 +85,24 @@ def write(
 
 
 def read_meta(src: Path) -> dict[str, Any]:
+    """The checkpoint's metadata, checked against ``Meta``."""
     path = Path(src) / _META
     if not path.is_file():
         raise CheckpointError(f"{src} is not a saved checkpoint (no {_META})")
     try:
-        meta = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"{path} is unreadable: {e}") from e
+        if path.stat().st_size > MAX_META_BYTES:
+            raise CheckpointError(f"{path} is larger than {MAX_META_BYTES} bytes")
+        meta = json.loads(path.read_bytes().decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: JSON or UTF-8
+        raise CheckpointError(f"{path} is unreadable: {type(e).__name__}: {e}") from e
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{src} is not a checkpoint of format {FORMAT}")
+    try:
+        Meta.model_validate(meta)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(part) for part in first["loc"]) or "meta"
+        raise CheckpointError(f"{path}: {where}: {first['msg']}") from None
     return meta
 
 

@@ -7,6 +7,7 @@ defaults and one set of error messages.
 from __future__ import annotations
 
 import ipaddress
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,6 +23,18 @@ READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 
 LOOPBACK_NAMES = frozenset({"localhost"})
+DEFAULT_DATA_DIR_TEXT = (
+    "$XDG_DATA_HOME/engine/local-server, else ~/.local/share/engine/local-server"
+)
+
+
+def default_data_dir() -> Path:
+    """Where ``python -m engine.local`` keeps runs and checkpoints unless told otherwise
+    (``DEFAULT_DATA_DIR_TEXT``; an XDG_DATA_HOME that is not absolute is ignored, as the
+    XDG spec says)."""
+    xdg = os.environ.get("XDG_DATA_HOME", "")
+    root = Path(xdg) if os.path.isabs(xdg) else Path.home() / ".local" / "share"
+    return root / "engine" / "local-server"
 
 
 class ConfigError(ValueError):
@@ -59,18 +72,23 @@ class Limits:
     dedupe_window: int = 4096
     """Per-model (seq_id -> request) entries remembered for duplicate detection."""
     max_models: int = 64
-    """Training clients held in memory; beyond it the least recently used idle one is
-    evicted (using it later fails with a message saying so)."""
+    """Training clients held in memory; beyond it a new one is refused (429): a live
+    client is never evicted for another (clients are released when their session stops
+    sending heartbeats)."""
     max_named_samplers: int = 64
-    """Checkpoint snapshots (sampling clients from a model_path) held in memory; beyond it
-    the least recently used is evicted, with the sampling sessions that use it."""
+    """Checkpoint snapshots (sampling clients from a model_path, and snapshots training
+    clients save with save_weights_for_sampler) held in memory; beyond it one no sampling
+    session uses, else the least recently used, is evicted, with the sampling sessions
+    that use it."""
     max_adapter_bytes: int = 4 << 30
     """Memory for training clients (LoRA weights, gradients, Adam moments) and sampler
     snapshots together; beyond it checkpoint snapshots, then in-memory snapshots, then
     idle training clients are evicted, least recently used first."""
     max_upload_bytes: int = 1 << 30
     """Largest checkpoint archive accepted by /api/v1/checkpoints/upload (and the most
-    it may unpack to)."""
+    file contents it may unpack to); JSON bodies have ``max_body_bytes`` instead."""
+    max_concurrent_uploads: int = 4
+    """Uploads received at a time; beyond it an upload gets 503 with Retry-After."""
     max_ephemeral_samplers: int = 64
     """Snapshots from save_weights_and_get_sampling_client kept in memory; the oldest is
     released beyond this (sampling from it then fails with a clear error). Named
@@ -94,7 +112,8 @@ class ServerConfig:
     an unmodified script with a hard-coded hosted model name runs against it."""
     api_key: str | None = None
     data_dir: Path | None = None
-    """None: a fresh temporary directory, removed when the server stops."""
+    """None: a fresh temporary directory, removed when the server stops (the library
+    default; ``python -m engine.local`` defaults to ``default_data_dir()``)."""
     host: str = "127.0.0.1"
     port: int = 0
     faults: FaultSpec = field(default_factory=FaultSpec)

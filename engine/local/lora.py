@@ -45,6 +45,10 @@ class ModuleGroups:
     mlp: tuple[str, ...]
     unembed: tuple[str, ...]
 
+    @property
+    def all(self) -> frozenset[str]:
+        return frozenset(self.attn + self.mlp + self.unembed)
+
     def select(self, *, attn: bool, mlp: bool, unembed: bool) -> TargetSet:
         chosen = (self.attn if attn else ()) + (self.mlp if mlp else ())
         chosen += self.unembed if unembed else ()

@@ -9,16 +9,16 @@ URL is a redirect to ``/archives/<token>``: an unguessable, expiring link outsid
 
 from __future__ import annotations
 
-import tempfile
+import errno
+import functools
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 from typing import Any
 
 import anyio
 from fastapi import FastAPI, Request
 from fastapi.responses import FileResponse, JSONResponse, Response
-from starlette.requests import ClientDisconnect
 
+from engine.local.bodies import receive_body
 from engine.local.service import HttpError, LocalService
 from engine.local.service.checkpoints import file_part, http_date
 
@@ -59,7 +59,7 @@ def add_management_routes(app: FastAPI, service: LocalService, body_of: BodyRead
 
     @app.delete(checkpoint)
     async def delete_checkpoint(run_id: str, kind: str, name: str) -> Response:
-        store.delete(api.path_of(run_id, kind, name), service.core.registry.paths_in_use())
+        store.delete(api.path_of(run_id, kind, name))
         return Response(status_code=204)
 
     @app.post(checkpoint + "/publish")
@@ -97,13 +97,33 @@ def add_management_routes(app: FastAPI, service: LocalService, body_of: BodyRead
     @app.post("/api/v1/checkpoints/upload")
     async def upload(request: Request) -> JSONResponse:
         limit = service.config.limits.max_upload_bytes
-        with tempfile.TemporaryDirectory(prefix=".upload-", dir=service.core.data_dir) as tmp:
-            body = Path(tmp) / "body"
-            await _save_body(request, body, limit + _MULTIPART_SLACK)
-            archive = Path(tmp) / "archive"
-            content_type = request.headers.get("content-type", "")
-            filename = await anyio.to_thread.run_sync(file_part, body, content_type, archive)
-            path = await store.upload(archive, filename)
+        try:
+            with store.upload_dir() as work:
+                body = work / "body"
+                async with await anyio.open_file(body, "wb") as out:
+                    size = await receive_body(
+                        request,
+                        out.write,
+                        limit=limit + _MULTIPART_SLACK,
+                        timeout_s=service.config.body_timeout_s,
+                        too_large=functools.partial(_upload_too_large, limit=limit),
+                    )
+                if size == 0:
+                    raise HttpError(400, "the upload is empty: send a .tar.gz checkpoint archive")
+                archive = work / "archive"
+                content_type = request.headers.get("content-type", "")
+                filename = await anyio.to_thread.run_sync(file_part, body, content_type, archive)
+                body.unlink()
+                path = await store.upload(archive, filename, work)
+        except OSError as exc:
+            if exc.errno not in (errno.EMFILE, errno.ENFILE):
+                raise
+            raise HttpError(
+                503,
+                "the local server is out of file descriptors; retry shortly",
+                category="server",
+                headers={"Retry-After": "5"},
+            ) from None
         return JSONResponse(
             {
                 "checkpoint_id": f"{path.kind}/{path.name}",
@@ -126,18 +146,8 @@ def add_management_routes(app: FastAPI, service: LocalService, body_of: BodyRead
         return api.session(session_id, access_scope(request))
 
 
-async def _save_body(request: Request, dest: Path, limit: int) -> None:
-    size = 0
-    try:
-        async with await anyio.open_file(dest, "wb") as out:
-            async for chunk in request.stream():
-                size += len(chunk)
-                if size > limit:
-                    raise HttpError(
-                        413, f"the upload exceeds the local server's limit of {limit} bytes"
-                    )
-                await out.write(chunk)
-    except ClientDisconnect:
-        raise HttpError(400, "the client disconnected before sending the whole upload") from None
-    if size == 0:
-        raise HttpError(400, "the upload is empty: send a .tar.gz checkpoint archive")
+def _upload_too_large(size: int, limit: int) -> str:
+    return (
+        f"the upload of {size} bytes exceeds the local server's limit of {limit} bytes "
+        "(--max-upload-bytes)"
+    )

@@ -21,6 +21,7 @@ from engine.local.stats import Stats
 
 API_PREFIX = "/api/v1/"
 UNAUTHENTICATED = frozenset({"healthz"})
+TOKEN_ENDPOINT = "auth/token"
 _COLLECTIONS = ("samplers", "training_runs", "sessions", "checkpoints")
 
 
@@ -138,7 +139,8 @@ async def _discard(message: Message) -> None:
 
 
 class AuthMiddleware:
-    """Requires the API key (raw or as an issued JWT) on every API path but healthz."""
+    """Requires the API key (raw or as an issued JWT) on every API path but healthz;
+    only the API key itself may fetch a JWT."""
 
     def __init__(self, app: ASGIApp, auth: Authenticator) -> None:
         self.app = app
@@ -160,13 +162,17 @@ class AuthMiddleware:
             if bearer is not None and bearer.lower().startswith("bearer "):
                 credential = bearer[7:].strip()
         problem = self.auth.check(credential)
+        status = 401
+        minting = endpoint_name(path) == TOKEN_ENDPOINT
+        if problem is None and minting and not self.auth.may_issue(credential):
+            status, problem = 403, "a JWT cannot fetch another JWT: send the API key"
         if problem is None:
             await self.app(scope, receive, send)
             return
         # Connection: close, so an unauthenticated body is never read (it is not drained).
         await send_json(
             send,
-            401,
+            status,
             {"error": f"unauthorized: {problem}", "category": "user"},
             {"Connection": "close"},
         )

@@ -20,6 +20,7 @@ from typing import Any
 import anyio
 
 from engine.config import OnRewardError
+from engine.envs.types import is_env_task
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer
 from engine.rundir.checkpoints import truncate_metrics
@@ -33,7 +34,13 @@ EVAL_FILE = "eval.jsonl"
 
 
 def eval_problems_of(task: Task) -> list[Problem]:
-    """The task's held-out problems (``eval_problems()``); ConfigError when it has none."""
+    """The task's held-out problems (``eval_problems()``); ConfigError when it has none
+    or is an environment task (held-out episodes are not evaluated yet)."""
+    if is_env_task(task):
+        raise ConfigError(
+            f"--eval-every evaluates single-turn tasks only, and {task.name!r} is an "
+            "environment task; run without --eval-every"
+        )
     method = getattr(task, "eval_problems", None)
     problems = list(method()) if callable(method) else []
     if not problems:

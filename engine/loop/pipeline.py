@@ -1,27 +1,35 @@
-"""The pipelined RL loop: sampler -> scorer -> trainer (submitter -> finisher).
+"""The pipelined RL loop: rollout -> trainer (submitter -> finisher).
 
 Stages (anyio tasks in one task group, joined by bounded memory streams; every message
 carries what the next stage needs, no stage reads another's state):
 
-* **sampler** draws the problems of each step from the seeded source and announces the
+* **rollout** draws the problems of each step from the seeded source and announces the
   step (:class:`_StepOpened`, with the source's state after its problems), waits for
   *admission* -- the newest policy version must be at least ``step - K`` -- and then
-  starts every group of the step concurrently (at most ``concurrency`` requests in
-  flight), each tagged with the version of the sampler that produced it.
-* **scorer** rewards every arrived group at once (:class:`~engine.loop.scoring.Scorer`: all
-  responses concurrently, at most ``--score-concurrency`` calls).
+  starts every group of the step concurrently, each one task that runs the group's
+  episodes and computes its rewards (:class:`~engine.envs.rollout.EpisodeRunner`; a
+  single-turn task is a group of one-turn episodes sampled in one request and rewarded
+  by the :class:`~engine.loop.scoring.Scorer`, see :mod:`engine.envs.single_turn`).
+  Every turn samples from the newest sampler (at most ``--concurrency`` requests in
+  flight) and records its version; a group's version is that of its oldest turn.
 * **trainer**, two tasks. The *submitter* assembles step ``s`` from exactly its groups
   (problem ``i`` of step ``s`` is problem ``s * batch + i`` of the source), in problem
   order whatever versions sampled them and whatever order they were scored in, and
   submits forward_backward + optim_step + the snapshot of the weights after it (version
   ``s + 1``) back to back, without awaiting anything: while step ``s``'s results are
   outstanding it already submits step ``s + 1`` (``--submit-ahead`` steps at most), so
-  the server's clock never idles between steps. The *finisher* awaits each submitted
-  step in order, publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and
-  hands the :class:`~engine.loop.results.StepResult` to ``on_step``.
+  the server's clock never idles between steps. It files every group it receives with
+  the finisher (a bounded stream). The *finisher* awaits each submitted step in order,
+  publishes its snapshot to :class:`~engine.loop.policy.PolicyVersions` and hands the
+  :class:`~engine.loop.results.StepResult` to ``on_step``; its loop state keeps every
+  filed group of a later step (nothing sampled is lost on resume), and the trainer's busy
+  time comes from the step's own timestamps. Only the sampling meter (written by the
+  rollout tasks, read per step) and the in-flight count (the finisher makes room for
+  the submitter) are shared.
 
-Admission bounds staleness (every trained group is at most K versions behind; nothing
-sampled is discarded): docs/architecture.md, "The staleness bound", explains it.
+Admission bounds staleness (every trained group is at most K versions behind, whatever
+its later turns sampled from; nothing sampled is discarded): docs/architecture.md, "The
+staleness bound", explains it.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
 recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps
@@ -48,18 +56,31 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.config import EngineConfig
+from engine.envs.datums import episode_group_datums
+from engine.envs.executors import ProcessGroup
+from engine.envs.metrics import episode_metrics
+from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
+from engine.envs.single_turn import TaskGroupBuilder
+from engine.envs.types import (
+    EnvContext,
+    EnvGroupBuilder,
+    EnvTask,
+    EpisodeLimits,
+    Observation,
+    StopCondition,
+    is_env_task,
+)
 from engine.errors import EngineError
 from engine.loop.evaluation import Evaluator
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
-from engine.loop.rl import Datum, GroupDatums, group_datums, kl_sample_train
-from engine.loop.scoring import RewardError, Scorer, parse_score_workers
+from engine.loop.rl import Completion, Datum, GroupDatums, group_datums, kl_sample_train
+from engine.loop.scoring import RewardError, Scorer, check_picklable, parse_score_workers
 from engine.loop.state import LoopState, ScoredGroup
 from engine.observe.metrics import ActivityMeter, quickstart_line, reward_metrics
 from engine.session.api import (
     LossSpec,
     PendingSnapshot,
-    SampleResult,
     SamplerHandle,
     SamplingSettings,
     Session,
@@ -92,19 +113,14 @@ class _GroupJob:
     step: int
     index: int
     problem: Problem
-    prompt_tokens: tuple[int, ...]
+    builder: EnvGroupBuilder
+    admitted: int
+    """The sampler version the group was admitted under."""
+    prompt_tokens: tuple[int, ...] = ()
+    """A single-turn task's prompt (its groups keep the single-turn record)."""
 
 
-@dataclass(frozen=True)
-class _SampledGroup:
-    job: _GroupJob
-    result: SampleResult
-    started: float
-    finished: float
-
-
-_Sampled = _StepOpened | _SampledGroup
-_Scored = _StepOpened | ScoredGroup
+_RolledOut = _StepOpened | ScoredGroup
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,7 @@ class _Assembled:
     missing_logprobs: int
     constant_groups: int
     used_groups: int
+    masked: int
 
 
 class _StepAssembly:
@@ -138,9 +155,8 @@ class _StepAssembly:
             empty=sum(b.skipped_empty for _, b in built),
             zero_advantage=sum(b.skipped_zero_advantage for _, b in built),
             missing_logprobs=sum(b.dropped_missing_logprobs for _, b in built),
-            constant_groups=sum(
-                1 for g, b in built if g.reward_error is None and b.constant_reward
-            ),
+            masked=sum(b.masked for _, b in built),
+            constant_groups=sum(1 for g, b in built if g.trainable and b.constant_reward),
             used_groups=sum(1 for _, b in built if b.datums),
         )
 
@@ -164,33 +180,6 @@ class PipelineOutcome:
     steps_completed: int
     exhausted: bool
     state: LoopState
-
-
-class _Untrained:
-    """The trainer's scored groups that are not trained yet: waiting in the submitter's
-    buffer, or in a submitted step that is not finished. Both trainer tasks share it: the
-    submitter files and submits groups, the finisher reads what a checkpoint after a step
-    must keep (every group of a later step, so nothing sampled is lost on resume)."""
-
-    def __init__(self) -> None:
-        self.waiting: dict[int, dict[int, ScoredGroup]] = {}
-        self._submitted: dict[int, tuple[ScoredGroup, ...]] = {}
-
-    def add(self, group: ScoredGroup) -> None:
-        self.waiting.setdefault(group.step, {})[group.index] = group
-
-    def submit(self, step: int, batch: int) -> tuple[ScoredGroup, ...]:
-        """Step ``step``'s groups, in problem order, moved to the submitted steps."""
-        arrived = self.waiting.pop(step)
-        groups = tuple(arrived[i] for i in range(batch))
-        self._submitted[step] = groups
-        return groups
-
-    def finish(self, step: int) -> tuple[ScoredGroup, ...]:
-        """Step ``step`` is trained; returns the groups of every later step."""
-        self._submitted.pop(step, None)
-        later = {**self._submitted, **{s: tuple(g.values()) for s, g in self.waiting.items()}}
-        return tuple(g for s in sorted(later) if s > step for g in later[s])
 
 
 class _InFlight:
@@ -231,6 +220,7 @@ class Pipeline:
         clock: Clock = time.perf_counter,
         renderer: PromptRenderer | None = None,
         evaluate: Evaluator | None = None,
+        on_reward_error: Callable[[RewardError], None] = lambda error: None,
     ) -> None:
         if config.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
@@ -250,42 +240,50 @@ class Pipeline:
         self._bound = (self._k + 2) * (config.batch + 1)
         self._slots = anyio.Semaphore(config.concurrency)
         self._sampling = ActivityMeter(clock)
-        self._training = ActivityMeter(clock)
         self._in_flight = _InFlight(config.submit_ahead + 1)
-        self._untrained = _Untrained()
-        self._scorer = Scorer(
-            task,
-            concurrency=config.score_concurrency,
-            workers=parse_score_workers(config.score_workers),
-        )
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
+        self._on_reward_error = on_reward_error
+        context = session.info.max_context
+        self._max_prompt = context - config.max_tokens if context is not None else None
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
-        self._settings = SamplingSettings(
-            max_tokens=config.max_tokens,
-            temperature=config.temperature,
-            seed=config.sampling_seed,
-            stop_token_ids=stop_token_ids,
-            stop_strings=stop_strings,
+        self._stop = StopCondition(stop_strings, stop_token_ids)
+        workers = parse_score_workers(config.score_workers)
+        self._env_workers = (
+            anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
         )
+        if is_env_task(task):
+            if self._env_workers is not None:
+                check_picklable(task)
+            self._env_task: EnvTask | None = task  # type: ignore[assignment]
+            self._env_context = EnvContext(
+                self._renderer.context, self._stop, config.episode_limits()
+            )
+            limits: EpisodeLimits | None = self._env_context.limits
+            self._scorer: Scorer | None = None
+        else:
+            self._env_task, limits = None, None
+            self._scorer = Scorer(task, concurrency=config.score_concurrency, workers=workers)
+        self._runner = EpisodeRunner(self._sample_turn, limits, clock=clock)
 
     async def run(self) -> PipelineOutcome:
-        sampled_send, sampled_recv = anyio.create_memory_object_stream[_Sampled](self._bound)
-        scored_send, scored_recv = anyio.create_memory_object_stream[_Scored](self._bound)
+        rolled_send, rolled_recv = anyio.create_memory_object_stream[_RolledOut](self._bound)
         submitted_send, submitted_recv = anyio.create_memory_object_stream[_SubmittedStep](
             self._config.submit_ahead + 1
         )
+        # Every group the submitter files, for the finisher's checkpoints (at most K + 1
+        # steps of groups are untrained at once, well within the bound).
+        filed_send, filed_recv = anyio.create_memory_object_stream[ScoredGroup](self._bound)
         async with anyio.create_task_group() as tg:
-            tg.start_soon(self._sample_stage, tg, sampled_send)
-            tg.start_soon(self._score_stage, sampled_recv, scored_send)
-            tg.start_soon(self._submit_stage, scored_recv, submitted_send)
-            completed, state = await self._finish_stage(submitted_recv)
+            tg.start_soon(self._rollout_stage, tg, rolled_send)
+            tg.start_soon(self._submit_stage, rolled_recv, submitted_send, filed_send)
+            completed, state = await self._finish_stage(submitted_recv, filed_recv)
         return PipelineOutcome(completed, self._exhausted, state)
 
-    # -- sampler ---------------------------------------------------------------------
+    # -- rollout ---------------------------------------------------------------------
 
-    async def _sample_stage(self, tg: TaskGroup, send: MemoryObjectSendStream[_Sampled]) -> None:
+    async def _rollout_stage(self, tg: TaskGroup, send: MemoryObjectSendStream[_RolledOut]) -> None:
         cfg = self._config
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
@@ -301,120 +299,161 @@ class Pipeline:
                 await self._versions.wait_for(step - self._k)  # admission control
                 for index, problem in enumerate(problems):
                     if (step, index) in pending:
-                        continue  # sampled and scored before a resume: reused as is
-                    job = _GroupJob(
-                        step,
-                        index,
-                        problem,
-                        tuple(self._renderer.prompt_tokens(problem)),
-                    )
-                    await self._slots.acquire()
-                    tg.start_soon(self._sample_group, job, self._versions.current, send.clone())
+                        continue  # rolled out before a resume: reused as is
+                    job = self._job(step, index, problem)
+                    if self._max_prompt is not None and len(job.prompt_tokens) > self._max_prompt:
+                        await send.send(self._not_sampled(job))
+                        continue
+                    tg.start_soon(self._rollout_group, job, send.clone())
 
-    async def _sample_group(
-        self, job: _GroupJob, sampler: SamplerHandle, send: MemoryObjectSendStream[_Sampled]
+    def _job(self, step: int, index: int, problem: Problem) -> _GroupJob:
+        admitted = self._versions.current.version
+        if self._env_task is not None:
+            builder = self._env_task.group_builder(problem, self._config.group, self._env_context)
+            if self._env_workers is not None:
+                builder = ProcessGroup(builder, self._env_workers)
+            return _GroupJob(step, index, problem, builder, admitted)
+        assert self._scorer is not None
+        prompt = tuple(self._renderer.prompt_tokens(problem))
+        observation = Observation(prompt, self._stop)
+        group = TaskGroupBuilder(
+            problem, observation, self._config.group, self._scorer, self._renderer
+        )
+        return _GroupJob(step, index, problem, group, admitted, prompt)
+
+    async def _rollout_group(
+        self, job: _GroupJob, send: MemoryObjectSendStream[_RolledOut]
     ) -> None:
         async with send:
-            started = self._clock()
+            try:
+                rollout = await self._runner.run_group(job.builder, job.problem)
+            except Exception as exc:
+                # Sampling retries are spent (or the breaker is open): stop after the
+                # steps in flight instead of cancelling them half-way.
+                self._gate.request(exc)
+                return
+            if rollout.error is not None:
+                self._on_reward_error(rollout.error)
+            if rollout.error is not None and self._config.on_reward_error == "fail":
+                # Stop after the steps in flight; until then keep the streams open
+                # (closing them would break the other rollout tasks mid-send).
+                self._gate.request(rollout.error)
+                await anyio.sleep_forever()
+            self._progress(f"step {job.step + 1} group {job.index} rolled out")
+            await send.send(self._scored(job, rollout))
+
+    def _scored(self, job: _GroupJob, rollout: GroupRollout) -> ScoredGroup:
+        """The group as the trainer takes it: a single-turn task's keeps the
+        single-turn record (prompt, completions, rewards); an environment's keeps its
+        trajectories."""
+        trajectories = rollout.trajectories
+        group = ScoredGroup(
+            step=job.step,
+            index=job.index,
+            problem=job.problem,
+            prompt_tokens=job.prompt_tokens,
+            version=min((t.version for t in trajectories if t.turns), default=job.admitted),
+            completions=(),
+            rewards=tuple(
+                RewardBreakdown(t.total_reward, t.group_reward.components) for t in trajectories
+            ),
+            sample_started=rollout.started,
+            sample_finished=rollout.episodes_finished,
+            score_started=rollout.episodes_finished,
+            score_finished=rollout.rewards_finished,
+            retries=rollout.retries,
+            reward_error=None if rollout.error is None else str(rollout.error),
+        )
+        if self._env_task is None:
+            turns = [t.turns[0] for t in trajectories]
+            return dataclasses.replace(
+                group,
+                completions=tuple(Completion(t.action, t.logprobs, t.stop_reason) for t in turns),
+                rewards=tuple(t.group_reward for t in trajectories),
+            )
+        first = trajectories[0].turns if trajectories else ()
+        return dataclasses.replace(
+            group, prompt_tokens=first[0].observation if first else (), episodes=trajectories
+        )
+
+    async def _sample_turn(
+        self, observation: Observation, n: int, room: int | None
+    ) -> list[SampledAction]:
+        """``n`` actions for ``observation`` from the newest sampler."""
+        stop = observation.stop
+        max_tokens = stop.max_tokens or self._config.max_tokens
+        settings = SamplingSettings(
+            max_tokens=max_tokens if room is None else max(1, min(max_tokens, room)),
+            temperature=self._config.temperature,
+            seed=self._config.sampling_seed,
+            stop_token_ids=stop.stop_token_ids,
+            stop_strings=stop.stop_strings,
+        )
+        async with self._slots:
+            sampler = self._versions.current
             self._sampling.begin()
             samples = tokens = 0
             try:
-                result = await self._session.sample(
-                    sampler, job.prompt_tokens, self._config.group, self._settings
-                )
+                result = await self._session.sample(sampler, observation.tokens, n, settings)
                 samples = len(result.completions)
                 tokens = sum(len(c.tokens) for c in result.completions)
-            except Exception as exc:
-                # Retries are spent (or the breaker is open): stop after the steps in
-                # flight instead of cancelling them half-way.
-                self._gate.request(exc)
-                return
             finally:
                 self._sampling.end(items=samples, tokens=tokens)
-                self._slots.release()
-            self._progress(f"step {job.step + 1} group {job.index} sampled")
-            await send.send(_SampledGroup(job, result, started, self._clock()))
+        return [
+            SampledAction(c, result.version, result.retries if i == 0 else 0)
+            for i, c in enumerate(result.completions)
+        ]
 
-    # -- scorer ----------------------------------------------------------------------
-
-    async def _score_stage(
-        self,
-        receive: MemoryObjectReceiveStream[_Sampled],
-        send: MemoryObjectSendStream[_Scored],
-    ) -> None:
-        async with receive, send, anyio.create_task_group() as tg:
-            async for message in receive:
-                if isinstance(message, _StepOpened):
-                    await send.send(message)  # before any of its groups: they follow it
-                else:
-                    tg.start_soon(self._score_group, message, send.clone())
-
-    async def _score_group(
-        self, sampled: _SampledGroup, send: MemoryObjectSendStream[_Scored]
-    ) -> None:
-        async with send:
-            start = self._clock()
-            job = sampled.job
-            completions = sampled.result.completions
-            reward_error: str | None = None
-            try:
-                responses = [self._renderer.decode(c.tokens) for c in completions]
-                rewards = await self._scorer.score(job.problem, responses)
-            except RewardError as error:
-                if self._config.on_reward_error == "fail":
-                    # Stop after the steps in flight; until then keep the streams open
-                    # (closing them would break the sampler tasks mid-send).
-                    self._gate.request(error)
-                    await anyio.sleep_forever()
-                reward_error = str(error)
-                rewards = [RewardBreakdown(0.0)] * len(completions)
-            await send.send(
-                ScoredGroup(
-                    step=job.step,
-                    index=job.index,
-                    problem=job.problem,
-                    prompt_tokens=job.prompt_tokens,
-                    version=sampled.result.version,
-                    completions=completions,
-                    rewards=tuple(rewards),
-                    sample_started=sampled.started,
-                    sample_finished=sampled.finished,
-                    score_started=start,
-                    score_finished=self._clock(),
-                    retries=sampled.result.retries,
-                    reward_error=reward_error,
-                )
-            )
+    def _not_sampled(self, job: _GroupJob) -> ScoredGroup:
+        """A group whose prompt cannot fit the context: part of its step, never sampled
+        (the server would refuse it, and one refusal would stop the run)."""
+        context = self._session.info.max_context
+        reason = (
+            f"problem {job.problem.id}'s prompt of {len(job.prompt_tokens)} tokens plus "
+            f"--max-tokens {self._config.max_tokens} exceeds the model's context of "
+            f"{context} tokens"
+        )
+        now = self._clock()
+        return ScoredGroup(
+            step=job.step,
+            index=job.index,
+            problem=job.problem,
+            prompt_tokens=job.prompt_tokens,
+            version=job.admitted,
+            completions=(),
+            rewards=(),
+            sample_started=now,
+            sample_finished=now,
+            score_started=now,
+            score_finished=now,
+            too_long=reason,
+        )
 
     # -- trainer: submitter ----------------------------------------------------------
 
     async def _submit_stage(
         self,
-        receive: MemoryObjectReceiveStream[_Scored],
+        receive: MemoryObjectReceiveStream[_RolledOut],
         send: MemoryObjectSendStream[_SubmittedStep],
+        filed: MemoryObjectSendStream[ScoredGroup],
     ) -> None:
         cfg = self._config
-        untrained = self._untrained
         now = self._clock()
+        waiting: dict[int, dict[int, ScoredGroup]] = {}  # step -> index -> group
         for g in self._state.pending_groups:
             # Restored from a checkpoint: ready now (their old clock values mean nothing).
-            untrained.add(
-                dataclasses.replace(
-                    g,
-                    sample_started=now,
-                    sample_finished=now,
-                    score_started=now,
-                    score_finished=now,
-                )
+            restored = dataclasses.replace(
+                g, sample_started=now, sample_finished=now, score_started=now, score_finished=now
             )
+            waiting.setdefault(g.step, {})[g.index] = restored
         source_after: dict[int, dict[str, Any]] = {}
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
-        async with receive, send:
+        async with receive, send, filed:
             for step in range(self._state.next_step, cfg.steps):
                 assembly = _StepAssembly(step)
                 while True:
-                    arrived = untrained.waiting.get(step, {})
+                    arrived = waiting.get(step, {})
                     complete = len(arrived) == cfg.batch and step in source_after
                     await self._submit_ready(assembly, arrived, complete=complete)
                     if complete:
@@ -426,10 +465,12 @@ class Pipeline:
                     if isinstance(message, _StepOpened):
                         source_after[message.step] = message.source_after
                     else:
-                        untrained.add(message)
+                        waiting.setdefault(message.step, {})[message.index] = message
+                        await filed.send(message)
                         if message.step == step:
                             complete_at = self._clock()
-                groups = untrained.submit(step, cfg.batch)
+                arrived = waiting.pop(step)
+                groups = tuple(arrived[i] for i in range(cfg.batch))
                 await self._open(assembly)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
@@ -486,12 +527,15 @@ class Pipeline:
             return
         await self._in_flight.acquire(drain=self._config.checkpoint_due(assembly.step))
         await self._gate.begin_step(assembly.step + 1)
-        self._training.begin()
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
-        if group.reward_error is not None:
+        if not group.trainable:
             return GroupDatums([], [], 0, 0, 0)
+        if group.episodes:
+            return episode_group_datums(
+                group.episodes, on_missing_logprobs=self._config.on_missing_logprobs
+            )
         return group_datums(
             group.prompt_tokens,
             group.completions,
@@ -502,12 +546,15 @@ class Pipeline:
     # -- trainer: finisher -----------------------------------------------------------
 
     async def _finish_stage(
-        self, receive: MemoryObjectReceiveStream[_SubmittedStep]
+        self,
+        receive: MemoryObjectReceiveStream[_SubmittedStep],
+        filed: MemoryObjectReceiveStream[ScoredGroup],
     ) -> tuple[int, LoopState]:
         completed = 0
         state = self._state
         last_end = self._clock()
-        async with receive:
+        untrained = {(g.step, g.index): g for g in self._state.pending_groups}
+        async with receive, filed:
             async for submitted in receive:
                 step = submitted.step
                 try:
@@ -526,12 +573,11 @@ class Pipeline:
                     raise
                 if step + 1 < self._config.steps:
                     self._versions.publish(handle)
-                self._training.end()
                 end = self._clock()
                 state = dataclasses.replace(
                     submitted.state,
                     sampler_version=self._versions.current.version,
-                    pending_groups=self._untrained.finish(step),
+                    pending_groups=_untrained_after(step, untrained, filed),
                 )
                 step_result = self._step_result(
                     submitted, result, state, last_end, end, snapshot_retries.count
@@ -570,8 +616,10 @@ class Pipeline:
         kl = kl_sample_train(assembled.datums, result.logprobs)
         step_time = max(train_end - last_end, 1e-9)
         sampling_busy, samples, tokens = self._sampling.take()
-        training_busy, _, _ = self._training.take()
-        scored = [g for g in groups if g.reward_error is None]
+        # Steps are trained in order: from this step's first submission (or the end of
+        # the previous step, if later) to its end, the trainer was busy.
+        training_busy = train_end - max(submitted.train_start, last_end)
+        scored = [g for g in groups if g.trainable]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
             "step": step + 1,
@@ -582,6 +630,7 @@ class Pipeline:
             "groups/skipped": assembled.constant_groups,
             "groups/reward_errors": len(failed),
             "reward_errors/problem_ids": [g.problem.id for g in failed],
+            "groups/too_long": sum(1 for g in groups if g.too_long is not None),
             "skipped/empty_responses": assembled.empty,
             "skipped/zero_advantage": assembled.zero_advantage,
             "dropped/missing_logprobs": assembled.missing_logprobs,
@@ -609,7 +658,10 @@ class Pipeline:
             "problems/digest": _problems_digest(groups),
             "retries/sample": sum(g.retries for g in groups),
             "retries/save_sampler": snapshot_retries,
+            **episode_metrics([e for g in groups for e in g.episodes]),
         }
+        if self._env_task is not None:
+            metrics["skipped/masked_episodes"] = assembled.masked
         timeline = StepTimeline(
             sample_start=min(g.sample_started for g in groups),
             sample_end=max(g.sample_finished for g in groups),
@@ -625,6 +677,24 @@ class Pipeline:
             timeline=timeline,
             state=state,
         )
+
+
+def _untrained_after(
+    step: int,
+    untrained: dict[tuple[int, int], ScoredGroup],
+    filed: MemoryObjectReceiveStream[ScoredGroup],
+) -> tuple[ScoredGroup, ...]:
+    """Every group filed by the submitter so far of a step after ``step`` (what a
+    checkpoint after ``step`` must keep, so nothing sampled is lost on resume)."""
+    while True:
+        try:
+            group = filed.receive_nowait()
+        except (anyio.WouldBlock, anyio.EndOfStream):
+            break
+        untrained[(group.step, group.index)] = group
+    for key in [k for k in untrained if k[0] <= step]:
+        del untrained[key]
+    return tuple(untrained[k] for k in sorted(untrained))
 
 
 _NO_TRAINING = TrainResult([], {}, {})

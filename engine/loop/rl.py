@@ -75,6 +75,8 @@ class GroupDatums:
     skipped_empty: int
     skipped_zero_advantage: int
     dropped_missing_logprobs: int
+    masked: int = 0
+    """Episodes left out by a limit (``on_limit = mask``); single-turn groups have none."""
 
     @property
     def constant_reward(self) -> bool:

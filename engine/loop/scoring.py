@@ -31,16 +31,19 @@ from __future__ import annotations
 import contextlib
 import inspect
 import math
+import numbers
+import os
 import pickle
-import threading
-from collections.abc import Callable, Sequence
+import sys
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, TypeVar
 
 import anyio
 import anyio.to_process
-from anyio.lowlevel import current_token
 
+from engine.common.threads import in_daemon_thread
 from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
@@ -48,7 +51,9 @@ __all__ = [
     "RewardError",
     "ScoreWorkers",
     "Scorer",
+    "check_picklable",
     "check_reward",
+    "check_score_workers",
     "parse_score_workers",
 ]
 
@@ -89,6 +94,13 @@ class RewardError(EngineError):
             f"the reward function failed on problem {problem.id} ({problem.question!r}): {detail}"
         )
         self.problem = problem
+        self.trace: str = getattr(cause, _TRACE, None) or "".join(traceback.format_exception(cause))
+        """The traceback of what the reward raised (from its worker, when it ran in one)."""
+
+
+_TRACE = "_engine_reward_trace"
+"""Where a worker keeps the formatted traceback on the exception it hands back (the
+attribute pickles with the exception; the traceback object does not)."""
 
 
 class _Raised(EngineError):
@@ -113,8 +125,7 @@ class Scorer:
         fn = self._group_fn or task.score
         self._is_async = inspect.iscoroutinefunction(fn)
         self._in_threads = not self._is_async and self._processes is None
-        if self._processes is not None and not self._is_async:
-            _check_picklable(fn)
+        check_score_workers(task, workers)
 
     async def score(self, problem: Problem, responses: Sequence[str]) -> list[RewardBreakdown]:
         """The rewards of one group, in response order; raises RewardError."""
@@ -159,11 +170,18 @@ class Scorer:
             except BaseException as exc:  # SystemExit, KeyboardInterrupt from user code
                 raise _Raised(exc) from None
         if self._processes is not None:
-            outcome = await anyio.to_process.run_sync(
-                _run_guarded, fn, *args, cancellable=True, limiter=self._processes
-            )
+            try:
+                outcome = await anyio.to_process.run_sync(
+                    _run_in_worker_process, fn, *args, cancellable=True, limiter=self._processes
+                )
+            except anyio.BrokenWorkerProcess:
+                raise EngineError(
+                    "its worker process died before it answered (the reward crashed the "
+                    "process, called os._exit, or was killed: the worker's stderr above may "
+                    "say more)"
+                ) from None
         else:
-            outcome = await _in_daemon_thread(_run_guarded, fn, *args)
+            outcome = await in_daemon_thread(_run_guarded, fn, *args, name="engine-reward")
         value, error = outcome
         if error is not None:
             raise error
@@ -171,17 +189,34 @@ class Scorer:
 
 
 def check_reward(reward: Any) -> RewardBreakdown:
-    """A task's reward as a RewardBreakdown (a bare number is accepted), or a clear
-    error."""
-    if isinstance(reward, int | float) and not isinstance(reward, bool):
+    """A task's reward as a RewardBreakdown (a bare number is accepted) whose total and
+    components are finite numbers, or a clear error (a reward error of the group)."""
+    if _is_number(reward):
         reward = RewardBreakdown(float(reward))
     if not isinstance(reward, RewardBreakdown):
         raise EngineError(
             f"task.score must return a RewardBreakdown or a number, got {type(reward).__name__}"
         )
-    if not math.isfinite(reward.total):
-        raise EngineError(f"task.score returned a non-finite reward ({reward.total})")
-    return reward
+    if not _is_number(reward.total) or not math.isfinite(reward.total):
+        raise EngineError(f"task.score returned a non-finite or non-numeric total {reward.total!r}")
+    if not isinstance(reward.components, Mapping):
+        raise EngineError(
+            "task.score returned components that are not a mapping of names to numbers "
+            f"({type(reward.components).__name__})"
+        )
+    for name, value in reward.components.items():
+        if not isinstance(name, str) or not _is_number(value) or not math.isfinite(value):
+            raise EngineError(
+                f"task.score returned the component {name!r}: {value!r}; components must "
+                "be finite numbers named by strings"
+            )
+    return RewardBreakdown(
+        float(reward.total), {name: float(v) for name, v in reward.components.items()}
+    )
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def _checked_group(raw: Any, n: int) -> list[RewardBreakdown]:
@@ -205,34 +240,40 @@ def _run_guarded(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException
     SystemExit in a worker thread or process is a reward error, not an exit)."""
     try:
         return fn(*args), None
-    except Exception as exc:
-        return None, exc
     except BaseException as exc:
-        return None, _Raised(exc)
+        error = exc if isinstance(exc, Exception) else _Raised(exc)
+        with contextlib.suppress(AttributeError):  # an exception type that refuses attributes
+            setattr(error, _TRACE, "".join(traceback.format_exception(exc)))
+        return None, error
 
 
-async def _in_daemon_thread(fn: Callable[..., T], *args: Any) -> T:
-    """``fn(*args)`` in a new daemon thread. Unlike anyio's worker threads, which the
-    interpreter joins at exit, a daemon thread whose reward never returns is abandoned on
-    cancellation and dies with the process."""
-    token = current_token()
-    done = anyio.Event()
-    box: list[Any] = []
-
-    def run() -> None:
-        try:
-            box.append(fn(*args))
-        finally:
-            # RuntimeError: the event loop is gone; nobody waits for this result any more.
-            with contextlib.suppress(RuntimeError):
-                anyio.from_thread.run_sync(done.set, token=token)
-
-    threading.Thread(target=run, name="engine-reward", daemon=True).start()
-    await done.wait()
-    return box[0]  # type: ignore[no-any-return]
+def _run_in_worker_process(fn: Callable[..., Any], *args: Any) -> tuple[Any, BaseException | None]:
+    """:func:`_run_guarded` in a worker process, with fd 1 pointing at stderr meanwhile:
+    the worker answers on its stdout, so a reward's write to fd 1 (a ``subprocess.run``
+    without captured output, an ``os.write(1, ...)``) would corrupt the answer."""
+    sys.stdout.flush()
+    answer_fd = os.dup(1)
+    os.dup2(2, 1)
+    try:
+        return _run_guarded(fn, *args)
+    finally:
+        sys.stdout.flush()
+        os.dup2(answer_fd, 1)
+        os.close(answer_fd)
 
 
-def _check_picklable(fn: Callable[..., Any]) -> None:
+def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
+    """ConfigError (one line) when ``workers`` are processes and the task's reward cannot
+    be sent to them: called before anything is spent (the engine checks it as it loads
+    the task)."""
+    group_fn = getattr(task, "score_group", None)
+    fn = group_fn if callable(group_fn) else task.score
+    if workers.kind == "processes" and not inspect.iscoroutinefunction(fn):
+        check_picklable(fn)
+
+
+def check_picklable(fn: object) -> None:
+    """ConfigError (one line) when ``fn`` cannot be sent to a worker process."""
     try:
         pickle.dumps(fn)
     except Exception as exc:

@@ -14,6 +14,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.envs.records import trajectory_from_dict, trajectory_to_dict
+from engine.envs.types import Trajectory
 from engine.loop.rl import Completion
 from engine.tasks.base import Problem, RewardBreakdown
 
@@ -42,12 +44,25 @@ class ScoredGroup:
     reward_error: str | None = None
     """Set when the reward function failed on this group (``--on-reward-error skip``):
     the group is part of its step but yields no datums and no reward statistics."""
+    episodes: tuple[Trajectory, ...] = field(default=(), repr=False)
+    """An environment task's trajectories, one per episode (``rewards`` then holds
+    each one's total reward; ``completions`` is empty). Empty for a single-turn task."""
+    too_long: str | None = None
+    """Set when the prompt cannot fit the model's context with ``--max-tokens`` of
+    response: the group was not sampled; like a reward error, it is part of its step but
+    yields no datums."""
+
+    @property
+    def trainable(self) -> bool:
+        """Whether the group's responses can be trained on (sampled and scored)."""
+        return self.reward_error is None and self.too_long is None
 
     @property
     def totals(self) -> list[float]:
         return [r.total for r in self.rewards]
 
     def to_dict(self) -> dict[str, Any]:
+        episodes = [trajectory_to_dict(t) for t in self.episodes]
         return {
             "step": self.step,
             "index": self.index,
@@ -69,6 +84,8 @@ class ScoredGroup:
             ],
             "rewards": [{"total": r.total, "components": dict(r.components)} for r in self.rewards],
             "reward_error": self.reward_error,
+            **({"episodes": episodes} if episodes else {}),
+            "too_long": self.too_long,
         }
 
     @classmethod
@@ -92,6 +109,8 @@ class ScoredGroup:
                 RewardBreakdown(float(r["total"]), dict(r["components"])) for r in data["rewards"]
             ),
             reward_error=data.get("reward_error"),
+            episodes=tuple(trajectory_from_dict(t) for t in data.get("episodes", ())),
+            too_long=data.get("too_long"),
         )
 
 

@@ -23,6 +23,7 @@ trained; :data:`engine.config.RESUME_CHANGEABLE` lists those that may change.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import tempfile
@@ -42,6 +43,8 @@ from engine.errors import (
     RunFileError,
     RunStopped,
 )
+from engine.loop.state import LoopState
+from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config
 from engine.report import REPORT_PNG
@@ -52,10 +55,12 @@ from engine.rundir.checkpoints import (
     write_file_atomically,
 )
 from engine.rundir.events import QUIET, EventLog, HeldEvents
+from engine.rundir.lock import LOCK_FILE, RunDirLock
 from engine.tasks import Task
 
 __all__ = [
     "CONFIG_FILE",
+    "DATA_DIGEST",
     "LOCAL_SERVER_DIR",
     "METRICS_FILE",
     "SUMMARY_FILES",
@@ -73,6 +78,9 @@ METRICS_FILE = "metrics.jsonl"
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
 SUMMARY_FILES = (SUMMARY_JSON, SUMMARY_MD)
+DATA_DIGEST = "task_data_digest"
+"""config.json's fingerprint of the task's data (a task with a ``data_digest``: the
+dataset tasks); a resume on other data is refused."""
 LOCAL_SERVER_DIR = "local-server"
 """Where, inside the run dir, a local server started by the engine keeps its data."""
 
@@ -158,7 +166,7 @@ def prepare_run_dir(directory: Path) -> bool:
         check_writable(directory)
         _forget_unfinished_startup(directory)
         return True
-    if any(not _is_temp_file(entry.name) for entry in directory.iterdir()):
+    if any(not _is_temp_file(e.name) and e.name != LOCK_FILE for e in directory.iterdir()):
         raise ConfigError(
             f"run directory {directory} is not empty and holds no engine run; choose a new "
             "or empty --run-dir (the engine would overwrite files there)"
@@ -205,6 +213,14 @@ def _may_change(key: str) -> bool:
     return any(key == k or key.startswith(k + ".") for k in RESUME_CHANGEABLE)
 
 
+def _default_of(key: str) -> Any:
+    """The JSON form of setting ``key``'s default (None when it has none)."""
+    field = next((f for f in dataclasses.fields(EngineConfig) if f.name == key), None)
+    if field is None or field.default is dataclasses.MISSING:
+        return None
+    return json.loads(json.dumps(field.default, default=str))
+
+
 def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
     # Compare the redacted current config: that is the form config.json holds.
     old = _flatten(json.loads(json.dumps(stored, default=str)))
@@ -213,7 +229,11 @@ def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) ->
     for key in sorted(set(old) | set(new)):
         if _may_change(key) or REDACTED in (str(old.get(key)), str(new.get(key))):
             continue
+        if key == DATA_DIGEST:  # checked on its own (a run dir from before has none)
+            continue
         if key not in old:
+            if _default_of(key) == new[key]:
+                continue  # a setting newer than the run, at its default: nothing changes
             problems.append(f"{key} is new ({new[key]!r})")
         elif key not in new:
             problems.append(f"{key} is missing (run dir has {old[key]!r})")
@@ -266,6 +286,7 @@ def load_resume_state(
             "or empty); start a new run instead"
         )
     if current_config is not None:
+        _check_same_data(directory, stored, current_config)
         problems = _config_mismatches(stored, current_config)
         if problems:
             shown = "; ".join(problems[:5]) + ("; ..." if len(problems) > 5 else "")
@@ -276,6 +297,18 @@ def load_resume_state(
     return ResumeState(run_dir=directory, config=stored, checkpoint=latest)
 
 
+def _check_same_data(
+    directory: Path, stored: Mapping[str, Any], current: Mapping[str, Any]
+) -> None:
+    old, new = stored.get(DATA_DIGEST), current.get(DATA_DIGEST)
+    if old is not None and new is not None and old != new:
+        raise ResumeError(
+            f"cannot resume {directory}: the task's data changed since the run started "
+            f"({str(old)[:19]}... in its {CONFIG_FILE}, {str(new)[:19]}... now); resume "
+            "with the same dataset, or start a new run"
+        )
+
+
 # --------------------------------------------------------------------------- one run's
 
 
@@ -283,7 +316,11 @@ def config_record(config: EngineConfig, task: Task | None) -> dict[str, Any]:
     """What config.json holds: the public config, the task's name and its repr (while
     the server still decides the task's arguments: its spec, and None)."""
     name = task.name if task is not None else config.task
-    return {**config.public_dict(), "task_repr": repr(task), "task_name": name}
+    record = {**config.public_dict(), "task_repr": repr(task), "task_name": name}
+    digest = getattr(task, "data_digest", None)
+    if isinstance(digest, str):
+        record[DATA_DIGEST] = digest
+    return record
 
 
 def stored_config(run_dir: Path) -> Mapping[str, Any]:
@@ -308,8 +345,10 @@ class RunDirectory:
         resumed: ResumeState | None,
         held: HeldEvents,
         started_at: float,
+        lock: RunDirLock,
     ) -> None:
         self.path = path
+        self._lock = lock
         self.resumed = resumed
         """The checkpoint a resumed run continues from (None: a new run)."""
         self.steps: list[dict[str, Any]] = []
@@ -329,10 +368,23 @@ class RunDirectory:
         resumed: ResumeState | None = None
         if config.resume is not None:
             path = config.resume
-            resumed = _check_resume(path, record, config.steps, held)
+            # Locked before its checkpoints are read: a run still training refuses.
+            lock = RunDirLock.acquire(path) if path.is_dir() else None
+            try:
+                resumed = _check_resume(path, record, config.steps, held)
+            except BaseException:
+                if lock is not None:
+                    lock.release()
+                raise
         else:
             path = _make_run_dir(config.run_dir, record["task_name"], held)
-        return cls(path, resumed=resumed, held=held, started_at=started_at)
+            lock = None
+        lock = lock or RunDirLock.acquire(path)
+        return cls(path, resumed=resumed, held=held, started_at=started_at, lock=lock)
+
+    def close(self) -> None:
+        """Release the run dir for another process (the process ending does too)."""
+        self._lock.release()
 
     def write_config(self, config: EngineConfig, task: Task | None) -> None:
         write_config(self.path, config_record(config, task))
@@ -389,6 +441,7 @@ class RunDirectory:
             "retries": dict(retries),
             "seconds": round(time.perf_counter() - self._started_at, 3),
             "final_path": final_path,
+            "no_training": no_training_summary(metrics),
         }
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
@@ -437,6 +490,14 @@ def _check_resume(
             f"cannot resume {run_dir}: its latest checkpoint is at step {resumed.step}, "
             f"beyond --steps {steps}"
         )
+    try:
+        LoopState.from_dict(resumed.loop_state)
+    except (KeyError, TypeError, ValueError) as exc:
+        raise ResumeError(
+            f"cannot resume {run_dir}: its latest checkpoint (step {resumed.step} in "
+            f"{CHECKPOINTS_FILE}) has no usable loop state ({type(exc).__name__}: {exc}); "
+            "the file is damaged or was not written by the engine"
+        ) from None
     return resumed
 
 
@@ -493,6 +554,15 @@ def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
         f"- avg reward: first {num(s['first_avg_reward'])}, last {num(s['last_avg_reward'])}, "
         f"best {num(s['best_avg_reward'])}",
         f"- max staleness: {s['max_staleness']}",
+        *(
+            [
+                f"- **trained nothing** for {idle['untrained_steps']} steps (longest run: "
+                f"steps {idle['longest_streak'][0]}-{idle['longest_streak'][1]}): "
+                f"{idle['likely_cause']}"
+            ]
+            if (idle := s["no_training"])
+            else []
+        ),
         f"- final sampler: {s['final_path'] or 'not saved'}",
         f"- report: ![report]({REPORT_PNG})"
         if s["report"]

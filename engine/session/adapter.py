@@ -136,7 +136,10 @@ class SdkSession:
         """A ServiceClient (runs in a worker thread: it may block)."""
         raise NotImplementedError
 
-    async def _sdk_supported_models(self, base_url: str, api_key: str | None) -> tuple[str, ...]:
+    async def _sdk_supported_models(
+        self, base_url: str, api_key: str | None
+    ) -> dict[str, int | None]:
+        """The server's models (its capabilities): name -> context length, if said."""
         raise NotImplementedError
 
     async def _sdk_sample(
@@ -449,12 +452,13 @@ class SdkSession:
         session = cls(service, None, None, info, guard, lora, config)
         failed = True
         try:
-            supported = await setup_call(
+            models = await setup_call(
                 guard,
                 base_url,
                 "read capabilities",
                 lambda: session._sdk_supported_models(base_url, api_key),
             )
+            supported = tuple(models)
             if restore_from is None:
                 try:
                     training = await setup_call(
@@ -487,7 +491,9 @@ class SdkSession:
             say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
             session._training = training
             session.tokenizer = tokenizer
-            session.info = ServerInfo(base_url, base_model, local, supported)
+            session.info = ServerInfo(
+                base_url, base_model, local, supported, models.get(base_model)
+            )
             yield session
             failed = False
         finally:

@@ -51,6 +51,9 @@ class ServerInfo:
     base_model: str
     local: bool
     supported_models: tuple[str, ...]
+    max_context: int | None = None
+    """The base model's context length in tokens, when the server says (prompt plus
+    response must fit in it)."""
 
 
 @dataclass(frozen=True)

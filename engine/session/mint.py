@@ -56,9 +56,11 @@ class MintSession(SdkSession):
     def _sdk_service(base_url: str, api_key: str | None) -> tinker.ServiceClient:
         return mint.ServiceClient(api_key=api_key, base_url=base_url, max_retries=SDK_MAX_RETRIES)
 
-    async def _sdk_supported_models(self, base_url: str, api_key: str | None) -> tuple[str, ...]:
+    async def _sdk_supported_models(
+        self, base_url: str, api_key: str | None
+    ) -> dict[str, int | None]:
         caps = await self._service.get_server_capabilities_async()
-        return tuple(m.model_name for m in caps.supported_models if m.model_name)
+        return {m.model_name: m.max_context_length for m in caps.supported_models if m.model_name}
 
     async def _sdk_sample(
         self,

@@ -64,11 +64,13 @@ class TinkerSession(SdkSession):
     def _sdk_service(base_url: str, api_key: str | None) -> tinker.ServiceClient:
         return tinker.ServiceClient(base_url=base_url, api_key=api_key)
 
-    async def _sdk_supported_models(self, base_url: str, api_key: str | None) -> tuple[str, ...]:
+    async def _sdk_supported_models(
+        self, base_url: str, api_key: str | None
+    ) -> dict[str, int | None]:
         rest_client = tinker.RestClient  # type: ignore[attr-defined]  # new in 0.38
         rest = await _in_thread(rest_client, base_url=base_url, api_key=api_key)
         caps = await rest.get_server_capabilities()
-        return tuple(m.model_name for m in caps.supported_models if m.model_name)
+        return {m.model_name: m.max_context_length for m in caps.supported_models if m.model_name}
 
     async def _sdk_sample(
         self,

@@ -25,7 +25,6 @@ from __future__ import annotations
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import anyio
 
@@ -42,22 +41,22 @@ from engine.errors import (
 from engine.loop.evaluation import Evaluator
 from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import RunResult, StepResult
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.scoring import RewardError, Scorer, parse_score_workers
 from engine.loop.state import LoopState
+from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
 from engine.rollouts import RolloutLog
 from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.rundir.directory import RunDirectory
 from engine.rundir.events import EventLog
+from engine.session.api import Session
+from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
 from engine.supervision.watchdog import Watchdog
 from engine.tasks import Task
 from engine.tasks.render import PromptRenderer
-
-if TYPE_CHECKING:
-    from engine.session.adapter import SdkSession
 
 __all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
 
@@ -91,7 +90,8 @@ class Supervisor:
         config: EngineConfig,
         task: Task,
         *,
-        session: SdkSession,
+        session: Session,
+        retries: RetryCounter,
         files: RunDirectory,
         log: RunLog,
         events: EventLog,
@@ -108,6 +108,7 @@ class Supervisor:
         self._config = config
         self._task = task
         self._session = session
+        self._retries = retries
         self._files = files
         self._log = log
         self._events = events
@@ -221,6 +222,7 @@ class Supervisor:
                 progress=watchdog.progress,
                 renderer=self._outputs.renderer,
                 evaluate=self._outputs.evaluator,
+                on_reward_error=self._reward_failed,
             )
             try:
                 return await pipeline.run()
@@ -230,6 +232,15 @@ class Supervisor:
                     raise
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
+
+    def _reward_failed(self, error: RewardError) -> None:
+        """Keep the reward's traceback in events.jsonl (the console shows one line; with
+        ``--log-level debug`` the traceback too)."""
+        self._events.info(
+            "reward.failed", problem_id=error.problem.id, error=str(error), traceback=error.trace
+        )
+        if self._config.log_level == "debug":
+            self._log.warning("reward_traceback", f"{error}\n{error.trace.rstrip()}")
 
     def _initial_state(self) -> LoopState:
         return LoopState(0, self._task.source(self._config.seed).state(), 0)
@@ -261,7 +272,7 @@ class Supervisor:
         """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
         the hooks, publish it."""
         self.state = result.state
-        for key, count in self._session.retries.take().items():
+        for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
         self._files.steps.append(result.metrics)
         self._log.step(result.metrics, result.line)
@@ -274,12 +285,20 @@ class Supervisor:
                 "logprobs (--on-missing-logprobs drop)",
             )
         for group in result.groups:
+            if group.too_long is not None:
+                self._log.warning(
+                    "prompt_too_long",
+                    f"step {result.step}: {group.too_long}; the group was left out of the step",
+                )
             if group.reward_error is not None:
                 self._log.warning(
                     "reward_error",
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
+        idle = no_training_warning(self._files.steps)
+        if idle is not None:
+            self._events.warning("run.no_training", step=result.step, message=idle)
         if self._config.checkpoint_due(result.step):
             try:
                 await self._checkpoint("periodic", result.state)
@@ -358,7 +377,7 @@ class Supervisor:
 
 
 def _open_task_outputs(
-    config: EngineConfig, task: Task, session: SdkSession, files: RunDirectory, log: RunLog
+    config: EngineConfig, task: Task, session: Session, files: RunDirectory, log: RunLog
 ) -> _TaskOutputs:
     """The renderer, rollouts.jsonl and the evaluator, each cut back to the checkpoint on
     resume."""

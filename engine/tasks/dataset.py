@@ -17,6 +17,7 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -49,6 +50,7 @@ DATASET_ARGS: Final[Mapping[str, str]] = {
     "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact)",
     "tolerance": "numeric: relative tolerance (absolute below 1; default 1e-6)",
     "pattern": "regex: the answer is group 1 (or the whole match) of the first match",
+    "pattern_timeout": "regex: seconds a match may take before it is a reward error (default 1)",
     "epochs": "passes over the training rows before the source ends (default: unlimited)",
     "shuffle": "false: keep the file order (default: a seeded shuffle per epoch)",
     "eval_size": "rows held out for --eval-every (default 0; taken by a fixed shuffle)",
@@ -80,21 +82,29 @@ class Row:
 
 def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[Row]:
     """The rows of a JSONL file (blank lines skipped); a ConfigError names the file and
-    line of the first bad one."""
+    line of the first bad one (not UTF-8, not JSON, nested too deep, a number too long)."""
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
+        lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from None
 
     def records() -> Iterator[tuple[str, Any]]:
-        for number, line in enumerate(lines, start=1):
+        for number, raw in enumerate(lines, start=1):
+            where = f"{path}:{number}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{number}"
             try:
                 yield where, json.loads(line)
             except json.JSONDecodeError as exc:
                 raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from None
+            except RecursionError:
+                raise ConfigError(f"{where} is nested too deeply to read") from None
+            except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+                raise ConfigError(f"{where} cannot be read ({str(exc).splitlines()[0]})") from None
 
     return rows_of(records(), prompt_field, answer_field, f"dataset {path}")
 
@@ -130,7 +140,7 @@ def rows_of(
 
 def _prompt(value: Any, where: str) -> str | tuple[Mapping[str, Any], ...]:
     if isinstance(value, str):
-        return value
+        return _encodable(value, where)
     if (
         isinstance(value, list)
         and value
@@ -138,8 +148,24 @@ def _prompt(value: Any, where: str) -> str | tuple[Mapping[str, Any], ...]:
             isinstance(m, dict) and isinstance(m.get("role"), str) and "content" in m for m in value
         )
     ):
+        for message in value:
+            if isinstance(message["content"], str):
+                _encodable(message["content"], where)
         return tuple(value)
     raise ConfigError(f"{where}: the prompt must be a string or a list of {{role, content}} dicts")
+
+
+def _encodable(text: str, where: str) -> str:
+    """``text`` when the tokenizer can encode it (a lone surrogate such as ``"\\ud800"``
+    is valid JSON but no UTF-8: it would fail mid-run)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise ConfigError(
+            f"{where}: the prompt holds a lone surrogate {text[exc.start]!r} at character "
+            f"{exc.start}, which no tokenizer can encode"
+        ) from None
+    return text
 
 
 class DatasetSource:
@@ -274,6 +300,9 @@ class DatasetTask:
         self.stop = tuple(stop)
         self.chat_template_options = dict(chat_template_options or {})
         self.name = f"{data_format}-{self.path.stem or self.path.resolve().name}"
+        self.data_digest = _rows_digest(rows, held_out)
+        """A fingerprint of every row (prompts and answers, both splits): a run dir records
+        it, and resuming on a changed dataset is refused."""
         self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
 
     @classmethod
@@ -289,7 +318,7 @@ class DatasetTask:
                 f"unknown task argument {unknown[0]!r} for {data_format} tasks; known: "
                 f"{', '.join(known)}"
             )
-        options = {k: args[k] for k in ("tolerance", "pattern") if k in args}
+        options = {k: args[k] for k in ("tolerance", "pattern", "pattern_timeout") if k in args}
         template: dict[str, Any] = {}
         if "enable_thinking" in args:
             template["enable_thinking"] = _flag(args, "enable_thinking")
@@ -386,6 +415,15 @@ def _read(
         records = other.records(other.default())
         return rows, rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
     return rows, []
+
+
+def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
+    digest = hashlib.sha256()
+    for split, rows in (("train", train), ("eval", held_out)):
+        for row in rows:
+            record = [split, row.index, row.prompt, row.answer]
+            digest.update(json.dumps(record, sort_keys=True, default=str).encode() + b"\n")
+    return f"sha256:{digest.hexdigest()}"
 
 
 def _flag(args: Mapping[str, str], key: str) -> bool:

@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Mapping
 from typing import Any
 
+from engine.envs.types import is_env_task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Task
@@ -107,4 +108,7 @@ def _data_format(spec: str) -> DataFormat | None:
 
 
 def _is_task(obj: object) -> bool:
-    return all(hasattr(obj, name) for name in _REQUIRED) and not isinstance(obj, type)
+    """A Task, or an environment task (:class:`engine.envs.types.EnvTask`)."""
+    if isinstance(obj, type):
+        return False
+    return all(hasattr(obj, name) for name in _REQUIRED) or is_env_task(obj)

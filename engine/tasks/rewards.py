@@ -8,18 +8,26 @@ read as the fraction of correct responses.
 
 from __future__ import annotations
 
+import functools
+import math
 import re
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Final
+
+import regex
 
 from engine.errors import ConfigError
 from engine.tasks.base import RewardBreakdown
 
-__all__ = ["REWARD_PRESETS", "RewardFn", "make_reward", "normalize_text"]
+__all__ = ["PATTERN_TIMEOUT_S", "REWARD_PRESETS", "RewardFn", "make_reward", "normalize_text"]
 
 RewardFn = Callable[[str, Any], RewardBreakdown]
 
 REWARD_PRESETS: Final = ("exact", "numeric", "boxed", "regex")
+
+PATTERN_TIMEOUT_S: Final = 1.0
+"""How long the ``regex`` preset may match one response before it is a reward error."""
 
 _NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?(?:[eE][-+]?\d+)?|-?\.\d+")
 
@@ -49,41 +57,74 @@ def _exact(response: str, answer: Any) -> RewardBreakdown:
     return _verdict(normalize_text(response) == normalize_text(str(answer)))
 
 
-def _numeric(tolerance: float) -> RewardFn:
-    def score(response: str, answer: Any) -> RewardBreakdown:
+@dataclass(frozen=True)
+class _Numeric:
+    """The first number of the response within ``tolerance`` of the answer's. A class,
+    not a closure: presets must pickle for ``--score-workers processes:N``."""
+
+    tolerance: float
+
+    def __call__(self, response: str, answer: Any) -> RewardBreakdown:
         guess, gold = _first_number(response), _first_number(str(answer))
         if guess is None or gold is None:
             return _verdict(False)
-        return _verdict(abs(guess - gold) <= tolerance * max(1.0, abs(gold)))
-
-    return score
+        return _verdict(abs(guess - gold) <= self.tolerance * max(1.0, abs(gold)))
 
 
-def _regex(pattern: str) -> RewardFn:
-    try:
-        compiled = re.compile(pattern)
-    except re.error as exc:
-        raise ConfigError(f"invalid reward pattern {pattern!r}: {exc}") from None
+@dataclass(frozen=True)
+class _Regex:
+    """The answer is group 1 (or the whole match) of the pattern's first match.
 
-    def score(response: str, answer: Any) -> RewardBreakdown:
-        match = compiled.search(response)
+    Why the ``regex`` package: a catastrophic pattern (``(.|.)*#``) can backtrack for
+    hours, and ``re`` holds the interpreter lock all along, so no signal, stop or
+    watchdog gets through. ``regex`` releases the lock while it matches
+    (``concurrent=True``) and gives up after ``timeout`` seconds (a TimeoutError: a
+    reward error for the group, which ``--on-reward-error`` handles)."""
+
+    pattern: str
+    timeout: float
+
+    def __post_init__(self) -> None:
+        _compiled(self.pattern)  # a bad pattern is a ConfigError now, not mid-run
+
+    def __call__(self, response: str, answer: Any) -> RewardBreakdown:
+        compiled = _compiled(self.pattern)
+        try:
+            match = compiled.search(response, concurrent=True, timeout=self.timeout)
+        except TimeoutError:
+            raise TimeoutError(
+                f"reward pattern {self.pattern!r} took over {self.timeout:g}s on a "
+                f"{len(response)}-character response (task argument pattern_timeout)"
+            ) from None
         if match is None:
             return _verdict(False)
         found = match.group(1) if compiled.groups else match.group()
         return _verdict(normalize_text(found) == normalize_text(str(answer)))
 
-    return score
 
-
-def _boxed() -> RewardFn:
+@functools.lru_cache(maxsize=64)
+def _compiled(pattern: str) -> regex.Pattern[str]:
     try:
-        import math_verify
-    except ImportError:
-        raise ConfigError(
-            "reward=boxed needs math-verify: pip install 'engine[math]' (math-verify==0.9.0)"
-        ) from None
+        return regex.compile(pattern)
+    except regex.error as exc:
+        raise ConfigError(f"invalid reward pattern {pattern!r}: {exc}") from None
 
-    def score(response: str, answer: Any) -> RewardBreakdown:
+
+@dataclass(frozen=True)
+class _Boxed:
+    """``\\boxed{}`` answers checked by math-verify."""
+
+    def __post_init__(self) -> None:
+        try:
+            import math_verify  # noqa: F401
+        except ImportError:
+            raise ConfigError(
+                "reward=boxed needs math-verify: pip install 'engine[math]' (math-verify==0.9.0)"
+            ) from None
+
+    def __call__(self, response: str, answer: Any) -> RewardBreakdown:
+        import math_verify
+
         # No timeouts: math-verify's are signal-based, and rewards run in worker threads.
         gold = math_verify.parse(_as_boxed(str(answer)), parsing_timeout=None)
         guess = math_verify.parse(response, parsing_timeout=None)
@@ -91,7 +132,18 @@ def _boxed() -> RewardFn:
             return _verdict(False)
         return _verdict(bool(math_verify.verify(gold, guess, timeout_seconds=None)))
 
-    return score
+
+def _positive(options: Mapping[str, str], key: str, default: str, *, allow_zero: bool) -> float:
+    text = options.get(key, default)
+    try:
+        value = float(text)
+    except ValueError:
+        raise ConfigError(f"task argument {key} must be a number, got {text!r}") from None
+    if not (value >= 0 if allow_zero else value > 0) or not math.isfinite(value):
+        raise ConfigError(
+            f"task argument {key} must be {'>= 0' if allow_zero else '> 0'}, got {text!r}"
+        )
+    return value
 
 
 def _as_boxed(answer: str) -> str:
@@ -100,23 +152,18 @@ def _as_boxed(answer: str) -> str:
 
 def make_reward(preset: str, options: Mapping[str, str]) -> RewardFn:
     """The reward function of ``preset`` with its options (``tolerance`` for numeric,
-    ``pattern`` for regex); a ConfigError names what is wrong."""
+    ``pattern`` and ``pattern_timeout`` for regex); a ConfigError names what is wrong.
+    Every preset pickles (``--score-workers processes:N``)."""
     if preset == "exact":
         return _exact
     if preset == "numeric":
-        text = options.get("tolerance", "1e-6")
-        try:
-            tolerance = float(text)
-        except ValueError:
-            raise ConfigError(f"task argument tolerance must be a number, got {text!r}") from None
-        if not tolerance >= 0:
-            raise ConfigError(f"task argument tolerance must be >= 0, got {text!r}")
-        return _numeric(tolerance)
+        return _Numeric(_positive(options, "tolerance", "1e-6", allow_zero=True))
     if preset == "regex":
         pattern = options.get("pattern")
         if not pattern:
             raise ConfigError("reward=regex needs the task argument pattern=REGEX")
-        return _regex(pattern)
+        timeout = _positive(options, "pattern_timeout", str(PATTERN_TIMEOUT_S), allow_zero=False)
+        return _Regex(pattern, timeout)
     if preset == "boxed":
-        return _boxed()
+        return _Boxed()
     raise ConfigError(f"unknown reward {preset!r}; choose one of {', '.join(REWARD_PRESETS)}")

@@ -10,13 +10,16 @@ serves and expires what an earlier process saved.
 
 Archives are ``.tar.gz`` files with the checkpoint's files at the root plus an empty
 ``checkpoint_complete`` marker (as the hosted service's archives have); an uploaded
-archive of that form becomes a new checkpoint under a fresh ``upload-<hex>`` run.
+archive of that form becomes a new checkpoint under a fresh ``upload-<hex>`` run. An
+upload works in a ``.upload-*`` dir of the data dir; leftovers of uploads that could not
+clean up are removed at start and by the housekeeping sweep.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import gzip
 import json
 import mmap
 import os
@@ -24,7 +27,7 @@ import re
 import secrets
 import shutil
 import tarfile
-import tempfile
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -38,6 +41,7 @@ from engine.local.backend import BackendError
 from engine.local.jobs import Job
 from engine.local.service.core import Core, HttpError
 from engine.local.storage import KINDS, BadPath, Kind, TinkerPath, check_model_id, check_name
+from engine.local.wire import WireError
 
 RUN_FILE = "run.json"
 ACCESS_FILE = "access.json"
@@ -47,6 +51,16 @@ CHECKPOINT_FILES = frozenset(
 )
 ARCHIVE_URL_TTL_S = 15 * 60
 ARCHIVES_KEPT = 16
+MAX_TTL_S = 10 * 365 * 24 * 3600
+"""Longest checkpoint TTL accepted (10 years); longer ones are refused, not clamped."""
+MAX_ARCHIVE_ENTRIES = 16
+"""Entries of any kind (files, directories, ...) an uploaded archive may hold; a
+checkpoint archive holds at most four files."""
+MAX_ARCHIVE_HEADER_BYTES = 1 << 20
+"""Decompressed bytes of an uploaded archive that are not file contents (tar headers,
+pax and long-name records)."""
+UPLOAD_PREFIX = ".upload-"
+_LATEST = datetime(9999, 12, 31, tzinfo=UTC).timestamp()
 NO_RETRY = {"x-should-retry": "false"}
 """On a 409: the SDK's HTTP layer must not retry it (its RestClient still does, for up
 to 5 minutes, as against the hosted service)."""
@@ -87,6 +101,29 @@ def iso(timestamp: float) -> str:
     return datetime.fromtimestamp(timestamp, UTC).isoformat()
 
 
+def valid_time(value: Any) -> float | None:
+    """A timestamp read from disk, or None if it is not one ``iso`` can write (a file
+    edited by hand, or written before TTLs were bounded): treated as absent."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value) if 0 <= value <= _LATEST else None
+
+
+def check_ttl(ttl_seconds: Any) -> None:
+    """Accept None (no expiry) or a whole number of seconds in 1..MAX_TTL_S."""
+    if ttl_seconds is None:
+        return
+    if (
+        isinstance(ttl_seconds, bool)
+        or not isinstance(ttl_seconds, int)
+        or not 1 <= ttl_seconds <= MAX_TTL_S
+    ):
+        raise WireError(
+            f"ttl_seconds must be null or a whole number of seconds from 1 to at most "
+            f"{MAX_TTL_S} (10 years), got {ttl_seconds!r}"
+        )
+
+
 class CheckpointStore:
     def __init__(self, core: Core) -> None:
         self.core = core
@@ -94,6 +131,8 @@ class CheckpointStore:
         self._reading: dict[str, int] = {}
         """Checkpoint paths a load or an archive is reading right now."""
         self._archives: dict[str, _Archive] = {}
+        self.uploads_in_flight = 0
+        self._remove_upload_leftovers()
 
     # ---- training runs ----------------------------------------------------------------
 
@@ -157,21 +196,19 @@ class CheckpointStore:
         if not meta.is_file():
             return None
         access = _read_json(directory / ACCESS_FILE)
-        created = access.get("created")
-        if not isinstance(created, int | float):
-            created = meta.stat().st_mtime
-        expires = access.get("expires_at")
+        created = valid_time(access.get("created"))
         metadata = access.get("user_metadata")
         record = CheckpointRecord(
             path=path,
-            created=float(created),
+            created=meta.stat().st_mtime if created is None else created,
             size_bytes=sum(f.stat().st_size for f in directory.iterdir() if f.is_file()),
             public=bool(access.get("public", False)),
-            expires_at=float(expires) if isinstance(expires, int | float) else None,
+            expires_at=valid_time(access.get("expires_at")),
             user_metadata=metadata if isinstance(metadata, dict) else None,
         )
         expired = record.expires_at is not None and record.expires_at <= self.core.now()
-        if expired and self._remove(path):
+        if expired and not self._in_use(path):
+            self._remove(path)
             return None
         return record
 
@@ -194,7 +231,10 @@ class CheckpointStore:
             self.record(TinkerPath.parse(path_text))
 
     def sweep(self) -> int:
-        """Delete every expired checkpoint and archive URL; return how many checkpoints."""
+        """Delete every expired checkpoint and archive URL (and, with no upload in
+        progress, upload leftovers); return how many checkpoints."""
+        if not self.uploads_in_flight:
+            self._remove_upload_leftovers()
         now = self.core.now()
         for token in [t for t, a in self._archives.items() if a.expires <= now]:
             self._drop_archive(token)
@@ -211,12 +251,13 @@ class CheckpointStore:
             if (entry / "meta.json").is_file()
         ]
 
-    def _remove(self, path: TinkerPath) -> bool:
-        """Delete a checkpoint's files unless something reads them right now."""
-        if self._reading.get(str(path)):
-            return False
+    def _in_use(self, path: TinkerPath) -> bool:
+        """A live sampling session samples from it, or a load or an archive reads it."""
+        key = str(path)
+        return bool(self._reading.get(key)) or key in self.core.registry.paths_in_use()
+
+    def _remove(self, path: TinkerPath) -> None:
         shutil.rmtree(path.directory(self.data_dir), ignore_errors=True)
-        return True
 
     # ---- hooks for training operations --------------------------------------------------
 
@@ -225,8 +266,7 @@ class CheckpointStore:
     ) -> Job:
         """``job`` (a named save) that also records the checkpoint's creation time,
         with ``ttl_seconds`` when it expires, and the client's ``user_metadata``."""
-        if ttl_seconds is not None and ttl_seconds <= 0:
-            raise BadPath(f"ttl_seconds must be a positive number of seconds, got {ttl_seconds}")
+        check_ttl(ttl_seconds)
         inner = job.finish
 
         def finish(result: Any) -> dict[str, Any]:
@@ -263,10 +303,10 @@ class CheckpointStore:
 
     # ---- management ---------------------------------------------------------------------
 
-    def delete(self, path: TinkerPath, in_use: set[str]) -> None:
+    def delete(self, path: TinkerPath) -> None:
         if self.record(path) is None:
             raise HttpError(404, f"checkpoint {path} not found")
-        if str(path) in in_use or self._reading.get(str(path)):
+        if self._in_use(path):
             raise HttpError(
                 409,
                 f"checkpoint {path} is in use (a sampling client samples from it, or a load "
@@ -285,12 +325,10 @@ class CheckpointStore:
         self._update_access(path, public=public)
 
     def set_ttl(self, path: TinkerPath, ttl_seconds: Any) -> None:
-        if ttl_seconds is not None and (
-            isinstance(ttl_seconds, bool) or not isinstance(ttl_seconds, int) or ttl_seconds <= 0
-        ):
-            raise HttpError(
-                400, f"ttl_seconds must be a positive integer or null, got {ttl_seconds!r}"
-            )
+        try:
+            check_ttl(ttl_seconds)
+        except WireError as exc:
+            raise HttpError(400, str(exc)) from None
         if self.record(path) is None:
             raise HttpError(404, f"checkpoint {path} not found")
         expires = self.core.now() + ttl_seconds if ttl_seconds is not None else None
@@ -335,33 +373,53 @@ class CheckpointStore:
 
     # ---- uploads ------------------------------------------------------------------------
 
-    async def upload(self, archive: Path, filename: str | None) -> TinkerPath:
-        """Unpack an uploaded archive, check it is a checkpoint of the served model, and
-        file it under a new run; return its path."""
-        staging = Path(tempfile.mkdtemp(prefix=".upload-", dir=self.data_dir))
-        try:
-            await anyio.to_thread.run_sync(
-                _unpack, archive, staging, self.core.config.limits.max_upload_bytes
+    @contextlib.contextmanager
+    def upload_dir(self) -> Iterator[Path]:
+        """A fresh work dir for one upload, removed afterwards; HTTP 503 while
+        ``limits.max_concurrent_uploads`` uploads are in progress."""
+        limit = self.core.config.limits.max_concurrent_uploads
+        if self.uploads_in_flight >= limit:
+            raise HttpError(
+                503,
+                f"the local server receives at most {limit} uploads at a time; retry shortly",
+                category="server",
+                headers={"Retry-After": "5", "Connection": "close"},
             )
-            try:
-                meta = await self.core.compute.run(
-                    lambda: self.core.backend.verify_checkpoint(staging)
-                )
-            except BackendError as exc:
-                raise HttpError(400, f"the uploaded archive is not usable here: {exc}") from None
-            kind: Kind = "weights" if meta.get("kind") == "state" else "sampler_weights"
-            run_id = f"upload-{secrets.token_hex(8)}"
-            path = TinkerPath(run_id, kind, _upload_name(filename))
-            rank = int(meta["lora_rank"])
-            self.write_run(run_id, str(meta.get("base_model")), rank, {"uploaded": "true"})
-            target = path.directory(self.data_dir)
-            target.parent.mkdir(parents=True, exist_ok=True)
-            (staging / COMPLETE_MARKER).unlink(missing_ok=True)
-            _write_json(staging / ACCESS_FILE, {"created": self.core.now()})
-            os.replace(staging, target)
-            return path
+        self.uploads_in_flight += 1
+        work = self.data_dir / f"{UPLOAD_PREFIX}{secrets.token_hex(8)}"
+        try:
+            work.mkdir()
+            yield work
         finally:
-            shutil.rmtree(staging, ignore_errors=True)
+            self.uploads_in_flight -= 1
+            shutil.rmtree(work, ignore_errors=True)
+
+    def _remove_upload_leftovers(self) -> None:
+        for leftover in self.data_dir.glob(f"{UPLOAD_PREFIX}*"):
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    async def upload(self, archive: Path, filename: str | None, work: Path) -> TinkerPath:
+        """Unpack an uploaded archive (in ``work``, an ``upload_dir``), check it is a
+        checkpoint of the served model, and file it under a new run; return its path."""
+        staging = work / "checkpoint"
+        staging.mkdir()
+        await anyio.to_thread.run_sync(
+            unpack_archive, archive, staging, self.core.config.limits.max_upload_bytes
+        )
+        try:
+            meta = await self.core.compute.run(lambda: self.core.backend.verify_checkpoint(staging))
+        except BackendError as exc:
+            raise HttpError(400, f"the uploaded archive is not usable here: {exc}") from None
+        kind: Kind = "weights" if meta["kind"] == "state" else "sampler_weights"
+        run_id = f"upload-{secrets.token_hex(8)}"
+        path = TinkerPath(run_id, kind, _upload_name(filename))
+        self.write_run(run_id, meta["base_model"], meta["lora_rank"], {"uploaded": "true"})
+        target = path.directory(self.data_dir)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        (staging / COMPLETE_MARKER).unlink(missing_ok=True)
+        _write_json(staging / ACCESS_FILE, {"created": self.core.now()})
+        os.replace(staging, target)
+        return path
 
 
 def _valid_name(name: str, check: Callable[[str], str] = check_name) -> bool:
@@ -405,46 +463,95 @@ def _pack(directory: Path, file: Path) -> None:
     os.replace(tmp, file)
 
 
-def _unpack(archive: Path, dest: Path, max_bytes: int) -> None:
-    """Extract only regular checkpoint files, at the root or under one top directory;
-    anything else (links, devices, absolute or '..' paths, unknown files) is refused."""
+class _TooLarge(Exception):
+    pass
+
+
+class _BoundedReader:
+    """The decompressed bytes of an upload, counted as tarfile reads them: file contents
+    (read inside ``contents()``) up to ``max_bytes``, everything else up to
+    MAX_ARCHIVE_HEADER_BYTES, so no header can make tarfile buffer or skip much."""
+
+    def __init__(self, source: gzip.GzipFile, max_bytes: int) -> None:
+        self._source = source
+        self._left = {True: max_bytes, False: MAX_ARCHIVE_HEADER_BYTES}
+        self._in_contents = False
+
+    def read(self, size: int = -1) -> bytes:
+        left = self._left[self._in_contents]
+        data = self._source.read(left + 1 if size < 0 else min(size, left + 1))
+        if len(data) > left:
+            raise _TooLarge
+        self._left[self._in_contents] = left - len(data)
+        return data
+
+    @contextlib.contextmanager
+    def contents(self) -> Iterator[None]:
+        self._in_contents = True
+        try:
+            yield
+        finally:
+            self._in_contents = False
+
+
+def unpack_archive(archive: Path, dest: Path, max_bytes: int) -> None:
+    """Extract a gzip-compressed tar of checkpoint files into ``dest``: only regular
+    checkpoint files, at the root or under one top directory; anything else (links,
+    devices, absolute or '..' paths, unknown or repeated files) is refused. Members are
+    read one at a time, at most MAX_ARCHIVE_ENTRIES of them, and at most ``max_bytes``
+    of file contents."""
+    names: set[str] = set()
     try:
-        with tarfile.open(archive, "r:*") as tar:
-            members = tar.getmembers()
-            files = [m for m in members if not m.isdir()]
-            total = 0
-            names: set[str] = set()
-            for member in files:
-                parts = Path(member.name).parts
-                name = parts[-1] if parts else ""
-                if (
-                    not member.isfile()
-                    or member.name.startswith("/")
-                    or ".." in parts
-                    or len(parts) > 2
-                    or name not in CHECKPOINT_FILES
-                    or name in names
-                ):
-                    raise HttpError(
-                        400,
-                        f"the uploaded archive holds {member.name!r}; an archive may only "
-                        f"hold the checkpoint files {sorted(CHECKPOINT_FILES)}",
-                    )
-                names.add(name)
-                total += member.size
-                if total > max_bytes:
-                    raise HttpError(
-                        413, f"the uploaded archive unpacks to more than {max_bytes} bytes"
-                    )
-            if "meta.json" not in names:
-                raise HttpError(400, "the uploaded archive holds no meta.json: not a checkpoint")
-            for member in files:
-                source = tar.extractfile(member)
-                assert source is not None
-                with source, open(dest / Path(member.name).name, "wb") as out:
-                    shutil.copyfileobj(source, out)
-    except (tarfile.TarError, EOFError, OSError) as exc:
-        raise HttpError(400, f"the upload is not a readable .tar.gz archive: {exc}") from None
+        with gzip.open(archive, "rb") as unzipped:
+            assert isinstance(unzipped, gzip.GzipFile)
+            reader = _BoundedReader(unzipped, max_bytes)
+            with tarfile.open(fileobj=reader, mode="r|") as tar:  # type: ignore[call-overload]
+                for count, member in enumerate(tar, start=1):
+                    if count > MAX_ARCHIVE_ENTRIES:
+                        raise HttpError(
+                            400,
+                            f"the uploaded archive holds more than {MAX_ARCHIVE_ENTRIES} "
+                            "entries; a checkpoint archive holds only the checkpoint's files",
+                        )
+                    if member.isdir():
+                        continue
+                    name = _checkpoint_file(member, names)
+                    source = tar.extractfile(member)
+                    assert source is not None
+                    with reader.contents(), source, open(dest / name, "wb") as out:
+                        shutil.copyfileobj(source, out)
+    except _TooLarge:
+        raise HttpError(
+            413, f"the uploaded archive unpacks to more than {max_bytes} bytes"
+        ) from None
+    except (tarfile.TarError, gzip.BadGzipFile, zlib.error, EOFError, RecursionError) as exc:
+        raise HttpError(
+            400, f"the upload is not a readable gzip-compressed tar archive (.tar.gz): {exc}"
+        ) from None
+    if "meta.json" not in names:
+        raise HttpError(400, "the uploaded archive holds no meta.json: not a checkpoint")
+
+
+def _checkpoint_file(member: tarfile.TarInfo, seen: set[str]) -> str:
+    """The file name ``member`` is extracted as (noted in ``seen``); HTTP 400 unless it
+    is a regular checkpoint file not seen before."""
+    parts = Path(member.name).parts
+    name = parts[-1] if parts else ""
+    if (
+        not member.isfile()
+        or member.name.startswith("/")
+        or ".." in parts
+        or len(parts) > 2
+        or name not in CHECKPOINT_FILES
+        or name in seen
+    ):
+        raise HttpError(
+            400,
+            f"the uploaded archive holds {member.name!r}; an archive may only hold the "
+            f"checkpoint files {sorted(CHECKPOINT_FILES)}",
+        )
+    seen.add(name)
+    return name
 
 
 _BOUNDARY = re.compile(r'boundary="?([^";]+)"?', re.IGNORECASE)

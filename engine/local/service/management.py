@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.local.service.checkpoints import CheckpointRecord, CheckpointStore, iso
+from engine.local.service.checkpoints import CheckpointRecord, CheckpointStore, iso, valid_time
 from engine.local.service.core import Core, HttpError
 from engine.local.storage import KINDS, BadPath, TinkerPath
 
@@ -48,7 +48,7 @@ class ManagementApi:
             return None
         checkpoints = self.checkpoints.records(run_id)
         live = self.core.registry.models.get(run_id)
-        times = [float(record.get("created") or 0.0)] + [c.created for c in checkpoints]
+        times = [valid_time(record.get("created")) or 0.0] + [c.created for c in checkpoints]
         if live is not None:
             times.append(live.last_used)
         rank = record.get("lora_rank")

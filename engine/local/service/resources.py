@@ -2,52 +2,55 @@
 
 - A session without a heartbeat for ``session_timeout_s`` loses its training clients
   and sampling sessions (the SDK heartbeats every 10 s while its ServiceClient lives).
-- At most ``limits.max_models`` training clients and ``limits.max_named_samplers``
-  checkpoint snapshots are held in memory; beyond that the least recently used idle
-  one is evicted. A later use of an evicted id fails with a message saying why.
+- At most ``limits.max_models`` training clients are held (a new one beyond it is
+  refused, see ``TrainingOps``) and at most ``limits.max_named_samplers`` checkpoint
+  snapshots (beyond it one is evicted). A later use of an evicted id fails with a
+  message saying why.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
-from engine.local.service.core import Core
+from engine.local.service.core import Core, HttpError
 
 
 class Resources:
     def __init__(self, core: Core) -> None:
         self.core = core
         self.evicted = {"models": 0, "named_samplers": 0, "silent_sessions": 0}
+        self.creating_models = 0
+        """Training clients accepted and not created yet (they count against
+        ``limits.max_models``)."""
 
-    async def make_room_for_model(self) -> bool:
-        """Evict idle training clients until one more fits; False if all are busy."""
-        registry, limit = self.core.registry, self.core.config.limits.max_models
-        while len(registry.models) >= limit:
-            victim = registry.least_recently_used_model(lambda m: m.seq.queued == 0)
-            if victim is None:
-                return False
-            self.evicted["models"] += 1
-            self.release_model(
-                victim.model_id,
-                f"evicted as the least recently used of the {limit} training clients the "
-                "local server holds (--max-models); save_state regularly and resume with "
-                "create_training_client_from_state",
-            )
-        return True
-
-    async def make_room_for_sampler(self) -> None:
-        """Evict loaded checkpoint snapshots until one more fits."""
+    def limit_snapshots(self, *, room: int = 0, protect: frozenset[str] = frozenset()) -> None:
+        """Evict checkpoint snapshots until at most ``limits.max_named_samplers - room``
+        are held: ones no sampling session uses first (oldest first), then the least
+        recently used; keys in ``protect`` stay."""
         registry, limit = self.core.registry, self.core.config.limits.max_named_samplers
-        while len(set(registry.sampler_keys.values())) >= limit:
-            victim = registry.least_recently_used_named_sampler()
-            key = victim.key if victim is not None else next(iter(registry.sampler_keys.values()))
-            assert key is not None
+        held = len(set(registry.sampler_keys.values()))
+        for key in self._snapshots_by_use(protect):
+            if held <= limit - room:
+                return
             self._evict_snapshot(
                 key,
                 f"its snapshot was evicted as the least recently used of the {limit} "
                 "checkpoint snapshots the local server holds (--max-samplers); create a new "
                 "sampling client for its model_path",
             )
+            held -= 1
+
+    def _snapshots_by_use(self, protect: frozenset[str]) -> list[str]:
+        """Checkpoint snapshot keys, those no sampling session uses first (oldest
+        first), then by when a sampling session last used them."""
+        registry = self.core.registry
+        used: dict[str, float] = {}
+        for sampler in registry.samplers.values():
+            if sampler.key is not None:
+                used[sampler.key] = max(used.get(sampler.key, -math.inf), sampler.last_used)
+        keys = [k for k in dict.fromkeys(registry.sampler_keys.values()) if k not in protect]
+        return sorted(keys, key=lambda k: used.get(k, -math.inf))
 
     def _evict_snapshot(self, key: str, reason: str) -> None:
         registry = self.core.registry
@@ -72,11 +75,7 @@ class Resources:
             f"evicted to keep the local server's training clients and snapshots within "
             f"{limit} bytes (--max-adapter-memory)"
         )
-        used: dict[str, float] = {}
-        for sampler in registry.samplers.values():
-            if sampler.key is not None:
-                used[sampler.key] = max(used.get(sampler.key, 0.0), sampler.last_used)
-        named = sorted(set(registry.sampler_keys.values()) - protect, key=lambda k: used.get(k, 0))
+        named = self._snapshots_by_use(protect)
         ephemeral = sorted(
             (s for s in registry.samplers.values() if s.ephemeral and s.key not in protect),
             key=lambda s: s.last_used,
@@ -103,6 +102,23 @@ class Resources:
                 self.evicted["models"] += 1
                 self.release_model(model.model_id, reason)
                 total -= model_bytes.get(model.model_id, 0)
+
+    def check_model_budget(self) -> None:
+        """HTTP 429 when ``limits.max_models`` training clients are held or being
+        created: a new client never evicts a live one of another run."""
+        core = self.core
+        limit = core.config.limits.max_models
+        if len(core.registry.models) + self.creating_models < limit:
+            return
+        raise HttpError(
+            429,
+            f"the local server already holds {limit} training clients (--max-models); a "
+            "client is released once its session stops sending heartbeats "
+            f"(--session-timeout {core.config.session_timeout_s:g} s): end another run, or "
+            "restart the server with a larger --max-models",
+            category="server",
+            headers={"Retry-After": str(math.ceil(core.config.housekeeping_interval_s))},
+        )
 
     def release_model(self, model_id: str, reason: str) -> None:
         if self.core.registry.release_model(model_id, reason) is not None:

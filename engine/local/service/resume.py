@@ -48,6 +48,7 @@ class ResumeOps:
             if existing is not None and core.futures.get(existing) is not None:
                 core.stats.dedupe_hits["load_weights"] += 1
                 return {"request_id": existing}
+        self.resources.check_model_budget()
         entry = core.new_future("load_weights")
         if None not in key:
             self._requests.remember(key, entry.request_id)
@@ -73,20 +74,21 @@ class ResumeOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
         core.spawn(self._run, entry, req, model_id, path)
+        self.resources.creating_models += 1
         return core.ref(entry)
 
     async def _run(
         self, entry: FutureEntry, req: ResumeFromStateW, model_id: str, path: TinkerPath
     ) -> None:
+        try:
+            await self._resume(entry, req, model_id, path)
+        finally:
+            self.resources.creating_models -= 1
+
+    async def _resume(
+        self, entry: FutureEntry, req: ResumeFromStateW, model_id: str, path: TinkerPath
+    ) -> None:
         core = self.core
-        if not await self.resources.make_room_for_model():
-            core.futures.fail(
-                entry,
-                f"the local server already holds {core.config.limits.max_models} training "
-                "clients, all with operations in flight (--max-models); retry later",
-                "server",
-            )
-            return
         directory = path.directory(core.data_dir)
         backend = core.backend
 

@@ -103,7 +103,7 @@ class SamplingOps:
         cached = core.registry.sampler_keys.get(str(parsed))
         if cached is not None:
             return cached, name
-        await self.resources.make_room_for_sampler()
+        self.resources.limit_snapshots(room=1)
         directory = parsed.directory(core.data_dir)
         try:
             with self.checkpoints.reading(parsed):
@@ -148,6 +148,7 @@ class SamplingOps:
         self.core.spawn(self.resources.enforce_memory, frozenset({key}))
         if path is not None:
             registry.sampler_keys[str(path)] = key
+            self.resources.limit_snapshots(protect=frozenset({key}))
             return None
         sampler_id = self._new_session(
             key, None, model.base_model, model.session_id, ephemeral=True

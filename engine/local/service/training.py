@@ -83,6 +83,7 @@ class TrainingOps:
             if existing is not None and core.futures.get(existing) is not None:
                 core.stats.dedupe_hits["create_model"] += 1
                 return {"request_id": existing}
+        self.resources.check_model_budget()
         entry = core.new_future("create_model")
         if session_id is not None and model_seq_id is not None:
             self._model_requests.remember(dedupe_key, entry.request_id)
@@ -112,21 +113,20 @@ class TrainingOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
         core.spawn(self._run_create_model, entry, spec, req)
+        self.resources.creating_models += 1
         return core.ref(entry)
 
     async def _run_create_model(
         self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW
     ) -> None:
+        try:
+            await self._create_model(entry, spec, req)
+        finally:
+            self.resources.creating_models -= 1
+
+    async def _create_model(self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW) -> None:
         core = self.core
         model_id = f"model-{uuid.uuid4().hex}"
-        if not await self.resources.make_room_for_model():
-            core.futures.fail(
-                entry,
-                f"the local server already holds {core.config.limits.max_models} training "
-                "clients, all with operations in flight (--max-models); retry later",
-                "server",
-            )
-            return
 
         def run() -> None:
             core.backend.create_model(model_id, spec)

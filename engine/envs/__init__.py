@@ -1,0 +1,66 @@
+"""Environments: multi-turn episodes and tool use (see docs/environments.md).
+
+The core is token-level (:mod:`engine.envs.types`); :mod:`engine.envs.messages` and
+:mod:`engine.envs.tools` are the chat-message layer over it.
+"""
+
+from engine.envs.messages import ChatEnv, ChatGroup, MessageEnv, MessageStep
+from engine.envs.tools import (
+    FunctionTool,
+    HermesToolCalls,
+    ParsedReply,
+    Tool,
+    ToolCall,
+    ToolCallParser,
+    ToolResult,
+    tool,
+    tool_schema,
+)
+from engine.envs.types import (
+    Action,
+    Env,
+    EnvContext,
+    EnvGroupBuilder,
+    EnvTask,
+    EpisodeLimits,
+    Observation,
+    OnLimit,
+    OnParseError,
+    Outcome,
+    StepResult,
+    StopCondition,
+    Trajectory,
+    Turn,
+    is_env_task,
+)
+
+__all__ = [
+    "Action",
+    "ChatEnv",
+    "ChatGroup",
+    "Env",
+    "EnvContext",
+    "EnvGroupBuilder",
+    "EnvTask",
+    "EpisodeLimits",
+    "FunctionTool",
+    "HermesToolCalls",
+    "MessageEnv",
+    "MessageStep",
+    "Observation",
+    "OnLimit",
+    "OnParseError",
+    "Outcome",
+    "ParsedReply",
+    "StepResult",
+    "StopCondition",
+    "Tool",
+    "ToolCall",
+    "ToolCallParser",
+    "ToolResult",
+    "Trajectory",
+    "Turn",
+    "is_env_task",
+    "tool",
+    "tool_schema",
+]

@@ -1,0 +1,199 @@
+"""Shared pieces of the environment tests: a chat tokenizer over bytes, scripted
+samplers and small environments. No server, no sleeps."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from engine.envs import (
+    Action,
+    ChatGroup,
+    EnvContext,
+    MessageStep,
+    Observation,
+    StepResult,
+    StopCondition,
+    tool,
+)
+from engine.envs.rollout import SampledAction
+from engine.loop.rl import Completion
+from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+from engine.tasks.render import TaskContext
+
+
+class ChatBytes:
+    """Tokens are UTF-8 bytes; the chat template writes ``<role>content`` lines and
+    appends ``<assistant>`` as the generation prompt. Its tool list is one line."""
+
+    eos_token_id = None
+    eos_token = None
+    chat_template = "bytes"
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(text.encode())
+
+    def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
+        return bytes(tokens).decode(errors="replace")
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        tokenize: bool = False,
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **_: Any,
+    ) -> str:
+        head = f"<tools>{','.join(t['function']['name'] for t in tools)}\n" if tools else ""
+        lines = []
+        for m in messages:
+            content = m.get("content") or ""
+            for call in m.get("tool_calls", ()):
+                content += "<tool_call>" + json.dumps(call["function"]) + "</tool_call>"
+            lines.append(f"<{m['role']}>{content}\n")
+        return head + "".join(lines) + ("<assistant>" if add_generation_prompt else "")
+
+
+def chat_context(**limits: Any) -> EnvContext:
+    from engine.envs import EpisodeLimits
+
+    return EnvContext(TaskContext(ChatBytes()), StopCondition(("\n",)), EpisodeLimits(**limits))
+
+
+def completion(text: str) -> Completion:
+    tokens = tuple(text.encode())
+    return Completion(tokens, (-0.25,) * len(tokens), "stop")
+
+
+@dataclass
+class ScriptedSampler:
+    """Answers each request with the next scripted reply (cycling), at ``version``."""
+
+    replies: Sequence[str]
+    version: int = 0
+    calls: list[tuple[Observation, int, int | None]] = field(default_factory=list)
+
+    async def __call__(
+        self, observation: Observation, n: int, room: int | None
+    ) -> list[SampledAction]:
+        self.calls.append((observation, n, room))
+        out = []
+        for _ in range(n):
+            text = self.replies[(len(self.calls) - 1 + len(out)) % len(self.replies)]
+            out.append(SampledAction(completion(text), self.version))
+        return out
+
+
+@dataclass
+class CountdownEnv:
+    """Token-level: each action is appended with a ``|``; reward 1 per turn; done after
+    ``turns`` actions. ``hang_at`` makes that step never return; ``raise_at`` raise."""
+
+    turns: int = 3
+    prompt: bytes = b"go:"
+    hang_at: int | None = None
+    raise_at: int | None = None
+    break_prefix_at: int | None = None
+    taken: int = 0
+    context: list[int] = field(default_factory=list)
+
+    async def initial_observation(self) -> Observation:
+        self.context = list(self.prompt)
+        return Observation(tuple(self.context))
+
+    async def step(self, action: Action) -> StepResult:
+        import anyio
+
+        self.taken += 1
+        if self.hang_at == self.taken:
+            await anyio.sleep_forever()
+        if self.raise_at == self.taken:
+            raise RuntimeError("the environment broke")
+        if self.taken >= self.turns:
+            return StepResult(reward=1.0, done=True, metrics={"steps": 1.0})
+        self.context += [*action.tokens, ord("|")]
+        if self.break_prefix_at == self.taken:
+            self.context = list(b"summary:")
+        return StepResult(reward=1.0, next_observation=Observation(tuple(self.context)))
+
+
+@tool
+def add(a: int, b: int) -> str:
+    """Add two integers."""
+    return str(a + b)
+
+
+@tool
+async def hang() -> str:
+    """Never returns."""
+    import anyio
+
+    await anyio.sleep_forever()
+    return ""
+
+
+@tool
+def block() -> str:
+    """A plain function that never returns (its daemon thread is abandoned)."""
+    import threading
+
+    threading.Event().wait()
+    return ""
+
+
+@tool
+def explode() -> str:
+    """Always raises."""
+    raise ValueError("kaboom")
+
+
+@dataclass
+class GuessEnv:
+    """Asks for a number; answers 'higher'/'lower' until the reply equals ``target``."""
+
+    target: int
+
+    async def initial_messages(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": "guess"}]
+
+    async def respond(self, messages: Sequence[Mapping[str, Any]]) -> MessageStep:
+        reply = str(messages[-1]["content"]).strip()
+        if reply == str(self.target):
+            return MessageStep(reward=1.0, done=True)
+        return MessageStep([{"role": "user", "content": "no"}])
+
+
+class GuessTask:
+    """An environment task: problem ``i`` hides the number ``i % 3``; episodes of
+    ``GuessEnv`` with the ``add`` tool."""
+
+    name = "guess"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(lambda rng, i: Problem(i, f"guess {i}", i % 3), seed, state)
+
+    def group_builder(self, problem: Problem, group_size: int, context: EnvContext) -> ChatGroup:
+        return ChatGroup([GuessEnv(problem.answer) for _ in range(group_size)], context, [add])
+
+
+class RankedGroup:
+    """A group hook: ranks the episodes by their action length (longest first gets 1)."""
+
+    def __init__(self, envs: Sequence[Any]) -> None:
+        self.envs = list(envs)
+        self.cleaned = False
+
+    async def make_envs(self) -> list[Any]:
+        return self.envs
+
+    async def compute_group_rewards(
+        self, trajectories: Sequence[Any], envs: Sequence[Any]
+    ) -> list[RewardBreakdown]:
+        lengths = [t.action_tokens for t in trajectories]
+        best = max(lengths)
+        return [RewardBreakdown(float(n == best), {"best": float(n == best)}) for n in lengths]
+
+    async def cleanup(self) -> None:
+        self.cleaned = True

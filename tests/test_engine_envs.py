@@ -1,0 +1,52 @@
+"""A multi-turn environment end to end: the example's two-attempt addition episodes
+(examples/retry_addition.py) trained through the Engine against the real local server,
+with the served chat template rendering each turn."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.envs.datums import trajectory_datums
+from engine.local import LocalServer
+from engine.rollouts import ROLLOUTS_FILE
+from examples.retry_addition import RetryAdditionTask
+from tests.engine_support import run_engine, small_config
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer() as s:
+        yield s
+
+
+def test_a_multi_turn_environment_trains_end_to_end(server: LocalServer, tmp_path: Path) -> None:
+    config = small_config(server, tmp_path / "run", steps=3, stop_at_eos=True, max_tokens=8)
+    steps, result = run_engine(config, task=RetryAdditionTask())
+
+    assert result.steps_completed == 3 and result.final_path.startswith("tinker://")
+    episodes = [e for s in steps for g in s.groups for e in g.episodes]
+    assert len(episodes) == 3 * 4 * 4
+    assert {len(e.turns) for e in episodes} <= {1, 2}
+    assert any(len(e.turns) == 2 for e in episodes), "no episode took a second attempt"
+    for e in episodes:
+        # The served template only appends: a second attempt extends the first turn's
+        # context, so each episode is one datum; the sampled tokens are kept as sampled.
+        assert len(trajectory_datums(e, 1.0)) == 1
+        if len(e.turns) == 2:
+            first, second = e.turns
+            assert second.observation[: len(first.observation) + len(first.action)] == (
+                *first.observation,
+                *first.action,
+            )
+    for s in steps:
+        assert 1 <= s.metrics["env/all/turns_per_episode"] <= 2
+        assert s.staleness <= 1
+    assert sum(s.metrics["datums"] for s in steps) > 0, "nothing was trained"
+    logged = [
+        json.loads(line) for line in (tmp_path / "run" / ROLLOUTS_FILE).read_text().splitlines()
+    ]
+    assert logged and all("episodes" in r for r in logged)

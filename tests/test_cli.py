@@ -65,7 +65,7 @@ BAD_INPUT = [
     (
         ["--loss", "mse"],
         {},
-        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, got 'mse'",
+        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, gspo, got 'mse'",
     ),
     (
         ["--on-missing-logprobs", "zero"],

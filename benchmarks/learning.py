@@ -48,7 +48,8 @@ from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
 from engine.config import Profile
 from engine.local import LocalServer
-from engine.session.mint import read_server_profile, snapshot_name
+from engine.session.adapter import snapshot_name
+from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 from engine.tasks.arithmetic import score_arithmetic
 from engine.tasks.base import Task

@@ -44,7 +44,7 @@ from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, StepResult
 from engine.config import Profile
 from engine.local.latency import LatencyProfile
-from engine.session.mint import read_server_profile
+from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 
 __all__ = [

@@ -35,7 +35,7 @@ if TYPE_CHECKING:
     from engine.loop.results import RunResult, StepResult, StepTimeline
     from engine.loop.scoring import RewardError
     from engine.loop.state import LoopState, ScoredGroup
-    from engine.session.mint import PreflightError
+    from engine.session.preflight import PreflightError
     from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, Task
 
 __all__ = [
@@ -83,7 +83,7 @@ _HOMES = {
     "Stalled": "engine.errors",
     "StepOutcomeUnknown": "engine.errors",
     "RewardError": "engine.loop.scoring",
-    "PreflightError": "engine.session.mint",
+    "PreflightError": "engine.session.preflight",
     "RunResult": "engine.loop.results",
     "StepResult": "engine.loop.results",
     "StepTimeline": "engine.loop.results",

@@ -44,6 +44,7 @@ __all__ = [
     "LOSSES",
     "RESUME_CHANGEABLE",
     "RESUME_FROM_ENVIRONMENT",
+    "SDKS",
     "EngineConfig",
     "Knob",
     "LogFormat",
@@ -59,8 +60,13 @@ __all__ = [
     "stored_settings",
 ]
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro"]
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
+TINKER_ONLY_LOSSES: Final = ("gspo",)
+"""Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
+them client-side)."""
+SdkChoice = Literal["auto", "mint", "tinker"]
+SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]
 LogLevel = Literal["info", "debug"]
 OnRewardError = Literal["fail", "skip"]
@@ -205,6 +211,7 @@ class EngineConfig:
     max_operand: int | None = None
     base_url: str | None = None
     api_key: str | None = field(default=None, repr=False)
+    sdk: SdkChoice = "auto"
     local: bool = False
     local_model: Path | None = None
     run_dir: Path | None = None
@@ -281,6 +288,14 @@ class EngineConfig:
             require("local", "the local server (no MINT_API_KEY set, or --local)")
         for tracker in self.log_to:
             require(tracker, f"--log-to {tracker}")
+        from engine.session.sdks import choose_sdk  # no SDK import; config stays light
+
+        sdk = choose_sdk(self.sdk)
+        if self.loss in TINKER_ONLY_LOSSES and sdk != "tinker":
+            raise ConfigError(
+                f"--loss {self.loss} needs the tinker SDK (>= 0.38) and this environment has "
+                "mint (tinker 0.22): pip install 'engine[tinker]' in an environment of its own"
+            )
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> EngineConfig:
@@ -636,7 +651,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_str,
         _one_of(LOSSES),
-        f"loss function: {', '.join(LOSSES)}",
+        f"loss function: {', '.join(LOSSES)} (gspo: the tinker SDK only, with the server's "
+        "default loss_fn_config)",
         "ppo",
     ),
     Knob(
@@ -766,7 +782,7 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _http_url,
         "MinT server URL (needs an API key)",
-        f"{HOSTED_BASE_URL} when an API key is set",
+        f"{HOSTED_BASE_URL} when an API key is set (--sdk tinker: hosted Tinker)",
     ),
     Knob(
         "api_key",
@@ -777,6 +793,16 @@ KNOBS: Final[tuple[Knob, ...]] = (
         "API key (prefer the environment: flags show up in ps)",
         "none: start the local server",
         secret=True,
+    ),
+    Knob(
+        "sdk",
+        "--sdk",
+        ("ENGINE_SDK",),
+        _parse_str,
+        _one_of(SDKS),
+        "client SDK: mint (tinker 0.22 under mindlab-toolkit) or tinker (tinker >= 0.38); "
+        "auto: the one installed",
+        "auto",
     ),
     Knob(
         "local_model",
@@ -1069,7 +1095,17 @@ def config_from_sources(
 
 
 RESUME_FROM_ENVIRONMENT: Final = frozenset(
-    {"run_dir", "resume", "api_key", "base_url", "progress", "log_format", "log_level", "log_to"}
+    {
+        "run_dir",
+        "resume",
+        "api_key",
+        "base_url",
+        "sdk",
+        "progress",
+        "log_format",
+        "log_level",
+        "log_to",
+    }
 )
 """Settings a resumed run takes from its own flags and environment, never from the run
 dir's config.json: where it connects and how it reports."""

@@ -51,7 +51,8 @@ from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
 from engine.rundir.events import EventLog, describe
 from engine.session.api import Session
-from engine.session.mint import local_server_profile, open_session, service_guard
+from engine.session.opening import open_session, service_guard
+from engine.session.preflight import local_server_profile
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
@@ -346,7 +347,7 @@ class Engine:
                     "importance_sampling loss: a clipped loss (--loss ppo) is safer off-policy",
                 )
             if self._session_source is None:
-                mint = await resources.enter_async_context(
+                opened = await resources.enter_async_context(
                     open_session(
                         cfg,
                         say=lambda line: log.info("console", line),
@@ -359,9 +360,9 @@ class Engine:
                         ),
                     )
                 )
-                session, retries = mint, mint.retries
-                if mint.config != self._config:  # the server decided what was left unset
-                    self._config = mint.config
+                session, retries = opened, opened.retries
+                if opened.config != self._config:  # the server decided what was left unset
+                    self._config = opened.config
                     if self._task is None:
                         self._load_task()
                     files.write_config(self._config, self._task)

@@ -12,23 +12,27 @@ an expired/broken future (tinker's ``RetryableException``, from HTTP 410), a
 :class:`OpTimeout`. Permanent (fail fast): 400/401/403/404/422 and other 4xx, a
 ``RequestFailedError`` of category ``user``, a bad API key, an unexpected response
 schema, and anything the engine does not recognise (a bug is not cured by retrying).
+
+Both SDK generations (tinker 0.22 under ``mint``, tinker >= 0.38) raise the same public
+exception types, so one table serves both; they are looked up lazily and optionally (a
+core install without an SDK imports this module, and then no SDK error can occur). An
+``httpx.HTTPStatusError`` (the engine's own plain requests) is judged like the SDK's
+``APIStatusError``.
 """
 
 from __future__ import annotations
 
 import email.utils
+import functools
 import os
 import re
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, TypeVar
+from typing import Any, Literal, TypeVar, cast
 
 import httpx
 
 from engine.redact import redact_text
-
-if TYPE_CHECKING:
-    import tinker
 
 __all__ = [
     "CircuitOpen",
@@ -209,6 +213,40 @@ class Classified:
     retry_after: float | None = None
 
 
+class _NoSdk(Exception):
+    """Stands in for the SDK's exception types when no SDK is installed: never raised."""
+
+
+@dataclass(frozen=True)
+class _SdkErrors:
+    status: type[Exception] = _NoSdk
+    timeout: type[Exception] = _NoSdk
+    connection: type[Exception] = _NoSdk
+    request_failed: type[Exception] = _NoSdk
+    retryable: type[Exception] = _NoSdk
+    validation: type[Exception] = _NoSdk
+    base: type[Exception] = _NoSdk
+
+
+@functools.cache
+def _sdk_errors() -> _SdkErrors:
+    """The installed SDK's exception types (tinker 0.22 and >= 0.38 share them)."""
+    try:
+        import tinker
+        from tinker.lib.retryable_exception import RetryableException
+    except ImportError:
+        return _SdkErrors()
+    return _SdkErrors(
+        status=tinker.APIStatusError,
+        timeout=tinker.APITimeoutError,
+        connection=tinker.APIConnectionError,
+        request_failed=tinker.RequestFailedError,
+        retryable=RetryableException,
+        validation=tinker.APIResponseValidationError,
+        base=tinker.TinkerError,
+    )
+
+
 def _walk(exc: BaseException) -> list[BaseException]:
     """``exc`` then its causes/contexts (the SDK wraps HTTP errors in ValueError)."""
     seen: list[BaseException] = []
@@ -244,11 +282,10 @@ def retry_after(exc: BaseException) -> float | None:
     Looks through the cause chain, so the ValueError the SDK raises around a failed
     future still yields the hint of the HTTP answer under it.
     """
-    import tinker  # the SDK imports torch: only once an error needs classifying
-
+    status = _sdk_errors().status
     for e in _walk(exc):
-        if isinstance(e, tinker.APIStatusError):
-            return _parse_retry_after(e.response.headers)
+        if isinstance(e, status | httpx.HTTPStatusError):
+            return _parse_retry_after(cast(Any, e).response.headers)
     return None
 
 
@@ -265,8 +302,15 @@ def _one_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
-def _detail(err: tinker.APIStatusError) -> str:
-    body = err.body
+def _detail(err: Any) -> str:
+    """The server's explanation in an SDK ``APIStatusError`` or an httpx status error."""
+    if isinstance(err, httpx.HTTPStatusError):
+        try:
+            body: object = err.response.json()
+        except ValueError:
+            body = err.response.text
+    else:
+        body = err.body
     if isinstance(body, dict):
         for key in ("detail", "error", "message"):
             value = body.get(key)
@@ -276,7 +320,7 @@ def _detail(err: tinker.APIStatusError) -> str:
                 return _one_line(str(value))
     if isinstance(body, str) and body.strip():
         return _one_line(body)
-    return _one_line(err.message)
+    return _one_line(str(getattr(err, "message", err)))
 
 
 def _connection_reason(exc: BaseException) -> str:
@@ -308,13 +352,14 @@ def os_reason(exc: BaseException) -> str:
 _REQUEST_FAILED = re.compile(r"^Request failed: (?P<msg>.*?) for self\.request_id=", re.DOTALL)
 
 
-def _request_failed_text(err: tinker.RequestFailedError) -> str:
+def _request_failed_text(err: Any) -> str:
     match = _REQUEST_FAILED.match(err.message)
     return _one_line(match.group("msg") if match else err.message)
 
 
-def _classify_status(err: tinker.APIStatusError) -> Classified:
-    code = err.status_code
+def _classify_status(err: Any) -> Classified:
+    """An HTTP error answer: an SDK ``APIStatusError`` or an ``httpx.HTTPStatusError``."""
+    code: int = err.response.status_code
     where = _origin(err.request)
     path = err.request.url.path
     detail = _detail(err)
@@ -325,6 +370,8 @@ def _classify_status(err: tinker.APIStatusError) -> Classified:
             f"the MinT server at {where} rejected the API key (401 Unauthorized); "
             "check MINT_API_KEY",
         )
+    if code == 402:
+        return Classified(False, f"the account cannot be billed (402 Payment Required): {detail}")
     if code == 403:
         return Classified(False, f"the API key may not do this (403 Forbidden): {detail}")
     if code == 404:
@@ -355,38 +402,37 @@ def _classify(exc: BaseException) -> Classified:
         return Classified(True, str(exc))
     if isinstance(exc, EngineError):
         return Classified(False, str(exc))
-    import tinker
-    from tinker.lib.retryable_exception import RetryableException
-
+    sdk = _sdk_errors()
     for e in _walk(exc):
-        if isinstance(e, tinker.APIStatusError):
+        if isinstance(e, sdk.status | httpx.HTTPStatusError):
             return _classify_status(e)
-        if isinstance(e, tinker.APITimeoutError):
+        if isinstance(e, sdk.timeout):
             return Classified(
-                True, f"the MinT server at {_origin(e.request)} did not answer in time"
+                True, f"the MinT server at {_origin(cast(Any, e).request)} did not answer in time"
             )
-        if isinstance(e, tinker.APIConnectionError):
-            if "No progress made" in e.message:
-                return Classified(True, f"sampling made no progress: {_one_line(e.message)}")
+        if isinstance(e, sdk.connection):
+            if "No progress made" in str(e):
+                return Classified(True, f"sampling made no progress: {_one_line(str(e))}")
             return Classified(
                 True,
-                f"cannot reach the MinT server at {_origin(e.request)}: {_connection_reason(e)}",
+                f"cannot reach the MinT server at {_origin(cast(Any, e).request)}: "
+                f"{_connection_reason(e)}",
             )
-        if isinstance(e, tinker.RequestFailedError):
+        if isinstance(e, sdk.request_failed):
             text = _request_failed_text(e)
-            category = str(e.category)
+            category = str(cast(Any, e).category)
             if category == "user":
                 return Classified(False, f"the server refused the request: {text}")
             return Classified(True, f"the server failed the request ({category}): {text}")
-        if isinstance(e, RetryableException):
+        if isinstance(e, sdk.retryable):
             return Classified(True, "the server lost the result of a request (expired future)")
-        if isinstance(e, tinker.APIResponseValidationError):
+        if isinstance(e, sdk.validation):
             return Classified(False, f"unexpected answer from the server: {_one_line(str(e))}")
         if isinstance(e, httpx.TimeoutException):
             return Classified(True, f"an HTTP request timed out: {_one_line(str(e)) or 'timeout'}")
         if isinstance(e, httpx.TransportError | ConnectionError):
             return Classified(True, f"connection error: {_connection_reason(e)}")
-        if isinstance(e, tinker.TinkerError) and "api_key" in str(e):
+        if isinstance(e, sdk.base) and "api_key" in str(e):
             return Classified(False, f"the API key is not usable: {_one_line(str(e))}")
     if isinstance(exc, TimeoutError):
         return Classified(True, f"timed out: {_one_line(str(exc)) or 'no answer in time'}")

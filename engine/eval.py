@@ -34,7 +34,7 @@ from engine.errors import ConfigError, EngineError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate
 from engine.loop.scoring import Scorer, parse_score_workers
 from engine.rundir.directory import stored_config
-from engine.session.mint import open_session, service_guard
+from engine.session.opening import open_session, service_guard
 from engine.tasks import load_task
 from engine.tasks.render import PromptRenderer
 

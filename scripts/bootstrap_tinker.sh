@@ -1,9 +1,12 @@
 #!/usr/bin/env bash
-# Creates .venv-tinker in the checkout (if missing) with the current tinker SDK (0.38.0) at
-# the exact versions of constraints-tinker.txt. tests/test_local_server_tinker038.py runs the
-# unmodified SDK from it against a local server started from .venv (which pins tinker 0.22
-# for the engine itself); without .venv-tinker that test is skipped.
-# Idempotent: a second run with an unchanged constraints-tinker.txt does nothing.
+# Creates .venv-tinker in the checkout (if missing) with the engine (editable, the extra
+# `tinker`: no torch, no local server) on the current tinker SDK (0.38.0), at the exact
+# versions of constraints-tinker.txt. tests/test_local_server_tinker038.py runs the
+# unmodified SDK from it, and tests/test_sdk_matrix.py the engine, against a local server
+# started from .venv (which holds the engine on mint / tinker 0.22 and the local server);
+# without .venv-tinker those tests are skipped (and fail under CI).
+# Idempotent: a second run with unchanged pyproject.toml and constraints-tinker.txt does
+# nothing.
 #   PYTHON=python3.12          the interpreter that creates .venv-tinker (default python3, >= 3.11)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,13 +22,13 @@ if [ ! -x .venv-tinker/bin/python ]; then
 fi
 
 stamp=.venv-tinker/.tinker-installed
-want="$(sha256sum constraints-tinker.txt | cut -d' ' -f1)"
+want="$(cat pyproject.toml constraints-tinker.txt | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 
-echo "bootstrap_tinker: installing tinker and its pinned dependencies into .venv-tinker" >&2
+echo "bootstrap_tinker: installing engine[tinker] and its pinned dependencies into .venv-tinker" >&2
 .venv-tinker/bin/python -m pip install --quiet --disable-pip-version-check \
-    -c constraints-tinker.txt "tinker==0.38.0"
+    -c constraints-tinker.txt -e ".[tinker]"
 echo "$want" > "$stamp"
 echo "bootstrap_tinker: done" >&2

@@ -10,7 +10,7 @@ import anyio
 
 from engine import Engine, EngineConfig, RunResult, StepHook, StepResult
 from engine.local import LocalServer
-from engine.session.mint import read_server_profile
+from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask, load_task
 
 API_KEY = "tml-engine-tests-key"

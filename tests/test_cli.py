@@ -15,7 +15,7 @@ import pytest
 from engine.config import HOSTED_PROFILE, EngineConfig, config_from_sources
 from engine.errors import ConfigError
 from engine.run import build_parser, main
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 
 ENV_NAMES = (
     "MINT_API_KEY",
@@ -65,7 +65,7 @@ BAD_INPUT = [
     (
         ["--loss", "mse"],
         {},
-        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, got 'mse'",
+        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, gspo, got 'mse'",
     ),
     (
         ["--on-missing-logprobs", "zero"],

@@ -22,7 +22,7 @@ import pytest
 
 from engine import ConfigError, Engine, EngineConfig, Interrupted, StepResult
 from engine.local import LocalServer
-from engine.session.mint import PreflightError
+from engine.session.preflight import PreflightError
 from engine.tasks import load_task
 from tests.engine_support import API_KEY, run_engine, small_config
 

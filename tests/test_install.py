@@ -1,11 +1,12 @@
-"""The light install: the core package (engine + SDK) works without the extras' packages
+"""The light install: the core package with an SDK (``engine[mint]``) works without the
+other extras' packages
 (torch, peft, accelerate, FastAPI, uvicorn, PyJWT, matplotlib, wandb, tensorboard,
 datasets), and
 asking for what an extra provides is one line that says what to install (exit 2).
 
 Most tests run the package in a child process that cannot find those packages
 (``tests/hosted_env.py``), as a hosted-only install sees it. The last one builds a real
-fresh virtual environment with ``pip install -c constraints.txt .``; it needs the
+fresh virtual environment with ``pip install -c constraints.txt '.[mint]'``; it needs the
 packages from an index or a warm pip cache and 1-5 minutes (the install alone measured
 36-44 s on an idle machine, 270 s for the whole test under load), so it is opt-in:
 ``ENGINE_TEST_FRESH_VENV=1``.
@@ -164,7 +165,7 @@ def test_the_core_package_installs_into_a_fresh_venv_and_trains(tmp_path: Path) 
     subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
     pip = [str(venv / "bin" / "python"), "-m", "pip", "install", "--quiet"]
     subprocess.run(
-        [*pip, "-c", str(source / "constraints.txt"), str(source)], check=True, timeout=600
+        [*pip, "-c", str(source / "constraints.txt"), f"{source}[mint]"], check=True, timeout=600
     )
     python = str(venv / "bin" / "python")
     probe = subprocess.run(

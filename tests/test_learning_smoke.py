@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import learning
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 
 
 def test_quick_run_writes_a_well_formed_report(

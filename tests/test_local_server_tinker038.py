@@ -1,7 +1,7 @@
 """tinker 0.38 clients against the local server, next to 0.22 (``mint``) clients.
 
 The SDK tests run the unmodified tinker 0.38 SDK from ``.venv-tinker`` (made by
-``scripts/bootstrap_tinker.sh``; skipped without it) as a subprocess
+``scripts/bootstrap_tinker.sh``; skipped without it, failed under CI) as a subprocess
 (``tests/tinker038_client.py``) against a server started here, alone and while a 0.22
 client trains on the same server. The wire tests speak 0.38's protobuf directly (the
 vendored schema) and need only the main environment: protobuf and zstd bodies, protobuf
@@ -29,9 +29,8 @@ from mint import types
 from engine.local import LocalServer
 from engine.local.tinker_proto import PROTO_CONTENT_TYPE, encode_result, sample_response
 from engine.local.tinker_proto import tinker_public_pb2 as pb
+from tests import tinker_env
 
-REPO = Path(__file__).resolve().parent.parent
-TINKER_PYTHON = REPO / ".venv-tinker" / "bin" / "python"
 CLIENT = Path(__file__).resolve().parent / "tinker038_client.py"
 TML_KEY = "tml-local-tinker038-test"
 QUESTION = "Question: What is 12 + 30?\nAnswer:"
@@ -46,14 +45,7 @@ def server() -> Iterator[LocalServer]:
 
 @pytest.fixture(scope="module")
 def tinker_python() -> Path:
-    if not TINKER_PYTHON.is_file():
-        missing = (
-            "no .venv-tinker with the tinker 0.38 SDK: create it with scripts/bootstrap_tinker.sh"
-        )
-        if os.environ.get("CI"):  # CI runs the SDK matrix: a missing venv is a failure there
-            pytest.fail(missing)
-        pytest.skip(missing)
-    return TINKER_PYTHON
+    return tinker_env.tinker_python()  # skipped without .venv-tinker; under CI, failed
 
 
 def client_command(python: Path, server: LocalServer, scenario: str) -> list[str]:

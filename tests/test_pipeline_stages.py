@@ -19,7 +19,7 @@ from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import StepResult
 from engine.loop.state import LoopState
 from engine.session.api import SamplerHandle
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 from engine.supervision.stopping import StopGate
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from tests.datums import datum_to_dict

@@ -24,7 +24,7 @@ from engine.config import (
 )
 from engine.local import LocalServer
 from engine.run import main
-from engine.session.mint import local_server_profile, read_server_profile
+from engine.session.preflight import local_server_profile, read_server_profile
 from scripts.make_model import RL_DEFAULTS
 
 KEY = "tml-profile-tests"

@@ -26,7 +26,7 @@ from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import write_config
 from engine.session.api import SamplingSettings
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 from engine.tasks import load_task
 from engine.tasks.loader import task_spec
 from tests.engine_support import run_engine

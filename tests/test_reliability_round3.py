@@ -33,7 +33,7 @@ from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import config_record, write_config
 from engine.rundir.lock import RunDirLock
 from engine.session.api import ServerInfo
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from engine.tasks.dataset import DatasetTask

@@ -31,7 +31,7 @@ from engine.errors import (
     retry_after,
 )
 from engine.redact import clear_registered_secrets, register_secret
-from engine.session.mint import sdk_sampling_retry_config
+from engine.session.adapter import sdk_sampling_retry_config
 from engine.session.retry import (
     OpKind,
     RetryCounter,

@@ -22,7 +22,7 @@ from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import CircuitOpen, PermanentServiceError, StepOutcomeUnknown
 from engine.local import LocalServer
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
-from engine.session.mint import sdk_sampling_retry_config
+from engine.session.adapter import sdk_sampling_retry_config
 from engine.session.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.watchdog import CircuitBreaker

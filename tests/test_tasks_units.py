@@ -14,7 +14,7 @@ from transformers import AutoTokenizer
 from engine.config import EngineConfig, parse_task_args, read_config_file
 from engine.errors import ConfigError
 from engine.run import main, parse_config
-from engine.session.mint import local_server_profile
+from engine.session.preflight import local_server_profile
 from engine.tasks import ArithmeticTask, Problem, load_task
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import task_spec

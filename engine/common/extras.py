@@ -1,7 +1,8 @@
 """The optional parts of the package (pyproject's extras) and the one-line message that
 says how to install a missing one.
 
-The core package is what a hosted-MinT user needs: the engine and the SDK. The local
+The core package with an SDK extra (``mint`` or ``tinker``: :mod:`engine.session.sdks`
+says which is installed) is what a hosted user needs. The local
 server (torch, peft, FastAPI), the report pictures (matplotlib), the experiment
 trackers (wandb, tensorboard) and Hugging Face datasets (``--task hf:PATH``) are
 extras. Whether an extra is installed is decided by finding its modules, without
@@ -19,7 +20,7 @@ __all__ = ["EXTRA_MODULES", "Extra", "missing", "missing_message", "require"]
 Extra = Literal["local", "report", "wandb", "tensorboard", "datasets"]
 
 EXTRA_MODULES: Final[dict[Extra, tuple[str, ...]]] = {
-    # transformers, tokenizers and safetensors come with the SDK (tinker) anyway
+    # transformers, tokenizers and safetensors come with either SDK (tinker) anyway
     "local": ("torch", "peft", "accelerate", "fastapi", "uvicorn", "jwt"),
     "report": ("matplotlib",),
     "wandb": ("wandb",),

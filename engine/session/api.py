@@ -4,7 +4,8 @@ Why a Protocol: the pipeline (sampling, scoring, training) is the engine's logic
 SDK calls behind it are I/O. :class:`Session` is everything the pipeline and the
 engine's supervision need from the service, typed with plain engine values
 (:class:`~engine.loop.rl.Datum`, :class:`SamplingSettings`, :class:`SamplerHandle`...), so no
-SDK type crosses it. :class:`engine.session.mint.MintSession` implements it over the ``mint``
+SDK type crosses it. :class:`engine.session.mint.MintSession` (the ``mint`` SDK, tinker 0.22) and
+:class:`engine.session.tinker.TinkerSession` (tinker >= 0.38) implement it over the
 SDK; tests implement it with a fake (``tests/fake_session.py``) and an injected clock.
 
 A train step is submitted in parts and awaited later, so the trainer can submit step

@@ -38,7 +38,7 @@ What the engine does (this module):
   Retry-After for brief 429/503s, layer 2 still covers submissions for 5 min, and the
   unprotected setup calls (create_session/create_model/create_sampling_session) surface
   within seconds so the SESSION policy here, which honours Retry-After, takes over.
-* Create sampling clients (``engine.session.mint``) with a ``retry_config`` so
+* Create sampling clients (``engine.session.adapter``) with a ``retry_config`` so
   layer 4 gives up after ``policy.attempt_timeout`` without progress instead of 2 h.
 * Wrap each idempotent call in :func:`call_with_retry`: every attempt runs under a
   deadline (``attempt_timeout``), so layer 3's endless polling is bounded too; a failure

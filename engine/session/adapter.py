@@ -1,0 +1,537 @@
+"""What the two SDK adapters share: the session over a Tinker-shaped SDK, with the SDK
+calls themselves left to a subclass (:mod:`engine.session.mint` for tinker 0.22 under
+``mint``, :mod:`engine.session.tinker` for tinker >= 0.38).
+
+Why one base: both generations have the same clients (ServiceClient, TrainingClient,
+SamplingClient), the same types (``tinker.types``) and the same futures (``APIFuture``
+with ``.future()``); they differ in how a call is made (0.22's ``*_async`` methods that
+need two awaits, 0.38's methods that return a future at once), in how a sampler
+snapshot keeps its place in the model's sequence, and in how a session is closed. The
+rest -- every call through :meth:`SdkSession._call`, the single seam where the
+reliability layer (``engine.session.retry``, ``engine.supervision.watchdog``) wraps
+retries, deadlines and circuit breaking, and the typed results -- is here once.
+
+Imported only by the adapters: it imports ``tinker`` (whichever generation is
+installed) for the names both share.
+
+Two SDK facts shape the calls (docs/architecture.md, "Wire facts"):
+
+* A step's ``forward_backward`` AND ``optim_step`` are submitted
+  (:meth:`SdkSession.submit_forward_backward`, :meth:`SdkSession.submit_optim_step`)
+  before either is awaited (:meth:`SdkSession.finish_train_step`): one server round
+  instead of three.
+* Some SDK calls block the calling thread even in their ``_async`` form (the
+  ServiceClient constructor, ``get_tokenizer``); they run in a worker thread so the
+  event loop keeps serving the other pipeline stages.
+
+Reliability (see :mod:`engine.session.retry`): idempotent kinds (setup, sampling,
+sampler snapshots, save_state) are retried on transient errors under a per-attempt
+deadline; train-step calls are bounded by a deadline and never repeated: a failure after
+submission raises :class:`~engine.errors.StepOutcomeUnknown` and the engine restores a
+checkpoint with :meth:`SdkSession.restore`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import functools
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar, TypeVar
+
+import anyio
+from tinker import types
+from tinker.lib.retry_handler import RetryConfig
+
+from engine.config import EngineConfig
+from engine.errors import EngineError, primary_error
+from engine.loop.rl import Completion, Datum
+from engine.session.api import (
+    LossSpec,
+    PendingSnapshot,
+    SampleResult,
+    SamplerHandle,
+    SamplingSettings,
+    ServerInfo,
+    StepTicket,
+    TrainResult,
+)
+from engine.session.preflight import PreflightError, check_reachable, setup_call
+from engine.session.preflight import recommended_profile as read_recommended_profile
+from engine.session.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard, tally_retries
+from engine.session.sdks import SdkName
+
+__all__ = [
+    "SNAPSHOT_TTL_S",
+    "LoraSpec",
+    "SdkSession",
+    "sdk_sampling_retry_config",
+    "settled",
+    "snapshot_name",
+    "to_sdk_datum",
+]
+
+T = TypeVar("T")
+
+SNAPSHOT_TTL_S = 24 * 3600
+"""Time to live of the per-version sampler weights on the server: a version is sampled
+from for at most K+1 steps; the TTL keeps a long run from piling them up."""
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    base_model: str
+    rank: int
+    seed: int | None
+    init_from: str | None = None  # saved weights the fresh client starts from
+    init_with_optimizer: bool = False
+
+
+class SdkSession:
+    """A connected training session: one training client and its tokenizer. Subclasses
+    make the SDK calls (the ``_sdk_*`` methods)."""
+
+    sdk: ClassVar[SdkName]
+    """The adapter's name (``mint`` or ``tinker``)."""
+    sdk_version: ClassVar[str]
+    """The SDK's version, as its ``client/config`` request announces it."""
+    default_base_url: ClassVar[str]
+    """Where the session connects when an API key but no base URL is given."""
+
+    def __init__(
+        self,
+        service: Any,
+        training: Any,
+        tokenizer: Any,
+        info: ServerInfo,
+        guard: ServiceGuard,
+        lora: LoraSpec,
+        config: EngineConfig,
+    ) -> None:
+        self._service = service
+        self._training = training
+        self.tokenizer = tokenizer
+        self.info = info
+        self.config = config
+        """The config the session was opened with, resolved with the server's defaults."""
+        self.guard = guard
+        self._lora = lora
+
+    @property
+    def retries(self) -> RetryCounter:
+        """Retries per kind; step metrics read them as ``retries/<kind>``."""
+        return self.guard.counter
+
+    @property
+    def model_id(self) -> str | None:
+        """The server's id of the current training client (changes on restore)."""
+        return self._training.model_id  # type: ignore[no-any-return]
+
+    # -- what a subclass provides ------------------------------------------------------
+
+    @staticmethod
+    def _sdk_service(base_url: str, api_key: str | None) -> Any:
+        """A ServiceClient (runs in a worker thread: it may block)."""
+        raise NotImplementedError
+
+    async def _sdk_supported_models(
+        self, base_url: str, api_key: str | None
+    ) -> dict[str, int | None]:
+        """The server's models (its capabilities): name -> context length, if said."""
+        raise NotImplementedError
+
+    async def _sdk_sample(
+        self, client: Any, prompt: types.ModelInput, num_samples: int, settings: SamplingSettings
+    ) -> types.SampleResponse:
+        raise NotImplementedError
+
+    async def _sdk_forward_backward(
+        self, training: Any, batch: list[types.Datum], loss: LossSpec
+    ) -> Any:
+        """Submit; returns the SDK future of the result."""
+        raise NotImplementedError
+
+    async def _sdk_optim_step(self, training: Any, params: types.AdamParams) -> Any:
+        raise NotImplementedError
+
+    async def _sdk_save_state(self, training: Any, name: str) -> Any:
+        """Submit ``save_state(name, overwrite=True)``; returns its SDK future."""
+        raise NotImplementedError
+
+    async def _sdk_save_sampler(self, training: Any, name: str) -> Any:
+        """Submit ``save_weights_for_sampler(name)``; returns its SDK future."""
+        raise NotImplementedError
+
+    def _sdk_reserve_snapshot(self, training: Any, version: int) -> Any:
+        """Take the place, in the model's sequence, of a sampler snapshot of the
+        weights after everything submitted so far, NOW; returns what
+        :meth:`_sdk_finish_snapshot` awaits."""
+        raise NotImplementedError
+
+    async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> Any:
+        """A sampling client on a reserved snapshot (run under the step's deadline)."""
+        raise NotImplementedError
+
+    async def _sdk_sampling_client(self, path: str) -> Any:
+        raise NotImplementedError
+
+    async def _sdk_new_training(self, lora: LoraSpec) -> Any:
+        """A fresh LoRA training client (or one from ``--init-from``)."""
+        raise NotImplementedError
+
+    async def _sdk_load_training(self, state_path: str) -> Any:
+        """A training client loaded from a saved state, with its optimizer."""
+        raise NotImplementedError
+
+    async def _sdk_close(self, failed: bool) -> None:
+        """End the SDK's session (its heartbeat would outlive a local server)."""
+        raise NotImplementedError
+
+    # -- the seam ----------------------------------------------------------------------
+
+    async def _call(self, kind: OpKind, op: str, fn: Callable[[], Awaitable[T]]) -> T:
+        """Run one SDK operation through the reliability layer (retries for the
+        idempotent kinds, deadlines, breaker); ``fn`` must build a fresh request on
+        each call."""
+        return await self.guard.call(kind, op, fn)
+
+    async def _step_call(self, step: int, fn: Callable[[], Awaitable[T]], *, completes: bool) -> T:
+        """A train-step call: under its deadline, never repeated, any failure raises
+        StepOutcomeUnknown (or PermanentServiceError for a refused request)."""
+        return await self.guard.train_step(step, fn, completes=completes)
+
+    # -- sampling ----------------------------------------------------------------------
+
+    async def sample(
+        self,
+        sampler: SamplerHandle,
+        prompt_tokens: Sequence[int],
+        num_samples: int,
+        settings: SamplingSettings,
+    ) -> SampleResult:
+        """``num_samples`` responses to one prompt from ``sampler``."""
+        client = sampler.client
+        prompt = types.ModelInput.from_ints(tokens=list(prompt_tokens))
+
+        async def go() -> types.SampleResponse:
+            return await self._sdk_sample(client, prompt, num_samples, settings)
+
+        with tally_retries() as tally:
+            response = await self._call(OpKind.SAMPLE, "sample", go)
+        completions = tuple(
+            Completion(
+                tokens=tuple(seq.tokens),
+                logprobs=None if seq.logprobs is None else tuple(seq.logprobs),
+                stop_reason=str(seq.stop_reason),
+            )
+            for seq in response.sequences
+        )
+        if len(completions) != num_samples:
+            raise EngineError(
+                f"the sampler returned {len(completions)} responses, {num_samples} were asked"
+            )
+        return SampleResult(sampler.version, completions, tally.count)
+
+    async def submit_snapshot(self, version: int) -> PendingSnapshot:
+        """Reserve, in the training client's sequence, a snapshot of the weights after
+        everything submitted so far: submitted right behind a step's optim_step, it
+        snapshots the weights after that step. Never repeated (a new submission would
+        snapshot later weights); a failure is an unknown step outcome."""
+        training = self._training
+
+        async def go() -> Any:
+            return self._sdk_reserve_snapshot(training, version)
+
+        reserved = await self._step_call(version, go, completes=False)
+        return PendingSnapshot(version, reserved)
+
+    async def finish_snapshot(self, pending: PendingSnapshot) -> SamplerHandle:
+        """Await a reserved snapshot and open a sampling client on it."""
+        return await self._sdk_finish_snapshot(pending.version, pending.handle)
+
+    async def open_sampler(self, version: int, sampler_path: str) -> SamplerHandle:
+        """A sampling client on saved sampler weights (a checkpoint's, or a finished
+        snapshot's), as policy ``version``; retried."""
+        client = await self._call(
+            OpKind.SAMPLER_SNAPSHOT,
+            f"open sampler {sampler_path}",
+            lambda: self._sdk_sampling_client(sampler_path),
+        )
+        return SamplerHandle(version, client)
+
+    def _sampling_retry_config(self) -> RetryConfig:
+        return sdk_sampling_retry_config(self.guard.policy(OpKind.SAMPLE))
+
+    # -- training ----------------------------------------------------------------------
+
+    async def submit_forward_backward(
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
+    ) -> None:
+        """Submit one forward_backward of ``ticket``'s step (gradients accumulate until
+        the optim step); its result is awaited by :meth:`finish_train_step`."""
+        training = self._training
+        batch = [to_sdk_datum(d) for d in datums]
+
+        async def go() -> Any:
+            return await self._sdk_forward_backward(training, batch, loss)
+
+        handle = await self._step_call(ticket.step, go, completes=False)
+        ticket.handles.append(handle)
+        ticket.datums.append(len(batch))
+
+    async def submit_optim_step(self, ticket: StepTicket, learning_rate: float) -> None:
+        """Submit the Adam step of ``ticket``'s step (the quickstart sets only the
+        learning rate)."""
+        training = self._training
+
+        async def go() -> Any:
+            return await self._sdk_optim_step(
+                training, types.AdamParams(learning_rate=learning_rate)
+            )
+
+        ticket.optim = await self._step_call(ticket.step, go, completes=False)
+
+    async def finish_train_step(self, ticket: StepTicket) -> TrainResult:
+        """Await ``ticket``'s submitted calls; logprobs are in datum order. Any failure
+        raises StepOutcomeUnknown: the step may or may not have been applied."""
+        return await self._step_call(ticket.step, lambda: self._collect(ticket), completes=True)
+
+    async def _collect(self, ticket: StepTicket) -> TrainResult:
+        logprobs: list[Sequence[float]] = []
+        metrics: dict[str, float] = {}
+        for n, future in zip(ticket.datums, ticket.handles, strict=True):
+            result: types.ForwardBackwardOutput = await settled(future)
+            if len(result.loss_fn_outputs) != n:
+                raise EngineError(
+                    f"forward_backward returned {len(result.loss_fn_outputs)} outputs for "
+                    f"{n} datums"
+                )
+            logprobs.extend(o["logprobs"].tolist() for o in result.loss_fn_outputs)
+            for key, value in result.metrics.items():
+                # Sums add up across the step's calls; other reductions keep the last.
+                summed = metrics.get(key, 0.0) if key.endswith(":sum") else 0.0
+                metrics[key] = summed + float(value)
+        optim_metrics: dict[str, float] = {}
+        if ticket.optim is not None:
+            optim = await settled(ticket.optim)
+            optim_metrics = {k: float(v) for k, v in (optim.metrics or {}).items()}
+        return TrainResult(logprobs, metrics, optim_metrics)
+
+    # -- saving ------------------------------------------------------------------------
+
+    async def save_weights_for_sampler(self, name: str) -> str:
+        """Persist the current weights for sampling under ``name``; returns the
+        ``tinker://`` path."""
+
+        async def go() -> str:
+            future = await self._sdk_save_sampler(self._training, name)
+            return str((await settled(future)).path)
+
+        return await self._call(OpKind.SAMPLER_SNAPSHOT, "save_weights_for_sampler", go)
+
+    async def save_state(self, name: str) -> str:
+        """Persist weights and optimizer state under ``name``; returns the path.
+        ``overwrite``: a retry after an attempt whose answer was lost must not fail on
+        the checkpoint that attempt already wrote (names are unique per training
+        client otherwise)."""
+
+        async def go() -> str:
+            future = await self._sdk_save_state(self._training, name)
+            return str((await settled(future)).path)
+
+        return await self._call(OpKind.SAVE_STATE, "save_state", go)
+
+    async def save_checkpoint(
+        self, state_name: str, sampler_name: str, *, once_within: float | None = None
+    ) -> tuple[str, str]:
+        """``save_state`` and ``save_weights_for_sampler`` of the same weights (nothing
+        is trained between them), submitted together so they share one server round;
+        returns (state path, sampler path).
+
+        ``once_within`` makes it one bounded attempt of each, no retries: the
+        best-effort checkpoint of a run that is stopping (the server may be why)."""
+        training = self._training
+
+        async def state_once() -> str:
+            future = await self._sdk_save_state(training, state_name)
+            return str((await settled(future)).path)
+
+        async def sampler_once() -> str:
+            future = await self._sdk_save_sampler(training, sampler_name)
+            return str((await settled(future)).path)
+
+        paths: dict[str, str] = {}
+
+        async def run(key: str, fn: Callable[[], Awaitable[str]]) -> None:
+            paths[key] = await fn()
+
+        state: Callable[[], Awaitable[str]] = state_once
+        sampler: Callable[[], Awaitable[str]] = sampler_once
+        if once_within is None:
+            state = functools.partial(self.save_state, state_name)
+            sampler = functools.partial(self.save_weights_for_sampler, sampler_name)
+
+        async def both() -> None:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(run, "state", state)
+                tg.start_soon(run, "sampler", sampler)
+
+        try:
+            if once_within is None:
+                await both()
+            else:
+                await self.guard.once("the stop checkpoint", both, within=once_within)
+        except BaseExceptionGroup as group:
+            raise primary_error(group) from None
+        return paths["state"], paths["sampler"]
+
+    # -- recovery ----------------------------------------------------------------------
+
+    async def restore(self, state_path: str | None) -> None:
+        """Replace the training client by a new one loaded from ``state_path`` (weights
+        and optimizer state), or, with None, by a fresh LoRA client of the run's base
+        model, rank and seed. The old client is abandoned: after a step of unknown
+        outcome its weights cannot be trusted. New client, new ``seq_id`` sequence."""
+        if state_path is None:
+            self._training = await self._call(
+                OpKind.SESSION,
+                "create the training client",
+                lambda: self._sdk_new_training(self._lora),
+            )
+        else:
+            self._training = await self._call(
+                OpKind.SESSION, f"restore {state_path}", lambda: self._sdk_load_training(state_path)
+            )
+
+    # -- opening -----------------------------------------------------------------------
+
+    @classmethod
+    @contextlib.asynccontextmanager
+    async def connect(
+        cls,
+        config: EngineConfig,
+        base_url: str,
+        api_key: str | None,
+        *,
+        local: bool,
+        say: Callable[[str], None],
+        guard: ServiceGuard,
+        restore_from: str | None,
+    ) -> AsyncIterator[SdkSession]:
+        """Check the server, resolve the settings ``config`` leaves to the server from
+        what it recommends (:attr:`config`, which also names the SDK), create the LoRA
+        training client (or load ``restore_from``) and its tokenizer; close the SDK's
+        session on exit."""
+        say("Connecting to MinT server...")
+        say(f"Endpoint: {base_url}")
+        await check_reachable(base_url, api_key, guard, cls.sdk_version)
+        if config.unresolved:
+            config = config.resolved(await read_recommended_profile(base_url, api_key, guard))
+        config = dataclasses.replace(config, sdk=cls.sdk)  # config.json records which
+        assert config.base_model is not None and config.lora_rank is not None
+        base_model = config.base_model
+        guard.watch_server(base_url)
+        service = await setup_call(
+            guard,
+            base_url,
+            "connect",
+            lambda: anyio.to_thread.run_sync(
+                cls._sdk_service, base_url, api_key, abandon_on_cancel=True
+            ),
+        )
+        lora = LoraSpec(
+            base_model,
+            config.lora_rank,
+            config.lora_seed,
+            config.init_from,
+            config.init_from_optimizer,
+        )
+        info = ServerInfo(base_url, base_model, local, ())
+        session = cls(service, None, None, info, guard, lora, config)
+        failed = True
+        try:
+            models = await setup_call(
+                guard,
+                base_url,
+                "read capabilities",
+                lambda: session._sdk_supported_models(base_url, api_key),
+            )
+            supported = tuple(models)
+            if restore_from is None:
+                try:
+                    training = await setup_call(
+                        guard,
+                        base_url,
+                        "create the training client",
+                        lambda: session._sdk_new_training(lora),
+                    )
+                except PreflightError as exc:
+                    # The capabilities list the canonical names; a server may accept
+                    # others (aliases), so only its refusal counts.
+                    if supported and base_model not in supported:
+                        raise PreflightError(
+                            f"the MinT server at {base_url} does not serve model "
+                            f"{base_model!r} (it serves: {', '.join(supported)}); set "
+                            "MINT_BASE_MODEL or --base-model"
+                        ) from exc
+                    raise
+            else:
+                path = restore_from
+                training = await setup_call(
+                    guard, base_url, f"restore {path}", lambda: session._sdk_load_training(path)
+                )
+            tokenizer = await setup_call(
+                guard,
+                base_url,
+                "load the tokenizer",
+                lambda: anyio.to_thread.run_sync(training.get_tokenizer, abandon_on_cancel=True),
+            )
+            say(f"Model: {base_model}, Vocab: {tokenizer.vocab_size:,}\n")
+            session._training = training
+            session.tokenizer = tokenizer
+            session.info = ServerInfo(
+                base_url, base_model, local, supported, models.get(base_model)
+            )
+            yield session
+            failed = False
+        finally:
+            with anyio.CancelScope(shield=True):
+                await session._sdk_close(failed)
+
+
+def to_sdk_datum(datum: Datum) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens=datum.model_input.tolist()),
+        loss_fn_inputs={
+            key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
+        },
+    )
+
+
+def snapshot_name(version: int) -> str:
+    """The sampler weights' name of policy ``version``: the snapshot lives at
+    ``tinker://<model id>/sampler_weights/<name>``."""
+    return f"sampler-v{version}"
+
+
+async def settled(future: Any) -> Any:
+    """The result of an SDK future (an ``APIFuture`` of a call on the model's sequence).
+    Cancelling the wait abandons the result, never the call: the SDK would cancel its
+    request after it took its place in the sequence, and every later call of the model
+    would wait on the server for the place left empty."""
+    return await asyncio.shield(asyncio.wrap_future(future.future()))
+
+
+def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
+    """``retry_config`` for sampling clients: the SDK's sampling retry loop (no attempt
+    limit) gives up after ``policy.attempt_timeout`` without progress instead of 2 h,
+    and uses the policy's backoff bounds."""
+    base = RetryConfig()
+    return RetryConfig(
+        max_connections=base.max_connections,
+        progress_timeout=policy.attempt_timeout or base.progress_timeout,
+        retry_delay_base=max(policy.initial_wait, 0.01),
+        retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
+    )

@@ -1,0 +1,192 @@
+"""The engine end to end on either SDK generation: ``python -m engine.run`` trains
+against a local server it did not start, checkpoints, and resumes, once with the
+``mint`` adapter (tinker 0.22, this environment) and once with the ``tinker`` adapter
+(tinker 0.38, ``.venv-tinker``; see tests/tinker_env.py for when that is skipped).
+
+The server runs in this process (from ``.venv``, which has torch); the engine runs as
+a subprocess of the chosen environment's Python on this checkout's code.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from engine.local import LocalServer
+from tests.tinker_env import REPO, tinker_python
+
+KEY = "tml-sdk-matrix-key"
+RUN = ("--batch", "2", "--group", "2", "--max-tokens", "4", "--no-progress")
+RUN_TIMEOUT_S = 900  # a loaded 2-core machine; a run takes seconds idle
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[LocalServer]:
+    with LocalServer(api_key=KEY) as running:
+        yield running
+
+
+def python_of(sdk: str) -> Path:
+    return Path(sys.executable) if sdk == "mint" else tinker_python()
+
+
+def engine_run(
+    sdk: str, server: LocalServer, *args: str, key: str = KEY
+) -> subprocess.CompletedProcess[str]:
+    """``python -m engine.run`` of this checkout with ``sdk``'s environment, the API key
+    and base URL in the variables that SDK's users set."""
+    prefix = "MINT" if sdk == "mint" else "TINKER"
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
+    env.update(
+        {
+            f"{prefix}_API_KEY": key,
+            f"{prefix}_BASE_URL": server.base_url,
+            "PYTHONPATH": str(REPO),
+            "HF_HUB_OFFLINE": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+        }
+    )
+    return subprocess.run(
+        [str(python_of(sdk)), "-m", "engine.run", *RUN, *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+        cwd=REPO,
+    )
+
+
+def steps_of(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return [row["step"] for row in map(json.loads, lines) if "avg_reward" in row]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sdk", ["mint", "tinker"])
+def test_the_engine_trains_checkpoints_and_resumes(
+    server: LocalServer, sdk: str, tmp_path: Path
+) -> None:
+    python_of(sdk)  # skip before anything runs
+    run_dir = tmp_path / "run"
+    done = engine_run(
+        sdk, server, "--steps", "3", "--checkpoint-every", "2", "--run-dir", str(run_dir)
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.splitlines()[-1].startswith("Saved: tinker://")
+    assert steps_of(run_dir) == [1, 2, 3]
+    assert json.loads((run_dir / "config.json").read_text())["sdk"] == sdk
+
+    resumed = engine_run(sdk, server, "--resume", str(run_dir), "--steps", "5")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert steps_of(run_dir) == [1, 2, 3, 4, 5]
+    checkpoints = [
+        json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()
+    ]
+    assert [c["loop_state"]["next_step"] for c in checkpoints][-1] == 5
+    assert "FutureWarning" not in done.stderr + resumed.stderr  # no deprecated SDK calls
+
+
+@pytest.mark.parametrize("sdk", ["mint", "tinker"])
+def test_a_rejected_key_is_one_line(server: LocalServer, sdk: str, tmp_path: Path) -> None:
+    done = engine_run(sdk, server, "--run-dir", str(tmp_path / "r"), key="tml-not-the-key")
+    assert done.returncode == 1
+    assert done.stderr.strip().splitlines()[-1] == (
+        f"Error: the MinT server at {server.base_url} rejected the API key (HTTP 401); "
+        "check MINT_API_KEY"
+    )
+
+
+def test_a_tinker_only_loss_reaches_the_server(server: LocalServer, tmp_path: Path) -> None:
+    """``--loss gspo`` goes through the 0.38 SDK to the server, which refuses it (the
+    local server trains the losses both generations share): one line naming it."""
+    run_dir = tmp_path / "r"
+    done = engine_run("tinker", server, "--loss", "gspo", "--steps", "1", "--run-dir", str(run_dir))
+    assert done.returncode == 1, done.stderr[-3000:]
+    assert done.stderr.strip().splitlines()[-1] == (
+        "Error: train step 1 failed: the server refused the request: unsupported loss_fn "
+        "'gspo'; supported: cross_entropy, importance_sampling, ppo, cispo, dro"
+    )
+    assert json.loads((run_dir / "config.json").read_text())["loss"] == "gspo"
+
+
+def test_the_other_generation_is_refused_in_one_line(tmp_path: Path) -> None:
+    """Asking the tinker 0.38 environment for the mint adapter: exit 2, one line, before
+    a run dir exists."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("MINT_", "TINKER_"))}
+    env.update(TINKER_API_KEY=KEY, TINKER_BASE_URL="http://127.0.0.1:9", PYTHONPATH=str(REPO))
+    done = subprocess.run(
+        [
+            str(tinker_python()),
+            "-m",
+            "engine.run",
+            "--sdk",
+            "mint",
+            "--run-dir",
+            str(tmp_path / "r"),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+        cwd=REPO,
+    )
+    assert done.returncode == 2, done.stderr[-2000:]
+    assert done.stderr.strip() == (
+        "Error: --sdk mint is not installed (this environment has tinker 0.38.0; the two SDK "
+        "generations cannot share an environment): pip install 'engine[mint]' (MinT: "
+        "mindlab-toolkit on tinker 0.22)"
+    )
+    assert not (tmp_path / "r").exists()
+
+
+CLASSIFY_038 = """
+import json, httpx, tinker
+from engine.errors import classify
+from tinker.lib.retryable_exception import RetryableException
+from tinker.types import RequestErrorCategory
+req = httpx.Request("POST", "http://127.0.0.1:1/api/v1/forward_backward")
+def status(code):
+    answer = httpx.Response(code, json={"detail": "d"}, request=req)
+    return tinker.APIStatusError("x", response=answer, body={"detail": "d"})
+cases = {
+    "429": status(429), "401": status(401), "402": status(402),
+    "connection": tinker.APIConnectionError(request=req),
+    "timeout": tinker.APITimeoutError(request=req),
+    "expired": RetryableException("expired"),
+    "user": tinker.RequestFailedError(
+        "Request failed: bad", request_id="1", category=RequestErrorCategory.User
+    ),
+}
+print(json.dumps({k: classify(v).transient for k, v in cases.items()}))
+"""
+
+
+def test_tinker_038_errors_are_classified_like_022(tmp_path: Path) -> None:
+    """engine.errors under tinker 0.38: the same verdicts as under 0.22."""
+    done = subprocess.run(
+        [str(tinker_python()), "-c", CLASSIFY_038],
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        capture_output=True,
+        text=True,
+        timeout=RUN_TIMEOUT_S,
+        check=False,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == {
+        "429": True,
+        "401": False,
+        "402": False,
+        "connection": True,
+        "timeout": True,
+        "expired": True,
+        "user": False,
+    }

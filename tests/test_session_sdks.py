@@ -1,0 +1,108 @@
+"""Choosing the SDK adapter, what each adapter relies on in its SDK, and the engine
+without any SDK installed. The end-to-end runs on both generations are
+tests/test_sdk_matrix.py."""
+
+from __future__ import annotations
+
+import inspect
+from pathlib import Path
+
+import httpx
+import pytest
+import tinker
+from tinker.lib.internal_client_holder import InternalClientHolder
+
+from engine.config import EngineConfig
+from engine.errors import ConfigError, classify, retry_after
+from engine.session import sdks
+from engine.session.opening import adapter_class
+from tests.hosted_env import run_without
+from tests.test_install import clean_env, one_error_line
+
+
+def installed(monkeypatch: pytest.MonkeyPatch, tinker_version: str | None, mint: bool) -> None:
+    monkeypatch.setattr(sdks, "installed_tinker_version", lambda: tinker_version)
+    specs = {"tinker": tinker_version is not None, "mint": mint}
+    monkeypatch.setattr(sdks.importlib.util, "find_spec", lambda name: specs.get(name) or None)
+
+
+@pytest.mark.parametrize(
+    ("tinker_version", "mint", "auto"),
+    [("0.22.0", True, "mint"), ("0.38.0", False, "tinker"), ("0.39.1", False, "tinker")],
+)
+def test_auto_picks_the_installed_generation(
+    monkeypatch: pytest.MonkeyPatch, tinker_version: str, mint: bool, auto: str
+) -> None:
+    installed(monkeypatch, tinker_version, mint)
+    assert sdks.choose_sdk("auto") == auto
+    assert sdks.choose_sdk(auto) == auto
+
+
+def test_a_generation_that_is_not_installed_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    installed(monkeypatch, "0.22.0", True)
+    with pytest.raises(ConfigError) as info:
+        sdks.choose_sdk("tinker")
+    assert str(info.value) == (
+        "--sdk tinker is not installed (this environment has tinker 0.22.0; the two SDK "
+        "generations cannot share an environment): pip install 'engine[tinker]' (tinker >= 0.38)"
+    )
+    installed(monkeypatch, "0.22.0", False)  # tinker 0.22 without mindlab-toolkit
+    with pytest.raises(ConfigError, match="no SDK is installed: pip install 'engine\\[mint\\]'"):
+        sdks.choose_sdk("auto")
+
+
+def test_a_tinker_only_loss_is_refused_with_the_mint_sdk() -> None:
+    with pytest.raises(ConfigError) as info:
+        EngineConfig(loss="gspo")
+    assert str(info.value) == (
+        "--loss gspo needs the tinker SDK (>= 0.38) and this environment has mint (tinker "
+        "0.22): pip install 'engine[tinker]' in an environment of its own"
+    )
+
+
+def test_this_environment_runs_the_mint_adapter() -> None:
+    assert sdks.choose_sdk("auto") == "mint"
+    assert adapter_class("mint").sdk == "mint"
+
+
+def test_the_mint_adapters_private_sdk_calls_still_exist() -> None:
+    """tinker 0.22 has no public way to reserve a sampler snapshot's place in the
+    model's sequence, nor to stop a ServiceClient's heartbeat: the mint adapter uses
+    ``TrainingClient._save_weights_for_sampler_impl(name, ttl_seconds)`` and
+    ``ServiceClient.holder.close()``. An SDK that changes them fails here."""
+    impl = inspect.signature(tinker.TrainingClient._save_weights_for_sampler_impl)
+    assert list(impl.parameters) == ["self", "name", "ttl_seconds"]
+    assert "self.holder = InternalClientHolder(" in inspect.getsource(tinker.ServiceClient.__init__)
+    assert list(inspect.signature(InternalClientHolder.close).parameters) == ["self"]
+
+
+def test_httpx_status_errors_are_classified_like_the_sdks() -> None:
+    request = httpx.Request("POST", "http://127.0.0.1:1/api/v1/client/config")
+    busy = httpx.Response(503, json={"detail": "warming up"}, headers={"Retry-After": "2"})
+    busy.request = request
+    error = httpx.HTTPStatusError("HTTP 503", request=request, response=busy)
+    verdict = classify(error)
+    assert verdict.transient and verdict.retry_after == 2.0
+    assert verdict.message == "the server answered 503 for /api/v1/client/config: warming up"
+    assert retry_after(error) == 2.0
+    unpaid = httpx.Response(402, json={"detail": "set up billing"}, request=request)
+    verdict = classify(httpx.HTTPStatusError("402", request=request, response=unpaid))
+    assert not verdict.transient
+    assert verdict.message == "the account cannot be billed (402 Payment Required): set up billing"
+
+
+def test_without_an_sdk_the_engine_imports_and_a_run_says_what_to_install(
+    tmp_path: Path,
+) -> None:
+    hidden = ["mint", "tinker"]
+    done = run_without(hidden, "engine.run", ["--help"], env=clean_env())
+    assert done.returncode == 0, done.stderr[-2000:]
+    env = clean_env(MINT_API_KEY="sk-never-used", MINT_BASE_URL="http://127.0.0.1:9")
+    line = one_error_line(
+        run_without(hidden, "engine.run", ["--run-dir", str(tmp_path / "r")], env=env)
+    )
+    assert line == (
+        "Error: no SDK is installed: pip install 'engine[mint]' (MinT: mindlab-toolkit on "
+        "tinker 0.22) or pip install 'engine[tinker]' (tinker >= 0.38)"
+    )
+    assert not (tmp_path / "r").exists()

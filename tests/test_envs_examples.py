@@ -1,11 +1,13 @@
-"""The shipped environments (guess the sum, the calculator tool): their rules, and that
-the default model's chat template renders their conversations so that every next
-observation extends the previous observation plus the sampled reply, in exactly the
-bytes the model was trained on (scripts/make_model.py's transcripts)."""
+"""The shipped environments (guess the sum, the calculator tool): their rules, the
+packaged agent model they ask for, and that its chat template renders their
+conversations so that every next observation extends the previous observation plus the
+sampled reply, in exactly the bytes the model was trained on (scripts/make_model.py's
+transcripts)."""
 
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Sequence
 from typing import Any
@@ -13,19 +15,24 @@ from typing import Any
 import anyio
 import pytest
 
+from engine import Engine, EngineConfig
 from engine.envs import Action, ChatEnv, EnvContext, StepResult, StopCondition, is_env_task
 from engine.envs.examples import calculator, guess_sum
+from engine.export import base_model_source
+from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
+from engine.tasks import load_task
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.base import Problem
+from engine.tasks.loader import preferred_local_model
 from engine.tasks.render import TaskContext
 from scripts import make_model
 
 
 @pytest.fixture(scope="module")
 def tokenizer() -> Any:
-    """The tokenizer the build writes (tests/test_tasks_units.py checks the shipped one is
-    the same)."""
-    return make_model.build_tokenizer()
+    """The agent model's tokenizer as the build writes it (checked against the shipped one
+    below)."""
+    return make_model.build_tokenizer(make_model.AGENT_CHAT_TEMPLATE)
 
 
 def context(tokenizer: Any) -> EnvContext:
@@ -57,6 +64,24 @@ async def play(tokenizer: Any, env: ChatEnv, replies: Sequence[str]) -> list[Ste
 
 def problem(a: int, b: int, op: str) -> Problem:
     return Problem(0, f"What is {a} {op} {b}?", a * b if op == "*" else a + b)
+
+
+def test_the_tasks_run_on_the_packaged_agent_model_unless_one_is_given(tokenizer: Any) -> None:
+    shipped = json.loads((AGENT_MODEL_DIR / "tokenizer_config.json").read_text())
+    assert shipped["chat_template"] == tokenizer.chat_template == make_model.AGENT_CHAT_TEMPLATE
+    assert make_model.AGENT_OUT == AGENT_MODEL_DIR
+    for name in ("guess-sum", "calculator"):
+        assert preferred_local_model(None, name) == AGENT_MODEL_DIR  # from the spec
+        assert preferred_local_model(load_task(name), name) == AGENT_MODEL_DIR
+        engine = Engine(EngineConfig(task=name, local=True))
+        assert engine.config.local_model == AGENT_MODEL_DIR
+        given = Engine(EngineConfig(task=name, local=True, local_model=DEFAULT_MODEL_DIR))
+        assert given.config.local_model == DEFAULT_MODEL_DIR
+    assert Engine(EngineConfig(task="arithmetic", local=True)).config.local_model is None
+    assert preferred_local_model(None, "no.such.module:Task") is None  # load_task says why
+    remote = Engine(EngineConfig(task="calculator", base_url="http://127.0.0.1:9", api_key="k"))
+    assert remote.config.local_model is None  # a remote server serves its own models
+    assert base_model_source(make_model.AGENT_MODEL_NAME) == str(AGENT_MODEL_DIR)
 
 
 def test_the_questions_are_the_arithmetic_tasks_questions() -> None:

@@ -21,6 +21,7 @@ from engine.local.backend import SampleJob
 from scripts import make_model
 
 SHIPPED = make_model.DEFAULT_OUT
+AGENT = make_model.AGENT_OUT
 
 
 def test_shipped_tokenizer_loads_offline_and_is_byte_level() -> None:
@@ -108,10 +109,22 @@ def test_cli_help_and_bad_arguments() -> None:
     assert "Traceback" not in bad.stderr
 
 
+def test_the_mix_flags_need_environments() -> None:
+    bad = subprocess.run(
+        [sys.executable, "-m", "scripts.make_model", "--tool-share", "0.5"],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert bad.returncode == 2
+    assert "--tool-share need --environments" in bad.stderr
+
+
 def test_too_few_steps_fail_with_a_clear_message(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as err:
         make_model.main(
             [
+                "--environments",
                 "--out",
                 str(tmp_path / "m"),
                 "--format-steps",
@@ -126,11 +139,38 @@ def test_too_few_steps_fail_with_a_clear_message(tmp_path: Path) -> None:
     assert not (tmp_path / "m").exists()
 
 
-def test_a_few_sft_steps_rebuild_the_same_weights() -> None:
-    """The build's determinism, cheaply: the same seed draws the same rows (every kind,
-    chat transcripts included) and trains the same bits; another seed does not."""
+def test_a_few_default_sft_steps_rebuild_the_same_weights() -> None:
+    """The default build's determinism, cheaply: the same seed trains the same bits on
+    arithmetic rows only (no environment transcripts); another seed does not."""
     tok = make_model.build_tokenizer()
-    cfg = make_model.SftConfig(batch_size=16, max_format_steps=3, eval_every=1000)
+    cfg = make_model.SftConfig(batch_size=16, max_steps=3, eval_every=1000)
+
+    def weights(seed: int) -> dict[str, torch.Tensor]:
+        model = make_model.build_model(tok, make_model.ModelShape(), seed)
+        with pytest.raises(SystemExit, match="raise --steps"):  # no evaluation in 3 steps
+            make_model.train(model, tok, dataclasses.replace(cfg, seed=seed))
+        return model.state_dict()
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the build runs (the bits depend on the thread count)
+    try:
+        a, b, c = weights(0), weights(0), weights(1)
+    finally:
+        torch.set_num_threads(threads)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+    ids, _ = make_model._arithmetic_batch(tok, random.Random(0), 64)
+    text = tok.decode(ids.flatten().tolist())
+    assert "+" in text and "Too " not in text and "<tool_call>" not in text
+
+
+def test_a_few_agent_sft_steps_rebuild_the_same_weights() -> None:
+    """The ``--environments`` build's determinism, cheaply: the same seed draws the same
+    rows (every kind, chat transcripts included) and trains the same bits; another seed
+    does not."""
+    tok = make_model.build_tokenizer(make_model.AGENT_CHAT_TEMPLATE)
+    mix = make_model.EnvMix(max_format_steps=3)
+    cfg = make_model.SftConfig(batch_size=16, eval_every=1000, environments=mix)
 
     def weights(seed: int) -> dict[str, torch.Tensor]:
         model = make_model.build_model(tok, make_model.ModelShape(), seed)
@@ -139,7 +179,7 @@ def test_a_few_sft_steps_rebuild_the_same_weights() -> None:
         return model.state_dict()
 
     def rows(seed: int) -> list[list[torch.Tensor]]:
-        batches = make_model._batch(tok, random.Random(seed), cfg, formats_only=False)
+        batches = make_model._batch(tok, random.Random(seed), mix, 16, formats_only=False)
         return [list(b) for b in batches]
 
     threads = torch.get_num_threads()
@@ -160,12 +200,17 @@ def test_a_few_sft_steps_rebuild_the_same_weights() -> None:
     assert "Too " in text and "<tool_call>" in text and "+" in text  # every kind drawn
 
 
-def test_the_shipped_model_knows_the_environments_formats() -> None:
-    """Re-measured on the shipped weights: tool calls to reinforce, tool results read
-    back, hints followed (the floors the build enforces)."""
-    meta = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
-    model = AutoModelForCausalLM.from_pretrained(SHIPPED)
-    stats = make_model.env_format_stats(model, make_model.build_tokenizer(), seed=7, n=16)
+def test_the_agent_model_knows_the_environments_formats() -> None:
+    """Re-measured on the packaged agent model's weights: tool calls to reinforce, tool
+    results read back, hints followed (the floors the build enforces); still in the band
+    on addition."""
+    meta = json.loads((AGENT / make_model.METADATA_FILE).read_text())
+    assert meta["model_name"] == make_model.AGENT_MODEL_NAME
+    assert 0.2 <= meta["greedy_exact_rate"] <= 0.6
+    assert (AGENT / "README.md").is_file()
+    model = AutoModelForCausalLM.from_pretrained(AGENT)
+    tok = make_model.build_tokenizer(make_model.AGENT_CHAT_TEMPLATE)
+    stats = make_model.env_format_stats(model, tok, seed=7, n=16)
     for key, floor in make_model.ENV_FORMAT_FLOORS.items():
         assert meta["environments"][key] >= floor, key
         assert stats[key] >= floor / 2, key  # 16 fresh problems: a looser bar
@@ -208,5 +253,20 @@ def test_the_build_records_the_machine_that_decides_its_bits() -> None:
     machine = make_model.build_machine()
     assert machine["torch"] == torch.__version__
     assert set(machine) == {"torch", "cpu_capability", "machine", "processor", "cpu_flags_sha256"}
-    shipped = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
-    assert set(shipped["built_on"]) == set(machine)
+    for directory in (SHIPPED, AGENT):
+        shipped = json.loads((directory / make_model.METADATA_FILE).read_text())
+        assert set(shipped["built_on"]) == set(machine)
+
+
+def test_the_default_model_records_no_environment_training() -> None:
+    """The default build is addition only (its metadata has no mix and no environment
+    rates); the agent model records both."""
+    default = json.loads((SHIPPED / make_model.METADATA_FILE).read_text())
+    agent = json.loads((AGENT / make_model.METADATA_FILE).read_text())
+    assert "environments" not in default and "guess_share" not in default["sft"]
+    assert set(make_model.sft_record(make_model.SftConfig())) | {"steps_done", "seconds"} == set(
+        default["sft"]
+    )
+    mix = make_model.SftConfig(environments=make_model.EnvMix())
+    assert set(make_model.sft_record(mix)) | {"steps_done", "seconds"} == set(agent["sft"])
+    assert set(agent["environments"]) == set(make_model.ENV_FORMAT_FLOORS)

@@ -51,7 +51,7 @@ def addition_rows(n: int) -> list[dict[str, Any]]:
 
 def test_shipped_chat_template_renders_the_trained_format(tokenizer: Any) -> None:
     chat = render_prompt(tokenizer, [{"role": "user", "content": "What is 12 + 34?"}])
-    assert chat == tokenizer.encode("Question: What is 12 + 34?\nAnswer: ")
+    assert chat == tokenizer.encode("Question: What is 12 + 34?\nAnswer:")
     assert render_prompt(tokenizer, "raw text") == tokenizer.encode("raw text")
 
 

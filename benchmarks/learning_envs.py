@@ -1,5 +1,6 @@
-"""Do the shipped environments learn? Held-out reward of the local default model on the
-guessing game and the calculator tool, before and after an engine run, over seeds.
+"""Do the shipped environments learn? Held-out reward of the packaged agent model (the
+model the shipped environments ask for) on the guessing game and the calculator tool,
+before and after an engine run, over seeds.
 
     python -m benchmarks.learning_envs                          # 20 steps, 3 seeds, both
     python -m benchmarks.learning_envs --quick                  # 2 steps, 1 seed (smoke)
@@ -36,6 +37,7 @@ from engine import Engine, EngineConfig
 from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
+from engine.local.config import AGENT_MODEL_DIR
 from engine.loop.rl import Completion
 from engine.tasks import load_task
 from engine.tasks.render import TaskContext
@@ -46,7 +48,7 @@ API_KEY = "tml-benchmarks-learning-envs"
 ENVS = ("guess-sum", "calculator")
 MAX_TOKENS = 16
 CONTEXT = 256
-"""The default model's context: episodes stop before it (``--env-max-tokens 256``)."""
+"""The agent model's context: episodes stop before it (``--env-max-tokens 256``)."""
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 
@@ -127,7 +129,7 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="python -m benchmarks.learning_envs",
-        description="Held-out reward of the default local model on the shipped environments "
+        description="Held-out reward of the packaged agent model on the shipped environments "
         "before and after an engine run, over seeds.",
     )
     p.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
@@ -150,7 +152,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--steps must be >= 1")
     context = run_context(vars(args))
     rows: list[dict[str, Any]] = []
-    with LocalServer(api_key=API_KEY) as server, tempfile.TemporaryDirectory() as tmp:
+    server_cm = LocalServer(AGENT_MODEL_DIR, api_key=API_KEY)
+    with server_cm as server, tempfile.TemporaryDirectory() as tmp:
         service = mint.ServiceClient(base_url=server.base_url, api_key=API_KEY)
         fresh = service.create_lora_training_client(base_model=server.model_name, rank=16)
         tokenizer = fresh.get_tokenizer()

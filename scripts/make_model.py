@@ -897,8 +897,11 @@ def main(argv: list[str] | None = None) -> None:
         model, tokenizer, eval_problems(args.seed + 2, 64), temperature=0.8, group=6, seed=args.seed
     )
     env_stats = env_format_stats(model, tokenizer, args.seed + 3) if args.environments else {}
-    short = {k: f"{env_stats[k]:.0%} < {floor:.0%}" for k, floor in ENV_FORMAT_FLOORS.items()}
-    short = {k: v for k, v in short.items() if env_stats and env_stats[k] < ENV_FORMAT_FLOORS[k]}
+    short = {
+        k: f"{env_stats[k]:.0%} < {floor:.0%}"
+        for k, floor in ENV_FORMAT_FLOORS.items()
+        if k in env_stats and env_stats[k] < floor
+    }
     if short:
         raise SystemExit(
             f"the model selected at step {steps} has not learned the environments' formats "

@@ -3,7 +3,7 @@ call ``multiply`` (``<tool_call>{"name": "multiply", "arguments": {"a": A, "b": 
 </tool_call>``, the Hermes format), reads the product back as a ``tool`` message and
 then answers.
 
-Reward: 1 for the exact product, 0 otherwise. The default model was trained to call the
+Reward: 1 for the exact product, 0 otherwise. The agent model was trained to call the
 tool on only some of these questions and to guess the product itself on the rest (it
 cannot multiply), so what RL learns is to use the tool. Episodes run 1 turn (a direct
 answer) or 2 (a call, then the answer); ``tool_latency`` (seconds) makes the tool slow.
@@ -50,7 +50,7 @@ def question(a: int, b: int) -> str:
 
 
 def tool_call_text(a: int, b: int) -> str:
-    """The reply that calls the tool, in the format the default model knows."""
+    """The reply that calls the tool, in the format the agent model knows."""
     call: dict[str, Any] = {"name": TOOL_NAME, "arguments": {"a": a, "b": b}}
     return f"<tool_call>{json.dumps(call)}</tool_call>"
 
@@ -95,7 +95,7 @@ class CalculatorTask:
 
     local_model: ClassVar[Path] = AGENT_MODEL_DIR
     """The local server loads the packaged agent model for this task unless a model is
-    given (``--local-model``): the default model does not know the format."""
+    given (``--local-model``): the default model does not know the tool's format."""
 
     def __init__(
         self,

@@ -5,7 +5,7 @@ Reward: ``1 - (t - 1) / max_turns`` when the ``t``-th guess is right (1.0 on the
 guess), 0 when no guess is right or a reply holds no integer (the episode then ends).
 The first turn is the default arithmetic task's question (problems and held-out pairs
 come from :class:`~engine.tasks.arithmetic.ArithmeticTask`), so the game starts from
-what the default model half-knows; RL learns the first guess and how far to move after
+what the packaged models half-know; RL learns the first guess and how far to move after
 each hint. Episodes run 1 to ``max_turns`` turns.
 
 Run: ``python -m engine.run --local --task engine.envs.examples.guess_sum:GuessSumTask``.
@@ -113,7 +113,7 @@ class GuessSumTask:
 
     local_model: ClassVar[Path] = AGENT_MODEL_DIR
     """The local server loads the packaged agent model for this task unless a model is
-    given (``--local-model``): the default model does not know the format."""
+    given (``--local-model``): the default model does not know the game's format."""
 
     def __init__(
         self,

@@ -1,5 +1,5 @@
 """The stop condition of the shipped environments: every reply ends at the model's EOS
-(the format the default model was trained on), whatever ``--stop-at-eos`` says."""
+(the format the packaged models were trained on), whatever ``--stop-at-eos`` says."""
 
 from __future__ import annotations
 

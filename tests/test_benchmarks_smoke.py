@@ -23,6 +23,9 @@ from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from tests.engine_support import quickstart_task_knobs
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 API_KEY = "tml-benchmarks-smoke"
 

@@ -17,6 +17,9 @@ from engine.errors import ConfigError
 from engine.run import build_parser, main
 from engine.session.preflight import local_server_profile
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 ENV_NAMES = (
     "MINT_API_KEY",
     "TINKER_API_KEY",
@@ -279,7 +282,6 @@ STEP_LINE = re.compile(
 )
 
 
-@pytest.mark.slow
 def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path: Path) -> None:
     run_dir = tmp_path / "run"
     proc = subprocess.run(

@@ -13,6 +13,9 @@ import pytest
 from engine.eval import main
 from tests.reliability_support import run_cli
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 
 def test_eval_shows_the_difference_between_the_final_and_step_0_checkpoints(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch

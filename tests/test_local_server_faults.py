@@ -10,6 +10,9 @@ from mint import types
 
 from engine.local import LocalServer
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 KEY = "tml-faults-test"
 QUESTION = "Question: What is 21 + 21?\nAnswer:"
 

@@ -18,6 +18,9 @@ from mint import types
 from engine.local import LocalServer, spawn_local_server
 from engine.local.__main__ import main as cli_main
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 QUESTION = "Question: What is 33 + 44?\nAnswer:"
 
 

@@ -20,6 +20,9 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from engine.local.backend import SampleJob
 from scripts import make_model
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 SHIPPED = make_model.DEFAULT_OUT
 AGENT = make_model.AGENT_OUT
 

@@ -29,6 +29,9 @@ from scripts.make_model import DEFAULT_OUT
 from tests.engine_support import API_KEY, run_engine, small_config
 from tests.user_tasks import ChatDigitCountTask, DigitCountTask
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[LocalServer]:

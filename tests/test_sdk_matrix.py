@@ -21,6 +21,9 @@ import pytest
 from engine.local import LocalServer
 from tests.tinker_env import REPO, tinker_python
 
+# A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
+pytestmark = pytest.mark.slow
+
 KEY = "tml-sdk-matrix-key"
 RUN = ("--batch", "2", "--group", "2", "--max-tokens", "4", "--no-progress")
 RUN_TIMEOUT_S = 900  # a loaded 2-core machine; a run takes seconds idle

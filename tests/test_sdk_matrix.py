@@ -110,7 +110,12 @@ def test_a_tinker_only_loss_reaches_the_server(server: LocalServer, tmp_path: Pa
     """``--loss gspo`` goes through the 0.38 SDK to the server, which refuses it (the
     local server trains the losses both generations share): one line naming it."""
     run_dir = tmp_path / "r"
-    done = engine_run("tinker", server, "--loss", "gspo", "--steps", "1", "--run-dir", str(run_dir))
+    # A step whose groups all have equal rewards sends no forward_backward: 8 groups of 6
+    # at temperature 1 make sure the loss reaches the server.
+    wide = ("--batch", "8", "--group", "6", "--temperature", "1.0")
+    done = engine_run(
+        "tinker", server, *wide, "--loss", "gspo", "--steps", "1", "--run-dir", str(run_dir)
+    )
     assert done.returncode == 1, done.stderr[-3000:]
     assert done.stderr.strip().splitlines()[-1] == (
         "Error: train step 1 failed: the server refused the request: unsupported loss_fn "

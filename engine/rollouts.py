@@ -43,14 +43,8 @@ def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dic
     totals = group.totals
     advantages = group_advantages(totals) if group.reward_error is None else [0.0] * len(totals)
     return {
-        "step": step,
-        "index": group.index,
-        "problem_id": group.problem.id,
-        "question": group.problem.question,
-        "answer": group.problem.answer,
+        **_group_fields(step, group),
         "prompt": renderer.decode_prompt(group.prompt_tokens),
-        "sampler_version": group.version,
-        "reward_error": group.reward_error,
         "responses": [
             {
                 "text": renderer.decode(c.tokens),
@@ -69,6 +63,17 @@ def _episodes_record(step: int, group: ScoredGroup, renderer: PromptRenderer) ->
     built = episode_group_datums(group.episodes, on_missing_logprobs="drop")
     advantages = built.advantages if group.reward_error is None else [0.0] * len(group.episodes)
     return {
+        **_group_fields(step, group),
+        "episodes": [
+            episode_record(e, a, renderer.decode_prompt, renderer.decode)
+            for e, a in zip(group.episodes, advantages, strict=True)
+        ],
+    }
+
+
+def _group_fields(step: int, group: ScoredGroup) -> dict[str, Any]:
+    """What every rollout record says of its group, whatever the task's kind."""
+    return {
         "step": step,
         "index": group.index,
         "problem_id": group.problem.id,
@@ -76,10 +81,6 @@ def _episodes_record(step: int, group: ScoredGroup, renderer: PromptRenderer) ->
         "answer": group.problem.answer,
         "sampler_version": group.version,
         "reward_error": group.reward_error,
-        "episodes": [
-            episode_record(e, a, renderer.decode_prompt, renderer.decode)
-            for e, a in zip(group.episodes, advantages, strict=True)
-        ],
     }
 
 

@@ -50,8 +50,8 @@ from engine.envs.types import (
 )
 from engine.errors import EngineError, primary_error
 from engine.loop.rl import Completion
-from engine.loop.scoring import RewardError, check_reward
-from engine.tasks.base import Problem, RewardBreakdown
+from engine.loop.scoring import RewardError, check_rewards
+from engine.tasks.base import Problem
 
 __all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler"]
 
@@ -160,7 +160,7 @@ class EpisodeRunner:
         episodes_finished = self._clock()
         try:
             raw = await builder.compute_group_rewards(tuple(results), envs)
-            rewards = _checked_rewards(raw, len(results))
+            rewards = check_rewards(raw, len(results), "compute_group_rewards", "episodes")
         except anyio.get_cancelled_exc_class():
             raise
         except Exception as exc:
@@ -291,13 +291,3 @@ async def _cleanup(builder: EnvGroupBuilder) -> Exception | None:
 
 def _reward_error(problem: Problem, exc: Exception) -> RewardError:
     return exc if isinstance(exc, RewardError) else RewardError(problem, exc)
-
-
-def _checked_rewards(raw: object, n: int) -> list[RewardBreakdown]:
-    if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
-        raise EngineError(
-            f"compute_group_rewards must return a sequence of rewards, got {type(raw).__name__}"
-        )
-    if len(raw) != n:
-        raise EngineError(f"compute_group_rewards returned {len(raw)} rewards for {n} episodes")
-    return [check_reward(r) for r in raw]

@@ -54,6 +54,7 @@ __all__ = [
     "Scorer",
     "check_picklable",
     "check_reward",
+    "check_rewards",
     "check_score_workers",
     "parse_score_workers",
 ]
@@ -134,7 +135,7 @@ class Scorer:
             if self._group_fn is not None:
                 async with self._limiter:
                     raw = await self._call(self._group_fn, list(responses), problem)
-                rewards = _checked_group(raw, len(responses))
+                rewards = check_rewards(raw, len(responses), "task.score_group", "responses")
             elif self._in_threads:
                 # One worker thread per group: threads run Python one at a time anyway,
                 # and a thread per response costs more than a cheap reward itself.
@@ -220,13 +221,13 @@ def _is_number(value: Any) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
-def _checked_group(raw: Any, n: int) -> list[RewardBreakdown]:
+def check_rewards(raw: object, n: int, producer: str, items: str) -> list[RewardBreakdown]:
+    """What a group-scoring hook (``producer``) returned for ``n`` ``items``, checked: a
+    sequence of ``n`` rewards, each as :func:`check_reward` wants it (else EngineError)."""
     if isinstance(raw, str | bytes) or not isinstance(raw, Sequence):
-        raise EngineError(
-            f"task.score_group must return a sequence of rewards, got {type(raw).__name__}"
-        )
+        raise EngineError(f"{producer} must return a sequence of rewards, got {type(raw).__name__}")
     if len(raw) != n:
-        raise EngineError(f"task.score_group returned {len(raw)} rewards for {n} responses")
+        raise EngineError(f"{producer} returned {len(raw)} rewards for {n} {items}")
     return [check_reward(r) for r in raw]
 
 

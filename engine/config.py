@@ -946,7 +946,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_int,
         _positive,
-        "environment tasks: longest context (observation + action tokens) of an episode",
+        "environment tasks: longest context (observation + action tokens) of an episode; "
+        "at most the served model's context",
         "8192",
     ),
     Knob(

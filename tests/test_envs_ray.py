@@ -6,6 +6,7 @@ a single-turn task, Ray missing). Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 from collections.abc import Iterator
@@ -109,8 +110,7 @@ def test_a_shipped_environment_trains_through_a_ray_cluster(cluster: None, tmp_p
             steps=2,
             batch=2,
             group=2,
-            env_max_tokens=256,
-            score_workers="ray:2",
+            score_workers="ray:2",  # --env-max-tokens: its default, above the model's context
         )
         steps, result = run_engine(cfg)
     assert result.steps_completed == 2
@@ -118,6 +118,8 @@ def test_a_shipped_environment_trains_through_a_ray_cluster(cluster: None, tmp_p
     assert len(episodes) == 2 * 2 * 2 and all(e.turns for e in episodes)
     assert all(s.metrics["groups/reward_errors"] == 0 for s in steps)
     assert {e.outcome for e in episodes} <= {"done", "max_tokens", "max_turns"}
+    context = json.loads((AGENT_MODEL_DIR / "config.json").read_text())["max_position_embeddings"]
+    assert all(len(e.turns[-1].observation) + len(e.turns[-1].action) <= context for e in episodes)
     assert ray.is_initialized()
 
 

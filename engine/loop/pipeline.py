@@ -262,9 +262,10 @@ class Pipeline:
             self._env_workers = env_workers(workers)
             self._env_task: EnvTask | None = task  # type: ignore[assignment]
             self._env_context = EnvContext(
-                self._renderer.context, self._stop, config.episode_limits()
+                self._renderer.context, self._stop, config.episode_limits().within(context)
             )
             limits: EpisodeLimits | None = self._env_context.limits
+            self._max_prompt = None  # an episode's context is bounded by its limits
             self._scorer: Scorer | None = None
         else:
             self._env_task, limits = None, None

@@ -60,7 +60,7 @@ from engine.config import EngineConfig
 from engine.envs.datums import episode_group_datums
 from engine.envs.executors import RemoteGroup, Workers, env_workers
 from engine.envs.metrics import episode_metrics
-from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
+from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn_settings
 from engine.envs.single_turn import TaskGroupBuilder
 from engine.envs.types import (
     EnvContext,
@@ -88,7 +88,6 @@ from engine.session.api import (
     LossSpec,
     PendingSnapshot,
     SamplerHandle,
-    SamplingSettings,
     Session,
     StepTicket,
     TrainResult,
@@ -388,14 +387,13 @@ class Pipeline:
         self, observation: Observation, n: int, room: int | None
     ) -> list[SampledAction]:
         """``n`` actions for ``observation`` from the newest sampler."""
-        stop = observation.stop
-        max_tokens = stop.max_tokens or self._config.max_tokens
-        settings = SamplingSettings(
-            max_tokens=max_tokens if room is None else max(1, min(max_tokens, room)),
-            temperature=self._config.temperature,
-            seed=self._config.sampling_seed,
-            stop_token_ids=stop.stop_token_ids,
-            stop_strings=stop.stop_strings,
+        cfg = self._config
+        settings = turn_settings(
+            observation,
+            room,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.sampling_seed,
         )
         async with self._slots:
             sampler = self._versions.current

@@ -30,6 +30,7 @@ import anyio
 
 from engine.common.clock import Clock
 from engine.config import EngineConfig
+from engine.envs.types import is_env_task
 from engine.errors import (
     RunStopped,
     Stalled,
@@ -407,7 +408,9 @@ def _open_task_outputs(
             session,
             task,
             renderer,
-            Scorer(
+            None
+            if is_env_task(task)
+            else Scorer(
                 task,
                 concurrency=config.score_concurrency,
                 workers=parse_score_workers(config.score_workers),
@@ -424,6 +427,7 @@ def _open_task_outputs(
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
             track=log.track,
+            limits=config.episode_limits().within(session.info.max_context),
         )
     if files.resumed is not None:
         rollouts.rewind(files.resumed.step)

@@ -18,12 +18,12 @@ from env_support import RemoteTask
 from fake_session import FakeSession
 from test_pipeline_stages import ToyTask, config, run_pipeline
 
-from engine.envs import ray_workers
+from engine.common import extras
 from engine.errors import ConfigError
 from engine.loop.scoring import check_score_workers, parse_score_workers
 
 needs_ray = pytest.mark.skipif(
-    not ray_workers.ray_available(), reason="ray is not installed (pip install 'engine[ray]')"
+    bool(extras.missing("ray")), reason="ray is not installed (pip install 'engine[ray]')"
 )
 TESTS = Path(__file__).resolve().parent
 WORKER_PATH = os.pathsep.join([str(TESTS), str(TESTS.parent)])
@@ -133,8 +133,8 @@ def test_an_unpicklable_task_is_one_line_before_the_run() -> None:
 def test_ray_runs_environment_tasks_only_and_needs_ray(monkeypatch: pytest.MonkeyPatch) -> None:
     with pytest.raises(ConfigError, match=r"ray runs environment tasks.*single-turn"):
         check_score_workers(ToyTask(), parse_score_workers("ray:2"))
-    monkeypatch.setattr(ray_workers, "ray_available", lambda: False)
-    with pytest.raises(ConfigError, match=r"pip install 'engine\[ray\]'"):
+    monkeypatch.setattr(extras, "_installed", lambda module: module != "ray")
+    with pytest.raises(ConfigError, match=r"ray:N needs the 'ray' extra .*'engine\[ray\]'"):
         check_score_workers(RemoteTask(), parse_score_workers("ray:2"))  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="ray:N"):
         parse_score_workers("ray:0")

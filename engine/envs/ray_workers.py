@@ -18,32 +18,28 @@ killed), as worker processes are.
 
 from __future__ import annotations
 
-import functools
-import importlib.util
 import os
+import threading
 from collections.abc import Callable
 from types import ModuleType, TracebackType
 from typing import Any
 
 import anyio
-import anyio.to_thread
 
+from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
 from engine.envs.executors import call_in_worker, outcome_of
-from engine.errors import ConfigError, EngineError
+from engine.errors import EngineError
 
-__all__ = ["RAY_MISSING", "RayWorkers", "ray_available", "ray_dumps"]
+__all__ = ["RAY_FEATURE", "SHUTDOWN_TIMEOUT_S", "RayWorkers", "ray_dumps"]
 
-RAY_MISSING = "--score-workers ray needs Ray: pip install 'engine[ray]'"
-
-
-def ray_available() -> bool:
-    return importlib.util.find_spec("ray") is not None
+RAY_FEATURE = "--score-workers ray:N"
+SHUTDOWN_TIMEOUT_S = 60.0
+"""How long the end of a run waits for a cluster the engine started to shut down."""
 
 
 def _ray() -> ModuleType:
-    if not ray_available():
-        raise ConfigError(RAY_MISSING)
+    require("ray", RAY_FEATURE)
     import ray
 
     return ray
@@ -62,22 +58,20 @@ class RayWorkers:
 
     def __init__(self, calls: int) -> None:
         self._limiter = anyio.CapacityLimiter(calls)
-        self._started = False
+        self._owner: _ClusterOwner | None = None
         self._remote: Any = None
 
     async def __aenter__(self) -> RayWorkers:
         ray = _ray()
         if not ray.is_initialized():
-            address = os.environ.get("RAY_ADDRESS") or None
+            owner = _ClusterOwner(ray)
             try:
-                # A daemon thread: a stop is not held up by a cluster that never answers.
-                await in_daemon_thread(
-                    functools.partial(ray.init, include_dashboard=False), name="engine-ray-init"
-                )
+                await owner.start()
             except Exception as exc:
+                address = os.environ.get("RAY_ADDRESS")
                 where = f"the Ray cluster at RAY_ADDRESS={address}" if address else "Ray"
                 raise EngineError(f"could not start {where}: {exc}") from exc
-            self._started = True
+            self._owner = owner
         self._remote = ray.remote(call_in_worker)
         return self
 
@@ -87,10 +81,10 @@ class RayWorkers:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        if self._started:
-            self._started = False
-            with anyio.CancelScope(shield=True):
-                await anyio.to_thread.run_sync(_ray().shutdown)
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            with anyio.move_on_after(SHUTDOWN_TIMEOUT_S, shield=True):
+                await owner.stop()
 
     async def call(self, target: Any, method: str, *args: Any) -> tuple[Any, Any]:
         if self._remote is None:
@@ -107,3 +101,41 @@ class RayWorkers:
                 first = next((line for line in str(exc).splitlines() if line.strip()), "")
                 raise EngineError(f"its Ray task failed: {type(exc).__name__}: {first}") from None
         return outcome_of(outcome)
+
+
+class _ClusterOwner:
+    """A thread that calls ``ray.init()``, stays until :meth:`stop`, then calls
+    ``ray.shutdown()``. Why a thread of its own: a local cluster's processes are killed
+    when the *thread* that started them ends (Ray sets ``PR_SET_PDEATHSIG``), so the
+    starting thread must live as long as the cluster; and not the event loop's thread,
+    which ``ray.init`` would block for seconds."""
+
+    def __init__(self, ray: ModuleType) -> None:
+        self._ray = ray
+        self._started = threading.Event()
+        self._stopping = threading.Event()
+        self._failed: list[BaseException] = []
+        self._thread = threading.Thread(target=self._own, name="engine-ray", daemon=True)
+
+    async def start(self) -> None:
+        """Start the cluster (or join ``RAY_ADDRESS``); raises what ``ray.init`` raised.
+        A cancelled caller abandons a start that hangs (an address that never answers)."""
+        self._thread.start()
+        await in_daemon_thread(self._started.wait, name="engine-ray-start")
+        if self._failed:
+            raise self._failed[0]
+
+    async def stop(self) -> None:
+        self._stopping.set()
+        await in_daemon_thread(self._thread.join, name="engine-ray-stop")
+
+    def _own(self) -> None:
+        try:
+            self._ray.init(include_dashboard=False)
+        except BaseException as exc:
+            self._failed.append(exc)
+            self._started.set()
+            return
+        self._started.set()
+        self._stopping.wait()
+        self._ray.shutdown()

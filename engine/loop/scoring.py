@@ -43,6 +43,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import anyio.to_process
 
+from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError, EngineError, classify, primary_error
@@ -273,15 +274,14 @@ def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
     if workers.kind == "threads":
         return
     if workers.kind == "ray":
-        from engine.envs.ray_workers import RAY_MISSING, ray_available, ray_dumps
+        from engine.envs.ray_workers import RAY_FEATURE, ray_dumps
 
         if not is_env_task(task):
             raise ConfigError(
                 f"--score-workers ray runs environment tasks, and {task.name!r} is a "
                 "single-turn task: use threads or processes:N"
             )
-        if not ray_available():
-            raise ConfigError(RAY_MISSING)
+        require("ray", RAY_FEATURE)
         check_picklable(task, str(workers), ray_dumps())
         return
     if is_env_task(task):  # its environments are stepped in the worker processes

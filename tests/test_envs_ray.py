@@ -6,6 +6,7 @@ a single-turn task, Ray missing). Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import threading
@@ -124,10 +125,17 @@ def test_a_shipped_environment_trains_through_a_ray_cluster(cluster: None, tmp_p
 
 
 @needs_ray
-def test_an_unpicklable_task_is_one_line_before_the_run() -> None:
-    task = RemoteTask(held=threading.Lock())
-    with pytest.raises(ConfigError, match="--score-workers ray:2 needs a picklable task"):
-        check_score_workers(task, parse_score_workers("ray:2"))  # type: ignore[arg-type]
+@pytest.mark.anyio
+async def test_an_unpicklable_task_is_one_line_before_the_run(tmp_path: Path) -> None:
+    from engine import Engine
+
+    session = FakeSession()
+    cfg = dataclasses.replace(config(score_workers="ray:2"), run_dir=tmp_path / "run")
+    task = RemoteTask(held=threading.Lock())  # cloudpickle cannot send a lock
+    with pytest.raises(ConfigError, match="--score-workers ray:2 needs a picklable task") as e:
+        async with Engine(cfg, task=task, session=session):  # type: ignore[arg-type]
+            pass
+    assert "\n" not in str(e.value) and session.log == []
 
 
 def test_ray_runs_environment_tasks_only_and_needs_ray(monkeypatch: pytest.MonkeyPatch) -> None:

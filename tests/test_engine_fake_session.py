@@ -155,3 +155,23 @@ async def test_eval_every_plays_greedy_held_out_episodes_of_an_environment_task(
         4: True,
     }
     assert 0.0 in session.temperatures and 0.7 in session.temperatures
+
+
+async def test_the_engine_says_once_that_episodes_stop_at_the_models_context(
+    tmp_path: Path,
+) -> None:
+    import io
+
+    from test_envs_pipeline import SmallContextSession
+
+    console = io.StringIO()
+    steps = await run(
+        fake_config(tmp_path / "run", steps=2),
+        CountdownTask(),
+        SmallContextSession(),
+        console=console,
+    )
+    assert len(steps) == 2
+    said = console.getvalue()
+    assert said.count("episodes stop at the model's context of 10 tokens") == 1
+    assert "(--env-max-tokens 8192 is larger)" in said

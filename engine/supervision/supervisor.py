@@ -117,6 +117,13 @@ class Supervisor:
         self._hooks = hooks
         self._publish = publish
         self._outputs = _open_task_outputs(config, task, session, files, log)
+        context = session.info.max_context
+        if is_env_task(task) and context is not None and config.env_max_tokens > context:
+            log.info(
+                "env_max_tokens",
+                f"episodes stop at the model's context of {context} tokens "
+                f"(--env-max-tokens {config.env_max_tokens} is larger): outcome max_tokens",
+            )
         self._supervising = False
         self._said_all_empty = False
 

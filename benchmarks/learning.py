@@ -92,8 +92,8 @@ CONFIGS: dict[str, RunSpec] = {
     "control": RunSpec("control: random rewards K=0", "importance_sampling", 0, True),
     "gspo": RunSpec("gspo K=1", "gspo", 1),
 }
-MINT_CONFIGS = ("k0", "k1", "control")
-"""The default set: what the ``mint`` SDK can run (gspo needs ``--sdk tinker``)."""
+DEFAULT_CONFIGS = {"mint": ["k0", "k1", "control"], "tinker": ["k1", "gspo"]}
+"""What runs without ``--configs``: gspo needs ``--sdk tinker``, control the mint SDK."""
 
 
 class _RandomRewardTask:
@@ -557,8 +557,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--configs",
         type=_configs,
-        default=list(MINT_CONFIGS),
-        help=f"from {', '.join(CONFIGS)} (default {','.join(MINT_CONFIGS)})",
+        default=None,
+        help=f"from {', '.join(CONFIGS)} (default: "
+        + "; ".join(f"{','.join(v)} with --sdk {k}" for k, v in DEFAULT_CONFIGS.items())
+        + ")",
     )
     parser.add_argument(
         "--sdk",
@@ -600,6 +602,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2 steps, 20 held-out, K=0 only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     args = parser.parse_args(argv)
+    if args.configs is None:
+        args.configs = DEFAULT_CONFIGS[args.sdk]
     if args.quick:
         args.steps, args.heldout, args.configs, args.curve_every = 2, 20, ["k0"], 1
         args.quickstart_steps = min(args.quickstart_steps, 2)

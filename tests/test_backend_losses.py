@@ -1,4 +1,4 @@
-"""The five losses: values and LoRA gradients against a reference written directly on
+"""The six losses: values and LoRA gradients against a reference written directly on
 the model's logits (log_softmax + gather + the loss formula, autograd), PPO/CISPO
 clipping, sum semantics and gradient accumulation."""
 
@@ -63,6 +63,15 @@ def _dro(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
     return -(lp * d["advantages"] - 0.5 * cfg["beta"] * (lp - d["logprobs"]) ** 2).sum()
 
 
+def _gspo(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
+    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    marked = d["sequence_ratio_mask"] != 0
+    s = torch.exp((lp - d["logprobs"])[marked].mean()).detach()
+    r = s * torch.exp(lp - lp.detach())
+    a = d["advantages"]
+    return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
+
+
 REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "cross_entropy": (_ce, None),
     "importance_sampling": (_is, None),
@@ -70,6 +79,7 @@ REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "ppo_custom_clip": (_ppo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
     "cispo": (_cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}),
     "dro": (_dro, {"beta": 0.3}),
+    "gspo": (_gspo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
 }
 
 
@@ -88,6 +98,7 @@ def _datums(backend: Backend, model_id: str, seed: int) -> list[DatumIn]:
             "weights": torch.rand(n, generator=gen),
             "advantages": torch.randn(n, generator=gen),
             "logprobs": current + 0.3 * torch.randn(n, generator=gen),
+            "sequence_ratio_mask": (torch.arange(n) >= n // 3).float(),
         }
         out.append(DatumIn(tokens, inputs))
     return out
@@ -288,6 +299,13 @@ def _with(d: DatumIn, **changes: Any) -> DatumIn:
             "importance_sampling",
             None,
             "NaN",
+        ),
+        (lambda d: d, "gspo", None, "['sequence_ratio_mask']"),
+        (
+            lambda d: _with(d, sequence_ratio_mask=torch.zeros(4)),
+            "gspo",
+            None,
+            "datum 0: sequence_ratio_mask marks no token",
         ),
         (lambda d: d, "reinforce", None, "unknown loss_fn 'reinforce'"),
         (lambda d: d, "ppo", {"clip_lo": 0.5}, "not accepted"),

@@ -330,6 +330,10 @@ class Backend:
             ]
         except DatumError as e:
             raise BackendError(str(e)) from e
+        for i, d in enumerate(checked):
+            problem = spec.check(d.inputs) if spec.check else None
+            if problem:
+                raise BackendError(f"datum {i}: {problem}")
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in checked]
         total = 0.0
         params = list(client.params.values()) if backward else []

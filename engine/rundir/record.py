@@ -51,7 +51,7 @@ class RunRecord:
         resumed: CheckpointRecord | None = None,
     ) -> None:
         self.path = run_dir
-        self.resumed = resumed
+        self.resumed_from = resumed
         """The checkpoint a resumed run continues from (None: a new run)."""
         self._log = log
         self._events = events

@@ -109,7 +109,7 @@ class Supervisor:
         self._task = task
         self._session = session
         self._retries = retries
-        self._record = record
+        self._run_record = record
         self._log = log
         self._events = events
         self._clock = clock
@@ -132,15 +132,15 @@ class Supervisor:
             )
         final = await self._checkpoint("final", outcome.state)
         assert final.sampler_path is not None
-        no_report = await anyio.to_thread.run_sync(finished_run_report, self._record.path)
+        no_report = await anyio.to_thread.run_sync(finished_run_report, self._run_record.path)
         if no_report is not None:
             self._log.info("report", no_report)
         self._log.saved(final.sampler_path)
         return RunResult(
             final_path=final.sampler_path,
-            run_dir=self._record.path,
+            run_dir=self._run_record.path,
             steps_completed=outcome.state.next_step,
-            metrics=self._record.steps,
+            metrics=self._run_record.steps,
             exhausted=outcome.exhausted,
         )
 
@@ -193,7 +193,7 @@ class Supervisor:
         unknown outcome (same code path as resuming after a crash). Each start samples
         from the checkpoint's own sampler weights: no extra snapshot."""
         session, cfg, gate = self._session, self._config, self.gate
-        resumed = self._record.resumed
+        resumed = self._run_record.resumed_from
         checkpoint: CheckpointRecord | None
         if resumed is not None:
             state, checkpoint = LoopState.from_dict(resumed.loop_state), resumed
@@ -251,11 +251,11 @@ class Supervisor:
         run's record to it (the steps after it are redone). Returns the restored state
         and its checkpoint (None: none yet, a fresh LoRA client)."""
         assert self.state is not None
-        latest = self._record.latest_checkpoint()
+        latest = self._run_record.latest_checkpoint()
         plan = plan_recovery(latest, completed_steps=self.state.next_step, log=self._events)
         await self._session.restore(plan.state_path)
         self.gate.restored()
-        self._record.rewind(plan.resume_step)
+        self._run_record.rewind(plan.resume_step)
         state = (
             LoopState.from_dict(plan.loop_state)
             if plan.loop_state is not None
@@ -274,7 +274,7 @@ class Supervisor:
         if callable(task_metrics):
             for key, value in task_metrics().items():
                 result.metrics.setdefault(key, value)
-        self._record.append(result)
+        self._run_record.append(result)
         dropped = result.metrics["dropped/missing_logprobs"]
         if dropped:
             self._log.warning(
@@ -297,7 +297,7 @@ class Supervisor:
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
-        idle = no_training_warning(self._record.steps)
+        idle = no_training_warning(self._run_record.steps)
         if idle is not None:
             self._events.warning("run.no_training", step=result.step, message=idle)
         if self._config.checkpoint_due(result.step):
@@ -322,9 +322,9 @@ class Supervisor:
         else:
             names = (f"step-{step}", f"step-{step}")
         state_path, sampler_path = await self._session.save_checkpoint(*names)
-        return await self._add_checkpoint(reason, state_path, sampler_path, state)
+        return await self._record(reason, state_path, sampler_path, state)
 
-    async def _add_checkpoint(
+    async def _record(
         self, reason: CheckpointReason, state_path: str, sampler_path: str, state: LoopState
     ) -> CheckpointRecord:
         record = CheckpointRecord(
@@ -334,7 +334,7 @@ class Supervisor:
             reason=reason,
             loop_state=state.to_dict(),
         )
-        await self._record.add_checkpoint(record)
+        await self._run_record.add_checkpoint(record)
         return record
 
     async def _stop_checkpoint(self, stop: Exception) -> None:
@@ -351,19 +351,19 @@ class Supervisor:
                 name = f"{reason}-step-{state.next_step}"
                 with anyio.CancelScope(shield=True):
                     paths = await self._session.save_checkpoint(name, name, once_within=limit)
-                    saved = await self._add_checkpoint(reason, *paths, state)
+                    saved = await self._record(reason, *paths, state)
             except Exception as exc:
                 note = f"the {reason} checkpoint failed ({format_error(exc)[7:]}); "
         else:
             note = "a step was in flight or of unknown outcome, so no new checkpoint; "
-        run_dir = self._record.path
-        latest = saved or self._record.latest_checkpoint()
+        run_dir = self._run_record.path
+        latest = saved or self._run_record.latest_checkpoint()
         where = (
             f"resume from step {latest.step} with: python -m engine.run --resume {run_dir}"
             if latest is not None
             else "no checkpoint to resume from"
         )
-        self._record.stop(reason, checkpoint=latest, written=saved is not None)
+        self._run_record.stop(reason, checkpoint=latest, written=saved is not None)
         self._events.warning(
             "run.stopped",
             reason=reason,

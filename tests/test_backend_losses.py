@@ -11,7 +11,7 @@ import pytest
 import torch
 from backend_util import assert_close_rel, lora_params, new_backend, random_datums
 
-from engine.local.backend import Backend, BackendError, DatumIn, LoraSpec
+from engine.local.backend import AdapterSpec, Backend, BackendError, DatumIn
 
 Tensor = torch.Tensor
 
@@ -23,7 +23,7 @@ def backend() -> Backend:
 
 def _model_with_nonzero_b(backend: Backend, model_id: str, seed: int) -> None:
     """A fresh client whose B matrices are non-zero, so every LoRA tensor gets gradient."""
-    backend.create_model(model_id, LoraSpec(rank=4, seed=seed))
+    backend.create_model(model_id, AdapterSpec(rank=4, seed=seed))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in lora_params(backend, model_id).items():
@@ -234,7 +234,7 @@ def test_micro_batching_does_not_change_results() -> None:
     small._logits_budget = 1
     big = new_backend()
     for b in (small, big):
-        b.create_model("m", LoraSpec(rank=4, seed=3))
+        b.create_model("m", AdapterSpec(rank=4, seed=3))
     data = _datums(big, "m", seed=6)
     r_small = small.forward_backward("m", data, "dro", {"beta": 0.1}, backward=True)
     r_big = big.forward_backward("m", data, "dro", {"beta": 0.1}, backward=True)
@@ -327,7 +327,7 @@ def test_bad_training_input_is_a_clear_backend_error(
     message: str,
 ) -> None:
     if not backend.has_model("validation"):
-        backend.create_model("validation", LoraSpec(rank=2, seed=0))
+        backend.create_model("validation", AdapterSpec(rank=2, seed=0))
     datum = make(_ok_datum(backend))
     with pytest.raises(BackendError, match=None) as err:
         backend.forward_backward("validation", [datum], loss_fn, config, backward=True)
@@ -338,6 +338,6 @@ def test_bad_training_input_is_a_clear_backend_error(
 def test_unknown_model_and_empty_batch_are_errors(backend: Backend) -> None:
     with pytest.raises(BackendError, match="unknown model_id 'nope'"):
         backend.forward_backward("nope", [], "cross_entropy", None, backward=True)
-    backend.create_model("empty", LoraSpec(rank=2, seed=0))
+    backend.create_model("empty", AdapterSpec(rank=2, seed=0))
     with pytest.raises(BackendError, match="at least one datum"):
         backend.forward_backward("empty", [], "cross_entropy", None, backward=True)

@@ -19,7 +19,7 @@ from typing import Any
 import anyio
 import anyio.to_process
 
-from engine.envs.types import Action, Env, EnvGroupBuilder, Observation, StepResult, Trajectory
+from engine.envs.types import Action, Env, EnvGroupBuilder, EnvStepResult, Observation, Trajectory
 from engine.tasks.base import RewardBreakdown
 
 __all__ = ["ProcessEnv", "ProcessGroup"]
@@ -36,7 +36,7 @@ class ProcessEnv:
         self.env, observation = await _in_worker(self._limiter, self.env, "initial_observation")
         return observation  # type: ignore[no-any-return]
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         self.env, result = await _in_worker(self._limiter, self.env, "step", action)
         return result  # type: ignore[no-any-return]
 

@@ -24,7 +24,7 @@ class LossConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class LossSpec:
+class LossDefinition:
     """What a loss needs from each datum and which config keys it accepts (with defaults)."""
 
     fn: Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
@@ -90,17 +90,19 @@ def _marks_a_token(inputs: Mapping[str, Tensor]) -> str | None:
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
-LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("target_tokens", "weights"), {}),
-    "importance_sampling": LossSpec(importance_sampling, _RL_INPUTS, {}),
-    "ppo": LossSpec(ppo, _RL_INPUTS, _CLIP),
-    "cispo": LossSpec(cispo, _RL_INPUTS, _CLIP),
-    "dro": LossSpec(dro, _RL_INPUTS, {"beta": None}),
-    "gspo": LossSpec(gspo, (*_RL_INPUTS, "sequence_ratio_mask"), _CLIP, _marks_a_token),
+LOSSES: dict[str, LossDefinition] = {
+    "cross_entropy": LossDefinition(cross_entropy, ("target_tokens", "weights"), {}),
+    "importance_sampling": LossDefinition(importance_sampling, _RL_INPUTS, {}),
+    "ppo": LossDefinition(ppo, _RL_INPUTS, _CLIP),
+    "cispo": LossDefinition(cispo, _RL_INPUTS, _CLIP),
+    "dro": LossDefinition(dro, _RL_INPUTS, {"beta": None}),
+    "gspo": LossDefinition(gspo, (*_RL_INPUTS, "sequence_ratio_mask"), _CLIP, _marks_a_token),
 }
 
 
-def resolve(loss_fn: str, config: Mapping[str, float] | None) -> tuple[LossSpec, dict[str, float]]:
+def resolve(
+    loss_fn: str, config: Mapping[str, float] | None
+) -> tuple[LossDefinition, dict[str, float]]:
     """The loss spec and its full config (defaults filled in); clear errors otherwise."""
     spec = LOSSES.get(loss_fn)
     if spec is None:

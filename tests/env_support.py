@@ -12,9 +12,9 @@ from engine.envs import (
     Action,
     ChatGroup,
     EnvContext,
+    EnvStepResult,
     MessageStep,
     Observation,
-    StepResult,
     StopCondition,
     tool,
 )
@@ -103,7 +103,7 @@ class CountdownEnv:
         self.context = list(self.prompt)
         return Observation(tuple(self.context))
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         import anyio
 
         self.taken += 1
@@ -112,11 +112,11 @@ class CountdownEnv:
         if self.raise_at == self.taken:
             raise RuntimeError("the environment broke")
         if self.taken >= self.turns:
-            return StepResult(reward=1.0, done=True, metrics={"steps": 1.0})
+            return EnvStepResult(reward=1.0, done=True, metrics={"steps": 1.0})
         self.context += [*action.tokens, ord("|")]
         if self.break_prefix_at == self.taken:
             self.context = list(b"summary:")
-        return StepResult(reward=1.0, next_observation=Observation(tuple(self.context)))
+        return EnvStepResult(reward=1.0, next_observation=Observation(tuple(self.context)))
 
 
 @tool
@@ -203,7 +203,7 @@ class RankedGroup:
 class PidEnv(CountdownEnv):
     """A :class:`CountdownEnv` whose steps log the process that ran them."""
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         import dataclasses
         import os
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -66,6 +67,20 @@ async def test_the_supervisor_recovers_a_lost_step_on_the_fake_session(tmp_path:
     assert [g.problem.id for s in sorted(final) for g in final[s].groups] == list(range(8))
 
 
+async def test_a_recovery_leaves_each_step_once_in_every_run_file(tmp_path: Path) -> None:
+    session = FakeSession(fail_step=4)
+    cfg = dataclasses.replace(fake_config(tmp_path / "run", log_rollouts=1), checkpoint_every=2)
+    steps = await run(cfg, ToyTask(), session)
+    assert ("failed", 4) in session.log and ("restore", 2) in session.log
+    assert [s.step for s in steps] == [1, 2, 3, 3, 4]  # step 3 is redone after the restore
+    run_dir = tmp_path / "run"
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        lines = (run_dir / name).read_text().splitlines()
+        assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4], name
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "finished" and summary["steps_completed"] == 4
+
+
 async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicate(
     tmp_path: Path,
 ) -> None:
@@ -96,8 +111,6 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
 
 
 async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path) -> None:
-    import json
-
     session = FakeSession()
     cfg = fake_config(tmp_path / "run", steps=2)
     await run(cfg, ToyTask(), session)

@@ -17,10 +17,10 @@ from env_support import CountdownEnv, RankedGroup
 from fake_session import FakeSession
 from test_pipeline_stages import config, run_pipeline, until
 
-from engine.envs import Action, EnvContext, Observation, StepResult
+from engine.envs import Action, EnvContext, EnvStepResult, Observation
 from engine.errors import Interrupted
 from engine.loop.pipeline import Pipeline
-from engine.loop.results import StepResult as TrainedStep
+from engine.loop.results import StepResult
 from engine.loop.state import LoopState
 from engine.session.api import SamplerHandle
 from engine.supervision.stopping import StopGate
@@ -41,15 +41,17 @@ class WaitingEnv:
     async def initial_observation(self) -> Observation:
         return Observation(tuple(b"go:"))
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         self.taken += 1
         if self.taken == 1:
             if self.after is not None:
                 self.after.set()
             if self.before is not None:
                 await self.before.wait()
-            return StepResult(reward=1.0, next_observation=Observation((*b"go:", *action.tokens)))
-        return StepResult(reward=float(action.tokens[-1] % 2), done=True)
+            return EnvStepResult(
+                reward=1.0, next_observation=Observation((*b"go:", *action.tokens))
+            )
+        return EnvStepResult(reward=float(action.tokens[-1] % 2), done=True)
 
 
 class ParityGroup(RankedGroup):
@@ -111,7 +113,7 @@ async def test_each_turn_samples_the_newest_weights_and_staleness_is_the_oldest_
         }
     )
 
-    async def on_step(result: TrainedStep) -> None:
+    async def on_step(result: StepResult) -> None:
         if result.step == 1:
             step1_trained.set()
 
@@ -192,7 +194,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     assert [len(e.turns) for e in state.pending_groups[0].episodes] == [3, 3]
 
     blocked.set()  # the restarted episode runs through
-    second_run: list[TrainedStep] = []
+    second_run: list[StepResult] = []
     resumed = Pipeline(
         cfg,
         task,
@@ -212,8 +214,8 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     assert second_run[0].groups[0].episodes == state.pending_groups[0].episodes
 
 
-def _record(out: list[TrainedStep]) -> Any:
-    async def record(result: TrainedStep) -> None:
+def _record(out: list[StepResult]) -> Any:
+    async def record(result: StepResult) -> None:
         out.append(result)
 
     return record

@@ -24,7 +24,7 @@ from typing import Any, Protocol
 import anyio
 import anyio.to_process
 
-from engine.envs.types import Action, Env, EnvGroupBuilder, Observation, StepResult, Trajectory
+from engine.envs.types import Action, Env, EnvGroupBuilder, EnvStepResult, Observation, Trajectory
 from engine.loop.scoring import ScoreWorkers
 from engine.tasks.base import RewardBreakdown
 
@@ -102,7 +102,7 @@ class RemoteEnv:
         self.env, observation = await self._workers.call(self.env, "initial_observation")
         return observation  # type: ignore[no-any-return]
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         self.env, result = await self._workers.call(self.env, "step", action)
         return result  # type: ignore[no-any-return]
 

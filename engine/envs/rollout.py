@@ -41,10 +41,10 @@ from engine.envs.types import (
     Action,
     Env,
     EnvGroupBuilder,
+    EnvStepResult,
     EpisodeLimits,
     Observation,
     Outcome,
-    StepResult,
     Trajectory,
     Turn,
 )
@@ -251,7 +251,7 @@ class EpisodeRunner:
                 action = (await self._sample(observation, 1, room))[0]
                 tally.retries += action.retries
             completion = action.completion
-            result: StepResult
+            result: EnvStepResult
             error: str | None = None
             try:
                 result = await env.step(Action(completion.tokens, completion.stop_reason))
@@ -259,7 +259,7 @@ class EpisodeRunner:
                 raise
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                result = StepResult(done=True, logs={"error": error}, outcome="env_error")
+                result = EnvStepResult(done=True, logs={"error": error}, outcome="env_error")
             turns.append(
                 Turn(
                     observation=observation.tokens,

@@ -41,13 +41,13 @@ __all__ = [
     "Env",
     "EnvContext",
     "EnvGroupBuilder",
+    "EnvStepResult",
     "EnvTask",
     "EpisodeLimits",
     "Observation",
     "OnLimit",
     "OnParseError",
     "Outcome",
-    "StepResult",
     "StopCondition",
     "Trajectory",
     "Turn",
@@ -108,7 +108,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class EnvStepResult:
     """The environment's answer to one action.
 
     ``next_observation`` is required while the episode goes on (``done`` False) and
@@ -135,7 +135,7 @@ class Env(Protocol):
 
     async def initial_observation(self) -> Observation: ...
 
-    async def step(self, action: Action) -> StepResult: ...
+    async def step(self, action: Action) -> EnvStepResult: ...
 
 
 @dataclass(frozen=True)

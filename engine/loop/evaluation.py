@@ -38,7 +38,6 @@ from engine.envs.types import (
 )
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer
-from engine.rundir.checkpoints import truncate_metrics
 from engine.session.api import SamplerHandle, SamplingSettings, Session
 from engine.tasks.base import Problem, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
@@ -316,10 +315,6 @@ class Evaluator:
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` train steps are evaluated."""
         return step == 0 or step % self._every == 0 or step == self._last_step
-
-    def rewind(self, keep_through_step: int) -> None:
-        """Drop the results of steps after ``keep_through_step`` (they are redone)."""
-        truncate_metrics(self._path, keep_through_step)
 
     async def __call__(self, step: int, sampler: SamplerHandle) -> dict[str, float]:
         def skip(error: RewardError) -> None:

@@ -5,6 +5,7 @@ trained twice). No server, no sleeps."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -265,3 +266,32 @@ def test_an_unpicklable_environment_task_is_one_line_before_the_run() -> None:
             _record([]),
             gate=StopGate(),
         )
+
+
+@dataclass
+class SmallContextSession(FakeSession):
+    """A fake server whose model has a context of ``context`` tokens; it records each
+    request's prompt length and max_tokens."""
+
+    context: int = 10
+    requests: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def info(self) -> Any:
+        return dataclasses.replace(super().info, max_context=self.context)
+
+    async def sample(self, sampler: Any, prompt_tokens: Any, n: int, settings: Any) -> Any:
+        self.requests.append((len(prompt_tokens), settings.max_tokens))
+        return await super().sample(sampler, prompt_tokens, n, settings)
+
+
+async def test_episodes_stop_at_the_served_models_context() -> None:
+    # --env-max-tokens stays at its default (8192); the model's context is 10 tokens.
+    session = SmallContextSession()
+    _, results = await run_pipeline(session, config(steps=2), task=CountdownTask())
+    assert all(p + m <= 10 for p, m in session.requests), session.requests
+    by_problem = {g.problem.id: g.episodes for r in results for g in r.groups}
+    # Problem 2 runs 3 turns: its third observation (11 tokens) does not fit.
+    assert [(len(e.turns), e.outcome) for e in by_problem[2]] == [(2, "max_tokens")] * 2
+    assert [e.outcome for e in by_problem[1]] == ["done", "done"]
+    assert results[1].metrics["env/all/outcome/max_tokens"] == 0.5

@@ -31,6 +31,7 @@ import anyio
 
 from engine.common.clock import Clock
 from engine.config import EngineConfig
+from engine.envs.types import is_env_task
 from engine.errors import (
     RunStopped,
     Stalled,
@@ -116,6 +117,13 @@ class Supervisor:
         self._hooks = hooks
         self._publish = publish
         self._outputs = _open_task_outputs(config, task, session, record, log)
+        context = session.info.max_context
+        if is_env_task(task) and context is not None and config.env_max_tokens > context:
+            log.info(
+                "env_max_tokens",
+                f"episodes stop at the model's context of {context} tokens "
+                f"(--env-max-tokens {config.env_max_tokens} is larger): outcome max_tokens",
+            )
         self._supervising = False
         self._said_all_empty = False
 
@@ -395,7 +403,9 @@ def _open_task_outputs(
             session,
             task,
             renderer,
-            Scorer(
+            None
+            if is_env_task(task)
+            else Scorer(
                 task,
                 concurrency=config.score_concurrency,
                 workers=parse_score_workers(config.score_workers),
@@ -412,5 +422,6 @@ def _open_task_outputs(
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
             track=log.track,
+            limits=config.episode_limits().within(session.info.max_context),
         )
     return _TaskOutputs(renderer, evaluator)

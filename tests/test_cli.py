@@ -220,7 +220,7 @@ def test_flags_beat_env_which_beats_profile() -> None:
         {"batch": "3", "learning_rate": "1e-3"},
         {"MINT_CUSTOM_REWARD_BATCH": "5", "MINT_CUSTOM_REWARD_STEPS": "2", "MINT_LORA_RANK": "4"},
     )
-    assert (cfg.batch, cfg.steps) == (3, 2)
+    assert (cfg.pipeline.batch, cfg.pipeline.steps) == (3, 2)
     assert cfg.uses_local_server
     local = cfg.resolved(local_server_profile(None))
     assert (local.learning_rate, local.lora_rank) == (1e-3, 4)

@@ -276,8 +276,7 @@ def test_preflight_rejected_key_and_unknown_model(tmp_path: Path) -> None:
             "check MINT_API_KEY"
         )
         assert "tml-a-wrong-key" not in str(info.value)
-        unknown = replace(
-            config, api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
+        unknown = config.replace(api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
         )
         with pytest.raises(PreflightError) as info:
             anyio.run(_enter, unknown)

@@ -88,7 +88,7 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
     assert task.built[3] == 1  # its episode was in flight at the stop
 
     blocked.set()
-    resumed = dataclasses.replace(cfg, resume=tmp_path / "run")
+    resumed = cfg.replace(resume=tmp_path / "run")
     second = await run(resumed, task, session)
     trained = [g.problem.id for s in first + second for g in s.groups]
     assert trained == [0, 1, 2, 3, 4, 5]  # each once
@@ -107,6 +107,6 @@ async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path)
         del stored[key]  # as a run dir written before these settings existed
     path.write_text(json.dumps(stored))
     steps = await run(
-        dataclasses.replace(cfg, steps=3, resume=tmp_path / "run"), ToyTask(), session
+        cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session
     )
     assert [s.step for s in steps] == [3]

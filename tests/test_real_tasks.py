@@ -82,7 +82,7 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     assert [r["step"] for r in rollouts] == [1, 1, 2, 2, 3, 3]
     first = rollouts[0]
     assert first["prompt"] == f"<s>Question: {first['question']}\nAnswer:"
-    assert first["sampler_version"] == 0 and len(first["responses"]) == config.group
+    assert first["sampler_version"] == 0 and len(first["responses"]) == config.pipeline.group
     group = steps[0].groups[0]
     assert [r["reward"] for r in first["responses"]] == group.totals
     assert sum(r["advantage"] for r in first["responses"]) == pytest.approx(0.0, abs=1e-9)
@@ -234,7 +234,7 @@ def test_a_failing_eval_reward_is_skipped_or_stops_the_run(
     assert len(warned) == 3 and all("left out of the eval metrics" in w for w in warned)
     with pytest.raises(RewardError, match="the grader is down"):
         run_engine(
-            replace(config, run_dir=tmp_path / "fail", on_reward_error="fail"),
+            config.replace(run_dir=tmp_path / "fail", on_reward_error="fail"),
             task=_EvalRewardFails(),
         )
     summary = json.loads((tmp_path / "fail" / "summary.json").read_text())

@@ -104,12 +104,12 @@ def make_run_dir(path: Path, **flags: str) -> None:
     config = config_from_sources(
         {k.replace("-", "_"): v for k, v in flags.items()}, {}, progress=False
     ).resolved(local_server_profile(None))
-    task = load_task(config.task, config.task_args)
-    spec, args = task_spec(task, config.task, config.task_args)  # as the engine records it
+    task = load_task(config.task.spec, config.task.args)
+    spec, args = task_spec(task, config.task.spec, config.task.args)  # as the engine records it
     write_config(
         path,
         {
-            **replace(config, task=spec, task_args=args).public_dict(),
+            **config.replace(task=spec, task_args=args).public_dict(),
             "task_repr": repr(task),
             "task_name": task.name,
         },
@@ -118,7 +118,7 @@ def make_run_dir(path: Path, **flags: str) -> None:
         step=2,
         state_path="tinker://model-x/weights/step-2",
         reason="periodic",
-        loop_state=LoopState(2, task.source(config.seed).state(), 2).to_dict(),
+        loop_state=LoopState(2, task.source(config.task.seed).state(), 2).to_dict(),
     )
     CheckpointLog(path).append(record)
 

@@ -131,7 +131,7 @@ def test_unknown_tracker_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--log-to must name trackers out of wandb, tensorboard"):
         config_from_sources({"log_to": "wandb,mlflow", "api_key": "sk-x"}, {})
     config = config_from_sources({"log_to": "tensorboard, wandb,tensorboard", "api_key": "sk"}, {})
-    assert config.log_to == ("tensorboard", "wandb")
+    assert config.logging.log_to == ("tensorboard", "wandb")
 
 
 class _BrokenSink:

@@ -157,7 +157,9 @@ def parse_text(field: SettingField, text: str, source: str) -> Any:
     try:
         value = _parse(kind, text)
     except ValueError:
-        raise ConfigError(f"{source} must be {_KIND_NAMES.get(kind, 'valid')}, got {text!r}") from None
+        raise ConfigError(
+            f"{source} must be {_KIND_NAMES.get(kind, 'valid')}, got {text!r}"
+        ) from None
     problem = field.problem(value)
     if problem:
         raise ConfigError(f"{source} {problem}, got {text!r}")

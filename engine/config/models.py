@@ -32,8 +32,10 @@ from engine.common.setting import (
     non_empty,
     non_negative,
     positive,
-    seed as seed_range,
     setting_fields,
+)
+from engine.common.setting import (
+    seed as seed_range,
 )
 from engine.envs.types import EpisodeLimits, OnLimit, OnParseError
 from engine.errors import ConfigError
@@ -190,9 +192,9 @@ class ModelSettings(_Group):
 class SamplingSettings(_Group):
     """How responses are sampled."""
 
-    max_tokens: Annotated[
-        int, Setting(env=("MINT_CUSTOM_REWARD_MAX_TOKENS",), check=positive)
-    ] = Field(16, description="max tokens per sampled response")
+    max_tokens: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_MAX_TOKENS",), check=positive)] = (
+        Field(16, description="max tokens per sampled response")
+    )
     temperature: Annotated[
         float, Setting(env=("MINT_CUSTOM_REWARD_TEMPERATURE",), check=_sampling_temperature)
     ] = Field(
@@ -450,9 +452,9 @@ class SessionSettings(_Group):
 class LoggingSettings(_Group):
     """Where the run's files go and what the console shows."""
 
-    run_dir: Annotated[
-        Path | None, Setting(resume="current", unset="runs/<timestamp>-<task>")
-    ] = Field(None, description="where metrics.jsonl, config.json and summary.md go")
+    run_dir: Annotated[Path | None, Setting(resume="current", unset="runs/<timestamp>-<task>")] = (
+        Field(None, description="where metrics.jsonl, config.json and summary.md go")
+    )
     log_format: Annotated[LogFormat, Setting(resume="current")] = Field(
         "console", description="console: readable lines; json: one JSON object per line"
     )
@@ -560,17 +562,17 @@ class EngineConfig(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    task: TaskSettingsGroup = Field(default_factory=TaskSettingsGroup)
-    model: ModelSettings = Field(default_factory=ModelSettings)
-    sampling: SamplingSettings = Field(default_factory=SamplingSettings)
-    training: TrainingSettings = Field(default_factory=TrainingSettings)
-    pipeline: PipelineSettings = Field(default_factory=PipelineSettings)
-    scoring: ScoringSettings = Field(default_factory=ScoringSettings)
-    environment: EnvironmentSettings = Field(default_factory=EnvironmentSettings)
-    evaluation: EvaluationSettings = Field(default_factory=EvaluationSettings)
-    checkpoints: CheckpointSettings = Field(default_factory=CheckpointSettings)
-    session: SessionSettings = Field(default_factory=SessionSettings)
-    logging: LoggingSettings = Field(default_factory=LoggingSettings)
+    task: TaskSettingsGroup = TaskSettingsGroup()
+    model: ModelSettings = ModelSettings()
+    sampling: SamplingSettings = SamplingSettings()
+    training: TrainingSettings = TrainingSettings()
+    pipeline: PipelineSettings = PipelineSettings()
+    scoring: ScoringSettings = ScoringSettings()
+    environment: EnvironmentSettings = EnvironmentSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
+    checkpoints: CheckpointSettings = CheckpointSettings()
+    session: SessionSettings = SessionSettings()
+    logging: LoggingSettings = LoggingSettings()
 
     def __init__(self, **data: Any) -> None:
         spec = data.get("task")
@@ -617,8 +619,15 @@ class EngineConfig(BaseModel):
         return self
 
     def replace(self, **changes: Any) -> EngineConfig:
-        """A validated copy with ``changes`` (flat names or groups, as the constructor)."""
-        return EngineConfig(**{**self._groups(), **changes})
+        """A validated copy with ``changes``: flat names, or groups as mappings of the
+        fields that change (``replace(task={"spec": ..., "args": ...})``)."""
+        data: dict[str, Any] = self._groups()
+        for key, value in changes.items():
+            if key in GROUPS and isinstance(value, Mapping):
+                data[key] = {**getattr(self, key).model_dump(), **value}
+            else:
+                data[key] = value
+        return EngineConfig(**data)
 
     def _groups(self) -> dict[str, Any]:
         return {name: getattr(self, name) for name in GROUPS}
@@ -646,14 +655,19 @@ class EngineConfig(BaseModel):
             for f in all_settings()
             if f.marker.recommended and getattr(getattr(self, f.group or ""), f.name) is None
         ]
+        return (*missing, *self.unresolved_task_args)
+
+    @property
+    def unresolved_task_args(self) -> tuple[str, ...]:
+        """The task's own settings the server recommends, still unset: the task is
+        loaded once they are known."""
         own = task_settings_of(self.task.spec)
-        if own is not None:
-            missing += [
-                f.name
-                for f in setting_fields(own)
-                if f.marker.recommended and f.name not in self.task.args
-            ]
-        return tuple(missing)
+        if own is None:
+            return ()
+        fields = setting_fields(own)
+        return tuple(
+            f.name for f in fields if f.marker.recommended and f.name not in self.task.args
+        )
 
     def resolved(self, *profiles: Any) -> EngineConfig:
         """A copy with the unset server-dependent settings taken from ``profiles``

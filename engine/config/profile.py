@@ -109,9 +109,7 @@ def stored_profile(stored: Mapping[str, Any]) -> Profile:
     """The resolved settings of a run's ``config.json`` (either layout) as a profile:
     what a resumed run takes for the settings its user leaves unset."""
     nested = nest_record(stored)
-    model, training, task = (
-        _group(nested, name) for name in ("model", "training", "task")
-    )
+    model, training, task = (_group(nested, name) for name in ("model", "training", "task"))
     rank, lr, base = model.get("lora_rank"), training.get("learning_rate"), model.get("base_model")
     spec, args = task.get("spec"), task.get("args")
     return Profile(

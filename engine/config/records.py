@@ -15,7 +15,7 @@ from engine.common.setting import Resume, setting_fields
 from engine.config.models import GROUPS, all_settings, setting_at
 from engine.tasks.loader import TASK_SETTINGS
 
-__all__ = ["nest_record", "resume_rule"]
+__all__ = ["flat_settings", "nest_record", "resume_rule"]
 
 
 def nest_record(stored: Mapping[str, Any]) -> dict[str, Any]:
@@ -42,6 +42,18 @@ def nest_record(stored: Mapping[str, Any]) -> dict[str, Any]:
         args = task.get("args")
         task["args"] = {**own_args, **(args if isinstance(args, Mapping) else {})}
     return {**out, **groups}
+
+
+def flat_settings(stored: Mapping[str, Any]) -> dict[str, Any]:
+    """The settings of a record (either layout) by flat name (``batch``, ``task``,
+    ``task_args``), for code that takes settings as ``EngineConfig`` keywords."""
+    nested = nest_record(stored)
+    out = {}
+    for field in all_settings():
+        group = nested.get(str(field.group))
+        if isinstance(group, Mapping) and field.name in group:
+            out[field.flat] = group[field.name]
+    return out
 
 
 def resume_rule(key: str) -> Resume:

@@ -82,12 +82,12 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"{name} settings", _first_line(model.__doc__))
         for field in setting_fields(model, name):
             _add_flag(group, field, help_text(field))
-    for model in TASK_SETTINGS:
+    for task in TASK_SETTINGS:
         group = parser.add_argument_group(
-            f"{model.spec} task settings", f"also --task-arg NAME=VALUE (--task {model.spec})"
+            f"{task.spec} task settings", f"also --task-arg NAME=VALUE (--task {task.spec})"
         )
-        for field in setting_fields(model):
-            _add_flag(group, field, help_text(field, model.spec))
+        for field in setting_fields(task):
+            _add_flag(group, field, help_text(field, task.spec))
 
 
 def _add_flag(group: argparse._ArgumentGroup, field: SettingField, text: str) -> None:
@@ -139,8 +139,8 @@ def config_from_sources(
     items; None = not given), the environment and ``defaults`` (groups, e.g.
     :func:`stored_settings` of a run being resumed overlaid by
     :func:`read_config_file`). ``--task-arg`` values extend the defaults' task
-    arguments key by key, and win over a task's own flags (``--op``). No API key and no base URL (or a
-    ``--local-model``) means the local server."""
+    arguments key by key, and win over a task's own flags (``--op``). No API key and no
+    base URL (or a ``--local-model``) means the local server."""
     values: Values = {g: dict(v) for g, v in nest_record(defaults or {}).items() if g in GROUPS}
     for field in all_settings():
         assert field.group is not None
@@ -228,11 +228,11 @@ def read_config_file(path: Path) -> Values:
         key = raw_key.replace("-", "_")
         if key in GROUPS and isinstance(value, dict):
             for raw_name, item in value.items():
-                field = _in_group(key, raw_name)
-                if field is None:
-                    where = f"{raw_key}.{raw_name} in {path}"
+                where = f"{raw_key}.{raw_name} in {path}"
+                found = _in_group(key, raw_name)
+                if found is None:
                     raise ConfigError(f"{where} is not a setting (see python -m engine.run --help)")
-                _put(out, field, item, f"{raw_key}.{raw_name} in {path}")
+                _put(out, found, item, where)
         elif key in flat:
             _put(out, flat[key][1], value, f"{raw_key} in {path}")
         elif key in own:

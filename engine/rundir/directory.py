@@ -24,7 +24,6 @@ trained; a setting's ``resume`` marker says whether it may change
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import tempfile
@@ -368,24 +367,24 @@ class RunDirectory:
 
     @classmethod
     def open(cls, config: EngineConfig, task: Task | None, *, started_at: float) -> RunDirectory:
-        """The run's directory: ``config.resume`` checked against ``config`` (ResumeError,
-        exit 2), else ``config.run_dir`` made ready for a new run, else a fresh
-        ``runs/<timestamp>-<task>`` under the working directory."""
+        """The run's directory: ``config.checkpoints.resume`` checked against ``config``
+        (ResumeError, exit 2), else ``config.logging.run_dir`` made ready for a new run,
+        else a fresh ``runs/<timestamp>-<task>`` under the working directory."""
         held = HeldEvents()  # events.jsonl is opened once the directory checks out
         record = config_record(config, task)
         resumed: ResumeState | None = None
-        if config.resume is not None:
-            path = config.resume
+        if config.checkpoints.resume is not None:
+            path = config.checkpoints.resume
             # Locked before its checkpoints are read: a run still training refuses.
             lock = RunDirLock.acquire(path) if path.is_dir() else None
             try:
-                resumed = _check_resume(path, record, config.steps, held)
+                resumed = _check_resume(path, record, config.pipeline.steps, held)
             except BaseException:
                 if lock is not None:
                     lock.release()
                 raise
         else:
-            path = _make_run_dir(config.run_dir, record["task_name"], held)
+            path = _make_run_dir(config.logging.run_dir, record["task_name"], held)
             lock = None
         lock = lock or RunDirLock.acquire(path)
         return cls(path, resumed=resumed, held=held, started_at=started_at, lock=lock)
@@ -435,13 +434,13 @@ class RunDirectory:
             "error": str(error) if error else None,
             "stopped": self.stopped,
             "task": task_name,
-            "base_model": config.base_model,
+            "base_model": config.model.base_model,
             "server": config.public_dict()["server"],
-            "steps_planned": config.steps,
+            "steps_planned": config.pipeline.steps,
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
-            "max_steps_off_policy": config.max_steps_off_policy,
-            "loss": config.loss,
+            "max_steps_off_policy": config.pipeline.max_steps_off_policy,
+            "loss": config.training.loss,
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max((m["avg_reward"] for m in metrics), default=None),

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -429,9 +428,9 @@ class SdkSession:
         await check_reachable(base_url, api_key, guard, cls.sdk_version)
         if config.unresolved:
             config = config.resolved(await read_recommended_profile(base_url, api_key, guard))
-        config = dataclasses.replace(config, sdk=cls.sdk)  # config.json records which
-        assert config.base_model is not None and config.lora_rank is not None
-        base_model = config.base_model
+        config = config.replace(sdk=cls.sdk)  # config.json records which
+        assert config.model.base_model is not None and config.model.lora_rank is not None
+        base_model = config.model.base_model
         guard.watch_server(base_url)
         service = await setup_call(
             guard,
@@ -443,10 +442,10 @@ class SdkSession:
         )
         lora = LoraSpec(
             base_model,
-            config.lora_rank,
-            config.lora_seed,
-            config.init_from,
-            config.init_from_optimizer,
+            config.model.lora_rank,
+            config.model.lora_seed,
+            config.model.init_from,
+            config.model.init_from_optimizer,
         )
         info = ServerInfo(base_url, base_model, local, ())
         session = cls(service, None, None, info, guard, lora, config)

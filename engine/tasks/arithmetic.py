@@ -31,9 +31,9 @@ from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 
 __all__ = [
     "ARITHMETIC_ARGS",
-    "ArithmeticSettings",
     "DEFAULT_EVAL_SIZE",
     "OPS",
+    "ArithmeticSettings",
     "ArithmeticTask",
     "default_eval_size",
     "extract_prediction",

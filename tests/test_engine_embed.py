@@ -228,8 +228,8 @@ def test_from_env_reads_the_environment_like_the_cli() -> None:
     env = {"MINT_API_KEY": "sk-abc", "MINT_CUSTOM_REWARD_STEPS": "3"}
     hosted = EngineConfig.from_env(env, batch=2)
     assert (hosted.api_key, hosted.steps, hosted.batch, hosted.local) == ("sk-abc", 3, 2, False)
-    assert EngineConfig.from_env({}).local  # nothing to connect to: the local server
-    assert not EngineConfig.from_env({}, api_key="sk-x").local
+    assert EngineConfig.from_env({}).session.local  # nothing to connect to: the local server
+    assert not EngineConfig.from_env({}, api_key="sk-x").session.local
     with pytest.raises(ConfigError, match="MINT_CUSTOM_REWARD_STEPS must be an integer"):
         EngineConfig.from_env({"MINT_CUSTOM_REWARD_STEPS": "many"})
 

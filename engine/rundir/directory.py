@@ -229,7 +229,7 @@ def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) ->
     # Compare the redacted current config: that is the form config.json holds; a
     # config.json from before the settings groups is compared in the groups' layout.
     old = _flatten(json.loads(json.dumps(nest_record(stored), default=str)))
-    new = _flatten(json.loads(json.dumps(redact_config(current), default=str)))
+    new = _flatten(json.loads(json.dumps(nest_record(redact_config(current)), default=str)))
     problems = []
     for key in sorted(set(old) | set(new)):
         if _may_change(key) or REDACTED in (str(old.get(key)), str(new.get(key))):

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -276,7 +275,8 @@ def test_preflight_rejected_key_and_unknown_model(tmp_path: Path) -> None:
             "check MINT_API_KEY"
         )
         assert "tml-a-wrong-key" not in str(info.value)
-        unknown = config.replace(api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
+        unknown = config.replace(
+            api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
         )
         with pytest.raises(PreflightError) as info:
             anyio.run(_enter, unknown)

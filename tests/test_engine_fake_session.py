@@ -106,7 +106,5 @@ async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path)
     for key in ("env_max_turns", "env_max_tokens", "episode_timeout", "on_limit"):
         del stored[key]  # as a run dir written before these settings existed
     path.write_text(json.dumps(stored))
-    steps = await run(
-        cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session
-    )
+    steps = await run(cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session)
     assert [s.step for s in steps] == [3]

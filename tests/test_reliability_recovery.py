@@ -9,7 +9,6 @@ history, each step once in metrics.jsonl, the same problems per step as a clean 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import anyio

@@ -304,7 +304,12 @@ def test_config_file_sits_under_env_and_flags(tmp_path: Path) -> None:
         'stop-at-eos = true\n[task-arg]\nop = "-"\nmax_operand = 40\n'
     )
     cfg = parse_config(["--config", str(path), "--batch", "2", "--task-arg", "op=+"], {})
-    assert (cfg.pipeline.steps, cfg.pipeline.batch, cfg.training.learning_rate, cfg.sampling.max_tokens) == (30, 2, 1e-3, 12)
+    assert (
+        cfg.pipeline.steps,
+        cfg.pipeline.batch,
+        cfg.training.learning_rate,
+        cfg.sampling.max_tokens,
+    ) == (30, 2, 1e-3, 12)
     assert cfg.sampling.stop_at_eos
     assert cfg.task.args == {"op": "+", "max_operand": "40"}
     env = parse_config(["--config", str(path)], {"MINT_CUSTOM_REWARD_STEPS": "5"})
@@ -366,7 +371,11 @@ def test_eval_every_needs_held_out_problems_before_anything_starts() -> None:
 def test_the_shipped_example_config_loads() -> None:
     root = Path(__file__).resolve().parents[1]
     cfg = parse_config(["--config", str(root / "examples" / "addition_chat.toml")], {})
-    assert (cfg.task.spec, cfg.pipeline.steps, cfg.evaluation.eval_every) == ("jsonl:examples/addition_chat.jsonl", 30, 10)
+    assert (cfg.task.spec, cfg.pipeline.steps, cfg.evaluation.eval_every) == (
+        "jsonl:examples/addition_chat.jsonl",
+        30,
+        10,
+    )
     assert cfg.task.args == {"eval_size": "100", "reward": "exact"}
     task = load_task(f"jsonl:{root / 'examples' / 'addition_chat.jsonl'}", cfg.task.args)
     assert isinstance(task, DatasetTask) and len(task.eval_problems()) == 100

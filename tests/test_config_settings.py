@@ -143,7 +143,7 @@ def test_flat_keywords_and_groups_build_the_same_config() -> None:
     nested = EngineConfig(pipeline={"batch": 4}, training={"loss": "dro"})
     assert flat == nested
     assert flat.replace(steps=2).pipeline == nested.pipeline.model_copy(update={"steps": 2})
-    with pytest.raises(ConfigError, match="^bacth is not a setting"):
+    with pytest.raises(ConfigError, match=r"^bacth is not a setting"):
         EngineConfig(bacth=4)
     with pytest.raises(ConfigError, match=r"^op only apply to the arithmetic task"):
         EngineConfig(task="jsonl:data.jsonl", op="+")

@@ -274,7 +274,7 @@ def test_arithmetic_flags_are_aliases_and_refused_for_user_tasks() -> None:
     with pytest.raises(ConfigError, match="only apply to the arithmetic task"):
         parse_config(["--task", "tests.user_tasks:make_task", "--op", "+"], {})
     user = parse_config(["--task", "tests.user_tasks:make_task"], {}).resolved(local)
-    assert user.task_args == {}
+    assert user.task.args == {}
 
 
 def test_task_spec_of_objects() -> None:
@@ -313,7 +313,7 @@ def test_config_file_sits_under_env_and_flags(tmp_path: Path) -> None:
     assert cfg.sampling.stop_at_eos
     assert cfg.task.args == {"op": "+", "max_operand": "40"}
     env = parse_config(["--config", str(path)], {"MINT_CUSTOM_REWARD_STEPS": "5"})
-    assert env.steps == 5
+    assert env.pipeline.steps == 5
 
 
 @pytest.mark.parametrize(

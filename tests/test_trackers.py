@@ -196,5 +196,6 @@ def test_a_run_logs_to_both_trackers_and_draws_its_report(tmp_path: Path) -> Non
 
 def test_a_resumed_run_chooses_its_trackers_anew() -> None:
     stored = EngineConfig(api_key="sk-x", log_to=("tensorboard",)).public_dict()
-    assert stored["log_to"] == ("tensorboard",)
-    assert "log_to" not in stored_settings(json.loads(json.dumps(stored)), "config.json")
+    assert stored["logging"]["log_to"] == ["tensorboard"]
+    stored_logging = stored_settings(json.loads(json.dumps(stored)), "config.json").get("logging")
+    assert "log_to" not in (stored_logging or {})

@@ -5,7 +5,6 @@ recovery and a stop/resume with an episode in flight run on the fake session
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -24,9 +23,7 @@ pytestmark = pytest.mark.anyio
 
 
 def fake_config(run_dir: Path, **changes: Any) -> EngineConfig:
-    return dataclasses.replace(
-        config(**changes), run_dir=run_dir, checkpoint_every=1, progress=False
-    )
+    return config(**changes).replace(run_dir=run_dir, checkpoint_every=1, progress=False)
 
 
 async def run(cfg: EngineConfig, task: Any, session: Any, **kwargs: Any) -> list[StepResult]:
@@ -104,7 +101,7 @@ async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path)
     path = tmp_path / "run" / "config.json"
     stored = json.loads(path.read_text())
     for key in ("env_max_turns", "env_max_tokens", "episode_timeout", "on_limit"):
-        del stored[key]  # as a run dir written before these settings existed
+        del stored["environment"][key]  # as a run dir written before these settings existed
     path.write_text(json.dumps(stored))
     steps = await run(cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session)
     assert [s.step for s in steps] == [3]

@@ -101,7 +101,7 @@ def make_run_dir(path: Path, **flags: str) -> None:
     """A run dir as a real run leaves it: config.json from the same flags, and a
     checkpoint record."""
     config = config_from_sources(
-        {k.replace("-", "_"): v for k, v in flags.items()}, {}, progress=False
+        {k.replace("-", "_"): v for k, v in flags.items()} | {"progress": False}, {}
     ).resolved(local_server_profile(None))
     task = load_task(config.task.spec, config.task.args)
     spec, args = task_spec(task, config.task.spec, config.task.args)  # as the engine records it
@@ -148,9 +148,9 @@ def test_resume_errors_exit_2_with_one_line(
         ),
         (
             ["--resume", str(run), "--batch", "8", "--loss", "dro"],
-            f"Error: cannot resume {run}: the config differs from its config.json: batch is "
-            "4 in the run dir but 8 now; loss is 'ppo' in the run dir but "
-            "'dro' now (use the same settings, or a new run dir)",
+            f"Error: cannot resume {run}: the config differs from its config.json: "
+            "pipeline.batch is 4 in the run dir but 8 now; training.loss is 'ppo' in the run "
+            "dir but 'dro' now (use the same settings, or a new run dir)",
         ),
     ]
     for argv, message in cases:

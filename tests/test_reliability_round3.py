@@ -249,7 +249,7 @@ def test_resume_refuses_a_changed_dataset(
     monkeypatch.delenv("MINT_API_KEY", raising=False)
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": i} for i in range(4)])
     run = tmp_path / "run"
-    config = config_from_sources({"task": f"jsonl:{data}"}, {}, progress=False).resolved(
+    config = config_from_sources({"task": f"jsonl:{data}", "progress": False}, {}).resolved(
         local_server_profile(None)
     )
     task = load_task(config.task.spec, config.task.args)

@@ -63,6 +63,8 @@ MAX_TOKENS = 16
 _TRAIN_PREFIX_FACTOR = 4
 """How many steps' worth of problems per training seed are kept out of the held-out set
 (the engine draws ``batch`` problems per step; the margin covers redrawn problems)."""
+DEFAULTS = EngineConfig()
+"""The engine's defaults (group, max_tokens, temperature) the runs keep."""
 Problem2 = tuple[int, int]
 """(a, b) of one addition problem."""
 DEFAULT_OUT = Path(__file__).parent / "results" / "learning.json"
@@ -303,8 +305,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                     "curve": {str(k): v for k, v in sorted(curve.items())},
                     "wall_s": round(wall_s, 1),
                     "step_end_s": [round(t, 3) for t in step_ends],
-                    "learning_rate": resolved.learning_rate,
-                    "lora_rank": resolved.lora_rank,
+                    "learning_rate": resolved.training.learning_rate,
+                    "lora_rank": resolved.model.lora_rank,
                     "final_path": result.final_path,
                     "train_exact_rate_first": result.metrics[0].get("exact_rate")
                     if result.metrics
@@ -340,9 +342,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "train": {
             "steps": args.steps,
             "batch": args.batch,
-            "group": EngineConfig.group,
-            "max_tokens": EngineConfig.max_tokens,
-            "temperature": EngineConfig.temperature,
+            "group": DEFAULTS.pipeline.group,
+            "max_tokens": DEFAULTS.sampling.max_tokens,
+            "temperature": DEFAULTS.sampling.temperature,
             "seeds": list(args.seeds),
         },
         "latency": args.latency,

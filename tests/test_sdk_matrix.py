@@ -84,7 +84,7 @@ def test_the_engine_trains_checkpoints_and_resumes(
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.splitlines()[-1].startswith("Saved: tinker://")
     assert steps_of(run_dir) == [1, 2, 3]
-    assert json.loads((run_dir / "config.json").read_text())["sdk"] == sdk
+    assert json.loads((run_dir / "config.json").read_text())["session"]["sdk"] == sdk
 
     resumed = engine_run(sdk, server, "--resume", str(run_dir), "--steps", "5")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -121,7 +121,7 @@ def test_a_tinker_only_loss_reaches_the_server(server: LocalServer, tmp_path: Pa
         "Error: train step 1 failed: the server refused the request: unsupported loss_fn "
         "'gspo'; supported: cross_entropy, importance_sampling, ppo, cispo, dro"
     )
-    assert json.loads((run_dir / "config.json").read_text())["loss"] == "gspo"
+    assert json.loads((run_dir / "config.json").read_text())["training"]["loss"] == "gspo"
 
 
 def test_the_other_generation_is_refused_in_one_line(tmp_path: Path) -> None:

@@ -33,14 +33,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import Any, TextIO
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.config import EngineConfig, stored_profile
+from engine.config import EngineConfig, Profile, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
@@ -134,23 +134,26 @@ class Engine:
                 "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
                 "the local MinT server in this process"
             )
-        # config.json records the spec and arguments that rebuild the task (also one
-        # passed as an object), so --resume works alike from the CLI and when embedded.
+        changes: dict[str, Any] = {}
+        profiles: list[Profile] = []
         if task is not None:
+            # config.json records the spec and arguments that rebuild the task (also one
+            # passed as an object), so --resume works alike from the CLI and embedded.
             spec, args = task_spec(task, config.task.spec, config.task.args)
-            config = config.replace(task={"spec": spec, "args": args})
+            changes["task"] = {"spec": spec, "args": args}
         if config.checkpoints.resume is not None:
             # A resumed run keeps the settings it was started with unless given anew.
-            config = config.resolved(stored_profile(stored_config(config.checkpoints.resume)))
-        if config.uses_local_server and config.session.local_model is None:
-            # A task may name the model it runs on (the shipped environments do).
-            preferred = preferred_local_model(task, config.task.spec)
-            config = config.replace(local_model=preferred)
+            profiles.append(stored_profile(stored_config(config.checkpoints.resume)))
         if config.uses_local_server:
-            # What the server started here will recommend, known before it starts.
-            config = config.resolved(local_server_profile(config.session.local_model))
-        # The rest is resolved once connected (open_session), before anything trains.
-        self._config = config.resolved()
+            # A task may name the model it runs on (the shipped environments do); what
+            # the server started here will recommend is known before it starts.
+            spec = changes.get("task", {}).get("spec", config.task.spec)
+            local_model = config.session.local_model or preferred_local_model(task, spec)
+            changes["local_model"] = local_model
+            profiles.append(local_server_profile(local_model))
+        # Resolved once from every profile known now; a remote server's recommendations
+        # fill what is left once connected (open_session), before anything trains.
+        self._config = config.resolved(*profiles, **changes)
         self._task = task
         if not self._config.unresolved_task_args:
             self._load_task()

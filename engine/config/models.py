@@ -669,12 +669,13 @@ class EngineConfig(BaseModel):
             f.name for f in fields if f.marker.recommended and f.name not in self.task.args
         )
 
-    def resolved(self, *profiles: Any) -> EngineConfig:
-        """A copy with the unset server-dependent settings taken from ``profiles``
-        (:class:`engine.config.Profile`; the first that has one wins) and the task's
-        arguments completed by the task. What no profile sets stays unset
-        (:attr:`unresolved`)."""
-        changes: dict[str, Any] = {}
+    def resolved(self, *profiles: Any, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` (as :meth:`replace`), the unset server-dependent
+        settings taken from ``profiles`` (:class:`engine.config.Profile`; the first that
+        has one wins) and the task's arguments completed by the task: one validated
+        config. What no profile sets stays unset (:attr:`unresolved`)."""
+        if changes:
+            return self.replace(**changes).resolved(*profiles)
         for f in all_settings():
             if not f.marker.recommended:
                 continue

@@ -426,9 +426,11 @@ class SdkSession:
         say("Connecting to MinT server...")
         say(f"Endpoint: {base_url}")
         await check_reachable(base_url, api_key, guard, cls.sdk_version)
-        if config.unresolved:
-            config = config.resolved(await read_recommended_profile(base_url, api_key, guard))
-        config = config.replace(sdk=cls.sdk)  # config.json records which
+        # config.json records the SDK and what the server resolved
+        profiles = (
+            [await read_recommended_profile(base_url, api_key, guard)] if config.unresolved else []
+        )
+        config = config.resolved(*profiles, sdk=cls.sdk)
         assert config.model.base_model is not None and config.model.lora_rank is not None
         base_model = config.model.base_model
         guard.watch_server(base_url)

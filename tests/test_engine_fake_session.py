@@ -92,6 +92,30 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
     assert task.built[3] == 2  # restarted from its problem
 
 
+async def test_a_run_dir_recorded_before_the_settings_groups_resumes(tmp_path: Path) -> None:
+    """A config.json with the flat keys of before the groups (``"batch": 2``) resumes as
+    the run recorded it, and a change of what is trained is still refused."""
+    import json
+
+    from engine.config import all_settings
+    from engine.errors import ResumeError
+
+    session = FakeSession()
+    cfg = fake_config(tmp_path / "run", steps=2)
+    await run(cfg, ToyTask(), session)
+    path = tmp_path / "run" / "config.json"
+    nested = json.loads(path.read_text())
+    flat = {k: v for k, v in nested.items() if not isinstance(v, dict)}
+    for field in all_settings():
+        if field.name in nested.get(str(field.group), {}):
+            flat[field.flat] = nested[str(field.group)][field.name]
+    path.write_text(json.dumps(flat))
+    steps = await run(cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session)
+    assert [s.step for s in steps] == [3]
+    with pytest.raises(ResumeError, match="pipeline.batch is 2 in the run dir but 3 now"):
+        await run(cfg.replace(steps=4, batch=3, resume=tmp_path / "run"), ToyTask(), session)
+
+
 async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path) -> None:
     import json
 

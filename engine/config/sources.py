@@ -11,7 +11,6 @@ key it came from (exit code 2).
 from __future__ import annotations
 
 import argparse
-import logging
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -34,8 +33,6 @@ __all__ = [
     "stored_settings",
     "task_own_settings",
 ]
-
-_log = logging.getLogger(__name__)
 
 Values = dict[str, dict[str, Any]]
 """Settings by group: ``{"pipeline": {"batch": 8}}``."""

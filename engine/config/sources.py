@@ -101,7 +101,7 @@ def _add_flag(group: argparse._ArgumentGroup, field: SettingField, text: str) ->
 
 
 def _first_line(doc: str | None) -> str:
-    return (doc or "").strip().splitlines()[0] if doc else ""
+    return doc.strip().splitlines()[0] if doc else ""
 
 
 def parse_task_args(items: Sequence[str], source: str = "--task-arg") -> dict[str, str]:

@@ -112,7 +112,7 @@ async def test_a_run_dir_recorded_before_the_settings_groups_resumes(tmp_path: P
     path.write_text(json.dumps(flat))
     steps = await run(cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session)
     assert [s.step for s in steps] == [3]
-    with pytest.raises(ResumeError, match="pipeline.batch is 2 in the run dir but 3 now"):
+    with pytest.raises(ResumeError, match=r"pipeline.batch is 2 in the run dir but 3 now"):
         await run(cfg.replace(steps=4, batch=3, resume=tmp_path / "run"), ToyTask(), session)
 
 

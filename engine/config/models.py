@@ -12,6 +12,7 @@ the group that declares it (one rule, :func:`route_flat`).
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
@@ -408,7 +409,8 @@ class SessionSettings(_Group):
     )
     local: bool = Field(
         False,
-        description="start the local server even if MINT_API_KEY is set (else only without one)",
+        description="start the local server even if MINT_API_KEY is set (without a key it "
+        "starts anyway)",
     )
     local_model: Annotated[
         Path | None, Setting(check=_model_dir_or_pretrained, unset="the packaged model")
@@ -492,6 +494,7 @@ GROUPS: Final[Mapping[str, type[_Group]]] = {
 """The groups of :class:`EngineConfig`, in the order ``--help`` shows them."""
 
 
+@functools.cache
 def all_settings() -> tuple[SettingField, ...]:
     """Every setting of :class:`EngineConfig`, group by group."""
     return tuple(f for name, model in GROUPS.items() for f in setting_fields(model, name))

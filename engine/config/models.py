@@ -543,7 +543,7 @@ def route_flat(data: Mapping[str, Any]) -> dict[str, Any]:
         out[group] = {**out.get(group, {}), **values}
     if task_own:
         task = out.setdefault("task", {})
-        spec = task.get("spec", "arithmetic")
+        spec = task.get("spec", TaskSettingsGroup.model_fields["spec"].default)
         for key, value in task_own.items():
             model, field = own_names[key]
             if spec != model.spec:

@@ -71,6 +71,8 @@ MAX_TOKENS = 16
 _TRAIN_PREFIX_FACTOR = 4
 """How many steps' worth of problems per training seed are kept out of the held-out set
 (the engine draws ``batch`` problems per step; the margin covers redrawn problems)."""
+DEFAULTS = EngineConfig()
+"""The engine's defaults (group, max_tokens, temperature) the runs keep."""
 Problem2 = tuple[int, int]
 """(a, b) of one addition problem."""
 DEFAULT_OUT = Path(__file__).parent / "results" / "learning.json"
@@ -220,8 +222,8 @@ def _train(
             run.steps_completed,
             run.metrics,
             run.step_ends,
-            config["learning_rate"],
-            config["lora_rank"],
+            config["training"]["learning_rate"],
+            config["model"]["lora_rank"],
             None,
         )
     engine_config = EngineConfig(
@@ -244,8 +246,8 @@ def _train(
         result.steps_completed,
         list(result.metrics),
         ends,
-        resolved.learning_rate,
-        resolved.lora_rank,
+        resolved.training.learning_rate,
+        resolved.model.lora_rank,
         model_id,
     )
 
@@ -409,9 +411,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "train": {
             "steps": args.steps,
             "batch": args.batch,
-            "group": EngineConfig.group,
-            "max_tokens": EngineConfig.max_tokens,
-            "temperature": EngineConfig.temperature,
+            "group": DEFAULTS.pipeline.group,
+            "max_tokens": DEFAULTS.sampling.max_tokens,
+            "temperature": DEFAULTS.sampling.temperature,
             "seeds": list(args.seeds),
         },
         "latency": args.latency,

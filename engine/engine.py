@@ -17,7 +17,7 @@ closed; httpx's ``ClientState`` is the model): entering it opens everything a ru
 into one :class:`_OpenRun` -- the run directory (:mod:`engine.rundir.directory`), the
 logs, the session and the :class:`~engine.supervision.supervisor.Supervisor` that trains,
 checkpoints, recovers and stops. Calls in the wrong state raise a RuntimeError that says what to do.
-Resuming (``config.resume``) continues the run dir's latest checkpoint; a local server
+Resuming (``config.checkpoints.resume``) continues the run dir's latest checkpoint; a local server
 keeps its checkpoints in ``<run dir>/local-server`` so a new process can load them
 after a crash.
 """
@@ -33,14 +33,14 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import TextIO
+from typing import Any, TextIO
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.config import EngineConfig, stored_profile
+from engine.config import EngineConfig, Profile, stored_profile
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
@@ -57,7 +57,6 @@ from engine.session.preflight import local_server_profile
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task, load_task
-from engine.tasks.arithmetic import ARITHMETIC_ARGS
 from engine.tasks.loader import preferred_local_model, task_spec
 
 __all__ = ["Engine", "SessionFactory", "StepHook"]
@@ -131,34 +130,34 @@ class Engine:
                 f"Engine(config, task=...) takes a task object, got {task!r}: a task spec "
                 "string goes in EngineConfig(task=...), a task class is instantiated first"
             )
-        if session is None and not config.local and not config.api_key:
+        if session is None and not config.session.local and not config.session.api_key_value:
             raise ConfigError(
                 "EngineConfig has no api_key and local=False: pass api_key (or build it with "
                 "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
                 "the local MinT server in this process"
             )
-        # config.json records the spec and arguments that rebuild the task (also one
-        # passed as an object), so --resume works alike from the CLI and when embedded.
+        changes: dict[str, Any] = {}
+        profiles: list[Profile] = []
         if task is not None:
-            spec, args = task_spec(task, config.task, config.task_args)
-            # The object carries its own settings: the arithmetic aliases are moot.
-            config = dataclasses.replace(
-                config, task=spec, task_args=args, op=None, min_operand=None, max_operand=None
-            )
-        if config.resume is not None:
+            # config.json records the spec and arguments that rebuild the task (also one
+            # passed as an object), so --resume works alike from the CLI and embedded.
+            spec, args = task_spec(task, config.task.spec, config.task.args)
+            changes["task"] = {"spec": spec, "args": args}
+        if config.checkpoints.resume is not None:
             # A resumed run keeps the settings it was started with unless given anew.
-            config = config.resolved(stored_profile(stored_config(config.resume)))
-        if config.uses_local_server and config.local_model is None:
-            # A task may name the model it runs on (the shipped environments do).
-            preferred = preferred_local_model(task, config.task)
-            config = dataclasses.replace(config, local_model=preferred)
+            profiles.append(stored_profile(stored_config(config.checkpoints.resume)))
         if config.uses_local_server:
-            # What the server started here will recommend, known before it starts.
-            config = config.resolved(local_server_profile(config.local_model))
-        # The rest is resolved once connected (open_session), before anything trains.
-        self._config = config.resolved()
+            # A task may name the model it runs on (the shipped environments do); what
+            # the server started here will recommend is known before it starts.
+            spec = changes.get("task", {}).get("spec", config.task.spec)
+            local_model = config.session.local_model or preferred_local_model(task, spec)
+            changes["local_model"] = local_model
+            profiles.append(local_server_profile(local_model))
+        # Resolved once from every profile known now; a remote server's recommendations
+        # fill what is left once connected (open_session), before anything trains.
+        self._config = config.resolved(*profiles, **changes)
         self._task = task
-        if not set(self._config.unresolved) & set(ARITHMETIC_ARGS):
+        if not self._config.unresolved_task_args:
             self._load_task()
         self._clock = clock
         self._session_source = session
@@ -334,8 +333,10 @@ class Engine:
         try:
             cfg = self._config
             files.write_config(cfg, self._task)
-            trackers = open_trackers(cfg.log_to, files.path, config_record(cfg, self._task))
-            log = RunLog(files.path / "metrics.jsonl", self._console, cfg.log_format, trackers)
+            trackers = open_trackers(cfg.logging.log_to, files.path, config_record(cfg, self._task))
+            log = RunLog(
+                files.path / "metrics.jsonl", self._console, cfg.logging.log_format, trackers
+            )
             resources.callback(log.close)
             events = EventLog(
                 files.path,
@@ -343,11 +344,15 @@ class Engine:
             )
             resources.callback(events.close)
             record = files.attach(log, events)
-            if cfg.max_steps_off_policy >= 1 and cfg.loss == "importance_sampling":
+            if (
+                cfg.pipeline.max_steps_off_policy >= 1
+                and cfg.training.loss == "importance_sampling"
+            ):
                 log.warning(
                     "off_policy_loss",
-                    f"--max-steps-off-policy {cfg.max_steps_off_policy} with the unclipped "
-                    "importance_sampling loss: a clipped loss (--loss ppo) is safer off-policy",
+                    f"--max-steps-off-policy {cfg.pipeline.max_steps_off_policy} with the "
+                    "unclipped importance_sampling loss: a clipped loss (--loss ppo) is safer "
+                    "off-policy",
                 )
             if self._session_source is None:
                 opened = await resources.enter_async_context(
@@ -373,7 +378,7 @@ class Engine:
                 session = await self._given_session(resources)
                 if files.resumed is not None:
                     await session.restore(files.resumed.checkpoint.state_path)
-            send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.steps))
+            send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.pipeline.steps))
             resources.callback(send.close)
             resources.callback(recv.close)
             supervisor = Supervisor(
@@ -424,18 +429,18 @@ class Engine:
         """Load the task (unless one was given) from the config's spec and arguments,
         and record the spec and arguments that rebuild it."""
         cfg = self._config
-        task = self._task if self._task is not None else load_task(cfg.task, cfg.task_args)
-        spec, args = task_spec(task, cfg.task, cfg.task_args)
+        task = self._task if self._task is not None else load_task(cfg.task.spec, cfg.task.args)
+        spec, args = task_spec(task, cfg.task.spec, cfg.task.args)
         self._task = task
-        self._config = dataclasses.replace(cfg, task=spec, task_args=args)
-        check_score_workers(task, parse_score_workers(cfg.score_workers))
-        if cfg.eval_every:
+        self._config = cfg.replace(task={"spec": spec, "args": args})
+        check_score_workers(task, parse_score_workers(cfg.scoring.score_workers))
+        if cfg.evaluation.eval_every:
             eval_problems_of(task)  # a task without held-out problems: ConfigError now
 
     @property
     def _task_name(self) -> str:
         """The task's name; its spec while the server still decides its arguments."""
-        return self._task.name if self._task is not None else self._config.task
+        return self._task.name if self._task is not None else self._config.task.spec
 
     def _start(self) -> _OpenRun:
         if self._lifecycle in (_Lifecycle.UNOPENED, _Lifecycle.OPENING):

@@ -30,6 +30,7 @@ import anyio
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import EngineConfig, parse_task_args
+from engine.config.records import flat_settings
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError, EngineError, find_error
 from engine.loop.evaluation import env_context, eval_problems_of, evaluate, evaluate_episodes
@@ -81,7 +82,8 @@ class EvalRequest:
 
 def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConfig:
     stored = stored_config(ref.run_dir) if ref.run_dir is not None else {}
-    settings: dict[str, Any] = {k: stored[k] for k in _FROM_RUN if stored.get(k) is not None}
+    recorded = flat_settings(stored)
+    settings: dict[str, Any] = {k: recorded[k] for k in _FROM_RUN if recorded.get(k) is not None}
     if settings.get("task_args", {}).get("eval_size") == "0":
         # a run without --eval-every held nothing out: the task's default held-out set
         settings["task_args"] = {k: v for k, v in settings["task_args"].items() if k != "eval_size"}
@@ -101,8 +103,8 @@ def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConf
         settings.update(api_key=None, base_url=None)
     elif request.base_url is not None:
         settings["base_url"] = request.base_url
-    elif isinstance(stored.get("base_url"), str):
-        settings["base_url"] = stored["base_url"]
+    elif isinstance(recorded.get("base_url"), str):
+        settings["base_url"] = recorded["base_url"]
     # eval_every: the arithmetic task then holds out its default number of pairs
     return EngineConfig.from_env(**settings, eval_every=1, steps=1, progress=False).resolved()
 
@@ -124,7 +126,7 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
             assert ref.directory is not None
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-eval-")))
             path = _stage(ref.directory, data_dir)
-            if config.local_model is None:
+            if config.session.local_model is None:
                 config = _with_base_model_of(config, ref.directory)
         else:
             assert ref.tinker_path is not None
@@ -133,10 +135,10 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
             open_session(config, guard=service_guard(config), local_data_dir=data_dir)
         )
         config = session.config
-        task = load_task(config.task, config.task_args)
+        task = load_task(config.task.spec, config.task.args)
         renderer = PromptRenderer(task, session.tokenizer)
         problems = eval_problems_of(task)
-        limits = config.episode_limits().within(session.info.max_context)
+        limits = config.environment.episode_limits().within(session.info.max_context)
 
         async def measure(sampler: Any) -> dict[str, float]:
             if is_env_task(task):
@@ -144,12 +146,12 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
                     session,
                     sampler,
                     task,  # type: ignore[arg-type]
-                    env_context(renderer, config.stop_at_eos, limits),
+                    env_context(renderer, config.sampling.stop_at_eos, limits),
                     problems,
-                    max_tokens=config.max_tokens,
-                    concurrency=config.concurrency,
+                    max_tokens=config.sampling.max_tokens,
+                    concurrency=config.pipeline.concurrency,
                     samples=request.samples,
-                    temperature=config.temperature,
+                    temperature=config.sampling.temperature,
                 )
             else:
                 metrics = await evaluate(
@@ -158,15 +160,15 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
                     renderer,
                     Scorer(
                         task,
-                        concurrency=config.score_concurrency,
-                        workers=parse_score_workers(config.score_workers),
+                        concurrency=config.scoring.score_concurrency,
+                        workers=parse_score_workers(config.scoring.score_workers),
                     ),
                     problems,
-                    max_tokens=config.max_tokens,
-                    stop_at_eos=config.stop_at_eos,
-                    concurrency=config.concurrency,
+                    max_tokens=config.sampling.max_tokens,
+                    stop_at_eos=config.sampling.stop_at_eos,
+                    concurrency=config.pipeline.concurrency,
                     samples=request.samples,
-                    temperature=config.temperature,
+                    temperature=config.sampling.temperature,
                 )
             return {k.removeprefix("eval/"): v for k, v in metrics.items()}
 
@@ -177,8 +179,8 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
             "step": ref.step,
             "task": task.name,
             "samples": request.samples,
-            "temperature": config.temperature,
-            "max_tokens": config.max_tokens,
+            "temperature": config.sampling.temperature,
+            "max_tokens": config.sampling.max_tokens,
             "metrics": await measure(await session.open_sampler(step, path)),
         }
         if request.baseline:
@@ -193,8 +195,6 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
 
 def _with_base_model_of(config: EngineConfig, directory: Path) -> EngineConfig:
     """Serve the base model the checkpoint was trained on."""
-    import dataclasses
-
     from engine.export import base_model_source
 
     meta = json.loads((directory / "meta.json").read_text(encoding="utf-8"))
@@ -204,7 +204,7 @@ def _with_base_model_of(config: EngineConfig, directory: Path) -> EngineConfig:
             f"the checkpoint's base model {meta.get('base_model')!r} is not a local model "
             "the local server can serve"
         )
-    return dataclasses.replace(config, local_model=source, base_model=None)
+    return config.replace(local_model=source, base_model=None)
 
 
 def _sampler_path(ref: CheckpointRef) -> str:

@@ -3,7 +3,7 @@
 With no flags it behaves like ``quickstart/custom_reward.py`` (same environment
 variables, same per-step line, ``Saved: <path>`` at the end); without MINT_API_KEY it
 starts the local server and trains its small model on two-digit addition. Every knob is
-a flag (``--help`` names its environment variable and default).
+a flag (``--help`` shows them by group, each with its environment variable and default).
 
 ``--resume <run dir>`` continues a run from its latest checkpoint with the settings in
 its config.json (flags may extend ``--steps`` or change timeouts/retries; changing what
@@ -33,10 +33,9 @@ from tqdm import tqdm
 
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import (
-    KNOBS,
     EngineConfig,
+    add_setting_arguments,
     config_from_sources,
-    parse_task_args,
     read_config_file,
     stored_settings,
 )
@@ -60,40 +59,12 @@ def build_parser() -> argparse.ArgumentParser:
             "Without MINT_API_KEY the local MinT-compatible server is started."
         ),
     )
-    for knob in KNOBS:
-        parser.add_argument(
-            knob.flag, dest=knob.field, default=None, metavar="VALUE", help=knob.help_text()
-        )
-    parser.add_argument(
-        "--local",
-        action="store_true",
-        help="start the local server even if MINT_API_KEY is set (default: only without one)",
-    )
-    parser.add_argument(
-        "--stop-at-eos",
-        action="store_true",
-        help="stop sampling at the tokenizer's EOS (default: off, like the quickstart: "
-        "tinker 0.22 drops its stop_token_ids)",
-    )
-    parser.add_argument(
-        "--no-progress", action="store_true", help="no progress bar (default: shown on a TTY)"
-    )
-    parser.add_argument(
-        "--task-arg",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="an argument of the task (repeatable), e.g. reward=numeric for jsonl tasks",
-    )
-    parser.add_argument(
-        "--init-from-optimizer",
-        action="store_true",
-        help="with --init-from: load the optimizer state too (default: weights only)",
-    )
+    add_setting_arguments(parser)
     parser.add_argument(
         "--config",
         metavar="FILE",
-        help="a TOML file of settings (keys are flag names); flags and the environment override it",
+        help="a TOML file of settings: a table per group ([sampling] temperature = 1.0), "
+        "or flat keys named like the flags; flags and the environment override it",
     )
     add_version_flag(parser)
     return parser
@@ -101,29 +72,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> EngineConfig:
     """The config from the command line and the environment (ConfigError, exit 2)."""
-    args = build_parser().parse_args(argv)
-    flags = {knob.field: getattr(args, knob.field) for knob in KNOBS}
-    from_file = read_config_file(Path(args.config).expanduser()) if args.config else {}
+    args = vars(build_parser().parse_args(argv))
+    config_file = args.pop("config")
+    from_file = read_config_file(Path(config_file).expanduser()) if config_file else {}
     defaults: dict[str, Any] = {}
-    resume = flags.get("resume") or from_file.get("resume")
+    resume = args.get("resume") or from_file.get("checkpoints", {}).get("resume")
     if resume is not None:
         run_dir = Path(resume).expanduser()
         # ResumeError (exit 2) if unusable; the engine checks its checkpoints.
         stored = read_run_config(run_dir)
         defaults = stored_settings(stored, str(run_dir / CONFIG_FILE))
-    file_args = from_file.pop("task_args", {})
-    defaults = {**defaults, **from_file}
-    defaults["task_args"] = {**defaults.get("task_args", {}), **file_args}
-    return config_from_sources(
-        flags,
-        environ,
-        local=args.local,
-        stop_at_eos=args.stop_at_eos,
-        progress=not args.no_progress,
-        defaults=defaults,
-        task_args=parse_task_args(args.task_arg),
-        init_from_optimizer=args.init_from_optimizer,
-    )
+    for group, values in from_file.items():
+        merged = {**defaults.get(group, {}), **values}
+        if "args" in values:  # task arguments merge key by key
+            merged["args"] = {**defaults.get(group, {}).get("args", {}), **values["args"]}
+        defaults[group] = merged
+    return config_from_sources(args, environ, defaults=defaults)
 
 
 class _TqdmSafeStream:
@@ -150,7 +114,7 @@ async def _run(engine: Engine, bar: tqdm[Any] | None) -> RunResult:
     engine.add_step_hook(advance)
     # The engine reports the stop itself (console + events.jsonl).
     interrupt = SignalInterrupt(on_interrupt=engine.request_stop, log=QUIET)
-    monitor = LoopMonitor(blocked_limit=engine.config.stall_timeout)
+    monitor = LoopMonitor(blocked_limit=engine.config.pipeline.stall_timeout)
     result: RunResult | None = None
     async with anyio.create_task_group() as tg:
         await tg.start(interrupt.watch)
@@ -179,14 +143,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     install_stdlib_redaction()
     try:
         config = parse_config(argv, os.environ)
-        show_bar = config.progress and sys.stderr.isatty()
+        show_bar = config.logging.progress and sys.stderr.isatty()
         console: TextIO = _TqdmSafeStream(sys.stdout) if show_bar else sys.stdout  # type: ignore[assignment]
         engine = Engine(config, console=console)
     except ConfigError as exc:
         print(f"Error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
     bar = (
-        tqdm(total=config.steps, desc="steps", unit="step", file=sys.stderr, leave=False)
+        tqdm(total=config.pipeline.steps, desc="steps", unit="step", file=sys.stderr, leave=False)
         if show_bar
         else None
     )
@@ -199,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return exit_code(exc)
     if bar is not None:
         bar.close()
-    if config.log_format == "json":
+    if config.logging.log_format == "json":
         print(f"Saved: {result.final_path}", file=sys.stderr)
     return 0
 

@@ -1,6 +1,6 @@
 """Generate the docs' option tables from the code, so the docs cannot drift.
 
-Why generated: ``python -m engine.run`` builds its flags from the knob table in
+Why generated: ``python -m engine.run`` builds its flags from the settings models in
 :mod:`engine.config` and ``python -m engine.local`` from its argparse parser; the docs
 show both as tables (``docs/settings.md``, ``docs/local-server.md``). This script renders
 those tables from the same sources and either rewrites the sections between the
@@ -19,7 +19,9 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from engine.config import KNOBS
+from engine.common.setting import setting_fields
+from engine.config import GROUPS
+from engine.config.sources import default_text, task_own_settings
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
 
@@ -60,19 +62,25 @@ def _strip_default(help_text: str) -> tuple[str, str]:
 
 
 def run_table() -> str:
-    """Markdown table of every ``python -m engine.run`` option."""
-    rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
-    knob_flags = {knob.flag: knob for knob in KNOBS}
+    """Markdown table of every ``python -m engine.run`` option, group by group (the
+    TOML key names the group's table)."""
+    rows = [
+        "| flag | environment | TOML key | default | on resume | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    settings = [(f, None, f.path) for name, m in GROUPS.items() for f in setting_fields(m, name)]
+    settings += [(f, t.spec, f"task.args.{f.name}") for t, f in task_own_settings()]
+    for field, task, key in settings:
+        env = ", ".join(_code(name) for name in field.marker.env)
+        default = _code(default_text(field, task))
+        rows.append(
+            f"| `{field.flag}` | {_cell(env)} | `{key}` | {_cell(default)} | "
+            f"{field.marker.resume} | {_cell(field.description)} |"
+        )
+    flags = {field.flag for field, _, _ in settings}
     for action in _options(build_run_parser()):
-        flag = _long_flag(action)
-        knob = knob_flags.get(flag)
-        if knob is not None:
-            env = ", ".join(_code(name) for name in knob.env)
-            rows.append(
-                f"| `{flag}` | {_cell(env)} | {_cell(_code(knob.default))} | {_cell(knob.help)} |"
-            )
-        else:  # the switches: off unless given; their help says when they matter
-            rows.append(f"| `{flag}` |  | `off` | {_cell(action.help or '')} |")
+        if _long_flag(action) not in flags:
+            rows.append(f"| `{_long_flag(action)}` |  |  |  |  | {_cell(action.help or '')} |")
     return "\n".join(rows)
 
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,7 +31,7 @@ def small_config(server: LocalServer, run_dir: Path, **overrides: Any) -> Engine
         temperature=1.0,
         run_dir=run_dir,
     )
-    return replace(base, **overrides)
+    return base.replace(**overrides)
 
 
 def quickstart_task_knobs(server: LocalServer) -> dict[str, Any]:

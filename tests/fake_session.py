@@ -22,7 +22,7 @@ from engine.session.api import (
     PendingSnapshot,
     SampleResult,
     SamplerHandle,
-    SamplingSettings,
+    SamplingParams,
     ServerInfo,
     StepTicket,
     TrainResult,
@@ -71,7 +71,7 @@ class FakeSession:
         sampler: SamplerHandle,
         prompt_tokens: Sequence[int],
         num_samples: int,
-        settings: SamplingSettings,
+        settings: SamplingParams,
     ) -> SampleResult:
         await anyio.lowlevel.checkpoint()
         self.log.append(("sample", sampler.version))

@@ -9,7 +9,6 @@ import subprocess
 import sys
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +27,7 @@ REPO = Path(__file__).resolve().parents[1]
 def fast_config(server: LocalServer, run_dir: Path, **overrides: Any) -> EngineConfig:
     """``small_config`` with short retry waits and a checkpoint every 2 steps."""
     base = small_config(server, run_dir, retry_backoff=0.01, checkpoint_every=2)
-    return replace(base, **overrides)
+    return base.replace(**overrides)
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:

@@ -166,7 +166,7 @@ def run_dir_with_checkpoints(tmp_path: Path) -> Path:
 
 def test_resume_returns_config_and_latest_checkpoint(tmp_path: Path) -> None:
     run_dir = run_dir_with_checkpoints(tmp_path)
-    # More steps, another key and other trackers are allowed on resume (RESUME_CHANGEABLE).
+    # More steps, another key and other trackers are allowed on resume (their resume markers).
     changed = {**CONFIG, "steps": 20, "api_key": "tml-anotheranotheranother", "log_to": ["wandb"]}
     state = load_resume_state(run_dir, current_config=changed)
     assert state.step == 6
@@ -199,9 +199,9 @@ def test_resume_refuses_a_different_config(tmp_path: Path) -> None:
         load_resume_state(run_dir, current_config=changed)
     message = str(info.value)
     assert "\n" not in message
-    assert "lora_rank is 8 in the run dir but 16 now" in message
-    assert "loss.clip is 0.2 in the run dir but 0.3 now" in message
-    assert "group is new (4)" in message
+    assert "model.lora_rank is 8 in the run dir but 16 now" in message
+    assert "training.loss.clip is 0.2 in the run dir but 0.3 now" in message
+    assert "pipeline.group is new (4)" in message
 
 
 # --------------------------------------------------------------------------- metrics

@@ -220,24 +220,25 @@ def test_flags_beat_env_which_beats_profile() -> None:
         {"batch": "3", "learning_rate": "1e-3"},
         {"MINT_CUSTOM_REWARD_BATCH": "5", "MINT_CUSTOM_REWARD_STEPS": "2", "MINT_LORA_RANK": "4"},
     )
-    assert (cfg.batch, cfg.steps) == (3, 2)
+    assert (cfg.pipeline.batch, cfg.pipeline.steps) == (3, 2)
     assert cfg.uses_local_server
     local = cfg.resolved(local_server_profile(None))
-    assert (local.learning_rate, local.lora_rank) == (1e-3, 4)
-    assert local.task_args == {"op": "+", "min_operand": "10", "max_operand": "99"}
+    assert (local.training.learning_rate, local.model.lora_rank) == (1e-3, 4)
+    assert local.task.args == {"op": "+", "min_operand": "10", "max_operand": "99"}
     hosted = config_from_sources({}, {"MINT_API_KEY": "sk-abcdefghijkl"}).resolved(HOSTED_PROFILE)
     assert not hosted.uses_local_server
-    assert (hosted.base_model, hosted.learning_rate, hosted.lora_rank) == (
+    assert (hosted.model.base_model, hosted.training.learning_rate, hosted.model.lora_rank) == (
         "Qwen/Qwen3-0.6B",
         2e-5,
         16,
     )
-    assert hosted.task_args == {"op": "*", "min_operand": "10", "max_operand": "199"}
+    assert hosted.task.args == {"op": "*", "min_operand": "10", "max_operand": "199"}
     # TINKER_* are the fallbacks, as in the quickstart
     tinker = config_from_sources(
         {}, {"TINKER_API_KEY": "tml-abcdefgh", "TINKER_BASE_URL": "http://tinker.test"}
     )
-    assert tinker.api_key == "tml-abcdefgh" and tinker.base_url == "http://tinker.test"
+    assert tinker.session.api_key_value == "tml-abcdefgh"
+    assert tinker.session.base_url == "http://tinker.test"
 
 
 def test_api_key_never_reaches_config_dict_or_repr() -> None:
@@ -257,16 +258,16 @@ def test_embedding_config_errors_name_the_field() -> None:
 
 
 def test_loss_configs_sent_with_forward_backward() -> None:
-    assert EngineConfig(loss="importance_sampling").loss_fn_config() is None
-    assert EngineConfig(loss="ppo", clip_low=0.7, clip_high=1.3).loss_fn_config() == {
+    assert EngineConfig(loss="importance_sampling").training.loss_fn_config() is None
+    assert EngineConfig(loss="ppo", clip_low=0.7, clip_high=1.3).training.loss_fn_config() == {
         "clip_low_threshold": 0.7,
         "clip_high_threshold": 1.3,
     }
-    assert EngineConfig(loss="cispo").loss_fn_config() == {
+    assert EngineConfig(loss="cispo").training.loss_fn_config() == {
         "clip_low_threshold": 0.8,
         "clip_high_threshold": 1.2,
     }
-    assert EngineConfig(loss="dro", dro_beta=0.2).loss_fn_config() == {"beta": 0.2}
+    assert EngineConfig(loss="dro", dro_beta=0.2).training.loss_fn_config() == {"beta": 0.2}
 
 
 def _cli_env(**extra: str) -> dict[str, str]:
@@ -310,10 +311,11 @@ def test_default_run_against_the_local_server_leaves_a_readable_run_dir(tmp_path
     assert all(e["off_policy/staleness"] <= 1 for e in events)
     assert any(e["off_policy/staleness"] == 1 for e in events)
     config = json.loads((run_dir / "config.json").read_text())
-    assert (config["steps"], config["batch"], config["group"]) == (8, 8, 6)
+    pipeline = config["pipeline"]
+    assert (pipeline["steps"], pipeline["batch"], pipeline["group"]) == (8, 8, 6)
     assert config["server"] == "local"
     # No --eval-every: no held-out pairs, exactly the quickstart's problems.
-    assert config["task_args"] == {
+    assert config["task"]["args"] == {
         **local_server_profile(None).task_args["arithmetic"],
         "eval_size": "0",
     }
@@ -390,17 +392,16 @@ def test_runtime_failure_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
     assert "status: **failed**" in (tmp_path / "r" / "summary.md").read_text()
 
 
-def test_every_config_field_is_a_flag() -> None:
-    import dataclasses
+def test_every_setting_is_a_flag_in_its_group() -> None:
+    from engine.config import GROUPS, all_settings
 
-    from engine.config import KNOBS
-
-    # store_true flags of the CLI, and --task-arg (repeatable)
-    switches = {"local", "stop_at_eos", "progress", "init_from_optimizer", "task_args"}
-    fields = {f.name for f in dataclasses.fields(EngineConfig)}
-    assert fields - switches == {k.field for k in KNOBS}
+    groups = {g.title: g for g in build_parser()._action_groups}
+    for field in all_settings():
+        group = groups[f"{field.group} settings"]
+        assert field.flag in {s for a in group._group_actions for s in a.option_strings}
+    assert set(GROUPS) == {
+        t.removesuffix(" settings") for t in groups if t.endswith(" settings")
+    } - {"arithmetic task"}
     flags = build_parser().format_help()
-    for knob in KNOBS:
-        assert knob.flag in flags
     for switch in ("--local", "--stop-at-eos", "--no-progress", "--init-from-optimizer"):
         assert switch in flags

@@ -2,7 +2,7 @@
 and against a real run: option tables, commands, code, the run-directory description,
 links, and the README's length.
 
-Why tests and not care: a flag renamed in ``engine/config.py`` or a metric added to the
+Why tests and not care: a flag renamed in ``engine/config/`` or a metric added to the
 pipeline silently turns the docs into fiction; these checks fail instead.
 """
 

@@ -13,7 +13,6 @@ import socket
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -92,7 +91,7 @@ def test_steps_hooks_and_run_directory(server: LocalServer, tmp_path: Path) -> N
 
     config_json = (tmp_path / "run" / "config.json").read_text()
     assert API_KEY not in config_json and "api_key" not in config_json
-    assert json.loads(config_json)["base_model"] == server.model_name
+    assert json.loads(config_json)["model"]["base_model"] == server.model_name
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "finished"
     assert summary["final_path"] == result.final_path
@@ -227,9 +226,10 @@ def test_an_embedding_never_starts_a_local_server_it_did_not_ask_for() -> None:
 def test_from_env_reads_the_environment_like_the_cli() -> None:
     env = {"MINT_API_KEY": "sk-abc", "MINT_CUSTOM_REWARD_STEPS": "3"}
     hosted = EngineConfig.from_env(env, batch=2)
-    assert (hosted.api_key, hosted.steps, hosted.batch, hosted.local) == ("sk-abc", 3, 2, False)
-    assert EngineConfig.from_env({}).local  # nothing to connect to: the local server
-    assert not EngineConfig.from_env({}, api_key="sk-x").local
+    assert hosted.session.api_key_value == "sk-abc" and not hosted.session.local
+    assert (hosted.pipeline.steps, hosted.pipeline.batch) == (3, 2)
+    assert EngineConfig.from_env({}).session.local  # nothing to connect to: the local server
+    assert not EngineConfig.from_env({}, api_key="sk-x").session.local
     with pytest.raises(ConfigError, match="MINT_CUSTOM_REWARD_STEPS must be an integer"):
         EngineConfig.from_env({"MINT_CUSTOM_REWARD_STEPS": "many"})
 
@@ -276,8 +276,8 @@ def test_preflight_rejected_key_and_unknown_model(tmp_path: Path) -> None:
             "check MINT_API_KEY"
         )
         assert "tml-a-wrong-key" not in str(info.value)
-        unknown = replace(
-            config, api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
+        unknown = config.replace(
+            api_key="tml-the-right-key", base_model="nope/model", run_dir=tmp_path / "b"
         )
         with pytest.raises(PreflightError) as info:
             anyio.run(_enter, unknown)

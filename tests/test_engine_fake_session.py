@@ -25,9 +25,7 @@ pytestmark = pytest.mark.anyio
 
 
 def fake_config(run_dir: Path, **changes: Any) -> EngineConfig:
-    return dataclasses.replace(
-        config(**changes), run_dir=run_dir, checkpoint_every=1, progress=False
-    )
+    return config(**changes).replace(run_dir=run_dir, checkpoint_every=1, progress=False)
 
 
 async def run(cfg: EngineConfig, task: Any, session: Any, **kwargs: Any) -> list[StepResult]:
@@ -69,7 +67,7 @@ async def test_the_supervisor_recovers_a_lost_step_on_the_fake_session(tmp_path:
 
 async def test_a_recovery_leaves_each_step_once_in_every_run_file(tmp_path: Path) -> None:
     session = FakeSession(fail_step=4)
-    cfg = dataclasses.replace(fake_config(tmp_path / "run", log_rollouts=1), checkpoint_every=2)
+    cfg = fake_config(tmp_path / "run", log_rollouts=1).replace(checkpoint_every=2)
     steps = await run(cfg, ToyTask(), session)
     assert ("failed", 4) in session.log and ("restore", 2) in session.log
     assert [s.step for s in steps] == [1, 2, 3, 3, 4]  # step 3 is redone after the restore
@@ -103,11 +101,35 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
     assert task.built[3] == 1  # its episode was in flight at the stop
 
     blocked.set()
-    resumed = dataclasses.replace(cfg, resume=tmp_path / "run")
+    resumed = cfg.replace(resume=tmp_path / "run")
     second = await run(resumed, task, session)
     trained = [g.problem.id for s in first + second for g in s.groups]
     assert trained == [0, 1, 2, 3, 4, 5]  # each once
     assert task.built[3] == 2  # restarted from its problem
+
+
+async def test_a_run_dir_recorded_before_the_settings_groups_resumes(tmp_path: Path) -> None:
+    """A config.json with the flat keys of before the groups (``"batch": 2``) resumes as
+    the run recorded it, and a change of what is trained is still refused."""
+    import json
+
+    from engine.config import all_settings
+    from engine.errors import ResumeError
+
+    session = FakeSession()
+    cfg = fake_config(tmp_path / "run", steps=2)
+    await run(cfg, ToyTask(), session)
+    path = tmp_path / "run" / "config.json"
+    nested = json.loads(path.read_text())
+    flat = {k: v for k, v in nested.items() if not isinstance(v, dict)}
+    for field in all_settings():
+        if field.name in nested.get(str(field.group), {}):
+            flat[field.flat] = nested[str(field.group)][field.name]
+    path.write_text(json.dumps(flat))
+    steps = await run(cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session)
+    assert [s.step for s in steps] == [3]
+    with pytest.raises(ResumeError, match=r"pipeline.batch is 2 in the run dir but 3 now"):
+        await run(cfg.replace(steps=4, batch=3, resume=tmp_path / "run"), ToyTask(), session)
 
 
 async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path) -> None:
@@ -117,11 +139,9 @@ async def test_a_run_started_before_the_episode_settings_resumes(tmp_path: Path)
     path = tmp_path / "run" / "config.json"
     stored = json.loads(path.read_text())
     for key in ("env_max_turns", "env_max_tokens", "episode_timeout", "on_limit"):
-        del stored[key]  # as a run dir written before these settings existed
+        del stored["environment"][key]  # as a run dir written before these settings existed
     path.write_text(json.dumps(stored))
-    steps = await run(
-        dataclasses.replace(cfg, steps=3, resume=tmp_path / "run"), ToyTask(), session
-    )
+    steps = await run(cfg.replace(steps=3, resume=tmp_path / "run"), ToyTask(), session)
     assert [s.step for s in steps] == [3]
 
 

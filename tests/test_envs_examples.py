@@ -74,13 +74,13 @@ def test_the_tasks_run_on_the_packaged_agent_model_unless_one_is_given(tokenizer
         assert preferred_local_model(None, name) == AGENT_MODEL_DIR  # from the spec
         assert preferred_local_model(load_task(name), name) == AGENT_MODEL_DIR
         engine = Engine(EngineConfig(task=name, local=True))
-        assert engine.config.local_model == AGENT_MODEL_DIR
+        assert engine.config.session.local_model == AGENT_MODEL_DIR
         given = Engine(EngineConfig(task=name, local=True, local_model=DEFAULT_MODEL_DIR))
-        assert given.config.local_model == DEFAULT_MODEL_DIR
-    assert Engine(EngineConfig(task="arithmetic", local=True)).config.local_model is None
+        assert given.config.session.local_model == DEFAULT_MODEL_DIR
+    assert Engine(EngineConfig(task="arithmetic", local=True)).config.session.local_model is None
     assert preferred_local_model(None, "no.such.module:Task") is None  # load_task says why
     remote = Engine(EngineConfig(task="calculator", base_url="http://127.0.0.1:9", api_key="k"))
-    assert remote.config.local_model is None  # a remote server serves its own models
+    assert remote.config.session.local_model is None  # a remote server serves its own models
     assert base_model_source(make_model.AGENT_MODEL_NAME) == str(AGENT_MODEL_DIR)
 
 

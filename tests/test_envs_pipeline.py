@@ -163,7 +163,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     session = FakeSession()
     release = session.hold(1)
     cfg = config(steps=3, batch=2, group=2, max_steps_off_policy=1)
-    source = task.source(cfg.seed)
+    source = task.source(cfg.task.seed)
     gate, seen, first_run = StopGate(), [], []
     pipeline = Pipeline(
         cfg,
@@ -199,7 +199,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
         cfg,
         task,
         session,
-        task.source(cfg.seed, state.source_state),
+        task.source(cfg.task.seed, state.source_state),
         state,
         SamplerHandle(1, 1),
         _record(second_run),

@@ -6,7 +6,6 @@ a single-turn task, Ray missing). Skipped where Ray is not installed."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import threading
@@ -130,7 +129,7 @@ async def test_an_unpicklable_task_is_one_line_before_the_run(tmp_path: Path) ->
     from engine import Engine
 
     session = FakeSession()
-    cfg = dataclasses.replace(config(score_workers="ray:2"), run_dir=tmp_path / "run")
+    cfg = config(score_workers="ray:2").replace(run_dir=tmp_path / "run")
     task = RemoteTask(held=threading.Lock())  # cloudpickle cannot send a lock
     with pytest.raises(ConfigError, match="--score-workers ray:2 needs a picklable task") as e:
         async with Engine(cfg, task=task, session=session):  # type: ignore[arg-type]

@@ -64,7 +64,7 @@ async def run_pipeline(
     on_step: Callable[[StepResult], Awaitable[None]] | None = None,
 ) -> tuple[PipelineOutcome | None, list[StepResult]]:
     task = task or ToyTask()
-    source = task.source(cfg.seed)
+    source = task.source(cfg.task.seed)
     state = LoopState(0, source.state(), 0)
     results: list[StepResult] = []
 

@@ -72,7 +72,7 @@ def test_the_engine_accepts_a_pretrained_model_name_as_its_local_model() -> None
     from engine.errors import ConfigError
 
     config = config_from_sources({"local_model": "smollm2-135m"}, {})
-    assert config.uses_local_server and str(config.local_model) == "smollm2-135m"
+    assert config.uses_local_server and str(config.session.local_model) == "smollm2-135m"
     with pytest.raises(ConfigError, match="existing directory or one of smollm2-135m"):
         config_from_sources({"local_model": "no-such-model"}, {})
 

@@ -40,12 +40,16 @@ def test_a_server_without_recommendations_gets_the_hosted_profile() -> None:
     for answer in (hosted, {"supported_models": []}, {}, None):
         assert server_profile(answer) == HOSTED_PROFILE
     resolved = EngineConfig(api_key="sk-k").resolved(server_profile(hosted))
-    assert (resolved.base_model, resolved.lora_rank, resolved.learning_rate) == (
+    assert (
+        resolved.model.base_model,
+        resolved.model.lora_rank,
+        resolved.training.learning_rate,
+    ) == (
         "Qwen/Qwen3-0.6B",
         16,
         2e-5,
     )
-    assert resolved.task_args == {"op": "*", "min_operand": "10", "max_operand": "199"}
+    assert resolved.task.args == {"op": "*", "min_operand": "10", "max_operand": "199"}
 
 
 @contextmanager
@@ -111,7 +115,7 @@ def test_recommendations_name_the_model_and_the_hosted_profile_fills_the_rest() 
         HOSTED_PROFILE.lora_rank,
     )
     resolved = EngineConfig(api_key="sk-k").resolved(profile)
-    assert resolved.task_args == {"op": "+", "min_operand": "10", "max_operand": "50"}
+    assert resolved.task.args == {"op": "+", "min_operand": "10", "max_operand": "50"}
     assert resolved.unresolved == ()
 
 
@@ -135,8 +139,8 @@ def test_explicit_settings_win_and_a_resume_keeps_its_stored_ones() -> None:
     config = EngineConfig(local=True, learning_rate=1e-3, op="-", task_args={"max_operand": "20"})
     assert config.unresolved == ("base_model", "lora_rank", "min_operand")
     resolved = config.resolved(local)
-    assert (resolved.learning_rate, resolved.lora_rank) == (1e-3, local.lora_rank)
-    assert resolved.task_args == {"op": "-", "min_operand": "10", "max_operand": "20"}
+    assert (resolved.training.learning_rate, resolved.model.lora_rank) == (1e-3, local.lora_rank)
+    assert resolved.task.args == {"op": "-", "min_operand": "10", "max_operand": "20"}
     stored = stored_profile(
         {
             "base_model": "stored/model",
@@ -147,12 +151,12 @@ def test_explicit_settings_win_and_a_resume_keeps_its_stored_ones() -> None:
         }
     )
     resumed = EngineConfig(local=True, lora_rank=8, op="+").resolved(stored, local)
-    assert (resumed.base_model, resumed.lora_rank, resumed.learning_rate) == (
+    assert (resumed.model.base_model, resumed.model.lora_rank, resumed.training.learning_rate) == (
         "stored/model",
         8,
         0.01,
     )
-    assert resumed.task_args == {"op": "+", "min_operand": "1", "max_operand": "9"}
+    assert resumed.task.args == {"op": "+", "min_operand": "1", "max_operand": "9"}
 
 
 def test_the_packaged_model_records_what_its_server_recommends() -> None:
@@ -178,12 +182,13 @@ def test_a_run_against_a_separately_started_local_server_gets_its_settings(
         assert main([*small, "--run-dir", str(tmp_path / "b"), "--lr", "1e-3", "--op", "-"]) == 0
     served = json.loads((tmp_path / "a" / "config.json").read_text())
     assert served["server"] == "remote"
-    assert (served["base_model"], served["lora_rank"], served["learning_rate"]) == (
-        model,
-        local.lora_rank,
-        local.learning_rate,
-    )
-    assert served["task_args"].items() >= local.task_args["arithmetic"].items()
+    model_settings = served["model"]
+    assert (model_settings["base_model"], model_settings["lora_rank"]) == (model, local.lora_rank)
+    assert served["training"]["learning_rate"] == local.learning_rate
+    assert served["task"]["args"].items() >= local.task_args["arithmetic"].items()
     explicit = json.loads((tmp_path / "b" / "config.json").read_text())
-    assert (explicit["learning_rate"], explicit["lora_rank"]) == (1e-3, local.lora_rank)
-    assert explicit["task_args"] == {**served["task_args"], "op": "-"}
+    assert (explicit["training"]["learning_rate"], explicit["model"]["lora_rank"]) == (
+        1e-3,
+        local.lora_rank,
+    )
+    assert explicit["task"]["args"] == {**served["task"]["args"], "op": "-"}

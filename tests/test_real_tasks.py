@@ -10,7 +10,6 @@ import os
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -82,7 +81,7 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     assert [r["step"] for r in rollouts] == [1, 1, 2, 2, 3, 3]
     first = rollouts[0]
     assert first["prompt"] == f"<s>Question: {first['question']}\nAnswer:"
-    assert first["sampler_version"] == 0 and len(first["responses"]) == config.group
+    assert first["sampler_version"] == 0 and len(first["responses"]) == config.pipeline.group
     group = steps[0].groups[0]
     assert [r["reward"] for r in first["responses"]] == group.totals
     assert sum(r["advantage"] for r in first["responses"]) == pytest.approx(0.0, abs=1e-9)
@@ -92,8 +91,11 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     out = capsys.readouterr().out
     assert out.count("step 2 - problem") == 2 and "correct=" in out
     config_json = json.loads((run_dir / "config.json").read_text())
-    assert config_json["task"] == f"jsonl:{dataset.resolve()}"
-    assert config_json["task_args"] == {"eval_size": "6"}
+    assert config_json["task"] == {
+        "spec": f"jsonl:{dataset.resolve()}",
+        "args": {"eval_size": "6"},
+        "seed": 42,
+    }
 
 
 def test_the_default_task_evaluates_its_held_out_pairs(server: LocalServer, tmp_path: Path) -> None:
@@ -164,7 +166,10 @@ def test_hf_dataset_from_the_command_line_evaluates_its_test_split(
     assert "Eval after step 2: reward=" in out and "(6 held-out problems, greedy)" in out
     assert [e["step"] for e in lines(run_dir / "eval.jsonl")] == [0, 2]
     config_json = json.loads((run_dir / "config.json").read_text())
-    assert (config_json["task"], config_json["task_name"]) == (f"hf:{data.resolve()}", "hf-sums")
+    assert (config_json["task"]["spec"], config_json["task_name"]) == (
+        f"hf:{data.resolve()}",
+        "hf-sums",
+    )
     drawn = {i for m in lines(run_dir / "metrics.jsonl") for i in m["problem_ids"]}
     assert drawn == set(range(8))  # 2 steps of 4 draws from the 14 training rows
 
@@ -175,7 +180,10 @@ def test_embedded_user_task_resumes_from_the_cli(
     run_dir = tmp_path / "run"
     run_engine(small_config(server, run_dir, steps=1), task=DigitCountTask())
     config = json.loads((run_dir / "config.json").read_text())
-    assert (config["task"], config["task_args"]) == ("tests.user_tasks:DigitCountTask", {})
+    assert (config["task"]["spec"], config["task"]["args"]) == (
+        "tests.user_tasks:DigitCountTask",
+        {},
+    )
     monkeypatch.setenv("MINT_BASE_URL", server.base_url)
     monkeypatch.setenv("MINT_API_KEY", API_KEY)
     assert run_main(["--resume", str(run_dir), "--steps", "2", "--no-progress"]) == 0
@@ -234,7 +242,7 @@ def test_a_failing_eval_reward_is_skipped_or_stops_the_run(
     assert len(warned) == 3 and all("left out of the eval metrics" in w for w in warned)
     with pytest.raises(RewardError, match="the grader is down"):
         run_engine(
-            replace(config, run_dir=tmp_path / "fail", on_reward_error="fail"),
+            config.replace(run_dir=tmp_path / "fail", on_reward_error="fail"),
             task=_EvalRewardFails(),
         )
     summary = json.loads((tmp_path / "fail" / "summary.json").read_text())
@@ -282,7 +290,7 @@ def test_init_from_starts_from_saved_weights(
         assert start["step"] == 0
         # Greedy answers of the same weights (a shared batch may flip a near-tie).
         assert start["eval/reward/total"] == pytest.approx(a_evals[3], abs=0.1)
-        assert json.loads((tmp_path / name / "config.json").read_text())["init_from"] == (
+        assert json.loads((tmp_path / name / "config.json").read_text())["model"]["init_from"] == (
             state_path
         )
 

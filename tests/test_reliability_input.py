@@ -11,7 +11,6 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -25,7 +24,7 @@ from engine.loop.state import LoopState
 from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import write_config
-from engine.session.api import SamplingSettings
+from engine.session.api import SamplingParams
 from engine.session.preflight import local_server_profile
 from engine.tasks import load_task
 from engine.tasks.loader import task_spec
@@ -102,14 +101,14 @@ def make_run_dir(path: Path, **flags: str) -> None:
     """A run dir as a real run leaves it: config.json from the same flags, and a
     checkpoint record."""
     config = config_from_sources(
-        {k.replace("-", "_"): v for k, v in flags.items()}, {}, progress=False
+        {k.replace("-", "_"): v for k, v in flags.items()} | {"progress": False}, {}
     ).resolved(local_server_profile(None))
-    task = load_task(config.task, config.task_args)
-    spec, args = task_spec(task, config.task, config.task_args)  # as the engine records it
+    task = load_task(config.task.spec, config.task.args)
+    spec, args = task_spec(task, config.task.spec, config.task.args)  # as the engine records it
     write_config(
         path,
         {
-            **replace(config, task=spec, task_args=args).public_dict(),
+            **config.replace(task=spec, task_args=args).public_dict(),
             "task_repr": repr(task),
             "task_name": task.name,
         },
@@ -118,7 +117,7 @@ def make_run_dir(path: Path, **flags: str) -> None:
         step=2,
         state_path="tinker://model-x/weights/step-2",
         reason="periodic",
-        loop_state=LoopState(2, task.source(config.seed).state(), 2).to_dict(),
+        loop_state=LoopState(2, task.source(config.task.seed).state(), 2).to_dict(),
     )
     CheckpointLog(path).append(record)
 
@@ -149,9 +148,9 @@ def test_resume_errors_exit_2_with_one_line(
         ),
         (
             ["--resume", str(run), "--batch", "8", "--loss", "dro"],
-            f"Error: cannot resume {run}: the config differs from its config.json: batch is "
-            "4 in the run dir but 8 now; loss is 'ppo' in the run dir but "
-            "'dro' now (use the same settings, or a new run dir)",
+            f"Error: cannot resume {run}: the config differs from its config.json: "
+            "pipeline.batch is 4 in the run dir but 8 now; training.loss is 'ppo' in the run "
+            "dir but 'dro' now (use the same settings, or a new run dir)",
         ),
     ]
     for argv, message in cases:
@@ -201,7 +200,7 @@ def test_requests_the_server_refuses_fail_fast_with_the_reason(
                 await session.save_state("../../outside")
             _, weights = await session.save_checkpoint("ok", "ok")
             sampler = await session.open_sampler(0, weights)
-            params = SamplingSettings(max_tokens=2, temperature=1.0)
+            params = SamplingParams(max_tokens=2, temperature=1.0)
             with pytest.raises(PermanentServiceError) as too_many:
                 await session.sample(sampler, [1, 2, 3], 100_000, params)
             assert session.retries.totals()["retries/save_state"] == 0

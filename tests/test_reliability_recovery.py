@@ -9,7 +9,6 @@ history, each step once in metrics.jsonl, the same problems per step as a clean 
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 
 import anyio
@@ -132,7 +131,7 @@ def test_the_breaker_stops_with_a_checkpoint_and_the_run_resumes(tmp_path: Path)
     assert (summary["status"], summary["stopped"]["reason"]) == ("stopped", "breaker")
 
     with LocalServer(data_dir=data) as server:
-        again = replace(config, base_url=server.base_url, resume=run_dir)
+        again = config.replace(base_url=server.base_url, resume=run_dir)
         resumed, model_id = run_and_keep_model(again)
         applied = optimizer_steps_of(server, model_id)
 
@@ -242,7 +241,7 @@ def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
         assert [(g["step"], g["index"]) for g in pending] == [(2, i) for i in range(BATCH)]
 
         sampled_before = server.stats.requests["asample"]
-        resumed, model_id = run_and_keep_model(replace(config, resume=run_dir))
+        resumed, model_id = run_and_keep_model(config.replace(resume=run_dir))
         sampled = server.stats.requests["asample"] - sampled_before
         applied = optimizer_steps_of(server, model_id)
 

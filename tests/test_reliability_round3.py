@@ -249,13 +249,13 @@ def test_resume_refuses_a_changed_dataset(
     monkeypatch.delenv("MINT_API_KEY", raising=False)
     data = write_jsonl(tmp_path / "d.jsonl", [{"prompt": f"p{i}", "answer": i} for i in range(4)])
     run = tmp_path / "run"
-    config = config_from_sources({"task": f"jsonl:{data}"}, {}, progress=False).resolved(
+    config = config_from_sources({"task": f"jsonl:{data}", "progress": False}, {}).resolved(
         local_server_profile(None)
     )
-    task = load_task(config.task, config.task_args)
-    spec, args = task_spec(task, config.task, config.task_args)
-    write_config(run, config_record(replace(config, task=spec, task_args=args), task))
-    state = LoopState(1, task.source(config.seed).state(), 1).to_dict()
+    task = load_task(config.task.spec, config.task.args)
+    spec, args = task_spec(task, config.task.spec, config.task.args)
+    write_config(run, config_record(config.replace(task=spec, task_args=args), task))
+    state = LoopState(1, task.source(config.task.seed).state(), 1).to_dict()
     record = CheckpointRecord(1, "tinker://m/weights/step-1", "periodic", loop_state=state)
     CheckpointLog(run).append(record)
     write_jsonl(data, [{"prompt": f"p{i}", "answer": i + 1} for i in range(4)])
@@ -406,7 +406,7 @@ def test_leaving_steps_early_checkpoints_what_was_trained(
     run_dir = tmp_path / "run"
     # run_dir as a str; no periodic checkpoint before the end
     config = fast_config(server, run_dir, steps=6, checkpoint_every=0)
-    config = replace(config, run_dir=str(run_dir))  # type: ignore[arg-type]
+    config = config.replace(run_dir=str(run_dir))  # type: ignore[arg-type]
     console = io.StringIO()
 
     async def go() -> int:
@@ -445,7 +445,7 @@ def test_config_paths_accept_str_and_pathlike_and_a_task_object_is_redirected(
     tmp_path: Path,
 ) -> None:
     config = EngineConfig(local=True, run_dir=str(tmp_path / "a"))  # type: ignore[arg-type]
-    assert config.run_dir == tmp_path / "a"
+    assert config.logging.run_dir == tmp_path / "a"
     with pytest.raises(ConfigError, match=r"Engine\(config, task=\.\.\.\)"):
         EngineConfig(local=True, task=ArithmeticTask("+", 10, 99))  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="takes an EngineConfig first"):

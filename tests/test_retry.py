@@ -397,12 +397,12 @@ def test_policies_validate_and_bound_the_sdk() -> None:
         RetryPolicy(attempt_timeout=0)
     defaults = EngineConfig()
     policies = retry_policies(
-        attempts=defaults.retry_attempts,
-        backoff=defaults.retry_backoff,
-        request_timeout=defaults.request_timeout,
+        attempts=defaults.session.retry_attempts,
+        backoff=defaults.session.retry_backoff,
+        request_timeout=defaults.session.request_timeout,
     )
     assert set(policies) == set(OpKind)
-    assert policies[OpKind.SAMPLE].max_attempts == defaults.retry_attempts
+    assert policies[OpKind.SAMPLE].max_attempts == defaults.session.retry_attempts
     assert policies[OpKind.TRAIN_STEP].max_attempts == 1
     config = sdk_sampling_retry_config(policies[OpKind.SAMPLE])
     assert config.progress_timeout == policies[OpKind.SAMPLE].attempt_timeout

@@ -199,7 +199,9 @@ def test_a_start_up_killed_before_its_first_checkpoint_leaves_a_reusable_dir(
         [restart] = events(directory, "run_dir.restarted")
         assert f"{how} starts the run over in it from step 0" in restart["message"]
     assert "starts the run over in it from step 0" in fresh.stdout + fresh.stderr
-    assert json.loads((copy / "config.json").read_text())["batch"] == 4  # its own settings
+    assert (
+        json.loads((copy / "config.json").read_text())["pipeline"]["batch"] == 4
+    )  # its own settings
 
 
 @pytest.mark.skipif(not Path("/dev/full").exists(), reason="needs Linux's /dev/full")

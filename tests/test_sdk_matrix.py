@@ -86,7 +86,7 @@ def test_the_engine_trains_checkpoints_and_resumes(
     assert done.returncode == 0, done.stderr[-4000:]
     assert done.stdout.splitlines()[-1].startswith("Saved: tinker://")
     assert steps_of(run_dir) == [1, 2, 3]
-    assert json.loads((run_dir / "config.json").read_text())["sdk"] == sdk
+    assert json.loads((run_dir / "config.json").read_text())["session"]["sdk"] == sdk
 
     resumed = engine_run(sdk, server, "--resume", str(run_dir), "--steps", "5")
     assert resumed.returncode == 0, resumed.stderr[-4000:]
@@ -122,7 +122,7 @@ def test_gspo_trains_through_the_038_sdk(server: LocalServer, tmp_path: Path) ->
         "tinker", server, *wide, "--loss", "gspo", "--steps", "1", "--run-dir", str(run_dir)
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads((run_dir / "config.json").read_text())["loss"] == "gspo"
+    assert json.loads((run_dir / "config.json").read_text())["training"]["loss"] == "gspo"
     after = server.stats.applied
     assert after.get("forward_backward", 0) > before.get("forward_backward", 0)
     assert after.get("optim_step", 0) == before.get("optim_step", 0) + 1

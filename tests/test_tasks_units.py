@@ -270,11 +270,11 @@ def test_task_args_reach_the_factory_and_are_recorded() -> None:
 def test_arithmetic_flags_are_aliases_and_refused_for_user_tasks() -> None:
     cfg = parse_config(["--op", "-", "--task-arg", "max_operand=50"], {})
     local = local_server_profile(None)
-    assert cfg.resolved(local).task_args == {"op": "-", "min_operand": "10", "max_operand": "50"}
+    assert cfg.resolved(local).task.args == {"op": "-", "min_operand": "10", "max_operand": "50"}
     with pytest.raises(ConfigError, match="only apply to the arithmetic task"):
         parse_config(["--task", "tests.user_tasks:make_task", "--op", "+"], {})
     user = parse_config(["--task", "tests.user_tasks:make_task"], {}).resolved(local)
-    assert user.task_args == {}
+    assert user.task.args == {}
 
 
 def test_task_spec_of_objects() -> None:
@@ -304,11 +304,16 @@ def test_config_file_sits_under_env_and_flags(tmp_path: Path) -> None:
         'stop-at-eos = true\n[task-arg]\nop = "-"\nmax_operand = 40\n'
     )
     cfg = parse_config(["--config", str(path), "--batch", "2", "--task-arg", "op=+"], {})
-    assert (cfg.steps, cfg.batch, cfg.learning_rate, cfg.max_tokens) == (30, 2, 1e-3, 12)
-    assert cfg.stop_at_eos
-    assert cfg.task_args == {"op": "+", "max_operand": "40"}
+    assert (
+        cfg.pipeline.steps,
+        cfg.pipeline.batch,
+        cfg.training.learning_rate,
+        cfg.sampling.max_tokens,
+    ) == (30, 2, 1e-3, 12)
+    assert cfg.sampling.stop_at_eos
+    assert cfg.task.args == {"op": "+", "max_operand": "40"}
     env = parse_config(["--config", str(path)], {"MINT_CUSTOM_REWARD_STEPS": "5"})
-    assert env.steps == 5
+    assert env.pipeline.steps == 5
 
 
 @pytest.mark.parametrize(
@@ -343,7 +348,7 @@ def test_init_from_is_checked() -> None:
     with pytest.raises(ConfigError, match="init_from_optimizer needs init_from"):
         EngineConfig(init_from_optimizer=True)
     cfg = parse_config(["--init-from", "tinker://m-1/weights/final", "--init-from-optimizer"], {})
-    assert cfg.init_from == "tinker://m-1/weights/final" and cfg.init_from_optimizer
+    assert cfg.model.init_from == "tinker://m-1/weights/final" and cfg.model.init_from_optimizer
 
 
 def test_problem_ids_are_draw_positions(tmp_path: Path) -> None:
@@ -359,14 +364,18 @@ def test_eval_every_needs_held_out_problems_before_anything_starts() -> None:
     with pytest.raises(ConfigError, match="--eval-every needs held-out problems"):
         Engine(EngineConfig(local=True, eval_every=5, task_args={"eval_size": "0"}))
     engine = Engine(EngineConfig(local=True, eval_every=5))  # evaluated: 64 pairs held out
-    assert engine.config.task_args["eval_size"] == "64"
-    assert Engine(EngineConfig(local=True)).config.task_args["eval_size"] == "0"
+    assert engine.config.task.args["eval_size"] == "64"
+    assert Engine(EngineConfig(local=True)).config.task.args["eval_size"] == "0"
 
 
 def test_the_shipped_example_config_loads() -> None:
     root = Path(__file__).resolve().parents[1]
     cfg = parse_config(["--config", str(root / "examples" / "addition_chat.toml")], {})
-    assert (cfg.task, cfg.steps, cfg.eval_every) == ("jsonl:examples/addition_chat.jsonl", 30, 10)
-    assert cfg.task_args == {"eval_size": "100", "reward": "exact"}
-    task = load_task(f"jsonl:{root / 'examples' / 'addition_chat.jsonl'}", cfg.task_args)
+    assert (cfg.task.spec, cfg.pipeline.steps, cfg.evaluation.eval_every) == (
+        "jsonl:examples/addition_chat.jsonl",
+        30,
+        10,
+    )
+    assert cfg.task.args == {"eval_size": "100", "reward": "exact"}
+    task = load_task(f"jsonl:{root / 'examples' / 'addition_chat.jsonl'}", cfg.task.args)
     assert isinstance(task, DatasetTask) and len(task.eval_problems()) == 100

@@ -131,7 +131,7 @@ def test_unknown_tracker_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="--log-to must name trackers out of wandb, tensorboard"):
         config_from_sources({"log_to": "wandb,mlflow", "api_key": "sk-x"}, {})
     config = config_from_sources({"log_to": "tensorboard, wandb,tensorboard", "api_key": "sk"}, {})
-    assert config.log_to == ("tensorboard", "wandb")
+    assert config.logging.log_to == ("tensorboard", "wandb")
 
 
 class _BrokenSink:
@@ -196,5 +196,6 @@ def test_a_run_logs_to_both_trackers_and_draws_its_report(tmp_path: Path) -> Non
 
 def test_a_resumed_run_chooses_its_trackers_anew() -> None:
     stored = EngineConfig(api_key="sk-x", log_to=("tensorboard",)).public_dict()
-    assert stored["log_to"] == ("tensorboard",)
-    assert "log_to" not in stored_settings(json.loads(json.dumps(stored)), "config.json")
+    assert stored["logging"]["log_to"] == ["tensorboard"]
+    stored_logging = stored_settings(json.loads(json.dumps(stored)), "config.json").get("logging")
+    assert "log_to" not in (stored_logging or {})

@@ -51,7 +51,7 @@ from engine.envs.types import (
 from engine.errors import EngineError, primary_error
 from engine.loop.rl import Completion
 from engine.loop.scoring import RewardError, check_rewards
-from engine.session.api import SamplingSettings
+from engine.session.api import SamplingParams
 from engine.tasks.base import Problem
 
 __all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler", "turn_settings"]
@@ -89,12 +89,12 @@ def turn_settings(
     max_tokens: int,
     temperature: float,
     seed: int | None = None,
-) -> SamplingSettings:
+) -> SamplingParams:
     """The sample request of one turn: the observation's stop condition, its action
     capped by its own ``max_tokens`` (else the run's) and by the ``room`` left."""
     stop = observation.stop
     limit = stop.max_tokens or max_tokens
-    return SamplingSettings(
+    return SamplingParams(
         max_tokens=limit if room is None else max(1, min(limit, room)),
         temperature=temperature,
         seed=seed,

@@ -38,7 +38,7 @@ from engine.envs.types import (
 )
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer
-from engine.session.api import SamplerHandle, SamplingSettings, Session
+from engine.session.api import SamplerHandle, SamplingParams, Session
 from engine.tasks.base import Problem, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 
@@ -104,13 +104,13 @@ async def evaluate(
     RewardError, unless ``on_reward_error`` is given: it is then called with the error
     and the problem is left out of the means (none left: no means)."""
     stop_strings, stop_token_ids = renderer.stops(stop_at_eos=stop_at_eos)
-    greedy = SamplingSettings(
+    greedy = SamplingParams(
         max_tokens=max_tokens,
         temperature=0.0,
         stop_token_ids=stop_token_ids,
         stop_strings=stop_strings,
     )
-    sampled = SamplingSettings(
+    sampled = SamplingParams(
         max_tokens=max_tokens,
         temperature=temperature,
         stop_token_ids=stop_token_ids,

@@ -208,7 +208,7 @@ class _InFlight:
 
 
 class Pipeline:
-    """One run of the loop from ``state`` to ``config.steps``."""
+    """One run of the loop from ``state`` to ``config.pipeline.steps``."""
 
     def __init__(
         self,
@@ -227,11 +227,11 @@ class Pipeline:
         evaluate: Evaluator | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,
     ) -> None:
-        if config.learning_rate is None:
+        if config.training.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
         self._config = config
-        self._lr: float = config.learning_rate
-        self._loss = LossSpec(config.loss, config.loss_fn_config())
+        self._lr: float = config.training.learning_rate
+        self._loss = LossSpec(config.training.loss, config.training.loss_fn_config())
         self._task = task
         self._session = session
         self._source = source
@@ -241,40 +241,44 @@ class Pipeline:
         self._gate = gate
         self._progress = progress
         self._clock = clock
-        self._k = config.max_steps_off_policy
-        self._bound = (self._k + 2) * (config.batch + 1)
-        self._slots = anyio.Semaphore(config.concurrency)
+        self._k = config.pipeline.max_steps_off_policy
+        self._bound = (self._k + 2) * (config.pipeline.batch + 1)
+        self._slots = anyio.Semaphore(config.pipeline.concurrency)
         self._sampling = ActivityMeter(clock)
-        self._in_flight = _InFlight(config.submit_ahead + 1)
+        self._in_flight = _InFlight(config.pipeline.submit_ahead + 1)
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
         self._on_reward_error = on_reward_error
         context = session.info.max_context
-        self._max_prompt = context - config.max_tokens if context is not None else None
-        stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
+        self._max_prompt = context - config.sampling.max_tokens if context is not None else None
+        stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.sampling.stop_at_eos)
         self._stop = StopCondition(stop_strings, stop_token_ids)
-        workers = parse_score_workers(config.score_workers)
+        workers = parse_score_workers(config.scoring.score_workers)
         self._env_workers: Workers | None = None
         if is_env_task(task):
             check_score_workers(task, workers)
             self._env_workers = env_workers(workers)
             self._env_task: EnvTask | None = task  # type: ignore[assignment]
             self._env_context = EnvContext(
-                self._renderer.context, self._stop, config.episode_limits().within(context)
+                self._renderer.context,
+                self._stop,
+                config.environment.episode_limits().within(context),
             )
             limits: EpisodeLimits | None = self._env_context.limits
             self._max_prompt = None  # an episode's context is bounded by its limits
             self._scorer: Scorer | None = None
         else:
             self._env_task, limits = None, None
-            self._scorer = Scorer(task, concurrency=config.score_concurrency, workers=workers)
+            self._scorer = Scorer(
+                task, concurrency=config.scoring.score_concurrency, workers=workers
+            )
         self._runner = EpisodeRunner(self._sample_turn, limits, clock=clock)
 
     async def run(self) -> PipelineOutcome:
         rolled_send, rolled_recv = anyio.create_memory_object_stream[_RolledOut](self._bound)
         submitted_send, submitted_recv = anyio.create_memory_object_stream[_SubmittedStep](
-            self._config.submit_ahead + 1
+            self._config.pipeline.submit_ahead + 1
         )
         # Every group the submitter files, for the finisher's checkpoints (at most K + 1
         # steps of groups are untrained at once, well within the bound).
@@ -294,9 +298,9 @@ class Pipeline:
         cfg = self._config
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
-            for step in range(self._state.next_step, cfg.steps):
+            for step in range(self._state.next_step, cfg.pipeline.steps):
                 problems: list[Problem] = []
-                for _ in range(cfg.batch):
+                for _ in range(cfg.pipeline.batch):
                     problem = self._source.next()
                     if problem is None:
                         self._exhausted = True
@@ -316,7 +320,9 @@ class Pipeline:
     def _job(self, step: int, index: int, problem: Problem) -> _GroupJob:
         admitted = self._versions.current.version
         if self._env_task is not None:
-            builder = self._env_task.group_builder(problem, self._config.group, self._env_context)
+            builder = self._env_task.group_builder(
+                problem, self._config.pipeline.group, self._env_context
+            )
             if self._env_workers is not None:
                 builder = RemoteGroup(builder, self._env_workers)
             return _GroupJob(step, index, problem, builder, admitted)
@@ -324,7 +330,7 @@ class Pipeline:
         prompt = tuple(self._renderer.prompt_tokens(problem))
         observation = Observation(prompt, self._stop)
         group = TaskGroupBuilder(
-            problem, observation, self._config.group, self._scorer, self._renderer
+            problem, observation, self._config.pipeline.group, self._scorer, self._renderer
         )
         return _GroupJob(step, index, problem, group, admitted, prompt)
 
@@ -341,7 +347,7 @@ class Pipeline:
                 return
             if rollout.error is not None:
                 self._on_reward_error(rollout.error)
-            if rollout.error is not None and self._config.on_reward_error == "fail":
+            if rollout.error is not None and self._config.scoring.on_reward_error == "fail":
                 # Stop after the steps in flight; until then keep the streams open
                 # (closing them would break the other rollout tasks mid-send).
                 self._gate.request(rollout.error)
@@ -391,9 +397,9 @@ class Pipeline:
         settings = turn_settings(
             observation,
             room,
-            max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.sampling_seed,
+            max_tokens=cfg.sampling.max_tokens,
+            temperature=cfg.sampling.temperature,
+            seed=cfg.sampling.sampling_seed,
         )
         async with self._slots:
             sampler = self._versions.current
@@ -416,7 +422,7 @@ class Pipeline:
         context = self._session.info.max_context
         reason = (
             f"problem {job.problem.id}'s prompt of {len(job.prompt_tokens)} tokens plus "
-            f"--max-tokens {self._config.max_tokens} exceeds the model's context of "
+            f"--max-tokens {self._config.sampling.max_tokens} exceeds the model's context of "
             f"{context} tokens"
         )
         now = self._clock()
@@ -456,11 +462,11 @@ class Pipeline:
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
         async with receive, send, filed:
-            for step in range(self._state.next_step, cfg.steps):
+            for step in range(self._state.next_step, cfg.pipeline.steps):
                 assembly = _StepAssembly(step)
                 while True:
                     arrived = waiting.get(step, {})
-                    complete = len(arrived) == cfg.batch and step in source_after
+                    complete = len(arrived) == cfg.pipeline.batch and step in source_after
                     await self._submit_ready(assembly, arrived, complete=complete)
                     if complete:
                         break
@@ -476,12 +482,12 @@ class Pipeline:
                         if message.step == step:
                             complete_at = self._clock()
                 arrived = waiting.pop(step)
-                groups = tuple(arrived[i] for i in range(cfg.batch))
+                groups = tuple(arrived[i] for i in range(cfg.pipeline.batch))
                 await self._open(assembly)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
                     await self._session.submit_optim_step(assembly.ticket, self._lr)
-                    if step + 1 < cfg.steps or self._evaluates(step + 1):
+                    if step + 1 < cfg.pipeline.steps or self._evaluates(step + 1):
                         # Right behind the optim step: it snapshots the new weights.
                         snapshot = await self._session.submit_snapshot(step + 1)
                 trained = (*trained, *(g.problem.id for g in groups))
@@ -511,7 +517,7 @@ class Pipeline:
     ) -> None:
         """Submit forward_backward for what is ready: every group once the step is
         complete; with ``--stream-minibatches M`` each ``M`` arrived groups before that."""
-        m = self._config.stream_minibatches
+        m = self._config.pipeline.stream_minibatches
         waiting = [i for i in sorted(arrived) if i not in assembly.built]
         size = len(waiting) if complete else (m or 0)
         while size and len(waiting) >= size:
@@ -540,13 +546,13 @@ class Pipeline:
             return GroupDatums([], [], 0, 0, 0)
         if group.episodes:
             return episode_group_datums(
-                group.episodes, on_missing_logprobs=self._config.on_missing_logprobs
+                group.episodes, on_missing_logprobs=self._config.training.on_missing_logprobs
             )
         return group_datums(
             group.prompt_tokens,
             group.completions,
             group.totals,
-            on_missing_logprobs=self._config.on_missing_logprobs,
+            on_missing_logprobs=self._config.training.on_missing_logprobs,
         )
 
     # -- trainer: finisher -----------------------------------------------------------
@@ -577,7 +583,7 @@ class Pipeline:
                 except BaseException:
                     self._gate.step_failed()
                     raise
-                if step + 1 < self._config.steps:
+                if step + 1 < self._config.pipeline.steps:
                     self._versions.publish(handle)
                 end = self._clock()
                 state = dataclasses.replace(
@@ -661,7 +667,7 @@ class Pipeline:
             "sampler/idle_ratio": _ratio(1.0 - sampling_busy / step_time),
             "throughput/samples_per_s": samples / step_time,
             "throughput/tokens_per_s": tokens / step_time,
-            "progress/done_frac": (step + 1) / cfg.steps,
+            "progress/done_frac": (step + 1) / cfg.pipeline.steps,
             "problem_ids": [g.problem.id for g in groups],
             "problems/digest": _problems_digest(groups),
             "retries/sample": sum(g.retries for g in groups),

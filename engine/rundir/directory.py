@@ -17,13 +17,13 @@ that holds only an unfinished start-up (an engine ``config.json`` but no checkpo
 no trained step: a process killed before its step-0 checkpoint); never one that holds a
 run (resume it instead) or someone else's files, and never one that cannot be written.
 A resumed run (:func:`load_resume_state`) must keep every setting that changes what is
-trained; :data:`engine.config.RESUME_CHANGEABLE` lists those that may change.
+trained; a setting's ``resume`` marker says whether it may change
+(:func:`engine.config.resume_rule`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import os
 import tempfile
@@ -32,9 +32,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
-from engine.config import RESUME_CHANGEABLE, EngineConfig
+from engine.config import EngineConfig, nest_record, resume_rule
+from engine.config.models import setting_at
 from engine.errors import (
     ConfigError,
     Interrupted,
@@ -210,22 +211,26 @@ def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix: value}
 
 
+_UNTRAINED_RECORD: Final = ("task_repr",)
+"""Keys config.json holds beside the settings that may differ on a resume (the task's
+repr may name a memory address)."""
+
+
 def _may_change(key: str) -> bool:
-    return any(key == k or key.startswith(k + ".") for k in RESUME_CHANGEABLE)
+    return key in _UNTRAINED_RECORD or resume_rule(key) != "fixed"
 
 
 def _default_of(key: str) -> Any:
     """The JSON form of setting ``key``'s default (None when it has none)."""
-    field = next((f for f in dataclasses.fields(EngineConfig) if f.name == key), None)
-    if field is None or field.default is dataclasses.MISSING:
-        return None
-    return json.loads(json.dumps(field.default, default=str))
+    setting = setting_at(key)
+    return None if setting is None else json.loads(json.dumps(setting.default, default=str))
 
 
 def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) -> list[str]:
-    # Compare the redacted current config: that is the form config.json holds.
-    old = _flatten(json.loads(json.dumps(stored, default=str)))
-    new = _flatten(json.loads(json.dumps(redact_config(current), default=str)))
+    # Compare the redacted current config: that is the form config.json holds; a
+    # config.json from before the settings groups is compared in the groups' layout.
+    old = _flatten(json.loads(json.dumps(nest_record(stored), default=str)))
+    new = _flatten(json.loads(json.dumps(nest_record(redact_config(current)), default=str)))
     problems = []
     for key in sorted(set(old) | set(new)):
         if _may_change(key) or REDACTED in (str(old.get(key)), str(new.get(key))):
@@ -237,6 +242,8 @@ def _config_mismatches(stored: Mapping[str, Any], current: Mapping[str, Any]) ->
                 continue  # a setting newer than the run, at its default: nothing changes
             problems.append(f"{key} is new ({new[key]!r})")
         elif key not in new:
+            if old[key] is None:
+                continue  # an unset setting of a run from before: nothing was trained by it
             problems.append(f"{key} is missing (run dir has {old[key]!r})")
         elif old[key] != new[key]:
             problems.append(f"{key} is {old[key]!r} in the run dir but {new[key]!r} now")
@@ -273,7 +280,7 @@ def load_resume_state(
     Raises :class:`~engine.errors.ResumeError` (exit code 2, one line) when the
     directory is missing, is not a run dir (no config.json), has no checkpoint yet, or
     when ``current_config`` differs from the stored config in a key that may not change
-    (:data:`engine.config.RESUME_CHANGEABLE` may);
+    (:func:`engine.config.resume_rule`);
     :class:`~engine.errors.NoCheckpointYet` (a ResumeError) when it holds only an
     unfinished start-up, which a caller may start over in (:func:`prepare_run_dir`).
     """
@@ -316,7 +323,7 @@ def _check_same_data(
 def config_record(config: EngineConfig, task: Task | None) -> dict[str, Any]:
     """What config.json holds: the public config, the task's name and its repr (while
     the server still decides the task's arguments: its spec, and None)."""
-    name = task.name if task is not None else config.task
+    name = task.name if task is not None else config.task.spec
     record = {**config.public_dict(), "task_repr": repr(task), "task_name": name}
     digest = getattr(task, "data_digest", None)
     if isinstance(digest, str):
@@ -357,24 +364,24 @@ class RunDirectory:
 
     @classmethod
     def open(cls, config: EngineConfig, task: Task | None, *, started_at: float) -> RunDirectory:
-        """The run's directory: ``config.resume`` checked against ``config`` (ResumeError,
-        exit 2), else ``config.run_dir`` made ready for a new run, else a fresh
-        ``runs/<timestamp>-<task>`` under the working directory."""
+        """The run's directory: ``config.checkpoints.resume`` checked against ``config``
+        (ResumeError, exit 2), else ``config.logging.run_dir`` made ready for a new run,
+        else a fresh ``runs/<timestamp>-<task>`` under the working directory."""
         held = HeldEvents()  # events.jsonl is opened once the directory checks out
         record = config_record(config, task)
         resumed: ResumeState | None = None
-        if config.resume is not None:
-            path = config.resume
+        if config.checkpoints.resume is not None:
+            path = config.checkpoints.resume
             # Locked before its checkpoints are read: a run still training refuses.
             lock = RunDirLock.acquire(path) if path.is_dir() else None
             try:
-                resumed = _check_resume(path, record, config.steps, held)
+                resumed = _check_resume(path, record, config.pipeline.steps, held)
             except BaseException:
                 if lock is not None:
                     lock.release()
                 raise
         else:
-            path = _make_run_dir(config.run_dir, record["task_name"], held)
+            path = _make_run_dir(config.logging.run_dir, record["task_name"], held)
             lock = None
         lock = lock or RunDirLock.acquire(path)
         return cls(path, resumed=resumed, held=held, started_at=started_at, lock=lock)
@@ -413,13 +420,13 @@ class RunDirectory:
             "error": str(error) if error else None,
             "stopped": record.stopped if record is not None else None,
             "task": task_name,
-            "base_model": config.base_model,
+            "base_model": config.model.base_model,
             "server": config.public_dict()["server"],
-            "steps_planned": config.steps,
+            "steps_planned": config.pipeline.steps,
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
-            "max_steps_off_policy": config.max_steps_off_policy,
-            "loss": config.loss,
+            "max_steps_off_policy": config.pipeline.max_steps_off_policy,
+            "loss": config.training.loss,
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max((m["avg_reward"] for m in metrics), default=None),

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -53,7 +52,7 @@ from engine.session.api import (
     PendingSnapshot,
     SampleResult,
     SamplerHandle,
-    SamplingSettings,
+    SamplingParams,
     ServerInfo,
     StepTicket,
     TrainResult,
@@ -143,7 +142,7 @@ class SdkSession:
         raise NotImplementedError
 
     async def _sdk_sample(
-        self, client: Any, prompt: types.ModelInput, num_samples: int, settings: SamplingSettings
+        self, client: Any, prompt: types.ModelInput, num_samples: int, settings: SamplingParams
     ) -> types.SampleResponse:
         raise NotImplementedError
 
@@ -209,7 +208,7 @@ class SdkSession:
         sampler: SamplerHandle,
         prompt_tokens: Sequence[int],
         num_samples: int,
-        settings: SamplingSettings,
+        settings: SamplingParams,
     ) -> SampleResult:
         """``num_samples`` responses to one prompt from ``sampler``."""
         client = sampler.client
@@ -427,11 +426,13 @@ class SdkSession:
         say("Connecting to MinT server...")
         say(f"Endpoint: {base_url}")
         await check_reachable(base_url, api_key, guard, cls.sdk_version)
-        if config.unresolved:
-            config = config.resolved(await read_recommended_profile(base_url, api_key, guard))
-        config = dataclasses.replace(config, sdk=cls.sdk)  # config.json records which
-        assert config.base_model is not None and config.lora_rank is not None
-        base_model = config.base_model
+        # config.json records the SDK and what the server resolved
+        profiles = (
+            [await read_recommended_profile(base_url, api_key, guard)] if config.unresolved else []
+        )
+        config = config.resolved(*profiles, sdk=cls.sdk)
+        assert config.model.base_model is not None and config.model.lora_rank is not None
+        base_model = config.model.base_model
         guard.watch_server(base_url)
         service = await setup_call(
             guard,
@@ -443,10 +444,10 @@ class SdkSession:
         )
         lora = LoraSpec(
             base_model,
-            config.lora_rank,
-            config.lora_seed,
-            config.init_from,
-            config.init_from_optimizer,
+            config.model.lora_rank,
+            config.model.lora_seed,
+            config.model.init_from,
+            config.model.init_from_optimizer,
         )
         info = ServerInfo(base_url, base_model, local, ())
         session = cls(service, None, None, info, guard, lora, config)

@@ -3,7 +3,7 @@
 Why a Protocol: the pipeline (sampling, scoring, training) is the engine's logic; the
 SDK calls behind it are I/O. :class:`Session` is everything the pipeline and the
 engine's supervision need from the service, typed with plain engine values
-(:class:`~engine.loop.rl.Datum`, :class:`SamplingSettings`, :class:`SamplerHandle`...), so no
+(:class:`~engine.loop.rl.Datum`, :class:`SamplingParams`, :class:`SamplerHandle`...), so no
 SDK type crosses it. :class:`engine.session.mint.MintSession` (the ``mint`` SDK, tinker 0.22) and
 :class:`engine.session.tinker.TinkerSession` (tinker >= 0.38) implement it over the
 SDK; tests implement it with a fake (``tests/fake_session.py``) and an injected clock.
@@ -35,7 +35,7 @@ __all__ = [
     "PendingSnapshot",
     "SampleResult",
     "SamplerHandle",
-    "SamplingSettings",
+    "SamplingParams",
     "ServerInfo",
     "Session",
     "StepTicket",
@@ -57,7 +57,7 @@ class ServerInfo:
 
 
 @dataclass(frozen=True)
-class SamplingSettings:
+class SamplingParams:
     """What every sample request of a run asks for."""
 
     max_tokens: int
@@ -151,7 +151,7 @@ class Session(Protocol):
         sampler: SamplerHandle,
         prompt_tokens: Sequence[int],
         num_samples: int,
-        settings: SamplingSettings,
+        settings: SamplingParams,
     ) -> SampleResult:
         """``num_samples`` responses to one prompt (retried on transient errors)."""
         ...

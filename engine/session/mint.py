@@ -33,7 +33,7 @@ from engine.session.adapter import (
     snapshot_name,
     to_sdk_datum,
 )
-from engine.session.api import LossSpec, SamplerHandle, SamplingSettings
+from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.retry import SDK_MAX_RETRIES
 
 __all__ = [
@@ -67,7 +67,7 @@ class MintSession(SdkSession):
         client: tinker.SamplingClient,
         prompt: types.ModelInput,
         num_samples: int,
-        settings: SamplingSettings,
+        settings: SamplingParams,
     ) -> types.SampleResponse:
         return await client.sample_async(
             prompt=prompt, num_samples=num_samples, sampling_params=sampling_params(settings)
@@ -141,7 +141,7 @@ class MintSession(SdkSession):
         self._service.holder.close()
 
 
-def sampling_params(settings: SamplingSettings) -> types.SamplingParams:
+def sampling_params(settings: SamplingParams) -> types.SamplingParams:
     return types.SamplingParams(
         max_tokens=settings.max_tokens,
         temperature=settings.temperature,

@@ -51,15 +51,15 @@ def service_guard(
     ``--max-consecutive-failures``, ``--unreachable-timeout``), timed by ``clock``."""
     return ServiceGuard(
         policies=retry_policies(
-            attempts=config.retry_attempts,
-            backoff=config.retry_backoff,
-            request_timeout=config.request_timeout,
+            attempts=config.session.retry_attempts,
+            backoff=config.session.retry_backoff,
+            request_timeout=config.session.request_timeout,
         ),
-        breaker=CircuitBreaker(config.max_consecutive_failures, log=log),
+        breaker=CircuitBreaker(config.session.max_consecutive_failures, log=log),
         counter=RetryCounter(),
         log=log,
         clock=clock,
-        unreachable_after=config.unreachable_timeout,
+        unreachable_after=config.session.unreachable_timeout,
     )
 
 
@@ -73,7 +73,7 @@ async def open_session(
     restore_from: str | None = None,
 ) -> AsyncIterator[SdkSession]:
     """Connect as ``config`` says (starting the local server when it uses one) through
-    the SDK ``config.sdk`` picks, check the server, resolve the settings ``config``
+    the SDK ``config.session.sdk`` picks, check the server, resolve the settings ``config``
     leaves to the server from what it recommends (:attr:`SdkSession.config`), create the
     LoRA training client and load its tokenizer. ``say`` receives the console lines
     (the quickstart's "Connecting to MinT server...", "Endpoint: ...", "Model: ...").
@@ -83,7 +83,7 @@ async def open_session(
     a resumable run passes a dir inside its run dir). ``restore_from`` is a
     ``tinker://`` state to load (weights and optimizer) instead of creating a fresh LoRA
     client: how a run is resumed."""
-    session_class = adapter_class(choose_sdk(config.sdk))
+    session_class = adapter_class(choose_sdk(config.session.sdk))
     if config.uses_local_server:
         from engine.local import ServerConfigError, serve_local
         from engine.local.backend import BackendError
@@ -92,7 +92,7 @@ async def open_session(
         async with contextlib.AsyncExitStack() as stack:
             try:
                 server = await stack.enter_async_context(
-                    serve_local(model_dir=config.local_model, data_dir=local_data_dir)
+                    serve_local(model_dir=config.session.local_model, data_dir=local_data_dir)
                 )
             except (ServerConfigError, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
@@ -112,12 +112,12 @@ async def open_session(
             )
             yield session
         return
-    register_secret(config.api_key)
-    base_url = config.base_url or session_class.default_base_url
+    register_secret(config.session.api_key_value)
+    base_url = config.session.base_url or session_class.default_base_url
     async with session_class.connect(
         config,
         base_url,
-        config.api_key,
+        config.session.api_key_value,
         local=False,
         say=say,
         guard=guard,

@@ -36,7 +36,7 @@ from tinker import types
 from tinker.lib.base_url import DEFAULT_BASE_URL
 
 from engine.session.adapter import LoraSpec, SdkSession, settled
-from engine.session.api import LossSpec, SamplerHandle, SamplingSettings
+from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 
 __all__ = ["CLOSE_TIMEOUT_S", "TinkerSession"]
 
@@ -77,7 +77,7 @@ class TinkerSession(SdkSession):
         client: Any,
         prompt: types.ModelInput,
         num_samples: int,
-        settings: SamplingSettings,
+        settings: SamplingParams,
     ) -> types.SampleResponse:
         params = types.SamplingParams(
             max_tokens=settings.max_tokens,

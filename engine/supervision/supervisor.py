@@ -118,11 +118,16 @@ class Supervisor:
         self._publish = publish
         self._outputs = _open_task_outputs(config, task, session, record, log)
         context = session.info.max_context
-        if is_env_task(task) and context is not None and config.env_max_tokens > context:
+        if (
+            is_env_task(task)
+            and context is not None
+            and config.environment.env_max_tokens > context
+        ):
             log.info(
                 "env_max_tokens",
                 f"episodes stop at the model's context of {context} tokens "
-                f"(--env-max-tokens {config.env_max_tokens} is larger): outcome max_tokens",
+                f"(--env-max-tokens {config.environment.env_max_tokens} is larger): "
+                "outcome max_tokens",
             )
         self._supervising = False
         self._said_all_empty = False
@@ -164,7 +169,9 @@ class Supervisor:
         then raise the reason."""
         self._supervising = True
         gate = self.gate
-        watchdog = Watchdog(self._config.stall_timeout, clock=self._clock, log=self._events)
+        watchdog = Watchdog(
+            self._config.pipeline.stall_timeout, clock=self._clock, log=self._events
+        )
         outcome: PipelineOutcome | None = None
         failure: Exception | None = None
         async with anyio.create_task_group() as tg:
@@ -218,7 +225,9 @@ class Supervisor:
             if baseline is not None:
                 await baseline(0, sampler)
                 baseline = None
-            source = self._task.source(cfg.seed, state.source_state if state.next_step else None)
+            source = self._task.source(
+                cfg.task.seed, state.source_state if state.next_step else None
+            )
             pipeline = Pipeline(
                 cfg,
                 self._task,
@@ -248,11 +257,11 @@ class Supervisor:
         self._events.info(
             "reward.failed", problem_id=error.problem.id, error=str(error), traceback=error.trace
         )
-        if self._config.log_level == "debug":
+        if self._config.logging.log_level == "debug":
             self._log.warning("reward_traceback", f"{error}\n{error.trace.rstrip()}")
 
     def _initial_state(self) -> LoopState:
-        return LoopState(0, self._task.source(self._config.seed).state(), 0)
+        return LoopState(0, self._task.source(self._config.task.seed).state(), 0)
 
     async def _recover(self) -> tuple[LoopState, CheckpointRecord | None]:
         """Restore the latest checkpoint after a step had an unknown outcome; rewind the
@@ -354,7 +363,7 @@ class Supervisor:
         saved: CheckpointRecord | None = None
         note = ""
         if state is not None and self.gate.clean:
-            limit = min(self._config.request_timeout, _STOP_CHECKPOINT_MAX_S)
+            limit = min(self._config.session.request_timeout, _STOP_CHECKPOINT_MAX_S)
             try:
                 name = f"{reason}-step-{state.next_step}"
                 with anyio.CancelScope(shield=True):
@@ -396,9 +405,9 @@ def _open_task_outputs(
 ) -> _TaskOutputs:
     """The renderer and the evaluator; ``record`` keeps the rollouts."""
     renderer = PromptRenderer(task, session.tokenizer)
-    record.keep_rollouts(RolloutLog(record.path, config.log_rollouts, renderer))
+    record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
     evaluator = None
-    if config.eval_every:
+    if config.evaluation.eval_every:
         evaluator = Evaluator(
             session,
             task,
@@ -407,21 +416,21 @@ def _open_task_outputs(
             if is_env_task(task)
             else Scorer(
                 task,
-                concurrency=config.score_concurrency,
-                workers=parse_score_workers(config.score_workers),
+                concurrency=config.scoring.score_concurrency,
+                workers=parse_score_workers(config.scoring.score_workers),
             ),
             record.path,
-            every=config.eval_every,
-            last_step=config.steps,
-            max_tokens=config.max_tokens,
-            stop_at_eos=config.stop_at_eos,
-            concurrency=config.concurrency,
-            samples=config.eval_samples,
-            temperature=config.temperature,
-            on_reward_error=config.on_reward_error,
+            every=config.evaluation.eval_every,
+            last_step=config.pipeline.steps,
+            max_tokens=config.sampling.max_tokens,
+            stop_at_eos=config.sampling.stop_at_eos,
+            concurrency=config.pipeline.concurrency,
+            samples=config.evaluation.eval_samples,
+            temperature=config.sampling.temperature,
+            on_reward_error=config.scoring.on_reward_error,
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
             track=log.track,
-            limits=config.episode_limits().within(session.info.max_context),
+            limits=config.environment.episode_limits().within(session.info.max_context),
         )
     return _TaskOutputs(renderer, evaluator)

@@ -22,14 +22,18 @@ import operator
 import random
 import re
 from collections.abc import Callable, Mapping
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
+from pydantic import Field
+
+from engine.common.setting import Setting, TaskSettings, one_of
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 
 __all__ = [
     "ARITHMETIC_ARGS",
     "DEFAULT_EVAL_SIZE",
     "OPS",
+    "ArithmeticSettings",
     "ArithmeticTask",
     "default_eval_size",
     "extract_prediction",
@@ -59,6 +63,31 @@ def default_eval_size(min_operand: int | str, max_operand: int | str) -> int:
     except ValueError:
         return 0
     return min(DEFAULT_EVAL_SIZE, pairs // 10) if int(max_operand) >= int(min_operand) else 0
+
+
+class ArithmeticSettings(TaskSettings):
+    """The arithmetic task's own flags (``--op +`` is ``--task-arg op=+``); the server
+    recommends them for the model it serves."""
+
+    spec = "arithmetic"
+
+    op: Annotated[str | None, Setting(check=one_of(tuple(OPS)), recommended=True)] = Field(
+        None, description=f"arithmetic task: the operation ({' '.join(OPS)})"
+    )
+    min_operand: Annotated[int | None, Setting(recommended=True)] = Field(
+        None, description="arithmetic task: smallest operand"
+    )
+    max_operand: Annotated[int | None, Setting(recommended=True)] = Field(
+        None, description="arithmetic task: largest operand"
+    )
+
+    @classmethod
+    def complete(cls, args: Mapping[str, str], *, evaluated: bool) -> dict[str, str]:
+        """Held-out pairs only when evaluated: otherwise the quickstart's problems."""
+        out = dict(args)
+        if evaluated and "eval_size" not in out and {"min_operand", "max_operand"} <= out.keys():
+            out["eval_size"] = str(default_eval_size(out["min_operand"], out["max_operand"]))
+        return out
 
 
 _INTEGER = re.compile(r"-?\d+")

@@ -1,0 +1,56 @@
+"""Every setting of a run, declared once as nested pydantic models
+(:mod:`engine.config.models`), and everything generated from them: flags, environment
+variables, TOML files, resume rules (:mod:`engine.config.sources`,
+:mod:`engine.config.records`) and the server's recommended defaults
+(:mod:`engine.config.profile`)."""
+
+from engine.common.setting import MAX_SEED, Setting
+from engine.config.models import (
+    GROUPS,
+    HOSTED_BASE_URL,
+    LOSSES,
+    SDKS,
+    TINKER_ONLY_LOSSES,
+    EngineConfig,
+    LogFormat,
+    LogLevel,
+    LossName,
+    OnRewardError,
+    all_settings,
+)
+from engine.config.profile import HOSTED_PROFILE, Profile, server_profile, stored_profile
+from engine.config.records import nest_record, resume_rule
+from engine.config.sources import (
+    add_setting_arguments,
+    config_from_sources,
+    parse_task_args,
+    read_config_file,
+    stored_settings,
+)
+
+__all__ = [
+    "GROUPS",
+    "HOSTED_BASE_URL",
+    "HOSTED_PROFILE",
+    "LOSSES",
+    "MAX_SEED",
+    "SDKS",
+    "TINKER_ONLY_LOSSES",
+    "EngineConfig",
+    "LogFormat",
+    "LogLevel",
+    "LossName",
+    "OnRewardError",
+    "Profile",
+    "Setting",
+    "add_setting_arguments",
+    "all_settings",
+    "config_from_sources",
+    "nest_record",
+    "parse_task_args",
+    "read_config_file",
+    "resume_rule",
+    "server_profile",
+    "stored_profile",
+    "stored_settings",
+]

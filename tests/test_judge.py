@@ -192,6 +192,10 @@ URL, MODEL = "judge.url=http://judge.test/v1", "judge.model=grader"
         ([URL, MODEL, "judge.urll=http://x"], "unknown argument judge.urll (known: judge.url,"),
         ([URL, MODEL, "judge.chat=maybe"], "task argument judge.chat must be true or false"),
         ([URL, MODEL, "op=%"], "invalid arithmetic task: unknown operation '%'"),
+        (
+            [URL, MODEL, "judge.api=mint", "judge.api_key_env=ENGINE_TEST_NO_SUCH_KEY"],
+            "judge.api=mint needs an API key in $ENGINE_TEST_NO_SUCH_KEY",
+        ),
     ],
 )
 def test_bad_judge_arguments_are_one_line_and_exit_2(

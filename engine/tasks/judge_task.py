@@ -151,8 +151,17 @@ def _judge(args: Mapping[str, str]) -> Judge:
         if "chat" in args
         else rubric != ANSWER_THE_QUESTION
     )
-    api_key = os.environ.get(args.get("api_key_env", DEFAULT_KEY_ENV[api])) or None
-    judge_model: JudgeModel = (
+    key_env = args.get("api_key_env", DEFAULT_KEY_ENV[api])
+    api_key = os.environ.get(key_env) or None
+    if api == "mint" and api_key is None:  # the SDK refuses to connect without one
+        raise ValueError(
+            f"{PREFIX}api=mint needs an API key in ${key_env} (any key for a local server "
+            f"without one; {PREFIX}api_key_env names another variable)"
+        )
+    concurrency = _count(args, "concurrency", 8, minimum=1)
+    max_tokens = _count(args, "max_tokens", 64, minimum=1)
+    cache_size = _count(args, "cache_size", 4096, minimum=0)
+    judge_model: JudgeModel = (  # last: every argument is valid
         OpenAIJudgeModel(url, model, api_key=api_key)
         if api == "openai"
         else LazyMintJudgeModel(url, model, api_key, chat=chat)
@@ -161,9 +170,9 @@ def _judge(args: Mapping[str, str]) -> Judge:
         judge_model,
         rubric,
         verdict=verdict,
-        concurrency=_count(args, "concurrency", 8, minimum=1),
-        max_tokens=_count(args, "max_tokens", 64, minimum=1),
-        cache_size=_count(args, "cache_size", 4096, minimum=0),
+        concurrency=concurrency,
+        max_tokens=max_tokens,
+        cache_size=cache_size,
     )
 
 

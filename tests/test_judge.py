@@ -247,3 +247,37 @@ def test_a_judge_task_from_the_command_line_trains_against_the_local_server(
     assert record["judge/unparsed"] == 0.0 and "env/all/judge" in record
     config = json.loads((run / "config.json").read_text())
     assert config["task"] == "judge:arithmetic" and config["task_args"]["judge.api"] == "mint"
+
+
+class RecordingSampler:
+    """A sampling client that records the prompt tokens and answers ' 42'."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.prompts: list[list[int]] = []
+        self.answer = tokenizer.encode(" 42", add_special_tokens=False)
+
+    async def sample_async(self, prompt: Any, **kw: Any) -> Any:
+        from types import SimpleNamespace
+
+        self.prompts.append(list(prompt.to_ints()))
+        return SimpleNamespace(sequences=[SimpleNamespace(tokens=self.answer)])
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_mint_judge_reads_the_prompt_through_the_chat_template_or_as_it_is(chat: bool) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.local import DEFAULT_MODEL_DIR
+    from engine.tasks.judge import MintJudgeModel
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert tokenizer.chat_template  # the packaged model wraps a message in "Question: ..."
+    sampler = RecordingSampler(tokenizer)
+    prompt = "Question: What is 12 + 30?\nAnswer:"
+    judge = MintJudgeModel(sampler, tokenizer, chat=chat)
+    reply = anyio.run(lambda: judge.complete(prompt, max_tokens=8))
+    assert reply.text.strip() == "42" and reply.completion_tokens == len(sampler.answer)
+    [sent] = sampler.prompts
+    assert tokenizer.decode(sent).count("Question:") == (2 if chat else 1)
+    if not chat:
+        assert sent == tokenizer.encode(prompt)  # as the task's own string prompt is sent

@@ -11,6 +11,11 @@ loaded with ``ServiceClient.create_sampling_client(model_path=...)``.
 A control run (``control``) repeats the K=0 loop with random rewards: same sampling,
 same number of updates, no information about correctness.
 
+With ``--sdk tinker`` each run is ``python -m engine.run`` in the tinker 0.38 environment
+(``.venv-tinker``, no torch; :mod:`benchmarks.engine_cli`) against this process's server,
+which is how ``gspo`` (a loss only 0.38 sends) is compared with ``ppo`` at K=1. Its
+sampler snapshots are ephemeral, so there is no curve: before and after only.
+
 Why the held-out set is built this way: the problems are drawn with their own seed
 (``HELDOUT_SEED``), and every (a, b) pair the engine could train on -- a generous prefix of
 each training seed's problem stream -- is excluded, so "after" measures generalisation,
@@ -23,6 +28,8 @@ blocks its thread, so the evaluation clients cannot live on the server's event l
     python -m benchmarks.learning --quick               # 2 steps, 20 held-out (smoke test)
     python -m benchmarks.learning --configs k0 --seeds 42,7
     python -m benchmarks.learning --seeds 42,1,2,3,4    # what results/learning.json holds
+    python -m benchmarks.learning --sdk tinker --configs k1,gspo --seeds 42,1,2 \
+        --out benchmarks/results/learning_gspo.json     # gspo vs ppo at K=1 on tinker 0.38
 """
 
 from __future__ import annotations
@@ -44,6 +51,7 @@ import anyio
 import mint
 from tinker import types
 
+from benchmarks.engine_cli import TINKER_PYTHON, run_engine_cli
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
 from engine.config import Profile
@@ -82,7 +90,10 @@ CONFIGS: dict[str, RunSpec] = {
     "k0": RunSpec("importance_sampling K=0", "importance_sampling", 0),
     "k1": RunSpec("ppo K=1 (default)", "ppo", 1),
     "control": RunSpec("control: random rewards K=0", "importance_sampling", 0, True),
+    "gspo": RunSpec("gspo K=1", "gspo", 1),
 }
+DEFAULT_CONFIGS = {"mint": ["k0", "k1", "control"], "tinker": ["k1", "gspo"]}
+"""What runs without ``--configs``: gspo needs ``--sdk tinker``, control the mint SDK."""
 
 
 class _RandomRewardTask:
@@ -169,6 +180,74 @@ def evaluate(
         text = tokenizer.decode(tokens, skip_special_tokens=True)
         hits += score_arithmetic(text, a + b).components["exact_bonus"] > 0
     return hits / len(problems)
+
+
+@dataclass(frozen=True)
+class Trained:
+    """What the benchmark reads from one engine run."""
+
+    final_path: str
+    steps_completed: int
+    metrics: list[dict[str, Any]]
+    step_ends: list[float]
+    learning_rate: float | None
+    lora_rank: int | None
+    model_id: str | None
+    """Where the per-version sampler snapshots live (None: no curve)."""
+
+
+def _train(
+    args: argparse.Namespace,
+    server: LocalServer,
+    spec: RunSpec,
+    seed: int,
+    run_dir: Path,
+    task: ArithmeticTask,
+) -> Trained:
+    """``spec``'s run in this process (mint) or as ``engine.run`` on tinker 0.38."""
+    if args.sdk == "tinker":
+        cli = [
+            f"--steps={args.steps}",
+            f"--batch={args.batch}",
+            f"--seed={seed}",
+            f"--loss={spec.loss}",
+            f"--max-steps-off-policy={spec.max_steps_off_policy}",
+        ]
+        run = run_engine_cli(args.tinker_python, server.base_url, API_KEY, run_dir, cli)
+        config = run.config
+        return Trained(
+            run.final_path,
+            run.steps_completed,
+            run.metrics,
+            run.step_ends,
+            config["learning_rate"],
+            config["lora_rank"],
+            None,
+        )
+    engine_config = EngineConfig(
+        base_url=server.base_url,
+        api_key=API_KEY,
+        steps=args.steps,
+        batch=args.batch,
+        seed=seed,
+        loss=spec.loss,  # type: ignore[arg-type]
+        max_steps_off_policy=spec.max_steps_off_policy,
+        run_dir=run_dir,
+        progress=False,
+    )
+    result, model_id, resolved, ends = _run_engine(
+        engine_config, _RandomRewardTask(task, seed) if spec.random_rewards else task
+    )
+    assert result.final_path is not None
+    return Trained(
+        result.final_path,
+        result.steps_completed,
+        list(result.metrics),
+        ends,
+        resolved.learning_rate,
+        resolved.lora_rank,
+        model_id,
+    )
 
 
 def _run_engine(
@@ -267,52 +346,42 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         print(f"base model: greedy exact {before:.1%} on {len(problems)} held-out ({eval_s:.0f} s)")
         for key, spec in specs:
             for seed in args.seeds:
-                config = EngineConfig(
-                    base_url=server.base_url,
-                    api_key=API_KEY,
-                    steps=args.steps,
-                    batch=args.batch,
-                    seed=seed,
-                    loss=spec.loss,  # type: ignore[arg-type]
-                    max_steps_off_policy=spec.max_steps_off_policy,
-                    run_dir=Path(tmp) / f"{key}-s{seed}",
-                    progress=False,
-                )
                 start = time.perf_counter()
-                result, model_id, resolved, step_ends = _run_engine(
-                    config, _RandomRewardTask(task, seed) if spec.random_rewards else task
-                )
+                trained = _train(args, server, spec, seed, Path(tmp) / f"{key}-s{seed}", task)
                 wall_s = time.perf_counter() - start
                 curve = _curve(
-                    service, tokenizer, problems, stop, model_id, args.steps, args.curve_every
+                    service,
+                    tokenizer,
+                    problems,
+                    stop,
+                    trained.model_id,
+                    args.steps,
+                    args.curve_every,
                 )
-                sampler = service.create_sampling_client(model_path=result.final_path)
+                sampler = service.create_sampling_client(model_path=trained.final_path)
                 after = evaluate(sampler, tokenizer, problems, stop)
-                curve[result.steps_completed] = after
-                last = result.metrics[-1] if result.metrics else {}
+                curve[trained.steps_completed] = after
+                metrics = trained.metrics
+                last = metrics[-1] if metrics else {}
                 row = {
                     "config": spec.name,
                     "loss": spec.loss,
                     "max_steps_off_policy": spec.max_steps_off_policy,
                     "seed": seed,
                     "random_rewards": spec.random_rewards,
-                    "steps": result.steps_completed,
+                    "steps": trained.steps_completed,
                     "exact_before": before,
                     "exact_after": after,
                     "delta": after - before,
                     "curve": {str(k): v for k, v in sorted(curve.items())},
                     "wall_s": round(wall_s, 1),
-                    "step_end_s": [round(t, 3) for t in step_ends],
-                    "learning_rate": resolved.learning_rate,
-                    "lora_rank": resolved.lora_rank,
-                    "final_path": result.final_path,
-                    "train_exact_rate_first": result.metrics[0].get("exact_rate")
-                    if result.metrics
-                    else None,
+                    "step_end_s": [round(t, 3) for t in trained.step_ends],
+                    "learning_rate": trained.learning_rate,
+                    "lora_rank": trained.lora_rank,
+                    "final_path": trained.final_path,
+                    "train_exact_rate_first": metrics[0].get("exact_rate") if metrics else None,
                     "train_exact_rate_last": last.get("exact_rate"),
-                    "train_avg_reward_first": result.metrics[0].get("avg_reward")
-                    if result.metrics
-                    else None,
+                    "train_avg_reward_first": metrics[0].get("avg_reward") if metrics else None,
                     "train_avg_reward_last": last.get("avg_reward"),
                 }
                 rows.append(row)
@@ -346,6 +415,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "seeds": list(args.seeds),
         },
         "latency": args.latency,
+        "sdk": args.sdk,
         "base_eval_s": round(eval_s, 1),
         "runs": rows,
         "quickstart_timing": quickstart,
@@ -485,7 +555,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=_seeds, default=[42], help="training seeds, e.g. 42,7")
     parser.add_argument("--batch", type=_positive, default=8, help="problems per step")
     parser.add_argument(
-        "--configs", type=_configs, default=list(CONFIGS), help=f"from {', '.join(CONFIGS)}"
+        "--configs",
+        type=_configs,
+        default=None,
+        help=f"from {', '.join(CONFIGS)} (default: "
+        + "; ".join(f"{','.join(v)} with --sdk {k}" for k, v in DEFAULT_CONFIGS.items())
+        + ")",
+    )
+    parser.add_argument(
+        "--sdk",
+        choices=("mint", "tinker"),
+        default="mint",
+        help="mint: the engine in this process; tinker: python -m engine.run in the tinker "
+        "0.38 environment (--tinker-python), no curve and no quickstart timing",
+    )
+    parser.add_argument(
+        "--tinker-python",
+        type=Path,
+        default=TINKER_PYTHON,
+        help=f"the tinker 0.38 environment's python (default {TINKER_PYTHON})",
     )
     parser.add_argument(
         "--curve-every",
@@ -514,9 +602,22 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="2 steps, 20 held-out, K=0 only")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON report path")
     args = parser.parse_args(argv)
+    if args.configs is None:
+        args.configs = DEFAULT_CONFIGS[args.sdk]
     if args.quick:
         args.steps, args.heldout, args.configs, args.curve_every = 2, 20, ["k0"], 1
         args.quickstart_steps = min(args.quickstart_steps, 2)
+    if args.sdk == "mint" and "gspo" in args.configs:
+        parser.error("--configs gspo needs --sdk tinker (the mint SDK cannot send gspo)")
+    if args.sdk == "tinker":
+        if "control" in args.configs:
+            parser.error("--configs control needs --sdk mint (its task runs in this process)")
+        if not args.tinker_python.is_file():
+            parser.error(
+                f"--sdk tinker needs the tinker 0.38 environment: no {args.tinker_python} "
+                "(scripts/bootstrap_tinker.sh makes .venv-tinker)"
+            )
+        args.curve_every, args.quickstart_steps = 0, 0
     return args
 
 

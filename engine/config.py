@@ -708,7 +708,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         _parse_str,
         _score_workers,
         "where a plain (non-async) reward runs: threads, or processes:N for CPU-bound "
-        "rewards (the task must be picklable)",
+        "rewards (the task must be picklable); an environment task's steps: processes:N, "
+        "or ray:N on a Ray cluster (RAY_ADDRESS, else a local one; engine[ray])",
         "threads",
     ),
     Knob(
@@ -945,7 +946,8 @@ KNOBS: Final[tuple[Knob, ...]] = (
         (),
         _parse_int,
         _positive,
-        "environment tasks: longest context (observation + action tokens) of an episode",
+        "environment tasks: longest context (observation + action tokens) of an episode; "
+        "at most the served model's context",
         "8192",
     ),
     Knob(

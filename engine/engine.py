@@ -50,6 +50,7 @@ from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
 from engine.rundir.events import EventLog, describe
+from engine.rundir.record import RunRecord
 from engine.session.api import Session
 from engine.session.opening import open_session, service_guard
 from engine.session.preflight import local_server_profile
@@ -83,6 +84,7 @@ class _OpenRun:
     """Everything that exists once the engine is entered, and the run's outcome."""
 
     files: RunDirectory
+    record: RunRecord
     events: EventLog
     session: Session
     retries: RetryCounter
@@ -326,6 +328,7 @@ class Engine:
         resources = contextlib.AsyncExitStack()
         resources.callback(files.close)
         events: EventLog | None = None
+        record: RunRecord | None = None
         session: Session | None = None
         retries = RetryCounter()
         try:
@@ -339,7 +342,7 @@ class Engine:
                 console=lambda level, event, fields: log.warning(event, describe(event, fields)),
             )
             resources.callback(events.close)
-            files.attach(log, events)
+            record = files.attach(log, events)
             if cfg.max_steps_off_policy >= 1 and cfg.loss == "importance_sampling":
                 log.warning(
                     "off_policy_loss",
@@ -378,7 +381,7 @@ class Engine:
                 self.task,
                 session=session,
                 retries=retries,
-                files=files,
+                record=record,
                 log=log,
                 events=events,
                 clock=self._clock,
@@ -392,6 +395,7 @@ class Engine:
                 files.write_failure_summary(
                     self._config,
                     primary_error(exc),
+                    record=record,
                     task_name=self._task_name,
                     retries=retries.totals(),
                     final_path=None,
@@ -400,7 +404,7 @@ class Engine:
             await resources.aclose()
             raise
         return _OpenRun(
-            files, events, session, retries, supervisor, send, recv, task_group, resources
+            files, record, events, session, retries, supervisor, send, recv, task_group, resources
         )
 
     async def _given_session(self, resources: contextlib.AsyncExitStack) -> Session:
@@ -458,6 +462,7 @@ class Engine:
                 run.files.write_summary(
                     self._config,
                     None,
+                    record=run.record,
                     task_name=self._task_name,
                     retries=run.retries.totals(),
                     final_path=run.result.final_path,
@@ -481,6 +486,7 @@ class Engine:
         run.files.write_failure_summary(
             self._config,
             error,
+            record=run.record,
             task_name=self._task_name,
             retries=run.retries.totals(),
             final_path=run.result.final_path if run.result is not None else None,

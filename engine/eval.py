@@ -30,8 +30,9 @@ import anyio
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import EngineConfig, parse_task_args
+from engine.envs.types import is_env_task
 from engine.errors import ConfigError, EngineError, find_error
-from engine.loop.evaluation import eval_problems_of, evaluate
+from engine.loop.evaluation import env_context, eval_problems_of, evaluate, evaluate_episodes
 from engine.loop.scoring import Scorer, parse_score_workers
 from engine.rundir.directory import stored_config
 from engine.session.opening import open_session, service_guard
@@ -52,6 +53,12 @@ _FROM_RUN = (
     "score_workers",
     "concurrency",
     "on_reward_error",
+    "env_max_turns",
+    "env_max_tokens",
+    "episode_timeout",
+    "tool_timeout",
+    "on_limit",
+    "on_parse_error",
 )
 """The settings a run dir's config.json gives the evaluation (flags override them)."""
 _STAGED_PATH = ("eval", "weights", "checkpoint")
@@ -128,26 +135,39 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         config = session.config
         task = load_task(config.task, config.task_args)
         renderer = PromptRenderer(task, session.tokenizer)
-        scorer = Scorer(
-            task,
-            concurrency=config.score_concurrency,
-            workers=parse_score_workers(config.score_workers),
-        )
         problems = eval_problems_of(task)
+        limits = config.episode_limits().within(session.info.max_context)
 
         async def measure(sampler: Any) -> dict[str, float]:
-            metrics = await evaluate(
-                session,
-                sampler,
-                renderer,
-                scorer,
-                problems,
-                max_tokens=config.max_tokens,
-                stop_at_eos=config.stop_at_eos,
-                concurrency=config.concurrency,
-                samples=request.samples,
-                temperature=config.temperature,
-            )
+            if is_env_task(task):
+                metrics = await evaluate_episodes(
+                    session,
+                    sampler,
+                    task,  # type: ignore[arg-type]
+                    env_context(renderer, config.stop_at_eos, limits),
+                    problems,
+                    max_tokens=config.max_tokens,
+                    concurrency=config.concurrency,
+                    samples=request.samples,
+                    temperature=config.temperature,
+                )
+            else:
+                metrics = await evaluate(
+                    session,
+                    sampler,
+                    renderer,
+                    Scorer(
+                        task,
+                        concurrency=config.score_concurrency,
+                        workers=parse_score_workers(config.score_workers),
+                    ),
+                    problems,
+                    max_tokens=config.max_tokens,
+                    stop_at_eos=config.stop_at_eos,
+                    concurrency=config.concurrency,
+                    samples=request.samples,
+                    temperature=config.temperature,
+                )
             return {k.removeprefix("eval/"): v for k, v in metrics.items()}
 
         step = ref.step if ref.step is not None else 1
@@ -203,7 +223,7 @@ def _sampler_path(ref: CheckpointRef) -> str:
     return ref.tinker_path
 
 
-_TABLE_KEYS = ("reward/total", "pass_rate", "sampled/reward/total")
+_TABLE_KEYS = ("reward/total", "pass_rate", "success_rate", "sampled/reward/total")
 
 
 def format_table(result: Mapping[str, Any]) -> str:

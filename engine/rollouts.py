@@ -26,7 +26,6 @@ from engine.envs.records import episode_record
 from engine.loop.results import StepResult
 from engine.loop.rl import group_advantages
 from engine.loop.state import ScoredGroup
-from engine.rundir.checkpoints import truncate_metrics
 from engine.rundir.steplog import read_step_lines
 from engine.tasks.render import PromptRenderer
 
@@ -101,10 +100,6 @@ class RolloutLog:
         ]
         with self._path.open("a", encoding="utf-8") as f:
             f.writelines(lines)
-
-    def rewind(self, keep_through_step: int) -> None:
-        """Drop the rollouts of steps after ``keep_through_step`` (they are redone)."""
-        truncate_metrics(self._path, keep_through_step)
 
 
 # ----------------------------------------------------------------------------- reading

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates .venv in the checkout (if missing) and installs the project with every extra
-# (local server, report, trackers, Hugging Face datasets, dev tools) at the exact versions of constraints.txt.
+# (local server, report, trackers, Hugging Face datasets, Ray, dev tools) at the exact versions of constraints.txt.
 # Idempotent: a second run with unchanged pyproject.toml and constraints.txt does nothing.
 #   PYTHON=python3.12          the interpreter that creates .venv (default python3, >= 3.11)
 #   TORCH_INDEX_URL=URL        where torch comes from, e.g. https://download.pytorch.org/whl/cpu
@@ -32,6 +32,6 @@ if [ -n "${TORCH_INDEX_URL:-}" ]; then
 fi
 pip=(.venv/bin/python -m pip install --quiet --disable-pip-version-check -c constraints.txt)
 "${pip[@]}" "${torch_index[@]}" "torch==2.13.0"
-"${pip[@]}" -e ".[dev,datasets]"
+"${pip[@]}" -e ".[dev,datasets,ray]"
 echo "$want" > "$stamp"
 echo "bootstrap: done" >&2

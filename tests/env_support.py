@@ -12,9 +12,9 @@ from engine.envs import (
     Action,
     ChatGroup,
     EnvContext,
+    EnvStepResult,
     MessageStep,
     Observation,
-    StepResult,
     StopCondition,
     tool,
 )
@@ -103,7 +103,7 @@ class CountdownEnv:
         self.context = list(self.prompt)
         return Observation(tuple(self.context))
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         import anyio
 
         self.taken += 1
@@ -112,11 +112,11 @@ class CountdownEnv:
         if self.raise_at == self.taken:
             raise RuntimeError("the environment broke")
         if self.taken >= self.turns:
-            return StepResult(reward=1.0, done=True, metrics={"steps": 1.0})
+            return EnvStepResult(reward=1.0, done=True, metrics={"steps": 1.0})
         self.context += [*action.tokens, ord("|")]
         if self.break_prefix_at == self.taken:
             self.context = list(b"summary:")
-        return StepResult(reward=1.0, next_observation=Observation(tuple(self.context)))
+        return EnvStepResult(reward=1.0, next_observation=Observation(tuple(self.context)))
 
 
 @tool
@@ -197,3 +197,38 @@ class RankedGroup:
 
     async def cleanup(self) -> None:
         self.cleaned = True
+
+
+@dataclass
+class PidEnv(CountdownEnv):
+    """A :class:`CountdownEnv` whose steps log the process that ran them."""
+
+    async def step(self, action: Action) -> EnvStepResult:
+        import dataclasses
+        import os
+
+        result = await super().step(action)
+        return dataclasses.replace(result, logs={"pid": os.getpid()})
+
+
+@dataclass
+class RemoteTask:
+    """Module level, so that worker processes and Ray workers can import it: problem
+    ``i`` is a group of :class:`PidEnv` episodes of ``1 + i % 2`` turns (``env`` sets
+    ``raise_at``/``hang_at``), ranked by :class:`RankedGroup`. ``held`` is carried in
+    the task's state (a lock: the task cannot be pickled)."""
+
+    name: str = "remote"
+    env: Mapping[str, int] = field(default_factory=dict)
+    held: Any = None
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(_remote_problem, seed, state)
+
+    def group_builder(self, problem: Problem, group_size: int, context: EnvContext) -> Any:
+        turns = 1 + problem.id % 2
+        return RankedGroup([PidEnv(turns=turns, **self.env) for _ in range(group_size)])
+
+
+def _remote_problem(rng: Any, index: int) -> Problem:
+    return Problem(index, f"count {index}", index)

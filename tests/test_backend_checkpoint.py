@@ -11,10 +11,10 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums
 
-from engine.local.backend import AdamConfig, Backend, BackendError, DatumIn, LoraSpec
+from engine.local.backend import AdamConfig, AdapterSpec, Backend, BackendError, DatumIn
 
 ADAM = AdamConfig(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
-SPEC = LoraSpec(rank=4, seed=9, train_unembed=False)
+SPEC = AdapterSpec(rank=4, seed=9, train_unembed=False)
 
 
 def _batch(backend: Backend, step: int) -> list[DatumIn]:
@@ -59,7 +59,7 @@ def test_resume_with_optimizer_continues_bit_for_bit(tmp_path: Path) -> None:
     assert info["optimizer_steps"] == 3 and info["train_unembed"] is False
 
     second = new_backend()  # a new process would look the same: nothing shared in memory
-    second.create_model("resumed", LoraSpec(rank=info["lora_rank"], train_unembed=False))
+    second.create_model("resumed", AdapterSpec(rank=info["lora_rank"], train_unembed=False))
     second.load_state("resumed", tmp_path / "step3", optimizer=True)
     assert second.optimizer_steps("resumed") == 3
     _train(second, "resumed", range(3, 5))
@@ -117,10 +117,10 @@ def test_checkpoint_errors_are_clear(tmp_path: Path) -> None:
         Backend.read_state_info(tmp_path / "missing")
     with pytest.raises(BackendError, match="no optimizer state"):
         b.load_state("m", tmp_path / "sampler", optimizer=True)
-    b.create_model("other-rank", LoraSpec(rank=8, train_unembed=False))
+    b.create_model("other-rank", AdapterSpec(rank=8, train_unembed=False))
     with pytest.raises(BackendError, match="rank-4 LoRA"):
         b.load_state("other-rank", tmp_path / "state", optimizer=False)
-    b.create_model("other-layers", LoraSpec(rank=4))
+    b.create_model("other-layers", AdapterSpec(rank=4))
     with pytest.raises(BackendError, match="rank-4 LoRA"):
         b.load_state("other-layers", tmp_path / "state", optimizer=False)
 

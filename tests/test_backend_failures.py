@@ -8,7 +8,7 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums, rl_datum
 
-from engine.local.backend import AdamConfig, Backend, BackendError, DatumIn, LoraSpec
+from engine.local.backend import AdamConfig, AdapterSpec, Backend, BackendError, DatumIn
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def _assert_same(a: dict[str, torch.Tensor | None], b: dict[str, torch.Tensor | 
 
 
 def _new_model(backend: Backend, name: str) -> str:
-    backend.create_model(name, LoraSpec(rank=4, seed=3))
+    backend.create_model(name, AdapterSpec(rank=4, seed=3))
     return name
 
 

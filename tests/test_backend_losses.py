@@ -1,4 +1,4 @@
-"""The five losses: values and LoRA gradients against a reference written directly on
+"""The six losses: values and LoRA gradients against a reference written directly on
 the model's logits (log_softmax + gather + the loss formula, autograd), PPO/CISPO
 clipping, sum semantics and gradient accumulation."""
 
@@ -11,7 +11,7 @@ import pytest
 import torch
 from backend_util import assert_close_rel, lora_params, new_backend, random_datums
 
-from engine.local.backend import Backend, BackendError, DatumIn, LoraSpec
+from engine.local.backend import AdapterSpec, Backend, BackendError, DatumIn
 
 Tensor = torch.Tensor
 
@@ -23,7 +23,7 @@ def backend() -> Backend:
 
 def _model_with_nonzero_b(backend: Backend, model_id: str, seed: int) -> None:
     """A fresh client whose B matrices are non-zero, so every LoRA tensor gets gradient."""
-    backend.create_model(model_id, LoraSpec(rank=4, seed=seed))
+    backend.create_model(model_id, AdapterSpec(rank=4, seed=seed))
     gen = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, p in lora_params(backend, model_id).items():
@@ -63,6 +63,15 @@ def _dro(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
     return -(lp * d["advantages"] - 0.5 * cfg["beta"] * (lp - d["logprobs"]) ** 2).sum()
 
 
+def _gspo(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
+    lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
+    marked = d["sequence_ratio_mask"] != 0
+    s = torch.exp((lp - d["logprobs"])[marked].mean()).detach()
+    r = s * torch.exp(lp - lp.detach())
+    a = d["advantages"]
+    return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
+
+
 REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "cross_entropy": (_ce, None),
     "importance_sampling": (_is, None),
@@ -70,6 +79,7 @@ REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "ppo_custom_clip": (_ppo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
     "cispo": (_cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}),
     "dro": (_dro, {"beta": 0.3}),
+    "gspo": (_gspo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
 }
 
 
@@ -88,6 +98,7 @@ def _datums(backend: Backend, model_id: str, seed: int) -> list[DatumIn]:
             "weights": torch.rand(n, generator=gen),
             "advantages": torch.randn(n, generator=gen),
             "logprobs": current + 0.3 * torch.randn(n, generator=gen),
+            "sequence_ratio_mask": (torch.arange(n) >= n // 3).float(),
         }
         out.append(DatumIn(tokens, inputs))
     return out
@@ -223,7 +234,7 @@ def test_micro_batching_does_not_change_results() -> None:
     small._logits_budget = 1
     big = new_backend()
     for b in (small, big):
-        b.create_model("m", LoraSpec(rank=4, seed=3))
+        b.create_model("m", AdapterSpec(rank=4, seed=3))
     data = _datums(big, "m", seed=6)
     r_small = small.forward_backward("m", data, "dro", {"beta": 0.1}, backward=True)
     r_big = big.forward_backward("m", data, "dro", {"beta": 0.1}, backward=True)
@@ -289,6 +300,13 @@ def _with(d: DatumIn, **changes: Any) -> DatumIn:
             None,
             "NaN",
         ),
+        (lambda d: d, "gspo", None, "['sequence_ratio_mask']"),
+        (
+            lambda d: _with(d, sequence_ratio_mask=torch.zeros(4)),
+            "gspo",
+            None,
+            "datum 0: sequence_ratio_mask marks no token",
+        ),
         (lambda d: d, "reinforce", None, "unknown loss_fn 'reinforce'"),
         (lambda d: d, "ppo", {"clip_lo": 0.5}, "not accepted"),
         (lambda d: d, "cross_entropy", {"beta": 0.5}, "not accepted"),
@@ -309,7 +327,7 @@ def test_bad_training_input_is_a_clear_backend_error(
     message: str,
 ) -> None:
     if not backend.has_model("validation"):
-        backend.create_model("validation", LoraSpec(rank=2, seed=0))
+        backend.create_model("validation", AdapterSpec(rank=2, seed=0))
     datum = make(_ok_datum(backend))
     with pytest.raises(BackendError, match=None) as err:
         backend.forward_backward("validation", [datum], loss_fn, config, backward=True)
@@ -320,6 +338,6 @@ def test_bad_training_input_is_a_clear_backend_error(
 def test_unknown_model_and_empty_batch_are_errors(backend: Backend) -> None:
     with pytest.raises(BackendError, match="unknown model_id 'nope'"):
         backend.forward_backward("nope", [], "cross_entropy", None, backward=True)
-    backend.create_model("empty", LoraSpec(rank=2, seed=0))
+    backend.create_model("empty", AdapterSpec(rank=2, seed=0))
     with pytest.raises(BackendError, match="at least one datum"):
         backend.forward_backward("empty", [], "cross_entropy", None, backward=True)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums
 
-from engine.local.backend import AdamConfig, Backend, BackendError, DatumIn, LoraSpec, SampleJob
+from engine.local.backend import AdamConfig, AdapterSpec, Backend, BackendError, DatumIn, SampleJob
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def _logprobs(backend: Backend, model_id: str, data: list[DatumIn]) -> list[torc
 )
 def test_adamw_matches_torch_adamw_with_clipping(backend: Backend, adam: AdamConfig) -> None:
     model_id = f"adam-{adam}"
-    backend.create_model(model_id, LoraSpec(rank=4, seed=7))
+    backend.create_model(model_id, AdapterSpec(rank=4, seed=7))
     params = lora_params(backend, model_id)
     names = list(params)  # the backend's order: the clip norm's float sum follows it
     ref = [params[n].detach().clone().requires_grad_(True) for n in names]
@@ -78,7 +78,7 @@ def test_adamw_matches_torch_adamw_with_clipping(backend: Backend, adam: AdamCon
 def test_optim_step_without_gradients_is_still_a_step(backend: Backend) -> None:
     """No forward_backward since the last step counts as a zero gradient: only weight
     decay (and the old momentum) move the weights, and the step is counted."""
-    backend.create_model("nograd", LoraSpec(rank=2, seed=1))
+    backend.create_model("nograd", AdapterSpec(rank=2, seed=1))
     params = lora_params(backend, "nograd")
     before = {k: p.detach().clone() for k, p in params.items()}
     metrics = backend.optim_step("nograd", AdamConfig(learning_rate=0.1, weight_decay=0.5))
@@ -103,7 +103,7 @@ def test_bad_adam_params_are_rejected_before_any_change(
     backend: Backend, adam: AdamConfig, field: str
 ) -> None:
     if not backend.has_model("badadam"):
-        backend.create_model("badadam", LoraSpec(rank=2, seed=1))
+        backend.create_model("badadam", AdapterSpec(rank=2, seed=1))
     with pytest.raises(BackendError, match=f"AdamParams.{field}"):
         backend.optim_step("badadam", adam)
     assert backend.optimizer_steps("badadam") == 0
@@ -111,9 +111,9 @@ def test_bad_adam_params_are_rejected_before_any_change(
 
 def test_clients_share_the_base_but_not_weights_or_optimizer_state(backend: Backend) -> None:
     data = _ce_data(backend, 42)
-    backend.create_model("iso-a", LoraSpec(rank=4, seed=3))
-    backend.create_model("iso-b", LoraSpec(rank=4, seed=3))
-    backend.create_model("iso-c", LoraSpec(rank=8, seed=4, train_mlp=False))
+    backend.create_model("iso-a", AdapterSpec(rank=4, seed=3))
+    backend.create_model("iso-b", AdapterSpec(rank=4, seed=3))
+    backend.create_model("iso-c", AdapterSpec(rank=8, seed=4, train_mlp=False))
     base_c = _logprobs(backend, "iso-c", data)
     # same seed -> identical initial weights
     for k, p in lora_params(backend, "iso-a").items():
@@ -141,9 +141,9 @@ def test_clients_share_the_base_but_not_weights_or_optimizer_state(backend: Back
 
 def test_fresh_lora_is_the_base_model_and_seed_controls_init(backend: Backend) -> None:
     data = _ce_data(backend, 1)
-    backend.create_model("seed-1", LoraSpec(rank=4, seed=1))
-    backend.create_model("seed-2", LoraSpec(rank=4, seed=2))
-    backend.create_model("seed-1-again", LoraSpec(rank=4, seed=1))
+    backend.create_model("seed-1", AdapterSpec(rank=4, seed=1))
+    backend.create_model("seed-2", AdapterSpec(rank=4, seed=2))
+    backend.create_model("seed-1-again", AdapterSpec(rank=4, seed=1))
     p1, p2, p1b = (lora_params(backend, m) for m in ("seed-1", "seed-2", "seed-1-again"))
     a_names = [k for k in p1 if "lora_A" in k]
     assert all(torch.equal(p1[k], p1b[k]) for k in p1)
@@ -172,7 +172,7 @@ def test_train_flags_choose_the_adapted_layers(
     backend: Backend, flags: dict[str, bool], expect: set[str]
 ) -> None:
     model_id = f"flags-{sorted(flags.items())}"
-    backend.create_model(model_id, LoraSpec(rank=2, seed=0, **flags))
+    backend.create_model(model_id, AdapterSpec(rank=2, seed=0, **flags))
     kinds = set()
     for name in lora_params(backend, model_id):
         if name.startswith("lm_head"):
@@ -191,15 +191,15 @@ def test_train_flags_choose_the_adapted_layers(
 def test_create_model_errors(backend: Backend) -> None:
     with pytest.raises(BackendError, match="at least one of"):
         backend.create_model(
-            "none", LoraSpec(rank=2, train_mlp=False, train_attn=False, train_unembed=False)
+            "none", AdapterSpec(rank=2, train_mlp=False, train_attn=False, train_unembed=False)
         )
     with pytest.raises(BackendError, match="positive integer"):
-        backend.create_model("rank0", LoraSpec(rank=0))
-    backend.create_model("dup", LoraSpec(rank=2))
+        backend.create_model("rank0", AdapterSpec(rank=0))
+    backend.create_model("dup", AdapterSpec(rank=2))
     with pytest.raises(BackendError, match="already exists"):
-        backend.create_model("dup", LoraSpec(rank=2))
+        backend.create_model("dup", AdapterSpec(rank=2))
     with pytest.raises(BackendError, match="unknown model_id"):
         backend.optim_step("missing", AdamConfig())
     backend.delete_model("dup")
     assert not backend.has_model("dup")
-    backend.create_model("dup", LoraSpec(rank=2))  # the id is free again
+    backend.create_model("dup", AdapterSpec(rank=2))  # the id is free again

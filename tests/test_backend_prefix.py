@@ -8,7 +8,7 @@ import pytest
 import torch
 from backend_util import assert_close_rel, lora_params, new_backend
 
-from engine.local.backend import Backend, DatumIn, LoraSpec
+from engine.local.backend import AdapterSpec, Backend, DatumIn
 from engine.local.datums import CheckedDatum, check_datum
 from engine.local.prefix import plan_prefixes
 
@@ -49,7 +49,7 @@ def _checked(backend: Backend, data: list[DatumIn]) -> list[CheckedDatum]:
 @pytest.fixture(scope="module")
 def backend() -> Backend:
     b = new_backend()
-    b.create_model("m", LoraSpec(rank=4, seed=5))
+    b.create_model("m", AdapterSpec(rank=4, seed=5))
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in lora_params(b, "m").items():

@@ -11,7 +11,7 @@ import pytest
 import torch
 from backend_util import greedy_exact_rate, new_backend, prompt_ids, rl_datum
 
-from engine.local.backend import AdamConfig, Backend, LoraSpec, SampleJob
+from engine.local.backend import AdamConfig, AdapterSpec, Backend, SampleJob
 from scripts.make_model import quickstart_reward
 
 # the local default the engine uses for this model (see the backend report)
@@ -67,11 +67,11 @@ def test_thirty_rl_steps_raise_the_greedy_exact_rate() -> None:
     before = greedy_exact_rate(backend, None, HELD_OUT)
     assert 0.2 <= before <= 0.6  # the shipped model leaves room to learn
 
-    backend.create_model("rl", LoraSpec(rank=RANK, seed=0))
+    backend.create_model("rl", AdapterSpec(rank=RANK, seed=0))
     step_s = _rl(backend, "rl", random_rewards=False)
     after = greedy_exact_rate(backend, backend.save_sampler("rl", None), HELD_OUT)
 
-    backend.create_model("control", LoraSpec(rank=RANK, seed=0))
+    backend.create_model("control", AdapterSpec(rank=RANK, seed=0))
     _rl(backend, "control", random_rewards=True)
     control = greedy_exact_rate(backend, backend.save_sampler("control", None), HELD_OUT)
 

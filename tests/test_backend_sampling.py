@@ -12,10 +12,10 @@ from backend_util import lora_params, new_backend, prompt_ids, random_datums, rl
 
 from engine.local.backend import (
     AdamConfig,
+    AdapterSpec,
     Backend,
     BackendError,
     DatumIn,
-    LoraSpec,
     SampleJob,
 )
 
@@ -23,7 +23,7 @@ from engine.local.backend import (
 @pytest.fixture(scope="module")
 def backend() -> Backend:
     b = new_backend()
-    b.create_model("trained", LoraSpec(rank=4, seed=0))
+    b.create_model("trained", AdapterSpec(rank=4, seed=0))
     # move the adapter away from the base model so snapshots are not trivially equal
     for seed in range(3):
         data = [
@@ -143,7 +143,7 @@ def test_folded_weights_sample_what_the_adapters_sample(backend: Backend) -> Non
     """The small-model fast path (LoRA folded into a plain copy of the weights) draws the
     same tokens with the same logprobs as sampling through the peft adapters, also when
     it switches between snapshots and the bare base model."""
-    backend.create_model("other", LoraSpec(rank=2, seed=9, train_attn=False))
+    backend.create_model("other", AdapterSpec(rank=2, seed=9, train_attn=False))
     for name, p in lora_params(backend, "other").items():
         if "lora_B" in name:
             p.data.fill_(0.02)
@@ -238,7 +238,7 @@ def test_prompt_logprobs_and_topk(backend: Backend) -> None:
 def test_sampler_snapshot_is_frozen_and_survives_a_restart(
     backend: Backend, tmp_path: Path
 ) -> None:
-    backend.create_model("frozen", LoraSpec(rank=4, seed=1))
+    backend.create_model("frozen", AdapterSpec(rank=4, seed=1))
     data = [
         DatumIn(t, {"target_tokens": torch.tensor(t[1:] + t[:1]), "weights": torch.ones(len(t))})
         for t in random_datums(backend, 2, 77)

@@ -16,7 +16,7 @@ import anyio
 import pytest
 
 from engine import Engine, EngineConfig
-from engine.envs import Action, ChatEnv, EnvContext, StepResult, StopCondition, is_env_task
+from engine.envs import Action, ChatEnv, EnvContext, EnvStepResult, StopCondition, is_env_task
 from engine.envs.examples import calculator, guess_sum
 from engine.export import base_model_source
 from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
@@ -44,7 +44,7 @@ def reply(tokenizer: Any, text: str) -> Action:
     return Action((*tokenizer.encode(text, add_special_tokens=False), tokenizer.eos_token_id))
 
 
-async def play(tokenizer: Any, env: ChatEnv, replies: Sequence[str]) -> list[StepResult]:
+async def play(tokenizer: Any, env: ChatEnv, replies: Sequence[str]) -> list[EnvStepResult]:
     """Step ``env`` through ``replies``; every next observation must extend the previous
     observation plus the reply (nothing sampled is re-rendered differently)."""
     observation = (await env.initial_observation()).tokens
@@ -126,7 +126,7 @@ def test_calculator_runs_the_tool_then_scores_the_answer(tokenizer: Any) -> None
     task = calculator.CalculatorTask()
     builder = task.group_builder(problem(23, 47, "*"), 2, context(tokenizer))
 
-    async def go() -> tuple[list[StepResult], list[StepResult], str]:
+    async def go() -> tuple[list[EnvStepResult], list[EnvStepResult], str]:
         envs = await builder.make_envs()
         assert len(envs) == 2
         assert isinstance(envs[0], ChatEnv)

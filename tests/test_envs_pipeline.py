@@ -5,6 +5,7 @@ trained twice). No server, no sleeps."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -16,10 +17,10 @@ from env_support import CountdownEnv, RankedGroup
 from fake_session import FakeSession
 from test_pipeline_stages import config, run_pipeline, until
 
-from engine.envs import Action, EnvContext, Observation, StepResult
+from engine.envs import Action, EnvContext, EnvStepResult, Observation
 from engine.errors import Interrupted
 from engine.loop.pipeline import Pipeline
-from engine.loop.results import StepResult as TrainedStep
+from engine.loop.results import StepResult
 from engine.loop.state import LoopState
 from engine.session.api import SamplerHandle
 from engine.supervision.stopping import StopGate
@@ -40,15 +41,17 @@ class WaitingEnv:
     async def initial_observation(self) -> Observation:
         return Observation(tuple(b"go:"))
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         self.taken += 1
         if self.taken == 1:
             if self.after is not None:
                 self.after.set()
             if self.before is not None:
                 await self.before.wait()
-            return StepResult(reward=1.0, next_observation=Observation((*b"go:", *action.tokens)))
-        return StepResult(reward=float(action.tokens[-1] % 2), done=True)
+            return EnvStepResult(
+                reward=1.0, next_observation=Observation((*b"go:", *action.tokens))
+            )
+        return EnvStepResult(reward=float(action.tokens[-1] % 2), done=True)
 
 
 class ParityGroup(RankedGroup):
@@ -110,7 +113,7 @@ async def test_each_turn_samples_the_newest_weights_and_staleness_is_the_oldest_
         }
     )
 
-    async def on_step(result: TrainedStep) -> None:
+    async def on_step(result: StepResult) -> None:
         if result.step == 1:
             step1_trained.set()
 
@@ -191,7 +194,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     assert [len(e.turns) for e in state.pending_groups[0].episodes] == [3, 3]
 
     blocked.set()  # the restarted episode runs through
-    second_run: list[TrainedStep] = []
+    second_run: list[StepResult] = []
     resumed = Pipeline(
         cfg,
         task,
@@ -211,8 +214,8 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     assert second_run[0].groups[0].episodes == state.pending_groups[0].episodes
 
 
-def _record(out: list[TrainedStep]) -> Any:
-    async def record(result: TrainedStep) -> None:
+def _record(out: list[StepResult]) -> Any:
+    async def record(result: StepResult) -> None:
         out.append(result)
 
     return record
@@ -263,3 +266,32 @@ def test_an_unpicklable_environment_task_is_one_line_before_the_run() -> None:
             _record([]),
             gate=StopGate(),
         )
+
+
+@dataclass
+class SmallContextSession(FakeSession):
+    """A fake server whose model has a context of ``context`` tokens; it records each
+    request's prompt length and max_tokens."""
+
+    context: int = 10
+    requests: list[tuple[int, int]] = field(default_factory=list)
+
+    @property
+    def info(self) -> Any:
+        return dataclasses.replace(super().info, max_context=self.context)
+
+    async def sample(self, sampler: Any, prompt_tokens: Any, n: int, settings: Any) -> Any:
+        self.requests.append((len(prompt_tokens), settings.max_tokens))
+        return await super().sample(sampler, prompt_tokens, n, settings)
+
+
+async def test_episodes_stop_at_the_served_models_context() -> None:
+    # --env-max-tokens stays at its default (8192); the model's context is 10 tokens.
+    session = SmallContextSession()
+    _, results = await run_pipeline(session, config(steps=2), task=CountdownTask())
+    assert all(p + m <= 10 for p, m in session.requests), session.requests
+    by_problem = {g.problem.id: g.episodes for r in results for g in r.groups}
+    # Problem 2 runs 3 turns: its third observation (11 tokens) does not fit.
+    assert [(len(e.turns), e.outcome) for e in by_problem[2]] == [(2, "max_tokens")] * 2
+    assert [e.outcome for e in by_problem[1]] == ["done", "done"]
+    assert results[1].metrics["env/all/outcome/max_tokens"] == 0.5

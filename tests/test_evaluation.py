@@ -127,3 +127,65 @@ def test_sampled_evaluation_reports_mean_reward_and_unbiased_pass_at_k() -> None
     assert metrics["eval/sampled/pass@4"] == pytest.approx(2 / 3)
     assert pass_at_k(5, 2, 2) == pytest.approx(1 - 3 / 10)  # 1 - C(3,2)/C(5,2)
     assert pass_at_k(5, 0, 3) == 0.0 and pass_at_k(5, 4, 2) == 1.0
+
+
+class _EpisodesTask:
+    """An environment task: held-out problem ``i`` is a countdown of ``1 + i`` turns;
+    building problem 1's group raises."""
+
+    name = "held-out-episodes"
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:
+        return SeededSource(lambda rng, i: Problem(i, f"train {i}", 0), seed, state)
+
+    def eval_problems(self) -> list[Problem]:
+        return [Problem(i, f"held out {i}", i) for i in range(3)]
+
+    def group_builder(self, problem: Problem, group_size: int, context: Any) -> Any:
+        from tests.env_support import CountdownEnv, RankedGroup
+
+        if problem.id == 1:
+            return _FailingGroup()
+        return RankedGroup([CountdownEnv(turns=1 + problem.id) for _ in range(group_size)])
+
+
+class _FailingGroup:
+    async def make_envs(self) -> list[Any]:
+        raise ValueError("no simulator for this one")
+
+    async def compute_group_rewards(self, trajectories: Any, envs: Any) -> Any:
+        return []
+
+    async def cleanup(self) -> None:
+        return None
+
+
+def test_held_out_episodes_of_an_environment_task_and_a_group_that_fails() -> None:
+    from engine.envs import EpisodeLimits
+    from engine.loop.evaluation import env_context, evaluate_episodes
+
+    session, task = FakeSession(), _EpisodesTask()
+    renderer = PromptRenderer(task, session.tokenizer)  # type: ignore[arg-type]
+    failed: list[RewardError] = []
+
+    async def go(**kwargs: Any) -> dict[str, float]:
+        return await evaluate_episodes(
+            session,
+            SamplerHandle(1, None),
+            task,
+            env_context(renderer, False, EpisodeLimits(max_turns=2)),
+            task.eval_problems(),
+            max_tokens=4,
+            **kwargs,
+        )
+
+    metrics = anyio.run(lambda: go(on_reward_error=failed.append))
+    # problem 0: 1 turn (reward 1 + rank 1); problem 2: cut at max_turns=2 (reward 0)
+    assert metrics["eval/problems"] == 2 and metrics["eval/reward_errors"] == 1
+    assert metrics["eval/reward/total"] == pytest.approx(1.0)
+    assert metrics["eval/success_rate"] == 0.5 and metrics["eval/turns_per_episode"] == 1.5
+    [error] = failed
+    assert "no simulator for this one" in str(error)
+    with pytest.raises(BaseException) as raised:
+        anyio.run(go)
+    assert find_error(raised.value, RewardError) is not None

@@ -17,7 +17,7 @@ from transformers import AutoModelForCausalLM
 from engine.checkpoint_files import resolve_checkpoint
 from engine.errors import ConfigError
 from engine.export import export_checkpoint, main
-from engine.local.backend import AdamConfig, Backend, DatumIn, LoraSpec
+from engine.local.backend import AdamConfig, AdapterSpec, Backend, DatumIn
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from tests.backend_util import MODEL_DIR, random_datums
 
@@ -26,7 +26,7 @@ Trained = tuple[Path, list[list[int]], list[torch.Tensor]]
 
 
 def _train(backend: Backend, steps: int = 3) -> list[list[int]]:
-    backend.create_model("run", LoraSpec(rank=4, seed=0))
+    backend.create_model("run", AdapterSpec(rank=4, seed=0))
     seqs = random_datums(backend, 4, seed=1)
     data = [
         DatumIn(

@@ -1,10 +1,13 @@
 """The package layout keeps its layers: the local server imports nothing of the client,
-and the shared basics (``engine.common``) import neither side."""
+and the shared basics (``engine.common``) import neither side; and each class name is
+defined once in the engine package, so a name says which type it is."""
 
 from __future__ import annotations
 
+import ast
 import subprocess
 import sys
+from collections import defaultdict
 
 from tests.hosted_env import REPO
 
@@ -43,3 +46,13 @@ def test_the_shared_basics_import_neither_side() -> None:
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == ""
+
+
+def test_no_class_name_is_defined_twice_in_the_engine_package() -> None:
+    defined: dict[str, list[str]] = defaultdict(list)
+    for path in sorted((REPO / "engine").rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ClassDef):
+                defined[node.name].append(f"{path.relative_to(REPO)}:{node.lineno}")
+    twice = {name: places for name, places in defined.items() if len(places) > 1}
+    assert twice == {}, f"class names defined more than once: {twice}"

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks import learning
+from benchmarks import engine_cli, learning
 from engine.session.preflight import local_server_profile
 
 
@@ -71,6 +71,9 @@ def test_bad_flags_are_refused_with_one_line(capsys: pytest.CaptureFixture[str])
         (["--heldout", "0"], "must be positive"),
         (["--configs", "k9"], "unknown config k9"),
         (["--seeds", str(learning.HELDOUT_SEED)], "is the held-out seed"),
+        (["--configs", "k1,gspo"], "--configs gspo needs --sdk tinker"),
+        (["--sdk", "tinker", "--configs", "control"], "--configs control needs --sdk mint"),
+        (["--sdk", "tinker", "--tinker-python", "/nonexistent/python"], "no /nonexistent/python"),
     ]:
         with pytest.raises(SystemExit) as info:
             learning.parse_args(argv)
@@ -109,3 +112,12 @@ def test_the_table_of_several_seeds_leaves_the_derived_quickstart_row_out() -> N
     assert "| k0 | 2 | 40.0% | +10.0% | +10.0% | 2/2 |" in table
     quickstart = "| quickstart loop | K=0's steps at the quickstart loop's pace | 1 (+8%) | 4.0 s |"
     assert quickstart in table
+
+
+def test_a_cli_runs_step_ends_count_from_its_first_step_start() -> None:
+    steps = [
+        {"time": "2026-12-01T12:00:10.500000Z", "time/step": 1.5},
+        {"time": "2026-12-01T12:00:11.250000Z", "time/step": 0.75},
+    ]
+    assert engine_cli._step_ends(steps) == pytest.approx([1.5, 2.25])
+    assert engine_cli._step_ends([]) == []

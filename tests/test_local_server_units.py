@@ -18,9 +18,9 @@ from engine.local.auth import Authenticator
 from engine.local.compute import ComputeThread
 from engine.local.config import (
     DEFAULT_MODEL_DIR,
-    ConfigError,
     Limits,
     ServerConfig,
+    ServerConfigError,
     is_loopback_host,
 )
 from engine.local.faults import FaultInjector, FaultSpec, FaultSpecError
@@ -297,12 +297,12 @@ def test_tinker_paths_map_into_the_data_dir_and_reject_escapes(tmp_path: Path) -
 def test_config_validation() -> None:
     assert is_loopback_host("127.0.0.1") and is_loopback_host("::1")
     assert is_loopback_host("localhost") and not is_loopback_host("0.0.0.0")
-    with pytest.raises(ConfigError, match="without an API key"):
+    with pytest.raises(ServerConfigError, match="without an API key"):
         ServerConfig(host="0.0.0.0")
     assert ServerConfig(host="0.0.0.0", api_key="tml-x").host == "0.0.0.0"
-    with pytest.raises(ConfigError, match="port"):
+    with pytest.raises(ServerConfigError, match="port"):
         ServerConfig(port=70000)
-    with pytest.raises(ConfigError, match="max_datums"):
+    with pytest.raises(ServerConfigError, match="max_datums"):
         Limits(max_datums=0)
 
 

@@ -13,6 +13,7 @@ from engine.loop.rl import (
     group_advantages,
     group_datums,
     kl_sample_train,
+    with_loss_inputs,
 )
 from tests.datums import datum_to_dict
 
@@ -53,6 +54,15 @@ def test_datum_tensors_have_the_dtypes_the_sdk_gives_plain_lists() -> None:
 def _c(tokens: list[int], logprobs: list[float] | None = None) -> Completion:
     lp = [-0.1] * len(tokens) if logprobs is None else logprobs
     return Completion(tuple(tokens), tuple(lp))
+
+
+def test_gspo_datums_mark_the_sampled_tokens_for_the_sequence_ratio() -> None:
+    datum = build_datum([10, 11, 12], [20, 21], [-0.5, -1.5], 0.25)
+    assert with_loss_inputs(datum, "ppo") is datum
+    gspo = with_loss_inputs(datum, "gspo")
+    mask = gspo.loss_fn_inputs["sequence_ratio_mask"]
+    assert mask.tolist() == [0.0, 0.0, 1.0, 1.0] and mask.dtype == np.float32
+    assert "sequence_ratio_mask" not in datum.loss_fn_inputs
 
 
 def test_empty_responses_and_zero_advantages_are_skipped_and_counted() -> None:

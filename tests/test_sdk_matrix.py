@@ -10,6 +10,7 @@ a subprocess of the chosen environment's Python on this checkout's code.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -17,6 +18,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from engine.local import LocalServer
 from tests.tinker_env import REPO, tinker_python
@@ -106,22 +108,30 @@ def test_a_rejected_key_is_one_line(server: LocalServer, sdk: str, tmp_path: Pat
     )
 
 
-def test_a_tinker_only_loss_reaches_the_server(server: LocalServer, tmp_path: Path) -> None:
-    """``--loss gspo`` goes through the 0.38 SDK to the server, which refuses it (the
-    local server trains the losses both generations share): one line naming it."""
+def test_gspo_trains_through_the_038_sdk(server: LocalServer, tmp_path: Path) -> None:
+    """``--loss gspo`` (a loss only tinker >= 0.38 sends) trains end to end through the
+    unmodified 0.38 SDK: the step's datums reach the server with their
+    ``sequence_ratio_mask``, the loss comes back, and the Adam step moves the LoRA (its B
+    matrices start at zero)."""
     run_dir = tmp_path / "r"
     # A step whose groups all have equal rewards sends no forward_backward: 8 groups of 6
     # at temperature 1 make sure the loss reaches the server.
     wide = ("--batch", "8", "--group", "6", "--temperature", "1.0")
+    before = server.stats.applied
     done = engine_run(
         "tinker", server, *wide, "--loss", "gspo", "--steps", "1", "--run-dir", str(run_dir)
     )
-    assert done.returncode == 1, done.stderr[-3000:]
-    assert done.stderr.strip().splitlines()[-1] == (
-        "Error: train step 1 failed: the server refused the request: unsupported loss_fn "
-        "'gspo'; supported: cross_entropy, importance_sampling, ppo, cispo, dro"
-    )
+    assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((run_dir / "config.json").read_text())["loss"] == "gspo"
+    after = server.stats.applied
+    assert after.get("forward_backward", 0) > before.get("forward_backward", 0)
+    assert after.get("optim_step", 0) == before.get("optim_step", 0) + 1
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    (step,) = [row for row in rows if "avg_reward" in row]
+    assert math.isfinite(step["optim/loss"])
+    saved = done.stdout.splitlines()[-1].removeprefix("Saved: tinker://")
+    adapter = load_file(server.data_dir / saved / "adapter.safetensors")
+    assert any(bool(t.any()) for name, t in adapter.items() if "lora_B" in name)
 
 
 def test_the_other_generation_is_refused_in_one_line(tmp_path: Path) -> None:

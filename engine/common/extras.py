@@ -4,10 +4,10 @@ says how to install a missing one.
 The core package with an SDK extra (``mint`` or ``tinker``: :mod:`engine.session.sdks`
 says which is installed) is what a hosted user needs. The local
 server (torch, peft, FastAPI), the report pictures (matplotlib), the experiment
-trackers (wandb, tensorboard) and Hugging Face datasets (``--task hf:PATH``) are
-extras. Whether an extra is installed is decided by finding its modules, without
-importing them (torch alone takes seconds). This module imports nothing heavy itself:
-the local server's command line uses it before anything.
+trackers (wandb, tensorboard), Hugging Face datasets (``--task hf:PATH``) and Ray
+(``--score-workers ray:N``) are extras. Whether an extra is installed is decided by
+finding its modules, without importing them (torch alone takes seconds). This module
+imports nothing heavy itself: the local server's command line uses it before anything.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Final, Literal
 
 __all__ = ["EXTRA_MODULES", "Extra", "missing", "missing_message", "require"]
 
-Extra = Literal["local", "report", "wandb", "tensorboard", "datasets"]
+Extra = Literal["local", "report", "wandb", "tensorboard", "datasets", "ray"]
 
 EXTRA_MODULES: Final[dict[Extra, tuple[str, ...]]] = {
     # transformers, tokenizers and safetensors come with either SDK (tinker) anyway
@@ -26,6 +26,7 @@ EXTRA_MODULES: Final[dict[Extra, tuple[str, ...]]] = {
     "wandb": ("wandb",),
     "tensorboard": ("tensorboard",),
     "datasets": ("datasets",),
+    "ray": ("ray",),
 }
 
 

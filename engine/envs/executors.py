@@ -1,63 +1,129 @@
-"""Where environment steps and group rewards run: the event loop, or worker processes.
+"""Where environment steps and group rewards run: the event loop, worker processes, or a
+Ray cluster.
 
 By default environments run on the event loop (they are ``async``: I/O-bound work such
 as a sandbox call or a judge overlaps freely; blocking work belongs in
-``anyio.to_thread.run_sync``). With ``--score-workers processes:N`` an environment
-task's ``initial_observation``, ``step`` and ``compute_group_rewards`` run in a pool of
-``N`` worker processes instead (CPU-bound Python environments): the environment (or
-builder) is pickled to a worker, run there on its own event loop, and pickled back with
-its new state, so it must be picklable -- checked on the task before the run starts
-(one clear line otherwise), and per group (a group whose builder cannot be pickled
-fails like a failing reward). Workers are killed on cancellation.
+``anyio.to_thread.run_sync``). With ``--score-workers processes:N`` (a pool of ``N``
+worker processes on this machine: CPU-bound Python environments) or ``ray:N`` (Ray
+tasks, at most ``N`` in flight, on a Ray cluster: environments that need more CPU than
+one machine, see :mod:`engine.envs.ray_workers`) an environment task's
+``initial_observation``, ``step`` and ``compute_group_rewards`` run remotely instead:
+the environment (or builder) is pickled to a worker, run there on its own event loop,
+and pickled back with its new state, so it must be picklable -- checked on the task
+before the run starts (one clear line otherwise), and per group (a group whose builder
+cannot be pickled fails like a failing reward). Remote calls are cancelled (their
+workers killed) on cancellation.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from types import TracebackType
+from typing import Any, Protocol
 
 import anyio
 import anyio.to_process
 
-from engine.envs.types import Action, Env, EnvGroupBuilder, Observation, StepResult, Trajectory
+from engine.envs.types import Action, Env, EnvGroupBuilder, EnvStepResult, Observation, Trajectory
+from engine.loop.scoring import ScoreWorkers
 from engine.tasks.base import RewardBreakdown
 
-__all__ = ["ProcessEnv", "ProcessGroup"]
+__all__ = [
+    "ProcessWorkers",
+    "RemoteEnv",
+    "RemoteGroup",
+    "Workers",
+    "call_in_worker",
+    "env_workers",
+    "outcome_of",
+]
 
 
-class ProcessEnv:
-    """An environment whose calls run in a worker process (its state travels along)."""
+class Workers(Protocol):
+    """Runs ``target.method(*args)`` elsewhere and returns ``target`` as it is after the
+    call (its new state) with the call's value; what the call raises is raised here.
+    Entered once per run (a pool or a cluster connection lives that long)."""
 
-    def __init__(self, env: Env, limiter: anyio.CapacityLimiter) -> None:
+    async def __aenter__(self) -> Any: ...
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None: ...
+
+    async def call(self, target: Any, method: str, *args: Any) -> tuple[Any, Any]: ...
+
+
+class ProcessWorkers:
+    """At most ``processes`` worker processes on this machine (anyio's process pool)."""
+
+    def __init__(self, processes: int) -> None:
+        self._limiter = anyio.CapacityLimiter(processes)
+
+    async def __aenter__(self) -> ProcessWorkers:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        return None
+
+    async def call(self, target: Any, method: str, *args: Any) -> tuple[Any, Any]:
+        outcome: tuple[Any, Any, BaseException | None] = await anyio.to_process.run_sync(
+            call_in_worker, target, method, *args, cancellable=True, limiter=self._limiter
+        )
+        return outcome_of(outcome)
+
+
+def env_workers(spec: ScoreWorkers) -> Workers | None:
+    """Where ``--score-workers`` runs an environment task's calls (None: the event loop)."""
+    if spec.kind == "processes":
+        return ProcessWorkers(spec.count)
+    if spec.kind == "ray":
+        from engine.envs.ray_workers import RayWorkers
+
+        return RayWorkers(spec.count)
+    return None
+
+
+class RemoteEnv:
+    """An environment whose calls run on ``workers`` (its state travels along)."""
+
+    def __init__(self, env: Env, workers: Workers) -> None:
         self.env = env
-        self._limiter = limiter
+        self._workers = workers
 
     async def initial_observation(self) -> Observation:
-        self.env, observation = await _in_worker(self._limiter, self.env, "initial_observation")
+        self.env, observation = await self._workers.call(self.env, "initial_observation")
         return observation  # type: ignore[no-any-return]
 
-    async def step(self, action: Action) -> StepResult:
-        self.env, result = await _in_worker(self._limiter, self.env, "step", action)
+    async def step(self, action: Action) -> EnvStepResult:
+        self.env, result = await self._workers.call(self.env, "step", action)
         return result  # type: ignore[no-any-return]
 
 
-class ProcessGroup:
-    """A group builder whose environments and group rewards run in worker processes;
+class RemoteGroup:
+    """A group builder whose environments and group rewards run on ``workers``;
     ``make_envs`` and ``cleanup`` stay on the event loop (they own resources)."""
 
-    def __init__(self, builder: EnvGroupBuilder, limiter: anyio.CapacityLimiter) -> None:
+    def __init__(self, builder: EnvGroupBuilder, workers: Workers) -> None:
         self.builder = builder
-        self._limiter = limiter
+        self._workers = workers
 
     async def make_envs(self) -> Sequence[Env]:
-        return [ProcessEnv(env, self._limiter) for env in await self.builder.make_envs()]
+        return [RemoteEnv(env, self._workers) for env in await self.builder.make_envs()]
 
     async def compute_group_rewards(
         self, trajectories: Sequence[Trajectory], envs: Sequence[Env]
     ) -> Sequence[RewardBreakdown]:
-        inner = [e.env if isinstance(e, ProcessEnv) else e for e in envs]
-        self.builder, rewards = await _in_worker(
-            self._limiter, self.builder, "compute_group_rewards", tuple(trajectories), inner
+        inner = [e.env if isinstance(e, RemoteEnv) else e for e in envs]
+        self.builder, rewards = await self._workers.call(
+            self.builder, "compute_group_rewards", tuple(trajectories), inner
         )
         return rewards  # type: ignore[no-any-return]
 
@@ -65,19 +131,15 @@ class ProcessGroup:
         await self.builder.cleanup()
 
 
-async def _in_worker(
-    limiter: anyio.CapacityLimiter, target: Any, method: str, *args: Any
-) -> tuple[Any, Any]:
-    outcome: tuple[Any, Any, BaseException | None] = await anyio.to_process.run_sync(
-        _call, target, method, *args, cancellable=True, limiter=limiter
-    )
+def outcome_of(outcome: tuple[Any, Any, BaseException | None]) -> tuple[Any, Any]:
+    """What :func:`call_in_worker` answered: the target and the value, or its error raised."""
     target_after, value, error = outcome
     if error is not None:
         raise error
     return target_after, value
 
 
-def _call(target: Any, method: str, *args: Any) -> tuple[Any, Any, BaseException | None]:
+def call_in_worker(target: Any, method: str, *args: Any) -> tuple[Any, Any, BaseException | None]:
     """In the worker: run ``target.method(*args)`` on a fresh event loop; what it raises
     comes back as a value."""
 

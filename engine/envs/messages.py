@@ -39,8 +39,8 @@ from engine.envs.types import (
     Action,
     Env,
     EnvContext,
+    EnvStepResult,
     Observation,
-    StepResult,
     StopCondition,
     Trajectory,
 )
@@ -105,7 +105,7 @@ class ChatEnv:
         self.messages = [dict(m) for m in await self.env.initial_messages()]
         return self._observe()
 
-    async def step(self, action: Action) -> StepResult:
+    async def step(self, action: Action) -> EnvStepResult:
         text = self._decode(action.tokens)
         parsed = self._parser.parse(text) if self._tools else ParsedReply(text.strip())
         logs: dict[str, Any] = {"assistant": text}
@@ -113,11 +113,11 @@ class ChatEnv:
             logs["parse_error"] = parsed.error
             metrics = {"parse_errors": 1.0}
             if self._context.limits.on_parse_error != "retry":
-                return StepResult(done=True, metrics=metrics, logs=logs, outcome="parse_error")
+                return EnvStepResult(done=True, metrics=metrics, logs=logs, outcome="parse_error")
             feedback = {"role": "user", "content": PARSE_RETRY_PROMPT.format(error=parsed.error)}
             self.messages += [{"role": "assistant", "content": text}, feedback]
             logs["messages"] = [feedback]
-            return StepResult(next_observation=self._observe(), metrics=metrics, logs=logs)
+            return EnvStepResult(next_observation=self._observe(), metrics=metrics, logs=logs)
         self.messages.append(parsed.assistant_message())
         if parsed.tool_calls:
             return await self._run_tools(parsed.tool_calls, logs)
@@ -125,7 +125,7 @@ class ChatEnv:
         self.messages.extend(dict(m) for m in answer.messages)
         if answer.messages:
             logs["messages"] = [dict(m) for m in answer.messages]
-        return StepResult(
+        return EnvStepResult(
             reward=answer.reward,
             done=answer.done,
             next_observation=None if answer.done else self._observe(),
@@ -133,7 +133,7 @@ class ChatEnv:
             logs=logs,
         )
 
-    async def _run_tools(self, calls: Sequence[ToolCall], logs: dict[str, Any]) -> StepResult:
+    async def _run_tools(self, calls: Sequence[ToolCall], logs: dict[str, Any]) -> EnvStepResult:
         reward, done, errors = 0.0, False, 0
         results: list[dict[str, Any]] = []
         for call in calls:
@@ -152,7 +152,7 @@ class ChatEnv:
             )
         logs["tool_calls"] = results
         metrics = {"tool_calls": float(len(calls)), "tool_errors": float(errors)}
-        return StepResult(
+        return EnvStepResult(
             reward=reward,
             done=done,
             next_observation=None if done else self._observe(),

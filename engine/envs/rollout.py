@@ -41,19 +41,20 @@ from engine.envs.types import (
     Action,
     Env,
     EnvGroupBuilder,
+    EnvStepResult,
     EpisodeLimits,
     Observation,
     Outcome,
-    StepResult,
     Trajectory,
     Turn,
 )
 from engine.errors import EngineError, primary_error
 from engine.loop.rl import Completion
 from engine.loop.scoring import RewardError, check_rewards
+from engine.session.api import SamplingSettings
 from engine.tasks.base import Problem
 
-__all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler"]
+__all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler", "turn_settings"]
 
 Clock = Callable[[], float]
 
@@ -79,6 +80,27 @@ class TurnSampler(Protocol):
     async def __call__(
         self, observation: Observation, n: int, room: int | None
     ) -> Sequence[SampledAction]: ...
+
+
+def turn_settings(
+    observation: Observation,
+    room: int | None,
+    *,
+    max_tokens: int,
+    temperature: float,
+    seed: int | None = None,
+) -> SamplingSettings:
+    """The sample request of one turn: the observation's stop condition, its action
+    capped by its own ``max_tokens`` (else the run's) and by the ``room`` left."""
+    stop = observation.stop
+    limit = stop.max_tokens or max_tokens
+    return SamplingSettings(
+        max_tokens=limit if room is None else max(1, min(limit, room)),
+        temperature=temperature,
+        seed=seed,
+        stop_token_ids=stop.stop_token_ids,
+        stop_strings=stop.stop_strings,
+    )
 
 
 @dataclass(frozen=True)
@@ -229,7 +251,7 @@ class EpisodeRunner:
                 action = (await self._sample(observation, 1, room))[0]
                 tally.retries += action.retries
             completion = action.completion
-            result: StepResult
+            result: EnvStepResult
             error: str | None = None
             try:
                 result = await env.step(Action(completion.tokens, completion.stop_reason))
@@ -237,7 +259,7 @@ class EpisodeRunner:
                 raise
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                result = StepResult(done=True, logs={"error": error}, outcome="env_error")
+                result = EnvStepResult(done=True, logs={"error": error}, outcome="env_error")
             turns.append(
                 Turn(
                     observation=observation.tokens,

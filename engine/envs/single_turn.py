@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.envs.types import Action, Env, Observation, StepResult, Trajectory
+from engine.envs.types import Action, Env, EnvStepResult, Observation, Trajectory
 from engine.loop.scoring import Scorer
 from engine.tasks.base import Problem, RewardBreakdown
 from engine.tasks.render import PromptRenderer
@@ -31,8 +31,8 @@ class PromptEnv:
     async def initial_observation(self) -> Observation:
         return self.observation
 
-    async def step(self, action: Action) -> StepResult:
-        return StepResult(done=True)
+    async def step(self, action: Action) -> EnvStepResult:
+        return EnvStepResult(done=True)
 
 
 @dataclass(frozen=True)

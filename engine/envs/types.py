@@ -30,7 +30,7 @@ Advantages are group-relative on each trajectory's :attr:`Trajectory.total_rewar
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown
@@ -41,13 +41,13 @@ __all__ = [
     "Env",
     "EnvContext",
     "EnvGroupBuilder",
+    "EnvStepResult",
     "EnvTask",
     "EpisodeLimits",
     "Observation",
     "OnLimit",
     "OnParseError",
     "Outcome",
-    "StepResult",
     "StopCondition",
     "Trajectory",
     "Turn",
@@ -108,7 +108,7 @@ class Action:
 
 
 @dataclass(frozen=True)
-class StepResult:
+class EnvStepResult:
     """The environment's answer to one action.
 
     ``next_observation`` is required while the episode goes on (``done`` False) and
@@ -135,7 +135,7 @@ class Env(Protocol):
 
     async def initial_observation(self) -> Observation: ...
 
-    async def step(self, action: Action) -> StepResult: ...
+    async def step(self, action: Action) -> EnvStepResult: ...
 
 
 @dataclass(frozen=True)
@@ -207,6 +207,14 @@ class EpisodeLimits:
     tool_timeout: float | None = 60.0
     on_limit: OnLimit = "zero"
     on_parse_error: OnParseError = "zero"
+
+    def within(self, context: int | None) -> EpisodeLimits:
+        """These limits with ``max_tokens`` at most ``context`` (the served model's
+        context length, None: unknown): an episode that would outgrow the model ends
+        with outcome ``"max_tokens"`` instead of a request the server refuses."""
+        if context is None or self.max_tokens <= context:
+            return self
+        return replace(self, max_tokens=context)
 
 
 @dataclass(frozen=True)

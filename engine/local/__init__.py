@@ -21,9 +21,9 @@ from typing import TYPE_CHECKING, Any
 
 from engine.local.config import (
     DEFAULT_MODEL_DIR,
-    ConfigError,
     Limits,
     ServerConfig,
+    ServerConfigError,
     make_config,
 )
 from engine.local.faults import FaultSpec, FaultSpecError
@@ -50,7 +50,6 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "DEFAULT_MODEL_DIR",
-    "ConfigError",
     "FaultSpec",
     "FaultSpecError",
     "LatencyProfile",
@@ -60,6 +59,7 @@ __all__ = [
     "OpCycle",
     "RunningServer",
     "ServerConfig",
+    "ServerConfigError",
     "SpawnedServer",
     "StatsSnapshot",
     "make_config",

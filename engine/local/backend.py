@@ -44,7 +44,10 @@ class BackendError(Exception):
 
 
 @dataclass(frozen=True)
-class LoraSpec:
+class AdapterSpec:
+    """The LoRA adapter of one training client: its rank, init seed and which modules
+    it trains."""
+
     rank: int
     seed: int | None = None
     train_mlp: bool = True
@@ -102,7 +105,9 @@ class SampledSeq:
 
 
 @dataclass(frozen=True)
-class SampleResult:
+class SampledSequences:
+    """What one sample job produced: its sequences, and the prompt's logprobs when asked."""
+
     sequences: list[SampledSeq]
     prompt_logprobs: list[float | None] | None = None  # first entry None
     topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
@@ -119,7 +124,7 @@ class _Client:
     """One training client: its adapter, LoRA spec, optimizer and step count."""
 
     adapter: str
-    spec: LoraSpec
+    spec: AdapterSpec
     targets: TargetSet
     seed: int
     params: dict[str, torch.nn.Parameter]
@@ -254,7 +259,7 @@ class Backend:
 
     # ---- training clients -------------------------------------------------------------
 
-    def create_model(self, model_id: str, spec: LoraSpec) -> None:
+    def create_model(self, model_id: str, spec: AdapterSpec) -> None:
         if model_id in self._clients:
             raise BackendError(f"model {model_id!r} already exists")
         if isinstance(spec.rank, bool) or not isinstance(spec.rank, int) or spec.rank < 1:
@@ -274,7 +279,7 @@ class Backend:
     def has_model(self, model_id: str) -> bool:
         return model_id in self._clients
 
-    def model_spec(self, model_id: str) -> LoraSpec:
+    def model_spec(self, model_id: str) -> AdapterSpec:
         return self._client(model_id).spec
 
     def optimizer_steps(self, model_id: str) -> int:
@@ -289,7 +294,7 @@ class Backend:
             raise BackendError(f"unknown model_id {model_id!r}")
         return client
 
-    def _targets(self, spec: LoraSpec) -> TargetSet:
+    def _targets(self, spec: AdapterSpec) -> TargetSet:
         if not (spec.train_attn or spec.train_mlp or spec.train_unembed):
             raise BackendError("at least one of train_attn, train_mlp, train_unembed must be true")
         targets = self._host.groups.select(
@@ -333,6 +338,10 @@ class Backend:
             ]
         except DatumError as e:
             raise BackendError(str(e)) from e
+        for i, d in enumerate(checked):
+            problem = spec.check(d.inputs) if spec.check else None
+            if problem:
+                raise BackendError(f"datum {i}: {problem}")
         outputs: list[dict[str, torch.Tensor]] = [{} for _ in checked]
         total = 0.0
         params = list(client.params.values()) if backward else []
@@ -630,10 +639,10 @@ class Backend:
 
     # ---- sampling ---------------------------------------------------------------------
 
-    def sample(self, jobs: list[SampleJob]) -> list[SampleResult]:
+    def sample(self, jobs: list[SampleJob]) -> list[SampledSequences]:
         """Run many asample requests as one batched computation (per snapshot)."""
         requests = [self._request(i, job) for i, job in enumerate(jobs)]
-        results: list[SampleResult | None] = [None] * len(jobs)
+        results: list[SampledSequences | None] = [None] * len(jobs)
         groups: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
             groups.setdefault(job.sampler, []).append(i)
@@ -647,7 +656,7 @@ class Backend:
                     outs = self._sampler.run(batch)
             for i, out in zip(idxs, outs, strict=True):
                 seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
-                results[i] = SampleResult(
+                results[i] = SampledSequences(
                     sequences=seqs,
                     prompt_logprobs=out.prompt_logprobs,
                     topk_prompt_logprobs=out.topk_prompt_logprobs,

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.local.backend import SampleJob, SampleResult
+from engine.local.backend import SampledSequences, SampleJob
 from engine.local.compute import ComputeThread
 
-SampleOutcome = SampleResult | Exception
+SampleOutcome = SampledSequences | Exception
 
 
 class SamplerQueueFull(Exception):
@@ -37,7 +37,7 @@ class SampleBatcher:
     def __init__(
         self,
         compute: ComputeThread,
-        sample: Callable[[list[SampleJob]], Sequence[SampleResult]],
+        sample: Callable[[list[SampleJob]], Sequence[SampledSequences]],
         *,
         max_batch: int,
         max_queued: int,
@@ -114,6 +114,6 @@ class SampleBatcher:
         return outcomes
 
 
-def generated_tokens(result: SampleResult) -> int:
+def generated_tokens(result: SampledSequences) -> int:
     """Length of the longest generated sequence (what per-token latency is charged on)."""
     return max((len(s.tokens) for s in result.sequences), default=0)

@@ -41,7 +41,7 @@ def default_data_dir() -> Path:
     return root / "engine" / "local-server"
 
 
-class ConfigError(ValueError):
+class ServerConfigError(ValueError):
     """A setting is out of range or inconsistent; the message says which and why."""
 
 
@@ -101,7 +101,7 @@ class Limits:
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"limit {name} must be a positive integer, got {value!r}")
+                raise ServerConfigError(f"limit {name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -147,11 +147,11 @@ class ServerConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
-            raise ConfigError(f"port must be an integer in 0..65535, got {self.port!r}")
+            raise ServerConfigError(f"port must be an integer in 0..65535, got {self.port!r}")
         if self.api_key is not None and not self.api_key.strip():
-            raise ConfigError("api_key must not be empty (omit it to disable authentication)")
+            raise ServerConfigError("api_key must not be empty (omit it to disable authentication)")
         if not is_loopback_host(self.host) and self.api_key is None:
-            raise ConfigError(
+            raise ServerConfigError(
                 f"refusing to bind non-loopback host {self.host!r} without an API key "
                 "(pass --api-key, or bind 127.0.0.1)"
             )
@@ -165,15 +165,15 @@ class ServerConfig:
         ):
             value = getattr(self, name)
             if not value > 0:
-                raise ConfigError(f"{name} must be > 0, got {value!r}")
+                raise ServerConfigError(f"{name} must be > 0, got {value!r}")
         if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
-            raise ConfigError(f"num_threads must be in 1..1024, got {self.num_threads!r}")
+            raise ServerConfigError(f"num_threads must be in 1..1024, got {self.num_threads!r}")
         if self.sample_batch_window_s < 0:
-            raise ConfigError(
+            raise ServerConfigError(
                 f"sample_batch_window_s must be >= 0, got {self.sample_batch_window_s!r}"
             )
         if self.jwt_ttl_s < 600:
-            raise ConfigError(
+            raise ServerConfigError(
                 f"jwt_ttl_s must be >= 600 (the client refreshes 5 min early), got {self.jwt_ttl_s}"
             )
 
@@ -217,7 +217,7 @@ def make_config(
             if model_dir is None
             else ""
         )
-        raise ConfigError(f"model directory {str(model_path)!r} does not exist{hint}")
+        raise ServerConfigError(f"model directory {str(model_path)!r} does not exist{hint}")
     return ServerConfig(
         model_dir=model_path.resolve(),
         model_name=model_name,

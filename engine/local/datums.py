@@ -15,7 +15,7 @@ import torch
 
 Tensor = torch.Tensor
 
-_FLOAT_KEYS = ("weights", "logprobs", "advantages")
+_FLOAT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
 
 
 class DatumError(ValueError):

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from engine.local.backend import AdamConfig, Backend
+from engine.local.losses import LOSSES
 from engine.local.storage import TinkerPath, check_name
 from engine.local.wire import (
     ForwardBackwardInputW,
@@ -24,8 +25,6 @@ from engine.local.wire import (
     forward_json,
     token_count,
 )
-
-LOSS_FNS = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 
 
 @dataclass
@@ -71,8 +70,8 @@ def forward_job(
             f"server accepts at most {limits.max_tokens} per request (its "
             "--max-request-tokens): send the datums in smaller requests"
         )
-    if inp.loss_fn not in LOSS_FNS:
-        raise WireError(f"unsupported loss_fn {inp.loss_fn!r}; supported: {', '.join(LOSS_FNS)}")
+    if inp.loss_fn not in LOSSES:
+        raise WireError(f"unsupported loss_fn {inp.loss_fn!r}; supported: {', '.join(LOSSES)}")
     for key, value in (inp.loss_fn_config or {}).items():
         if not math.isfinite(value):
             raise WireError(f"loss_fn_config[{key!r}] must be a finite number")

@@ -38,7 +38,7 @@ from engine.local.app import build_app
 from engine.local.auth import Authenticator
 from engine.local.backend import Backend
 from engine.local.compute import ComputeThread
-from engine.local.config import READY_PREFIX, ConfigError, Limits, ServerConfig, make_config
+from engine.local.config import READY_PREFIX, Limits, ServerConfig, ServerConfigError, make_config
 from engine.local.faults import FaultSpec
 from engine.local.http11 import with_header_timeout
 from engine.local.latency import LatencyProfile
@@ -98,7 +98,7 @@ def _bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as exc:
         sock.close()
-        raise ConfigError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
+        raise ServerConfigError(f"cannot bind {host}:{port}: {exc.strerror or exc}") from None
     sock.listen(2048)
     return sock
 

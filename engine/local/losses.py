@@ -1,4 +1,4 @@
-"""Tinker's five training losses, per datum, as SUMS over tokens.
+"""Tinker's training losses, per datum, as SUMS over tokens.
 
 Each loss maps the training policy's per-token logprobs ``logp`` (N,) and the datum's
 dense loss inputs to a scalar, or a batch of right-padded datums (B, T) to their (B,)
@@ -24,12 +24,14 @@ class LossConfigError(ValueError):
 
 
 @dataclass(frozen=True)
-class LossSpec:
+class LossDefinition:
     """What a loss needs from each datum and which config keys it accepts (with defaults)."""
 
     fn: Callable[[Tensor, Mapping[str, Tensor], Mapping[str, float]], Tensor]
     inputs: tuple[str, ...]
     config: Mapping[str, float | None]  # None: required key without a default
+    check: Callable[[Mapping[str, Tensor]], str | None] | None = None
+    """What is wrong with one datum's inputs for this loss beyond shapes, or None."""
 
 
 def _ratio(logp: Tensor, inputs: Mapping[str, Tensor]) -> Tensor:
@@ -65,19 +67,42 @@ def dro(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) ->
     return -(logp * adv - 0.5 * cfg["beta"] * quad).sum(-1)
 
 
+def gspo(logp: Tensor, inputs: Mapping[str, Tensor], cfg: Mapping[str, float]) -> Tensor:
+    """GSPO-token (Zheng et al. 2025, as hosted Tinker defines it): every token's ratio
+    has the value of its sequence's ratio, exp(mean log(p/q) over the tokens
+    ``sequence_ratio_mask`` marks), and the gradient of its own logprob; clipped like PPO."""
+    in_ratio = (inputs["sequence_ratio_mask"] != 0).to(logp.dtype)
+    log_q = inputs["logprobs"]
+    count = in_ratio.sum(-1, keepdim=True)
+    log_ratio = ((logp.detach() - log_q) * in_ratio).sum(-1, keepdim=True) / count
+    ratio = torch.exp(log_ratio + logp - logp.detach())
+    adv = inputs["advantages"]
+    clipped = ratio.clamp(cfg["clip_low_threshold"], cfg["clip_high_threshold"])
+    return -torch.minimum(ratio * adv, clipped * adv).sum(-1)
+
+
+def _marks_a_token(inputs: Mapping[str, Tensor]) -> str | None:
+    if bool((inputs["sequence_ratio_mask"] != 0).any()):
+        return None
+    return "sequence_ratio_mask marks no token; gspo's sequence ratio needs at least one"
+
+
 _CLIP = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
 _RL_INPUTS = ("target_tokens", "logprobs", "advantages")
 
-LOSSES: dict[str, LossSpec] = {
-    "cross_entropy": LossSpec(cross_entropy, ("target_tokens", "weights"), {}),
-    "importance_sampling": LossSpec(importance_sampling, _RL_INPUTS, {}),
-    "ppo": LossSpec(ppo, _RL_INPUTS, _CLIP),
-    "cispo": LossSpec(cispo, _RL_INPUTS, _CLIP),
-    "dro": LossSpec(dro, _RL_INPUTS, {"beta": None}),
+LOSSES: dict[str, LossDefinition] = {
+    "cross_entropy": LossDefinition(cross_entropy, ("target_tokens", "weights"), {}),
+    "importance_sampling": LossDefinition(importance_sampling, _RL_INPUTS, {}),
+    "ppo": LossDefinition(ppo, _RL_INPUTS, _CLIP),
+    "cispo": LossDefinition(cispo, _RL_INPUTS, _CLIP),
+    "dro": LossDefinition(dro, _RL_INPUTS, {"beta": None}),
+    "gspo": LossDefinition(gspo, (*_RL_INPUTS, "sequence_ratio_mask"), _CLIP, _marks_a_token),
 }
 
 
-def resolve(loss_fn: str, config: Mapping[str, float] | None) -> tuple[LossSpec, dict[str, float]]:
+def resolve(
+    loss_fn: str, config: Mapping[str, float] | None
+) -> tuple[LossDefinition, dict[str, float]]:
     """The loss spec and its full config (defaults filled in); clear errors otherwise."""
     spec = LOSSES.get(loss_fn)
     if spec is None:

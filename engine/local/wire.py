@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.local.backend import AdamConfig, DatumIn, ForwardResult, SampleResult
+from engine.local.backend import AdamConfig, DatumIn, ForwardResult, SampledSequences
 
 REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash_unordered", "unique"})
 
@@ -360,7 +360,7 @@ def forward_json(result: ForwardResult) -> dict[str, Any]:
     }
 
 
-def sample_json(result: SampleResult) -> dict[str, Any]:
+def sample_json(result: SampledSequences) -> dict[str, Any]:
     sequences = []
     for seq in result.sequences:
         logprobs = [float(x) for x in seq.logprobs]

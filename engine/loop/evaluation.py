@@ -26,15 +26,32 @@ from typing import Any
 import anyio
 
 from engine.config import OnRewardError
-from engine.envs.types import is_env_task
+from engine.envs.rollout import EpisodeRunner, SampledAction, turn_settings
+from engine.envs.types import (
+    EnvContext,
+    EnvTask,
+    EpisodeLimits,
+    Observation,
+    StopCondition,
+    Trajectory,
+    is_env_task,
+)
 from engine.errors import ConfigError
 from engine.loop.scoring import RewardError, Scorer
-from engine.rundir.checkpoints import truncate_metrics
 from engine.session.api import SamplerHandle, SamplingSettings, Session
 from engine.tasks.base import Problem, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["EVAL_FILE", "PASS_REWARD", "Evaluator", "eval_problems_of", "evaluate", "pass_at_k"]
+__all__ = [
+    "EVAL_FILE",
+    "PASS_REWARD",
+    "Evaluator",
+    "env_context",
+    "eval_problems_of",
+    "evaluate",
+    "evaluate_episodes",
+    "pass_at_k",
+]
 
 EVAL_FILE = "eval.jsonl"
 PASS_REWARD = 1.0
@@ -50,13 +67,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 
 
 def eval_problems_of(task: Task) -> list[Problem]:
-    """The task's held-out problems (``eval_problems()``); ConfigError when it has none
-    or is an environment task (held-out episodes are not evaluated yet)."""
-    if is_env_task(task):
-        raise ConfigError(
-            f"--eval-every evaluates single-turn tasks only, and {task.name!r} is an "
-            "environment task; run without --eval-every"
-        )
+    """The task's held-out problems (``eval_problems()``); ConfigError when it has none."""
     method = getattr(task, "eval_problems", None)
     problems = list(method()) if callable(method) else []
     if not problems:
@@ -128,11 +139,22 @@ async def evaluate(
     async with anyio.create_task_group() as tg:
         for i, problem in enumerate(problems):
             tg.start_soon(one, i, problem)
+    return _summary(scored, scored_samples, samples, pass_reward)
+
+
+def _summary(
+    scored: Sequence[RewardBreakdown | None],
+    scored_samples: Sequence[Sequence[RewardBreakdown] | None],
+    samples: int,
+    pass_reward: float,
+) -> dict[str, float]:
+    """The ``eval/*`` means of per-problem greedy rewards (None: left out) and sampled
+    ones."""
     rewards = [r for r in scored if r is not None]
     n = len(rewards)
     out: dict[str, float] = {
         "eval/problems": float(n),
-        "eval/reward_errors": float(len(problems) - n),
+        "eval/reward_errors": float(len(scored) - n),
     }
     if not rewards:
         return out
@@ -157,6 +179,87 @@ async def evaluate(
     return out
 
 
+async def evaluate_episodes(
+    session: Session,
+    sampler: SamplerHandle,
+    task: EnvTask,
+    context: EnvContext,
+    problems: Sequence[Problem],
+    *,
+    max_tokens: int,
+    concurrency: int = 64,
+    samples: int = 0,
+    temperature: float = 1.0,
+    pass_reward: float = PASS_REWARD,
+    on_reward_error: Callable[[RewardError], None] | None = None,
+) -> dict[str, float]:
+    """:func:`evaluate` for an environment task: one greedy episode per held-out problem
+    (a group of one from ``task.group_builder``, run under ``context``'s limits by the
+    training's episode runner), its total reward (turn rewards plus group reward, zero
+    when a limit cut it) standing for the response's reward: the same ``eval/*`` keys,
+    plus ``eval/success_rate`` (episodes with a total reward > 0) and
+    ``eval/turns_per_episode``. With ``samples`` = n > 0 also one group of n episodes
+    per problem at ``temperature`` (``eval/sampled/*``). A group that cannot be built
+    or scored follows ``on_reward_error`` as a reward error does in :func:`evaluate`."""
+    limiter = anyio.CapacityLimiter(concurrency)
+
+    def runner(temperature: float) -> EpisodeRunner:
+        async def sample(observation: Observation, n: int, room: int | None) -> list[SampledAction]:
+            settings = turn_settings(
+                observation, room, max_tokens=max_tokens, temperature=temperature
+            )
+            async with limiter:
+                result = await session.sample(sampler, observation.tokens, n, settings)
+            return [SampledAction(c, result.version) for c in result.completions]
+
+        return EpisodeRunner(sample, context.limits)
+
+    greedy, sampled = runner(0.0), runner(temperature)
+    episodes: list[Trajectory | None] = [None] * len(problems)
+    scored: list[RewardBreakdown | None] = [None] * len(problems)
+    scored_samples: list[list[RewardBreakdown] | None] = [None] * len(problems)
+
+    async def play(episode_runner: EpisodeRunner, problem: Problem, n: int) -> list[Trajectory]:
+        rollout = await episode_runner.run_group(task.group_builder(problem, n, context), problem)
+        if rollout.error is not None:
+            raise rollout.error
+        return list(rollout.trajectories)
+
+    async def one(i: int, problem: Problem) -> None:
+        try:
+            (episode,) = await play(greedy, problem, 1)
+            rest = await play(sampled, problem, samples) if samples else []
+        except RewardError as error:
+            if on_reward_error is None:
+                raise
+            on_reward_error(error)
+            return
+        episodes[i] = episode
+        scored[i] = _episode_reward(episode)
+        scored_samples[i] = [_episode_reward(t) for t in rest]
+
+    async with anyio.create_task_group() as tg:
+        for i, problem in enumerate(problems):
+            tg.start_soon(one, i, problem)
+    out = _summary(scored, scored_samples, samples, pass_reward)
+    played = [e for e in episodes if e is not None]
+    if played:
+        out["eval/success_rate"] = sum(1 for e in played if e.total_reward > 0) / len(played)
+        out["eval/turns_per_episode"] = sum(len(e.turns) for e in played) / len(played)
+    return out
+
+
+def env_context(renderer: PromptRenderer, stop_at_eos: bool, limits: EpisodeLimits) -> EnvContext:
+    """What held-out episodes run under: the served tokenizer and chat template, the
+    run's stop condition and episode limits (capped at the model's context)."""
+    stop = StopCondition(*renderer.stops(stop_at_eos=stop_at_eos))
+    return EnvContext(renderer.context, stop, limits)
+
+
+def _episode_reward(episode: Trajectory) -> RewardBreakdown:
+    return RewardBreakdown(episode.total_reward, episode.group_reward.components)
+
+
 class Evaluator:
     """Runs :func:`evaluate` every ``every`` steps, at step 0 and after ``last_step``;
     each result is appended to ``<run dir>/eval.jsonl`` and said on the console; with
@@ -165,9 +268,9 @@ class Evaluator:
     def __init__(
         self,
         session: Session,
-        task: Task,
+        task: Task | EnvTask,
         renderer: PromptRenderer,
-        scorer: Scorer,
+        scorer: Scorer | None,
         run_dir: Path,
         *,
         every: int,
@@ -181,12 +284,21 @@ class Evaluator:
         say: Callable[[str], None] = lambda line: None,
         warn: Callable[[str], None] = lambda line: None,
         track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
+        limits: EpisodeLimits | None = None,
     ) -> None:
-        """``track`` gets the step-0 result (later ones ride in their step's metrics)."""
+        """``track`` gets the step-0 result (later ones ride in their step's metrics).
+        An environment task is evaluated by :func:`evaluate_episodes` under ``limits``
+        (no ``scorer``); a single-turn task by :func:`evaluate` with ``scorer``."""
         self._session = session
         self._renderer = renderer
         self._scorer = scorer
-        self._problems = eval_problems_of(task)
+        self._problems = eval_problems_of(task)  # type: ignore[arg-type]
+        self._env_task: EnvTask | None = None
+        if is_env_task(task):
+            self._env_task = task  # type: ignore[assignment]
+            self._env_context = env_context(renderer, stop_at_eos, limits or EpisodeLimits())
+        elif scorer is None:
+            raise ValueError("a single-turn task is evaluated with its scorer")
         self._path = run_dir / EVAL_FILE
         self._every = every
         self._last_step = last_step
@@ -204,10 +316,6 @@ class Evaluator:
         """Whether the weights after ``step`` train steps are evaluated."""
         return step == 0 or step % self._every == 0 or step == self._last_step
 
-    def rewind(self, keep_through_step: int) -> None:
-        """Drop the results of steps after ``keep_through_step`` (they are redone)."""
-        truncate_metrics(self._path, keep_through_step)
-
     async def __call__(self, step: int, sampler: SamplerHandle) -> dict[str, float]:
         def skip(error: RewardError) -> None:
             self._warn(
@@ -215,26 +323,44 @@ class Evaluator:
                 "metrics (--on-reward-error skip)"
             )
 
-        metrics = await evaluate(
-            self._session,
-            sampler,
-            self._renderer,
-            self._scorer,
-            self._problems,
-            max_tokens=self._max_tokens,
-            stop_at_eos=self._stop_at_eos,
-            concurrency=self._concurrency,
-            samples=self._samples,
-            temperature=self._temperature,
-            on_reward_error=skip if self._skip_reward_errors else None,
-        )
+        on_reward_error = skip if self._skip_reward_errors else None
+        if self._env_task is not None:
+            metrics = await evaluate_episodes(
+                self._session,
+                sampler,
+                self._env_task,
+                self._env_context,
+                self._problems,
+                max_tokens=self._max_tokens,
+                concurrency=self._concurrency,
+                samples=self._samples,
+                temperature=self._temperature,
+                on_reward_error=on_reward_error,
+            )
+        else:
+            assert self._scorer is not None
+            metrics = await evaluate(
+                self._session,
+                sampler,
+                self._renderer,
+                self._scorer,
+                self._problems,
+                max_tokens=self._max_tokens,
+                stop_at_eos=self._stop_at_eos,
+                concurrency=self._concurrency,
+                samples=self._samples,
+                temperature=self._temperature,
+                on_reward_error=on_reward_error,
+            )
         record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
         with self._path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")
         if step == 0:
             self._track(0, metrics)
         rates = ", ".join(
-            f"{k}={v:.1%}" for k, v in metrics.items() if k.endswith("/rate") or "pass@" in k
+            f"{k}={v:.1%}"
+            for k, v in metrics.items()
+            if k.endswith(("/rate", "/success_rate")) or "pass@" in k
         )
         reward = metrics.get("eval/reward/total")
         errors = int(metrics["eval/reward_errors"])

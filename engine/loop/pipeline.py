@@ -44,6 +44,7 @@ to restore a checkpoint and redo every step submitted after it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import time
@@ -57,9 +58,9 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.config import EngineConfig
 from engine.envs.datums import episode_group_datums
-from engine.envs.executors import ProcessGroup
+from engine.envs.executors import RemoteGroup, Workers, env_workers
 from engine.envs.metrics import episode_metrics
-from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction
+from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn_settings
 from engine.envs.single_turn import TaskGroupBuilder
 from engine.envs.types import (
     EnvContext,
@@ -87,7 +88,6 @@ from engine.session.api import (
     LossSpec,
     PendingSnapshot,
     SamplerHandle,
-    SamplingSettings,
     Session,
     StepTicket,
     TrainResult,
@@ -255,16 +255,16 @@ class Pipeline:
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.stop_at_eos)
         self._stop = StopCondition(stop_strings, stop_token_ids)
         workers = parse_score_workers(config.score_workers)
-        self._env_workers = (
-            anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
-        )
+        self._env_workers: Workers | None = None
         if is_env_task(task):
             check_score_workers(task, workers)
+            self._env_workers = env_workers(workers)
             self._env_task: EnvTask | None = task  # type: ignore[assignment]
             self._env_context = EnvContext(
-                self._renderer.context, self._stop, config.episode_limits()
+                self._renderer.context, self._stop, config.episode_limits().within(context)
             )
             limits: EpisodeLimits | None = self._env_context.limits
+            self._max_prompt = None  # an episode's context is bounded by its limits
             self._scorer: Scorer | None = None
         else:
             self._env_task, limits = None, None
@@ -279,10 +279,13 @@ class Pipeline:
         # Every group the submitter files, for the finisher's checkpoints (at most K + 1
         # steps of groups are untrained at once, well within the bound).
         filed_send, filed_recv = anyio.create_memory_object_stream[ScoredGroup](self._bound)
-        async with anyio.create_task_group() as tg:
-            tg.start_soon(self._rollout_stage, tg, rolled_send)
-            tg.start_soon(self._submit_stage, rolled_recv, submitted_send, filed_send)
-            completed, state = await self._finish_stage(submitted_recv, filed_recv)
+        async with contextlib.AsyncExitStack() as workers:
+            if self._env_workers is not None:  # a pool or a Ray cluster, for this run
+                await workers.enter_async_context(self._env_workers)
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(self._rollout_stage, tg, rolled_send)
+                tg.start_soon(self._submit_stage, rolled_recv, submitted_send, filed_send)
+                completed, state = await self._finish_stage(submitted_recv, filed_recv)
         return PipelineOutcome(completed, self._exhausted, state)
 
     # -- rollout ---------------------------------------------------------------------
@@ -315,7 +318,7 @@ class Pipeline:
         if self._env_task is not None:
             builder = self._env_task.group_builder(problem, self._config.group, self._env_context)
             if self._env_workers is not None:
-                builder = ProcessGroup(builder, self._env_workers)
+                builder = RemoteGroup(builder, self._env_workers)
             return _GroupJob(step, index, problem, builder, admitted)
         assert self._scorer is not None
         prompt = tuple(self._renderer.prompt_tokens(problem))
@@ -384,14 +387,13 @@ class Pipeline:
         self, observation: Observation, n: int, room: int | None
     ) -> list[SampledAction]:
         """``n`` actions for ``observation`` from the newest sampler."""
-        stop = observation.stop
-        max_tokens = stop.max_tokens or self._config.max_tokens
-        settings = SamplingSettings(
-            max_tokens=max_tokens if room is None else max(1, min(max_tokens, room)),
-            temperature=self._config.temperature,
-            seed=self._config.sampling_seed,
-            stop_token_ids=stop.stop_token_ids,
-            stop_strings=stop.stop_strings,
+        cfg = self._config
+        settings = turn_settings(
+            observation,
+            room,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.sampling_seed,
         )
         async with self._slots:
             sampler = self._versions.current

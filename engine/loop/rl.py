@@ -30,6 +30,7 @@ __all__ = [
     "group_advantages",
     "group_datums",
     "kl_sample_train",
+    "with_loss_inputs",
 ]
 
 ADVANTAGE_EPSILON = 1e-12
@@ -119,6 +120,15 @@ def build_datum(
             "advantages": advantages,
         },
     )
+
+
+def with_loss_inputs(datum: Datum, loss: str) -> Datum:
+    """``datum`` with the inputs ``loss`` takes beyond the ones every RL loss shares:
+    gspo's sequence ratio runs over the sampled tokens, the ones ``weights`` marks."""
+    if loss != "gspo":
+        return datum
+    inputs = {**datum.loss_fn_inputs, "sequence_ratio_mask": datum.loss_fn_inputs["weights"]}
+    return Datum(datum.model_input, inputs)
 
 
 def _has_logprobs(completion: Completion) -> bool:

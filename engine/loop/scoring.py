@@ -43,6 +43,7 @@ from typing import Any, Literal, TypeVar
 import anyio
 import anyio.to_process
 
+from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError, EngineError, classify, primary_error
@@ -64,24 +65,26 @@ T = TypeVar("T")
 
 @dataclass(frozen=True)
 class ScoreWorkers:
-    """Where synchronous rewards run: worker threads, or ``processes`` worker processes."""
+    """Where synchronous rewards (and an environment task's environments) run: worker
+    threads, ``count`` worker processes, or Ray tasks (``count`` in flight; environment
+    tasks only)."""
 
-    kind: Literal["threads", "processes"] = "threads"
-    processes: int = 0
+    kind: Literal["threads", "processes", "ray"] = "threads"
+    count: int = 0
 
     def __str__(self) -> str:
-        return "threads" if self.kind == "threads" else f"processes:{self.processes}"
+        return "threads" if self.kind == "threads" else f"{self.kind}:{self.count}"
 
 
 def parse_score_workers(text: str) -> ScoreWorkers:
-    """``threads`` or ``processes:N`` (N >= 1)."""
+    """``threads``, ``processes:N`` or ``ray:N`` (N >= 1)."""
     value = text.strip()
     if value == "threads":
         return ScoreWorkers()
     kind, _, count = value.partition(":")
-    if kind == "processes" and count.strip().isdigit() and int(count) >= 1:
-        return ScoreWorkers("processes", int(count))
-    raise ValueError("must be 'threads' or 'processes:N' with N >= 1")
+    if kind in ("processes", "ray") and count.strip().isdigit() and int(count) >= 1:
+        return ScoreWorkers("processes" if kind == "processes" else "ray", int(count))
+    raise ValueError("must be 'threads', 'processes:N' or 'ray:N' with N >= 1")
 
 
 class RewardError(EngineError):
@@ -120,7 +123,7 @@ class Scorer:
         self._task = task
         self._limiter = anyio.CapacityLimiter(concurrency)
         self._processes = (
-            anyio.CapacityLimiter(workers.processes) if workers.kind == "processes" else None
+            anyio.CapacityLimiter(workers.count) if workers.kind == "processes" else None
         )
         group_fn = getattr(task, "score_group", None)
         self._group_fn: Callable[..., Any] | None = group_fn if callable(group_fn) else None
@@ -265,10 +268,21 @@ def _run_in_worker_process(fn: Callable[..., Any], *args: Any) -> tuple[Any, Bas
 
 
 def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
-    """ConfigError (one line) when ``workers`` are processes and the task's reward cannot
-    be sent to them (an environment task: when it cannot), called before anything is spent
-    (the engine checks it as it loads the task)."""
-    if workers.kind != "processes":
+    """ConfigError (one line) when ``workers`` are processes or Ray and the task's reward
+    (an environment task: the task itself) cannot be sent to them, called before
+    anything is spent (the engine checks it as it loads the task)."""
+    if workers.kind == "threads":
+        return
+    if workers.kind == "ray":
+        from engine.envs.ray_workers import RAY_FEATURE, ray_dumps
+
+        if not is_env_task(task):
+            raise ConfigError(
+                f"--score-workers ray runs environment tasks, and {task.name!r} is a "
+                "single-turn task: use threads or processes:N"
+            )
+        require("ray", RAY_FEATURE)
+        check_picklable(task, str(workers), ray_dumps())
         return
     if is_env_task(task):  # its environments are stepped in the worker processes
         check_picklable(task)
@@ -279,13 +293,16 @@ def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
         check_picklable(fn)
 
 
-def check_picklable(fn: object) -> None:
-    """ConfigError (one line) when ``fn`` cannot be sent to a worker process."""
+def check_picklable(
+    fn: object, workers: str = "processes", dumps: Callable[[Any], bytes] = pickle.dumps
+) -> None:
+    """ConfigError (one line) when ``fn`` cannot be sent to ``workers`` (pickled by
+    ``dumps``)."""
     try:
-        pickle.dumps(fn)
+        dumps(fn)
     except Exception as exc:
         raise ConfigError(
-            f"--score-workers processes needs a picklable task, and {fn!r} is not ({exc}); "
+            f"--score-workers {workers} needs a picklable task, and {fn!r} is not ({exc}); "
             "define the task at module level of an importable module, or use "
             "--score-workers threads"
         ) from exc

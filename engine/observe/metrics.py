@@ -234,6 +234,11 @@ class RunLog:
         except OSError as exc:  # a full disk: say which file
             raise RunFileError(self._path, exc) from exc
 
+    @property
+    def path(self) -> Path:
+        """The metrics.jsonl this log appends to."""
+        return self._path
+
     def step(self, metrics: Mapping[str, Any], line: str) -> None:
         self._jsonl.info("step", **metrics)
         if self._console is not None:

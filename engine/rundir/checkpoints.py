@@ -6,7 +6,8 @@ JSON line per checkpoint: ``step`` (completed optimizer steps in the saved state
 ``state_path`` (``tinker://`` path from ``save_state``), ``sampler_path``, ``reason``,
 ``time`` and the engine's opaque ``loop_state`` (data cursor, RNG state... of the last
 TRAINED step). On resume and recovery :func:`truncate_metrics` drops the lines of the
-steps after the checkpoint from the per-step logs, so the redone steps appear once.
+steps after the checkpoint from the per-step logs (for every one of them at once:
+:meth:`engine.rundir.record.RunRecord.rewind`), so the redone steps appear once.
 Files the engine rewrites (``config.json``, summaries) are written atomically
 (:func:`write_file_atomically`: temp file + rename), so a full disk leaves the previous
 version, and the error names the file. The directory itself (which one a run may use,

@@ -28,7 +28,7 @@ import json
 import os
 import tempfile
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from pathlib import Path
@@ -56,6 +56,7 @@ from engine.rundir.checkpoints import (
 )
 from engine.rundir.events import QUIET, EventLog, HeldEvents
 from engine.rundir.lock import LOCK_FILE, RunDirLock
+from engine.rundir.record import RunRecord
 from engine.tasks import Task
 
 __all__ = [
@@ -335,8 +336,8 @@ def stored_config(run_dir: Path) -> Mapping[str, Any]:
 
 class RunDirectory:
     """One run's directory as the engine writes it: chosen (or checked, for a resume)
-    by :meth:`open` before anything else starts; :attr:`steps` collects the trained
-    steps' metrics for the summary."""
+    by :meth:`open` before anything else starts; :meth:`attach` opens the run's
+    :class:`~engine.rundir.record.RunRecord`, from which the summary is written."""
 
     def __init__(
         self,
@@ -351,10 +352,6 @@ class RunDirectory:
         self._lock = lock
         self.resumed = resumed
         """The checkpoint a resumed run continues from (None: a new run)."""
-        self.steps: list[dict[str, Any]] = []
-        """The metrics of every trained step so far (a resumed run's earlier ones too)."""
-        self.stopped: dict[str, Any] | None = None
-        """How a stopped run stopped: ``summary.json``'s ``stopped``."""
         self._held = held
         self._started_at = started_at
 
@@ -389,43 +386,32 @@ class RunDirectory:
     def write_config(self, config: EngineConfig, task: Task | None) -> None:
         write_config(self.path, config_record(config, task))
 
-    def attach(self, log: RunLog, events: EventLog) -> None:
-        """Replay into events.jsonl what happened while the directory was chosen; on
-        resume, cut metrics.jsonl back to the checkpoint (the steps after it are redone)
-        and keep the earlier steps for the summary."""
+    def attach(self, log: RunLog, events: EventLog) -> RunRecord:
+        """Replay into events.jsonl what happened while the directory was chosen, and
+        open the run's record (on resume: rewound to the checkpoint, the steps after it
+        are redone)."""
         self._held.replay(events)
-        if self.resumed is None:
-            return
-        log.rewind(self.resumed.step, log=events)
-        for line in (self.path / METRICS_FILE).read_text(encoding="utf-8").splitlines():
-            try:
-                data = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(data, dict) and isinstance(data.get("step"), int):
-                self.steps.append(data)
-        events.info("resume", step=self.resumed.step, state_path=self.resumed.checkpoint.state_path)
-
-    def rewind(self, step: int) -> None:
-        """Forget the steps after ``step`` (a recovery redoes them)."""
-        self.steps = [m for m in self.steps if m["step"] <= step]
+        resumed = self.resumed.checkpoint if self.resumed is not None else None
+        return RunRecord(self.path, log, events, resumed=resumed)
 
     def write_summary(
         self,
         config: EngineConfig,
         error: BaseException | None,
         *,
+        record: RunRecord | None,
         task_name: str,
         retries: Mapping[str, int],
         final_path: str | None,
     ) -> None:
-        """summary.json and summary.md (atomic; RunFileError naming the file)."""
-        metrics = self.steps
+        """summary.json and summary.md (atomic; RunFileError naming the file), from
+        ``record`` (None: the run failed before its record was opened)."""
+        metrics = record.steps if record is not None else ()
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
         summary: dict[str, Any] = {
             "status": _status(error),
             "error": str(error) if error else None,
-            "stopped": self.stopped,
+            "stopped": record.stopped if record is not None else None,
             "task": task_name,
             "base_model": config.base_model,
             "server": config.public_dict()["server"],
@@ -455,6 +441,7 @@ class RunDirectory:
         config: EngineConfig,
         error: BaseException,
         *,
+        record: RunRecord | None,
         task_name: str,
         retries: Mapping[str, int],
         final_path: str | None,
@@ -464,7 +451,12 @@ class RunDirectory:
         never raised over the run's own error."""
         try:
             self.write_summary(
-                config, error, task_name=task_name, retries=retries, final_path=final_path
+                config,
+                error,
+                record=record,
+                task_name=task_name,
+                retries=retries,
+                final_path=final_path,
             )
         except RunFileError as exc:
             if events is not None:
@@ -540,7 +532,7 @@ def _status(error: BaseException | None) -> str:
     return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
-def _summary_markdown(s: dict[str, Any], metrics: list[dict[str, Any]]) -> str:
+def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -> str:
     def num(v: Any) -> str:
         return "n/a" if v is None else f"{v:.3f}"
 

@@ -47,7 +47,7 @@ from tinker.lib.retry_handler import RetryConfig
 
 from engine.config import EngineConfig
 from engine.errors import EngineError, primary_error
-from engine.loop.rl import Completion, Datum
+from engine.loop.rl import Completion, Datum, with_loss_inputs
 from engine.session.api import (
     LossSpec,
     PendingSnapshot,
@@ -272,7 +272,7 @@ class SdkSession:
         """Submit one forward_backward of ``ticket``'s step (gradients accumulate until
         the optim step); its result is awaited by :meth:`finish_train_step`."""
         training = self._training
-        batch = [to_sdk_datum(d) for d in datums]
+        batch = [to_sdk_datum(with_loss_inputs(d, loss.name)) for d in datums]
 
         async def go() -> Any:
             return await self._sdk_forward_backward(training, batch, loss)

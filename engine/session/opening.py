@@ -85,8 +85,7 @@ async def open_session(
     client: how a run is resumed."""
     session_class = adapter_class(choose_sdk(config.sdk))
     if config.uses_local_server:
-        from engine.local import ConfigError as LocalConfigError
-        from engine.local import serve_local
+        from engine.local import ServerConfigError, serve_local
         from engine.local.backend import BackendError
 
         say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
@@ -95,7 +94,7 @@ async def open_session(
                 server = await stack.enter_async_context(
                     serve_local(model_dir=config.local_model, data_dir=local_data_dir)
                 )
-            except (LocalConfigError, BackendError) as exc:
+            except (ServerConfigError, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
             say(f"Local server: {server.base_url} serving {server.model_name}")
             # A local server without a key accepts any; the SDK still wants one.

@@ -24,8 +24,9 @@ is known to have run. Then the engine never guesses and never retries the step i
 4. The engine creates a NEW training client from ``plan.state_path``
    (``create_training_client_from_state_with_optimizer``; new model id, new seq_ids),
    drops every sampled-but-untrained group, resets its data cursor/RNG from
-   ``plan.loop_state`` and continues from ``plan.resume_step``. This is the same code
-   path as resuming a run after a crash.
+   ``plan.loop_state``, rewinds the run's record to ``plan.resume_step``
+   (:meth:`engine.rundir.record.RunRecord.rewind`: every per-step log at once) and
+   continues from there. This is the same code path as resuming a run after a crash.
 
 Because each checkpoint's loop state is that of its last TRAINED step, the steps after
 it are trained again on freshly sampled data from the same problems: no problem is

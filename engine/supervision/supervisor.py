@@ -10,8 +10,9 @@ its end and is the one place that decides what happens when something goes wrong
   steps. Each record carries the loop state (data cursor, RNG, consumed problem ids,
   scored-but-untrained groups).
 * **Exactly-once steps**: a step whose outcome is unknown makes it restore the latest
-  checkpoint on a new training client, rewind the per-step logs and redo the steps after
-  it (:mod:`engine.supervision.recovery`); the breaker bounds how often in a row.
+  checkpoint on a new training client, rewind the run's record
+  (:class:`~engine.rundir.record.RunRecord`) and redo the steps after it
+  (:mod:`engine.supervision.recovery`); the breaker bounds how often in a row.
 * **Stops**: the breaker, the watchdog, a failed sample/reward and a stop request all
   end the run at a step boundary (:class:`~engine.supervision.stopping.StopGate`; after
   :data:`STOP_GRACE_S` the step in flight is cancelled), write a stop checkpoint when
@@ -30,6 +31,7 @@ import anyio
 
 from engine.common.clock import Clock
 from engine.config import EngineConfig
+from engine.envs.types import is_env_task
 from engine.errors import (
     RunStopped,
     Stalled,
@@ -47,9 +49,9 @@ from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
 from engine.rollouts import RolloutLog
-from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
-from engine.rundir.directory import RunDirectory
+from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
+from engine.rundir.record import RunRecord
 from engine.session.api import Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
@@ -73,11 +75,10 @@ _STOP_CHECKPOINT_MAX_S = 120.0
 
 @dataclass(frozen=True)
 class _TaskOutputs:
-    """The task's prompt renderer (its setup sees the served tokenizer), rollouts.jsonl
-    and the held-out evaluator (with ``--eval-every``)."""
+    """The task's prompt renderer (its setup sees the served tokenizer) and the held-out
+    evaluator (with ``--eval-every``)."""
 
     renderer: PromptRenderer
-    rollouts: RolloutLog
     evaluator: Evaluator | None
 
 
@@ -92,7 +93,7 @@ class Supervisor:
         *,
         session: Session,
         retries: RetryCounter,
-        files: RunDirectory,
+        record: RunRecord,
         log: RunLog,
         events: EventLog,
         clock: Clock,
@@ -109,13 +110,20 @@ class Supervisor:
         self._task = task
         self._session = session
         self._retries = retries
-        self._files = files
+        self._run_record = record
         self._log = log
         self._events = events
         self._clock = clock
         self._hooks = hooks
         self._publish = publish
-        self._outputs = _open_task_outputs(config, task, session, files, log)
+        self._outputs = _open_task_outputs(config, task, session, record, log)
+        context = session.info.max_context
+        if is_env_task(task) and context is not None and config.env_max_tokens > context:
+            log.info(
+                "env_max_tokens",
+                f"episodes stop at the model's context of {context} tokens "
+                f"(--env-max-tokens {config.env_max_tokens} is larger): outcome max_tokens",
+            )
         self._supervising = False
         self._said_all_empty = False
 
@@ -132,15 +140,15 @@ class Supervisor:
             )
         final = await self._checkpoint("final", outcome.state)
         assert final.sampler_path is not None
-        no_report = await anyio.to_thread.run_sync(finished_run_report, self._files.path)
+        no_report = await anyio.to_thread.run_sync(finished_run_report, self._run_record.path)
         if no_report is not None:
             self._log.info("report", no_report)
         self._log.saved(final.sampler_path)
         return RunResult(
             final_path=final.sampler_path,
-            run_dir=self._files.path,
+            run_dir=self._run_record.path,
             steps_completed=outcome.state.next_step,
-            metrics=tuple(self._files.steps),
+            metrics=self._run_record.steps,
             exhausted=outcome.exhausted,
         )
 
@@ -193,10 +201,10 @@ class Supervisor:
         unknown outcome (same code path as resuming after a crash). Each start samples
         from the checkpoint's own sampler weights: no extra snapshot."""
         session, cfg, gate = self._session, self._config, self.gate
-        resumed = self._files.resumed
+        resumed = self._run_record.resumed_from
         checkpoint: CheckpointRecord | None
         if resumed is not None:
-            state, checkpoint = LoopState.from_dict(resumed.loop_state), resumed.checkpoint
+            state, checkpoint = LoopState.from_dict(resumed.loop_state), resumed
         else:
             state, checkpoint = self._initial_state(), None
         self.state = state
@@ -248,19 +256,14 @@ class Supervisor:
 
     async def _recover(self) -> tuple[LoopState, CheckpointRecord | None]:
         """Restore the latest checkpoint after a step had an unknown outcome; rewind the
-        logs of the steps that will be redone. Returns the restored state and its
-        checkpoint (None: none yet, a fresh LoRA client)."""
+        run's record to it (the steps after it are redone). Returns the restored state
+        and its checkpoint (None: none yet, a fresh LoRA client)."""
         assert self.state is not None
-        latest = CheckpointLog(self._files.path, log=self._events).latest()
+        latest = self._run_record.latest_checkpoint()
         plan = plan_recovery(latest, completed_steps=self.state.next_step, log=self._events)
         await self._session.restore(plan.state_path)
         self.gate.restored()
-        if plan.redo_steps:
-            self._log.rewind(plan.resume_step, log=self._events)
-            self._outputs.rollouts.rewind(plan.resume_step)
-            if self._outputs.evaluator is not None:
-                self._outputs.evaluator.rewind(plan.resume_step)
-            self._files.rewind(plan.resume_step)
+        self._run_record.rewind(plan.resume_step)
         state = (
             LoopState.from_dict(plan.loop_state)
             if plan.loop_state is not None
@@ -279,9 +282,7 @@ class Supervisor:
         if callable(task_metrics):
             for key, value in task_metrics().items():
                 result.metrics.setdefault(key, value)
-        self._files.steps.append(result.metrics)
-        self._log.step(result.metrics, result.line)
-        self._outputs.rollouts.write(result)
+        self._run_record.append(result)
         dropped = result.metrics["dropped/missing_logprobs"]
         if dropped:
             self._log.warning(
@@ -304,7 +305,7 @@ class Supervisor:
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
-        idle = no_training_warning(self._files.steps)
+        idle = no_training_warning(self._run_record.steps)
         if idle is not None:
             self._events.warning("run.no_training", step=result.step, message=idle)
         if self._config.checkpoint_due(result.step):
@@ -341,7 +342,7 @@ class Supervisor:
             reason=reason,
             loop_state=state.to_dict(),
         )
-        await CheckpointLog(self._files.path, log=self._events).aappend(record)
+        await self._run_record.add_checkpoint(record)
         return record
 
     async def _stop_checkpoint(self, stop: Exception) -> None:
@@ -363,18 +364,14 @@ class Supervisor:
                 note = f"the {reason} checkpoint failed ({format_error(exc)[7:]}); "
         else:
             note = "a step was in flight or of unknown outcome, so no new checkpoint; "
-        run_dir = self._files.path
-        latest = saved or CheckpointLog(run_dir, log=self._events).latest()
+        run_dir = self._run_record.path
+        latest = saved or self._run_record.latest_checkpoint()
         where = (
             f"resume from step {latest.step} with: python -m engine.run --resume {run_dir}"
             if latest is not None
             else "no checkpoint to resume from"
         )
-        self._files.stopped = {
-            "reason": reason,
-            "checkpoint_step": latest.step if latest is not None else None,
-            "checkpoint_written": saved is not None,
-        }
+        self._run_record.stop(reason, checkpoint=latest, written=saved is not None)
         self._events.warning(
             "run.stopped",
             reason=reason,
@@ -395,24 +392,25 @@ def all_empty_warning(step: int) -> str:
 
 
 def _open_task_outputs(
-    config: EngineConfig, task: Task, session: Session, files: RunDirectory, log: RunLog
+    config: EngineConfig, task: Task, session: Session, record: RunRecord, log: RunLog
 ) -> _TaskOutputs:
-    """The renderer, rollouts.jsonl and the evaluator, each cut back to the checkpoint on
-    resume."""
+    """The renderer and the evaluator; ``record`` keeps the rollouts."""
     renderer = PromptRenderer(task, session.tokenizer)
-    rollouts = RolloutLog(files.path, config.log_rollouts, renderer)
+    record.keep_rollouts(RolloutLog(record.path, config.log_rollouts, renderer))
     evaluator = None
     if config.eval_every:
         evaluator = Evaluator(
             session,
             task,
             renderer,
-            Scorer(
+            None
+            if is_env_task(task)
+            else Scorer(
                 task,
                 concurrency=config.score_concurrency,
                 workers=parse_score_workers(config.score_workers),
             ),
-            files.path,
+            record.path,
             every=config.eval_every,
             last_step=config.steps,
             max_tokens=config.max_tokens,
@@ -424,9 +422,6 @@ def _open_task_outputs(
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
             track=log.track,
+            limits=config.episode_limits().within(session.info.max_context),
         )
-    if files.resumed is not None:
-        rollouts.rewind(files.resumed.step)
-        if evaluator is not None:
-            evaluator.rewind(files.resumed.step)
-    return _TaskOutputs(renderer, rollouts, evaluator)
+    return _TaskOutputs(renderer, evaluator)

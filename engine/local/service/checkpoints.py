@@ -68,7 +68,9 @@ _TYPES = {"weights": "training", "sampler_weights": "sampler"}
 
 
 @dataclass(frozen=True)
-class CheckpointRecord:
+class StoredCheckpoint:
+    """A checkpoint the server keeps under its data dir, as its listing shows it."""
+
     path: TinkerPath
     created: float
     size_bytes: int
@@ -174,9 +176,9 @@ class CheckpointStore:
 
     # ---- checkpoint records -------------------------------------------------------------
 
-    def records(self, run_id: str) -> list[CheckpointRecord]:
+    def records(self, run_id: str) -> list[StoredCheckpoint]:
         """The run's live checkpoints, oldest first (expired ones are deleted here)."""
-        out: list[CheckpointRecord] = []
+        out: list[StoredCheckpoint] = []
         for kind in KINDS:
             kind_dir = self.data_dir / run_id / kind
             if not kind_dir.is_dir():
@@ -189,7 +191,7 @@ class CheckpointStore:
                     out.append(record)
         return sorted(out, key=lambda r: (r.created, str(r.path)))
 
-    def record(self, path: TinkerPath) -> CheckpointRecord | None:
+    def record(self, path: TinkerPath) -> StoredCheckpoint | None:
         """The checkpoint's record, or None if it does not exist (or just expired)."""
         directory = path.directory(self.data_dir)
         meta = directory / "meta.json"
@@ -198,7 +200,7 @@ class CheckpointStore:
         access = _read_json(directory / ACCESS_FILE)
         created = valid_time(access.get("created"))
         metadata = access.get("user_metadata")
-        record = CheckpointRecord(
+        record = StoredCheckpoint(
             path=path,
             created=meta.stat().st_mtime if created is None else created,
             size_bytes=sum(f.stat().st_size for f in directory.iterdir() if f.is_file()),
@@ -212,7 +214,7 @@ class CheckpointStore:
             return None
         return record
 
-    def find(self, path_text: str) -> tuple[TinkerPath, CheckpointRecord]:
+    def find(self, path_text: str) -> tuple[TinkerPath, StoredCheckpoint]:
         """Parse a tinker path and return its live record (HTTP 400 / 404 otherwise)."""
         try:
             path = TinkerPath.parse(path_text)

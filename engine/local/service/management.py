@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.local.service.checkpoints import CheckpointRecord, CheckpointStore, iso, valid_time
+from engine.local.service.checkpoints import CheckpointStore, StoredCheckpoint, iso, valid_time
 from engine.local.service.core import Core, HttpError
 from engine.local.storage import KINDS, BadPath, TinkerPath
 
@@ -114,7 +114,7 @@ class ManagementApi:
         return {"sessions": [s.session_id for s in newest_first[first : first + count]]}
 
 
-def _latest(records: list[CheckpointRecord], kind: str) -> dict[str, Any] | None:
+def _latest(records: list[StoredCheckpoint], kind: str) -> dict[str, Any] | None:
     of_kind = [r for r in records if r.path.kind == kind]
     return of_kind[-1].to_json() if of_kind else None
 

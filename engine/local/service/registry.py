@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.local.backend import LoraSpec
+from engine.local.backend import AdapterSpec
 from engine.local.sequencer import ModelSequencer
 
 RELEASED_KEPT = 16384
@@ -24,7 +24,7 @@ hold models or samplers end only when their heartbeats stop)."""
 @dataclass
 class ModelState:
     model_id: str
-    spec: LoraSpec
+    spec: AdapterSpec
     seq: ModelSequencer
     session_id: str | None
     base_model: str

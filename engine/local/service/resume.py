@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.local.backend import Backend, LoraSpec
+from engine.local.backend import AdapterSpec, Backend
 from engine.local.futures import FutureEntry
 from engine.local.jobs import Job
 from engine.local.sequencer import ModelSequencer
@@ -92,9 +92,9 @@ class ResumeOps:
         directory = path.directory(core.data_dir)
         backend = core.backend
 
-        def run() -> tuple[LoraSpec, str]:
+        def run() -> tuple[AdapterSpec, str]:
             info = Backend.read_state_info(directory)
-            spec = LoraSpec(
+            spec = AdapterSpec(
                 rank=int(info["lora_rank"]),
                 train_mlp=bool(info.get("train_mlp", True)),
                 train_attn=bool(info.get("train_attn", True)),
@@ -110,7 +110,7 @@ class ResumeOps:
             self.checkpoints.write_run(model_id, base_model, spec.rank, req.user_metadata)
             return spec, base_model
 
-        def finish(result: tuple[LoraSpec, str]) -> dict[str, Any]:
+        def finish(result: tuple[AdapterSpec, str]) -> dict[str, Any]:
             spec, base_model = result
             seq = ModelSequencer(
                 gap_timeout=core.config.seq_gap_timeout_s,

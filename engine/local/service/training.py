@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from engine.local.backend import LoraSpec
+from engine.local.backend import AdapterSpec
 from engine.local.futures import FutureEntry
 from engine.local.jobs import (
     Job,
@@ -100,7 +100,7 @@ class TrainingOps:
                     f"lora_config.rank must be in 1..{core.config.limits.max_lora_rank}, "
                     f"got {lora.rank}"
                 )
-            spec = LoraSpec(
+            spec = AdapterSpec(
                 rank=lora.rank,
                 seed=lora.seed,
                 train_mlp=lora.train_mlp,
@@ -118,14 +118,14 @@ class TrainingOps:
         return core.ref(entry)
 
     async def _run_create_model(
-        self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW
+        self, entry: FutureEntry, spec: AdapterSpec, req: CreateModelW
     ) -> None:
         try:
             await self._create_model(entry, spec, req)
         finally:
             self.resources.creating_models -= 1
 
-    async def _create_model(self, entry: FutureEntry, spec: LoraSpec, req: CreateModelW) -> None:
+    async def _create_model(self, entry: FutureEntry, spec: AdapterSpec, req: CreateModelW) -> None:
         core = self.core
         model_id = f"model-{uuid.uuid4().hex}"
 

@@ -21,19 +21,9 @@ from transformers import AutoTokenizer
 
 from engine import Engine, EngineConfig
 from engine.local import serve_local
-from engine.tasks import ArithmeticTask, extract_prediction
+from engine.tasks import ArithmeticTask
 from engine.tasks.judge import Judge, JudgedTask, MintJudgeModel
-
-ASK_THE_JUDGE = "{prompt}"
-"""The judge gets the task's own prompt: it answers the question."""
-
-
-def same_number(reply: str, response: str) -> float | None:
-    """1 when the response's number is the judge's, 0 when not; None: no judge answer."""
-    expected = extract_prediction(reply)
-    if expected is None:
-        return None
-    return 1.0 if extract_prediction(response) == expected else 0.0
+from engine.tasks.judge_task import ANSWER_THE_QUESTION, same_number
 
 
 async def main(steps: int) -> None:
@@ -44,9 +34,10 @@ async def main(steps: int) -> None:
         )
         sampler = await service.create_sampling_client_async(base_model=server.model_name)
         tokenizer = AutoTokenizer.from_pretrained(server.model_dir)
-        judge = Judge(
-            MintJudgeModel(sampler, tokenizer), ASK_THE_JUDGE, verdict=same_number, max_tokens=8
-        )
+        # chat=False: the judge reads the task's prompt as the trained model does (the
+        # packaged model's chat template would wrap it in a second "Question: ...").
+        model = MintJudgeModel(sampler, tokenizer, chat=False)
+        judge = Judge(model, ANSWER_THE_QUESTION, verdict=same_number, max_tokens=8)
         task = JudgedTask(ArithmeticTask(op="+", min_operand=10, max_operand=99), judge)
         config = EngineConfig(
             base_url=server.base_url,

@@ -103,7 +103,7 @@ BAD_INPUT = [
         ["--task", "just-a-name"],
         {},
         "Error: invalid task 'just-a-name': use 'arithmetic', 'jsonl:PATH', 'hf:PATH', "
-        "'guess-sum', 'calculator' or 'package.module:attr'",
+        "'guess-sum', 'calculator', 'package.module:attr' or 'judge:SPEC'",
     ),
     (
         [],

@@ -19,7 +19,7 @@ from engine.errors import PermanentServiceError
 from engine.session.retry import RetryPolicy
 from engine.tasks import Problem
 from engine.tasks.arithmetic import ArithmeticTask
-from engine.tasks.judge import Judge, JudgedTask, OpenAIJudgeModel
+from engine.tasks.judge import Judge, JudgedTask, JudgeReply, OpenAIJudgeModel
 
 NO_WAIT = RetryPolicy(max_attempts=3, initial_wait=0.0, jitter=0.0, max_wait=0.0)
 
@@ -129,3 +129,155 @@ def test_the_judge_example_trains_against_the_local_server(tmp_path: Path) -> No
     [record] = [json.loads(line) for line in next(tmp_path.glob("runs/*/metrics.jsonl")).open()]
     assert record["judge/calls"] + record["judge/cache_hits"] >= 16  # 4 groups of 4
     assert record["judge/unparsed"] == 0.0
+
+
+class FlakyModel:
+    """Fails its first call (not retried), then answers SCORE: 7; counts its calls."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    async def complete(self, prompt: str, *, max_tokens: int) -> JudgeReply:
+        self.calls += 1
+        await anyio.lowlevel.checkpoint()
+        if self.calls == 1:
+            raise ValueError("judge down")
+        return JudgeReply("SCORE: 7")
+
+
+def test_a_failed_call_on_a_shared_pair_is_asked_again_once() -> None:
+    model = FlakyModel()
+    judge = Judge(model, policy=NO_WAIT)
+    outcomes: list[float | str] = []
+
+    async def one() -> None:
+        try:
+            outcomes.append(await judge.score("q", "same response"))
+        except PermanentServiceError:
+            outcomes.append("failed")
+
+    async def go() -> None:
+        async with anyio.create_task_group() as tg:
+            for _ in range(4):
+                tg.start_soon(one)
+
+    anyio.run(go)
+    assert sorted(outcomes, key=str) == [0.7, 0.7, 0.7, "failed"]
+    assert model.calls == 2  # the failed call, then one for the three that waited
+
+
+URL, MODEL = "judge.url=http://judge.test/v1", "judge.model=grader"
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (
+            [MODEL],
+            "invalid judge (judge:arithmetic): judge.url must be the judge's http(s) base URL",
+        ),
+        (
+            [URL],
+            "invalid judge (judge:arithmetic): judge.model is required: the judge's model name",
+        ),
+        (
+            [URL, MODEL, "judge.concurrency=many"],
+            "judge.concurrency must be an integer >= 1, got 'many'",
+        ),
+        (
+            [URL, MODEL, "judge.verdict=vibes"],
+            "judge.verdict must be score or same-number, got 'vibes'",
+        ),
+        ([URL, MODEL, "judge.rubric=Grade {reply}"], "judge.rubric may use {prompt}, {response}"),
+        ([URL, MODEL, "judge.urll=http://x"], "unknown argument judge.urll (known: judge.url,"),
+        ([URL, MODEL, "judge.chat=maybe"], "task argument judge.chat must be true or false"),
+        ([URL, MODEL, "op=%"], "invalid arithmetic task: unknown operation '%'"),
+        (
+            [URL, MODEL, "judge.api=mint", "judge.api_key_env=ENGINE_TEST_NO_SUCH_KEY"],
+            "judge.api=mint needs an API key in $ENGINE_TEST_NO_SUCH_KEY",
+        ),
+    ],
+)
+def test_bad_judge_arguments_are_one_line_and_exit_2(
+    args: list[str],
+    message: str,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+) -> None:
+    from engine.run import main
+
+    monkeypatch.chdir(tmp_path)
+    argv = ["--task", "judge:arithmetic"] + [f"--task-arg={a}" for a in args]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and message in err and err.count("\n") == 1
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.slow  # ~40 s on a loaded 2-core machine
+def test_a_judge_task_from_the_command_line_trains_against_the_local_server(
+    tmp_path: Path,
+) -> None:
+    from engine.local import LocalServer
+    from tests.engine_support import API_KEY
+    from tests.reliability_support import run_cli
+
+    with LocalServer(api_key=API_KEY) as server:
+        judge = {
+            "api": "mint",
+            "url": server.base_url,
+            "model": server.model_name,
+            "verdict": "same-number",  # the packaged model answers the question itself
+            "max_tokens": "8",
+        }
+        args = ["--base-url", server.base_url, "--task", "judge:arithmetic"]
+        task = {"op": "+", "min_operand": "10", "max_operand": "99"}  # what it learned
+        task |= {f"judge.{k}": v for k, v in judge.items()}
+        args += [f"--task-arg={k}={v}" for k, v in task.items()]
+        args += ["--steps", "1", "--batch", "2", "--group", "4", "--max-tokens", "8"]
+        run = tmp_path / "run"
+        done = run_cli(
+            [*args, "--run-dir", str(run), "--no-progress"], tmp_path, MINT_API_KEY=API_KEY
+        )
+    assert done.returncode == 0, done.stderr
+    [record] = [json.loads(line) for line in (run / "metrics.jsonl").open()]
+    assert record["judge/calls"] >= 1
+    assert record["judge/calls"] + record["judge/cache_hits"] == 8  # 2 groups of 4
+    assert record["judge/unparsed"] == 0.0 and "env/all/judge" in record
+    config = json.loads((run / "config.json").read_text())
+    assert config["task"] == "judge:arithmetic" and config["task_args"]["judge.api"] == "mint"
+
+
+class RecordingSampler:
+    """A sampling client that records the prompt tokens and answers ' 42'."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.prompts: list[list[int]] = []
+        self.answer = tokenizer.encode(" 42", add_special_tokens=False)
+
+    async def sample_async(self, prompt: Any, **kw: Any) -> Any:
+        from types import SimpleNamespace
+
+        self.prompts.append(list(prompt.to_ints()))
+        return SimpleNamespace(sequences=[SimpleNamespace(tokens=self.answer)])
+
+
+@pytest.mark.parametrize("chat", [True, False])
+def test_a_mint_judge_reads_the_prompt_through_the_chat_template_or_as_it_is(chat: bool) -> None:
+    from transformers import AutoTokenizer
+
+    from engine.local import DEFAULT_MODEL_DIR
+    from engine.tasks.judge import MintJudgeModel
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    assert tokenizer.chat_template  # the packaged model wraps a message in "Question: ..."
+    sampler = RecordingSampler(tokenizer)
+    prompt = "Question: What is 12 + 30?\nAnswer:"
+    judge = MintJudgeModel(sampler, tokenizer, chat=chat)
+    reply = anyio.run(lambda: judge.complete(prompt, max_tokens=8))
+    assert reply.text.strip() == "42" and reply.completion_tokens == len(sampler.answer)
+    [sent] = sampler.prompts
+    assert tokenizer.decode(sent).count("Question:") == (2 if chat else 1)
+    if not chat:
+        assert sent == tokenizer.encode(prompt)  # as the task's own string prompt is sent

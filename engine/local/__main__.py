@@ -223,8 +223,8 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=None,
         metavar="N",
-        help="torch threads for the model (default: 1 for small models, all cores "
-        "otherwise; on a busy machine 1 is often fastest)",
+        help="torch threads for the model (default: 1 for small models, all cores but "
+        "one otherwise; on a busy machine 1 is often fastest)",
     )
     parser.add_argument(
         "--session-timeout",

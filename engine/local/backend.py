@@ -156,9 +156,12 @@ def _auto_threads(model: torch.nn.Module) -> int:
     """One thread for small models: their matmuls are too small to gain from intra-op
     parallelism, and when the CPUs are shared (engine, server and scoring on 2 cores)
     OpenMP barriers stall on descheduled threads: one RL step of the default model took
-    ~130 ms with 1 thread but up to ~2 s with 2 threads on a loaded 2-core machine."""
+    ~130 ms with 1 thread but up to ~2 s with 2 threads on a loaded 2-core machine.
+    Larger models leave one core to the engine and the HTTP server in the same process:
+    SmolLM2-135M sampled 8 responses in 7.5 s with 1 thread and 294 s with 2 on that
+    machine (``engine.run --local-model smollm2-135m``, load average 6-9)."""
     n_params = sum(p.numel() for p in model.parameters())
-    return 1 if n_params < _SMALL_MODEL_PARAMS else torch.get_num_threads()
+    return 1 if n_params < _SMALL_MODEL_PARAMS else max(1, torch.get_num_threads() - 1)
 
 
 class Backend:

@@ -142,7 +142,7 @@ class ServerConfig:
     """How often silent sessions, expired checkpoints and archive URLs are swept."""
     num_threads: int | None = None
     """torch intra-op threads of the compute thread; None: one for small models, torch's
-    default otherwise (see ``backend._auto_threads``)."""
+    default less one core otherwise (see ``backend._auto_threads``)."""
     limits: Limits = field(default_factory=Limits)
 
     def __post_init__(self) -> None:

@@ -327,7 +327,7 @@ class DatasetTask:
         }
         template: dict[str, Any] = {}
         if "enable_thinking" in args:
-            template["enable_thinking"] = _flag(args, "enable_thinking")
+            template["enable_thinking"] = flag_arg(args, "enable_thinking")
         return cls(
             path,
             data_format=data_format,
@@ -336,11 +336,11 @@ class DatasetTask:
             prompt_field=args.get("prompt_field"),
             answer_field=args.get("answer_field", "answer"),
             system=args.get("system"),
-            chat=_flag(args, "chat") if "chat" in args else False,
+            chat=flag_arg(args, "chat") if "chat" in args else False,
             reward=args.get("reward", "exact"),
             reward_options=options,
             epochs=_int(args, "epochs") if "epochs" in args else None,
-            shuffle=_flag(args, "shuffle") if "shuffle" in args else True,
+            shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
             eval_size=_int(args, "eval_size") if "eval_size" in args else 0,
             eval_path=args.get("eval_path"),
             stop=tuple(s for s in args.get("stop", "").split("|") if s),
@@ -432,7 +432,7 @@ def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
-def _flag(args: Mapping[str, str], key: str) -> bool:
+def flag_arg(args: Mapping[str, str], key: str) -> bool:
     value = _TRUE.get(args[key].strip().lower())
     if value is None:
         raise ConfigError(f"task argument {key} must be true or false, got {args[key]!r}")

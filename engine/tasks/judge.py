@@ -121,17 +121,19 @@ class OpenAIJudgeModel:
 
 class MintJudgeModel:
     """A MinT (or local server) sampling client: the rubric goes through the tokenizer's
-    chat template when it has one, and the reply is sampled greedily."""
+    chat template when it has one (``chat=False``: encoded as it is, as a task's string
+    prompt is), and the reply is sampled greedily."""
 
-    def __init__(self, sampling_client: Any, tokenizer: Any) -> None:
+    def __init__(self, sampling_client: Any, tokenizer: Any, *, chat: bool = True) -> None:
         self._client = sampling_client
         self._tokenizer = tokenizer
+        self._chat = chat
 
     async def complete(self, prompt: str, *, max_tokens: int) -> JudgeReply:
         import mint
         from mint import types
 
-        if getattr(self._tokenizer, "chat_template", None):
+        if self._chat and getattr(self._tokenizer, "chat_template", None):
             tokens = self._tokenizer.apply_chat_template(
                 [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=True
             )
@@ -226,9 +228,9 @@ class Judge:
             pending = self._in_flight.get(key)
             if pending is None:
                 break
-            await pending.wait()  # the same pair is being judged: use its verdict
-            if key not in self._cache:  # that call failed (or the cache holds nothing)
-                break
+            # The same pair is being judged: use its verdict, or (that call failed, or
+            # the cache holds nothing) look again, so one waiter asks next, not all.
+            await pending.wait()
         done = self._in_flight[key] = anyio.Event()
         try:
             value = await self._ask(prompt, response, answer)

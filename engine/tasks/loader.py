@@ -1,6 +1,6 @@
 """Turn ``--task`` (and its ``--task-arg`` values) into a Task: the built-in arithmetic
-task, a JSONL dataset (``jsonl:PATH``), a Hugging Face dataset on disk (``hf:PATH``), or
-``package.module:attr``.
+task, a JSONL dataset (``jsonl:PATH``), a Hugging Face dataset on disk (``hf:PATH``),
+``package.module:attr``, or any of these scored by a judge (``judge:SPEC``).
 
 Why strict: a typo in a task path should stop the run before any server work, with one
 sentence naming what is wrong, not an ImportError traceback halfway through step 1.
@@ -22,6 +22,7 @@ from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticSettings, ArithmeticTask
 from engine.tasks.base import Task
 from engine.tasks.dataset import DataFormat, DatasetTask
+from engine.tasks.judge_task import judged_task
 
 __all__ = ["BUILTIN_TASKS", "TASK_SETTINGS", "load_task", "preferred_local_model", "task_spec"]
 
@@ -31,7 +32,7 @@ SHIPPED_ENVIRONMENTS = {
 }
 """Short names of the environments in engine.envs.examples (docs/environments.md)."""
 
-BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH", *SHIPPED_ENVIRONMENTS)
+BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH", "judge:SPEC", *SHIPPED_ENVIRONMENTS)
 
 TASK_SETTINGS: tuple[type[TaskSettings], ...] = (ArithmeticSettings,)
 """The built-in tasks that declare settings of their own (flags such as ``--op``)."""
@@ -45,9 +46,12 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
     """``"arithmetic"``, ``"jsonl:PATH"``, ``"hf:PATH"``, a shipped environment
     (``"guess-sum"``, ``"calculator"``) or a user task at ``package.module:attr``,
     where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
-    are passed to it as keyword arguments (strings). Raises ConfigError with a one-line
-    reason."""
+    are passed to it as keyword arguments (strings). ``"judge:SPEC"`` is ``SPEC``'s task
+    scored by the judge its ``judge.*`` arguments set (:mod:`engine.tasks.judge_task`).
+    Raises ConfigError with a one-line reason."""
     args = dict(args or {})
+    if spec.startswith("judge:"):
+        return judged_task(spec, args, load_task)
     spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
     if spec == "arithmetic":
         try:
@@ -90,7 +94,8 @@ def _import_attr(spec: str) -> Any:
     if not sep or not module_name or not attr:
         raise ConfigError(
             f"invalid task {spec!r}: use 'arithmetic', 'jsonl:PATH', 'hf:PATH', "
-            f"{', '.join(repr(n) for n in SHIPPED_ENVIRONMENTS)} or 'package.module:attr'"
+            f"{', '.join(repr(n) for n in SHIPPED_ENVIRONMENTS)}, 'package.module:attr' "
+            "or 'judge:SPEC'"
         )
     try:
         module = importlib.import_module(module_name)

@@ -158,7 +158,8 @@ class TaskSettingsGroup(_Group):
     spec: Annotated[str, Setting(flag="--task", flat="task", check=non_empty)] = Field(
         "arithmetic",
         description="'arithmetic', a JSONL dataset 'jsonl:PATH', a Hugging Face dataset on "
-        "disk 'hf:PATH' or a user task 'package.module:attr'",
+        "disk 'hf:PATH', a shipped environment ('guess-sum', 'calculator'), a user task "
+        "'package.module:attr', or any of these scored by an LLM judge 'judge:SPEC'",
     )
     args: Annotated[dict[str, str], Setting(flag="--task-arg", flat="task_args")] = Field(
         default_factory=dict,

@@ -246,7 +246,8 @@ def test_a_judge_task_from_the_command_line_trains_against_the_local_server(
     assert record["judge/calls"] + record["judge/cache_hits"] == 8  # 2 groups of 4
     assert record["judge/unparsed"] == 0.0 and "env/all/judge" in record
     config = json.loads((run / "config.json").read_text())
-    assert config["task"] == "judge:arithmetic" and config["task_args"]["judge.api"] == "mint"
+    assert config["task"]["spec"] == "judge:arithmetic"
+    assert config["task"]["args"]["judge.api"] == "mint"
 
 
 class RecordingSampler:

@@ -33,9 +33,11 @@ staleness bound", explains it.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
 recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps
-(after every step in flight). A step after which a checkpoint is due is drained (nothing
-is submitted behind it until it is recorded and checkpointed), so a checkpoint holds
-exactly the steps before it. A failed sample request or reward function asks the gate to
+(after every step in flight). A periodic checkpoint is submitted right behind the optim
+step it follows (:meth:`~engine.session.api.Session.submit_checkpoint`), so it holds
+exactly the steps before it while the next steps are already submitted behind it; the
+checkpointer awaits it with the step's result (:attr:`StepResult.checkpoint`) and
+records it only once it is saved. A failed sample request or reward function asks the gate to
 stop instead of tearing the task group down mid-step; with ``--on-reward-error skip`` a
 failing group is dropped from its step (no datums), counted and logged. A train-step or
 snapshot failure propagates as :class:`~engine.errors.StepOutcomeUnknown` for the engine
@@ -85,6 +87,7 @@ from engine.observe.metrics import (
 )
 from engine.session.api import (
     LossSpec,
+    PendingCheckpoint,
     PendingSnapshot,
     SamplerHandle,
     SamplingSettings,
@@ -97,7 +100,7 @@ from engine.supervision.stopping import StopGate
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["Pipeline", "PipelineOutcome"]
+__all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
 
 StepCallback = Callable[[StepResult], Awaitable[None]]
 ProgressCallback = Callable[[str], None]
@@ -175,6 +178,7 @@ class _SubmittedStep:
     assembled: _Assembled
     ticket: StepTicket
     snapshot: PendingSnapshot | None
+    checkpoint: PendingCheckpoint | None
     state: LoopState
     train_start: float
     wait: float
@@ -188,16 +192,15 @@ class PipelineOutcome:
 
 
 class _InFlight:
-    """How many submitted steps are not yet recorded; the submitter waits for room (or,
-    before a step that follows a checkpoint, for none at all)."""
+    """How many submitted steps are not yet recorded; the submitter waits for room."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._count = 0
         self._changed = anyio.Event()
 
-    async def acquire(self, *, drain: bool) -> None:
-        while self._count >= (1 if drain else self._limit):
+    async def acquire(self) -> None:
+        while self._count >= self._limit:
             await self._changed.wait()
         self._count += 1
 
@@ -482,6 +485,12 @@ class Pipeline:
                     if step + 1 < cfg.steps or self._evaluates(step + 1):
                         # Right behind the optim step: it snapshots the new weights.
                         snapshot = await self._session.submit_snapshot(step + 1)
+                checkpoint: PendingCheckpoint | None = None
+                if cfg.checkpoint_due(step + 1):
+                    # Behind it too: it saves exactly the steps trained so far.
+                    checkpoint = await self._session.submit_checkpoint(
+                        step + 1, checkpoint_name(step + 1)
+                    )
                 trained = (*trained, *(g.problem.id for g in groups))
                 state = LoopState(
                     next_step=step + 1,
@@ -497,6 +506,7 @@ class Pipeline:
                         assembly.assembled(groups),
                         assembly.ticket,
                         snapshot,
+                        checkpoint,
                         state,
                         assembly.train_start,
                         max(0.0, complete_at - submitted_at),
@@ -526,10 +536,10 @@ class Pipeline:
 
     async def _open(self, assembly: _StepAssembly) -> None:
         """Mark the step in flight before its first submission: room among the steps in
-        flight (none at all when a checkpoint is due before it), and no stop pending."""
+        flight, and no stop pending."""
         if assembly.train_start is not None:
             return
-        await self._in_flight.acquire(drain=self._config.checkpoint_due(assembly.step))
+        await self._in_flight.acquire()
         await self._gate.begin_step(assembly.step + 1)
         assembly.train_start = self._clock()
 
@@ -682,7 +692,13 @@ class Pipeline:
             groups=groups,
             timeline=timeline,
             state=state,
+            checkpoint=submitted.checkpoint,
         )
+
+
+def checkpoint_name(completed_steps: int) -> str:
+    """The server-side name of the checkpoint after ``completed_steps`` steps."""
+    return f"step-{completed_steps}"
 
 
 def _untrained_after(

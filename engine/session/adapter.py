@@ -39,7 +39,7 @@ import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import anyio
 from tinker import types
@@ -50,6 +50,7 @@ from engine.errors import EngineError, primary_error
 from engine.loop.rl import Completion, Datum
 from engine.session.api import (
     LossSpec,
+    PendingCheckpoint,
     PendingSnapshot,
     SampleResult,
     SamplerHandle,
@@ -168,6 +169,11 @@ class SdkSession:
         """Take the place, in the model's sequence, of a sampler snapshot of the
         weights after everything submitted so far, NOW; returns what
         :meth:`_sdk_finish_snapshot` awaits."""
+        raise NotImplementedError
+
+    def _sdk_reserve_sampler_save(self, training: Any, name: str) -> Any:
+        """``save_weights_for_sampler(name)`` (kept) with its place in the model's
+        sequence taken NOW; returns its SDK future."""
         raise NotImplementedError
 
     async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> Any:
@@ -342,6 +348,31 @@ class SdkSession:
             return str((await settled(future)).path)
 
         return await self._call(OpKind.SAVE_STATE, "save_state", go)
+
+    async def submit_checkpoint(self, step: int, name: str) -> PendingCheckpoint:
+        """Reserve ``save_state`` and sampler weights of the weights after everything
+        submitted so far (right behind a step's optim_step: the weights after it). Never
+        repeated; a failure to submit is an unknown outcome of that step, like a
+        snapshot's (its place in the sequence may be taken)."""
+        training = self._training
+
+        async def go() -> tuple[Any, Any]:
+            state = await self._sdk_save_state(training, name)
+            return state, self._sdk_reserve_sampler_save(training, name)
+
+        handles = await self._step_call(step, go, completes=False)
+        return PendingCheckpoint(step, handles)
+
+    async def finish_checkpoint(self, pending: PendingCheckpoint) -> tuple[str, str]:
+        """The paths of a reserved checkpoint: one attempt under the save_state deadline
+        (awaiting again would not save again)."""
+        state, sampler = cast(tuple[Any, Any], pending.handle)
+
+        async def paths() -> tuple[str, str]:
+            return str((await settled(state)).path), str((await settled(sampler)).path)
+
+        within = self.guard.policy(OpKind.SAVE_STATE).attempt_timeout
+        return await self.guard.once(f"the checkpoint of step {pending.step}", paths, within=within)
 
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None

@@ -96,6 +96,9 @@ class MintSession(SdkSession):
     def _sdk_reserve_snapshot(self, training: tinker.TrainingClient, version: int) -> Any:
         return reserve_sampler_snapshot(training, snapshot_name(version))
 
+    def _sdk_reserve_sampler_save(self, training: tinker.TrainingClient, name: str) -> Any:
+        return reserve_sampler_snapshot(training, name, ttl_seconds=None)
+
     async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> SamplerHandle:
         """Await the snapshot's path (under the step's deadline), then open a sampling
         client on it (idempotent and retried)."""
@@ -150,9 +153,12 @@ def sampling_params(settings: SamplingSettings) -> types.SamplingParams:
     )
 
 
-def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:
-    """``save_weights_for_sampler(name)`` with its place in the model's sequence taken
-    NOW; returns the SDK future of its response.
+def reserve_sampler_snapshot(
+    training: tinker.TrainingClient, name: str, ttl_seconds: int | None = SNAPSHOT_TTL_S
+) -> Any:
+    """``save_weights_for_sampler(name)`` (kept for ``ttl_seconds``, None: for good)
+    with its place in the model's sequence taken NOW; returns the SDK future of its
+    response.
 
     Why not the public method: tinker 0.22's ``save_weights_for_sampler[_async]`` takes
     its ``seq_id`` only once the SDK's own event loop runs the request, so a
@@ -160,4 +166,4 @@ def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:
     ``save_state``, takes its ``seq_id`` at once) can overtake it, and the snapshot would
     hold a later step's weights. The method the public one wraps takes it at once
     (tests/test_session_sdks.py fails if its signature changes)."""
-    return training._save_weights_for_sampler_impl(name, SNAPSHOT_TTL_S)
+    return training._save_weights_for_sampler_impl(name, ttl_seconds)

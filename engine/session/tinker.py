@@ -105,6 +105,12 @@ class TinkerSession(SdkSession):
     async def _sdk_save_sampler(self, training: Any, name: str) -> Any:
         return training.save_weights_for_sampler(name)
 
+    def _sdk_reserve_sampler_save(self, training: Any, name: str) -> Any:
+        # The public save_weights_for_sampler takes its seq_id only once the SDK's loop
+        # runs it (as in 0.22, see engine.session.mint.reserve_sampler_snapshot); the
+        # method it wraps takes it at once (tests/test_session_sdks.py checks it).
+        return training._save_weights_for_sampler_impl(name, None, None, "snapshot")
+
     def _sdk_reserve_snapshot(self, training: Any, version: int) -> Any:
         return training.save_weights_and_get_sampling_client(
             retry_config=self._sampling_retry_config(), kind="snapshot"

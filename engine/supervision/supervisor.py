@@ -4,8 +4,9 @@
 its end and is the one place that decides what happens when something goes wrong:
 
 * **Checkpoints** (``<run dir>/checkpoints.jsonl``): ``step-0`` before the first step,
-  every ``--checkpoint-every`` steps (awaited by the trainer right after the step, so the
-  saved state holds exactly that many optimizer steps), a ``final`` one, and a stop
+  every ``--checkpoint-every`` steps (submitted by the trainer right behind the step's
+  optim_step, so the saved state holds exactly that many optimizer steps, and recorded
+  here once saved), a ``final`` one, and a stop
   checkpoint (``interrupt``/``breaker``/``watchdog``/``error``) when a run stops between
   steps. Each record carries the loop state (data cursor, RNG, consumed problem ids,
   scored-but-untrained groups).
@@ -39,7 +40,7 @@ from engine.errors import (
     primary_error,
 )
 from engine.loop.evaluation import Evaluator
-from engine.loop.pipeline import Pipeline, PipelineOutcome
+from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
 from engine.loop.results import RunResult, StepResult
 from engine.loop.scoring import RewardError, Scorer, parse_score_workers
 from engine.loop.state import LoopState
@@ -307,9 +308,10 @@ class Supervisor:
         idle = no_training_warning(self._files.steps)
         if idle is not None:
             self._events.warning("run.no_training", step=result.step, message=idle)
-        if self._config.checkpoint_due(result.step):
+        if result.checkpoint is not None:
             try:
-                await self._checkpoint("periodic", result.state)
+                paths = await self._session.finish_checkpoint(result.checkpoint)
+                await self._record("periodic", *paths, result.state)
             except Exception as exc:
                 self.gate.request(exc)  # the step is trained and logged: stop after it
         for hook in self._hooks:
@@ -327,7 +329,7 @@ class Supervisor:
         if reason == "final":
             names = ("final", f"{self._task.name}-final")
         else:
-            names = (f"step-{step}", f"step-{step}")
+            names = (checkpoint_name(step), checkpoint_name(step))
         state_path, sampler_path = await self._session.save_checkpoint(*names)
         return await self._record(reason, state_path, sampler_path, state)
 

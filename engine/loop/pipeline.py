@@ -151,7 +151,7 @@ class _StepAssembly:
 
     def __init__(self, step: int) -> None:
         self.step = step
-        self.ticket = StepTicket(step + 1)
+        self.ticket = StepTicket(_steps_done(step))
         self.built: dict[int, GroupDatums] = {}
         self.datums: list[Datum] = []
         self.train_start: float | None = None
@@ -171,7 +171,8 @@ class _StepAssembly:
 
 @dataclass(frozen=True)
 class _SubmittedStep:
-    """A step whose calls are submitted: everything the finisher needs to finish it."""
+    """A step whose calls are submitted: everything the finisher needs to finish it.
+    ``step`` is 0-based, like every ``step`` in this module (see :func:`_steps_done`)."""
 
     step: int
     groups: tuple[ScoredGroup, ...]
@@ -346,7 +347,7 @@ class Pipeline:
                 # (closing them would break the other rollout tasks mid-send).
                 self._gate.request(rollout.error)
                 await anyio.sleep_forever()
-            self._progress(f"step {job.step + 1} group {job.index} rolled out")
+            self._progress(f"step {_steps_done(job.step)} group {job.index} rolled out")
             await send.send(self._scored(job, rollout))
 
     def _scored(self, job: _GroupJob, rollout: GroupRollout) -> ScoredGroup:
@@ -479,23 +480,22 @@ class Pipeline:
                 arrived = waiting.pop(step)
                 groups = tuple(arrived[i] for i in range(cfg.batch))
                 await self._open(assembly)
+                done = _steps_done(step)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
                     await self._session.submit_optim_step(assembly.ticket, self._lr)
-                    if step + 1 < cfg.steps or self._evaluates(step + 1):
+                    if done < cfg.steps or self._evaluates(done):
                         # Right behind the optim step: it snapshots the new weights.
-                        snapshot = await self._session.submit_snapshot(step + 1)
+                        snapshot = await self._session.submit_snapshot(done)
                 checkpoint: PendingCheckpoint | None = None
-                if cfg.checkpoint_due(step + 1):
+                if cfg.checkpoint_due(done):
                     # Behind it too: it saves exactly the steps trained so far.
-                    checkpoint = await self._session.submit_checkpoint(
-                        step + 1, checkpoint_name(step + 1)
-                    )
+                    checkpoint = await self._session.submit_checkpoint(done, checkpoint_name(done))
                 trained = (*trained, *(g.problem.id for g in groups))
                 state = LoopState(
-                    next_step=step + 1,
+                    next_step=done,
                     source_state=source_after.pop(step),
-                    sampler_version=step + 1,
+                    sampler_version=done,
                     trained_problem_ids=trained,
                 )
                 assert assembly.train_start is not None
@@ -540,7 +540,7 @@ class Pipeline:
         if assembly.train_start is not None:
             return
         await self._in_flight.acquire()
-        await self._gate.begin_step(assembly.step + 1)
+        await self._gate.begin_step(assembly.ticket.step)
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
@@ -571,6 +571,7 @@ class Pipeline:
         async with receive, filed:
             async for submitted in receive:
                 step = submitted.step
+                done = _steps_done(step)
                 try:
                     result = (
                         await self._session.finish_train_step(submitted.ticket)
@@ -581,11 +582,11 @@ class Pipeline:
                         if submitted.snapshot is not None:
                             handle = await self._session.finish_snapshot(submitted.snapshot)
                         else:  # no update: the weights (and the sampler) are unchanged
-                            handle = SamplerHandle(step + 1, self._versions.current.client)
+                            handle = SamplerHandle(done, self._versions.current.client)
                 except BaseException:
                     self._gate.step_failed()
                     raise
-                if step + 1 < self._config.steps:
+                if done < self._config.steps:
                     self._versions.publish(handle)
                 end = self._clock()
                 state = dataclasses.replace(
@@ -596,11 +597,11 @@ class Pipeline:
                 step_result = self._step_result(
                     submitted, result, state, last_end, end, snapshot_retries.count
                 )
-                if self._evaluate is not None and self._evaluates(step + 1):
-                    step_result.metrics.update(await self._evaluate(step + 1, handle))
+                if self._evaluate is not None and self._evaluates(done):
+                    step_result.metrics.update(await self._evaluate(done, handle))
                 await self._on_step(step_result)
-                self._progress(f"step {step + 1} trained")
-                self._gate.end_step(step + 1)
+                self._progress(f"step {done} trained")
+                self._gate.end_step(done)
                 self._in_flight.release()
                 last_end = end
                 completed += 1
@@ -620,11 +621,12 @@ class Pipeline:
     ) -> StepResult:
         cfg = self._config
         step, groups, assembled = submitted.step, submitted.groups, submitted.assembled
+        done = _steps_done(step)
         versions = [g.version for g in groups]
         staleness = step - min(versions)
         if staleness > self._k:
             raise EngineError(
-                f"internal error: step {step + 1} trained on data {staleness} versions old "
+                f"internal error: step {done} trained on data {staleness} versions old "
                 f"(bound {self._k})"
             )
         kl = kl_sample_train(assembled.datums, result.logprobs)
@@ -636,7 +638,7 @@ class Pipeline:
         scored = [g for g in groups if g.trainable]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
-            "step": step + 1,
+            "step": done,
             **reward_metrics(scored),
             **response_metrics(groups),
             "datums": len(assembled.datums),
@@ -669,7 +671,7 @@ class Pipeline:
             "sampler/idle_ratio": _ratio(1.0 - sampling_busy / step_time),
             "throughput/samples_per_s": samples / step_time,
             "throughput/tokens_per_s": tokens / step_time,
-            "progress/done_frac": (step + 1) / cfg.steps,
+            "progress/done_frac": done / cfg.steps,
             "problem_ids": [g.problem.id for g in groups],
             "problems/digest": _problems_digest(groups),
             "retries/sample": sum(g.retries for g in groups),
@@ -685,15 +687,22 @@ class Pipeline:
             train_end=train_end,
         )
         return StepResult(
-            step=step + 1,
+            step=done,
             metrics=metrics,
-            line=quickstart_line(step + 1, metrics),
+            line=quickstart_line(done, metrics),
             datums=assembled.datums,
             groups=groups,
             timeline=timeline,
             state=state,
             checkpoint=submitted.checkpoint,
         )
+
+
+def _steps_done(step: int) -> int:
+    """The steps trained once 0-based ``step`` is: the number that tickets, the stop
+    gate, metrics, logs and checkpoints give the step (they count from 1), the policy
+    version its update produces, and the index of the next step."""
+    return step + 1
 
 
 def checkpoint_name(completed_steps: int) -> str:

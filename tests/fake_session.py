@@ -151,6 +151,11 @@ class FakeSession:
         await anyio.lowlevel.checkpoint()
         return SamplerHandle(version, self._sampler_weights[sampler_path])
 
+    async def open_base_sampler(self) -> SamplerHandle:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("base_sampler", 0))
+        return SamplerHandle(0, 0)
+
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None
     ) -> tuple[str, str]:

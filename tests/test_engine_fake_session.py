@@ -192,3 +192,38 @@ async def test_a_checkpoint_that_fails_to_save_is_not_recorded_and_stops_the_run
     assert (first, first_reason, stop_reason) == (0, "periodic", "error") and stop in (2, 3)
     await run(dataclasses.replace(cfg, resume=tmp_path / "run"), ToyTask(), session)
     assert trained_ids(tmp_path / "run") == list(range(8))
+
+
+async def test_a_fresh_run_samples_step_0_while_its_step_0_checkpoint_saves(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession()
+    saving = session.hold_checkpoint(0)
+    cfg = dataclasses.replace(fake_config(tmp_path / "run"), checkpoint_every=2)
+    async with Engine(cfg, task=ToyTask(), session=session) as engine:
+
+        async def release_once_sampling() -> None:
+            await until_logged(session, ("checkpoint", 0), ("sample", 0))
+            assert ("checkpoint_saved", 0) not in session.log
+            saving.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_once_sampling)
+            await engine.run()
+    assert session.index(("base_sampler", 0)) < session.index(("sample", 0))
+    # Recorded first, though saved while step 1 was sampled and trained.
+    assert checkpoint_steps(tmp_path / "run") == [(0, "periodic"), (2, "periodic"), (4, "final")]
+    assert [e for e in session.log if e[0] == "restore"] == []
+
+
+async def test_a_lost_first_step_before_the_step_0_checkpoint_is_saved_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession(fail_step=1)
+    session.hold_checkpoint(0)  # never saved: the first step fails first
+    cfg = dataclasses.replace(fake_config(tmp_path / "run"), checkpoint_every=2)
+    steps = await run(cfg, ToyTask(), session)
+    assert ("restore", 0) in session.log  # a fresh LoRA client: no record to restore
+    assert [s.step for s in steps][-4:] == [1, 2, 3, 4]
+    assert trained_ids(tmp_path / "run") == list(range(8))
+    assert checkpoint_steps(tmp_path / "run")[0] == (0, "periodic")

@@ -201,6 +201,11 @@ class Session(Protocol):
         """A sampling client on saved sampler weights (a checkpoint's), as ``version``."""
         ...
 
+    async def open_base_sampler(self) -> SamplerHandle:
+        """A sampling client on the base model, as version 0: a fresh LoRA's weights (its
+        update starts at zero), without a server round to save them first."""
+        ...
+
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None
     ) -> tuple[str, str]:

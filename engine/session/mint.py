@@ -109,9 +109,11 @@ class MintSession(SdkSession):
         path = await self._step_call(version, saved, completes=False)
         return await self.open_sampler(version, path)
 
-    async def _sdk_sampling_client(self, path: str) -> tinker.SamplingClient:
+    async def _sdk_sampling_client(
+        self, path: str | None, base_model: str | None = None
+    ) -> tinker.SamplingClient:
         return await self._service.create_sampling_client_async(
-            model_path=path, retry_config=self._sampling_retry_config()
+            model_path=path, base_model=base_model, retry_config=self._sampling_retry_config()
         )
 
     async def _sdk_new_training(self, lora: LoraSpec) -> tinker.TrainingClient:

@@ -122,10 +122,13 @@ class TinkerSession(SdkSession):
         client = await self._step_call(version, lambda: settled(reserved), completes=False)
         return SamplerHandle(version, client)
 
-    async def _sdk_sampling_client(self, path: str) -> tinker.SamplingClient:
+    async def _sdk_sampling_client(
+        self, path: str | None, base_model: str | None = None
+    ) -> tinker.SamplingClient:
         future = await _in_thread(
             self._service.create_sampling_client,
             model_path=path,
+            base_model=base_model,
             retry_config=self._sampling_retry_config(),
         )
         return await future  # type: ignore[no-any-return]

@@ -51,7 +51,7 @@ from engine.rollouts import RolloutLog
 from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.rundir.directory import RunDirectory
 from engine.rundir.events import EventLog
-from engine.session.api import Session
+from engine.session.api import PendingCheckpoint, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
@@ -119,6 +119,8 @@ class Supervisor:
         self._outputs = _open_task_outputs(config, task, session, files, log)
         self._supervising = False
         self._said_all_empty = False
+        self._initial: tuple[PendingCheckpoint, LoopState] | None = None
+        """The step-0 checkpoint while it saves behind the first steps."""
 
     # -- the run -------------------------------------------------------------------
 
@@ -202,11 +204,20 @@ class Supervisor:
             state, checkpoint = self._initial_state(), None
         self.state = state
         baseline = self._outputs.evaluator if resumed is None else None
+        fresh = resumed is None and cfg.init_from is None  # a new LoRA: its base's weights
         while True:
-            if checkpoint is None or checkpoint.sampler_path is None:
-                checkpoint = await self._checkpoint("periodic", state)  # recovery's base
-            assert checkpoint.sampler_path is not None
-            sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
+            if checkpoint is None and fresh:
+                # Step 0 samples from the base model at once; the step-0 checkpoint
+                # (recovery's base) saves behind it and is recorded before any step.
+                pending = await session.submit_checkpoint(0, checkpoint_name(0))
+                self._initial = (pending, state)
+                sampler = await session.open_base_sampler()
+            else:
+                if checkpoint is None or checkpoint.sampler_path is None:
+                    checkpoint = await self._checkpoint("periodic", state)  # recovery's base
+                assert checkpoint.sampler_path is not None
+                sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
+            fresh = False
             watchdog.progress(f"sampler {state.next_step} ready")
             if baseline is not None:
                 await baseline(0, sampler)
@@ -232,6 +243,7 @@ class Supervisor:
                 unknown = find_error(exc, StepOutcomeUnknown)
                 if unknown is None or gate.reason is not None:
                     raise
+            self._initial = None  # the abandoned client's, if still unsaved
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
 
@@ -273,6 +285,9 @@ class Supervisor:
     async def _on_step(self, result: StepResult) -> None:
         """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
         the hooks, publish it."""
+        if self._initial is not None:
+            (initial, initial_state), self._initial = self._initial, None
+            await self._record_saved(initial, initial_state)
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
@@ -309,11 +324,7 @@ class Supervisor:
         if idle is not None:
             self._events.warning("run.no_training", step=result.step, message=idle)
         if result.checkpoint is not None:
-            try:
-                paths = await self._session.finish_checkpoint(result.checkpoint)
-                await self._record("periodic", *paths, result.state)
-            except Exception as exc:
-                self.gate.request(exc)  # the step is trained and logged: stop after it
+            await self._record_saved(result.checkpoint, result.state)
         for hook in self._hooks:
             value = hook(result)
             if inspect.isawaitable(value):
@@ -332,6 +343,15 @@ class Supervisor:
             names = (checkpoint_name(step), checkpoint_name(step))
         state_path, sampler_path = await self._session.save_checkpoint(*names)
         return await self._record(reason, state_path, sampler_path, state)
+
+    async def _record_saved(self, pending: PendingCheckpoint, state: LoopState) -> None:
+        """Record a checkpoint submitted behind a step once it is saved; a failed save
+        is not recorded and stops the run after the steps in flight."""
+        try:
+            paths = await self._session.finish_checkpoint(pending)
+            await self._record("periodic", *paths, state)
+        except Exception as exc:
+            self.gate.request(exc)
 
     async def _record(
         self, reason: CheckpointReason, state_path: str, sampler_path: str, state: LoopState

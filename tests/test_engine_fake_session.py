@@ -227,3 +227,14 @@ async def test_a_lost_first_step_before_the_step_0_checkpoint_is_saved_starts_af
     assert [s.step for s in steps][-4:] == [1, 2, 3, 4]
     assert trained_ids(tmp_path / "run") == list(range(8))
     assert checkpoint_steps(tmp_path / "run")[0] == (0, "periodic")
+
+
+async def test_a_failed_step_0_save_fails_the_run_before_any_step_is_recorded(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession(fail_checkpoint=0)
+    cfg = dataclasses.replace(fake_config(tmp_path / "run"), checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="could not save step-0"):
+        await run(cfg, ToyTask(), session)
+    assert trained_ids(tmp_path / "run") == []
+    assert not (tmp_path / "run" / "checkpoints.jsonl").exists()

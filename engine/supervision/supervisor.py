@@ -286,8 +286,11 @@ class Supervisor:
         """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
         the hooks, publish it."""
         if self._initial is not None:
+            # Before anything of the step: a run whose step-0 save failed fails here
+            # with no trained step recorded, as if the save had been awaited first.
             (initial, initial_state), self._initial = self._initial, None
-            await self._record_saved(initial, initial_state)
+            paths = await self._session.finish_checkpoint(initial)
+            await self._record("periodic", *paths, initial_state)
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints

@@ -4,7 +4,8 @@ deterministic stage tests of the pipeline: no server, no SDK, no sleeps.
 It models what the pipeline relies on: a training client whose requests are applied in
 submission order (each ``submit_*`` takes the next place in the sequence), a snapshot
 that sees exactly the optimizer steps submitted before it, and sampling from a snapshot
-tagged with its version. Tests observe the order of calls in ``log`` and may hold any
+tagged with its version; a reserved checkpoint saves the optimizer steps submitted
+before it. Tests observe the order of calls in ``log`` and may hold any
 step's results with ``hold(step)`` to see what the pipeline does meanwhile.
 """
 
@@ -19,6 +20,7 @@ from engine.errors import StepOutcomeUnknown
 from engine.loop.rl import Completion, Datum
 from engine.session.api import (
     LossSpec,
+    PendingCheckpoint,
     PendingSnapshot,
     SampleResult,
     SamplerHandle,
@@ -51,8 +53,11 @@ class FakeSession:
     log: list[tuple[str, int]] = field(default_factory=list)
     fail_step: int | None = None
     """A 1-based step whose results fail with an unknown outcome (once)."""
+    fail_checkpoint: int | None = None
+    """A step count whose reserved checkpoint fails to save (once)."""
     _submitted_optims: int = 0
     _holds: dict[int, anyio.Event] = field(default_factory=dict)
+    _checkpoint_holds: dict[int, anyio.Event] = field(default_factory=dict)
     _checkpoints: dict[str, int] = field(default_factory=dict)
     _sampler_weights: dict[str, int] = field(default_factory=dict)
 
@@ -102,6 +107,23 @@ class FakeSession:
         self.log.append(("snapshot", version))
         return PendingSnapshot(version, self._submitted_optims)
 
+    async def submit_checkpoint(self, step: int, name: str) -> PendingCheckpoint:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("checkpoint", self._submitted_optims))
+        return PendingCheckpoint(step, (name, self._submitted_optims))
+
+    async def finish_checkpoint(self, pending: PendingCheckpoint) -> tuple[str, str]:
+        hold = self._checkpoint_holds.get(pending.step)
+        if hold is not None:
+            await hold.wait()
+        await anyio.lowlevel.checkpoint()
+        name, seen = pending.handle  # type: ignore[misc]
+        if self.fail_checkpoint == pending.step:
+            self.fail_checkpoint = None
+            raise RuntimeError(f"the fake server could not save {name}")
+        self.log.append(("checkpoint_saved", seen))
+        return self._saved(name, name, seen)
+
     async def finish_train_step(self, ticket: StepTicket) -> TrainResult:
         hold = self._holds.get(ticket.step)
         if hold is not None:
@@ -129,14 +151,22 @@ class FakeSession:
         await anyio.lowlevel.checkpoint()
         return SamplerHandle(version, self._sampler_weights[sampler_path])
 
+    async def open_base_sampler(self) -> SamplerHandle:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("base_sampler", 0))
+        return SamplerHandle(0, 0)
+
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None
     ) -> tuple[str, str]:
         await anyio.lowlevel.checkpoint()
         self.log.append(("checkpoint", self._submitted_optims))
-        self._checkpoints[state_name] = self._submitted_optims
+        return self._saved(state_name, sampler_name, self._submitted_optims)
+
+    def _saved(self, state_name: str, sampler_name: str, optims: int) -> tuple[str, str]:
+        self._checkpoints[state_name] = optims
         sampler_path = f"fake://sampler/{sampler_name}"
-        self._sampler_weights[sampler_path] = self._submitted_optims
+        self._sampler_weights[sampler_path] = optims
         return f"fake://state/{state_name}", sampler_path
 
     async def restore(self, state_path: str | None) -> None:
@@ -151,6 +181,12 @@ class FakeSession:
         """Hold step ``step``'s results until the returned event is set."""
         event = anyio.Event()
         self._holds[step] = event
+        return event
+
+    def hold_checkpoint(self, step: int) -> anyio.Event:
+        """Hold the checkpoint after ``step`` steps (its save) until the event is set."""
+        event = anyio.Event()
+        self._checkpoint_holds[step] = event
         return event
 
     def index(self, entry: tuple[str, int]) -> int:

@@ -21,6 +21,7 @@ import pytest
 
 from engine import ConfigError, Engine, EngineConfig, Interrupted, StepResult
 from engine.local import LocalServer
+from engine.session.api import PendingCheckpoint
 from engine.session.preflight import PreflightError
 from engine.tasks import load_task
 from tests.engine_support import API_KEY, run_engine, small_config
@@ -341,13 +342,13 @@ def test_a_stop_during_the_step_0_checkpoint_still_checkpoints_at_once(
 
     async def go() -> None:
         async with Engine(config) as engine:
-            save = engine.session.save_checkpoint
+            save = engine.session.submit_checkpoint  # step-0's, reserved first
 
-            async def stop_while_saving(*args: Any, **kwargs: Any) -> tuple[str, str]:
+            async def stop_while_saving(*args: Any, **kwargs: Any) -> PendingCheckpoint:
                 engine.request_stop()
                 return await save(*args, **kwargs)
 
-            engine.session.save_checkpoint = stop_while_saving  # type: ignore[method-assign]
+            engine.session.submit_checkpoint = stop_while_saving  # type: ignore[method-assign]
             with pytest.raises(Interrupted):
                 await engine.run()
 

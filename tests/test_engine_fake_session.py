@@ -208,3 +208,131 @@ async def test_the_engine_says_once_that_episodes_stop_at_the_models_context(
     said = console.getvalue()
     assert said.count("episodes stop at the model's context of 10 tokens") == 1
     assert "(--env-max-tokens 8192 is larger)" in said
+
+
+def checkpoint_steps(run_dir: Path) -> list[tuple[int, str]]:
+    import json
+
+    lines = (run_dir / "checkpoints.jsonl").read_text().splitlines()
+    return [(c["step"], c["reason"]) for c in map(json.loads, lines)]
+
+
+def trained_ids(run_dir: Path) -> list[int]:
+    import json
+
+    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    return [i for row in rows if "problem_ids" in row for i in row["problem_ids"]]
+
+
+async def until_logged(session: FakeSession, *entries: tuple[str, int]) -> None:
+    for _ in range(100_000):
+        if all(e in session.log for e in entries):
+            return
+        await anyio.lowlevel.checkpoint()
+    raise AssertionError(f"never logged {entries}")
+
+
+async def test_a_stop_with_a_checkpoint_in_flight_records_it_once_saved(tmp_path: Path) -> None:
+    session = FakeSession()
+    saving = session.hold_checkpoint(2)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    async with Engine(cfg, task=ToyTask(), session=session) as engine:
+
+        async def stop_while_saving() -> None:
+            # The checkpoint after step 2 is reserved and step 3 is submitted behind it.
+            await until_logged(session, ("checkpoint", 2), ("optim_step", 3))
+            engine.request_stop()
+            saving.set()
+
+        with pytest.raises(ExceptionGroup) as stopped:
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(stop_while_saving)
+                await engine.run()
+    assert stopped.group_contains(Interrupted)
+    saved = checkpoint_steps(tmp_path / "run")
+    assert saved == [(0, "periodic"), (2, "periodic"), (3, "interrupt")]
+    await run(cfg.replace(resume=tmp_path / "run"), ToyTask(), session)
+    assert trained_ids(tmp_path / "run") == list(range(8))  # each problem once
+
+
+async def test_a_crash_with_a_checkpoint_in_flight_does_not_record_it(tmp_path: Path) -> None:
+    session = FakeSession()
+    session.hold_checkpoint(2)  # never saved: the process dies first
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    with anyio.CancelScope() as crash:
+        async with (
+            Engine(cfg, task=ToyTask(), session=session) as engine,
+            anyio.create_task_group() as tg,
+        ):
+
+            async def die_while_saving() -> None:
+                await until_logged(session, ("checkpoint", 2), ("optim_step", 3))
+                crash.cancel()
+
+            tg.start_soon(die_while_saving)
+            await engine.run()
+    assert checkpoint_steps(tmp_path / "run") == [(0, "periodic")]
+    session = FakeSession()  # a new server process: only what was saved survives
+    session._checkpoints, session._sampler_weights = {"step-0": 0}, {"fake://sampler/step-0": 0}
+    await run(cfg.replace(resume=tmp_path / "run"), ToyTask(), session)
+    assert trained_ids(tmp_path / "run") == list(range(8))  # steps 1 and 2 redone, once
+
+
+async def test_a_checkpoint_that_fails_to_save_is_not_recorded_and_stops_the_run(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession(fail_checkpoint=2)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="could not save step-2"):
+        await run(cfg, ToyTask(), session)
+    # The run stops after the steps in flight, with a stop checkpoint of what they hold.
+    (first, first_reason), (stop, stop_reason) = checkpoint_steps(tmp_path / "run")
+    assert (first, first_reason, stop_reason) == (0, "periodic", "error") and stop in (2, 3)
+    await run(cfg.replace(resume=tmp_path / "run"), ToyTask(), session)
+    assert trained_ids(tmp_path / "run") == list(range(8))
+
+
+async def test_a_fresh_run_samples_step_0_while_its_step_0_checkpoint_saves(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession()
+    saving = session.hold_checkpoint(0)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    async with Engine(cfg, task=ToyTask(), session=session) as engine:
+
+        async def release_once_sampling() -> None:
+            await until_logged(session, ("checkpoint", 0), ("sample", 0))
+            assert ("checkpoint_saved", 0) not in session.log
+            saving.set()
+
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(release_once_sampling)
+            await engine.run()
+    assert session.index(("base_sampler", 0)) < session.index(("sample", 0))
+    # Recorded first, though saved while step 1 was sampled and trained.
+    assert checkpoint_steps(tmp_path / "run") == [(0, "periodic"), (2, "periodic"), (4, "final")]
+    assert [e for e in session.log if e[0] == "restore"] == []
+
+
+async def test_a_lost_first_step_before_the_step_0_checkpoint_is_saved_starts_afresh(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession(fail_step=1)
+    session.hold_checkpoint(0)  # never saved: the first step fails first
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    steps = await run(cfg, ToyTask(), session)
+    assert ("restore", 0) in session.log  # a fresh LoRA client: no record to restore
+    assert [s.step for s in steps][-4:] == [1, 2, 3, 4]
+    assert trained_ids(tmp_path / "run") == list(range(8))
+    assert checkpoint_steps(tmp_path / "run")[0] == (0, "periodic")
+
+
+async def test_a_failed_step_0_save_fails_the_run_before_any_step_is_recorded(
+    tmp_path: Path,
+) -> None:
+    session = FakeSession(fail_checkpoint=0)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    with pytest.raises(RuntimeError, match="could not save step-0"):
+        await run(cfg, ToyTask(), session)
+    assert trained_ids(tmp_path / "run") == []
+    assert not (tmp_path / "run" / "checkpoints.jsonl").exists()

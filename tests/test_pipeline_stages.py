@@ -142,17 +142,31 @@ async def test_staleness_never_exceeds_k(k: int) -> None:
     assert ids == list(range(12))
 
 
-async def test_a_due_checkpoint_holds_exactly_the_steps_before_it() -> None:
+async def test_a_due_checkpoint_is_reserved_behind_its_step_and_drains_nothing() -> None:
     session = FakeSession()
+    release = session.hold(2)
     cfg = config(steps=5, checkpoint_every=2)
+    results: list[StepResult] = []
+    async with anyio.create_task_group() as tg:
 
-    async def checkpoint(result: StepResult) -> None:
-        if cfg.checkpoint_due(result.step):
-            await session.save_checkpoint(f"step-{result.step}", f"step-{result.step}")
+        async def go() -> None:
+            results.extend((await run_pipeline(session, cfg))[1])
 
-    await run_pipeline(session, cfg, on_step=checkpoint)
+        tg.start_soon(go)
+        # Step 3 is submitted while step 2, whose checkpoint is due, is outstanding.
+        await until(lambda: ("optim_step", 3) in session.log)
+        assert ("finished", 2) not in session.log
+        release.set()
     saved = [n for kind, n in session.log if kind == "checkpoint"]
-    assert saved == [2, 4]  # optimizer steps in the weights when each was saved
+    assert saved == [2, 4]  # optimizer steps in the weights each one saves
+    # Its place in the model's sequence: right behind step 2, before step 3's calls.
+    assert (
+        session.index(("optim_step", 2))
+        < session.index(("checkpoint", 2))
+        < session.index(("forward_backward", 3))
+    )
+    pending = [r.checkpoint.step if r.checkpoint else None for r in results]
+    assert pending == [None, 2, None, 4, None]
 
 
 async def test_a_stop_lands_after_every_step_in_flight_and_submits_nothing_new() -> None:

@@ -33,9 +33,11 @@ staleness bound", explains it.
 
 Reliability: a step is "in flight" from its first submission until its metrics are
 recorded (:class:`~engine.supervision.stopping.StopGate`), so a stop only ever lands between steps
-(after every step in flight). A step after which a checkpoint is due is drained (nothing
-is submitted behind it until it is recorded and checkpointed), so a checkpoint holds
-exactly the steps before it. A failed sample request or reward function asks the gate to
+(after every step in flight). A periodic checkpoint is submitted right behind the optim
+step it follows (:meth:`~engine.session.api.Session.submit_checkpoint`), so it holds
+exactly the steps before it while the next steps are already submitted behind it; the
+checkpointer awaits it with the step's result (:attr:`StepResult.checkpoint`) and
+records it only once it is saved. A failed sample request or reward function asks the gate to
 stop instead of tearing the task group down mid-step; with ``--on-reward-error skip`` a
 failing group is dropped from its step (no datums), counted and logged. A train-step or
 snapshot failure propagates as :class:`~engine.errors.StepOutcomeUnknown` for the engine
@@ -86,6 +88,7 @@ from engine.observe.metrics import (
 )
 from engine.session.api import (
     LossSpec,
+    PendingCheckpoint,
     PendingSnapshot,
     SamplerHandle,
     Session,
@@ -97,7 +100,7 @@ from engine.supervision.stopping import StopGate
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["Pipeline", "PipelineOutcome"]
+__all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
 
 StepCallback = Callable[[StepResult], Awaitable[None]]
 ProgressCallback = Callable[[str], None]
@@ -148,7 +151,7 @@ class _StepAssembly:
 
     def __init__(self, step: int) -> None:
         self.step = step
-        self.ticket = StepTicket(step + 1)
+        self.ticket = StepTicket(_steps_done(step))
         self.built: dict[int, GroupDatums] = {}
         self.datums: list[Datum] = []
         self.train_start: float | None = None
@@ -168,13 +171,15 @@ class _StepAssembly:
 
 @dataclass(frozen=True)
 class _SubmittedStep:
-    """A step whose calls are submitted: everything the finisher needs to finish it."""
+    """A step whose calls are submitted: everything the finisher needs to finish it.
+    ``step`` is 0-based, like every ``step`` in this module (see :func:`_steps_done`)."""
 
     step: int
     groups: tuple[ScoredGroup, ...]
     assembled: _Assembled
     ticket: StepTicket
     snapshot: PendingSnapshot | None
+    checkpoint: PendingCheckpoint | None
     state: LoopState
     train_start: float
     wait: float
@@ -188,16 +193,15 @@ class PipelineOutcome:
 
 
 class _InFlight:
-    """How many submitted steps are not yet recorded; the submitter waits for room (or,
-    before a step that follows a checkpoint, for none at all)."""
+    """How many submitted steps are not yet recorded; the submitter waits for room."""
 
     def __init__(self, limit: int) -> None:
         self._limit = limit
         self._count = 0
         self._changed = anyio.Event()
 
-    async def acquire(self, *, drain: bool) -> None:
-        while self._count >= (1 if drain else self._limit):
+    async def acquire(self) -> None:
+        while self._count >= self._limit:
             await self._changed.wait()
         self._count += 1
 
@@ -352,7 +356,7 @@ class Pipeline:
                 # (closing them would break the other rollout tasks mid-send).
                 self._gate.request(rollout.error)
                 await anyio.sleep_forever()
-            self._progress(f"step {job.step + 1} group {job.index} rolled out")
+            self._progress(f"step {_steps_done(job.step)} group {job.index} rolled out")
             await send.send(self._scored(job, rollout))
 
     def _scored(self, job: _GroupJob, rollout: GroupRollout) -> ScoredGroup:
@@ -484,17 +488,22 @@ class Pipeline:
                 arrived = waiting.pop(step)
                 groups = tuple(arrived[i] for i in range(cfg.pipeline.batch))
                 await self._open(assembly)
+                done = _steps_done(step)
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
                     await self._session.submit_optim_step(assembly.ticket, self._lr)
-                    if step + 1 < cfg.pipeline.steps or self._evaluates(step + 1):
+                    if done < cfg.pipeline.steps or self._evaluates(done):
                         # Right behind the optim step: it snapshots the new weights.
-                        snapshot = await self._session.submit_snapshot(step + 1)
+                        snapshot = await self._session.submit_snapshot(done)
+                checkpoint: PendingCheckpoint | None = None
+                if cfg.checkpoint_due(done):
+                    # Behind it too: it saves exactly the steps trained so far.
+                    checkpoint = await self._session.submit_checkpoint(done, checkpoint_name(done))
                 trained = (*trained, *(g.problem.id for g in groups))
                 state = LoopState(
-                    next_step=step + 1,
+                    next_step=done,
                     source_state=source_after.pop(step),
-                    sampler_version=step + 1,
+                    sampler_version=done,
                     trained_problem_ids=trained,
                 )
                 assert assembly.train_start is not None
@@ -505,6 +514,7 @@ class Pipeline:
                         assembly.assembled(groups),
                         assembly.ticket,
                         snapshot,
+                        checkpoint,
                         state,
                         assembly.train_start,
                         max(0.0, complete_at - submitted_at),
@@ -534,11 +544,11 @@ class Pipeline:
 
     async def _open(self, assembly: _StepAssembly) -> None:
         """Mark the step in flight before its first submission: room among the steps in
-        flight (none at all when a checkpoint is due before it), and no stop pending."""
+        flight, and no stop pending."""
         if assembly.train_start is not None:
             return
-        await self._in_flight.acquire(drain=self._config.checkpoint_due(assembly.step))
-        await self._gate.begin_step(assembly.step + 1)
+        await self._in_flight.acquire()
+        await self._gate.begin_step(assembly.ticket.step)
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
@@ -569,6 +579,7 @@ class Pipeline:
         async with receive, filed:
             async for submitted in receive:
                 step = submitted.step
+                done = _steps_done(step)
                 try:
                     result = (
                         await self._session.finish_train_step(submitted.ticket)
@@ -579,11 +590,11 @@ class Pipeline:
                         if submitted.snapshot is not None:
                             handle = await self._session.finish_snapshot(submitted.snapshot)
                         else:  # no update: the weights (and the sampler) are unchanged
-                            handle = SamplerHandle(step + 1, self._versions.current.client)
+                            handle = SamplerHandle(done, self._versions.current.client)
                 except BaseException:
                     self._gate.step_failed()
                     raise
-                if step + 1 < self._config.pipeline.steps:
+                if done < self._config.pipeline.steps:
                     self._versions.publish(handle)
                 end = self._clock()
                 state = dataclasses.replace(
@@ -594,11 +605,11 @@ class Pipeline:
                 step_result = self._step_result(
                     submitted, result, state, last_end, end, snapshot_retries.count
                 )
-                if self._evaluate is not None and self._evaluates(step + 1):
-                    step_result.metrics.update(await self._evaluate(step + 1, handle))
+                if self._evaluate is not None and self._evaluates(done):
+                    step_result.metrics.update(await self._evaluate(done, handle))
                 await self._on_step(step_result)
-                self._progress(f"step {step + 1} trained")
-                self._gate.end_step(step + 1)
+                self._progress(f"step {done} trained")
+                self._gate.end_step(done)
                 self._in_flight.release()
                 last_end = end
                 completed += 1
@@ -618,11 +629,12 @@ class Pipeline:
     ) -> StepResult:
         cfg = self._config
         step, groups, assembled = submitted.step, submitted.groups, submitted.assembled
+        done = _steps_done(step)
         versions = [g.version for g in groups]
         staleness = step - min(versions)
         if staleness > self._k:
             raise EngineError(
-                f"internal error: step {step + 1} trained on data {staleness} versions old "
+                f"internal error: step {done} trained on data {staleness} versions old "
                 f"(bound {self._k})"
             )
         kl = kl_sample_train(assembled.datums, result.logprobs)
@@ -634,7 +646,7 @@ class Pipeline:
         scored = [g for g in groups if g.trainable]
         failed = [g for g in groups if g.reward_error is not None]
         metrics: dict[str, Any] = {
-            "step": step + 1,
+            "step": done,
             **reward_metrics(scored),
             **response_metrics(groups),
             "datums": len(assembled.datums),
@@ -667,7 +679,7 @@ class Pipeline:
             "sampler/idle_ratio": _ratio(1.0 - sampling_busy / step_time),
             "throughput/samples_per_s": samples / step_time,
             "throughput/tokens_per_s": tokens / step_time,
-            "progress/done_frac": (step + 1) / cfg.pipeline.steps,
+            "progress/done_frac": done / cfg.pipeline.steps,
             "problem_ids": [g.problem.id for g in groups],
             "problems/digest": _problems_digest(groups),
             "retries/sample": sum(g.retries for g in groups),
@@ -683,14 +695,27 @@ class Pipeline:
             train_end=train_end,
         )
         return StepResult(
-            step=step + 1,
+            step=done,
             metrics=metrics,
-            line=quickstart_line(step + 1, metrics),
+            line=quickstart_line(done, metrics),
             datums=assembled.datums,
             groups=groups,
             timeline=timeline,
             state=state,
+            checkpoint=submitted.checkpoint,
         )
+
+
+def _steps_done(step: int) -> int:
+    """The steps trained once 0-based ``step`` is: the number that tickets, the stop
+    gate, metrics, logs and checkpoints give the step (they count from 1), the policy
+    version its update produces, and the index of the next step."""
+    return step + 1
+
+
+def checkpoint_name(completed_steps: int) -> str:
+    """The server-side name of the checkpoint after ``completed_steps`` steps."""
+    return f"step-{completed_steps}"
 
 
 def _untrained_after(

@@ -12,6 +12,7 @@ from typing import Any
 
 from engine.loop.rl import Datum
 from engine.loop.state import LoopState, ScoredGroup
+from engine.session.api import PendingCheckpoint
 
 __all__ = ["RunResult", "StepResult", "StepTimeline"]
 
@@ -42,6 +43,9 @@ class StepResult:
     groups: tuple[ScoredGroup, ...] = field(repr=False)
     timeline: StepTimeline
     state: LoopState = field(repr=False)
+    checkpoint: PendingCheckpoint | None = field(default=None, repr=False, compare=False)
+    """The periodic checkpoint submitted right behind this step (``--checkpoint-every``),
+    for the checkpointer to await and record; None when none is due."""
 
     @property
     def sampler_versions(self) -> tuple[int, ...]:

@@ -38,7 +38,7 @@ import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, TypeVar
+from typing import Any, ClassVar, TypeVar, cast
 
 import anyio
 from tinker import types
@@ -49,6 +49,7 @@ from engine.errors import EngineError, primary_error
 from engine.loop.rl import Completion, Datum, with_loss_inputs
 from engine.session.api import (
     LossSpec,
+    PendingCheckpoint,
     PendingSnapshot,
     SampleResult,
     SamplerHandle,
@@ -169,11 +170,18 @@ class SdkSession:
         :meth:`_sdk_finish_snapshot` awaits."""
         raise NotImplementedError
 
+    def _sdk_reserve_sampler_save(self, training: Any, name: str) -> Any:
+        """``save_weights_for_sampler(name)`` (kept) with its place in the model's
+        sequence taken NOW; returns its SDK future."""
+        raise NotImplementedError
+
     async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> Any:
         """A sampling client on a reserved snapshot (run under the step's deadline)."""
         raise NotImplementedError
 
-    async def _sdk_sampling_client(self, path: str) -> Any:
+    async def _sdk_sampling_client(self, path: str | None, base_model: str | None = None) -> Any:
+        """A sampling client on saved sampler weights, or (``path`` None) on the base
+        model."""
         raise NotImplementedError
 
     async def _sdk_new_training(self, lora: LoraSpec) -> Any:
@@ -260,6 +268,17 @@ class SdkSession:
         )
         return SamplerHandle(version, client)
 
+    async def open_base_sampler(self) -> SamplerHandle:
+        """A sampling client on the base model, as version 0 (a fresh LoRA's weights:
+        its update starts at zero); retried."""
+        base = self.info.base_model
+        client = await self._call(
+            OpKind.SAMPLER_SNAPSHOT,
+            f"open sampler {base}",
+            lambda: self._sdk_sampling_client(None, base),
+        )
+        return SamplerHandle(0, client)
+
     def _sampling_retry_config(self) -> RetryConfig:
         return sdk_sampling_retry_config(self.guard.policy(OpKind.SAMPLE))
 
@@ -342,6 +361,31 @@ class SdkSession:
 
         return await self._call(OpKind.SAVE_STATE, "save_state", go)
 
+    async def submit_checkpoint(self, step: int, name: str) -> PendingCheckpoint:
+        """Reserve ``save_state`` and sampler weights of the weights after everything
+        submitted so far (right behind a step's optim_step: the weights after it). Never
+        repeated; a failure to submit is an unknown outcome of that step, like a
+        snapshot's (its place in the sequence may be taken)."""
+        training = self._training
+
+        async def go() -> tuple[Any, Any]:
+            state = await self._sdk_save_state(training, name)
+            return state, self._sdk_reserve_sampler_save(training, name)
+
+        handles = await self._step_call(step, go, completes=False)
+        return PendingCheckpoint(step, handles)
+
+    async def finish_checkpoint(self, pending: PendingCheckpoint) -> tuple[str, str]:
+        """The paths of a reserved checkpoint: one attempt under the save_state deadline
+        (awaiting again would not save again)."""
+        state, sampler = cast(tuple[Any, Any], pending.handle)
+
+        async def paths() -> tuple[str, str]:
+            return str((await settled(state)).path), str((await settled(sampler)).path)
+
+        within = self.guard.policy(OpKind.SAVE_STATE).attempt_timeout
+        return await self.guard.once(f"the checkpoint of step {pending.step}", paths, within=within)
+
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None
     ) -> tuple[str, str]:
@@ -423,6 +467,43 @@ class SdkSession:
         what it recommends (:attr:`config`, which also names the SDK), create the LoRA
         training client (or load ``restore_from``) and its tokenizer; close the SDK's
         session on exit."""
+        try:
+            async with anyio.create_task_group() as warming:
+                # The tokenizer's library takes seconds of client CPU to import: import
+                # it while the server answers the setup calls, not after them.
+                warming.start_soon(_import_tokenizer_library)
+                session = await cls._open(
+                    config,
+                    base_url,
+                    api_key,
+                    local=local,
+                    say=say,
+                    guard=guard,
+                    restore_from=restore_from,
+                )
+        except ExceptionGroup as group:
+            raise primary_error(group) from None
+        failed = True
+        try:
+            yield session
+            failed = False
+        finally:
+            with anyio.CancelScope(shield=True):
+                await session._sdk_close(failed)
+
+    @classmethod
+    async def _open(
+        cls,
+        config: EngineConfig,
+        base_url: str,
+        api_key: str | None,
+        *,
+        local: bool,
+        say: Callable[[str], None],
+        guard: ServiceGuard,
+        restore_from: str | None,
+    ) -> SdkSession:
+        """:meth:`connect`'s setup calls; the SDK's session is closed if one fails."""
         say("Connecting to MinT server...")
         say(f"Endpoint: {base_url}")
         await check_reachable(base_url, api_key, guard, cls.sdk_version)
@@ -451,7 +532,6 @@ class SdkSession:
         )
         info = ServerInfo(base_url, base_model, local, ())
         session = cls(service, None, None, info, guard, lora, config)
-        failed = True
         try:
             models = await setup_call(
                 guard,
@@ -495,11 +575,23 @@ class SdkSession:
             session.info = ServerInfo(
                 base_url, base_model, local, supported, models.get(base_model)
             )
-            yield session
-            failed = False
-        finally:
+        except BaseException:
             with anyio.CancelScope(shield=True):
-                await session._sdk_close(failed)
+                await session._sdk_close(True)
+            raise
+        return session
+
+
+async def _import_tokenizer_library() -> None:
+    """Import what ``get_tokenizer`` imports (Hugging Face ``transformers``), in a worker
+    thread; abandoned (left to finish) if the setup fails first."""
+
+    def load() -> None:
+        with contextlib.suppress(ImportError):  # get_tokenizer will say what is missing
+            import transformers.models.auto.tokenization_auto
+            import transformers.utils.type_validators  # noqa: F401  (from_pretrained's)
+
+    await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
 
 
 def to_sdk_datum(datum: Datum) -> types.Datum:

@@ -15,7 +15,11 @@ A train step is submitted in parts and awaited later, so the trainer can submit 
   :meth:`Session.submit_optim_step` fix the step's place in the model's sequence;
 * :meth:`Session.submit_snapshot` reserves the place of the sampler snapshot of the
   weights after that step (the next version) right behind it;
-* :meth:`Session.finish_train_step` and :meth:`Session.finish_snapshot` await them.
+* :meth:`Session.submit_checkpoint` reserves a checkpoint (``save_state`` and sampler
+  weights) of those same weights there too, so a periodic checkpoint never makes the
+  trainer wait for a server round;
+* :meth:`Session.finish_train_step`, :meth:`Session.finish_snapshot` and
+  :meth:`Session.finish_checkpoint` await them.
 
 Each ``submit_*`` returns once the request's place is fixed; its failure (or the failure
 of awaiting it) raises :class:`~engine.errors.StepOutcomeUnknown` (or
@@ -32,6 +36,7 @@ from engine.loop.rl import Completion, Datum
 
 __all__ = [
     "LossSpec",
+    "PendingCheckpoint",
     "PendingSnapshot",
     "SampleResult",
     "SamplerHandle",
@@ -132,6 +137,16 @@ class PendingSnapshot:
     handle: object = field(repr=False, compare=False)
 
 
+@dataclass(frozen=True)
+class PendingCheckpoint:
+    """A checkpoint (``save_state`` and sampler weights of the same weights) whose place
+    in the model's sequence is fixed: it holds the ``step`` optimizer steps submitted
+    before it. ``handle`` is the session's own."""
+
+    step: int
+    handle: object = field(repr=False, compare=False)
+
+
 @runtime_checkable
 class Session(Protocol):
     """What the pipeline and the engine's supervision ask of a MinT session."""
@@ -167,12 +182,28 @@ class Session(Protocol):
         far; it becomes sampler ``version``."""
         ...
 
+    async def submit_checkpoint(self, step: int, name: str) -> PendingCheckpoint:
+        """Reserve ``save_state`` and sampler weights (both named ``name``) of the weights
+        after everything submitted so far, the ``step`` optimizer steps; never repeated
+        (a new submission would save later weights)."""
+        ...
+
     async def finish_train_step(self, ticket: StepTicket) -> TrainResult: ...
 
     async def finish_snapshot(self, pending: PendingSnapshot) -> SamplerHandle: ...
 
+    async def finish_checkpoint(self, pending: PendingCheckpoint) -> tuple[str, str]:
+        """Await a reserved checkpoint (one bounded attempt); returns the ``tinker://``
+        paths of its state and sampler weights."""
+        ...
+
     async def open_sampler(self, version: int, sampler_path: str) -> SamplerHandle:
         """A sampling client on saved sampler weights (a checkpoint's), as ``version``."""
+        ...
+
+    async def open_base_sampler(self) -> SamplerHandle:
+        """A sampling client on the base model, as version 0: a fresh LoRA's weights (its
+        update starts at zero), without a server round to save them first."""
         ...
 
     async def save_checkpoint(

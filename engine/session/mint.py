@@ -96,6 +96,9 @@ class MintSession(SdkSession):
     def _sdk_reserve_snapshot(self, training: tinker.TrainingClient, version: int) -> Any:
         return reserve_sampler_snapshot(training, snapshot_name(version))
 
+    def _sdk_reserve_sampler_save(self, training: tinker.TrainingClient, name: str) -> Any:
+        return reserve_sampler_snapshot(training, name, ttl_seconds=None)
+
     async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> SamplerHandle:
         """Await the snapshot's path (under the step's deadline), then open a sampling
         client on it (idempotent and retried)."""
@@ -106,9 +109,11 @@ class MintSession(SdkSession):
         path = await self._step_call(version, saved, completes=False)
         return await self.open_sampler(version, path)
 
-    async def _sdk_sampling_client(self, path: str) -> tinker.SamplingClient:
+    async def _sdk_sampling_client(
+        self, path: str | None, base_model: str | None = None
+    ) -> tinker.SamplingClient:
         return await self._service.create_sampling_client_async(
-            model_path=path, retry_config=self._sampling_retry_config()
+            model_path=path, base_model=base_model, retry_config=self._sampling_retry_config()
         )
 
     async def _sdk_new_training(self, lora: LoraSpec) -> tinker.TrainingClient:
@@ -150,9 +155,12 @@ def sampling_params(settings: SamplingParams) -> types.SamplingParams:
     )
 
 
-def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:
-    """``save_weights_for_sampler(name)`` with its place in the model's sequence taken
-    NOW; returns the SDK future of its response.
+def reserve_sampler_snapshot(
+    training: tinker.TrainingClient, name: str, ttl_seconds: int | None = SNAPSHOT_TTL_S
+) -> Any:
+    """``save_weights_for_sampler(name)`` (kept for ``ttl_seconds``, None: for good)
+    with its place in the model's sequence taken NOW; returns the SDK future of its
+    response.
 
     Why not the public method: tinker 0.22's ``save_weights_for_sampler[_async]`` takes
     its ``seq_id`` only once the SDK's own event loop runs the request, so a
@@ -160,4 +168,4 @@ def reserve_sampler_snapshot(training: tinker.TrainingClient, name: str) -> Any:
     ``save_state``, takes its ``seq_id`` at once) can overtake it, and the snapshot would
     hold a later step's weights. The method the public one wraps takes it at once
     (tests/test_session_sdks.py fails if its signature changes)."""
-    return training._save_weights_for_sampler_impl(name, SNAPSHOT_TTL_S)
+    return training._save_weights_for_sampler_impl(name, ttl_seconds)

@@ -420,7 +420,7 @@ class ServiceGuard:
     async def _watched(self, fn: Callable[[], Awaitable[T]]) -> T:
         return await (fn() if self.liveness is None else self.liveness.watch(fn))
 
-    async def once(self, op: str, fn: Callable[[], Awaitable[T]], *, within: float) -> T:
+    async def once(self, op: str, fn: Callable[[], Awaitable[T]], *, within: float | None) -> T:
         """One attempt of ``fn``, no retry: bounded by ``within`` and by the server's
         liveness (a stop checkpoint: the server may be why the run stops)."""
         with deadline(within, op, self.clock):

@@ -105,6 +105,12 @@ class TinkerSession(SdkSession):
     async def _sdk_save_sampler(self, training: Any, name: str) -> Any:
         return training.save_weights_for_sampler(name)
 
+    def _sdk_reserve_sampler_save(self, training: Any, name: str) -> Any:
+        # The public save_weights_for_sampler takes its seq_id only once the SDK's loop
+        # runs it (as in 0.22, see engine.session.mint.reserve_sampler_snapshot); the
+        # method it wraps takes it at once (tests/test_session_sdks.py checks it).
+        return training._save_weights_for_sampler_impl(name, None, None, "snapshot")
+
     def _sdk_reserve_snapshot(self, training: Any, version: int) -> Any:
         return training.save_weights_and_get_sampling_client(
             retry_config=self._sampling_retry_config(), kind="snapshot"
@@ -116,10 +122,13 @@ class TinkerSession(SdkSession):
         client = await self._step_call(version, lambda: settled(reserved), completes=False)
         return SamplerHandle(version, client)
 
-    async def _sdk_sampling_client(self, path: str) -> tinker.SamplingClient:
+    async def _sdk_sampling_client(
+        self, path: str | None, base_model: str | None = None
+    ) -> tinker.SamplingClient:
         future = await _in_thread(
             self._service.create_sampling_client,
             model_path=path,
+            base_model=base_model,
             retry_config=self._sampling_retry_config(),
         )
         return await future  # type: ignore[no-any-return]

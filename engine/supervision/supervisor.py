@@ -4,8 +4,9 @@
 its end and is the one place that decides what happens when something goes wrong:
 
 * **Checkpoints** (``<run dir>/checkpoints.jsonl``): ``step-0`` before the first step,
-  every ``--checkpoint-every`` steps (awaited by the trainer right after the step, so the
-  saved state holds exactly that many optimizer steps), a ``final`` one, and a stop
+  every ``--checkpoint-every`` steps (submitted by the trainer right behind the step's
+  optim_step, so the saved state holds exactly that many optimizer steps, and recorded
+  here once saved), a ``final`` one, and a stop
   checkpoint (``interrupt``/``breaker``/``watchdog``/``error``) when a run stops between
   steps. Each record carries the loop state (data cursor, RNG, consumed problem ids,
   scored-but-untrained groups).
@@ -41,7 +42,7 @@ from engine.errors import (
     primary_error,
 )
 from engine.loop.evaluation import Evaluator
-from engine.loop.pipeline import Pipeline, PipelineOutcome
+from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
 from engine.loop.results import RunResult, StepResult
 from engine.loop.scoring import RewardError, Scorer, parse_score_workers
 from engine.loop.state import LoopState
@@ -52,7 +53,7 @@ from engine.rollouts import RolloutLog
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
-from engine.session.api import Session
+from engine.session.api import PendingCheckpoint, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.stopping import StopGate
@@ -131,6 +132,8 @@ class Supervisor:
             )
         self._supervising = False
         self._said_all_empty = False
+        self._initial: tuple[PendingCheckpoint, LoopState] | None = None
+        """The step-0 checkpoint while it saves behind the first steps."""
 
     # -- the run -------------------------------------------------------------------
 
@@ -216,11 +219,20 @@ class Supervisor:
             state, checkpoint = self._initial_state(), None
         self.state = state
         baseline = self._outputs.evaluator if resumed is None else None
+        fresh = resumed is None and cfg.model.init_from is None  # a new LoRA: its base's weights
         while True:
-            if checkpoint is None or checkpoint.sampler_path is None:
-                checkpoint = await self._checkpoint("periodic", state)  # recovery's base
-            assert checkpoint.sampler_path is not None
-            sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
+            if checkpoint is None and fresh:
+                # Step 0 samples from the base model at once; the step-0 checkpoint
+                # (recovery's base) saves behind it and is recorded before any step.
+                pending = await session.submit_checkpoint(0, checkpoint_name(0))
+                self._initial = (pending, state)
+                sampler = await session.open_base_sampler()
+            else:
+                if checkpoint is None or checkpoint.sampler_path is None:
+                    checkpoint = await self._checkpoint("periodic", state)  # recovery's base
+                assert checkpoint.sampler_path is not None
+                sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
+            fresh = False
             watchdog.progress(f"sampler {state.next_step} ready")
             if baseline is not None:
                 await baseline(0, sampler)
@@ -248,6 +260,7 @@ class Supervisor:
                 unknown = find_error(exc, StepOutcomeUnknown)
                 if unknown is None or gate.reason is not None:
                     raise
+            self._initial = None  # the abandoned client's, if still unsaved
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
 
@@ -284,6 +297,12 @@ class Supervisor:
     async def _on_step(self, result: StepResult) -> None:
         """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
         the hooks, publish it."""
+        if self._initial is not None:
+            # Before anything of the step: a run whose step-0 save failed fails here
+            # with no trained step recorded, as if the save had been awaited first.
+            (initial, initial_state), self._initial = self._initial, None
+            paths = await self._session.finish_checkpoint(initial)
+            await self._record("periodic", *paths, initial_state)
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
@@ -317,11 +336,8 @@ class Supervisor:
         idle = no_training_warning(self._run_record.steps)
         if idle is not None:
             self._events.warning("run.no_training", step=result.step, message=idle)
-        if self._config.checkpoint_due(result.step):
-            try:
-                await self._checkpoint("periodic", result.state)
-            except Exception as exc:
-                self.gate.request(exc)  # the step is trained and logged: stop after it
+        if result.checkpoint is not None:
+            await self._record_saved(result.checkpoint, result.state)
         for hook in self._hooks:
             value = hook(result)
             if inspect.isawaitable(value):
@@ -337,9 +353,18 @@ class Supervisor:
         if reason == "final":
             names = ("final", f"{self._task.name}-final")
         else:
-            names = (f"step-{step}", f"step-{step}")
+            names = (checkpoint_name(step), checkpoint_name(step))
         state_path, sampler_path = await self._session.save_checkpoint(*names)
         return await self._record(reason, state_path, sampler_path, state)
+
+    async def _record_saved(self, pending: PendingCheckpoint, state: LoopState) -> None:
+        """Record a checkpoint submitted behind a step once it is saved; a failed save
+        is not recorded and stops the run after the steps in flight."""
+        try:
+            paths = await self._session.finish_checkpoint(pending)
+            await self._record("periodic", *paths, state)
+        except Exception as exc:
+            self.gate.request(exc)
 
     async def _record(
         self, reason: CheckpointReason, state_path: str, sampler_path: str, state: LoopState

@@ -7,12 +7,17 @@ clock), so tests drive them with a manual clock instead of sleeping.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AbstractContextManager
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 import anyio
 
-__all__ = ["LOOP_CLOCK", "Clock", "LoopClock"]
+__all__ = ["LOOP_CLOCK", "Clock", "LoopClock", "Stopwatch"]
+
+# Seconds for measuring how long something took (metrics), never for waiting: waits
+# go through a Clock.
+Stopwatch: TypeAlias = Callable[[], float]
 
 
 class Clock(Protocol):

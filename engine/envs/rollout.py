@@ -31,12 +31,13 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 import anyio
 
+from engine.common.clock import Stopwatch
 from engine.envs.types import (
     Action,
     Env,
@@ -56,7 +57,6 @@ from engine.tasks.base import Problem
 
 __all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler", "turn_settings"]
 
-Clock = Callable[[], float]
 
 CLEANUP_TIMEOUT_S = 60.0
 """How long a group's ``cleanup`` may take (it runs shielded from cancellation)."""
@@ -129,7 +129,11 @@ class EpisodeRunner:
     runs without any (single-turn tasks: one turn, ended by the environment)."""
 
     def __init__(
-        self, sample: TurnSampler, limits: EpisodeLimits | None, *, clock: Clock = time.monotonic
+        self,
+        sample: TurnSampler,
+        limits: EpisodeLimits | None,
+        *,
+        clock: Stopwatch = time.monotonic,
     ) -> None:
         self._sample = sample
         self._limits = limits

@@ -58,6 +58,7 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.envs.datums import episode_group_datums
 from engine.envs.executors import RemoteGroup, Workers, env_workers
@@ -104,7 +105,6 @@ __all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
 
 StepCallback = Callable[[StepResult], Awaitable[None]]
 ProgressCallback = Callable[[str], None]
-Clock = Callable[[], float]
 
 
 @dataclass(frozen=True)
@@ -226,7 +226,7 @@ class Pipeline:
         *,
         gate: StopGate,
         progress: ProgressCallback = lambda what: None,
-        clock: Clock = time.perf_counter,
+        clock: Stopwatch = time.perf_counter,
         renderer: PromptRenderer | None = None,
         evaluate: Evaluator | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,

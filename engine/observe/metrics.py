@@ -24,6 +24,7 @@ from typing import IO, Any, Literal, TextIO
 
 import structlog
 
+from engine.common.clock import Stopwatch
 from engine.errors import RunFileError
 from engine.loop.state import ScoredGroup
 from engine.observe.trackers import MetricSink
@@ -42,7 +43,7 @@ class ActivityMeter:
     """Busy time of a stage (time with at least one operation in flight) and the work it
     completed, read as deltas per step. Owned by one event loop; no locking."""
 
-    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(self, clock: Stopwatch = time.perf_counter) -> None:
         self._clock = clock
         self._active = 0
         self._since = 0.0

@@ -27,6 +27,8 @@ from types import FrameType
 
 import anyio
 
+from engine.common.clock import Stopwatch
+
 __all__ = ["AFTER_SIGNAL_S", "LoopMonitor"]
 
 AFTER_SIGNAL_S = 10.0
@@ -47,7 +49,7 @@ class LoopMonitor:
         *,
         blocked_limit: float,
         after_signal: float = AFTER_SIGNAL_S,
-        clock: Callable[[], float] = time.monotonic,
+        clock: Stopwatch = time.monotonic,
         exit_now: Callable[[str, int], None] = _exit_now,
     ) -> None:
         self._blocked_limit = blocked_limit

@@ -249,9 +249,10 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="checkpoint snapshots (sampling clients from a model_path, and those saved with "
         "save_weights_for_sampler) held in memory, and as many from "
-        "save_weights_and_get_sampling_client; beyond it the least recently used one no live "
-        "client may still sample from (a training client's newest, or one being sampled) is "
-        f"evicted, else the new one is refused (429) (default {limits.max_named_samplers})",
+        "save_weights_and_get_sampling_client; beyond it the least recently used one that no "
+        "live client may still sample from is evicted (never a training client's newest, nor "
+        "one being sampled); if there is none, the new one is refused (429) "
+        f"(default {limits.max_named_samplers})",
     )
     parser.add_argument(
         "--max-adapter-memory",

@@ -248,8 +248,11 @@ def build_parser() -> argparse.ArgumentParser:
         default=limits.max_named_samplers,
         metavar="N",
         help="checkpoint snapshots (sampling clients from a model_path, and those saved with "
-        "save_weights_for_sampler) held in memory; beyond it one no sampling client uses, "
-        f"else the least recently used, is evicted (default {limits.max_named_samplers})",
+        "save_weights_for_sampler) held in memory, and as many from "
+        "save_weights_and_get_sampling_client; beyond it the least recently used one that no "
+        "live client may still sample from is evicted (never a training client's newest, nor "
+        "one being sampled); if there is none, the new one is refused (429) "
+        f"(default {limits.max_named_samplers})",
     )
     parser.add_argument(
         "--max-adapter-memory",
@@ -292,6 +295,7 @@ def main(argv: list[str] | None = None) -> int:
             max_seq_gap=args.max_seq_gap,
             max_models=args.max_models,
             max_named_samplers=args.max_samplers,
+            max_ephemeral_samplers=args.max_samplers,
             max_adapter_bytes=args.max_adapter_memory << 20,
         )
         config = make_config(

@@ -81,9 +81,10 @@ class Limits:
     sending heartbeats)."""
     max_named_samplers: int = 64
     """Checkpoint snapshots (sampling clients from a model_path, and snapshots training
-    clients save with save_weights_for_sampler) held in memory; beyond it one no sampling
-    session uses, else the least recently used, is evicted, with the sampling sessions
-    that use it."""
+    clients save with save_weights_for_sampler) held in memory; beyond it the least
+    recently used one no live client may still sample from (never a held training
+    client's newest, or one being sampled) is evicted, with the sampling sessions that use
+    it; when none is, a new snapshot is refused (429)."""
     max_adapter_bytes: int = 4 << 30
     """Memory for training clients (LoRA weights, gradients, Adam moments) and sampler
     snapshots together; beyond it checkpoint snapshots, then in-memory snapshots, then
@@ -94,9 +95,9 @@ class Limits:
     max_concurrent_uploads: int = 4
     """Uploads received at a time; beyond it an upload gets 503 with Retry-After."""
     max_ephemeral_samplers: int = 64
-    """Snapshots from save_weights_and_get_sampling_client kept in memory; the oldest is
-    released beyond this (sampling from it then fails with a clear error). Named
-    snapshots (save_weights_for_sampler) are not counted: they live on disk."""
+    """Snapshots from save_weights_and_get_sampling_client kept in memory, bounded as
+    ``max_named_samplers`` is (sampling from a released one fails with a clear error).
+    Named snapshots (save_weights_for_sampler) are not counted: they live on disk."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():

@@ -8,6 +8,7 @@ id that was released is gone.
 
 from __future__ import annotations
 
+import math
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -47,6 +48,19 @@ class SamplerSession:
 
 
 @dataclass
+class Snapshot:
+    """A sampler snapshot the backend holds, by its key."""
+
+    model_id: str
+    """The training run it holds weights of (the client that saved it, or the run of
+    the checkpoint it was loaded from)."""
+    last_used: float
+    """When it was saved or loaded, or last sampled from."""
+    sampling: int = 0
+    """Sample requests on it that are queued or running."""
+
+
+@dataclass
 class SessionRecord:
     session_id: str
     created: float
@@ -65,6 +79,10 @@ class Registry:
         self.samplers: dict[str, SamplerSession] = {}
         self.sampler_keys: dict[str, str] = {}
         """tinker path -> backend sampler key, for named snapshots loaded or saved here."""
+        self.snapshots: dict[str, Snapshot] = {}
+        """Backend sampler key -> what the registry knows of that snapshot."""
+        self.newest: dict[str, str] = {}
+        """model_id -> the key of the newest snapshot that training client saved."""
         self._released: OrderedDict[str, str] = OrderedDict()
         """Released model / sampler ids -> why (for the error a later use gets)."""
 
@@ -123,6 +141,7 @@ class Registry:
         model = self.models.pop(model_id, None)
         if model is not None:
             self._remember(model_id, reason)
+            self.newest.pop(model_id, None)
         return model
 
     def release_sampler(self, sampler_id: str, reason: str) -> SamplerSession | None:
@@ -146,10 +165,65 @@ class Registry:
         """Checkpoint paths live sampling sessions sample from."""
         return {s.model_path for s in self.samplers.values() if s.model_path is not None}
 
-    def least_recently_used_model(self, idle: Callable[[ModelState], bool]) -> ModelState | None:
-        candidates = [m for m in self.models.values() if idle(m)]
-        return min(candidates, key=lambda m: m.last_used, default=None)
+    # ---- snapshots -------------------------------------------------------------------
 
-    def least_recently_used_named_sampler(self) -> SamplerSession | None:
-        candidates = [s for s in self.samplers.values() if not s.ephemeral and s.key is not None]
-        return min(candidates, key=lambda s: s.last_used, default=None)
+    def named_snapshot_keys(self) -> list[str]:
+        """Keys of the checkpoint snapshots (loaded or saved under a tinker path)."""
+        return list(dict.fromkeys(self.sampler_keys.values()))
+
+    def in_memory_snapshots(self) -> dict[str, str]:
+        """Key -> sampling session id of the save_weights_and_get_sampling_client
+        snapshots (one session each)."""
+        return {s.key: s.sampler_id for s in self.samplers.values() if s.ephemeral and s.key}
+
+    def add_snapshot(self, key: str, model_id: str, *, saved: bool) -> None:
+        """Note a snapshot the backend now holds; ``saved``: the training client
+        ``model_id`` just saved it (it is that client's newest)."""
+        snapshot = self.snapshots.setdefault(key, Snapshot(model_id, self._now()))
+        snapshot.last_used = self._now()
+        if saved:
+            self.newest[model_id] = key
+
+    def drop_snapshot(self, key: str) -> None:
+        self.snapshots.pop(key, None)
+
+    def sampling_started(self, key: str) -> None:
+        snapshot = self.snapshots.get(key)
+        if snapshot is not None:
+            snapshot.sampling += 1
+            snapshot.last_used = self._now()
+
+    def sampling_ended(self, key: str) -> bool:
+        """Note that a sample request on ``key`` finished; True when none is left."""
+        snapshot = self.snapshots.get(key)
+        if snapshot is None:
+            return False
+        snapshot.sampling -= 1
+        return snapshot.sampling == 0
+
+    def in_use(self, key: str, superseded_by: str | None = None) -> bool:
+        """Whether a live client may still sample from snapshot ``key``: sample requests
+        on it are queued or running, or it is the newest snapshot of a training client
+        the server holds. ``superseded_by``: a model about to save a newer one (its
+        current newest then no longer counts as its newest)."""
+        snapshot = self.snapshots.get(key)
+        if snapshot is None:
+            return False
+        if snapshot.sampling > 0:
+            return True
+        owner = snapshot.model_id
+        return owner != superseded_by and owner in self.models and self.newest.get(owner) == key
+
+    def eviction_order(self, keys: list[str], protect: frozenset[str]) -> list[str]:
+        """Of ``keys``, those no live client may still sample from (``in_use``), in the
+        order to evict them: snapshots of released training clients first, then the
+        least recently used first."""
+        free = [k for k in keys if k not in protect and not self.in_use(k)]
+
+        def rank(key: str) -> tuple[bool, float]:
+            snapshot = self.snapshots.get(key)
+            if snapshot is None:
+                return (False, -math.inf)
+            return (snapshot.model_id in self.models, snapshot.last_used)
+
+        return sorted(free, key=rank)

@@ -6,7 +6,6 @@ from __future__ import annotations
 import functools
 import math
 import uuid
-from collections import OrderedDict
 from typing import Any
 
 import anyio
@@ -63,8 +62,6 @@ class SamplingOps:
         )
         self._sessions_by_seq = BoundedMap()
         self._sample_requests = BoundedMap()
-        self._ephemeral: OrderedDict[str, str] = OrderedDict()
-        """sampling_session_id -> key of in-memory-only snapshots, oldest first."""
 
     # ---- sampling sessions ----------------------------------------------------------------
 
@@ -103,7 +100,7 @@ class SamplingOps:
         cached = core.registry.sampler_keys.get(str(parsed))
         if cached is not None:
             return cached, name
-        self.resources.limit_snapshots(room=1)
+        self.resources.room_for_checkpoint_snapshot()
         directory = parsed.directory(core.data_dir)
         try:
             with self.checkpoints.reading(parsed):
@@ -111,6 +108,7 @@ class SamplingOps:
         except BackendError as exc:
             raise HttpError(400, f"cannot load {parsed}: {exc}") from None
         core.registry.sampler_keys[str(parsed)] = key
+        core.registry.add_snapshot(key, parsed.model_id, saved=False)
         await self.resources.enforce_memory(frozenset({key}))
         return key, name
 
@@ -141,10 +139,11 @@ class SamplingOps:
         return sampler_id
 
     def on_sampler_saved(self, key: str, path: TinkerPath | None, model: ModelState) -> str | None:
-        """A training client saved a sampler snapshot: a named one is cached by path; an
-        ephemeral one becomes a new sampling session (the oldest beyond the limit are
-        released)."""
+        """A training client saved a sampler snapshot (now its newest): a named one is
+        cached by path; an ephemeral one becomes a new sampling session. Beyond a bound,
+        older snapshots no live client samples from are released."""
         registry = self.core.registry
+        registry.add_snapshot(key, model.model_id, saved=True)
         self.core.spawn(self.resources.enforce_memory, frozenset({key}))
         if path is not None:
             registry.sampler_keys[str(path)] = key
@@ -153,16 +152,7 @@ class SamplingOps:
         sampler_id = self._new_session(
             key, None, model.base_model, model.session_id, ephemeral=True
         )
-        self._ephemeral[sampler_id] = key
-        limit = self.core.config.limits.max_ephemeral_samplers
-        while len(self._ephemeral) > limit:
-            old_id, _ = self._ephemeral.popitem(last=False)
-            self.resources.release_sampler(
-                old_id,
-                f"the local server keeps only the {limit} most recent "
-                "save_weights_and_get_sampling_client snapshots in memory (use "
-                "save_weights_for_sampler for snapshots you sample from for longer)",
-            )
+        self.resources.limit_ephemeral()
         return sampler_id
 
     def get_sampler(self, sampler_id: str) -> dict[str, Any]:
@@ -209,13 +199,15 @@ class SamplingOps:
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
         deliver = functools.partial(
-            self._deliver, entry, anyio.current_time(), req.prompt_logprobs_last_n
+            self._deliver, entry, anyio.current_time(), req.prompt_logprobs_last_n, job.sampler
         )
         try:
             self.batcher.submit(PendingSample(job, deliver))
         except SamplerQueueFull as exc:
             core.futures.discard(entry)
             raise busy(str(exc)) from None
+        if job.sampler is not None:
+            core.registry.sampling_started(job.sampler)
         if session_id is not None and seq_id is not None:
             self._sample_requests.remember(dedupe_key, entry.request_id)
         return sample_ref(core.ref(entry), body)
@@ -247,9 +239,12 @@ class SamplingOps:
         entry: FutureEntry,
         submitted: float,
         last_n: int | None,
+        sampler: str | None,
         outcome: SampleOutcome,
     ) -> None:
         core = self.core
+        if sampler is not None:
+            self.resources.sampling_ended(sampler)
         if isinstance(outcome, Exception):
             if isinstance(outcome, USER_ERRORS):
                 core.futures.fail(entry, str(outcome), "user")

@@ -227,6 +227,9 @@ class TrainingOps:
                 category="server",
                 headers={"Retry-After": "1"},
             )
+        if endpoint == "save_weights_for_sampler":
+            named = raw_field(body, "path", str) is not None
+            self.resources.check_snapshot_room(model_id, named=named)
         entry = core.new_future(endpoint, model_id)
         try:
             model.seq.claim(seq_id, entry.request_id, digest)

@@ -3,7 +3,7 @@ together in one ``backend.sample`` call.
 
 RL loops fire many small sample requests at once (one per problem); running them one by
 one would serialise the whole rollout phase behind per-call overhead. The batcher waits
-for the compute thread, then takes everything queued by that moment (up to a cap).
+for the thread it samples on, then takes everything queued by that moment (up to a cap).
 
 When the backend can sample apart from training (``Backend.samples_apart``), the batches
 run on a sampler thread of their own, started and stopped with the batcher, so sampling
@@ -112,8 +112,8 @@ class SampleBatcher:
                     pending.deliver(outcome)
 
     def _run_isolated(self, jobs: list[SampleJob]) -> list[SampleOutcome]:
-        """Compute (or sampler) thread: run the batch; if it fails, run each job alone so one bad
-        request cannot fail the requests batched with it."""
+        """Compute (or sampler) thread: run the batch; if it fails, run each job alone so
+        one bad request cannot fail the requests batched with it."""
         try:
             results = list(self._sample(jobs))
             if len(results) != len(jobs):

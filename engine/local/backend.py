@@ -675,7 +675,7 @@ class Backend:
                 self._fold(key, snap, self._folded.model)
                 outs = self._folded.run(batch)
             else:
-                with self._host.active(self._load_slot(key, snap)):
+                with self._host.active(self._load_slot(key)):
                     outs = self._sampler.run(batch)
             for i, out in zip(idxs, outs, strict=True):
                 seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
@@ -703,10 +703,13 @@ class Backend:
                 target.copy_(weight)
         self._folded_holds = (key,)
 
-    def _load_slot(self, key: str | None, snap: _Snapshot | None) -> str | None:
+    def _load_slot(self, key: str | None) -> str | None:
         """Copy a snapshot into the sampling adapter of its shape; return that adapter."""
-        if key is None or snap is None:
+        if key is None:
             return None
+        snap = self._snapshots.get(key)
+        if snap is None:
+            raise BackendError(f"unknown sampler {key!r}")
         shape = (snap.rank, snap.targets.key)
         slot = self._slots.get(shape)
         if slot is None:

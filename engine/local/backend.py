@@ -5,6 +5,14 @@ only together): every method is called from ONE compute thread owned by the serv
 the backend needs no locking; it never sees JSON or HTTP, only plain Python / torch
 values; every user-caused problem raises ``BackendError`` with a clear message (the
 server turns it into a ``RequestFailedError`` with category "user").
+
+One exception: while ``samples_apart`` is true, ``sample`` may run on a second thread
+(one at a time), concurrently with every other method, as the hosted samplers run apart
+from the trainer. It then reads only what nothing else writes: the base weights
+(``BaseWeights``, captured before any adapter existed), sampler snapshots (cloned
+tensors, never changed; the dict entry is looked up once per call) and the folded copy
+of the model, which only ``sample`` touches. Training clients, peft adapters and slots
+are never read on that path.
 """
 
 from __future__ import annotations
@@ -33,7 +41,7 @@ from engine.local.datums import (
     micro_batches,
     pad_right,
 )
-from engine.local.lora import AdapterHost, TargetSet
+from engine.local.lora import AdapterHost, BaseWeights, TargetSet
 from engine.local.prefix import plan_prefixes, shared_prefix_logprobs
 from engine.local.recommended import served_model_name
 from engine.local.sampling import Request, Sampler, cache_keyword
@@ -227,6 +235,7 @@ class Backend:
             eos_ids.add(int(tokenizer.eos_token_id))
         self._eos_ids = frozenset(int(e) for e in eos_ids)
         self._host = AdapterHost(model, lora_alpha)
+        self._base = BaseWeights.of(model, self._host.groups, lora_alpha)
         self._logits_budget = logits_budget
         self._cache_kw = cache_keyword(model)
         self.share_prefixes = True
@@ -255,7 +264,13 @@ class Backend:
         self._folded_holds: tuple[str | None] | None = None  # (key,) folded in, if any
         self.fold_sampling_weights = small
         """Sample from the folded copy (False: through the peft adapters; both compute the
-        same values; only small models have the copy)."""
+        same values; only small models have the copy). Set it before serving: it decides
+        ``samples_apart``."""
+
+    @property
+    def samples_apart(self) -> bool:
+        """Whether ``sample`` may run on its own thread (see the module's CONTRACT)."""
+        return self._folded is not None and self.fold_sampling_weights
 
     # ---- training clients -------------------------------------------------------------
 
@@ -641,15 +656,23 @@ class Backend:
 
     def sample(self, jobs: list[SampleJob]) -> list[SampledSequences]:
         """Run many asample requests as one batched computation (per snapshot)."""
-        requests = [self._request(i, job) for i, job in enumerate(jobs)]
+        snapshots: dict[str, _Snapshot] = {}
+        for i, job in enumerate(jobs):
+            if job.sampler is not None and job.sampler not in snapshots:
+                snap = self._snapshots.get(job.sampler)
+                if snap is None:
+                    raise BackendError(f"sample request {i}: unknown sampler {job.sampler!r}")
+                snapshots[job.sampler] = snap
+        requests = [_request(job) for job in jobs]
         results: list[SampledSequences | None] = [None] * len(jobs)
         groups: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
             groups.setdefault(job.sampler, []).append(i)
         for key, idxs in groups.items():
             batch = [requests[i] for i in idxs]
+            snap = None if key is None else snapshots[key]
             if self._folded is not None and self.fold_sampling_weights:
-                self._fold(key, self._folded.model)
+                self._fold(key, snap, self._folded.model)
                 outs = self._folded.run(batch)
             else:
                 with self._host.active(self._load_slot(key)):
@@ -663,11 +686,16 @@ class Backend:
                 )
         return [r for r in results if r is not None]
 
-    def _fold(self, key: str | None, folded: torch.nn.Module) -> None:
-        """Give the folded copy the base weights plus snapshot ``key``'s LoRA delta."""
+    def _fold(self, key: str | None, snap: _Snapshot | None, folded: torch.nn.Module) -> None:
+        """Give the folded copy the base weights plus snapshot ``key``'s LoRA delta
+        (computed from the snapshot's own tensors: no adapter, no shared module)."""
         if self._folded_holds == (key,):
             return
-        weights = self._host.folded_weights(self._load_slot(key))
+        weights = (
+            self._base.folded(None, {})
+            if snap is None
+            else self._base.folded(snap.rank, snap.tensors)
+        )
         with torch.no_grad():
             for name, weight in weights.items():
                 target = folded.get_submodule(name).weight
@@ -695,24 +723,23 @@ class Backend:
             self._slot_holds[slot] = key
         return slot
 
-    def _request(self, i: int, job: SampleJob) -> Request:
-        """Jobs arrive validated (``engine.local.service.sampling.sample_job_of``); only
-        whether the sampler still exists is checked here."""
-        if job.sampler is not None and job.sampler not in self._snapshots:
-            raise BackendError(f"sample request {i}: unknown sampler {job.sampler!r}")
-        return Request(
-            prompt=list(job.prompt),
-            num_samples=job.num_samples,
-            max_tokens=job.max_tokens,
-            temperature=float(job.temperature),
-            top_k=job.top_k,
-            top_p=float(job.top_p),
-            seed=job.seed,
-            stop_strings=tuple(job.stop_strings),
-            stop_token_ids=frozenset(job.stop_token_ids),
-            prompt_logprobs=job.prompt_logprobs,
-            topk_prompt_logprobs=job.topk_prompt_logprobs,
-        )
+
+def _request(job: SampleJob) -> Request:
+    """Jobs arrive validated (``engine.local.service.sampling.sample_job_of``); ``sample``
+    checks that their snapshots exist."""
+    return Request(
+        prompt=list(job.prompt),
+        num_samples=job.num_samples,
+        max_tokens=job.max_tokens,
+        temperature=float(job.temperature),
+        top_k=job.top_k,
+        top_p=float(job.top_p),
+        seed=job.seed,
+        stop_strings=tuple(job.stop_strings),
+        stop_token_ids=frozenset(job.stop_token_ids),
+        prompt_logprobs=job.prompt_logprobs,
+        topk_prompt_logprobs=job.topk_prompt_logprobs,
+    )
 
 
 def _all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:

@@ -3,7 +3,11 @@ together in one ``backend.sample`` call.
 
 RL loops fire many small sample requests at once (one per problem); running them one by
 one would serialise the whole rollout phase behind per-call overhead. The batcher waits
-for the compute thread, then takes everything queued by that moment (up to a cap).
+for the thread it samples on, then takes everything queued by that moment (up to a cap).
+
+When the backend can sample apart from training (``Backend.samples_apart``), the batches
+run on a sampler thread of their own, started and stopped with the batcher, so sampling
+never waits behind a forward_backward, as on the hosted service (separate samplers).
 """
 
 from __future__ import annotations
@@ -42,8 +46,13 @@ class SampleBatcher:
         max_batch: int,
         max_queued: int,
         window_s: float = 0.0,
+        apart: bool = False,
     ) -> None:
+        """``apart``: run the batches on a thread of their own, not on ``compute``."""
         self._compute = compute
+        self._apart = apart
+        self.thread: ComputeThread | None = None
+        """The sampler thread while ``run`` runs with ``apart`` (for stats)."""
         self._sample = sample
         self._max_batch = max_batch
         self._window_s = window_s
@@ -64,6 +73,17 @@ class SampleBatcher:
 
     async def run(self) -> None:
         """Drain the queue until cancelled (server shutdown)."""
+        if not self._apart:
+            await self._drain(self._compute)
+            return
+        self.thread = ComputeThread("engine.local-sample")
+        try:
+            await self._drain(self.thread)
+        finally:
+            with anyio.CancelScope(shield=True):
+                await self.thread.aclose()
+
+    async def _drain(self, compute: ComputeThread) -> None:
         async with self._receive:
             async for first in self._receive:
                 if self._window_s > 0:
@@ -82,7 +102,7 @@ class SampleBatcher:
                     return lambda: self._run_isolated(jobs)
 
                 try:
-                    outcomes = await self._compute.run_prepared(prepare, "asample")
+                    outcomes = await compute.run_prepared(prepare, "asample")
                 except Exception as exc:  # compute thread closed: fail the whole batch
                     outcomes = [exc] * len(batch)
                 self.batches += 1
@@ -92,8 +112,8 @@ class SampleBatcher:
                     pending.deliver(outcome)
 
     def _run_isolated(self, jobs: list[SampleJob]) -> list[SampleOutcome]:
-        """Compute thread: run the batch; if it fails, run each job alone so one bad
-        request cannot fail the requests batched with it."""
+        """Compute (or sampler) thread: run the batch; if it fails, run each job alone so
+        one bad request cannot fail the requests batched with it."""
         try:
             results = list(self._sample(jobs))
             if len(results) != len(jobs):

@@ -1,10 +1,12 @@
-"""The one compute thread that runs every backend call.
+"""The compute thread that runs backend calls.
 
 Torch work must stay off the event loop (long-polls and heartbeats must keep answering
 while a forward_backward runs) and the backend is written for a single caller, so all
 backend calls go through one dedicated OS thread, one job at a time, in the order the
 event loop hands them over. Torch keeps per-thread state (grad mode), so a pool whose
-worker may change between calls would not do.
+worker may change between calls would not do. The one exception is sampling when the
+backend ``samples_apart``: the sample batcher then runs it on a second ``ComputeThread``
+of its own (``engine.local.batcher``).
 """
 
 from __future__ import annotations

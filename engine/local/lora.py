@@ -5,6 +5,10 @@ same module tree, so the base weights exist once; switching the active adapter t
 only the LoRA layers (O(number of layers)), never the base weights. Sampler snapshots are
 plain dicts of cloned LoRA tensors; to sample from one, its tensors are copied into a
 slot adapter of the same shape (O(LoRA size)).
+
+``BaseWeights`` folds a snapshot into plain weights without touching the module tree:
+the small-model sampler uses it from its own thread while training runs (see
+``engine.local.backend``).
 """
 
 from __future__ import annotations
@@ -18,7 +22,6 @@ from dataclasses import dataclass
 import torch
 from peft import LoraConfig
 from peft.functional import delete_adapter, inject_adapter_in_model, set_adapter
-from peft.tuners.lora import Linear as LoraLinear
 from peft.tuners.tuners_utils import BaseTunerLayer
 from torch import nn
 from transformers.pytorch_utils import Conv1D
@@ -88,6 +91,55 @@ def lora_config(rank: int, alpha: int, targets: TargetSet) -> LoraConfig:
         target_modules=list(targets.modules),
         init_lora_weights=True,
     )
+
+
+@dataclass(frozen=True)
+class BaseWeights:
+    """The adaptable layers' base weights, captured once, before any adapter exists.
+
+    Nothing ever writes a base weight (only LoRA tensors train), and folding reads only
+    these tensors and a snapshot's (immutable) ones, never a module: so a second thread
+    can fold while the compute thread injects, removes and trains adapters.
+    """
+
+    weights: dict[str, torch.Tensor]
+    """Module path -> base weight (``nn.Linear``: (out, in); ``Conv1D``: (in, out))."""
+    transposed: frozenset[str]
+    """Paths of ``Conv1D`` layers, whose weight is stored transposed."""
+    alpha: int
+
+    @classmethod
+    def of(cls, model: nn.Module, groups: ModuleGroups, alpha: int) -> BaseWeights:
+        weights: dict[str, torch.Tensor] = {}
+        transposed: set[str] = set()
+        for path in groups.attn + groups.mlp + groups.unembed:
+            mod = model.get_submodule(path)
+            if isinstance(mod, BaseTunerLayer):
+                raise ValueError(f"{path} already holds an adapter: capture the base first")
+            weight = mod.weight
+            assert isinstance(weight, torch.Tensor)
+            weights[path] = weight.detach()
+            if isinstance(mod, Conv1D):
+                transposed.add(path)
+        return cls(weights, frozenset(transposed), alpha)
+
+    def folded(self, rank: int | None, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Every layer's weight plus the LoRA delta of ``tensors`` (an adapter's tensors
+        keyed as ``AdapterHost.params`` keys them, of rank ``rank``; None and ``{}``: the
+        base model; a layer they do not adapt keeps its base weight), computed as peft's
+        ``get_delta_weight`` does."""
+        out: dict[str, torch.Tensor] = {}
+        for path, weight in self.weights.items():
+            a = tensors.get(f"{path}.lora_A.weight")
+            b = tensors.get(f"{path}.lora_B.weight")
+            if a is None or b is None or rank is None:
+                out[path] = weight
+                continue
+            delta = b @ a
+            if path in self.transposed:
+                delta = delta.T
+            out[path] = weight + delta * (self.alpha / rank)
+        return out
 
 
 class AdapterHost:
@@ -161,20 +213,6 @@ class AdapterHost:
                 out[pname.replace(marker, ".", 1)] = p
         self._params[name] = out
         return dict(out)
-
-    def folded_weights(self, name: str | None) -> dict[str, torch.Tensor]:
-        """Every adaptable layer's weight with adapter ``name``'s delta added (None, or a
-        layer the adapter does not touch: the base weight), by module path."""
-        out: dict[str, torch.Tensor] = {}
-        for path in self.groups.attn + self.groups.mlp + self.groups.unembed:
-            mod = self.model.get_submodule(path)
-            base = mod.get_base_layer() if isinstance(mod, BaseTunerLayer) else mod
-            weight = base.weight
-            assert isinstance(weight, torch.Tensor)
-            if isinstance(mod, LoraLinear) and name is not None and name in mod.lora_A:
-                weight = weight + mod.get_delta_weight(name)
-            out[path] = weight.detach()
-        return out
 
     @contextmanager
     def active(self, name: str | None) -> Iterator[None]:

@@ -51,8 +51,11 @@ class StatsSnapshot:
     polls_held: int
     """retrieve_future polls currently held open (long-poll)."""
     compute_busy_s: float
+    """Seconds spent computing, summed over the compute thread and the sampler thread
+    (when sampling runs apart: then it can grow faster than the wall clock)."""
     compute_jobs: list[tuple[str, float, float]]
-    """Recent compute-thread jobs as (endpoint, start, end), ``time.monotonic`` seconds."""
+    """Recent compute-thread (and sampler-thread) jobs as (endpoint, start, end),
+    ``time.monotonic`` seconds, by start."""
     cycle_starts: list[tuple[int, float]]
     """Recent latency clock cycle starts as (cycle, ``time.monotonic`` seconds)."""
     models: int

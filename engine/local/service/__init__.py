@@ -203,6 +203,7 @@ class LocalService:
         core = self.core
         s = core.stats
         batcher = self.sampling.batcher
+        sampler = batcher.thread
         return StatsSnapshot(
             requests=dict(s.requests),
             applied=dict(s.applied),
@@ -218,8 +219,10 @@ class LocalService:
             futures_pending=core.futures.pending,
             futures_retained=core.futures.retained,
             polls_held=core.futures.held,
-            compute_busy_s=core.compute.busy_s,
-            compute_jobs=list(core.compute.jobs),
+            compute_busy_s=core.compute.busy_s + (sampler.busy_s if sampler else 0.0),
+            compute_jobs=sorted(
+                [*core.compute.jobs, *(sampler.jobs if sampler else ())], key=lambda job: job[1]
+            ),
             cycle_starts=list(core.clock.ticks) if core.clock else [],
             models=len(core.registry.models),
             sampling_sessions=len(core.registry.samplers),

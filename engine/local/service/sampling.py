@@ -59,6 +59,7 @@ class SamplingOps:
             max_batch=core.config.limits.max_sample_batch,
             max_queued=core.config.limits.max_pending_futures,
             window_s=core.config.sample_batch_window_s,
+            apart=core.backend.samples_apart,
         )
         self._sessions_by_seq = BoundedMap()
         self._sample_requests = BoundedMap()

@@ -278,11 +278,27 @@ async def test_a_crash_with_a_checkpoint_in_flight_does_not_record_it(tmp_path: 
     assert trained_ids(tmp_path / "run") == list(range(8))  # steps 1 and 2 redone, once
 
 
-async def test_a_checkpoint_that_fails_to_save_is_not_recorded_and_stops_the_run(
+def failed_checkpoint_events(run_dir: Path) -> list[int]:
+    import json
+
+    rows = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+    return [row["step"] for row in rows if row.get("event") == "checkpoint.failed"]
+
+
+async def test_a_checkpoint_that_fails_to_save_is_not_recorded_and_the_run_goes_on(
     tmp_path: Path,
 ) -> None:
     session = FakeSession(fail_checkpoint=2)
     cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    await run(cfg, ToyTask(), session)
+    assert checkpoint_steps(tmp_path / "run") == [(0, "periodic"), (4, "final")]
+    assert failed_checkpoint_events(tmp_path / "run") == [2]
+    assert trained_ids(tmp_path / "run") == list(range(8))
+
+
+async def test_checkpoints_that_keep_failing_stop_the_run(tmp_path: Path) -> None:
+    session = FakeSession(fail_checkpoint=2)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2, max_consecutive_failures=1)
     with pytest.raises(RuntimeError, match="could not save step-2"):
         await run(cfg, ToyTask(), session)
     # The run stops after the steps in flight, with a stop checkpoint of what they hold.
@@ -327,11 +343,20 @@ async def test_a_lost_first_step_before_the_step_0_checkpoint_is_saved_starts_af
     assert checkpoint_steps(tmp_path / "run")[0] == (0, "periodic")
 
 
-async def test_a_failed_step_0_save_fails_the_run_before_any_step_is_recorded(
+async def test_a_failed_step_0_save_is_not_recorded_and_the_run_goes_on(tmp_path: Path) -> None:
+    session = FakeSession(fail_checkpoint=0)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    await run(cfg, ToyTask(), session)
+    assert checkpoint_steps(tmp_path / "run") == [(2, "periodic"), (4, "final")]
+    assert failed_checkpoint_events(tmp_path / "run") == [0]
+    assert trained_ids(tmp_path / "run") == list(range(8))
+
+
+async def test_step_0_saves_that_keep_failing_fail_the_run_before_any_step_is_recorded(
     tmp_path: Path,
 ) -> None:
     session = FakeSession(fail_checkpoint=0)
-    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2)
+    cfg = fake_config(tmp_path / "run").replace(checkpoint_every=2, max_consecutive_failures=1)
     with pytest.raises(RuntimeError, match="could not save step-0"):
         await run(cfg, ToyTask(), session)
     assert trained_ids(tmp_path / "run") == []

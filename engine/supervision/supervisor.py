@@ -117,6 +117,7 @@ class Supervisor:
         self._clock = clock
         self._hooks = hooks
         self._publish = publish
+        self._failed_saves = 0  # reserved checkpoint saves failed in a row
         self._outputs = _open_task_outputs(config, task, session, record, log)
         context = session.info.max_context
         if (
@@ -298,11 +299,12 @@ class Supervisor:
         """Record a trained step (metrics, rollouts, warnings), checkpoint when due, run
         the hooks, publish it."""
         if self._initial is not None:
-            # Before anything of the step: a run whose step-0 save failed fails here
-            # with no trained step recorded, as if the save had been awaited first.
+            # Before anything of the step: a run whose step-0 saves keep failing fails
+            # here with no trained step recorded, as if the save had been awaited first.
             (initial, initial_state), self._initial = self._initial, None
-            paths = await self._session.finish_checkpoint(initial)
-            await self._record("periodic", *paths, initial_state)
+            paths = await self._saved_paths(initial)
+            if paths is not None:
+                await self._record("periodic", *paths, initial_state)
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
@@ -358,13 +360,38 @@ class Supervisor:
         return await self._record(reason, state_path, sampler_path, state)
 
     async def _record_saved(self, pending: PendingCheckpoint, state: LoopState) -> None:
-        """Record a checkpoint submitted behind a step once it is saved; a failed save
-        is not recorded and stops the run after the steps in flight."""
+        """Record a checkpoint submitted behind a step once it is saved; when saves
+        keep failing, stop the run after the steps in flight."""
         try:
-            paths = await self._session.finish_checkpoint(pending)
-            await self._record("periodic", *paths, state)
+            paths = await self._saved_paths(pending)
         except Exception as exc:
             self.gate.request(exc)
+            return
+        if paths is not None:
+            await self._record("periodic", *paths, state)
+
+    async def _saved_paths(self, pending: PendingCheckpoint) -> tuple[str, str] | None:
+        """The paths of a reserved checkpoint once saved, or None when its save failed:
+        it is not recorded and the run goes on from the latest recorded checkpoint (a
+        recovery redoes the steps since, each once; with none, from a fresh LoRA). The
+        save cannot be retried in place (the model's sequence has moved on), so the
+        --max-consecutive-failures-th failed save in a row raises."""
+        try:
+            paths = await self._session.finish_checkpoint(pending)
+        except Exception as exc:
+            self._failed_saves += 1
+            if self._failed_saves >= self._config.session.max_consecutive_failures:
+                raise
+            message = (
+                f"the checkpoint of step {pending.step} was not saved "
+                f"({format_error(exc)[7:]}); the run goes on and the latest recorded "
+                "checkpoint stands"
+            )
+            self._events.warning("checkpoint.failed", step=pending.step, error=message)
+            self._log.warning("checkpoint_failed", message)
+            return None
+        self._failed_saves = 0
+        return paths
 
     async def _record(
         self, reason: CheckpointReason, state_path: str, sampler_path: str, state: LoopState

@@ -71,3 +71,14 @@ async def expire_deadlines(clock: ManualClock) -> None:
             clock.advance(pending[0])
         else:
             await anyio.lowlevel.checkpoint()
+
+
+class SetTime:
+    """A :data:`engine.common.clock.Stopwatch` (or wall clock) that reads ``now``, which
+    only a test moves."""
+
+    def __init__(self, now: float = 1_800_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now

@@ -23,6 +23,7 @@ from safetensors.torch import load, save
 from engine.local import Limits, RunningServer, serve_local
 from engine.local.config import make_config
 from engine.local.service.checkpoints import ACCESS_FILE, MAX_ARCHIVE_ENTRIES, unpack_archive
+from tests.clock import SetTime
 
 pytestmark = pytest.mark.anyio
 KEY = "tml-bounds"
@@ -32,14 +33,6 @@ HEADERS = {"X-API-Key": KEY}
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Client:
@@ -102,12 +95,12 @@ class Client:
 
 
 @pytest.fixture
-async def clock() -> Clock:
-    return Clock()
+async def clock() -> SetTime:
+    return SetTime()
 
 
 @pytest.fixture
-async def server(clock: Clock) -> AsyncIterator[RunningServer]:
+async def server(clock: SetTime) -> AsyncIterator[RunningServer]:
     config = make_config(
         api_key=KEY, long_poll_s=1, limits=Limits(max_models=2, max_named_samplers=2)
     )
@@ -163,7 +156,7 @@ async def test_an_absurd_persisted_expiry_does_not_break_listings(
 
 
 async def test_a_ttl_expiry_spares_a_checkpoint_a_live_sampler_uses(
-    client: Client, server: RunningServer, clock: Clock
+    client: Client, server: RunningServer, clock: SetTime
 ) -> None:
     session_id = await client.session()
     model_id = await client.model(session_id)

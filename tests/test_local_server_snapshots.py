@@ -18,6 +18,7 @@ from engine.local import Limits, RunningServer, serve_local
 from engine.local.backend import SampledSequences, SampleJob
 from engine.local.config import make_config
 from engine.local.service.registry import ModelState, Registry
+from tests.clock import SetTime
 
 pytestmark = pytest.mark.anyio
 
@@ -25,14 +26,6 @@ pytestmark = pytest.mark.anyio
 @pytest.fixture
 def anyio_backend() -> str:
     return "asyncio"
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 1_800_000_000.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 class Client:
@@ -121,12 +114,12 @@ class Client:
 
 
 @pytest.fixture
-async def clock() -> Clock:
-    return Clock()
+async def clock() -> SetTime:
+    return SetTime()
 
 
 @pytest.fixture
-async def server(clock: Clock) -> AsyncIterator[RunningServer]:
+async def server(clock: SetTime) -> AsyncIterator[RunningServer]:
     limits = Limits(max_models=4, max_named_samplers=2, max_ephemeral_samplers=2)
     config = make_config(long_poll_s=1, limits=limits)
     async with serve_local(config=config, now=clock) as running:
@@ -144,7 +137,7 @@ def _sampled(answer: dict[str, Any]) -> bool:
 
 
 async def test_another_runs_snapshots_never_evict_a_live_clients_newest(
-    client: Client, clock: Clock
+    client: Client, clock: SetTime
 ) -> None:
     # Run A samples from its newest snapshot; run B then saves snapshot after snapshot.
     run_a = await client.model()
@@ -165,7 +158,7 @@ async def test_another_runs_snapshots_never_evict_a_live_clients_newest(
 
 
 async def test_a_snapshot_with_queued_sample_requests_is_not_evicted(
-    client: Client, server: RunningServer, clock: Clock, monkeypatch: pytest.MonkeyPatch
+    client: Client, server: RunningServer, clock: SetTime, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # K=1: the sampler still has requests queued on version 1 when version 2 opens.
     run = await client.model()
@@ -244,7 +237,7 @@ async def test_in_memory_snapshots_spare_each_live_clients_newest(
 
 
 def test_eviction_order_prefers_released_runs_then_least_recently_used() -> None:
-    clock = Clock()
+    clock = SetTime()
     registry = Registry(clock)
     for model_id in ("live", "gone"):
         registry.add_model(ModelState(model_id, None, None, None, "m", clock()))  # type: ignore[arg-type]

@@ -14,20 +14,13 @@ from pathlib import Path
 import pytest
 
 from engine.supervision.loop_monitor import LoopMonitor
+from tests.clock import SetTime
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
-class Clock:
-    def __init__(self) -> None:
-        self.now = 100.0
-
-    def __call__(self) -> float:
-        return self.now
-
-
 def test_a_running_loop_is_left_alone_even_after_a_signal() -> None:
-    clock = Clock()
+    clock = SetTime(100.0)
     monitor = LoopMonitor(blocked_limit=60, after_signal=10, clock=clock)
     monitor.note_signal(signal.SIGTERM)
     for _ in range(30):  # the graceful stop takes its time, but the loop keeps beating
@@ -37,7 +30,7 @@ def test_a_running_loop_is_left_alone_even_after_a_signal() -> None:
 
 
 def test_a_signal_to_a_blocked_loop_exits_after_the_grace() -> None:
-    clock = Clock()
+    clock = SetTime(100.0)
     monitor = LoopMonitor(blocked_limit=600, after_signal=10, clock=clock)
     clock.now += 3
     monitor.note_signal(signal.SIGTERM)
@@ -52,7 +45,7 @@ def test_a_signal_to_a_blocked_loop_exits_after_the_grace() -> None:
 
 
 def test_a_second_signal_to_a_blocked_loop_exits_at_once() -> None:
-    clock = Clock()
+    clock = SetTime(100.0)
     monitor = LoopMonitor(blocked_limit=600, after_signal=10, clock=clock)
     clock.now += 1
     monitor.note_signal(signal.SIGINT)
@@ -62,7 +55,7 @@ def test_a_second_signal_to_a_blocked_loop_exits_at_once() -> None:
 
 
 def test_a_loop_blocked_past_the_stall_timeout_exits_1() -> None:
-    clock = Clock()
+    clock = SetTime(100.0)
     monitor = LoopMonitor(blocked_limit=60, clock=clock)
     clock.now += 59
     assert monitor.check() is None

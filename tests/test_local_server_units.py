@@ -389,3 +389,31 @@ def test_sample_requests_are_checked_in_one_place(change: dict[str, object], mes
         change = {"prompt": {"chunks": [{"tokens": change["prompt"], "type": "encoded_text"}]}}
     with pytest.raises(WireError, match=re.escape(message)):
         sample_job_of(parse(SampleW, body | change, "asample"), None, card, Limits())
+
+
+@pytest.mark.anyio
+async def test_the_server_turns_nagles_algorithm_off_on_the_connections_it_accepts() -> None:
+    """uvicorn serves on the socket ``_bind`` makes, through ``loop.create_server(sock=)``.
+    With Nagle on, a response written in two parts on a kept-alive connection waited
+    for the client's delayed ACK: every request after the first took ~40 ms."""
+    import asyncio
+    import socket
+
+    from engine.local.launch import _bind
+
+    listener = _bind("127.0.0.1", 0)
+    nodelay: list[int] = []
+    accepted = anyio.Event()
+
+    class Record(asyncio.Protocol):
+        def connection_made(self, transport: asyncio.BaseTransport) -> None:
+            sock = transport.get_extra_info("socket")
+            nodelay.append(sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY))
+            accepted.set()
+
+    server = await asyncio.get_running_loop().create_server(Record, sock=listener)
+    async with server:
+        stream = await anyio.connect_tcp(*listener.getsockname()[:2])
+        async with stream:
+            await accepted.wait()
+    assert nodelay and nodelay[0] != 0

@@ -92,7 +92,11 @@ class _EmbeddedUvicorn(uvicorn.Server):
 
 def _bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio turns Nagle's algorithm off (TCP_NODELAY)
+    # only on sockets whose proto says TCP, and accepted sockets inherit the listener's.
+    # With Nagle on, a response written in two parts (headers, body) on a kept-alive
+    # connection waited for the client's delayed ACK: ~40 ms per request.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))

@@ -280,6 +280,14 @@ class PipelineSettings(_Group):
         description="train steps submitted while an earlier step's results are outstanding "
         "(0: await each step before submitting the next)",
     )
+    sample_ahead: Annotated[
+        int | None, Setting(check=non_negative, unset="auto", resume="changeable")
+    ] = Field(
+        None,
+        description="steps that may start sampling before the step ahead of them is submitted "
+        "for training (auto: 0 for reward tasks, unbounded for environment tasks; raise it "
+        "when scoring a step takes longer than a clock cycle)",
+    )
     stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
         None, description="send forward_backward per M arriving groups (one optim_step per step)"
     )

@@ -211,6 +211,23 @@ class _InFlight:
         self._changed = anyio.Event()
 
 
+class _Submitted:
+    """How many steps the submitter has submitted; the rollout stage waits on it."""
+
+    def __init__(self, steps: int) -> None:
+        self._steps = steps
+        self._changed = anyio.Event()
+
+    async def wait_for(self, steps: int) -> None:
+        while self._steps < steps:
+            await self._changed.wait()
+
+    def reached(self, steps: int) -> None:
+        self._steps = steps
+        self._changed.set()
+        self._changed = anyio.Event()
+
+
 class Pipeline:
     """One run of the loop from ``state`` to ``config.pipeline.steps``."""
 
@@ -250,6 +267,7 @@ class Pipeline:
         self._slots = anyio.Semaphore(config.pipeline.concurrency)
         self._sampling = ActivityMeter(clock)
         self._in_flight = _InFlight(config.pipeline.submit_ahead + 1)
+        self._submitted = _Submitted(state.next_step)
         self._exhausted = False
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
@@ -278,6 +296,8 @@ class Pipeline:
                 task, concurrency=config.scoring.score_concurrency, workers=workers
             )
         self._runner = EpisodeRunner(self._sample_turn, limits, clock=clock)
+        ahead = config.pipeline.sample_ahead
+        self._sample_ahead = ahead if ahead is not None or self._env_task is not None else 0
 
     async def run(self) -> PipelineOutcome:
         rolled_send, rolled_recv = anyio.create_memory_object_stream[_RolledOut](self._bound)
@@ -312,6 +332,8 @@ class Pipeline:
                     problems.append(problem)
                 await send.send(_StepOpened(step, self._source.state()))
                 await self._versions.wait_for(step - self._k)  # admission control
+                if self._sample_ahead is not None:
+                    await self._submitted.wait_for(step - self._sample_ahead)
                 for index, problem in enumerate(problems):
                     if (step, index) in pending:
                         continue  # rolled out before a resume: reused as is
@@ -500,6 +522,7 @@ class Pipeline:
                     # Behind it too: it saves exactly the steps trained so far.
                     checkpoint = await self._session.submit_checkpoint(done, checkpoint_name(done))
                 trained = (*trained, *(g.problem.id for g in groups))
+                self._submitted.reached(done)
                 state = LoopState(
                     next_step=done,
                     source_state=source_after.pop(step),

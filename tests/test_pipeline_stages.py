@@ -335,3 +335,29 @@ async def test_each_step_reports_response_lengths_and_the_trained_group_fraction
         assert (m["response_len/mean"], m["response_len/max"]) == (3.0, 3.0)
         assert m["response_len/truncated_frac"] == 1.0 and m["response_len/empty_frac"] == 0.0
         assert m["groups/trained_frac"] == m["groups/used"] / m["groups/total"] == 1.0
+
+
+class ProblemLog(FakeSession):
+    """Logs ("problem", i) for every sample request (problem i's prompt ends in p<i>)."""
+
+    async def sample(
+        self, sampler: Any, prompt_tokens: Any, num_samples: int, settings: Any
+    ) -> Any:
+        problem = int(bytes(prompt_tokens).decode().rsplit("p", 1)[1].split()[0])
+        self.log.append(("problem", problem))
+        return await super().sample(sampler, prompt_tokens, num_samples, settings)
+
+
+@pytest.mark.parametrize("k", [1, 2])
+async def test_a_step_starts_sampling_once_the_step_ahead_of_it_is_submitted(k: int) -> None:
+    """Two steps admitted together (K >= 1 lets steps 1 and 2 both sample on version 0)
+    sample one after the other: the second step's requests would otherwise compete with
+    the first's for the sampler and the client, and both miss the clock tick."""
+    session = ProblemLog()
+    cfg = config(steps=5, batch=2, max_steps_off_policy=k)
+    assert cfg.pipeline.sample_ahead is None  # auto: 0 for a reward task
+    _, results = await run_pipeline(session, cfg)
+    assert [r.step for r in results] == [1, 2, 3, 4, 5]
+    for step in range(1, 5):  # 0-based step s samples problems 2s and 2s + 1
+        first_sample = min(session.index(("problem", 2 * step + i)) for i in (0, 1))
+        assert session.index(("optim_step", step)) < first_sample

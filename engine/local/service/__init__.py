@@ -148,7 +148,7 @@ class LocalService:
             "pjwt_auth_enabled": True,
             "credential_default_source": "api_key",
             "parallel_fwdbwd_chunks": False,
-            "use_pyqwest_transport": False,
+            "use_pyqwest_transport": True,
             "proto_write_fwdbwd": False,
             "sample_no_retries": False,
             # tinker >= 0.38: forward_backward arrives as zstd-compressed protobuf, in

@@ -101,7 +101,12 @@ async def test_client_config_discovery_and_session_endpoints(
     config = await post(http, "client/config", {"sdk_version": "0.22.0"})
     assert config["pjwt_auth_enabled"] is True
     assert config["parallel_fwdbwd_chunks"] is False
-    assert config["use_pyqwest_transport"] is True
+    # tinker 0.22 sends the checkpoint-archive request through pyqwest too, which
+    # follows the 302 that request must see: httpx for it, pyqwest from 0.38.
+    assert config["use_pyqwest_transport"] is False
+    newer = await post(http, "client/config", {"sdk_version": "0.38.0"})
+    assert newer["use_pyqwest_transport"] is True
+    assert (await post(http, "client/config", {}))["use_pyqwest_transport"] is False
     caps = (await http.get("/api/v1/get_server_capabilities")).json()
     assert caps["supported_models"][0]["model_name"] == server.model_name
     assert caps["supported_models"][0]["max_context_length"] > 0

@@ -143,7 +143,7 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
 
         app.add_api_route(f"/api/v1/{path}", route, methods=["POST"], name=path)
 
-    post("client/config", lambda body: service.client_config())
+    post("client/config", service.client_config)
     post("auth/token", lambda body: {"jwt": auth.issue()})
     post("create_session", service.create_session)
     post("session_heartbeat", service.heartbeat)

@@ -16,6 +16,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from collections.abc import Callable
@@ -142,13 +143,14 @@ class LocalService:
             self.core.registry.heartbeat(session_id)
         return {"type": "session_heartbeat"}
 
-    def client_config(self) -> dict[str, Any]:
+    def client_config(self, body: Any) -> dict[str, Any]:
         limits = self.config.limits
+        sdk_version = body.get("sdk_version") if isinstance(body, dict) else None
         return {
             "pjwt_auth_enabled": True,
             "credential_default_source": "api_key",
             "parallel_fwdbwd_chunks": False,
-            "use_pyqwest_transport": True,
+            "use_pyqwest_transport": keeps_redirects_off_pyqwest(sdk_version),
             "proto_write_fwdbwd": False,
             "sample_no_retries": False,
             # tinker >= 0.38: forward_backward arrives as zstd-compressed protobuf, in
@@ -232,3 +234,17 @@ class LocalService:
 
 def _is_json_scalar(value: Any) -> bool:
     return value is None or isinstance(value, str | int | float | bool)
+
+
+PYQWEST_FROM = (0, 38)
+"""The first tinker SDK release the server lets use its pyqwest transport."""
+
+
+def keeps_redirects_off_pyqwest(sdk_version: object) -> bool:
+    """Whether an SDK of this version may use pyqwest, its default transport (far less
+    CPU per request than httpx's pool). pyqwest follows redirects by itself, and the
+    checkpoint-archive request must see its 302: tinker 0.38 sends such requests through
+    httpx, tinker 0.22 (the ``mint`` SDK) through pyqwest too, where
+    ``get_checkpoint_archive_url`` then fails. Unknown versions get httpx."""
+    found = re.match(r"(\d+)\.(\d+)", sdk_version) if isinstance(sdk_version, str) else None
+    return found is not None and (int(found[1]), int(found[2])) >= PYQWEST_FROM

@@ -15,7 +15,8 @@ Grammar (``--faults SPEC``; items separated by commas, whitespace ignored)::
     KIND     := "500" | "503" | "429" | "408"  answer that HTTP status
               | "drop"                        close the connection without an answer
               | "slow"                        answer after slow_s seconds
-              | "410"                         retrieve_future answers 410 (future expired)
+              | "410"                         retrieve_future answers 410 (future expired) once
+                                              the operation finished (it is applied)
               | "fail"                        the future fails: 200 + category "server"
     PHASE    := "before"                      instead of handling the request (default)
               | "after"                       handle it (apply it), then lose the answer

@@ -33,6 +33,8 @@ class FutureEntry:
     payload: dict[str, Any] | None = None
     """The JSON answer once finished: a result, or {"error", "category"}."""
     done: anyio.Event = field(default_factory=anyio.Event)
+    expires: bool = False
+    """An injected "410" fault chose this future: it answers 410 once finished."""
 
     @property
     def finished(self) -> bool:

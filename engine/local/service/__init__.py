@@ -193,12 +193,16 @@ class LocalService:
                 category="server",
             )
         if core.faults.poll_fault(entry.endpoint):
-            raise HttpError(
-                410, "injected fault: this future expired (fault injection)", category="server"
-            )
+            # A future expires after its result existed: the operation is applied, and
+            # only then is the answer lost (never 410 while it may still not run).
+            entry.expires = True
         payload = await core.futures.wait(entry, self.config.long_poll_s)
         if payload is None:
             return {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
+        if entry.expires:
+            raise HttpError(
+                410, "injected fault: this future expired (fault injection)", category="server"
+            )
         return payload
 
     def snapshot(self) -> StatsSnapshot:

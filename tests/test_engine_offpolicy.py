@@ -76,8 +76,16 @@ def test_k1_overlaps_sampling_with_training_within_its_bound(
 
 
 def test_k2_never_exceeds_two_steps_of_staleness(server: LocalServer, tmp_path: Path) -> None:
+    # --sample-ahead 2: steps 1..3 may all sample before step 1 is submitted (by default
+    # a reward task's step waits for the one ahead of it to be submitted).
     config = small_config(
-        server, tmp_path / "run", steps=5, max_steps_off_policy=2, loss="ppo", batch=3
+        server,
+        tmp_path / "run",
+        steps=5,
+        max_steps_off_policy=2,
+        loss="ppo",
+        batch=3,
+        sample_ahead=2,
     )
     steps, _ = run_engine(config)
     assert len(steps) == 5

@@ -617,6 +617,9 @@ class Pipeline:
                 except BaseException:
                     self._gate.step_failed()
                     raise
+                # Trained now, before the next version lets a step sample: progress is
+                # never marked after the samples it admits were sent.
+                self._progress(f"step {done} trained")
                 if done < self._config.pipeline.steps:
                     self._versions.publish(handle)
                 end = self._clock()
@@ -631,7 +634,6 @@ class Pipeline:
                 if self._evaluate is not None and self._evaluates(done):
                     step_result.metrics.update(await self._evaluate(done, handle))
                 await self._on_step(step_result)
-                self._progress(f"step {done} trained")
                 self._gate.end_step(done)
                 self._in_flight.release()
                 last_end = end

@@ -24,6 +24,7 @@ from engine.local import Limits, RunningServer, serve_local
 from engine.local.config import make_config
 from engine.local.service.checkpoints import ACCESS_FILE, MAX_ARCHIVE_ENTRIES, unpack_archive
 from tests.clock import SetTime
+from tests.raw_client import RawClient
 
 pytestmark = pytest.mark.anyio
 KEY = "tml-bounds"
@@ -35,49 +36,8 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class Client:
-    """Raw protocol calls (no SDK retries, so every status is seen as the server sent it)."""
-
-    def __init__(self, server: RunningServer, http: httpx.AsyncClient) -> None:
-        self.server = server
-        self.http = http
-        self.seq: dict[str, int] = {}
-
-    async def result(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        answer = await self.http.post(f"/api/v1/{path}", json=body)
-        assert answer.status_code == 200, answer.text
-        request_id = answer.json()["request_id"]
-        while True:
-            polled = await self.http.post(
-                "/api/v1/retrieve_future", json={"request_id": request_id}
-            )
-            payload: dict[str, Any] = polled.json()
-            if payload.get("type") != "try_again":
-                return payload
-
-    async def session(self) -> str:
-        answer = await self.http.post("/api/v1/create_session", json={})
-        session_id: str = answer.json()["session_id"]
-        return session_id
-
-    async def model(self, session_id: str | None = None) -> str:
-        created = await self.result(
-            "create_model",
-            {
-                "session_id": session_id or await self.session(),
-                "model_seq_id": 0,
-                "base_model": self.server.model_name,
-                "lora_config": {"rank": 2},
-            },
-        )
-        model_id: str = created["model_id"]
-        return model_id
-
-    async def op(self, endpoint: str, model_id: str, **body: Any) -> dict[str, Any]:
-        self.seq[model_id] = self.seq.get(model_id, 0) + 1
-        return await self.result(
-            endpoint, {"model_id": model_id, "seq_id": self.seq[model_id], **body}
-        )
+class Client(RawClient):
+    """The raw calls these tests need: checkpoint archives and uploads."""
 
     async def archive(self, tinker_path: str) -> bytes:
         run_id, kind, name = tinker_path.removeprefix("tinker://").split("/")

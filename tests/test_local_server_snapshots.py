@@ -19,6 +19,7 @@ from engine.local.backend import SampledSequences, SampleJob
 from engine.local.config import make_config
 from engine.local.service.registry import ModelState, Registry
 from tests.clock import SetTime
+from tests.raw_client import RawClient
 
 pytestmark = pytest.mark.anyio
 
@@ -28,46 +29,13 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class Client:
-    """Raw protocol calls (no SDK retries: every status is seen as the server sent it)."""
+class Client(RawClient):
+    """The raw calls these tests need: snapshots saved, sampling clients opened on them,
+    sample requests."""
 
     def __init__(self, server: RunningServer, http: httpx.AsyncClient) -> None:
-        self.server = server
-        self.http = http
-        self.seq: dict[str, int] = {}
+        super().__init__(server, http)
         self.sampling_seq = 0
-
-    async def result(self, path: str, body: dict[str, Any]) -> dict[str, Any]:
-        answer = await self.http.post(f"/api/v1/{path}", json=body)
-        assert answer.status_code == 200, answer.text
-        return await self.wait(answer.json()["request_id"])
-
-    async def wait(self, request_id: str) -> dict[str, Any]:
-        while True:
-            polled = await self.http.post(
-                "/api/v1/retrieve_future", json={"request_id": request_id}
-            )
-            payload: dict[str, Any] = polled.json()
-            if payload.get("type") != "try_again":
-                return payload
-
-    async def model(self) -> str:
-        session = (await self.http.post("/api/v1/create_session", json={})).json()["session_id"]
-        created = await self.result(
-            "create_model",
-            {
-                "session_id": session,
-                "model_seq_id": 0,
-                "base_model": self.server.model_name,
-                "lora_config": {"rank": 2},
-            },
-        )
-        model_id: str = created["model_id"]
-        return model_id
-
-    def op_body(self, model_id: str, **body: Any) -> dict[str, Any]:
-        self.seq[model_id] = self.seq.get(model_id, 0) + 1
-        return {"model_id": model_id, "seq_id": self.seq[model_id], **body}
 
     async def save_named(self, model_id: str, name: str) -> str:
         saved = await self.result("save_weights_for_sampler", self.op_body(model_id, path=name))

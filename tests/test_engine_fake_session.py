@@ -210,17 +210,16 @@ async def test_the_engine_says_once_that_episodes_stop_at_the_models_context(
     assert "(--env-max-tokens 8192 is larger)" in said
 
 
-def checkpoint_steps(run_dir: Path) -> list[tuple[int, str]]:
-    import json
+def jsonl(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
-    lines = (run_dir / "checkpoints.jsonl").read_text().splitlines()
-    return [(c["step"], c["reason"]) for c in map(json.loads, lines)]
+
+def checkpoint_steps(run_dir: Path) -> list[tuple[int, str]]:
+    return [(c["step"], c["reason"]) for c in jsonl(run_dir / "checkpoints.jsonl")]
 
 
 def trained_ids(run_dir: Path) -> list[int]:
-    import json
-
-    rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+    rows = jsonl(run_dir / "metrics.jsonl")
     return [i for row in rows if "problem_ids" in row for i in row["problem_ids"]]
 
 
@@ -279,9 +278,7 @@ async def test_a_crash_with_a_checkpoint_in_flight_does_not_record_it(tmp_path: 
 
 
 def failed_checkpoint_events(run_dir: Path) -> list[int]:
-    import json
-
-    rows = map(json.loads, (run_dir / "events.jsonl").read_text().splitlines())
+    rows = jsonl(run_dir / "events.jsonl")
     return [row["step"] for row in rows if row.get("event") == "checkpoint.failed"]
 
 

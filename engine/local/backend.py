@@ -671,7 +671,8 @@ class Backend:
         for key, idxs in groups.items():
             batch = [requests[i] for i in idxs]
             snap = None if key is None else snapshots[key]
-            if self._folded is not None and self.fold_sampling_weights:
+            if self.samples_apart:  # the folded copy (only then may this run apart)
+                assert self._folded is not None
                 self._fold(key, snap, self._folded.model)
                 outs = self._folded.run(batch)
             else:

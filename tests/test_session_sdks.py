@@ -4,17 +4,21 @@ tests/test_sdk_matrix.py."""
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 from pathlib import Path
 
 import httpx
 import pytest
 import tinker
+from tinker import types
 from tinker.lib.internal_client_holder import InternalClientHolder
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError, classify, retry_after
+from engine.local import LocalServer
 from engine.session import sdks
+from engine.session.mint import LOOPBACK_KEEPALIVE_CONNECTIONS, MintSession, loopback_http_client
 from engine.session.opening import adapter_class
 from tests.hosted_env import run_without
 from tests.test_install import clean_env, one_error_line
@@ -74,6 +78,42 @@ def test_the_mint_adapters_private_sdk_calls_still_exist() -> None:
     assert list(impl.parameters) == ["self", "name", "ttl_seconds"]
     assert "self.holder = InternalClientHolder(" in inspect.getsource(tinker.ServiceClient.__init__)
     assert list(inspect.signature(InternalClientHolder.close).parameters) == ["self"]
+
+
+def established_connections_to(port: int) -> int:
+    """This process's TCP connections (both directions) whose remote end is ``port``."""
+    count = 0
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            remote_port = int(fields[2].rsplit(":", 1)[1], 16)
+            count += remote_port == port and fields[3] == "01"  # 01: ESTABLISHED
+    return count
+
+
+def test_against_a_server_on_this_machine_the_mint_sdk_keeps_few_idle_connections() -> None:
+    """32 samples at once open about 32 connections. tinker 0.22 keeps up to 20 of them
+    idle for each of its internal clients, and httpx checks every idle connection on
+    every request; on loopback the session keeps LOOPBACK_KEEPALIVE_CONNECTIONS."""
+    assert loopback_http_client("https://mint.example.com") is None
+    key = "tml-idle-connections"
+    with LocalServer(api_key=key) as server:
+        service = MintSession._sdk_service(server.base_url, key)
+        try:
+            training = service.create_lora_training_client(base_model=server.model_name, rank=8)
+            sampler = training.save_weights_and_get_sampling_client("idle")
+            prompt = types.ModelInput.from_ints([1, 40, 41, 42])
+            params = types.SamplingParams(max_tokens=4)
+
+            async def burst() -> None:
+                await asyncio.gather(*(sampler.sample_async(prompt, 2, params) for _ in range(32)))
+
+            service.holder.run_coroutine_threadsafe(burst()).result()
+            port = httpx.URL(server.base_url).port
+            assert port is not None
+            assert established_connections_to(port) <= LOOPBACK_KEEPALIVE_CONNECTIONS + 1
+        finally:
+            service.holder.close()
 
 
 def test_httpx_status_errors_are_classified_like_the_sdks() -> None:

@@ -101,6 +101,7 @@ async def test_client_config_discovery_and_session_endpoints(
     config = await post(http, "client/config", {"sdk_version": "0.22.0"})
     assert config["pjwt_auth_enabled"] is True
     assert config["parallel_fwdbwd_chunks"] is False
+    assert config["proto_write_fwdbwd"] is True  # forward_backward as protobuf from 0.22 too
     # tinker 0.22 sends the checkpoint-archive request through pyqwest too, which
     # follows the 302 that request must see: httpx for it, pyqwest from 0.38.
     assert config["use_pyqwest_transport"] is False

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from typing import Any
 
 import anyio
+import httpx
 import mint
 import pytest
 from mint import types
@@ -79,6 +81,32 @@ def test_sync_flow_with_a_tml_key(server: LocalServer, service: mint.ServiceClie
     assert fwd_b.metrics["loss:sum"] == pytest.approx(fwd_a.metrics["loss:sum"], rel=1e-6)
     resumed.load_state(state).result()  # weights only: optimizer restarts
     assert server.backend_call(lambda b: b.optimizer_steps(resumed.model_id)) == 0
+
+
+def test_forward_backward_travels_as_protobuf_and_means_what_the_json_forward_means(
+    server: LocalServer, service: mint.ServiceClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The server's client config has tinker 0.22 send forward_backward as protobuf (its
+    JSON costs both sides more); forward stays JSON. Same weights, same datums: same
+    loss and logprobs either way."""
+    sent: dict[str, str] = {}
+    send = httpx.AsyncClient.send
+
+    async def recording(self: httpx.AsyncClient, request: httpx.Request, **kwargs: Any) -> Any:
+        sent[request.url.path.rsplit("/", 1)[-1]] = request.headers.get("content-type", "")
+        return await send(self, request, **kwargs)
+
+    monkeypatch.setattr(httpx.AsyncClient, "send", recording)
+    tc = service.create_lora_training_client(base_model=server.model_name, rank=8, seed=3)
+    tokenizer = tc.get_tokenizer()
+    data = [sft_datum(tokenizer, QUESTION, " 42"), sft_datum(tokenizer, QUESTION, " 7</s>")]
+    trained = tc.forward_backward(data, "cross_entropy").result()
+    forward = tc.forward(data, "cross_entropy").result()
+    assert sent["forward_backward"] == "application/x-protobuf"
+    assert sent["forward"] == "application/json"
+    assert trained.metrics["loss:sum"] == pytest.approx(forward.metrics["loss:sum"], rel=1e-6)
+    for a, b in zip(trained.loss_fn_outputs, forward.loss_fn_outputs, strict=True):
+        assert a["logprobs"].tolist() == pytest.approx(b["logprobs"].tolist(), abs=1e-6)
 
 
 def test_async_flow_with_an_sk_key() -> None:

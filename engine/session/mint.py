@@ -58,13 +58,7 @@ class MintSession(SdkSession):
 
     @staticmethod
     def _sdk_service(base_url: str, api_key: str | None) -> tinker.ServiceClient:
-        pool = loopback_http_client(base_url)
-        return mint.ServiceClient(
-            api_key=api_key,
-            base_url=base_url,
-            max_retries=SDK_MAX_RETRIES,
-            **({} if pool is None else {"http_client": pool}),
-        )
+        return service_client(base_url, api_key, max_retries=SDK_MAX_RETRIES)
 
     async def _sdk_supported_models(
         self, base_url: str, api_key: str | None
@@ -182,6 +176,15 @@ def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
     return AsyncHttpxClientWrapper(
         base_url=base_url, timeout=DEFAULT_TIMEOUT, http2=True, limits=limits
     )
+
+
+def service_client(base_url: str, api_key: str | None, **options: Any) -> tinker.ServiceClient:
+    """``mint.ServiceClient(base_url, api_key, **options)`` (it may block), with
+    :func:`loopback_http_client`'s HTTP client for a server on this machine."""
+    pool = loopback_http_client(base_url)
+    if pool is not None:
+        options["http_client"] = pool
+    return mint.ServiceClient(base_url=base_url, api_key=api_key, **options)
 
 
 def sampling_params(settings: SamplingParams) -> types.SamplingParams:

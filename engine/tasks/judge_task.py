@@ -91,16 +91,11 @@ class LazyMintJudgeModel:
         return await self._model.complete(prompt, max_tokens=max_tokens)
 
     async def _connect(self) -> MintJudgeModel:
-        import mint
+        from engine.session.mint import service_client
 
-        from engine.session.mint import loopback_http_client
-
-        def service_client() -> mint.ServiceClient:
-            pool = loopback_http_client(self._base_url)  # few idle connections on loopback
-            extra = {} if pool is None else {"http_client": pool}
-            return mint.ServiceClient(base_url=self._base_url, api_key=self._api_key, **extra)
-
-        service = await anyio.to_thread.run_sync(service_client, abandon_on_cancel=True)
+        service = await anyio.to_thread.run_sync(
+            service_client, self._base_url, self._api_key, abandon_on_cancel=True
+        )
         sampler = await service.create_sampling_client_async(base_model=self._base_model)
         tokenizer = await anyio.to_thread.run_sync(sampler.get_tokenizer, abandon_on_cancel=True)
         return MintJudgeModel(sampler, tokenizer, chat=self._chat)

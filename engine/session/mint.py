@@ -17,7 +17,6 @@ Two tinker 0.22 facts shape it (docs/architecture.md, "Wire facts"):
 
 from __future__ import annotations
 
-import ipaddress
 from typing import Any
 
 import httpx
@@ -28,6 +27,7 @@ from tinker._base_client import AsyncHttpxClientWrapper
 from tinker._constants import DEFAULT_CONNECTION_LIMITS, DEFAULT_TIMEOUT
 
 from engine.config import HOSTED_BASE_URL
+from engine.local.config import is_loopback_host
 from engine.session.adapter import (
     SNAPSHOT_TTL_S,
     LoraSpec,
@@ -162,12 +162,7 @@ def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
     """For a server on this machine, the HTTP client tinker 0.22 would build itself
     (same class, timeout and HTTP/2 setting) but with few idle connections, shared by
     all of the SDK's internal clients; None (the SDK's own) for any other server."""
-    host = httpx.URL(base_url).host
-    try:
-        loopback = ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        loopback = host == "localhost"
-    if not loopback:
+    if not is_loopback_host(httpx.URL(base_url).host):
         return None
     limits = httpx.Limits(
         max_connections=DEFAULT_CONNECTION_LIMITS.max_connections,

@@ -30,10 +30,12 @@ async def test_a_call_never_waits_behind_one_that_hangs() -> None:
         release.wait()
 
     try:
-        with anyio.move_on_after(0.05):
-            await in_daemon_thread(hang)  # abandoned, still running
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(in_daemon_thread, hang)
+            await until(lambda: bool(hung))
+            tg.cancel_scope.cancel()  # abandoned, still running
         other = await in_daemon_thread(threading.get_ident)
-        assert hung and other != hung[0]
+        assert other != hung[0]
     finally:
         release.set()
 

@@ -52,6 +52,7 @@ import mint
 from tinker import types
 
 from benchmarks.engine_cli import TINKER_PYTHON, run_engine_cli
+from benchmarks.measure import positive_int
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
 from engine.config import Profile
@@ -530,16 +531,6 @@ def _seeds(text: str) -> list[int]:
     return seeds
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
-    return value
-
-
 def _configs(text: str) -> list[str]:
     names = [s.strip() for s in text.split(",") if s.strip()]
     bad = [n for n in names if n not in CONFIGS]
@@ -552,10 +543,10 @@ def _configs(text: str) -> list[str]:
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
-    parser.add_argument("--steps", type=_positive, default=30)
-    parser.add_argument("--heldout", type=_positive, default=200, help="held-out problems")
+    parser.add_argument("--steps", type=positive_int, default=30)
+    parser.add_argument("--heldout", type=positive_int, default=200, help="held-out problems")
     parser.add_argument("--seeds", type=_seeds, default=[42], help="training seeds, e.g. 42,7")
-    parser.add_argument("--batch", type=_positive, default=8, help="problems per step")
+    parser.add_argument("--batch", type=positive_int, default=8, help="problems per step")
     parser.add_argument(
         "--configs",
         type=_configs,

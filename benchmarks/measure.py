@@ -34,6 +34,7 @@ Definitions:
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import resource
@@ -253,6 +254,17 @@ def summarize(
 
 def _mean(values: Sequence[float]) -> float | None:
     return sum(values) / len(values) if values else None
+
+
+def positive_int(text: str) -> int:
+    """An argparse type: a positive integer."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {value}")
+    return value
 
 
 # ------------------------------------------------------------------------------ CPU time

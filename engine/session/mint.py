@@ -21,10 +21,12 @@ from typing import Any
 
 import httpx
 import mint
+import pyqwest
 import tinker
+from pyqwest.httpx import AsyncPyqwestTransport
 from tinker import types
 from tinker._base_client import AsyncHttpxClientWrapper
-from tinker._constants import DEFAULT_CONNECTION_LIMITS, DEFAULT_TIMEOUT
+from tinker._constants import DEFAULT_TIMEOUT
 
 from engine.config import HOSTED_BASE_URL
 from engine.local.config import is_loopback_host
@@ -150,27 +152,28 @@ class MintSession(SdkSession):
         self._service.holder.close()
 
 
-LOOPBACK_KEEPALIVE_CONNECTIONS = 4
-"""Idle connections the SDK keeps open to a server on this machine. Its default is 20
-for each of its internal clients (sampling, futures, training, session), and httpx
-checks every idle connection of a pool on every request it starts and ends: with 32
-samples a step in flight, that cost the SDK's thread more CPU than opening a loopback
-connection costs (docs/performance.md, item 9)."""
+LOOPBACK_IDLE_CONNECTIONS = 64
+"""Idle connections kept open to a server on this machine: enough for a burst of samples
+and their answers, so a step's requests reuse connections instead of each opening and
+closing one (which costs both processes CPU; docs/performance.md, item 12)."""
 
 
 def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
-    """For a server on this machine, the HTTP client tinker 0.22 would build itself
-    (same class, timeout and HTTP/2 setting) but with few idle connections, shared by
-    all of the SDK's internal clients; None (the SDK's own) for any other server."""
+    """For a server on this machine, the HTTP client tinker 0.22 would build itself (same
+    class and timeout), shared by all of the SDK's internal clients, on
+    pyqwest (the SDK's own default transport, far less CPU per request than httpx's pool)
+    with LOOPBACK_IDLE_CONNECTIONS idle connections; None (the SDK's own) for any other
+    server. The transport follows no redirects itself: httpx follows them as each request
+    asks, so ``get_checkpoint_archive_url`` still sees its 302 (the SDK's own pyqwest
+    transport follows them, which is why the local server keeps tinker 0.22 on httpx)."""
     if not is_loopback_host(httpx.URL(base_url).host):
         return None
-    limits = httpx.Limits(
-        max_connections=DEFAULT_CONNECTION_LIMITS.max_connections,
-        max_keepalive_connections=LOOPBACK_KEEPALIVE_CONNECTIONS,
+    transport = AsyncPyqwestTransport(
+        transport=pyqwest.HTTPTransport(
+            follow_redirects=False, pool_max_idle_per_host=LOOPBACK_IDLE_CONNECTIONS
+        )
     )
-    return AsyncHttpxClientWrapper(
-        base_url=base_url, timeout=DEFAULT_TIMEOUT, http2=True, limits=limits
-    )
+    return AsyncHttpxClientWrapper(base_url=base_url, timeout=DEFAULT_TIMEOUT, transport=transport)
 
 
 def service_client(base_url: str, api_key: str | None, **options: Any) -> tinker.ServiceClient:

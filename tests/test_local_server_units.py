@@ -14,7 +14,7 @@ import anyio.lowlevel
 import jwt
 import pytest
 
-from engine.local.auth import Authenticator
+from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
 from engine.local.compute import ComputeThread
 from engine.local.config import (
     DEFAULT_MODEL_DIR,
@@ -231,6 +231,15 @@ async def test_future_store_long_poll_retention_and_limits() -> None:
         store.resolve(store.create("x"), {"error": "oops"})
 
 
+def test_request_ids_are_unique_within_a_store_and_across_restarts() -> None:
+    """A client may retry retrieve_future with an id from before a restart: the new
+    server must not answer it with one of its own futures."""
+    before, after = (FutureStore(max_pending=8, max_retained=8) for _ in range(2))
+    ids = [store.create("asample").request_id for store in (before, after) for _ in range(3)]
+    assert len(set(ids)) == len(ids)
+    assert after.get(ids[0]) is None
+
+
 @pytest.mark.anyio
 async def test_future_store_close_releases_held_polls() -> None:
     store = FutureStore(max_pending=4, max_retained=4)
@@ -269,6 +278,21 @@ def test_authenticator_accepts_raw_key_and_its_own_jwts_only() -> None:
     assert "expired" in (auth.check(expired) or "")
     open_auth = Authenticator(None, jwt_ttl_s=3600)
     assert not open_auth.required and open_auth.check(None) is None
+
+
+def test_a_verified_jwt_is_remembered_until_it_expires_and_the_memory_is_bounded() -> None:
+    now = [time.time()]
+    auth = Authenticator("sk-secret", jwt_ttl_s=60, clock=lambda: now[0])
+    token = auth.issue()
+    assert auth.check(token) is None
+    assert auth.check(token) is None  # remembered: no second decode needed
+    now[0] += 61
+    assert "expired" in (auth.check(token) or "")
+    for i in range(VERIFIED_TOKENS_KEPT + 10):
+        other = Authenticator("sk-secret", jwt_ttl_s=3600, clock=lambda i=i: time.time() - i)
+        assert auth.check(other.issue()) is None
+    assert len(auth._verified) == VERIFIED_TOKENS_KEPT
+    assert "not issued by this server" in (auth.check(token[:-2] + "xx") or "")
 
 
 # ---- paths & config -------------------------------------------------------------------
@@ -417,3 +441,48 @@ async def test_the_server_turns_nagles_algorithm_off_on_the_connections_it_accep
         async with stream:
             await accepted.wait()
     assert nodelay and nodelay[0] != 0
+
+
+@pytest.mark.anyio
+async def test_a_response_written_in_parts_leaves_in_one_write_after_the_loop_turn() -> None:
+    """uvicorn writes a response's head and body separately: one send each, and every
+    send gives the GIL away; the server's transport passes a turn's writes on as one."""
+    import asyncio
+
+    from engine.local.http11 import GatheredWrites
+
+    class Recording:
+        def __init__(self) -> None:
+            self.writes: list[bytes] = []
+            self.closed = False
+
+        def write(self, data: bytes) -> None:
+            assert not self.closed
+            self.writes.append(data)
+
+        def is_closing(self) -> bool:
+            return self.closed
+
+        def close(self) -> None:
+            self.closed = True
+
+        def get_write_buffer_size(self) -> int:
+            return 0
+
+        def get_extra_info(self, name: str) -> str:
+            return f"info {name}"
+
+    real = Recording()
+    gathered = GatheredWrites(real, asyncio.get_running_loop())  # type: ignore[arg-type]
+    gathered.write(b"HTTP/1.1 200 OK\r\n\r\n")
+    gathered.write(b"")
+    gathered.write(b"{}")
+    assert real.writes == [] and gathered.get_write_buffer_size() == 21
+    await asyncio.sleep(0)
+    assert real.writes == [b"HTTP/1.1 200 OK\r\n\r\n{}"]
+    gathered.write(b"last")
+    gathered.close()  # what was written before close still goes out, first
+    assert real.writes[-1] == b"last" and real.closed
+    assert gathered.get_extra_info("socket") == "info socket"
+    await asyncio.sleep(0)
+    assert len(real.writes) == 2

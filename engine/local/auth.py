@@ -12,19 +12,30 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+from collections import OrderedDict
+from collections.abc import Callable
 
 import jwt
 
 _ISSUER = "engine.local"
 _SECRET_LABEL = b"engine.local jwt v1"
 
+VERIFIED_TOKENS_KEPT = 64
+"""JWTs whose signature was checked, kept with their expiry so later requests bearing
+them skip the decode (PyJWT's decode cost the event loop ~0.3 ms per request)."""
+
 
 class Authenticator:
     """Checks credentials when an API key is configured; accepts anything otherwise."""
 
-    def __init__(self, api_key: str | None, *, jwt_ttl_s: int) -> None:
+    def __init__(
+        self, api_key: str | None, *, jwt_ttl_s: int, clock: Callable[[], float] = time.time
+    ) -> None:
         self._api_key = api_key
         self._ttl = jwt_ttl_s
+        self._clock = clock
+        self._verified: OrderedDict[str, int] = OrderedDict()
+        """Tokens this server issued and verified, oldest first, with their ``exp``."""
         material = (api_key or "").encode()
         self._secret = hmac.new(_SECRET_LABEL, material, hashlib.sha256).digest()
 
@@ -34,7 +45,7 @@ class Authenticator:
 
     def issue(self) -> str:
         """A signed JWT with a numeric ``exp`` (the client refreshes 5 min before it)."""
-        now = int(time.time())
+        now = int(self._clock())
         claims = {"iss": _ISSUER, "sub": "local-user", "iat": now, "exp": now + self._ttl}
         return jwt.encode(claims, self._secret, algorithm="HS256")
 
@@ -54,18 +65,28 @@ class Authenticator:
             return "missing API key: send it in the X-API-Key header"
         if self.may_issue(credential):
             return None
+        expired = "the JWT has expired: fetch a new one from /api/v1/auth/token"
+        exp = self._verified.get(credential)
+        if exp is not None:
+            if self._clock() < exp:
+                return None
+            del self._verified[credential]
+            return expired
         if credential.count(".") == 2:
             try:
-                jwt.decode(
+                claims = jwt.decode(
                     credential,
                     self._secret,
                     algorithms=["HS256"],
                     issuer=_ISSUER,
                     options={"require": ["exp", "iss"]},
                 )
-                return None
             except jwt.ExpiredSignatureError:
-                return "the JWT has expired: fetch a new one from /api/v1/auth/token"
+                return expired
             except jwt.InvalidTokenError:
                 return "invalid JWT: it was not issued by this server for this API key"
+            self._verified[credential] = int(claims["exp"])
+            if len(self._verified) > VERIFIED_TOKENS_KEPT:
+                self._verified.popitem(last=False)
+            return None
         return "invalid API key"

@@ -9,6 +9,7 @@ finished results are forgotten first.
 
 from __future__ import annotations
 
+import itertools
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -53,6 +54,9 @@ class FutureStore:
         self.held = 0
         """retrieve_future polls currently held open."""
         self._hold_started = anyio.Event()
+        # Request ids: this store's random prefix, then a count. One uuid4 per request
+        # read os.urandom, a system call that gives the GIL away on the event loop.
+        self._ids = (f"req-{uuid.uuid4().hex[:16]}-{n}" for n in itertools.count(1))
 
     @property
     def pending(self) -> int:
@@ -68,7 +72,7 @@ class FutureStore:
                 f"the local server already holds {self.pending} unfinished requests "
                 f"(limit {self._max_pending}); retry after some of them complete"
             )
-        entry = FutureEntry(f"req-{uuid.uuid4().hex}", endpoint, model_id)
+        entry = FutureEntry(next(self._ids), endpoint, model_id)
         self._entries[entry.request_id] = entry
         return entry
 

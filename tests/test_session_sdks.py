@@ -107,7 +107,7 @@ def test_against_a_server_on_this_machine_the_mint_sdk_reuses_connections_and_se
         service = MintSession._sdk_service(server.base_url, key)
         try:
             training = service.create_lora_training_client(base_model=server.model_name, rank=8)
-            sampler = training.save_weights_and_get_sampling_client("idle")
+            sampler = training.save_weights_and_get_sampling_client()
             prompt = types.ModelInput.from_ints([1, 40, 41, 42])
             params = types.SamplingParams(max_tokens=4)
 

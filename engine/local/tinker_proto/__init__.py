@@ -5,10 +5,10 @@ when the client config sets ``proto_compress_fwdbwd``) and asks for ``SampleResp
 ``ForwardBackwardOutput`` results as protobuf (``Accept: application/x-protobuf`` on
 ``retrieve_future``). tinker 0.22 speaks JSON, but for ``forward_backward``, which it
 sends as uncompressed protobuf of its own (compatible) schema when the client config sets
-``proto_write_fwdbwd``. The server keeps ONE model of
-each request and result, the JSON shape: a protobuf request is decoded into the same dict
-a JSON client would have sent (so validation, dedupe, ordering and errors are shared), and
-a finished result is encoded as protobuf only when the poll asks for it.
+``proto_write_fwdbwd``. The server keeps ONE model of each request and result, the JSON
+shape: a protobuf request is decoded into the same dict a JSON client would have sent (so
+validation, dedupe, ordering and errors are shared), and a finished result is encoded as
+protobuf only when the poll asks for it.
 
 ``tinker_public_pb2`` is the generated module shipped in the tinker 0.38.0 wheel
 (``tinker/proto/tinker_public_pb2.py``, Apache-2.0, see ``LICENSE`` here), vendored

@@ -278,9 +278,14 @@ def _with(d: DatumIn, **changes: Any) -> DatumIn:
             lambda d: _with(d, target_tokens=torch.tensor([1, 2, 3, 10**6])),
             "cross_entropy",
             None,
-            "outside the vocabulary",
+            "outside the model's vocabulary",
         ),
-        (lambda d: _with(d, tokens=[1, 2, -3, 4]), "cross_entropy", None, "outside the vocabulary"),
+        (
+            lambda d: _with(d, tokens=[1, 2, -3, 4]),
+            "cross_entropy",
+            None,
+            "outside the model's vocabulary",
+        ),
         (lambda d: _with(d, tokens=[]), "cross_entropy", None, "empty"),
         (
             lambda d: _with(

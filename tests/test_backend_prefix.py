@@ -9,7 +9,7 @@ import torch
 from backend_util import assert_close_rel, lora_params, new_backend
 
 from engine.local.backend import AdapterSpec, Backend, DatumIn
-from engine.local.datums import CheckedDatum, check_datum
+from engine.local.datums import CheckedDatum, check_data
 from engine.local.prefix import plan_prefixes
 
 
@@ -40,10 +40,7 @@ def _group_batch(vocab: int, seed: int) -> list[DatumIn]:
 
 
 def _checked(backend: Backend, data: list[DatumIn]) -> list[CheckedDatum]:
-    return [
-        check_datum(i, d.tokens, d.inputs, (), vocab=backend.vocab_size, max_len=10_000)
-        for i, d in enumerate(data)
-    ]
+    return check_data(data, (), vocab=backend.vocab_size, max_len=10_000)
 
 
 @pytest.fixture(scope="module")

@@ -86,16 +86,16 @@ def test_a_huge_declared_sparse_width_is_refused_before_allocating(width: int) -
         "sparse_col_indices": [width - 1],
     }
     with pytest.raises(WireError, match=rf"weights has shape \[1, {width}\] but must be \[4\]"):
-        datums_of([_datum(4, weights=weights)], vocab_size=300, max_context=256)
+        datums_of([_datum(4, weights=weights)])
 
 
 def test_declared_shapes_must_match_the_model_input() -> None:
     long_dense = {"data": [1.0] * 5, "dtype": "float32", "shape": [5]}
     with pytest.raises(WireError, match=r"weights has shape \[5\] but must be \[4\]"):
-        datums_of([_datum(4, weights=long_dense)], vocab_size=300, max_context=256)
+        datums_of([_datum(4, weights=long_dense)])
     lying = {"data": [1.0] * 3, "dtype": "float32", "shape": [4]}
     with pytest.raises(WireError, match=r"needs 4 values but data has 3"):
-        datums_of([_datum(4, weights=lying)], vocab_size=300, max_context=256)
+        datums_of([_datum(4, weights=lying)])
     sparse_1d = {
         "data": [1.0],
         "dtype": "float32",
@@ -104,10 +104,20 @@ def test_declared_shapes_must_match_the_model_input() -> None:
         "sparse_col_indices": [0],
     }
     with pytest.raises(WireError, match="sparse CSR, which encodes 2-D tensors"):
-        datums_of([_datum(4, weights=sparse_1d)], vocab_size=300, max_context=256)
+        datums_of([_datum(4, weights=sparse_1d)])
     ok = {"data": [1.0] * 4, "dtype": "float32"}
-    (decoded,) = datums_of([_datum(4, weights=ok)], vocab_size=300, max_context=256)
+    (decoded,) = datums_of([_datum(4, weights=ok)])
     assert decoded.inputs["weights"].tolist() == [1.0] * 4
+
+
+@pytest.mark.parametrize(
+    ("values", "message"),
+    [([1, 2, 3.5, 4], "non-integer values"), ([1, 2, 2**70, 4], "outside the range of int64")],
+)
+def test_int64_loss_inputs_must_hold_int64_values(values: list[Any], message: str) -> None:
+    targets = {"data": values, "dtype": "int64", "shape": [4]}
+    with pytest.raises(WireError, match=rf"target_tokens .*{message}"):
+        datums_of([_datum(4, target_tokens=targets)])
 
 
 # ---- sequencer: implausible seq_ids and gaps -------------------------------------------

@@ -37,7 +37,7 @@ from engine.local.datums import (
     CheckedDatum,
     DatumError,
     PaddedBatch,
-    check_datum,
+    check_data,
     micro_batches,
     pad_right,
 )
@@ -340,17 +340,9 @@ class Backend:
         if not data:
             raise BackendError("forward_backward needs at least one datum")
         try:
-            checked = [
-                check_datum(
-                    i,
-                    d.tokens,
-                    d.inputs,
-                    spec.inputs,
-                    vocab=self.vocab_size,
-                    max_len=self.max_context_length,
-                )
-                for i, d in enumerate(data)
-            ]
+            checked = check_data(
+                data, spec.inputs, vocab=self.vocab_size, max_len=self.max_context_length
+            )
         except DatumError as e:
             raise BackendError(str(e)) from e
         for i, d in enumerate(checked):

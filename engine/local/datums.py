@@ -8,8 +8,11 @@ deep inside torch.
 
 from __future__ import annotations
 
+import bisect
+import itertools
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -46,57 +49,108 @@ def _as_1d(i: int, key: str, value: object, n: int) -> Tensor:
     return t
 
 
-def _check_ids(i: int, what: str, ids: Tensor, vocab: int) -> None:
-    if ids.numel() == 0:
-        return
-    lo, hi = int(ids.min()), int(ids.max())
-    if lo < 0 or hi >= vocab:
-        bad = lo if lo < 0 else hi
-        raise DatumError(
-            f"datum {i}: {what} contains token id {bad}, outside the vocabulary [0, {vocab})"
-        )
+class DatumLike(Protocol):
+    """A decoded datum: the flattened model_input and the dense loss inputs."""
+
+    @property
+    def tokens(self) -> Sequence[int]: ...
+    @property
+    def inputs(self) -> dict[str, Tensor]: ...
 
 
-def check_datum(
-    i: int,
-    tokens: Sequence[int],
-    inputs: dict[str, Tensor],
-    required: Sequence[str],
-    *,
-    vocab: int,
-    max_len: int,
-) -> CheckedDatum:
-    n = len(tokens)
-    if n == 0:
-        raise DatumError(f"datum {i}: model_input is empty")
-    if n > max_len:
-        raise DatumError(
-            f"datum {i}: model_input has {n} tokens, more than the model's max context "
-            f"length {max_len}"
-        )
-    tok = torch.tensor(list(tokens), dtype=torch.long)
-    _check_ids(i, "model_input", tok, vocab)
-    missing = [k for k in required if k not in inputs]
-    if missing:
-        raise DatumError(
-            f"datum {i}: missing loss input(s) {missing}; this loss needs {list(required)}"
-        )
-    checked: dict[str, Tensor] = {}
-    for key, value in inputs.items():
-        if key != "target_tokens" and key not in _FLOAT_KEYS:
-            continue  # not used by any loss: accepted and ignored, like the hosted service
-        t = _as_1d(i, key, value, n)
-        if key == "target_tokens":
-            if t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+@dataclass
+class _Column:
+    """One loss input across a request: the datums that have it, and their values."""
+
+    owners: list[int] = field(default_factory=list)
+    parts: list[Tensor] = field(default_factory=list)
+
+
+def check_data(
+    data: Sequence[DatumLike], required: Sequence[str], *, vocab: int, max_len: int
+) -> list[CheckedDatum]:
+    """Validate every datum of a request and return them as tensors. Lengths, keys and
+    shapes are checked datum by datum; token ids and float values over the whole request
+    at once (a pass per datum costs more than training the small default model)."""
+    lengths: list[int] = []
+    columns: dict[str, _Column] = {}
+    for i, d in enumerate(data):
+        n = len(d.tokens)
+        if n == 0:
+            raise DatumError(f"datum {i}: model_input is empty")
+        if n > max_len:
+            raise DatumError(
+                f"datum {i}: model_input has {n} tokens, more than the model's max context "
+                f"length {max_len}"
+            )
+        missing = [k for k in required if k not in d.inputs]
+        if missing:
+            raise DatumError(
+                f"datum {i}: missing loss input(s) {missing}; this loss needs {list(required)}"
+            )
+        lengths.append(n)
+        for key, value in d.inputs.items():
+            if key != "target_tokens" and key not in _FLOAT_KEYS:
+                continue  # not used by any loss: accepted and ignored, like the hosted service
+            t = _as_1d(i, key, value, n)
+            if key == "target_tokens" and (
+                t.is_floating_point() or t.is_complex() or t.dtype == torch.bool
+            ):
                 raise DatumError(f"datum {i}: target_tokens must be integers, got dtype {t.dtype}")
-            t = t.to(torch.long)
-            _check_ids(i, "target_tokens", t, vocab)
+            column = columns.setdefault(key, _Column())
+            column.owners.append(i)
+            column.parts.append(t)
+    tokens = _token_ids(data, lengths, vocab)
+    inputs: list[dict[str, Tensor]] = [{} for _ in data]
+    for key, column in columns.items():
+        sizes = [lengths[i] for i in column.owners]
+        if key == "target_tokens":
+            flat = torch.cat(column.parts).to(torch.long)
+            _check_ids(flat, "target_tokens", vocab, column.owners, sizes)
         else:
-            t = t.to(torch.float32)
-            if not bool(torch.isfinite(t).all()):
-                raise DatumError(f"datum {i}: loss input {key!r} contains NaN or infinity")
-        checked[key] = t
-    return CheckedDatum(tok, checked)
+            flat = torch.cat(column.parts).to(torch.float32)
+            finite = torch.isfinite(flat)
+            if not bool(finite.all()):
+                bad = column.owners[_datum_at(int((~finite).int().argmax()), sizes)]
+                raise DatumError(f"datum {bad}: loss input {key!r} contains NaN or infinity")
+        for i, part in zip(column.owners, flat.split(sizes), strict=True):
+            inputs[i][key] = part
+    return [CheckedDatum(tok, inp) for tok, inp in zip(tokens, inputs, strict=True)]
+
+
+def _token_ids(data: Sequence[DatumLike], lengths: list[int], vocab: int) -> list[Tensor]:
+    """Each datum's model_input as an int64 tensor, every id checked."""
+    try:
+        flat = torch.tensor([t for d in data for t in d.tokens], dtype=torch.long)
+    except (TypeError, ValueError, OverflowError):  # not an int64: find it for the message
+        for i, d in enumerate(data):
+            for t in d.tokens:
+                if not (isinstance(t, int) and 0 <= t < vocab):
+                    raise DatumError(
+                        f"datum {i}: model_input contains token id {t!r}, outside the "
+                        f"model's vocabulary [0, {vocab})"
+                    ) from None
+        raise
+    _check_ids(flat, "model_input", vocab, range(len(data)), lengths)
+    return list(flat.split(lengths))
+
+
+def _check_ids(
+    ids: Tensor, what: str, vocab: int, owners: Sequence[int], sizes: Sequence[int]
+) -> None:
+    """``ids`` holds the datums ``owners`` one after another, ``sizes`` ids each."""
+    outside = (ids < 0) | (ids >= vocab)
+    if bool(outside.any()):
+        at = int(outside.int().argmax())
+        raise DatumError(
+            f"datum {owners[_datum_at(at, sizes)]}: {what} contains token id {int(ids[at])}, "
+            f"outside the model's vocabulary [0, {vocab})"
+        )
+
+
+def _datum_at(index: int, sizes: Sequence[int]) -> int:
+    """Which of consecutive runs of ``sizes`` elements holds element ``index``."""
+    return bisect.bisect_right(list(itertools.accumulate(sizes)), index)
 
 
 def micro_batches(data: Sequence[CheckedDatum], vocab: int, budget: int) -> list[list[int]]:

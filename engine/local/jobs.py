@@ -41,8 +41,6 @@ class Job:
 
 @dataclass(frozen=True)
 class ModelLimits:
-    vocab_size: int | None
-    max_context: int
     max_datums: int
     max_tokens: int
 
@@ -77,7 +75,7 @@ def forward_job(
             raise WireError(f"loss_fn_config[{key!r}] must be a finite number")
 
     def run() -> dict[str, Any]:
-        data = datums_of(inp.data, vocab_size=limits.vocab_size, max_context=limits.max_context)
+        data = datums_of(inp.data)
         result = backend.forward_backward(
             model_id, data, inp.loss_fn, inp.loss_fn_config, backward=backward
         )

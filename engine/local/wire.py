@@ -283,10 +283,6 @@ def tensor_of(td: TensorDataW, where: str, length: int) -> torch.Tensor:
             f"{where} has shape {declared} but must be [{length}] (one value per model_input "
             "token; the client aligns targets, the server does not shift)"
         )
-    if td.dtype == "int64" and not all(isinstance(v, int) for v in td.data):
-        raise WireError(f"{where} has dtype int64 but non-integer values")
-    if td.dtype == "float32" and not all(math.isfinite(v) for v in td.data):
-        raise WireError(f"{where} contains NaN or infinite values")
     if td.sparse_crow_indices is not None or td.sparse_col_indices is not None:
         raise WireError(
             f"{where} is sparse CSR, which encodes 2-D tensors; loss_fn_inputs are 1-D "
@@ -296,32 +292,29 @@ def tensor_of(td: TensorDataW, where: str, length: int) -> torch.Tensor:
         raise WireError(
             f"{where}.shape [{length}] needs {length} values but data has {len(td.data)}"
         )
-    return torch.tensor(td.data, dtype=dtype)
+    if dtype != torch.int64 or not td.data:
+        return torch.tensor(td.data, dtype=dtype)  # NaN and infinity: the backend's check
+    try:
+        values = torch.tensor(td.data)  # a list holding any float becomes a float tensor
+    except (ValueError, OverflowError):
+        raise WireError(f"{where} holds a value outside the range of int64") from None
+    if values.is_floating_point():
+        raise WireError(f"{where} has dtype int64 but non-integer values")
+    return values
 
 
-def datums_of(
-    data: list[DatumW], *, vocab_size: int | None, max_context: int, where: str = "data"
-) -> list[DatumIn]:
-    """Backend datums; every loss_fn_input must be 1-D and as long as its model_input."""
+def datums_of(data: list[DatumW], *, where: str = "data") -> list[DatumIn]:
+    """Backend datums; every loss_fn_input must be 1-D and as long as its model_input.
+    What the values mean (token ids in the vocabulary, finite floats, the context
+    length) is the backend's check (``engine.local.datums.check_data``)."""
     out: list[DatumIn] = []
     for i, datum in enumerate(data):
         here = f"{where}[{i}]"
         tokens = tokens_of(datum.model_input, f"{here}.model_input")
-        if not tokens:
-            raise WireError(f"{here}.model_input is empty")
-        if len(tokens) > max_context:
-            raise WireError(
-                f"{here}.model_input has {len(tokens)} tokens, more than the model's "
-                f"max_context_length {max_context}"
-            )
-        check_token_ids(tokens, vocab_size, f"{here}.model_input")
-        inputs: dict[str, torch.Tensor] = {}
-        for name, td in datum.loss_fn_inputs.items():
-            inputs[name] = tensor_of(td, f"{here}.loss_fn_inputs.{name}", len(tokens))
-        if "target_tokens" in inputs:
-            check_token_ids(
-                inputs["target_tokens"].tolist(), vocab_size, f"{here}.loss_fn_inputs.target_tokens"
-            )
+        inputs = {
+            name: tensor_of(td, f"{here}.loss_fn_inputs.{name}", len(tokens))
+            for name, td in datum.loss_fn_inputs.items()
+        }
         out.append(DatumIn(tokens=tokens, inputs=inputs))
     return out
 

@@ -252,8 +252,6 @@ class TrainingOps:
     def _build_job(self, endpoint: str, model: ModelState, body: Any) -> Job:
         core = self.core
         limits = ModelLimits(
-            vocab_size=core.card.vocab_size,
-            max_context=core.card.max_context,
             max_datums=core.config.limits.max_datums,
             max_tokens=core.config.limits.max_request_tokens,
         )

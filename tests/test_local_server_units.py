@@ -4,9 +4,12 @@ checkpoint paths and the compute thread."""
 
 from __future__ import annotations
 
+import contextlib
 import re
+import sys
 import threading
 import time
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import anyio
@@ -14,7 +17,11 @@ import anyio.lowlevel
 import jwt
 import pytest
 
+from engine.local import launch
+from engine.local.__main__ import GIL_SWITCH_INTERVAL_S
+from engine.local.__main__ import main as cli_main
 from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
+from engine.local.backend import BackendError
 from engine.local.compute import ComputeThread
 from engine.local.config import (
     DEFAULT_MODEL_DIR,
@@ -486,3 +493,26 @@ async def test_a_response_written_in_parts_leaves_in_one_write_after_the_loop_tu
     assert gathered.get_extra_info("socket") == "info socket"
     await asyncio.sleep(0)
     assert len(real.writes) == 2
+
+
+def test_the_server_cli_makes_waiting_threads_take_the_gil_within_a_millisecond(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """With the default 5 ms switch interval the server's event loop read a step's sample
+    requests up to ~45 ms late, behind its compute threads (performance.md, item 15).
+    ``serve_local`` itself never sets it: it also serves inside a user's process."""
+    switched: list[float] = []
+    served_with: list[list[float]] = []
+    monkeypatch.setattr(sys, "setswitchinterval", switched.append)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    @contextlib.asynccontextmanager
+    async def no_model(**_: object) -> AsyncIterator[None]:
+        served_with.append(list(switched))
+        raise BackendError("no model in this test")
+        yield
+
+    monkeypatch.setattr(launch, "serve_local", no_model)
+    assert cli_main(["--ephemeral"]) == 1
+    assert served_with == [[GIL_SWITCH_INTERVAL_S]] and GIL_SWITCH_INTERVAL_S <= 0.001
+    assert "cannot load the model: no model in this test" in capsys.readouterr().err

@@ -40,6 +40,14 @@ from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
 from engine.local.pretrained import PRETRAINED
 
+GIL_SWITCH_INTERVAL_S = 0.001
+"""The server's event loop shares the GIL with its compute and sampler threads, whose
+torch ops give it up and take it back all the time; a thread waiting for it forces a
+switch only after the interval (5 ms by default), so every step of reading a request
+could wait that long behind them. At 32x8x16 a step's sample requests were read up to
+~45 ms after they were sent; 1 ms brought the pace from 1.34 to 1.16 cycles/step over
+six interleaved pairs (docs/performance.md, item 15)."""
+
 _EPILOG = """\
 fault spec (--faults): comma-separated rules KIND[~PHASE][@ENDPOINT|...]:TRIGGER and options
   KIND     500 503 429 408 drop slow (HTTP level), 410 (retrieve_future), fail (the future fails)
@@ -330,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     from engine.local.launch import serve_local
 
     async def run() -> None:
+        sys.setswitchinterval(GIL_SWITCH_INTERVAL_S)
         with anyio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
             async with serve_local(config=config) as server:
                 # Everything alive now (torch, the model, the app) lives as long as the

@@ -342,7 +342,7 @@ def test_a_stop_during_the_step_0_checkpoint_still_checkpoints_at_once(
 
     async def go() -> None:
         async with Engine(config) as engine:
-            save = engine.session.submit_checkpoint  # step-0's, reserved first
+            save = engine.session.submit_checkpoint  # step-0's: as step 0 starts training
 
             async def stop_while_saving(*args: Any, **kwargs: Any) -> PendingCheckpoint:
                 engine.request_stop()
@@ -354,8 +354,9 @@ def test_a_stop_during_the_step_0_checkpoint_still_checkpoints_at_once(
 
     anyio.run(go)
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    # Step 0 had begun when the stop came: it finishes, and the stop checkpoints after it.
     assert summary["stopped"] == {
         "reason": "interrupt",
-        "checkpoint_step": 0,
+        "checkpoint_step": 1,
         "checkpoint_written": True,
     }

@@ -322,6 +322,9 @@ async def test_a_fresh_run_samples_step_0_while_its_step_0_checkpoint_saves(
             tg.start_soon(release_once_sampling)
             await engine.run()
     assert session.index(("base_sampler", 0)) < session.index(("sample", 0))
+    # Reserved right before step 0's first training call: both start the server's clock.
+    checkpoint_0 = session.index(("checkpoint", 0))
+    assert session.log[checkpoint_0 + 1] == ("forward_backward", 1)
     # Recorded first, though saved while step 1 was sampled and trained.
     assert checkpoint_steps(tmp_path / "run") == [(0, "periodic"), (2, "periodic"), (4, "final")]
     assert [e for e in session.log if e[0] == "restore"] == []

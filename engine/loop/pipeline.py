@@ -247,7 +247,10 @@ class Pipeline:
         renderer: PromptRenderer | None = None,
         evaluate: Evaluator | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,
+        before_training: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
+        """``before_training`` is awaited once, right before the first call that trains
+        (the first step's first submission)."""
         if config.training.learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
         self._config = config
@@ -272,6 +275,7 @@ class Pipeline:
         self._renderer = renderer or PromptRenderer(task, session.tokenizer)
         self._evaluate = evaluate
         self._on_reward_error = on_reward_error
+        self._before_training = before_training
         context = session.info.max_context
         self._max_prompt = context - config.sampling.max_tokens if context is not None else None
         stop_strings, stop_token_ids = self._renderer.stops(stop_at_eos=config.sampling.stop_at_eos)
@@ -572,6 +576,9 @@ class Pipeline:
             return
         await self._in_flight.acquire()
         await self._gate.begin_step(assembly.ticket.step)
+        if self._before_training is not None:
+            before, self._before_training = self._before_training, None
+            await before()
         assembly.train_start = self._clock()
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:

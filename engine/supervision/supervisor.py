@@ -24,6 +24,7 @@ its end and is the one place that decides what happens when something goes wrong
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
@@ -222,11 +223,13 @@ class Supervisor:
         baseline = self._outputs.evaluator if resumed is None else None
         fresh = resumed is None and cfg.model.init_from is None  # a new LoRA: its base's weights
         while True:
+            before_training: Callable[[], Awaitable[None]] | None = None
             if checkpoint is None and fresh:
                 # Step 0 samples from the base model at once; the step-0 checkpoint
-                # (recovery's base) saves behind it and is recorded before any step.
-                pending = await session.submit_checkpoint(0, checkpoint_name(0))
-                self._initial = (pending, state)
+                # (recovery's base) is reserved right before step 0's training calls, so
+                # that both start the server's clock together, and is recorded before
+                # any step.
+                before_training = functools.partial(self._reserve_step_0_checkpoint, state)
                 sampler = await session.open_base_sampler()
             else:
                 if checkpoint is None or checkpoint.sampler_path is None:
@@ -254,6 +257,7 @@ class Supervisor:
                 renderer=self._outputs.renderer,
                 evaluate=self._outputs.evaluator,
                 on_reward_error=self._reward_failed,
+                before_training=before_training,
             )
             try:
                 return await pipeline.run()
@@ -264,6 +268,10 @@ class Supervisor:
             self._initial = None  # the abandoned client's, if still unsaved
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
+
+    async def _reserve_step_0_checkpoint(self, state: LoopState) -> None:
+        pending = await self._session.submit_checkpoint(0, checkpoint_name(0))
+        self._initial = (pending, state)
 
     def _reward_failed(self, error: RewardError) -> None:
         """Keep the reward's traceback in events.jsonl (the console shows one line; with

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -47,7 +48,10 @@ def test_sync_flow_with_a_tml_key(server: LocalServer, service: mint.ServiceClie
     assert [m.model_name for m in caps.supported_models] == [server.model_name]
     tc = service.create_lora_training_client(base_model=server.model_name, rank=8, seed=1)
     info = tc.get_info()
-    assert info.model_data.tokenizer_id == str(server.running.model_dir) and info.lora_rank == 8
+    assert info.lora_rank == 8
+    # The tokenizer as filed in the hub cache (engine.local.tokenizer_cache), by its path.
+    filed = Path(info.model_data.tokenizer_id)
+    assert filed.parent.name == "snapshots" and (filed / "tokenizer.json").is_file()
     tokenizer = tc.get_tokenizer()
     data = [sft_datum(tokenizer, QUESTION, " 42"), sft_datum(tokenizer, QUESTION, " 42</s>")]
 

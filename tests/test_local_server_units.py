@@ -5,8 +5,11 @@ checkpoint paths and the compute thread."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
+import subprocess
 import sys
+import textwrap
 import threading
 import time
 from collections.abc import AsyncIterator
@@ -24,6 +27,7 @@ from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
 from engine.local.backend import BackendError
 from engine.local.compute import ComputeThread
 from engine.local.config import (
+    AGENT_MODEL_DIR,
     DEFAULT_MODEL_DIR,
     Limits,
     ServerConfig,
@@ -392,6 +396,53 @@ def test_the_tokenizer_is_filed_under_the_model_name_and_never_shadows_a_real_en
     assert register_tokenizer("../x", DEFAULT_MODEL_DIR, cache) is None
 
 
+@pytest.mark.parametrize("model_dir", [DEFAULT_MODEL_DIR, AGENT_MODEL_DIR])
+def test_an_engine_models_filed_tokenizer_loads_as_its_own_without_the_model_classes(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The filed config names only the tokenizer class: loading the tokenizer from the
+    snapshot (what ``get_info`` gives clients) must not import the model's configuration
+    class and everything behind it (~1 s of client start-up), and must give the same
+    tokenizer as the model directory."""
+    snapshot = register_tokenizer("engine-local/filed", model_dir, tmp_path / "hub")
+    assert snapshot is not None
+    assert json.loads((snapshot / "config.json").read_text()) == {
+        "tokenizer_class": "TokenizersBackend"
+    }
+    probe = textwrap.dedent(
+        f"""
+        import json, sys
+        from transformers import AutoTokenizer
+        chat = [{{"role": "user", "content": "What is 1 + 2?"}}]
+        def describe(where):
+            tok = AutoTokenizer.from_pretrained(where)
+            ids = tok.encode("Question: What is 12 + 30?\\nAnswer: 42</s>")
+            return [type(tok).__name__, ids, tok.decode(ids), tok.vocab_size,
+                    tok.bos_token_id, tok.eos_token_id, tok.pad_token_id,
+                    tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)]
+        filed = describe({str(snapshot)!r})
+        light = "transformers.models.llama.configuration_llama" not in sys.modules
+        print(json.dumps([light, filed, describe({str(model_dir)!r})]))
+        """
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=300
+    )
+    light, filed, direct = json.loads(out.stdout.strip().splitlines()[-1])
+    assert light, "loading the filed tokenizer imported the model's configuration class"
+    assert filed == direct
+
+
+def test_a_model_not_made_by_the_engine_files_its_own_config(tmp_path: Path) -> None:
+    model_dir = tmp_path / "model"
+    model_dir.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json"):
+        (model_dir / name).write_bytes((DEFAULT_MODEL_DIR / name).read_bytes())
+    snapshot = register_tokenizer("someone/model", model_dir, tmp_path / "hub")
+    assert snapshot is not None
+    assert (snapshot / "config.json").read_bytes() == (model_dir / "config.json").read_bytes()
+
+
 @pytest.mark.parametrize(
     ("change", "message"),
     [
@@ -408,7 +459,7 @@ def test_the_tokenizer_is_filed_under_the_model_name_and_never_shadows_a_real_en
     ],
 )
 def test_sample_requests_are_checked_in_one_place(change: dict[str, object], message: str) -> None:
-    card = ModelCard("tiny", DEFAULT_MODEL_DIR, 256, None, 1000, {})
+    card = ModelCard("tiny", DEFAULT_MODEL_DIR, 256, None, 1000, {}, DEFAULT_MODEL_DIR)
     body: dict[str, object] = {
         "prompt": {"chunks": [{"tokens": [1, 2, 3], "type": "encoded_text"}]},
         "sampling_params": {"max_tokens": 4},

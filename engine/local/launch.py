@@ -162,11 +162,15 @@ async def serve_local(
                 config.model_dir, model_name=config.model_name, num_threads=config.num_threads
             )
         )
-        await anyio.to_thread.run_sync(register_tokenizer, backend.model_name, backend.model_dir)
+        tokenizer_dir = await anyio.to_thread.run_sync(
+            register_tokenizer, backend.model_name, backend.model_dir
+        )
         sock = _bind(config.host, config.port)
         try:
             async with anyio.create_task_group() as tg:
-                service = LocalService(config, backend, compute, data_path, now=now)
+                service = LocalService(
+                    config, backend, compute, data_path, now=now, tokenizer_dir=tokenizer_dir
+                )
                 await tg.start(service.run)
                 auth = Authenticator(config.api_key, jwt_ttl_s=config.jwt_ttl_s)
                 uv = _EmbeddedUvicorn(

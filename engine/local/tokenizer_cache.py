@@ -9,17 +9,24 @@ cache's own layout (``models--org--name/refs/main`` -> ``snapshots/<hash>/``).
 It never shadows a real model: an entry is written only where the cache has none of
 that name or where an earlier server wrote it (marked by ``MARKER``). Aliases
 (``--model-alias``, e.g. a hosted model's name) are never registered.
+
+``TrainingClient.get_tokenizer()`` loads the ``tokenizer_id`` that ``get_info`` gives: the
+filed snapshot directory when there is one (its ``config.json`` may be lighter than the
+model's, see :func:`filed_config`), else the model directory.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
+
+from engine.local.pretrained import METADATA_FILE
 
 log = logging.getLogger("engine.local")
 
@@ -31,8 +38,10 @@ TOKENIZER_FILES = (
     "chat_template.jinja",
     "vocab.json",
     "merges.txt",
-    "config.json",
 )
+MODEL_CONFIG = "config.json"
+"""Filed beside the tokenizer: ``AutoTokenizer`` reads it (see :func:`filed_config`)."""
+GENERIC_TOKENIZER = "TokenizersBackend"
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -48,11 +57,14 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
     repo = cache_dir / f"models--{name.replace('/', '--')}"
     if repo.exists() and not (repo / MARKER).is_file():
         return None  # a real cached model of that name: leave it alone
-    files = [model_dir / f for f in TOKENIZER_FILES if (model_dir / f).is_file()]
+    files = {f: (model_dir / f).read_bytes() for f in TOKENIZER_FILES if (model_dir / f).is_file()}
+    config = filed_config(model_dir)
+    if config is not None:
+        files[MODEL_CONFIG] = config
     digest = hashlib.sha1()
-    for file in files:
-        digest.update(file.name.encode())
-        digest.update(file.read_bytes())
+    for file_name, content in files.items():
+        digest.update(file_name.encode())
+        digest.update(content)
     revision = digest.hexdigest()
     snapshot = repo / "snapshots" / revision
     try:
@@ -64,8 +76,8 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
             (repo / "snapshots").mkdir(exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=f".{revision}.", dir=repo / "snapshots"))
             try:
-                for file in files:
-                    shutil.copyfile(file, tmp / file.name)
+                for file_name, content in files.items():
+                    (tmp / file_name).write_bytes(content)
                 os.replace(tmp, snapshot)
             except OSError:
                 if not snapshot.is_dir():
@@ -78,3 +90,28 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
         log.warning("cannot file the tokenizer in the hub cache %s: %s", cache_dir, exc)
         return None
     return snapshot
+
+
+def filed_config(model_dir: Path) -> bytes | None:
+    """The ``config.json`` filed with the tokenizer: the model's own, or for the engine's
+    own models (``engine_model.json``) whose tokenizer is the generic ``TokenizersBackend``
+    (built from ``tokenizer.json`` alone) one that names only that class.
+
+    ``AutoTokenizer`` loads the config's model class to choose a tokenizer class; for a
+    Llama config that imports ~1 s of modules a tokenizer never uses (activations, weight
+    loading, ``torch.distributed``, ``accelerate``) in every client. A config without a
+    model type is read as a generic one, and the declared class is used as it is. Other
+    models keep their config: for a few model types transformers overrides the declared
+    tokenizer class by it."""
+    if (model_dir / METADATA_FILE).is_file() and _declared_class(model_dir) == GENERIC_TOKENIZER:
+        return json.dumps({"tokenizer_class": GENERIC_TOKENIZER}).encode()
+    own = model_dir / MODEL_CONFIG
+    return own.read_bytes() if own.is_file() else None
+
+
+def _declared_class(model_dir: Path) -> object:
+    try:
+        declared = json.loads((model_dir / "tokenizer_config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return declared.get("tokenizer_class") if isinstance(declared, dict) else None

@@ -588,8 +588,7 @@ async def _import_tokenizer_library() -> None:
 
     def load() -> None:
         with contextlib.suppress(ImportError):  # get_tokenizer will say what is missing
-            import transformers.models.auto.tokenization_auto
-            import transformers.utils.type_validators  # noqa: F401  (from_pretrained's)
+            import transformers.models.auto.tokenization_auto  # noqa: F401
 
     await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
 

@@ -57,8 +57,11 @@ class LocalService:
         data_dir: Path,
         *,
         now: Callable[[], float] = time.time,
+        tokenizer_dir: Path | None = None,
     ) -> None:
-        self.core = Core(config, backend, compute, data_dir, now)
+        """``tokenizer_dir``: where clients load the tokenizer from (the model directory
+        when None; see ``engine.local.tokenizer_cache``)."""
+        self.core = Core(config, backend, compute, data_dir, now, tokenizer_dir)
         self.checkpoints = CheckpointStore(self.core)
         self.resources = Resources(self.core)
         self.sampling = SamplingOps(self.core, self.checkpoints, self.resources)

@@ -67,9 +67,11 @@ class ModelCard:
     vocab_size: int | None
     entry: dict[str, Any]
     """Its ``get_server_capabilities`` entry (with the recommended RL settings)."""
+    tokenizer_dir: Path
+    """What ``get_info`` gives clients as the ``tokenizer_id`` to load."""
 
     @classmethod
-    def read(cls, backend: Backend) -> ModelCard:
+    def read(cls, backend: Backend, tokenizer_dir: Path | None = None) -> ModelCard:
         arch: str | None = None
         vocab: int | None = None
         config_file = Path(backend.model_dir) / "config.json"
@@ -89,6 +91,7 @@ class ModelCard:
             arch,
             vocab,
             entry,
+            tokenizer_dir or Path(backend.model_dir),
         )
 
 
@@ -113,6 +116,7 @@ class Core:
         compute: ComputeThread,
         data_dir: Path,
         now: Callable[[], float],
+        tokenizer_dir: Path | None = None,
     ) -> None:
         self.config = config
         self.backend = backend
@@ -120,7 +124,7 @@ class Core:
         self.data_dir = data_dir
         self.now = now
         """Wall clock (epoch seconds) for TTLs, heartbeats and timestamps; injectable."""
-        self.card = ModelCard.read(backend)
+        self.card = ModelCard.read(backend, tokenizer_dir)
         limits = config.limits
         self.futures = FutureStore(
             max_pending=limits.max_pending_futures, max_retained=limits.max_retained_results

@@ -159,7 +159,7 @@ class TrainingOps:
             "model_data": {
                 "arch": card.arch,
                 "model_name": model.base_model,
-                "tokenizer_id": str(card.directory),
+                "tokenizer_id": str(card.tokenizer_dir),
             },
             "is_lora": True,
             "lora_rank": model.spec.rank,

@@ -120,6 +120,12 @@ def test_int64_loss_inputs_must_hold_int64_values(values: list[Any], message: st
         datums_of([_datum(4, target_tokens=targets)])
 
 
+def test_a_float_loss_input_beyond_any_float_is_a_wire_error() -> None:
+    weights = {"data": [1.0, 10**400, 1.0, 1.0], "dtype": "float32", "shape": [4]}
+    with pytest.raises(WireError, match="weights holds a value outside the range of float32"):
+        datums_of([_datum(4, weights=weights)])
+
+
 # ---- sequencer: implausible seq_ids and gaps -------------------------------------------
 
 

@@ -292,12 +292,12 @@ def tensor_of(td: TensorDataW, where: str, length: int) -> torch.Tensor:
         raise WireError(
             f"{where}.shape [{length}] needs {length} values but data has {len(td.data)}"
         )
-    if dtype != torch.int64 or not td.data:
-        return torch.tensor(td.data, dtype=dtype)  # NaN and infinity: the backend's check
     try:
+        if dtype != torch.int64 or not td.data:
+            return torch.tensor(td.data, dtype=dtype)  # NaN and infinity: the backend's check
         values = torch.tensor(td.data)  # a list holding any float becomes a float tensor
     except (ValueError, OverflowError):
-        raise WireError(f"{where} holds a value outside the range of int64") from None
+        raise WireError(f"{where} holds a value outside the range of {td.dtype}") from None
     if values.is_floating_point():
         raise WireError(f"{where} has dtype int64 but non-integer values")
     return values

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import itertools
 import random
 
 import pytest
 import torch
 from backend_util import assert_close_rel, lora_params, new_backend
 
+from engine.local import prefix
 from engine.local.backend import AdapterSpec, Backend, DatumIn
 from engine.local.datums import CheckedDatum, check_data
 from engine.local.prefix import plan_prefixes
@@ -68,6 +70,16 @@ def test_plan_groups_datums_by_prompt(backend: Backend) -> None:
         assert plan.prefix_lens[g] < len(data[i].tokens)  # a suffix token is always left
         lead = data[plan.leads[g]].tokens
         assert data[i].tokens[: plan.prefix_lens[g]] == lead[: plan.prefix_lens[g]]
+    # packed, each group's row is its prefix and then its datums' suffixes side by side
+    spans: dict[int, list[tuple[int, int]]] = {}
+    for i, (g, start) in enumerate(zip(plan.group_of.tolist(), plan.starts.tolist(), strict=True)):
+        end = start + len(data[i].tokens) - plan.prefix_lens[g]
+        assert plan.prefix_lens[g] <= start < end <= plan.packed_width
+        spans.setdefault(g, []).append((start, end))
+    for g, row in spans.items():
+        row.sort()
+        assert row[0][0] == plan.prefix_lens[g]
+        assert all(end == start for (_, end), (start, _) in itertools.pairwise(row))
 
 
 def test_unrelated_datums_run_the_plain_forward(backend: Backend) -> None:
@@ -82,15 +94,29 @@ def test_unrelated_datums_run_the_plain_forward(backend: Backend) -> None:
     assert plan_prefixes(_checked(backend, data)) is None
 
 
+def _must_not_run(*args: object) -> None:
+    raise AssertionError("the other layout ran")
+
+
+@pytest.mark.parametrize("layout", ["packed", "cached"])
 @pytest.mark.parametrize(
     ("loss_fn", "config"),
     [("importance_sampling", None), ("dro", {"beta": 0.3}), ("cross_entropy", None)],
 )
 def test_shared_prefix_forward_matches_plain(
-    backend: Backend, loss_fn: str, config: dict[str, float] | None
+    backend: Backend,
+    loss_fn: str,
+    config: dict[str, float] | None,
+    layout: str,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     data = _group_batch(backend.vocab_size, seed=3)
-    assert plan_prefixes(_checked(backend, data)) is not None
+    plan = plan_prefixes(_checked(backend, data))
+    assert plan is not None and plan.packed_width <= prefix.PACKED_ROW_WIDTH
+    if layout == "cached":
+        monkeypatch.setattr(prefix, "PACKED_ROW_WIDTH", plan.packed_width - 1)
+    other = "_packed_logprobs" if layout == "cached" else "_cached_logprobs"
+    monkeypatch.setattr(prefix, other, _must_not_run)
     results, grads = [], []
     for share in (False, True):
         backend.share_prefixes = share

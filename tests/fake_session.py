@@ -102,6 +102,10 @@ class FakeSession:
         self._submitted_optims += 1
         ticket.optim = self._submitted_optims
 
+    async def delivered(self, step: int) -> None:
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("delivered", step))
+
     async def submit_snapshot(self, version: int) -> PendingSnapshot:
         await anyio.lowlevel.checkpoint()
         self.log.append(("snapshot", version))

@@ -352,7 +352,9 @@ class ProblemLog(FakeSession):
 async def test_a_step_starts_sampling_once_the_step_ahead_of_it_is_submitted(k: int) -> None:
     """Two steps admitted together (K >= 1 lets steps 1 and 2 both sample on version 0)
     sample one after the other: the second step's requests would otherwise compete with
-    the first's for the sampler and the client, and both miss the clock tick."""
+    the first's for the sampler and the client, and both miss the clock tick. It waits
+    until the first step's calls have reached the server, not only until they are
+    submitted: its requests would otherwise queue in the SDK ahead of them."""
     session = ProblemLog()
     cfg = config(steps=5, batch=2, max_steps_off_policy=k)
     assert cfg.pipeline.sample_ahead is None  # auto: 0 for a reward task
@@ -360,4 +362,5 @@ async def test_a_step_starts_sampling_once_the_step_ahead_of_it_is_submitted(k: 
     assert [r.step for r in results] == [1, 2, 3, 4, 5]
     for step in range(1, 5):  # 0-based step s samples problems 2s and 2s + 1
         first_sample = min(session.index(("problem", 2 * step + i)) for i in (0, 1))
-        assert session.index(("optim_step", step)) < first_sample
+        delivered = session.index(("delivered", step))
+        assert session.index(("optim_step", step)) < delivered < first_sample

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import time
 from pathlib import Path
 
+import anyio
 import httpx
 import pytest
 import tinker
@@ -18,8 +20,14 @@ from engine.config import EngineConfig
 from engine.errors import ConfigError, classify, retry_after
 from engine.local import LocalServer
 from engine.session import sdks
-from engine.session.mint import LOOPBACK_IDLE_CONNECTIONS, MintSession, loopback_http_client
-from engine.session.opening import adapter_class
+from engine.session.adapter import settled
+from engine.session.mint import (
+    LOOPBACK_IDLE_CONNECTIONS,
+    MintSession,
+    loopback_http_client,
+    reserve_sampler_snapshot,
+)
+from engine.session.opening import adapter_class, open_session, service_guard
 from tests.hosted_env import run_without
 from tests.test_install import clean_env, one_error_line
 
@@ -78,6 +86,41 @@ def test_the_mint_adapters_private_sdk_calls_still_exist() -> None:
     assert list(impl.parameters) == ["self", "name", "ttl_seconds"]
     assert "self.holder = InternalClientHolder(" in inspect.getsource(tinker.ServiceClient.__init__)
     assert list(inspect.signature(InternalClientHolder.close).parameters) == ["self"]
+
+
+def test_delivered_returns_once_the_server_has_answered_every_call_submitted_so_far(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A step's three calls, submitted back to back, reach the server a round trip apart
+    (the SDK posts each once the one before it is answered); ``delivered`` waits for the
+    last, here the snapshot, whose answer the server holds back for a second."""
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    key = "tml-delivered"
+    with LocalServer(api_key=key, faults="slow_s=1,slow@save_weights_for_sampler:at=1") as server:
+
+        async def check() -> None:
+            config = EngineConfig(base_url=server.base_url, api_key=key, lora_rank=8)
+            async with open_session(config, guard=service_guard(config)) as session:
+                training = session._training
+                datum = types.Datum(
+                    model_input=types.ModelInput.from_ints([1, 40, 41]),
+                    loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [0.0, 1.0, 1.0]},
+                )
+                submitted = time.monotonic()
+                results = [
+                    await training.forward_backward_async([datum], "cross_entropy"),
+                    await training.optim_step_async(types.AdamParams(learning_rate=1e-3)),
+                    reserve_sampler_snapshot(training, "delivered"),
+                ]
+                await session.delivered(1)
+                assert time.monotonic() - submitted >= 1.0
+                faults = server.stats.faults_injected
+                assert faults == {"slow": 1, "slow@save_weights_for_sampler": 1}
+                for result in results:
+                    await settled(result)
+                await session.delivered(1)  # nothing pending: at once
+
+        anyio.run(check)
 
 
 def connections_to(port: int) -> set[int]:

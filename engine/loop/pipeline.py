@@ -526,6 +526,10 @@ class Pipeline:
                     # Behind it too: it saves exactly the steps trained so far.
                     checkpoint = await self._session.submit_checkpoint(done, checkpoint_name(done))
                 trained = (*trained, *(g.problem.id for g in groups))
+                if self._sample_ahead is not None:
+                    # The next step's sample requests would queue in the SDK ahead of this
+                    # step's calls, which it posts a round trip apart: let them land first.
+                    await self._session.delivered(done)
                 self._submitted.reached(done)
                 state = LoopState(
                     next_step=done,

@@ -311,6 +311,28 @@ class SdkSession:
 
         ticket.optim = await self._step_call(ticket.step, go, completes=False)
 
+    async def delivered(self, step: int) -> None:
+        """The SDK posts a training client's calls one at a time, each once the server
+        has answered the one before (its "turn"), so calls submitted together reach the
+        server a round trip apart, and behind whatever else the SDK's thread is sending.
+        Both generations number the calls as they are submitted (``_request_id_counter``)
+        and count the turns taken (``_turn_counter``, waking ``_turn_waiters`` on its own
+        event loop); tests/test_session_sdks.py checks this for both."""
+        training = self._training
+        submitted: int = training._request_id_counter
+
+        async def turns_taken() -> None:  # on the SDK's event loop
+            if training._turn_counter < submitted:
+                event = asyncio.Event()
+                training._turn_waiters.setdefault(submitted, []).append(event)
+                await event.wait()
+
+        async def wait() -> None:
+            loop = training.holder.get_loop()
+            await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(turns_taken(), loop))
+
+        await self._step_call(step, wait, completes=False)
+
     async def finish_train_step(self, ticket: StepTicket) -> TrainResult:
         """Await ``ticket``'s submitted calls; logprobs are in datum order. Any failure
         raises StepOutcomeUnknown: the step may or may not have been applied."""

@@ -21,6 +21,7 @@ import threading
 from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
 
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
@@ -109,11 +110,20 @@ def main(argv: Sequence[str] | None = None) -> None:
     profile = ThreadProfile(args.interval)
 
     def write() -> None:
-        profile.stop()
-        args.out.write_text(profile.report())
+        if not args.out.exists():
+            profile.stop()
+            args.out.write_text(profile.report())
 
+    exit_now = os._exit
+
+    def write_then_exit(code: int) -> NoReturn:  # engine.run exits so around SDK threads
+        write()
+        exit_now(code)
+
+    args.out.unlink(missing_ok=True)
     profile.start()
     atexit.register(write)
+    os._exit = write_then_exit
     sys.argv = [args.module, *args.args]
     runpy.run_module(args.module, run_name="__main__", alter_sys=True)
 

@@ -221,6 +221,8 @@ def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
             loss="ppo",
             checkpoint_every=0,
             submit_ahead=0,  # step 3 waits behind step 2, so the stop lands between them
+            # by default step 3 samples once step 2's calls are answered, the held one too
+            sample_ahead=1,
         )
 
         async def stop_after_step_2() -> None:

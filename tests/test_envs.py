@@ -103,6 +103,39 @@ async def test_an_episode_runs_turn_by_turn_until_done() -> None:
     assert len(trajectory_datums(t, 1.0)) == 1
 
 
+class TaskRecordingEnv(CountdownEnv):
+    """Records the task each step runs in."""
+
+    tasks: list[int]
+
+    def __init__(self, tasks: list[int]) -> None:
+        super().__init__(turns=1)
+        self.tasks = tasks
+
+    async def step(self, action: Any) -> Any:
+        self.tasks.append(anyio.get_current_task().id)
+        return await super().step(action)
+
+
+@pytest.mark.parametrize("limits", [None, EpisodeLimits()])
+async def test_single_turn_episodes_step_in_their_groups_task_and_env_episodes_overlap(
+    limits: EpisodeLimits | None,
+) -> None:
+    """Without limits (a reward task: one turn each, its action sampled for the whole
+    group at once) the episodes step one after the other in the group's own task: a
+    task per episode cost the event loop more than the step. Environment episodes keep a
+    task each, so their further turns overlap."""
+    tasks: list[int] = []
+    runner = EpisodeRunner(ScriptedSampler(["ab"]), limits)
+    group = RankedGroup([TaskRecordingEnv(tasks) for _ in range(4)])
+    rollout = await runner.run_group(group, PROBLEM)
+    assert rollout.error is None and [t.outcome for t in rollout.trajectories] == ["done"] * 4
+    if limits is None:
+        assert set(tasks) == {anyio.get_current_task().id}
+    else:
+        assert len(set(tasks)) == 4
+
+
 async def test_max_turns_cuts_the_episode_with_zero_reward() -> None:
     (t,) = await run([CountdownEnv(turns=10)], ["ab"], max_turns=2)
     assert (t.outcome, len(t.turns), t.zeroed, t.total_reward) == ("max_turns", 2, True, 0.0)

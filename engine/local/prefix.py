@@ -12,7 +12,7 @@ of the shared prefix are summed over its datums by autograd):
   position ids). Attention costs the square of a row's width, so this is used only when
   every group fits in ``PACKED_ROW_WIDTH`` tokens and the model's attention takes a custom
   mask. For a 32x8 batch of ~4-token answers to 35-token prompts its forward_backward
-  took 110-127 ms against 154-163 ms for the cached layout (one core, interleaved).
+  took 100-110 ms against 139-160 ms for the cached layout (one core, interleaved).
 * **cached**: the prefixes run once with a KV cache, the cache rows are replicated per
   datum, and the datums' distinct suffixes run on top of them.
 

@@ -317,7 +317,8 @@ class SdkSession:
         server a round trip apart, and behind whatever else the SDK's thread is sending.
         Both generations number the calls as they are submitted (``_request_id_counter``)
         and count the turns taken (``_turn_counter``, waking ``_turn_waiters`` on its own
-        event loop); tests/test_session_sdks.py checks this for both."""
+        event loop): tests/test_session_sdks.py checks it on tinker 0.22, and every run
+        in tests/test_sdk_matrix.py waits on it on 0.38."""
         training = self._training
         submitted: int = training._request_id_counter
 

@@ -170,11 +170,14 @@ def test_scaling_quick_run_writes_points_fit_and_profile(tmp_path: Path) -> None
     for p in points:
         assert p["samples"] == p["samples_per_step"] * p["steps"]
         assert p["cpu_s"] > 0 and _finite(p["cpu_ms_per_1k_samples"])
-        assert p["threads_ms_per_1k_samples"].get("main", 0) > 0
+        # per thread role; a role's CPU is read in 10 ms ticks, so in a run this short
+        # one (the engine's event loop too) may read 0 and be left out
+        assert sum(p["threads_ms_per_1k_samples"].values()) > 0
         assert p["rss_peak_mb"] >= p["rss_start_mb"] > 0
         assert p["server_cpu_share"] is not None and p["server_cpu_share"] > 0
         assert set(p["run"]["gc"]) >= {"gen2_passes", "total_s"}
-    assert set(data["fit"]) >= {"client", "main"}
+    roles = {role for p in points for role in p["threads_ms_per_1k_samples"]}
+    assert set(data["fit"]) >= {"client", *roles}
     assert all(_finite(f["marginal_ms_per_1k_samples"]) for f in data["fit"].values())
     profile = data["profile"]
     assert profile["size"] == "2x2"

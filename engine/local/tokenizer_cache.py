@@ -31,9 +31,10 @@ from engine.local.pretrained import METADATA_FILE
 log = logging.getLogger("engine.local")
 
 MARKER = ".engine-local-tokenizer"
+TOKENIZER_CONFIG = "tokenizer_config.json"
 TOKENIZER_FILES = (
     "tokenizer.json",
-    "tokenizer_config.json",
+    TOKENIZER_CONFIG,
     "special_tokens_map.json",
     "chat_template.jinja",
     "vocab.json",
@@ -58,7 +59,7 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
     if repo.exists() and not (repo / MARKER).is_file():
         return None  # a real cached model of that name: leave it alone
     files = {f: (model_dir / f).read_bytes() for f in TOKENIZER_FILES if (model_dir / f).is_file()}
-    config = filed_config(model_dir)
+    config = filed_config(model_dir, files.get(TOKENIZER_CONFIG))
     if config is not None:
         files[MODEL_CONFIG] = config
     digest = hashlib.sha1()
@@ -92,7 +93,7 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
     return snapshot
 
 
-def filed_config(model_dir: Path) -> bytes | None:
+def filed_config(model_dir: Path, tokenizer_config: bytes | None) -> bytes | None:
     """The ``config.json`` filed with the tokenizer: the model's own, or for the engine's
     own models (``engine_model.json``) whose tokenizer is the generic ``TokenizersBackend``
     (built from ``tokenizer.json`` alone) one that names only that class.
@@ -102,16 +103,20 @@ def filed_config(model_dir: Path) -> bytes | None:
     loading, ``torch.distributed``, ``accelerate``) in every client. A config without a
     model type is read as a generic one, and the declared class is used as it is. Other
     models keep their config: for a few model types transformers overrides the declared
-    tokenizer class by it."""
-    if (model_dir / METADATA_FILE).is_file() and _declared_class(model_dir) == GENERIC_TOKENIZER:
+    tokenizer class by it. ``tokenizer_config`` is the content of the model's
+    ``tokenizer_config.json``, if it has one."""
+    engine_made = (model_dir / METADATA_FILE).is_file()
+    if engine_made and _declared_class(tokenizer_config) == GENERIC_TOKENIZER:
         return json.dumps({"tokenizer_class": GENERIC_TOKENIZER}).encode()
     own = model_dir / MODEL_CONFIG
     return own.read_bytes() if own.is_file() else None
 
 
-def _declared_class(model_dir: Path) -> object:
+def _declared_class(tokenizer_config: bytes | None) -> object:
+    if tokenizer_config is None:
+        return None
     try:
-        declared = json.loads((model_dir / "tokenizer_config.json").read_text())
-    except (OSError, ValueError):
+        declared = json.loads(tokenizer_config)
+    except ValueError:
         return None
     return declared.get("tokenizer_class") if isinstance(declared, dict) else None

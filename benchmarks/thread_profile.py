@@ -110,17 +110,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     profile = ThreadProfile(args.interval)
 
     def write() -> None:
-        if not args.out.exists():
-            profile.stop()
-            args.out.write_text(profile.report())
+        profile.stop()
+        args.out.write_text(profile.report())
 
     exit_now = os._exit
 
-    def write_then_exit(code: int) -> NoReturn:  # engine.run exits so around SDK threads
+    # engine.run leaves through os._exit when SDK threads linger, skipping atexit: only
+    # one of the two ever writes
+    def write_then_exit(code: int) -> NoReturn:
         write()
         exit_now(code)
 
-    args.out.unlink(missing_ok=True)
     profile.start()
     atexit.register(write)
     os._exit = write_then_exit

@@ -175,16 +175,26 @@ def steps_per_two_cycles(*, off_policy: int, submit_ahead: int) -> int:
     return min(off_policy, submit_ahead) + 1
 
 
-def clock_floor(n: int, cycle: float, per_two_cycles: int | None) -> float:
+def clock_floor(
+    n: int, cycle: float, per_two_cycles: int | None, *, trained: int | None = None
+) -> float:
     """The shortest pace ``n`` consecutive step ends can have on the latency clock: a
     step's calls land in one cycle and come back when it ends; at most
     ``per_two_cycles`` steps fit in two cycles (:func:`steps_per_two_cycles`), and the
     quickstart (``None``) awaits its snapshot, forward_backward and optim_step in turn,
     three cycles per step. The span of ``n`` ends is at least that many cycles, less one
-    cycle for the client's own delay in recording the first step."""
+    cycle for the client's own delay in recording the first step. Only the ``trained``
+    steps among the ``n`` (default: all) wait on the clock: a step whose rewards left
+    nothing to train sends no training call and ends as soon as it is scored."""
     if n < 2:
         raise ValueError("a floor needs at least two steps")
-    cycles = 3 * (n - 1) if per_two_cycles is None else 2 * ((n - 1) // per_two_cycles)
+    clocked = n if trained is None else trained
+    if not 0 <= clocked <= n:
+        raise ValueError(f"trained steps must be between 0 and {n}, got {clocked}")
+    if clocked < 2:
+        return 0.0
+    gaps = clocked - 1
+    cycles = 3 * gaps if per_two_cycles is None else 2 * (gaps // per_two_cycles)
     return max(0, cycles - 1) * cycle / (n - 1)
 
 
@@ -206,10 +216,11 @@ def summarize(
     steps = record.steps
     wall = max(record.finished - record.started, 1e-9)
     ends = steady_ends(record)
+    trained = sum(s.datums > 0 for s in steps[len(steps) - len(ends) :])
     step_time = pace(ends) if len(ends) >= 2 else wall
     cycle = record.cycle_s
     floor = (
-        clock_floor(len(ends), cycle, record.per_two_cycles)
+        clock_floor(len(ends), cycle, record.per_two_cycles, trained=trained)
         if cycle is not None and len(ends) >= 2
         else None
     )

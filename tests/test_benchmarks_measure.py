@@ -3,6 +3,7 @@ intervals), a clock floor no loop can beat, and an efficiency that cannot exceed
 
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import pytest
@@ -19,8 +20,10 @@ from benchmarks.measure import (
 from benchmarks.stamp import stamp_steps
 
 
-def _record(ends: list[float], *, cycle: float | None, per_two: int | None) -> RunRecord:
-    steps = [StepRecord(i + 1, end, 0.1, 0.01, 0.2, 6, 60, 6) for i, end in enumerate(ends)]
+def _record(
+    ends: list[float], *, cycle: float | None, per_two: int | None, datums: int = 6
+) -> RunRecord:
+    steps = [StepRecord(i + 1, end, 0.1, 0.01, 0.2, 6, 60, datums) for i, end in enumerate(ends)]
     return RunRecord("k1", 0.0, ends[-1], steps, cycle_s=cycle, per_two_cycles=per_two)
 
 
@@ -51,6 +54,21 @@ def test_the_clock_floor_follows_how_many_steps_fit_in_two_cycles() -> None:
     assert clock_floor(21, 0.5, 1) == pytest.approx(39 * 0.5 / 20)
     assert clock_floor(21, 0.5, None) == pytest.approx(59 * 0.5 / 20)  # the quickstart
     assert clock_floor(2, 0.5, 2) == 0  # two steps can share a cycle
+    # steps that trained nothing sent no call to wait on the clock
+    assert clock_floor(21, 0.5, 1, trained=11) == pytest.approx(19 * 0.5 / 20)
+    assert clock_floor(2, 0.5, 1, trained=1) == 0
+    with pytest.raises(ValueError, match="between 0 and 21"):
+        clock_floor(21, 0.5, 1, trained=22)
+
+
+def test_a_step_that_trained_nothing_is_not_held_to_the_clock() -> None:
+    # on-policy, 2 steps on a 0.1 s clock: the second step's groups all tied, so it sent
+    # no training call and ended as soon as it was scored, 33 ms after the first
+    record = _record([0.0, 0.033], cycle=0.1, per_two=1)
+    record.steps[1] = dataclasses.replace(record.steps[1], datums=0)
+    s = summarize(record)
+    assert s["ideal_step_time_s"] == 0
+    assert s["step_time_s"] == pytest.approx(0.033)
 
 
 def test_a_pace_faster_than_the_clock_allows_is_refused() -> None:

@@ -76,7 +76,8 @@ def test_quickstart_loop_records_its_steps_stage_by_stage(server: LocalServer) -
     for step in ours.steps:
         assert step.end > step.start
         assert step.samples == 3 * 4
-        assert {sp.stage for sp in step.spans} == {"snapshot", "sample", "score", "train"}
+        trained = {"train"} if step.datums else set()  # none when every group tied
+        assert {sp.stage for sp in step.spans} == {"snapshot", "sample", "score", *trained}
         assert all(step.start <= sp.start <= sp.end <= step.end for sp in step.spans)
         assert step.step_s >= step.snapshot_s + step.sample_s + step.train_s
     assert ours.finished > ours.started
@@ -118,7 +119,9 @@ def test_throughput_quick_run_writes_every_configuration(
         assert run["server_timeline"]["cycle_starts"] and run["server_timeline"]["compute"]
         assert _finite(run["speedup"]) and _finite(run["speedup_steady"])
         stages = {span["stage"] for span in run["spans"]}
-        assert stages == {"sample", "score", "train"}, run["config"]
+        # the quickstart trains (and records a train span) only when a group did not tie
+        assert stages - {"train"} == {"sample", "score"}, run["config"]
+        assert "train" in stages or s["datums"] == 0, run["config"]
         assert all(span["end"] >= span["start"] for span in run["spans"])
         ends = [step["end"] for step in run["steps"]]
         assert ends == sorted(ends)

@@ -117,9 +117,9 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     # engine.run leaves through os._exit when SDK threads linger, skipping atexit: only
     # one of the two ever writes
-    def write_then_exit(code: int) -> NoReturn:
+    def write_then_exit(status: int) -> NoReturn:
         write()
-        exit_now(code)
+        exit_now(status)
 
     profile.start()
     atexit.register(write)

@@ -15,7 +15,10 @@ training = service.create_lora_training_client(base_model=model_name, rank=8).re
 tokens = training.get_tokenizer().encode("Question: What is 12 + 30?\nAnswer: 42")
 datum = types.Datum(
     model_input=types.ModelInput.from_ints(tokens[:-1]),
-    loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * (len(tokens) - 1)},
+    loss_fn_inputs={
+        "target_tokens": types.TensorData(data=tokens[1:], dtype="int64"),
+        "weights": types.TensorData(data=[1.0] * (len(tokens) - 1), dtype="float32"),
+    },
 )
 loss = training.forward_backward([datum], "cross_entropy")
 step = training.optim_step(types.AdamParams(learning_rate=1e-3))

@@ -19,7 +19,7 @@ import sys
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 
-from engine.common.setting import setting_fields
+from engine.common.setting import SettingField, setting_fields
 from engine.config import GROUPS
 from engine.config.sources import default_text, task_own_settings
 from engine.local.__main__ import build_parser as build_local_parser
@@ -68,7 +68,9 @@ def run_table() -> str:
         "| flag | environment | TOML key | default | on resume | meaning |",
         "|---|---|---|---|---|---|",
     ]
-    settings = [(f, None, f.path) for name, m in GROUPS.items() for f in setting_fields(m, name)]
+    settings: list[tuple[SettingField, str | None, str]] = [
+        (f, None, f.path) for name, m in GROUPS.items() for f in setting_fields(m, name)
+    ]
     settings += [(f, t.spec, f"task.args.{f.name}") for t, f in task_own_settings()]
     for field, task, key in settings:
         env = ", ".join(_code(name) for name in field.marker.env)

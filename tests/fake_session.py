@@ -68,6 +68,10 @@ class FakeSession:
         return ServerInfo("fake://", "fake-model", True, ("fake-model",))
 
     @property
+    def model_id(self) -> str:
+        return "fake-model-0"
+
+    @property
     def tokenizer(self) -> ByteTokenizer:
         return ByteTokenizer()
 

@@ -155,6 +155,12 @@ class Session(Protocol):
     def info(self) -> ServerInfo: ...
 
     @property
+    def model_id(self) -> str | None:
+        """The server's id of the model this session trains (it changes when a checkpoint
+        is restored; None before the model exists)."""
+        ...
+
+    @property
     def tokenizer(self) -> Any:
         """The served model's tokenizer (Hugging Face interface: ``encode``, ``decode``,
         ``eos_token_id``, ``eos_token``, ``chat_template``, ``apply_chat_template``);

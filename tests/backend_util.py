@@ -22,6 +22,14 @@ def prompt_ids(backend: Backend, a: int, b: int) -> list[int]:
     return list(backend.tokenizer.encode(prompt_text(a, b)))
 
 
+def decode_text(backend: Backend, tokens: list[int], skip_special_tokens: bool = False) -> str:
+    """The text of one token sequence (transformers types ``decode`` as ``str | list[str]``:
+    a batch of sequences decodes to a list)."""
+    text = backend.tokenizer.decode(tokens, skip_special_tokens=skip_special_tokens)
+    assert isinstance(text, str)
+    return text
+
+
 def random_datums(
     backend: Backend, n: int, seed: int, *, min_len: int = 5, max_len: int = 20
 ) -> list[list[int]]:
@@ -62,7 +70,7 @@ def greedy_exact_rate(
     results = backend.sample(jobs)
     hits = 0
     for res, (a, b) in zip(results, problems, strict=True):
-        text = backend.tokenizer.decode(res.sequences[0].tokens, skip_special_tokens=True)
+        text = decode_text(backend, res.sequences[0].tokens, skip_special_tokens=True)
         hits += parse_int(text) == a + b
     return hits / len(problems)
 

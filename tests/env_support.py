@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypedDict
 
 from engine.envs import (
     Action,
@@ -79,7 +79,7 @@ class ScriptedSampler:
         self, observation: Observation, n: int, room: int | None
     ) -> list[SampledAction]:
         self.calls.append((observation, n, room))
-        out = []
+        out: list[SampledAction] = []
         for _ in range(n):
             text = self.replies[(len(self.calls) - 1 + len(out)) % len(self.replies)]
             out.append(SampledAction(completion(text), self.version))
@@ -211,6 +211,13 @@ class PidEnv(CountdownEnv):
         return dataclasses.replace(result, logs={"pid": os.getpid()})
 
 
+class Faults(TypedDict, total=False):
+    """The steps at which a :class:`CountdownEnv` hangs or raises."""
+
+    hang_at: int
+    raise_at: int
+
+
 @dataclass
 class RemoteTask:
     """Module level, so that worker processes and Ray workers can import it: problem
@@ -219,7 +226,7 @@ class RemoteTask:
     the task's state (a lock: the task cannot be pickled)."""
 
     name: str = "remote"
-    env: Mapping[str, int] = field(default_factory=dict)
+    env: Faults = field(default_factory=Faults)
     held: Any = None
 
     def source(self, seed: int, state: Mapping[str, Any] | None = None) -> SeededSource:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import cast
 
 import anyio
 
@@ -125,7 +126,7 @@ class FakeSession:
         if hold is not None:
             await hold.wait()
         await anyio.lowlevel.checkpoint()
-        name, seen = pending.handle  # type: ignore[misc]
+        name, seen = cast("tuple[str, int]", pending.handle)  # as submit_checkpoint made it
         if self.fail_checkpoint == pending.step:
             self.fail_checkpoint = None
             raise RuntimeError(f"the fake server could not save {name}")
@@ -142,10 +143,10 @@ class FakeSession:
             self.log.append(("failed", ticket.step))
             raise StepOutcomeUnknown(ticket.step, "the fake server lost the answer")
         self.log.append(("finished", ticket.step))
-        logprobs = [
+        logprobs: list[Sequence[float]] = [
             [-0.5] * len(d)
             for handle in ticket.handles
-            for d in handle  # type: ignore[attr-defined]
+            for d in cast("list[Datum]", handle)  # as submit_forward_backward made it
         ]
         return TrainResult(logprobs, {"loss:sum": 1.0}, {})
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -112,7 +112,7 @@ async def until(condition: Callable[[], bool], *, limit_s: float = 240.0) -> Non
 
 
 def run_engine_driven(
-    config: EngineConfig, clock: ManualClock, driver: Callable[[], Awaitable[None]]
+    config: EngineConfig, clock: ManualClock, driver: Callable[[], Coroutine[Any, Any, None]]
 ) -> RunResult:
     """Run the engine on ``clock`` with ``driver`` beside it in the same event loop (it
     moves the clock when the run is where the test wants it); the run's error is raised

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from backend_util import greedy_exact_rate, new_backend, prompt_ids, rl_datum
+from backend_util import decode_text, greedy_exact_rate, new_backend, prompt_ids, rl_datum
 
 from engine.local.backend import AdamConfig, AdapterSpec, Backend, SampleJob
 from scripts.make_model import quickstart_reward
@@ -27,7 +27,6 @@ HELD_OUT = [
 def _rl(backend: Backend, model_id: str, *, random_rewards: bool) -> float:
     """Run the loop; return the mean wall time of one step (sample + train)."""
     rng = random.Random(0)
-    tok = backend.tokenizer
     elapsed = 0.0
     for _ in range(STEPS):
         start = time.perf_counter()
@@ -41,7 +40,7 @@ def _rl(backend: Backend, model_id: str, *, random_rewards: bool) -> float:
         data = []
         for prompt, (a, b), res in zip(prompts, problems, backend.sample(jobs), strict=True):
             rewards = [
-                quickstart_reward(tok.decode(s.tokens, skip_special_tokens=True), a + b)
+                quickstart_reward(decode_text(backend, s.tokens, skip_special_tokens=True), a + b)
                 for s in res.sequences
             ]
             if random_rewards:

@@ -8,7 +8,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from backend_util import lora_params, new_backend, prompt_ids, random_datums, rl_datum
+from backend_util import (
+    decode_text,
+    lora_params,
+    new_backend,
+    prompt_ids,
+    random_datums,
+    rl_datum,
+)
 
 from engine.local.backend import (
     AdamConfig,
@@ -190,7 +197,7 @@ def test_stop_conditions(backend: Backend) -> None:
     assert g.stop_reason == "stop" and g.tokens[-1] == tok.eos_token_id  # EOS stops, kept
     text_ids = g.tokens[:-1]
     assert len(text_ids) >= 3
-    second = tok.decode(text_ids[1:2])
+    second = decode_text(backend, text_ids[1:2])
 
     by_string, by_token, by_length = backend.sample(
         [

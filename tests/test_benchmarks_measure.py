@@ -40,8 +40,10 @@ def test_steps_in_pairs_are_reported_at_their_pace_in_cycles() -> None:
     ends = [0.1, 0.2] + [1.0 + 1.5 * (i // 2) + 0.05 * (i % 2) for i in range(8)]
     s = summarize(_record(ends, cycle=0.5, per_two=2))
     assert s["steady_steps"] == 8  # the two warm-up steps are left out
-    assert s["step_time_s"] == pytest.approx((ends[-1] - ends[2]) / 7)
-    assert s["cycles_per_step"] == pytest.approx(s["step_time_s"] / 0.5)
+    step_time = s["step_time_s"]
+    assert step_time == pytest.approx((ends[-1] - ends[2]) / 7)
+    assert step_time is not None
+    assert s["cycles_per_step"] == pytest.approx(step_time / 0.5)
     assert s["efficiency"] is not None and 0 < s["efficiency"] <= 1
 
 

@@ -29,6 +29,7 @@ def test_uneven_episodes_are_seeded_per_problem_and_episode() -> None:
     task = multiturn.UnevenTask(tool_s=0.0)
     ctx = EnvContext(TaskContext(build_tokenizer()), StopCondition())
     problem = task.source(0).next()
+    assert problem is not None
     first = task.group_builder(problem, 8, ctx)
     again = task.group_builder(problem, 8, ctx)
     lengths = [e.length for e in first.envs]  # type: ignore[attr-defined]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import re
@@ -395,7 +396,10 @@ def test_runtime_failure_is_one_error_line_and_exit_1(tmp_path: Path) -> None:
 def test_every_setting_is_a_flag_in_its_group() -> None:
     from engine.config import GROUPS, all_settings
 
-    groups = {g.title: g for g in build_parser()._action_groups}
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for g in build_parser()._action_groups:
+        assert g.title is not None
+        groups[g.title] = g
     for field in all_settings():
         group = groups[f"{field.group} settings"]
         assert field.flag in {s for a in group._group_actions for s in a.option_strings}

@@ -127,12 +127,15 @@ def test_calculator_runs_the_tool_then_scores_the_answer(tokenizer: Any) -> None
     builder = task.group_builder(problem(23, 47, "*"), 2, context(tokenizer))
 
     async def go() -> tuple[list[EnvStepResult], list[EnvStepResult], str]:
-        envs = await builder.make_envs()
-        assert len(envs) == 2
-        assert isinstance(envs[0], ChatEnv)
-        first = await envs[0].initial_observation()
+        made = await builder.make_envs()
+        assert len(made) == 2
+        assert isinstance(made[0], ChatEnv)
+        first = await made[0].initial_observation()
         assert first.stop.max_tokens == calculator.MAX_REPLY_TOKENS
-        envs = [ChatEnv(e.env, e._context, tools=[task.tool]) for e in envs]  # type: ignore[attr-defined]
+        envs: list[ChatEnv] = []
+        for e in made:
+            assert isinstance(e, ChatEnv)
+            envs.append(ChatEnv(e.env, e._context, tools=[task.tool]))
         used = await play(tokenizer, envs[0], [calculator.tool_call_text(23, 47), "1081"])
         guessed = await play(tokenizer, envs[1], ["1000"])
         return used, guessed, tokenizer.decode(list(envs[0]._observe().tokens))

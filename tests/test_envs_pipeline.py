@@ -164,7 +164,9 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     release = session.hold(1)
     cfg = config(steps=3, batch=2, group=2, max_steps_off_policy=1)
     source = task.source(cfg.task.seed)
-    gate, seen, first_run = StopGate(), [], []
+    gate = StopGate()
+    seen: list[str] = []
+    first_run: list[StepResult] = []
     pipeline = Pipeline(
         cfg,
         task,

@@ -127,11 +127,9 @@ def test_a_tinker_path_elsewhere_is_downloaded_through_the_sdk_archive_url(
         out = tmp_path / "adapter"
         args = [path, "--format", "peft", "--out", str(out), "--base-url", server.base_url]
         assert main(args) == 0
-        saved = load_file(
-            str(
-                resolve_checkpoint(path, data_dir=server.data_dir).directory / "adapter.safetensors"
-            )
-        )
+        served = resolve_checkpoint(path, data_dir=server.data_dir).directory
+        assert served is not None
+        saved = load_file(str(served / "adapter.safetensors"))
     exported = load_file(str(out / "adapter_model.safetensors"))
     assert exported.keys() == {"base_model.model." + key for key in saved}
     for key, tensor in saved.items():

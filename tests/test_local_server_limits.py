@@ -4,6 +4,8 @@ refusal of implausible seq_ids (with an injected clock: no real sleeps)."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -25,6 +27,7 @@ class FakeClock:
     def __init__(self) -> None:
         self.time = 0.0
         self._moved = anyio.Event()
+        self._deadlines: list[tuple[float, anyio.CancelScope]] = []
 
     def now(self) -> float:
         return self.time
@@ -35,10 +38,24 @@ class FakeClock:
             moved = self._moved
             await moved.wait()
 
+    @contextmanager
+    def cancel_after(self, seconds: float) -> Iterator[anyio.CancelScope]:
+        """A cancel scope that :meth:`advance` cancels once time reaches its deadline."""
+        deadline = (self.time + seconds, anyio.CancelScope())
+        self._deadlines.append(deadline)
+        try:
+            with deadline[1] as scope:
+                yield scope
+        finally:
+            self._deadlines.remove(deadline)
+
     async def advance(self, seconds: float) -> None:
         """Move time on once every task waits, and let the woken ones run."""
         await anyio.wait_all_tasks_blocked()
         self.time += seconds
+        for due, scope in self._deadlines:
+            if due <= self.time:
+                scope.cancel()
         moved, self._moved = self._moved, anyio.Event()
         moved.set()
         await anyio.wait_all_tasks_blocked()

@@ -305,8 +305,8 @@ async def test_checkpoint_names_and_paths_are_sanitised(
     assert (server.data_dir / model_id / "weights" / "ok").is_dir()
     again = await post(http, "save_weights", {"model_id": model_id, "path": "ok", "seq_id": 4})
     assert "already exists" in (await result(http, again["request_id"]))["error"]
-    info = await post(http, "weights_info", {"tinker_path": saved["path"]})
-    assert info["base_model"] == server.model_name and info["lora_rank"] == 4
+    weights = await post(http, "weights_info", {"tinker_path": saved["path"]})
+    assert weights["base_model"] == server.model_name and weights["lora_rank"] == 4
 
 
 async def test_a_gap_is_never_skipped_and_far_future_seq_ids_are_refused() -> None:

@@ -12,7 +12,7 @@ import sys
 import textwrap
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 
 import anyio
@@ -299,8 +299,12 @@ def test_a_verified_jwt_is_remembered_until_it_expires_and_the_memory_is_bounded
     assert auth.check(token) is None  # remembered: no second decode needed
     now[0] += 61
     assert "expired" in (auth.check(token) or "")
+
+    def behind(seconds: int) -> Callable[[], float]:
+        return lambda: time.time() - seconds
+
     for i in range(VERIFIED_TOKENS_KEPT + 10):
-        other = Authenticator("sk-secret", jwt_ttl_s=3600, clock=lambda i=i: time.time() - i)
+        other = Authenticator("sk-secret", jwt_ttl_s=3600, clock=behind(i))
         assert auth.check(other.issue()) is None
     assert len(auth._verified) == VERIFIED_TOKENS_KEPT
     assert "not issued by this server" in (auth.check(token[:-2] + "xx") or "")

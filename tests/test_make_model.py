@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 from backend_util import greedy_exact_rate, new_backend, prompt_ids
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
 from engine.local.backend import SampleJob
 from scripts import make_model
@@ -212,6 +212,7 @@ def test_the_agent_model_knows_the_environments_formats() -> None:
     assert 0.2 <= meta["greedy_exact_rate"] <= 0.6
     assert (AGENT / "README.md").is_file()
     model = AutoModelForCausalLM.from_pretrained(AGENT)
+    assert isinstance(model, LlamaForCausalLM)
     tok = make_model.build_tokenizer(make_model.AGENT_CHAT_TEMPLATE)
     stats = make_model.env_format_stats(model, tok, seed=7, n=16)
     for key, floor in make_model.ENV_FORMAT_FLOORS.items():

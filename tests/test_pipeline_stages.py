@@ -22,14 +22,14 @@ from engine.session.api import SamplerHandle
 from engine.session.preflight import local_server_profile
 from engine.supervision.stopping import StopGate
 from engine.tasks.base import Problem, RewardBreakdown, SeededSource
-from tests.datums import datum_to_dict
+from tests.datums import model_input_tokens
 
 pytestmark = pytest.mark.anyio
 
 
-class ToyTask:
-    """Problem ``i`` asks ``p<i>``; a response ``"<version> <j>"`` earns ``j % 2`` (so
-    every group is mixed and yields datums)."""
+class ToyProblems:
+    """Problem ``i`` asks ``p<i>``: the problems and prompts of the toy tasks, whose
+    rewards (plain or async) the subclasses give."""
 
     name = "toy"
 
@@ -38,6 +38,11 @@ class ToyTask:
 
     def prompt(self, problem: Problem) -> str:
         return problem.question
+
+
+class ToyTask(ToyProblems):
+    """Problem ``i`` asks ``p<i>``; a response ``"<version> <j>"`` earns ``j % 2`` (so
+    every group is mixed and yields datums)."""
 
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
         return RewardBreakdown(float(int(response.split()[1]) % 2))
@@ -205,7 +210,7 @@ async def test_an_unknown_outcome_with_two_steps_in_flight_records_neither() -> 
     assert recorded == []
 
 
-class AsyncJudgeTask(ToyTask):
+class AsyncJudgeTask(ToyProblems):
     """An async reward whose calls finish in a shuffled order."""
 
     def __init__(self) -> None:
@@ -233,7 +238,7 @@ async def test_scoring_is_concurrent_bounded_and_keeps_response_and_problem_orde
         for g in r.groups:
             assert g.totals == [float(i % 2) for i in range(6)]
         # Datums follow problem order, then response order: every odd response.
-        inputs = [bytes(datum_to_dict(d)["model_input"][:2]) for d in r.datums]
+        inputs = [bytes(model_input_tokens(d)[:2]) for d in r.datums]
         assert len(inputs) == 4 * 6
 
 

@@ -37,7 +37,8 @@ def test_a_server_without_recommendations_gets_the_hosted_profile() -> None:
             {"model_name": "Qwen/Qwen3-8B"},
         ]
     }
-    for answer in (hosted, {"supported_models": []}, {}, None):
+    answers: list[dict[str, Any] | None] = [hosted, {"supported_models": []}, {}, None]
+    for answer in answers:
         assert server_profile(answer) == HOSTED_PROFILE
     resolved = EngineConfig(api_key="sk-k").resolved(server_profile(hosted))
     assert (

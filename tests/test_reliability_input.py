@@ -24,6 +24,7 @@ from engine.loop.state import LoopState
 from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import write_config
+from engine.session.adapter import SdkSession
 from engine.session.api import SamplingParams
 from engine.session.preflight import local_server_profile
 from engine.tasks import load_task
@@ -196,6 +197,7 @@ def test_requests_the_server_refuses_fail_fast_with_the_reason(
     async def go() -> tuple[PermanentServiceError, PermanentServiceError]:
         async with Engine(config) as engine:
             session = engine.session
+            assert isinstance(session, SdkSession)  # save_state and retries are the SDK's
             with pytest.raises(PermanentServiceError) as bad_name:
                 await session.save_state("../../outside")
             _, weights = await session.save_checkpoint("ok", "ok")

@@ -186,14 +186,18 @@ def test_an_unpicklable_task_with_processes_is_refused_before_the_run_dir(
 # -- 8: a reward may write to fd 1 in a worker process; a dead worker explains itself ---
 
 
+# NoisyTask and DyingTask are deliberately partial tasks (only the name and a score that
+# returns a bare number, which the scorer accepts), so a worker imports nothing heavy.
+
+
 def test_a_reward_writing_to_fd_1_works_in_worker_processes() -> None:
-    scorer = Scorer(NoisyTask(), concurrency=2, workers=ScoreWorkers("processes", 1))
+    scorer = Scorer(NoisyTask(), concurrency=2, workers=ScoreWorkers("processes", 1))  # type: ignore[arg-type]
     rewards = anyio.run(scorer.score, PROBLEM, ["a", "b"])
     assert [r.total for r in rewards] == [1.0, 1.0]
 
 
 def test_a_worker_process_that_dies_explains_itself() -> None:
-    scorer = Scorer(DyingTask(), concurrency=2, workers=ScoreWorkers("processes", 1))
+    scorer = Scorer(DyingTask(), concurrency=2, workers=ScoreWorkers("processes", 1))  # type: ignore[arg-type]
     with pytest.raises(RewardError, match="worker process"):
         anyio.run(scorer.score, PROBLEM, ["a"])
 
@@ -364,7 +368,8 @@ class ZeroRewardTask(ArithmeticTask):
 
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
         if problem.id == 1:
-            return {}["missing"]  # type: ignore[no-any-return]
+            # A KeyError on purpose; the test below finds this line in the traceback.
+            return {}["missing"]  # type: ignore[index]
         return RewardBreakdown(0.0)
 
 

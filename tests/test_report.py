@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from engine.errors import ConfigError
@@ -76,7 +77,9 @@ def test_smoothing_is_a_debiased_moving_average_that_skips_gaps() -> None:
     assert smooth([1.0, None, 3.0], 0.0) == [1.0, None, 3.0]
     smoothed = smooth([0.0, 1.0, 1.0, 1.0], 0.5)
     assert smoothed[0] == 0.0
-    assert 0.0 < smoothed[1] < smoothed[2] < smoothed[3] < 1.0
+    second, third, fourth = smoothed[1], smoothed[2], smoothed[3]
+    assert second is not None and third is not None and fourth is not None
+    assert 0.0 < second < third < fourth < 1.0
 
 
 def test_a_run_directory_is_read_and_a_torn_last_line_is_ignored(tmp_path: Path) -> None:
@@ -106,9 +109,10 @@ def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
     reward_axes = fig.axes[0]
     lines = reward_axes.get_lines()
     assert len(lines) == 4  # raw and smoothed per run
-    assert [len(line.get_xdata()) for line in lines] == [3, 3, 4, 4]
+    assert [len(np.asarray(line.get_xdata())) for line in lines] == [3, 3, 4, 4]
     assert lines[0].get_color() == lines[1].get_color() != lines[2].get_color()
     legend = reward_axes.get_legend()
+    assert legend is not None
     assert [t.get_text() for t in legend.get_texts()] == ["k0", "k1"]
     stage_axes = fig.axes[2]
     assert len(stage_axes.patches) == 2 * 5  # five stage bars per run
@@ -127,11 +131,13 @@ def test_held_out_evaluations_get_their_own_panels(tmp_path: Path) -> None:
     assert len(fig.axes) == 8
     held_out_reward, held_out_rates = fig.axes[6:]
     [line] = held_out_reward.get_lines()  # the run without evaluations draws none
-    assert list(line.get_xdata()) == [0, 2, 4]
+    assert list(np.asarray(line.get_xdata())) == [0, 2, 4]
     assert list(line.get_color()) == list(fig.axes[0].get_lines()[0].get_color())
-    labels = [t.get_text() for t in held_out_rates.get_legend().get_texts()]
+    rates_legend = held_out_rates.get_legend()
+    assert rates_legend is not None
+    labels = [t.get_text() for t in rates_legend.get_texts()]
     assert labels == ["eval: correct", "eval: format"]
-    assert [list(x.get_ydata()) for x in held_out_rates.get_lines()][1] == [90.0] * 3
+    assert [list(np.asarray(x.get_ydata())) for x in held_out_rates.get_lines()][1] == [90.0] * 3
 
 
 def test_the_command_writes_a_picture_and_a_self_contained_page(
@@ -213,17 +219,19 @@ def test_response_panels_label_what_each_run_has_and_a_run_that_trained_nothing_
 
     fig = draw_report(runs)
     ax_len, ax_frac = fig.axes[6:8]
-    assert [t.get_text() for t in ax_len.get_legend().get_texts()] == [
+    len_legend, frac_legend = ax_len.get_legend(), ax_frac.get_legend()
+    assert len_legend is not None and frac_legend is not None
+    assert [t.get_text() for t in len_legend.get_texts()] == [
         "trained: mean",
         "trained: max",
     ]
-    assert [t.get_text() for t in ax_frac.get_legend().get_texts()] == [
+    assert [t.get_text() for t in frac_legend.get_texts()] == [
         "trained: trained groups",
         "trained: truncated responses",
         "idle: trained groups",
         "idle: empty responses",
     ]
-    assert "idle trained nothing: every response was empty" in fig._suptitle.get_text()
+    assert "idle trained nothing: every response was empty" in fig.get_suptitle()
 
     alone = draw_report([runs[1]])
     kl = alone.axes[4]

@@ -71,7 +71,10 @@ def datum() -> types.Datum:
     tokens = [5, 6, 7, 8, 9]
     return types.Datum(
         model_input=types.ModelInput.from_ints(tokens[:-1]),
-        loss_fn_inputs={"target_tokens": tokens[1:], "weights": [1.0] * 4},
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=tokens[1:], dtype="int64", shape=[4]),
+            "weights": types.TensorData(data=[1.0] * 4, dtype="float32", shape=[4]),
+        },
     )
 
 
@@ -235,6 +238,7 @@ async def test_an_unknown_step_is_restored_and_redone_exactly_once(tmp_path: Pat
 
             plan = plan_recovery(log.latest(), completed_steps=0)
             assert plan.state_path == saved.path
+            assert plan.state_path is not None
             assert plan.loop_state == {"cursor": 0}
             restored = await service.create_training_client_from_state_with_optimizer_async(
                 plan.state_path

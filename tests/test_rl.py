@@ -37,14 +37,17 @@ def test_datum_layout_matches_the_quickstart_position_for_position() -> None:
 
 def test_datum_tensors_have_the_dtypes_the_sdk_gives_plain_lists() -> None:
     ours = build_datum([1, 2], [3], [-0.1], 0.5)
+    plain_lists: dict[str, list[int] | list[float]] = {
+        "target_tokens": [2, 3],
+        "weights": [0.0, 1.0],
+        "logprobs": [0.0, -0.1],
+        "advantages": [0.0, 0.5],
+    }
     theirs = types.Datum(
         model_input=types.ModelInput.from_ints(tokens=[1, 2]),
-        loss_fn_inputs={
-            "target_tokens": [2, 3],
-            "weights": [0.0, 1.0],
-            "logprobs": [0.0, -0.1],
-            "advantages": [0.0, 0.5],
-        },
+        # Plain lists on purpose: the SDK makes them tensors at runtime, though its
+        # LossFnInputs annotation names only TensorData.
+        loss_fn_inputs=plain_lists,  # type: ignore[arg-type]
     )
     assert datum_to_dict(ours) == datum_to_dict(theirs)
     for key in theirs.loss_fn_inputs:

@@ -104,7 +104,14 @@ def test_delivered_returns_once_the_server_has_answered_every_call_submitted_so_
                 training = session._training
                 datum = types.Datum(
                     model_input=types.ModelInput.from_ints([1, 40, 41]),
-                    loss_fn_inputs={"target_tokens": [40, 41, 42], "weights": [0.0, 1.0, 1.0]},
+                    loss_fn_inputs={
+                        "target_tokens": types.TensorData(
+                            data=[40, 41, 42], dtype="int64", shape=[3]
+                        ),
+                        "weights": types.TensorData(
+                            data=[0.0, 1.0, 1.0], dtype="float32", shape=[3]
+                        ),
+                    },
                 )
                 submitted = time.monotonic()
                 results = [

@@ -67,7 +67,8 @@ def _wandb_records(data: bytes) -> list[Any]:
         pending += data[offset + 7 : offset + 7 + length]
         offset += 7 + length
         if kind in (1, 4):  # FULL, LAST
-            record = wandb_internal_pb2.Record()
+            # The protobuf classes are generated at import time (no stubs): mypy sees none.
+            record = wandb_internal_pb2.Record()  # type: ignore[attr-defined]
             record.ParseFromString(pending)
             pending = b""
             records.append(record)
@@ -84,7 +85,7 @@ def tensorboard_scalars(log_dir: Path) -> dict[str, list[tuple[int, float]]]:
     }
 
 
-STEPS = [
+STEPS: list[dict[str, Any]] = [
     {"step": 1, "avg_reward": 0.5, "time/step": 1.25, "optim/kl_sample_train_v1": None},
     {"step": 2, "avg_reward": 0.75, "time/step": 1.0, "optim/kl_sample_train_v1": 0.01},
 ]

@@ -26,9 +26,13 @@ def sft_datum(tokenizer: Any, prompt: str, answer: str) -> types.Datum:
     prompt_tokens = tokenizer.encode(prompt)
     full = tokenizer.encode(prompt + answer)
     weights = [0.0] * (len(prompt_tokens) - 1) + [1.0] * (len(full) - len(prompt_tokens))
+    targets: list[int] = full[1:]
     return types.Datum(
         model_input=types.ModelInput.from_ints(full[:-1]),
-        loss_fn_inputs={"target_tokens": full[1:], "weights": weights},
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=targets, dtype="int64", shape=[len(targets)]),
+            "weights": types.TensorData(data=weights, dtype="float32", shape=[len(weights)]),
+        },
     )
 
 

@@ -53,9 +53,14 @@ class ToolResult:
 class Tool(Protocol):
     """A callable tool. ``parameters`` is the JSON schema of the arguments object."""
 
-    name: str
-    description: str
-    parameters: Mapping[str, Any]
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def description(self) -> str: ...
+
+    @property
+    def parameters(self) -> Mapping[str, Any]: ...
 
     async def call(self, arguments: Mapping[str, Any]) -> ToolResult:
         """Run the tool. Raising is a tool error: the model is told, the episode goes on

@@ -31,10 +31,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown
 from engine.tasks.render import ChatMessage, TaskContext, render_prompt
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 __all__ = [
     "Action",
@@ -280,7 +283,7 @@ class EnvTask(Protocol):
         ...
 
 
-def is_env_task(obj: object) -> bool:
+def is_env_task(obj: object) -> TypeIs[EnvTask]:
     """True for an :class:`EnvTask` (it builds environments rather than scoring
     responses)."""
     return callable(getattr(obj, "group_builder", None)) and callable(getattr(obj, "source", None))

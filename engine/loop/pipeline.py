@@ -234,7 +234,7 @@ class Pipeline:
     def __init__(
         self,
         config: EngineConfig,
-        task: Task,
+        task: Task | EnvTask,
         session: Session,
         source: ProblemSource,
         state: LoopState,
@@ -285,7 +285,7 @@ class Pipeline:
         if is_env_task(task):
             check_score_workers(task, workers)
             self._env_workers = env_workers(workers)
-            self._env_task: EnvTask | None = task  # type: ignore[assignment]
+            self._env_task: EnvTask | None = task
             self._env_context = EnvContext(
                 self._renderer.context,
                 self._stop,

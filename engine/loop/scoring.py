@@ -45,7 +45,7 @@ import anyio.to_process
 
 from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
-from engine.envs.types import is_env_task
+from engine.envs.types import EnvTask, is_env_task
 from engine.errors import ConfigError, EngineError, classify, primary_error
 from engine.tasks.base import Problem, RewardBreakdown, Task
 
@@ -267,7 +267,7 @@ def _run_in_worker_process(fn: Callable[..., Any], *args: Any) -> tuple[Any, Bas
         os.close(answer_fd)
 
 
-def check_score_workers(task: Task, workers: ScoreWorkers) -> None:
+def check_score_workers(task: Task | EnvTask, workers: ScoreWorkers) -> None:
     """ConfigError (one line) when ``workers`` are processes or Ray and the task's reward
     (an environment task: the task itself) cannot be sent to them, called before
     anything is spent (the engine checks it as it loads the task)."""

@@ -16,13 +16,13 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Final, cast
+from typing import Any, ClassVar, Final
 
 import anyio
 
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
-from engine.envs.tools import FunctionTool, Tool, tool
+from engine.envs.tools import FunctionTool, tool
 from engine.envs.types import EnvContext, EnvGroupBuilder
 from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
@@ -133,5 +133,4 @@ class CalculatorTask:
     ) -> EnvGroupBuilder:
         context = stop_at_eos(context, MAX_REPLY_TOKENS)
         envs = [CalculatorEnv(problem) for _ in range(group_size)]
-        # FunctionTool's frozen fields are read-only; Tool declares plain attributes.
-        return ChatGroup(envs, context, tools=[cast(Tool, self.tool)])
+        return ChatGroup(envs, context, tools=[self.tool])

@@ -4,8 +4,6 @@ refusal of implausible seq_ids (with an injected clock: no real sleeps)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
 from typing import Any
 
 import anyio
@@ -14,6 +12,7 @@ import pytest
 from engine.local.config import Limits
 from engine.local.sequencer import ModelSequencer, SeqRejected
 from engine.local.wire import DatumW, WireError, datums_of
+from tests.clock import ManualClock
 
 
 @pytest.fixture
@@ -21,44 +20,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-class FakeClock:
-    """A clock the test moves by hand; sleepers wake when it passes their deadline."""
-
-    def __init__(self) -> None:
-        self.time = 0.0
-        self._moved = anyio.Event()
-        self._deadlines: list[tuple[float, anyio.CancelScope]] = []
-
-    def now(self) -> float:
-        return self.time
-
-    async def sleep(self, seconds: float) -> None:
-        deadline = self.time + seconds
-        while self.time < deadline:
-            moved = self._moved
-            await moved.wait()
-
-    @contextmanager
-    def cancel_after(self, seconds: float) -> Iterator[anyio.CancelScope]:
-        """A cancel scope that :meth:`advance` cancels once time reaches its deadline."""
-        deadline = (self.time + seconds, anyio.CancelScope())
-        self._deadlines.append(deadline)
-        try:
-            with deadline[1] as scope:
-                yield scope
-        finally:
-            self._deadlines.remove(deadline)
-
-    async def advance(self, seconds: float) -> None:
-        """Move time on once every task waits, and let the woken ones run."""
-        await anyio.wait_all_tasks_blocked()
-        self.time += seconds
-        for due, scope in self._deadlines:
-            if due <= self.time:
-                scope.cancel()
-        moved, self._moved = self._moved, anyio.Event()
-        moved.set()
-        await anyio.wait_all_tasks_blocked()
+async def _advance(clock: ManualClock, seconds: float) -> None:
+    """Move time on once every task waits, and let the woken ones run."""
+    await anyio.wait_all_tasks_blocked()
+    clock.advance(seconds)
+    await anyio.wait_all_tasks_blocked()
 
 
 def _datum(n: int, **inputs: dict[str, Any]) -> DatumW:
@@ -146,12 +112,12 @@ def test_a_float_loss_input_beyond_any_float_is_a_wire_error() -> None:
 # ---- sequencer: implausible seq_ids and gaps -------------------------------------------
 
 
-def _sequencer(clock: FakeClock, max_seq_gap: int = 4) -> ModelSequencer:
+def _sequencer(clock: ManualClock, max_seq_gap: int = 4) -> ModelSequencer:
     return ModelSequencer(gap_timeout=300, dedupe_window=64, max_seq_gap=max_seq_gap, clock=clock)
 
 
 def test_a_far_future_seq_id_is_refused_at_once() -> None:
-    seq = _sequencer(FakeClock())
+    seq = _sequencer(ManualClock())
     with pytest.raises(SeqRejected, match=r"seq_id 1000000 is implausible: .* expects seq_id 1 "):
         seq.claim(1_000_000, "stray")
     seq.claim(5, "lost-4")  # 1..4 missing: within --max-seq-gap 4
@@ -163,7 +129,7 @@ def test_a_far_future_seq_id_is_refused_at_once() -> None:
 def test_operations_waiting_for_a_missing_seq_id_are_bounded_per_model() -> None:
     """One client cannot pile up operations behind a gap (they used to fill the
     server-wide future limit, so every other client got 429)."""
-    seq = _sequencer(FakeClock())
+    seq = _sequencer(ManualClock())
     for n in (2, 3, 4, 5):  # seq_id 1 is missing
         seq.claim(n, f"r{n}")
     with pytest.raises(SeqRejected, match="expects seq_id 1 next"):
@@ -175,7 +141,7 @@ def test_operations_waiting_for_a_missing_seq_id_are_bounded_per_model() -> None
 
 
 def test_the_window_follows_the_operations_already_queued() -> None:
-    seq = _sequencer(FakeClock(), max_seq_gap=2)
+    seq = _sequencer(ManualClock(), max_seq_gap=2)
     for n in range(1, 41):  # a pipelining client queues many operations in order
         seq.claim(n, f"r{n}")
     assert seq.first_missing() == 41
@@ -188,7 +154,7 @@ def test_the_window_follows_the_operations_already_queued() -> None:
 async def test_a_gap_timeout_never_skips_the_real_clients_sequence() -> None:
     """Issue 12 item 7: a stray seq_id ahead of the real client made the server jump
     past the gap after its timeout, so the client's next seq_ids were refused for good."""
-    clock = FakeClock()
+    clock = ManualClock()
     seq = _sequencer(clock)
     applied: list[str] = []
     refused: list[str] = []
@@ -205,9 +171,9 @@ async def test_a_gap_timeout_never_skips_the_real_clients_sequence() -> None:
         tg.start_soon(op, 1, "client-1")
         seq.claim(4, "stray-4")  # the real client is busy elsewhere (scoring) for a while
         tg.start_soon(op, 4, "stray-4")
-        await clock.advance(299)
+        await _advance(clock, 299)
         assert refused == []
-        await clock.advance(2)
+        await _advance(clock, 2)
         assert len(refused) == 1 and "seq_id 4 waited 300 s for seq_id 2" in refused[0]
         for n in (2, 3, 4, 5):  # the real client's next operations, 4 included
             seq.claim(n, f"client-{n}")
@@ -218,7 +184,7 @@ async def test_a_gap_timeout_never_skips_the_real_clients_sequence() -> None:
 
 @pytest.mark.anyio
 async def test_operations_held_by_a_gap_are_refused_after_the_timeout_not_applied() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     seq = _sequencer(clock)
     outcome: dict[int, str] = {}
 
@@ -233,7 +199,7 @@ async def test_operations_held_by_a_gap_are_refused_after_the_timeout_not_applie
         for n in (2, 3):  # seq_id 1 was lost
             seq.claim(n, f"r{n}")
             tg.start_soon(op, n)
-        await clock.advance(300)
+        await _advance(clock, 300)
     assert outcome == {2: "refused", 3: "refused"}
     assert seq.next_seq == 1 and seq.queued == 0 and seq.gap_timeouts == 2
     seq.claim(2, "resubmitted")  # forgotten, so the number is free again
@@ -242,7 +208,7 @@ async def test_operations_held_by_a_gap_are_refused_after_the_timeout_not_applie
 
 @pytest.mark.anyio
 async def test_a_slow_current_turn_is_not_a_gap() -> None:
-    clock = FakeClock()
+    clock = ManualClock()
     seq = _sequencer(clock)
     release = anyio.Event()
     order: list[int] = []
@@ -261,6 +227,6 @@ async def test_a_slow_current_turn_is_not_a_gap() -> None:
         seq.claim(2, "r2")
         tg.start_soon(first)
         tg.start_soon(second)
-        await clock.advance(3600)  # many gap timeouts pass while seq 1 holds its turn
+        await _advance(clock, 3600)  # many gap timeouts pass while seq 1 holds its turn
         release.set()
     assert order == [1, 2] and seq.gap_timeouts == 0

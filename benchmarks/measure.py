@@ -44,7 +44,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "WARMUP_STEPS",
@@ -59,11 +59,14 @@ __all__ = [
     "process_cpu_seconds",
     "rss_mb",
     "stages_alone",
+    "steady",
     "steps_per_two_cycles",
     "summarize",
     "thread_cpu_delta",
     "thread_cpu_seconds",
 ]
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -160,11 +163,10 @@ def pace(ends: Sequence[float]) -> float:
     return (ends[-1] - ends[0]) / (len(ends) - 1)
 
 
-def steady_ends(record: RunRecord) -> list[float]:
-    """The step ends the pace is measured over: after the warm-up steps, when at least
-    two are left (else every step)."""
-    ends = [s.end for s in record.steps]
-    return ends[WARMUP_STEPS:] if len(ends) - WARMUP_STEPS >= 2 else ends
+def steady(steps: Sequence[T]) -> Sequence[T]:
+    """The steps (or step ends, in order) a pace is measured over: after the warm-up
+    steps, when at least two are left (else every step)."""
+    return steps[WARMUP_STEPS:] if len(steps) - WARMUP_STEPS >= 2 else steps
 
 
 def steps_per_two_cycles(*, off_policy: int, submit_ahead: int) -> int:
@@ -215,8 +217,9 @@ def summarize(
     ``alone``: each stage's time alone, by stage (default: this run's own medians)."""
     steps = record.steps
     wall = max(record.finished - record.started, 1e-9)
-    ends = steady_ends(record)
-    trained = sum(s.datums > 0 for s in steps[len(steps) - len(ends) :])
+    steady_steps = steady(steps)
+    ends = [s.end for s in steady_steps]
+    trained = sum(s.datums > 0 for s in steady_steps)
     step_time = pace(ends) if len(ends) >= 2 else wall
     cycle = record.cycle_s
     floor = (

@@ -27,7 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, NoReturn
 
-from benchmarks.measure import WARMUP_STEPS, pace
+from benchmarks.measure import pace, steady
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
 from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
 from benchmarks.stamp import stamp_steps
@@ -148,8 +148,8 @@ def run_startup(target: Target, workload: Workload, *, steps: int) -> list[dict[
 def _row(name: str, ends: list[float], steps: int, cycle: float | None) -> dict[str, Any]:
     if len(ends) != steps:
         raise RuntimeError(f"{name}: {len(ends)} step lines read, {steps} expected")
-    steady = ends[WARMUP_STEPS:] if len(ends) - WARMUP_STEPS >= 2 else ends
-    seconds = pace(steady) if len(steady) >= 2 else None
+    steady_ends = steady(ends)
+    seconds = pace(steady_ends) if len(steady_ends) >= 2 else None
     return {
         "loop": name,
         "step_ends_s": ends,

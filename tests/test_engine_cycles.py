@@ -71,11 +71,12 @@ def test_engine_train_step_takes_one_cycle_where_the_quickstart_takes_more(
     (ref_model,) = set(server.stats.op_cycles) - {engine_model}
     ref_ops = server.stats.op_cycles[ref_model]
     ref_pairs = _pairs(ref_ops)
-    # Its forward_backward's result is released when the cycle it was queued for ends,
-    # about a cycle after it arrived (ticks may come a little early or late against the
-    # recorded arrival); only then does its optim_step go out, into a later cycle.
-    assert ref_pairs and all(opt.cycle > fb.cycle for fb, opt in ref_pairs)
-    assert all(opt.submitted - fb.submitted > CYCLE_S / 2 for fb, opt in ref_pairs)
+    # Its forward_backward's result is released when the cycle after the one it was
+    # queued for starts; only then does its optim_step go out, so it is queued for the
+    # cycle after that at the earliest: two cycles per train step, whatever the load
+    # (a late tick can bring the release closer to the arrival in seconds, so the time
+    # between the two submissions is not compared).
+    assert ref_pairs and all(opt.cycle >= fb.cycle + 2 for fb, opt in ref_pairs)
 
 
 def test_a_snapshot_stays_right_behind_its_step_when_the_next_is_submitted_ahead(

@@ -56,12 +56,12 @@ from benchmarks.measure import positive_int
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
 from engine.config import Profile
+from engine.core.problems import Task
 from engine.local import LocalServer
 from engine.session.adapter import snapshot_name
 from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
 from engine.tasks.arithmetic import score_arithmetic
-from engine.tasks.base import Task
 
 __all__ = ["CONFIGS", "HELDOUT_SEED", "RunSpec", "evaluate", "heldout_problems", "main"]
 

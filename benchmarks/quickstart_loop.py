@@ -25,7 +25,7 @@ The problems, the prompt text and the reward come from the engine's arithmetic t
 (``engine.tasks.ArithmeticTask``), whose seeded source draws ``a`` then ``b`` with
 ``random.Random(seed).randint`` exactly as the script's ``generate_problem`` does, and
 whose reward ``tests/test_rewards.py`` checks against the quickstart's component by
-component. The datum layout is written out here (not imported from ``engine.loop.rl``) so the
+component. The datum layout is written out here (not imported from ``engine.core.datums``) so the
 engine's copy is compared with an independent one.
 
 Each step also records how long its snapshot, sampling, scoring and training took

@@ -389,8 +389,8 @@ def _engine_step(result: StepResult) -> StepRecord:
         sample_s=float(m["time/sample"]),
         score_s=float(m["time/score"]),
         train_s=float(m["time/train"]),
-        samples=sum(len(g.completions) for g in result.groups),
-        tokens=sum(len(c.tokens) for g in result.groups for c in g.completions),
+        samples=sum(len(t.turns) for g in result.groups for t in g.trajectories),
+        tokens=sum(t.action_tokens for g in result.groups for t in g.trajectories),
         datums=int(m["datums"]),
     )
 

@@ -31,8 +31,8 @@ from typing import Any
 import anyio
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
+from engine.core.problems import Problem, RewardBreakdown, SeededSource
 from engine.loop.scoring import Scorer, parse_score_workers
-from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 
 __all__ = ["main"]
 

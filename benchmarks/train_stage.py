@@ -40,7 +40,8 @@ from mint import types
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
 from benchmarks.runners import TEMPERATURE, Target, Workload, bench_server
-from engine.loop.rl import Completion, group_datums
+from engine.core.datums import group_datums
+from engine.core.trajectory import Trajectory, Turn
 from engine.session.mint import reserve_sampler_snapshot, to_sdk_datum
 
 __all__ = ["MODES", "main", "measure_trainer"]
@@ -95,14 +96,20 @@ async def _datums(
             num_samples=group,
             sampling_params=params,
         )
-        completions = [
-            Completion(tuple(s.tokens), None if s.logprobs is None else tuple(s.logprobs))
+        episodes = [
+            Trajectory(
+                (Turn(tuple(prompt), tuple(s.tokens), _logprobs(s), 0, "stop"),),
+                group_reward=task.score(tokenizer.decode(list(s.tokens)), problem),
+            )
             for s in response.sequences
         ]
-        rewards = [task.score(tokenizer.decode(list(c.tokens)), problem).total for c in completions]
-        built = group_datums(prompt, completions, rewards, on_missing_logprobs="drop")
+        built = group_datums(episodes, on_missing_logprobs="drop")
         datums += [to_sdk_datum(d) for d in built.datums]
     return datums
+
+
+def _logprobs(sequence: Any) -> tuple[float, ...] | None:
+    return None if sequence.logprobs is None else tuple(sequence.logprobs)
 
 
 async def _await_mode(

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from engine.config import EngineConfig
+    from engine.core.state import LoopState, ScoredGroup
     from engine.engine import Engine, StepHook
     from engine.errors import (
         CircuitOpen,
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
     )
     from engine.loop.results import RunResult, StepResult, StepTimeline
     from engine.loop.scoring import RewardError
-    from engine.loop.state import LoopState, ScoredGroup
     from engine.session.preflight import PreflightError
     from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, Task
 
@@ -87,8 +87,8 @@ _HOMES = {
     "RunResult": "engine.loop.results",
     "StepResult": "engine.loop.results",
     "StepTimeline": "engine.loop.results",
-    "LoopState": "engine.loop.state",
-    "ScoredGroup": "engine.loop.state",
+    "LoopState": "engine.core.state",
+    "ScoredGroup": "engine.core.state",
     "ArithmeticTask": "engine.tasks",
     "Problem": "engine.tasks",
     "ProblemSource": "engine.tasks",

@@ -41,11 +41,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig, Profile, stored_profile
+from engine.core.state import LoopState
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
 from engine.loop.scoring import check_score_workers, parse_score_workers
-from engine.loop.state import LoopState
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config

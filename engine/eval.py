@@ -31,10 +31,10 @@ from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import EngineConfig, parse_task_args
 from engine.config.records import flat_settings
-from engine.envs.types import is_env_task
 from engine.errors import ConfigError, EngineError, find_error
-from engine.loop.evaluation import env_context, eval_problems_of, evaluate, evaluate_episodes
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.loop.evaluation import eval_problems_of, evaluate
+from engine.loop.groups import GroupPlan
+from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.rundir.directory import stored_config
 from engine.session.opening import open_session, service_guard
 from engine.tasks import load_task
@@ -136,40 +136,23 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         )
         config = session.config
         task = load_task(config.task.spec, config.task.args)
-        renderer = PromptRenderer(task, session.tokenizer)
+        check_score_workers(task, parse_score_workers(config.scoring.score_workers))
+        plan = GroupPlan(
+            config, task, PromptRenderer(task, session.tokenizer), session.info.max_context
+        )
         problems = eval_problems_of(task)
-        limits = config.environment.episode_limits().within(session.info.max_context)
 
         async def measure(sampler: Any) -> dict[str, float]:
-            if is_env_task(task):
-                metrics = await evaluate_episodes(
-                    session,
-                    sampler,
-                    task,  # type: ignore[arg-type]
-                    env_context(renderer, config.sampling.stop_at_eos, limits),
-                    problems,
-                    max_tokens=config.sampling.max_tokens,
-                    concurrency=config.pipeline.concurrency,
-                    samples=request.samples,
-                    temperature=config.sampling.temperature,
-                )
-            else:
-                metrics = await evaluate(
-                    session,
-                    sampler,
-                    renderer,
-                    Scorer(
-                        task,
-                        concurrency=config.scoring.score_concurrency,
-                        workers=parse_score_workers(config.scoring.score_workers),
-                    ),
-                    problems,
-                    max_tokens=config.sampling.max_tokens,
-                    stop_at_eos=config.sampling.stop_at_eos,
-                    concurrency=config.pipeline.concurrency,
-                    samples=request.samples,
-                    temperature=config.sampling.temperature,
-                )
+            metrics = await evaluate(
+                session,
+                sampler,
+                plan,
+                problems,
+                max_tokens=config.sampling.max_tokens,
+                concurrency=config.pipeline.concurrency,
+                samples=request.samples,
+                temperature=config.sampling.temperature,
+            )
             return {k.removeprefix("eval/"): v for k, v in metrics.items()}
 
         step = ref.step if ref.step is not None else 1

@@ -2,8 +2,9 @@
 
 Why: a run whose every response scored -0.1 cannot be explained from averages. The
 engine writes the first ``--log-rollouts`` groups of every trained step (bounded: a few
-groups per step, not every sample): the prompt as the model saw it, each response as
-the task scored it, its reward components, advantage and the sampler version.
+groups per step, not every sample): each episode turn by turn as the model saw it
+(for a single-turn task: the prompt and one response), its reward, components, the
+advantage the trainer gave it and each turn's sampler version.
 
     python -m engine.rollouts runs/<dir> --step 5        # readable
     python -m engine.rollouts runs/<dir> --step 5 --json # the raw lines
@@ -21,11 +22,9 @@ from pathlib import Path
 from typing import Any
 
 from engine.common.cli import OneLineErrorParser
-from engine.envs.datums import episode_group_datums
-from engine.envs.records import episode_record
+from engine.core.records import episode_record
+from engine.core.state import GROUP_FORMAT, ScoredGroup
 from engine.loop.results import StepResult
-from engine.loop.rl import group_advantages
-from engine.loop.state import ScoredGroup
 from engine.rundir.steplog import read_step_lines
 from engine.tasks.render import PromptRenderer
 
@@ -34,45 +33,13 @@ __all__ = ["ROLLOUTS_FILE", "RolloutLog", "group_record", "main"]
 ROLLOUTS_FILE = "rollouts.jsonl"
 
 
-def group_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
-    """One group as a JSON-friendly record (one line of rollouts.jsonl); an environment
-    task's group has its episodes turn by turn instead of responses."""
-    if group.episodes:
-        return _episodes_record(step, group, renderer)
-    totals = group.totals
-    advantages = group_advantages(totals) if group.reward_error is None else [0.0] * len(totals)
+def group_record(
+    step: int, group: ScoredGroup, advantages: Sequence[float], renderer: PromptRenderer
+) -> dict[str, Any]:
+    """One group as a JSON-friendly record (one line of rollouts.jsonl): each episode
+    turn by turn, with the advantage the trainer computed for it."""
     return {
-        **_group_fields(step, group),
-        "prompt": renderer.decode_prompt(group.prompt_tokens),
-        "responses": [
-            {
-                "text": renderer.decode(c.tokens),
-                "reward": r.total,
-                "components": dict(r.components),
-                "advantage": a,
-                "tokens": len(c.tokens),
-                "stop_reason": c.stop_reason,
-            }
-            for c, r, a in zip(group.completions, group.rewards, advantages, strict=True)
-        ],
-    }
-
-
-def _episodes_record(step: int, group: ScoredGroup, renderer: PromptRenderer) -> dict[str, Any]:
-    built = episode_group_datums(group.episodes, on_missing_logprobs="drop")
-    advantages = built.advantages if group.reward_error is None else [0.0] * len(group.episodes)
-    return {
-        **_group_fields(step, group),
-        "episodes": [
-            episode_record(e, a, renderer.decode_prompt, renderer.decode)
-            for e, a in zip(group.episodes, advantages, strict=True)
-        ],
-    }
-
-
-def _group_fields(step: int, group: ScoredGroup) -> dict[str, Any]:
-    """What every rollout record says of its group, whatever the task's kind."""
-    return {
+        "format": GROUP_FORMAT,
         "step": step,
         "index": group.index,
         "problem_id": group.problem.id,
@@ -80,6 +47,10 @@ def _group_fields(step: int, group: ScoredGroup) -> dict[str, Any]:
         "answer": group.problem.answer,
         "sampler_version": group.version,
         "reward_error": group.reward_error,
+        "episodes": [
+            episode_record(t, a, renderer.decode_prompt, renderer.decode)
+            for t, a in zip(group.trajectories, advantages, strict=True)
+        ],
     }
 
 
@@ -95,8 +66,8 @@ class RolloutLog:
         if self._per_step <= 0:
             return
         lines = [
-            json.dumps(group_record(result.step, g, self._renderer), default=str) + "\n"
-            for g in result.groups[: self._per_step]
+            json.dumps(group_record(result.step, g, a, self._renderer), default=str) + "\n"
+            for g, a in zip(result.groups[: self._per_step], result.advantages, strict=False)
         ]
         with self._path.open("a", encoding="utf-8") as f:
             f.writelines(lines)
@@ -106,42 +77,60 @@ class RolloutLog:
 
 
 _RESPONSE_FIELDS = {"text": str, "reward": float, "components": dict, "advantage": float}
+_EPISODE_FIELDS = {"outcome": str, "reward": float, "advantage": float, "turns": list}
 
 
 def _is_group_record(record: Mapping[str, Any]) -> bool:
-    """Whether ``record`` has what :func:`format_group` prints."""
-    if not {"problem_id", "sampler_version", "prompt", "answer"} <= record.keys():
+    """Whether ``record`` has what :func:`format_group` prints: a group's episodes, or
+    (a run from before the one rollout form) a single-turn group's responses."""
+    if not {"problem_id", "sampler_version", "answer"} <= record.keys():
         return False
-    responses = record.get("responses")
-    return isinstance(responses, list) and all(
-        isinstance(r, dict)
+    if "episodes" in record:
+        return _all_have(record["episodes"], _EPISODE_FIELDS)
+    return "prompt" in record and _all_have(record.get("responses"), _RESPONSE_FIELDS)
+
+
+def _all_have(items: Any, fields: Mapping[str, type]) -> bool:
+    return isinstance(items, list) and all(
+        isinstance(item, dict)
         and all(
-            isinstance(r.get(k), int | float if kind is float else kind)
-            for k, kind in _RESPONSE_FIELDS.items()
+            isinstance(item.get(k), int | float if kind is float else kind)
+            for k, kind in fields.items()
         )
-        and all(isinstance(v, int | float) for v in r["components"].values())
-        for r in responses
+        for item in items
     )
 
 
 def format_group(record: dict[str, Any]) -> str:
-    """A group as readable text: header, prompt, answer, one line per response."""
+    """A group as readable text: header, answer, then each episode turn by turn (a
+    single-turn group's one-turn episodes as one line each, under their shared prompt)."""
     lines = [
         f"step {record['step']} - problem {record['problem_id']} - "
         f"sampler v{record['sampler_version']}",
-        *([f"  prompt: {record['prompt']!r}"] if "prompt" in record else []),
-        f"  answer: {record['answer']!r}",
     ]
-    if record.get("reward_error"):
-        lines.append(f"  reward error: {record['reward_error']}")
-    if "episodes" in record:
-        return "\n".join([*lines, *_format_episodes(record["episodes"])])
-    for r in record["responses"]:
-        parts = " ".join(f"{k}={v:g}" for k, v in sorted(r["components"].items()))
-        lines.append(
-            f"  reward {r['reward']:+.3f}  adv {r['advantage']:+.3f}  {parts:<24} | {r['text']!r}"
-        )
-    return "\n".join(lines)
+    if "episodes" not in record:  # the single-turn record of a run before format 2
+        lines.append(f"  prompt: {record['prompt']!r}")
+        responses = [_response_line(r, r["text"]) for r in record["responses"]]
+        return "\n".join([*lines, f"  answer: {record['answer']!r}", *_error(record), *responses])
+    episodes = record["episodes"]
+    one_turn = [e["turns"] for e in episodes if len(e["turns"]) == 1]
+    if len(one_turn) == len(episodes) and len({t[0]["observation"] for t in one_turn}) <= 1:
+        if one_turn:
+            lines.append(f"  prompt: {one_turn[0][0]['observation']!r}")
+        responses = [_response_line(e, e["turns"][0]["action"]) for e in episodes]
+        return "\n".join([*lines, f"  answer: {record['answer']!r}", *_error(record), *responses])
+    lines.append(f"  answer: {record['answer']!r}")
+    return "\n".join([*lines, *_error(record), *_format_episodes(episodes)])
+
+
+def _error(record: Mapping[str, Any]) -> list[str]:
+    error = record.get("reward_error")
+    return [f"  reward error: {error}"] if error else []
+
+
+def _response_line(item: Mapping[str, Any], text: str) -> str:
+    parts = " ".join(f"{k}={v:g}" for k, v in sorted(item["components"].items()))
+    return f"  reward {item['reward']:+.3f}  adv {item['advantage']:+.3f}  {parts:<24} | {text!r}"
 
 
 def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:

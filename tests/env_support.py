@@ -8,6 +8,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
+from engine.core.datums import Completion
+from engine.core.problems import Problem, RewardBreakdown, SeededSource
 from engine.envs import (
     Action,
     ChatGroup,
@@ -19,8 +21,6 @@ from engine.envs import (
     tool,
 )
 from engine.envs.rollout import SampledAction
-from engine.loop.rl import Completion
-from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from engine.tasks.render import TaskContext
 
 

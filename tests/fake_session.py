@@ -17,8 +17,8 @@ from typing import cast
 
 import anyio
 
+from engine.core.datums import Completion, Datum
 from engine.errors import StepOutcomeUnknown
-from engine.loop.rl import Completion, Datum
 from engine.session.api import (
     LossSpec,
     PendingCheckpoint,

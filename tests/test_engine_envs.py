@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.envs.datums import trajectory_datums
+from engine.core.datums import trajectory_datums
 from engine.local import LocalServer
 from engine.rollouts import ROLLOUTS_FILE
 from examples.retry_addition import RetryAdditionTask
@@ -28,7 +28,7 @@ def test_a_multi_turn_environment_trains_end_to_end(server: LocalServer, tmp_pat
     steps, result = run_engine(config, task=RetryAdditionTask())
 
     assert result.steps_completed == 3 and result.final_path.startswith("tinker://")
-    episodes = [e for s in steps for g in s.groups for e in g.episodes]
+    episodes = [e for s in steps for g in s.groups for e in g.trajectories]
     assert len(episodes) == 3 * 4 * 4
     assert {len(e.turns) for e in episodes} <= {1, 2}
     assert any(len(e.turns) == 2 for e in episodes), "no episode took a second attempt"

@@ -151,7 +151,7 @@ class HeldOutCountdown(CountdownTask):
     group reward is the parity of the greedy first reply "<v> 0": 0)."""
 
     def eval_problems(self) -> list[Any]:
-        from engine.tasks.base import Problem
+        from engine.core.problems import Problem
 
         return [Problem(i, f"held out {i}", i) for i in range(3)]
 

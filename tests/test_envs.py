@@ -21,12 +21,11 @@ from env_support import (
     hang,
 )
 
+from engine.core.datums import group_datums, trajectory_datums
+from engine.core.problems import Problem
+from engine.core.records import episode_record, trajectory_from_dict, trajectory_to_dict
 from engine.envs import ChatGroup, EpisodeLimits, HermesToolCalls, Trajectory, Turn
-from engine.envs.datums import episode_group_datums, trajectory_datums
-from engine.envs.records import episode_record, trajectory_from_dict, trajectory_to_dict
 from engine.envs.rollout import EpisodeRunner
-from engine.loop.rl import build_datum
-from engine.tasks.base import Problem
 from tests.datums import datum_to_dict
 
 pytestmark = pytest.mark.anyio
@@ -44,7 +43,13 @@ def turn(obs: list[int], action: list[int], version: int = 0, lp: float = -0.5) 
 def test_a_single_turn_trajectory_is_the_quickstart_datum() -> None:
     prompt, action = [1, 2, 3], [4, 5]
     (ours,) = trajectory_datums(Trajectory((turn(prompt, action),)), 0.75)
-    assert datum_to_dict(ours) == datum_to_dict(build_datum(prompt, action, [-0.5] * 2, 0.75))
+    assert datum_to_dict(ours) == {
+        "model_input": [1, 2, 3, 4],  # full[:-1]
+        "target_tokens": [2, 3, 4, 5],  # full[1:]
+        "weights": [0.0, 0.0, 1.0, 1.0],  # zero over the first len(prompt) - 1 positions
+        "logprobs": [0.0, 0.0, -0.5, -0.5],
+        "advantages": [0.0, 0.0, 0.75, 0.75],
+    }
 
 
 def test_turns_that_extend_the_prefix_merge_into_one_datum_with_observation_masked() -> None:
@@ -73,14 +78,14 @@ def test_masked_episodes_leave_the_baseline_and_the_datums() -> None:
     good = Trajectory((turn([1], [2]),), group_reward=_reward(1.0))
     bad = Trajectory((turn([1], [3]),), group_reward=_reward(0.0))
     masked = Trajectory((turn([1], [4]),), group_reward=_reward(5.0), masked=True)
-    built = episode_group_datums([good, bad, masked])
+    built = group_datums([good, bad, masked])
     assert built.advantages == [0.5, -0.5, 0.0]
     assert built.masked == 1
     assert len(built.datums) == 2
 
 
 def _reward(total: float) -> Any:
-    from engine.tasks.base import RewardBreakdown
+    from engine.core.problems import RewardBreakdown
 
     return RewardBreakdown(total)
 

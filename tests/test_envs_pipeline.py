@@ -15,16 +15,17 @@ import anyio
 import pytest
 from env_support import CountdownEnv, RankedGroup
 from fake_session import FakeSession
-from test_pipeline_stages import config, run_pipeline, until
+from test_pipeline_stages import config, plan, run_pipeline, until
 
+from engine.core.problems import Problem, SeededSource
+from engine.core.state import LoopState
 from engine.envs import Action, EnvContext, EnvStepResult, Observation
 from engine.errors import Interrupted
 from engine.loop.pipeline import Pipeline
 from engine.loop.results import StepResult
-from engine.loop.state import LoopState
+from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.session.api import SamplerHandle
 from engine.supervision.stopping import StopGate
-from engine.tasks.base import Problem, SeededSource
 
 pytestmark = pytest.mark.anyio
 
@@ -90,9 +91,8 @@ async def test_an_environment_task_trains_whole_episodes_with_episode_metrics() 
     for r in results:
         for g in r.groups:
             turns = 1 + g.problem.id % 3
-            assert [len(e.turns) for e in g.episodes] == [turns, turns]
-            assert g.completions == ()
-            assert list(g.totals) == [e.total_reward for e in g.episodes]
+            assert [len(e.turns) for e in g.trajectories] == [turns, turns]
+            assert list(g.totals) == [e.total_reward for e in g.trajectories]
     m = results[2].metrics  # problems 4 and 5: 2 and 3 turns
     assert m["env/all/turns_per_episode"] == 2.5
     assert m["env/all/outcome/done"] == 1.0
@@ -121,8 +121,8 @@ async def test_each_turn_samples_the_newest_weights_and_staleness_is_the_oldest_
     cfg = config(steps=2, batch=1, group=1, max_steps_off_policy=1)
     _, results = await run_pipeline(session, cfg, task=task, on_step=on_step)
     (first,), (second,) = (r.groups for r in results)
-    assert [t.version for t in first.episodes[0].turns] == [0, 0]
-    assert [t.version for t in second.episodes[0].turns] == [0, 1]
+    assert [t.version for t in first.trajectories[0].turns] == [0, 0]
+    assert [t.version for t in second.trajectories[0].turns] == [0, 1]
     assert second.version == 0  # the oldest turn
     assert results[1].staleness == 1
 
@@ -132,7 +132,8 @@ async def test_staleness_is_bounded_with_k0_for_every_turn() -> None:
     cfg = config(steps=3, max_steps_off_policy=0)
     _, results = await run_pipeline(session, cfg, task=CountdownTask())
     for r in results:
-        assert {t.version for g in r.groups for e in g.episodes for t in e.turns} == {r.step - 1}
+        versions = {t.version for g in r.groups for e in g.trajectories for t in e.turns}
+        assert versions == {r.step - 1}
 
 
 async def test_a_failing_group_hook_is_skipped_with_on_reward_error_skip() -> None:
@@ -169,7 +170,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     first_run: list[StepResult] = []
     pipeline = Pipeline(
         cfg,
-        task,
+        plan(cfg, task, session),
         session,
         source,
         LoopState(0, source.state(), 0),
@@ -193,13 +194,13 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     assert [r.step for r in first_run] == [1]
     state = LoopState.from_dict(first_run[0].state.to_dict())  # as a checkpoint stores it
     assert [(g.step, g.index) for g in state.pending_groups] == [(1, 0)]
-    assert [len(e.turns) for e in state.pending_groups[0].episodes] == [3, 3]
+    assert [len(e.turns) for e in state.pending_groups[0].trajectories] == [3, 3]
 
     blocked.set()  # the restarted episode runs through
     second_run: list[StepResult] = []
     resumed = Pipeline(
         cfg,
-        task,
+        plan(cfg, task, session),
         session,
         task.source(cfg.task.seed, state.source_state),
         state,
@@ -213,7 +214,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     assert trained == [0, 1, 2, 3, 4, 5]  # each once, in order
     assert task.built[2] == 1  # kept in the checkpoint: not rolled out again
     assert task.built[3] == 2  # in flight at the stop: restarted from its problem
-    assert second_run[0].groups[0].episodes == state.pending_groups[0].episodes
+    assert second_run[0].groups[0].trajectories == state.pending_groups[0].trajectories
 
 
 def _record(out: list[StepResult]) -> Any:
@@ -232,7 +233,7 @@ async def test_rollouts_show_each_episode_turn_by_turn() -> None:
     task = CountdownTask()
     _, results = await run_pipeline(FakeSession(), config(steps=2), task=task)
     three = results[1].groups[0]  # problem 2: three turns
-    record = group_record(2, three, PromptRenderer(task, ByteTokenizer()))
+    record = group_record(2, three, results[1].advantages[0], PromptRenderer(task, ByteTokenizer()))
     assert [len(e["turns"]) for e in record["episodes"]] == [3, 3]
     turn = record["episodes"][0]["turns"][1]
     assert turn["observation"] == "|" and turn["new_context"] is False
@@ -248,7 +249,7 @@ async def test_environment_steps_and_group_rewards_run_in_worker_processes() -> 
     session = FakeSession()
     cfg = config(steps=1, score_workers="processes:2")
     _, (result,) = await run_pipeline(session, cfg, task=PicklableTask())
-    assert [len(e.turns) for g in result.groups for e in g.episodes] == [1, 1, 2, 2]
+    assert [len(e.turns) for g in result.groups for e in g.trajectories] == [1, 1, 2, 2]
     assert result.metrics["groups/reward_errors"] == 0
 
 
@@ -256,18 +257,8 @@ def test_an_unpicklable_environment_task_is_one_line_before_the_run() -> None:
     from engine.errors import ConfigError
 
     task = CountdownTask(envs={0: lambda: CountdownEnv()})  # a lambda: not picklable
-    source = task.source(0)
     with pytest.raises(ConfigError, match="needs a picklable task"):
-        Pipeline(
-            config(score_workers="processes:2"),
-            task,
-            FakeSession(),
-            source,
-            LoopState(0, source.state(), 0),
-            SamplerHandle(0, 0),
-            _record([]),
-            gate=StopGate(),
-        )
+        check_score_workers(task, parse_score_workers("processes:2"))
 
 
 @dataclass
@@ -292,7 +283,7 @@ async def test_episodes_stop_at_the_served_models_context() -> None:
     session = SmallContextSession()
     _, results = await run_pipeline(session, config(steps=2), task=CountdownTask())
     assert all(p + m <= 10 for p, m in session.requests), session.requests
-    by_problem = {g.problem.id: g.episodes for r in results for g in r.groups}
+    by_problem = {g.problem.id: g.trajectories for r in results for g in r.groups}
     # Problem 2 runs 3 turns: its third observation (11 tokens) does not fit.
     assert [(len(e.turns), e.outcome) for e in by_problem[2]] == [(2, "max_tokens")] * 2
     assert [e.outcome for e in by_problem[1]] == ["done", "done"]

@@ -31,7 +31,9 @@ WORKER_PATH = os.pathsep.join([str(TESTS), str(TESTS.parent)])
 
 
 def pids(results: Any) -> set[int]:
-    return {t.logs["pid"] for r in results for g in r.groups for e in g.episodes for t in e.turns}
+    return {
+        t.logs["pid"] for r in results for g in r.groups for e in g.trajectories for t in e.turns
+    }
 
 
 @needs_ray
@@ -48,7 +50,12 @@ async def test_the_engine_starts_a_local_cluster_and_shuts_down_only_that(
     _, results = await run_pipeline(
         FakeSession(), config(steps=2, score_workers="ray:2"), task=RemoteTask()
     )
-    assert [len(e.turns) for r in results for g in r.groups for e in g.episodes] == [1, 1, 2, 2] * 2
+    assert [len(e.turns) for r in results for g in r.groups for e in g.trajectories] == [
+        1,
+        1,
+        2,
+        2,
+    ] * 2
     assert os.getpid() not in pids(results) and pids(results)
     assert all(r.metrics["groups/reward_errors"] == 0 for r in results)
     assert not ray.is_initialized(), "the engine left the cluster it started running"
@@ -82,14 +89,14 @@ async def test_environment_errors_and_hangs_on_ray_workers_end_their_episodes(
     _, (result,) = await run_pipeline(
         FakeSession(), config(steps=1, score_workers="ray:2"), task=raising
     )
-    episodes = [e for g in result.groups for e in g.episodes]
+    episodes = [e for g in result.groups for e in g.trajectories]
     assert {e.outcome for e in episodes} == {"env_error"}
     assert all("the environment broke" in (e.error or "") for e in episodes)
 
     hanging = RemoteTask(env={"hang_at": 1})
     cfg = config(steps=1, score_workers="ray:2", episode_timeout=2.0)
     _, (result,) = await run_pipeline(FakeSession(), cfg, task=hanging)
-    assert {e.outcome for g in result.groups for e in g.episodes} == {"timeout"}
+    assert {e.outcome for g in result.groups for e in g.trajectories} == {"timeout"}
     assert ray.is_initialized(), "the engine shut down the caller's cluster"
 
 
@@ -114,7 +121,7 @@ def test_a_shipped_environment_trains_through_a_ray_cluster(cluster: None, tmp_p
         )
         steps, result = run_engine(cfg)
     assert result.steps_completed == 2
-    episodes = [e for s in steps for g in s.groups for e in g.episodes]
+    episodes = [e for s in steps for g in s.groups for e in g.trajectories]
     assert len(episodes) == 2 * 2 * 2 and all(e.turns for e in episodes)
     assert all(s.metrics["groups/reward_errors"] == 0 for s in steps)
     assert {e.outcome for e in episodes} <= {"done", "max_tokens", "max_turns"}

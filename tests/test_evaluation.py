@@ -11,11 +11,13 @@ from typing import Any
 import anyio
 import pytest
 
-from engine.config import OnRewardError
+from engine.config import EngineConfig, OnRewardError
 from engine.errors import find_error
 from engine.loop.evaluation import EVAL_FILE, Evaluator, evaluate, pass_at_k
-from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
+from engine.loop.groups import GroupPlan
+from engine.loop.scoring import RewardError
 from engine.session.api import SamplerHandle
+from engine.session.preflight import local_server_profile
 from engine.tasks import Problem, RewardBreakdown, SeededSource
 from engine.tasks.render import PromptRenderer
 from tests.fake_session import FakeSession
@@ -42,23 +44,28 @@ class _HeldOutTask:
         return RewardBreakdown(correct, {"correct": correct})
 
 
+def _config(**settings: Any) -> EngineConfig:
+    return EngineConfig(local=True, concurrency=4, score_concurrency=4, **settings).resolved(
+        local_server_profile(None)
+    )
+
+
+def _plan(cfg: EngineConfig, task: Any, session: FakeSession) -> GroupPlan:
+    return GroupPlan(cfg, task, PromptRenderer(task, session.tokenizer), session.info.max_context)
+
+
 def evaluate_once(
     tmp_path: Path, on_reward_error: OnRewardError
 ) -> tuple[dict[str, float], list[str]]:
     session, task = FakeSession(), _HeldOutTask()
     warnings: list[str] = []
+    cfg = _config(steps=1, eval_every=1, max_tokens=4, on_reward_error=on_reward_error)
     evaluator = Evaluator(
         session,
-        task,
-        PromptRenderer(task, session.tokenizer),
-        Scorer(task, concurrency=4, workers=ScoreWorkers()),
+        _plan(cfg, task, session),
+        task.eval_problems(),
+        cfg,
         tmp_path,
-        every=1,
-        last_step=1,
-        max_tokens=4,
-        stop_at_eos=False,
-        concurrency=4,
-        on_reward_error=on_reward_error,
         warn=warnings.append,
     )
 
@@ -112,8 +119,7 @@ def test_sampled_evaluation_reports_mean_reward_and_unbiased_pass_at_k() -> None
         return await evaluate(
             session,
             SamplerHandle(1, None),
-            PromptRenderer(task, session.tokenizer),
-            Scorer(task, concurrency=4, workers=ScoreWorkers()),
+            _plan(_config(max_tokens=4), task, session),
             task.eval_problems(),
             max_tokens=4,
             samples=4,
@@ -161,22 +167,13 @@ class _FailingGroup:
 
 
 def test_held_out_episodes_of_an_environment_task_and_a_group_that_fails() -> None:
-    from engine.envs import EpisodeLimits
-    from engine.loop.evaluation import env_context, evaluate_episodes
-
     session, task = FakeSession(), _EpisodesTask()
-    renderer = PromptRenderer(task, session.tokenizer)  # type: ignore[arg-type]
+    plan = _plan(_config(env_max_turns=2, max_tokens=4), task, session)
     failed: list[RewardError] = []
 
     async def go(**kwargs: Any) -> dict[str, float]:
-        return await evaluate_episodes(
-            session,
-            SamplerHandle(1, None),
-            task,
-            env_context(renderer, False, EpisodeLimits(max_turns=2)),
-            task.eval_problems(),
-            max_tokens=4,
-            **kwargs,
+        return await evaluate(
+            session, SamplerHandle(1, None), plan, task.eval_problems(), max_tokens=4, **kwargs
         )
 
     metrics = anyio.run(lambda: go(on_reward_error=failed.append))

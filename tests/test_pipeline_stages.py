@@ -14,14 +14,17 @@ import pytest
 from fake_session import FakeSession
 
 from engine.config import EngineConfig
+from engine.core.problems import Problem, RewardBreakdown, SeededSource
+from engine.core.state import LoopState
 from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
+from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import StepResult
-from engine.loop.state import LoopState
+from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.session.api import SamplerHandle
 from engine.session.preflight import local_server_profile
 from engine.supervision.stopping import StopGate
-from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+from engine.tasks.render import PromptRenderer
 from tests.datums import model_input_tokens
 
 pytestmark = pytest.mark.anyio
@@ -60,6 +63,12 @@ def config(**changes: Any) -> EngineConfig:
     return EngineConfig(**{**base, **changes}).resolved(local_server_profile(None))
 
 
+def plan(cfg: EngineConfig, task: Any, session: FakeSession) -> GroupPlan:
+    """How the pipeline builds ``task``'s groups (as the supervisor makes it)."""
+    renderer = PromptRenderer(task, session.tokenizer)
+    return GroupPlan(cfg, task, renderer, session.info.max_context)
+
+
 async def run_pipeline(
     session: FakeSession,
     cfg: EngineConfig,
@@ -79,7 +88,16 @@ async def run_pipeline(
             await on_step(result)
 
     gate = gate or StopGate()
-    pipeline = Pipeline(cfg, task, session, source, state, SamplerHandle(0, 0), record, gate=gate)
+    pipeline = Pipeline(
+        cfg,
+        plan(cfg, task, session),
+        session,
+        source,
+        state,
+        SamplerHandle(0, 0),
+        record,
+        gate=gate,
+    )
     outcome: PipelineOutcome | None = None
     with anyio.CancelScope() as scope:
         gate.attach(scope)
@@ -313,16 +331,7 @@ def test_processes_need_a_picklable_task() -> None:
         pass
 
     with pytest.raises(ConfigError, match="picklable"):
-        Pipeline(
-            config(score_workers="processes:2"),
-            Local(),
-            FakeSession(),
-            Local().source(0),
-            LoopState(0, {}, 0),
-            SamplerHandle(0, 0),
-            lambda r: anyio.lowlevel.checkpoint(),
-            gate=StopGate(),
-        )
+        check_score_workers(Local(), parse_score_workers("processes:2"))
 
 
 async def test_a_cpu_bound_reward_runs_in_worker_processes() -> None:

@@ -80,12 +80,17 @@ def test_dataset_task_logs_eval_and_readable_rollouts(
     rollouts = lines(run_dir / "rollouts.jsonl")
     assert [r["step"] for r in rollouts] == [1, 1, 2, 2, 3, 3]
     first = rollouts[0]
-    assert first["prompt"] == f"<s>Question: {first['question']}\nAnswer:"
-    assert first["sampler_version"] == 0 and len(first["responses"]) == config.pipeline.group
+    episodes = first["episodes"]
+    assert {e["turns"][0]["observation"] for e in episodes} == {
+        f"<s>Question: {first['question']}\nAnswer:"
+    }
+    assert first["sampler_version"] == 0 and len(episodes) == config.pipeline.group
     group = steps[0].groups[0]
-    assert [r["reward"] for r in first["responses"]] == group.totals
-    assert sum(r["advantage"] for r in first["responses"]) == pytest.approx(0.0, abs=1e-9)
-    assert all("</s>" not in r["text"] for r in first["responses"])  # special tokens stripped
+    assert [e["reward"] for e in episodes] == group.totals
+    assert [e["advantage"] for e in episodes] == list(steps[0].advantages[0])
+    assert sum(e["advantage"] for e in episodes) == pytest.approx(0.0, abs=1e-9)
+    actions = [e["turns"][0]["action"] for e in episodes]
+    assert all("</s>" not in a for a in actions)  # special tokens stripped
     capsys.readouterr()
     assert rollouts_main([str(run_dir), "--step", "2"]) == 0
     out = capsys.readouterr().out
@@ -254,13 +259,13 @@ def test_stop_strings_reach_the_sampler(server: LocalServer, tmp_path: Path) -> 
     space (its first token, as a rule), and the decoded text is cut before the stop
     string. (Sampled at temperature 1, a response may also start without a space.)"""
     steps, _ = run_engine(small_config(server, tmp_path / "run", steps=1), task=_StopAtSpace())
-    completions = [c for g in steps[0].groups for c in g.completions]
+    completions = [e.turns[0].action for g in steps[0].groups for e in g.trajectories]
     [space] = AutoTokenizer.from_pretrained(DEFAULT_OUT).encode(" ", add_special_tokens=False)
-    assert all(space not in c.tokens[:-1] for c in completions)  # nothing sampled past one
-    assert any(list(c.tokens) == [space] for c in completions)
+    assert all(space not in c[:-1] for c in completions)  # nothing sampled past one
+    assert any(list(c) == [space] for c in completions)
     rollouts = lines(tmp_path / "run" / "rollouts.jsonl")
-    assert all(" " not in r["text"] for g in rollouts for r in g["responses"])
-    assert any(r["text"] == "" for g in rollouts for r in g["responses"])
+    assert all(" " not in e["turns"][0]["action"] for g in rollouts for e in g["episodes"])
+    assert any(e["turns"][0]["action"] == "" for g in rollouts for e in g["episodes"])
 
 
 def test_init_from_starts_from_saved_weights(
@@ -307,7 +312,8 @@ def test_chat_task_against_the_qwen_alias(tmp_path: Path) -> None:
         template = anyio.run(go)
     assert "Question: " in template  # the served tokenizer's template rendered the prompt
     rollout = lines(tmp_path / "run" / "rollouts.jsonl")[0]
-    assert rollout["prompt"] == f"<s>Question: {rollout['question']}\nAnswer:"
+    prompt = rollout["episodes"][0]["turns"][0]["observation"]
+    assert prompt == f"<s>Question: {rollout['question']}\nAnswer:"
 
 
 def test_console_script_finds_a_task_module_in_the_current_directory(tmp_path: Path) -> None:

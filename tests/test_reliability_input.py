@@ -18,9 +18,9 @@ import pytest
 
 from engine import Engine
 from engine.config import config_from_sources
+from engine.core.state import LoopState
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
-from engine.loop.state import LoopState
 from engine.run import main
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import write_config

@@ -249,8 +249,8 @@ def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
 
     step3 = resumed[0]
     assert step3.step == 3
-    assert [[list(c.tokens) for c in g.completions] for g in step3.groups] == [
-        [c["tokens"] for c in g["completions"]] for g in pending
+    assert [[list(t.turns[0].action) for t in g.trajectories] for g in step3.groups] == [
+        [t["turns"][0]["action"] for t in g["trajectories"]] for g in pending
     ]
     assert [g.version for g in step3.groups] == [g["version"] for g in pending]
     assert sampled == BATCH  # step 4 only

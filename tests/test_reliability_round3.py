@@ -21,10 +21,11 @@ from fake_session import FakeSession
 
 from engine import Engine, EngineConfig
 from engine.config import config_from_sources
+from engine.core.problems import Problem, RewardBreakdown, SeededSource
+from engine.core.state import LoopState
 from engine.errors import ConfigError, Interrupted
 from engine.local import LocalServer
 from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
-from engine.loop.state import LoopState
 from engine.observe.idle import NO_TRAINING_STEPS, no_training_summary, no_training_warning
 from engine.report import main as report_main
 from engine.rollouts import main as rollouts_main
@@ -35,7 +36,6 @@ from engine.rundir.lock import RunDirLock
 from engine.session.api import ServerInfo
 from engine.session.preflight import local_server_profile
 from engine.tasks.arithmetic import ArithmeticTask
-from engine.tasks.base import Problem, RewardBreakdown, SeededSource
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import load_task, task_spec
 from engine.tasks.rewards import make_reward
@@ -495,7 +495,7 @@ async def test_a_prompt_longer_than_the_context_skips_its_group_not_the_run() ->
     assert first.metrics["groups/too_long"] == 1
     assert first.metrics["groups/used"] == 1  # the other group trained
     skipped = first.groups[1]
-    assert skipped.completions == () and "exceeds the model's context of 64" in str(
+    assert skipped.trajectories == () and "exceeds the model's context of 64" in str(
         skipped.too_long
     )
     assert results[1].metrics["groups/too_long"] == 0

@@ -6,16 +6,40 @@ import numpy as np
 import pytest
 from tinker import types
 
-from engine.loop.rl import (
-    Completion,
+from engine.core.datums import (
+    Datum,
     MissingLogprobsError,
-    build_datum,
     group_advantages,
     group_datums,
     kl_sample_train,
+    trajectory_datums,
     with_loss_inputs,
 )
+from engine.core.problems import RewardBreakdown
+from engine.core.trajectory import Trajectory, Turn
 from tests.datums import datum_to_dict
+
+
+def _episode(
+    prompt: list[int], tokens: list[int], logprobs: list[float] | None, reward: float = 0.0
+) -> Trajectory:
+    """A single-turn task's response: a one-turn trajectory of its prompt."""
+    lp = None if logprobs is None else tuple(logprobs)
+    turn = Turn(tuple(prompt), tuple(tokens), lp, 0, "stop")
+    return Trajectory((turn,), group_reward=RewardBreakdown(reward))
+
+
+def build_datum(
+    prompt: list[int], response: list[int], logprobs: list[float], advantage: float
+) -> Datum:
+    (datum,) = trajectory_datums(_episode(prompt, response, logprobs), advantage)
+    return datum
+
+
+def _group(
+    prompt: list[int], responses: list[tuple[list[int], list[float] | None]], rewards: list[float]
+) -> list[Trajectory]:
+    return [_episode(prompt, t, lp, r) for (t, lp), r in zip(responses, rewards, strict=True)]
 
 
 def test_advantage_is_reward_minus_group_mean_without_std() -> None:
@@ -54,9 +78,8 @@ def test_datum_tensors_have_the_dtypes_the_sdk_gives_plain_lists() -> None:
         assert ours.loss_fn_inputs[key].dtype == theirs.loss_fn_inputs[key].dtype
 
 
-def _c(tokens: list[int], logprobs: list[float] | None = None) -> Completion:
-    lp = [-0.1] * len(tokens) if logprobs is None else logprobs
-    return Completion(tuple(tokens), tuple(lp))
+def _c(tokens: list[int], logprobs: list[float] | None = None) -> tuple[list[int], list[float]]:
+    return tokens, [-0.1] * len(tokens) if logprobs is None else logprobs
 
 
 def test_gspo_datums_mark_the_sampled_tokens_for_the_sequence_ratio() -> None:
@@ -70,9 +93,11 @@ def test_gspo_datums_mark_the_sampled_tokens_for_the_sequence_ratio() -> None:
 
 def test_empty_responses_and_zero_advantages_are_skipped_and_counted() -> None:
     built = group_datums(
-        [1, 2],
-        [_c([5]), _c([]), _c([6, 7]), _c([8])],
-        [1.0, 0.0, 0.5, 0.5],  # mean 0.5 -> advantages 0.5, -0.5, 0, 0
+        _group(
+            [1, 2],
+            [_c([5]), _c([]), _c([6, 7]), _c([8])],
+            [1.0, 0.0, 0.5, 0.5],  # mean 0.5 -> advantages 0.5, -0.5, 0, 0
+        )
     )
     assert built.advantages == pytest.approx([0.5, -0.5, 0.0, 0.0])
     assert len(built.datums) == 1
@@ -84,29 +109,27 @@ def test_empty_responses_and_zero_advantages_are_skipped_and_counted() -> None:
 
 
 def test_constant_reward_group_yields_no_datum() -> None:
-    built = group_datums([1], [_c([2]), _c([3])], [0.7, 0.7])
+    built = group_datums(_group([1], [_c([2]), _c([3])], [0.7, 0.7]))
     assert built.datums == []
     assert built.constant_reward
     assert built.skipped_zero_advantage == 2
 
 
 def test_tiny_advantages_below_1e_12_are_skipped() -> None:
-    built = group_datums([1], [_c([2]), _c([3])], [0.3, 0.3 + 1e-13])
+    built = group_datums(_group([1], [_c([2]), _c([3])], [0.3, 0.3 + 1e-13]))
     assert built.datums == []
 
 
 def test_missing_logprobs_is_an_error_by_default() -> None:
-    with pytest.raises(MissingLogprobsError, match="2 tokens with none logprobs"):
-        group_datums([1], [Completion((2, 3), None), _c([4])], [1.0, 0.0])
-    with pytest.raises(MissingLogprobsError, match="with 1 logprobs"):
-        group_datums([1], [Completion((2, 3), (-0.1,)), _c([4])], [1.0, 0.0])
+    with pytest.raises(MissingLogprobsError, match="a turn of 2 tokens without matching"):
+        group_datums(_group([1], [([2, 3], None), _c([4])], [1.0, 0.0]))
+    with pytest.raises(MissingLogprobsError, match="--on-missing-logprobs drop"):
+        group_datums(_group([1], [([2, 3], [-0.1]), _c([4])], [1.0, 0.0]))
 
 
 def test_missing_logprobs_drop_mode_counts_and_never_zero_fills() -> None:
     built = group_datums(
-        [1],
-        [Completion((2, 3), None), _c([4], [-0.7]), _c([5], [-0.2])],
-        [1.0, 0.0, 0.5],
+        _group([1], [([2, 3], None), _c([4], [-0.7]), _c([5], [-0.2])], [1.0, 0.0, 0.5]),
         on_missing_logprobs="drop",
     )
     assert built.dropped_missing_logprobs == 1

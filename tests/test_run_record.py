@@ -12,8 +12,8 @@ from typing import Any
 import anyio
 import pytest
 
+from engine.core.state import LoopState
 from engine.loop.results import StepResult, StepTimeline
-from engine.loop.state import LoopState
 from engine.observe.metrics import RunLog
 from engine.rundir.checkpoints import CheckpointRecord
 from engine.rundir.events import EventLog
@@ -27,6 +27,7 @@ def trained(step: int, reward: float = 0.5) -> StepResult:
         line=f"step {step}",
         datums=(),
         groups=(),
+        advantages=(),
         timeline=StepTimeline(0.0, 0.0, 0.0, 0.0),
         state=LoopState(step, {}, step),
     )

@@ -38,9 +38,9 @@ from engine.common.setting import (
 from engine.common.setting import (
     seed as seed_range,
 )
-from engine.envs.types import EpisodeLimits, OnLimit, OnParseError
+from engine.core.datums import OnMissingLogprobs
+from engine.core.trajectory import EpisodeLimits, OnLimit, OnParseError
 from engine.errors import ConfigError
-from engine.loop.rl import OnMissingLogprobs
 from engine.loop.scoring import parse_score_workers
 from engine.observe.trackers import TRACKERS, Tracker
 from engine.session.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S

@@ -4,6 +4,17 @@ The core is token-level (:mod:`engine.envs.types`); :mod:`engine.envs.messages` 
 :mod:`engine.envs.tools` are the chat-message layer over it.
 """
 
+from engine.core.trajectory import (
+    Action,
+    EpisodeLimits,
+    Observation,
+    OnLimit,
+    OnParseError,
+    Outcome,
+    StopCondition,
+    Trajectory,
+    Turn,
+)
 from engine.envs.messages import ChatEnv, ChatGroup, MessageEnv, MessageStep
 from engine.envs.tools import (
     FunctionTool,
@@ -16,23 +27,7 @@ from engine.envs.tools import (
     tool,
     tool_schema,
 )
-from engine.envs.types import (
-    Action,
-    Env,
-    EnvContext,
-    EnvGroupBuilder,
-    EnvStepResult,
-    EnvTask,
-    EpisodeLimits,
-    Observation,
-    OnLimit,
-    OnParseError,
-    Outcome,
-    StopCondition,
-    Trajectory,
-    Turn,
-    is_env_task,
-)
+from engine.envs.types import Env, EnvContext, EnvGroupBuilder, EnvStepResult, EnvTask, is_env_task
 
 __all__ = [
     "Action",

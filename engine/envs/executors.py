@@ -24,9 +24,10 @@ from typing import Any, Protocol
 import anyio
 import anyio.to_process
 
-from engine.envs.types import Action, Env, EnvGroupBuilder, EnvStepResult, Observation, Trajectory
+from engine.core.problems import RewardBreakdown
+from engine.core.trajectory import Action, Observation, Trajectory
+from engine.envs.types import Env, EnvGroupBuilder, EnvStepResult
 from engine.loop.scoring import ScoreWorkers
-from engine.tasks.base import RewardBreakdown
 
 __all__ = [
     "ProcessWorkers",

@@ -33,18 +33,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import anyio
 
+from engine.core.problems import RewardBreakdown
+from engine.core.trajectory import Action, Observation, StopCondition, Trajectory
 from engine.envs.tools import HermesToolCalls, ParsedReply, Tool, ToolCall, ToolCallParser
 from engine.envs.tools import tool_schema as _schema
-from engine.envs.types import (
-    Action,
-    Env,
-    EnvContext,
-    EnvStepResult,
-    Observation,
-    StopCondition,
-    Trajectory,
-)
-from engine.tasks.base import RewardBreakdown
+from engine.envs.types import Env, EnvContext, EnvStepResult
 from engine.tasks.render import ChatMessage
 
 __all__ = ["ChatEnv", "ChatGroup", "MessageEnv", "MessageStep"]

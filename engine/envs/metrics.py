@@ -20,7 +20,7 @@ from typing import Any, get_args
 
 import numpy as np
 
-from engine.envs.types import Outcome, Trajectory
+from engine.core.trajectory import Outcome, Trajectory
 
 __all__ = ["episode_metrics"]
 

@@ -38,22 +38,13 @@ from typing import Protocol, TypeVar
 import anyio
 
 from engine.common.clock import Stopwatch
-from engine.envs.types import (
-    Action,
-    Env,
-    EnvGroupBuilder,
-    EnvStepResult,
-    EpisodeLimits,
-    Observation,
-    Outcome,
-    Trajectory,
-    Turn,
-)
+from engine.core.datums import Completion
+from engine.core.problems import Problem
+from engine.core.trajectory import Action, EpisodeLimits, Observation, Outcome, Trajectory, Turn
+from engine.envs.types import Env, EnvGroupBuilder, EnvStepResult
 from engine.errors import EngineError, primary_error
-from engine.loop.rl import Completion
 from engine.loop.scoring import RewardError, check_rewards
 from engine.session.api import SamplingParams
-from engine.tasks.base import Problem
 
 __all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler", "turn_settings"]
 

@@ -1,4 +1,4 @@
-"""A single-turn :class:`~engine.tasks.base.Task` as a group of one-turn environments.
+"""A single-turn :class:`~engine.core.problems.Task` as a group of one-turn environments.
 
 Every built-in and user task (arithmetic, JSONL, Hugging Face datasets, ``--task
 module:attr``) runs through this adapter: each episode opens with the task's prompt,
@@ -14,9 +14,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from engine.envs.types import Action, Env, EnvStepResult, Observation, Trajectory
+from engine.core.problems import Problem, RewardBreakdown
+from engine.core.trajectory import Action, Observation, Trajectory
+from engine.envs.types import Env, EnvStepResult
 from engine.loop.scoring import Scorer
-from engine.tasks.base import Problem, RewardBreakdown
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["PromptEnv", "TaskGroupBuilder"]

@@ -25,31 +25,22 @@ from typing import Any
 
 import anyio
 
-from engine.config import OnRewardError
+from engine.config import EngineConfig
+from engine.core.problems import Problem, RewardBreakdown, Task
+from engine.core.trajectory import Observation, Trajectory
 from engine.envs.rollout import EpisodeRunner, SampledAction, turn_settings
-from engine.envs.types import (
-    EnvContext,
-    EnvTask,
-    EpisodeLimits,
-    Observation,
-    StopCondition,
-    Trajectory,
-    is_env_task,
-)
-from engine.errors import ConfigError
-from engine.loop.scoring import RewardError, Scorer
-from engine.session.api import SamplerHandle, SamplingParams, Session
-from engine.tasks.base import Problem, RewardBreakdown, Task
-from engine.tasks.render import PromptRenderer
+from engine.envs.types import EnvTask
+from engine.errors import ConfigError, EngineError
+from engine.loop.groups import GroupPlan, NotSampled
+from engine.loop.scoring import RewardError
+from engine.session.api import SamplerHandle, Session
 
 __all__ = [
     "EVAL_FILE",
     "PASS_REWARD",
     "Evaluator",
-    "env_context",
     "eval_problems_of",
     "evaluate",
-    "evaluate_episodes",
     "pass_at_k",
 ]
 
@@ -66,7 +57,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_problems_of(task: Task) -> list[Problem]:
+def eval_problems_of(task: Task | EnvTask) -> list[Problem]:
     """The task's held-out problems (``eval_problems()``); ConfigError when it has none."""
     method = getattr(task, "eval_problems", None)
     problems = list(method()) if callable(method) else []
@@ -82,64 +73,79 @@ def eval_problems_of(task: Task) -> list[Problem]:
 async def evaluate(
     session: Session,
     sampler: SamplerHandle,
-    renderer: PromptRenderer,
-    scorer: Scorer,
+    plan: GroupPlan,
     problems: Sequence[Problem],
     *,
     max_tokens: int,
-    stop_at_eos: bool = False,
     concurrency: int = 64,
     samples: int = 0,
     temperature: float = 1.0,
     pass_reward: float = PASS_REWARD,
     on_reward_error: Callable[[RewardError], None] | None = None,
 ) -> dict[str, float]:
-    """Sample one greedy response per problem from ``sampler`` and score it with the
-    task's ``scorer``: ``eval/reward/total`` (mean), ``eval/<component>`` (mean),
-    ``eval/<component>/rate`` (fraction > 0), ``eval/pass_rate`` (fraction passing),
-    ``eval/problems`` (how many were scored) and ``eval/reward_errors``. With
-    ``samples`` = n > 0 also n responses per problem at ``temperature``:
-    ``eval/sampled/reward/total`` (mean over all), ``eval/sampled/pass@1`` and
-    ``eval/sampled/pass@n``. A reward that raises ends the evaluation with its
-    RewardError, unless ``on_reward_error`` is given: it is then called with the error
-    and the problem is left out of the means (none left: no means)."""
-    stop_strings, stop_token_ids = renderer.stops(stop_at_eos=stop_at_eos)
-    greedy = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=0.0,
-        stop_token_ids=stop_token_ids,
-        stop_strings=stop_strings,
-    )
-    sampled = SamplingParams(
-        max_tokens=max_tokens,
-        temperature=temperature,
-        stop_token_ids=stop_token_ids,
-        stop_strings=stop_strings,
-    )
+    """One greedy episode per held-out problem (a group of one from ``plan``, run by the
+    training's episode runner under its limits), scored as in training: ``eval/reward/total``
+    (mean total reward), ``eval/<component>`` (mean), ``eval/<component>/rate`` (fraction
+    > 0), ``eval/pass_rate`` (fraction passing), ``eval/problems`` (how many were scored)
+    and ``eval/reward_errors``; an environment task's also ``eval/success_rate`` (episodes
+    with a total reward > 0) and ``eval/turns_per_episode``. With ``samples`` = n > 0 also
+    one group of n episodes per problem at ``temperature``: ``eval/sampled/reward/total``
+    (mean over all), ``eval/sampled/pass@1`` and ``eval/sampled/pass@n``. A group that
+    cannot be built, sampled or scored ends the evaluation with its RewardError, unless
+    ``on_reward_error`` is given: it is then called with the error and the problem is left
+    out of the means (none left: no means)."""
     limiter = anyio.CapacityLimiter(concurrency)
-    scored: list[RewardBreakdown | None] = [None] * len(problems)
+
+    def runner(temperature: float) -> EpisodeRunner:
+        async def sample(observation: Observation, n: int, room: int | None) -> list[SampledAction]:
+            settings = turn_settings(
+                observation, room, max_tokens=max_tokens, temperature=temperature
+            )
+            async with limiter:
+                result = await session.sample(sampler, observation.tokens, n, settings)
+            return [SampledAction(c, result.version) for c in result.completions]
+
+        return EpisodeRunner(sample, plan.limits)
+
+    greedy, sampled = runner(0.0), runner(temperature)
+    episodes: list[Trajectory | None] = [None] * len(problems)
     scored_samples: list[list[RewardBreakdown] | None] = [None] * len(problems)
 
+    async def play(episode_runner: EpisodeRunner, problem: Problem, n: int) -> list[Trajectory]:
+        builder = plan.build(problem, n, in_workers=False)
+        if isinstance(builder, NotSampled):
+            raise RewardError(problem, EngineError(builder.reason))
+        rollout = await episode_runner.run_group(builder, problem)
+        if rollout.error is not None:
+            raise rollout.error
+        return list(rollout.trajectories)
+
     async def one(i: int, problem: Problem) -> None:
-        prompt = renderer.prompt_tokens(problem)
-        async with limiter:
-            result = await session.sample(sampler, prompt, 1, greedy)
-            drawn = await session.sample(sampler, prompt, samples, sampled) if samples else None
-        texts = [renderer.decode(c.tokens) for c in drawn.completions] if drawn else []
         try:
-            (first,) = await scorer.score(problem, [renderer.decode(result.completions[0].tokens)])
-            rest = await scorer.score(problem, texts) if texts else []
+            (episode,) = await play(greedy, problem, 1)
+            rest = await play(sampled, problem, samples) if samples else []
         except RewardError as error:
             if on_reward_error is None:
                 raise
             on_reward_error(error)
             return
-        scored[i], scored_samples[i] = first, rest
+        episodes[i] = episode
+        scored_samples[i] = [_reward(t) for t in rest]
 
     async with anyio.create_task_group() as tg:
         for i, problem in enumerate(problems):
             tg.start_soon(one, i, problem)
-    return _summary(scored, scored_samples, samples, pass_reward)
+    scored = [None if e is None else _reward(e) for e in episodes]
+    out = _summary(scored, scored_samples, samples, pass_reward)
+    played = [e for e in episodes if e is not None]
+    if plan.episodic and played:
+        out["eval/success_rate"] = sum(1 for e in played if e.total_reward > 0) / len(played)
+        out["eval/turns_per_episode"] = sum(len(e.turns) for e in played) / len(played)
+    return out
+
+
+def _reward(episode: Trajectory) -> RewardBreakdown:
+    return RewardBreakdown(episode.total_reward, episode.group_reward.components)
 
 
 def _summary(
@@ -179,135 +185,36 @@ def _summary(
     return out
 
 
-async def evaluate_episodes(
-    session: Session,
-    sampler: SamplerHandle,
-    task: EnvTask,
-    context: EnvContext,
-    problems: Sequence[Problem],
-    *,
-    max_tokens: int,
-    concurrency: int = 64,
-    samples: int = 0,
-    temperature: float = 1.0,
-    pass_reward: float = PASS_REWARD,
-    on_reward_error: Callable[[RewardError], None] | None = None,
-) -> dict[str, float]:
-    """:func:`evaluate` for an environment task: one greedy episode per held-out problem
-    (a group of one from ``task.group_builder``, run under ``context``'s limits by the
-    training's episode runner), its total reward (turn rewards plus group reward, zero
-    when a limit cut it) standing for the response's reward: the same ``eval/*`` keys,
-    plus ``eval/success_rate`` (episodes with a total reward > 0) and
-    ``eval/turns_per_episode``. With ``samples`` = n > 0 also one group of n episodes
-    per problem at ``temperature`` (``eval/sampled/*``). A group that cannot be built
-    or scored follows ``on_reward_error`` as a reward error does in :func:`evaluate`."""
-    limiter = anyio.CapacityLimiter(concurrency)
-
-    def runner(temperature: float) -> EpisodeRunner:
-        async def sample(observation: Observation, n: int, room: int | None) -> list[SampledAction]:
-            settings = turn_settings(
-                observation, room, max_tokens=max_tokens, temperature=temperature
-            )
-            async with limiter:
-                result = await session.sample(sampler, observation.tokens, n, settings)
-            return [SampledAction(c, result.version) for c in result.completions]
-
-        return EpisodeRunner(sample, context.limits)
-
-    greedy, sampled = runner(0.0), runner(temperature)
-    episodes: list[Trajectory | None] = [None] * len(problems)
-    scored: list[RewardBreakdown | None] = [None] * len(problems)
-    scored_samples: list[list[RewardBreakdown] | None] = [None] * len(problems)
-
-    async def play(episode_runner: EpisodeRunner, problem: Problem, n: int) -> list[Trajectory]:
-        rollout = await episode_runner.run_group(task.group_builder(problem, n, context), problem)
-        if rollout.error is not None:
-            raise rollout.error
-        return list(rollout.trajectories)
-
-    async def one(i: int, problem: Problem) -> None:
-        try:
-            (episode,) = await play(greedy, problem, 1)
-            rest = await play(sampled, problem, samples) if samples else []
-        except RewardError as error:
-            if on_reward_error is None:
-                raise
-            on_reward_error(error)
-            return
-        episodes[i] = episode
-        scored[i] = _episode_reward(episode)
-        scored_samples[i] = [_episode_reward(t) for t in rest]
-
-    async with anyio.create_task_group() as tg:
-        for i, problem in enumerate(problems):
-            tg.start_soon(one, i, problem)
-    out = _summary(scored, scored_samples, samples, pass_reward)
-    played = [e for e in episodes if e is not None]
-    if played:
-        out["eval/success_rate"] = sum(1 for e in played if e.total_reward > 0) / len(played)
-        out["eval/turns_per_episode"] = sum(len(e.turns) for e in played) / len(played)
-    return out
-
-
-def env_context(renderer: PromptRenderer, stop_at_eos: bool, limits: EpisodeLimits) -> EnvContext:
-    """What held-out episodes run under: the served tokenizer and chat template, the
-    run's stop condition and episode limits (capped at the model's context)."""
-    stop = StopCondition(*renderer.stops(stop_at_eos=stop_at_eos))
-    return EnvContext(renderer.context, stop, limits)
-
-
-def _episode_reward(episode: Trajectory) -> RewardBreakdown:
-    return RewardBreakdown(episode.total_reward, episode.group_reward.components)
-
-
 class Evaluator:
-    """Runs :func:`evaluate` every ``every`` steps, at step 0 and after ``last_step``;
-    each result is appended to ``<run dir>/eval.jsonl`` and said on the console; with
-    ``on_reward_error="skip"`` each reward error is one ``warn`` line."""
+    """Runs :func:`evaluate` on the task's held-out problems every ``--eval-every``
+    steps, at step 0 and after the last step; each result is appended to
+    ``<run dir>/eval.jsonl`` and said on the console; with ``--on-reward-error skip``
+    each reward error is one ``warn`` line. ``track`` gets the step-0 result (later ones
+    ride in their step's metrics)."""
 
     def __init__(
         self,
         session: Session,
-        task: Task | EnvTask,
-        renderer: PromptRenderer,
-        scorer: Scorer | None,
+        plan: GroupPlan,
+        problems: Sequence[Problem],
+        config: EngineConfig,
         run_dir: Path,
         *,
-        every: int,
-        last_step: int,
-        max_tokens: int,
-        stop_at_eos: bool,
-        concurrency: int,
-        samples: int = 0,
-        temperature: float = 1.0,
-        on_reward_error: OnRewardError = "fail",
         say: Callable[[str], None] = lambda line: None,
         warn: Callable[[str], None] = lambda line: None,
         track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
-        limits: EpisodeLimits | None = None,
     ) -> None:
-        """``track`` gets the step-0 result (later ones ride in their step's metrics).
-        An environment task is evaluated by :func:`evaluate_episodes` under ``limits``
-        (no ``scorer``); a single-turn task by :func:`evaluate` with ``scorer``."""
         self._session = session
-        self._renderer = renderer
-        self._scorer = scorer
-        self._problems = eval_problems_of(task)  # type: ignore[arg-type]
-        self._env_task: EnvTask | None = None
-        if is_env_task(task):
-            self._env_task = task  # type: ignore[assignment]
-            self._env_context = env_context(renderer, stop_at_eos, limits or EpisodeLimits())
-        elif scorer is None:
-            raise ValueError("a single-turn task is evaluated with its scorer")
+        self._plan = plan
+        self._problems = problems
         self._path = run_dir / EVAL_FILE
-        self._every = every
-        self._last_step = last_step
-        self._max_tokens = max_tokens
-        self._stop_at_eos = stop_at_eos
-        self._concurrency = concurrency
-        self._samples = samples
-        self._temperature = temperature
-        self._skip_reward_errors = on_reward_error == "skip"
+        self._every = config.evaluation.eval_every
+        self._last_step = config.pipeline.steps
+        self._max_tokens = config.sampling.max_tokens
+        self._concurrency = config.pipeline.concurrency
+        self._samples = config.evaluation.eval_samples
+        self._temperature = config.sampling.temperature
+        self._skip_reward_errors = config.scoring.on_reward_error == "skip"
         self._say = say
         self._warn = warn
         self._track = track
@@ -323,35 +230,17 @@ class Evaluator:
                 "metrics (--on-reward-error skip)"
             )
 
-        on_reward_error = skip if self._skip_reward_errors else None
-        if self._env_task is not None:
-            metrics = await evaluate_episodes(
-                self._session,
-                sampler,
-                self._env_task,
-                self._env_context,
-                self._problems,
-                max_tokens=self._max_tokens,
-                concurrency=self._concurrency,
-                samples=self._samples,
-                temperature=self._temperature,
-                on_reward_error=on_reward_error,
-            )
-        else:
-            assert self._scorer is not None
-            metrics = await evaluate(
-                self._session,
-                sampler,
-                self._renderer,
-                self._scorer,
-                self._problems,
-                max_tokens=self._max_tokens,
-                stop_at_eos=self._stop_at_eos,
-                concurrency=self._concurrency,
-                samples=self._samples,
-                temperature=self._temperature,
-                on_reward_error=on_reward_error,
-            )
+        metrics = await evaluate(
+            self._session,
+            sampler,
+            self._plan,
+            self._problems,
+            max_tokens=self._max_tokens,
+            concurrency=self._concurrency,
+            samples=self._samples,
+            temperature=self._temperature,
+            on_reward_error=skip if self._skip_reward_errors else None,
+        )
         record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
         with self._path.open("a", encoding="utf-8") as f:
             f.write(json.dumps(record, sort_keys=True) + "\n")

@@ -3,7 +3,8 @@
 Why a separate object: data flows one way (problems -> sampler -> scorer -> trainer);
 the only thing that flows back is "a newer policy exists". The trainer publishes each
 new sampler snapshot here; the sampler stage reads the newest one and waits here for
-admission (``wait_for(step - K)``). Nothing else is shared between the stages.
+admission (``wait_for(step - K)``). Nothing else is shared between the stages but
+:class:`Watermark`, the count of steps the trainer has submitted.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ import anyio
 
 from engine.session.api import SamplerHandle
 
-__all__ = ["PolicyVersions"]
+__all__ = ["PolicyVersions", "Watermark"]
 
 
 class PolicyVersions:
@@ -41,3 +42,21 @@ class PolicyVersions:
         while self._current.version < version:
             await self._changed.wait()
         return self._current
+
+
+class Watermark:
+    """A count that only moves forward, published by one stage and awaited by another
+    (the steps the submitter has submitted, for ``--sample-ahead``)."""
+
+    def __init__(self, value: int) -> None:
+        self._value = value
+        self._changed = anyio.Event()
+
+    async def wait_for(self, value: int) -> None:
+        while self._value < value:
+            await self._changed.wait()
+
+    def reached(self, value: int) -> None:
+        self._value = value
+        self._changed.set()
+        self._changed = anyio.Event()

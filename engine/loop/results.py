@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.loop.rl import Datum
-from engine.loop.state import LoopState, ScoredGroup
+from engine.core.datums import Datum
+from engine.core.state import LoopState, ScoredGroup
 from engine.session.api import PendingCheckpoint
 
 __all__ = ["RunResult", "StepResult", "StepTimeline"]
@@ -34,13 +34,16 @@ class StepTimeline:
 class StepResult:
     """One trained step. ``step`` is 1-based, as the quickstart prints it; ``metrics``
     is the event written to metrics.jsonl; ``datums`` are exactly what was sent to
-    forward_backward, in order; ``groups`` are the step's groups in problem order."""
+    forward_backward, in order; ``groups`` are the step's groups in problem order and
+    ``advantages`` each group's advantages in trajectory order (0 where nothing was
+    trained: a masked trajectory, a group whose reward failed)."""
 
     step: int
     metrics: dict[str, Any]
     line: str
     datums: tuple[Datum, ...] = field(repr=False)
     groups: tuple[ScoredGroup, ...] = field(repr=False)
+    advantages: tuple[tuple[float, ...], ...] = field(repr=False)
     timeline: StepTimeline
     state: LoopState = field(repr=False)
     checkpoint: PendingCheckpoint | None = field(default=None, repr=False, compare=False)

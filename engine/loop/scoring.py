@@ -45,9 +45,9 @@ import anyio.to_process
 
 from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
+from engine.core.problems import Problem, RewardBreakdown, Task
 from engine.envs.types import EnvTask, is_env_task
 from engine.errors import ConfigError, EngineError, classify, primary_error
-from engine.tasks.base import Problem, RewardBreakdown, Task
 
 __all__ = [
     "RewardError",
@@ -130,7 +130,6 @@ class Scorer:
         fn = self._group_fn or task.score
         self._is_async = inspect.iscoroutinefunction(fn)
         self._in_threads = not self._is_async and self._processes is None
-        check_score_workers(task, workers)
 
     async def score(self, problem: Problem, responses: Sequence[str]) -> list[RewardBreakdown]:
         """The rewards of one group, in response order; raises RewardError."""

@@ -17,123 +17,18 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import time
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
 from pathlib import Path
 from typing import IO, Any, Literal, TextIO
 
 import structlog
 
-from engine.common.clock import Stopwatch
 from engine.errors import RunFileError
-from engine.loop.state import ScoredGroup
 from engine.observe.trackers import MetricSink
 from engine.redact import redact_processor
 from engine.rundir.checkpoints import truncate_metrics
 
-__all__ = [
-    "ActivityMeter",
-    "RunLog",
-    "quickstart_line",
-    "reward_metrics",
-]
-
-
-class ActivityMeter:
-    """Busy time of a stage (time with at least one operation in flight) and the work it
-    completed, read as deltas per step. Owned by one event loop; no locking."""
-
-    def __init__(self, clock: Stopwatch = time.perf_counter) -> None:
-        self._clock = clock
-        self._active = 0
-        self._since = 0.0
-        self._busy = 0.0
-        self._items = 0
-        self._tokens = 0
-        self._taken = (0.0, 0, 0)
-
-    def begin(self) -> None:
-        if self._active == 0:
-            self._since = self._clock()
-        self._active += 1
-
-    def end(self, *, items: int = 0, tokens: int = 0) -> None:
-        self._active -= 1
-        if self._active == 0:
-            self._busy += self._clock() - self._since
-        self._items += items
-        self._tokens += tokens
-
-    def _busy_now(self) -> float:
-        return self._busy + (self._clock() - self._since if self._active else 0.0)
-
-    def take(self) -> tuple[float, int, int]:
-        """(busy seconds, items, tokens) since the previous take."""
-        now = (self._busy_now(), self._items, self._tokens)
-        delta = (now[0] - self._taken[0], now[1] - self._taken[1], now[2] - self._taken[2])
-        self._taken = now
-        return delta
-
-
-def reward_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
-    """Reward mean, per-component means and rates (fraction > 0), and the quickstart's
-    summary (avg_reward, exact_rate, format_rate, avg_distance_reward)."""
-    rewards = [r for g in groups for r in g.rewards]
-    n = len(rewards)
-    out: dict[str, float] = {
-        "env/all/reward/total": sum(r.total for r in rewards) / n if n else 0.0
-    }
-    names = sorted({k for r in rewards for k in r.components})
-    for name in names:
-        values = [float(r.components.get(name, 0.0)) for r in rewards]
-        out[f"env/all/{name}"] = sum(values) / n
-        out[f"env/all/{name}/rate"] = sum(1 for v in values if v > 0) / n
-    totals = [g.totals for g in groups]
-    out["env/all/by_group/frac_mixed"] = (
-        sum(1 for t in totals if max(t) != min(t)) / len(totals) if totals else 0.0
-    )
-    out["avg_reward"] = out["env/all/reward/total"]
-    for alias, name in (
-        ("exact_rate", "env/all/exact_bonus/rate"),
-        ("exact_rate", "env/all/correct/rate"),  # the dataset task's reward presets
-        ("format_rate", "env/all/format_reward/rate"),
-        ("avg_distance_reward", "env/all/distance_reward"),
-    ):
-        if name in out:
-            out[alias] = out[name]
-    return out
-
-
-def response_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
-    """Response lengths in tokens: ``response_len/mean``, ``response_len/max``,
-    ``response_len/truncated_frac`` (stopped by max_tokens) and ``response_len/empty_frac``
-    (nothing before the stop: no tokens, or only the stop token). An environment's
-    responses are the actions of its episodes' turns."""
-    responses = [(c.tokens, c.stop_reason) for g in groups for c in g.completions] + [
-        (turn.action, turn.stop_reason) for g in groups for e in g.episodes for turn in e.turns
-    ]
-    n = len(responses)
-    lengths = [len(tokens) for tokens, _ in responses]
-    empty = sum(1 for tokens, stop in responses if len(tokens) - (stop == "stop") <= 0)
-    truncated = sum(1 for tokens, stop in responses if stop == "length" and tokens)
-    return {
-        "response_len/mean": sum(lengths) / n if n else 0.0,
-        "response_len/max": float(max(lengths, default=0)),
-        "response_len/truncated_frac": truncated / n if n else 0.0,
-        "response_len/empty_frac": empty / n if n else 0.0,
-    }
-
-
-def quickstart_line(step: int, metrics: Mapping[str, Any]) -> str:
-    """The MinT quickstart's per-step line, character for character, when the task has
-    its components; otherwise the same line without the rates it cannot compute."""
-    parts = [f"avg_reward={metrics['avg_reward']:.3f}"]
-    if "exact_rate" in metrics:
-        parts.append(f"exact_rate={metrics['exact_rate']:.1%}")
-    if "format_rate" in metrics:
-        parts.append(f"format_rate={metrics['format_rate']:.1%}")
-    parts.append(f"datums={metrics['datums']}")
-    return f"Step {step}: " + ", ".join(parts)
+__all__ = ["RunLog", "detail_line"]
 
 
 def _fmt(value: Any, spec: str) -> str:

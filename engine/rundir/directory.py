@@ -36,6 +36,7 @@ from typing import Any, Final
 
 from engine.config import EngineConfig, nest_record, resume_rule
 from engine.config.models import setting_at
+from engine.core.state import LoopState
 from engine.errors import (
     ConfigError,
     Interrupted,
@@ -44,7 +45,6 @@ from engine.errors import (
     RunFileError,
     RunStopped,
 )
-from engine.loop.state import LoopState
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config

@@ -45,8 +45,8 @@ from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
 from engine.config import EngineConfig
+from engine.core.datums import Completion, Datum, with_loss_inputs
 from engine.errors import EngineError, primary_error
-from engine.loop.rl import Completion, Datum, with_loss_inputs
 from engine.session.api import (
     LossSpec,
     PendingCheckpoint,

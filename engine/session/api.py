@@ -3,7 +3,7 @@
 Why a Protocol: the pipeline (sampling, scoring, training) is the engine's logic; the
 SDK calls behind it are I/O. :class:`Session` is everything the pipeline and the
 engine's supervision need from the service, typed with plain engine values
-(:class:`~engine.loop.rl.Datum`, :class:`SamplingParams`, :class:`SamplerHandle`...), so no
+(:class:`~engine.core.datums.Datum`, :class:`SamplingParams`, :class:`SamplerHandle`...), so no
 SDK type crosses it. :class:`engine.session.mint.MintSession` (the ``mint`` SDK, tinker 0.22) and
 :class:`engine.session.tinker.TinkerSession` (tinker >= 0.38) implement it over the
 SDK; tests implement it with a fake (``tests/fake_session.py``) and an injected clock.
@@ -32,7 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
-from engine.loop.rl import Completion, Datum
+from engine.core.datums import Completion, Datum
 
 __all__ = [
     "LossSpec",

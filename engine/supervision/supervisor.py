@@ -33,6 +33,7 @@ import anyio
 
 from engine.common.clock import Clock
 from engine.config import EngineConfig
+from engine.core.state import LoopState
 from engine.envs.types import is_env_task
 from engine.errors import (
     RunStopped,
@@ -42,11 +43,11 @@ from engine.errors import (
     format_error,
     primary_error,
 )
-from engine.loop.evaluation import Evaluator
+from engine.loop.evaluation import Evaluator, eval_problems_of
+from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
 from engine.loop.results import RunResult, StepResult
-from engine.loop.scoring import RewardError, Scorer, parse_score_workers
-from engine.loop.state import LoopState
+from engine.loop.scoring import RewardError
 from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
@@ -77,10 +78,11 @@ _STOP_CHECKPOINT_MAX_S = 120.0
 
 @dataclass(frozen=True)
 class _TaskOutputs:
-    """The task's prompt renderer (its setup sees the served tokenizer) and the held-out
-    evaluator (with ``--eval-every``)."""
+    """How the task's problems become groups (its renderer sees the served tokenizer;
+    built once per run: its checks run once) and the held-out evaluator (with
+    ``--eval-every``)."""
 
-    renderer: PromptRenderer
+    plan: GroupPlan
     evaluator: Evaluator | None
 
 
@@ -246,7 +248,7 @@ class Supervisor:
             )
             pipeline = Pipeline(
                 cfg,
-                self._task,
+                self._outputs.plan,
                 session,
                 source,
                 state,
@@ -254,7 +256,6 @@ class Supervisor:
                 self._on_step,
                 gate=gate,
                 progress=watchdog.progress,
-                renderer=self._outputs.renderer,
                 evaluate=self._outputs.evaluator,
                 on_reward_error=self._reward_failed,
                 before_training=before_training,
@@ -463,34 +464,20 @@ def all_empty_warning(step: int) -> str:
 def _open_task_outputs(
     config: EngineConfig, task: Task, session: Session, record: RunRecord, log: RunLog
 ) -> _TaskOutputs:
-    """The renderer and the evaluator; ``record`` keeps the rollouts."""
+    """The group plan and the evaluator; ``record`` keeps the rollouts."""
     renderer = PromptRenderer(task, session.tokenizer)
     record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
+    plan = GroupPlan(config, task, renderer, session.info.max_context)
     evaluator = None
     if config.evaluation.eval_every:
         evaluator = Evaluator(
             session,
-            task,
-            renderer,
-            None
-            if is_env_task(task)
-            else Scorer(
-                task,
-                concurrency=config.scoring.score_concurrency,
-                workers=parse_score_workers(config.scoring.score_workers),
-            ),
+            plan,
+            eval_problems_of(task),
+            config,
             record.path,
-            every=config.evaluation.eval_every,
-            last_step=config.pipeline.steps,
-            max_tokens=config.sampling.max_tokens,
-            stop_at_eos=config.sampling.stop_at_eos,
-            concurrency=config.pipeline.concurrency,
-            samples=config.evaluation.eval_samples,
-            temperature=config.sampling.temperature,
-            on_reward_error=config.scoring.on_reward_error,
             say=lambda line: log.info("eval", line),
             warn=lambda line: log.warning("reward_error", line),
             track=log.track,
-            limits=config.environment.episode_limits().within(session.info.max_context),
         )
-    return _TaskOutputs(renderer, evaluator)
+    return _TaskOutputs(plan, evaluator)

@@ -1,7 +1,7 @@
 """Tasks: where problems come from and how responses are rewarded."""
 
+from engine.core.problems import Problem, ProblemSource, RewardBreakdown, SeededSource, Task
 from engine.tasks.arithmetic import ArithmeticTask, extract_prediction, score_arithmetic
-from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, SeededSource, Task
 from engine.tasks.dataset import DatasetTask
 from engine.tasks.loader import BUILTIN_TASKS, load_task
 from engine.tasks.render import ChatMessage, Prompt, PromptRenderer, TaskContext

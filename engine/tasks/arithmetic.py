@@ -27,7 +27,7 @@ from typing import Annotated, Any, Final
 from pydantic import Field
 
 from engine.common.setting import Setting, TaskSettings, one_of
-from engine.tasks.base import Problem, RewardBreakdown, SeededSource
+from engine.core.problems import Problem, RewardBreakdown, SeededSource
 
 __all__ = [
     "ARITHMETIC_ARGS",

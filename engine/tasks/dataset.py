@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, Literal
 
+from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
-from engine.tasks.base import Problem, RewardBreakdown
 from engine.tasks.hf import read_hf_splits
 from engine.tasks.rewards import REWARD_PRESETS, RewardFn, make_reward
 

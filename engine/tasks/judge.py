@@ -23,9 +23,9 @@ from typing import Any, Protocol
 import anyio
 import httpx
 
+from engine.core.problems import Problem, ProblemSource, RewardBreakdown, Task
 from engine.errors import ServiceError
 from engine.session.retry import RetryCounter, RetryPolicy, call_with_retry
-from engine.tasks.base import Problem, ProblemSource, RewardBreakdown, Task
 
 __all__ = [
     "DEFAULT_RUBRIC",

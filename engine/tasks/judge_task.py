@@ -22,9 +22,9 @@ from collections.abc import Callable, Mapping
 
 import anyio
 
+from engine.core.problems import Task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import extract_prediction
-from engine.tasks.base import Task
 from engine.tasks.dataset import flag_arg
 from engine.tasks.judge import (
     DEFAULT_RUBRIC,

@@ -17,10 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from engine.common.setting import TaskSettings
+from engine.core.problems import Task
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticSettings, ArithmeticTask
-from engine.tasks.base import Task
 from engine.tasks.dataset import DataFormat, DatasetTask
 from engine.tasks.judge_task import judged_task
 

@@ -22,8 +22,8 @@ from typing import Any, Final
 
 import regex
 
+from engine.core.problems import RewardBreakdown
 from engine.errors import ConfigError
-from engine.tasks.base import RewardBreakdown
 
 __all__ = [
     "NUMERIC_POSITIONS",

@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
-from engine.envs.types import Outcome, Trajectory, Turn
-from engine.tasks.base import RewardBreakdown
+from engine.core.problems import RewardBreakdown
+from engine.core.trajectory import Outcome, Trajectory, Turn
 
 __all__ = ["episode_record", "trajectory_from_dict", "trajectory_to_dict"]
 

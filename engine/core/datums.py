@@ -1,11 +1,16 @@
 """The RL arithmetic of one step: group-relative advantages, datums, skip rules, KL.
 
-Kept free of I/O so each rule can be unit-tested against the MinT quickstart it must
-reproduce: advantage = reward - group mean (no std); a datum per non-empty response
-whose |advantage| >= 1e-12; ``model_input = full[:-1]``, ``target_tokens = full[1:]``,
-and weights/logprobs/advantages zero over the first ``len(prompt) - 1`` positions.
-Unlike the quickstart, a response without sampler logprobs is never silently given
-zeros (that corrupts the importance ratio): it is an error, or a counted drop.
+Free of I/O so each rule can be tested against the MinT quickstart it reproduces: a
+group's advantage is total reward - group mean (no std); each trajectory whose
+|advantage| >= 1e-12 gives datums built from its exact sampled tokens (never
+re-rendered). One datum holds as many consecutive turns as share one growing context
+(a turn joins while its observation extends the previous observation plus action,
+token for token); observation positions get weight, logprob and advantage 0, action
+positions weight 1, the sampler's logprobs and the advantage. A one-turn trajectory
+gives the quickstart's datum position for position (``model_input = full[:-1]``,
+``target_tokens = full[1:]``). A turn without sampler logprobs is never given zeros
+(that corrupts the importance ratio): it is an error, or a counted drop. Masked
+trajectories yield no datum and stay out of the baseline.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from engine.core.trajectory import Trajectory, Turn
 from engine.errors import EngineError
 
 __all__ = [
@@ -26,10 +32,10 @@ __all__ = [
     "KLStats",
     "MissingLogprobsError",
     "OnMissingLogprobs",
-    "build_datum",
     "group_advantages",
     "group_datums",
     "kl_sample_train",
+    "trajectory_datums",
     "with_loss_inputs",
 ]
 
@@ -93,35 +99,6 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
     return [r - mean for r in rewards]
 
 
-def build_datum(
-    prompt_tokens: Sequence[int],
-    response_tokens: Sequence[int],
-    logprobs: Sequence[float],
-    advantage: float,
-) -> Datum:
-    """The quickstart's datum layout, position for position."""
-    if len(logprobs) != len(response_tokens):
-        raise ValueError(f"{len(logprobs)} logprobs for {len(response_tokens)} response tokens")
-    prefix = len(prompt_tokens) - 1
-    full = np.fromiter((*prompt_tokens, *response_tokens), dtype=np.int64)
-    n = len(response_tokens)
-    weights = np.zeros(prefix + n, dtype=np.float32)
-    weights[prefix:] = 1.0
-    sampled = np.zeros(prefix + n, dtype=np.float32)
-    sampled[prefix:] = logprobs
-    advantages = np.zeros(prefix + n, dtype=np.float32)
-    advantages[prefix:] = advantage
-    return Datum(
-        model_input=full[:-1],
-        loss_fn_inputs={
-            "target_tokens": full[1:],
-            "weights": weights,
-            "logprobs": sampled,
-            "advantages": advantages,
-        },
-    )
-
-
 def with_loss_inputs(datum: Datum, loss: str) -> Datum:
     """``datum`` with the inputs ``loss`` takes beyond the ones every RL loss shares:
     gspo's sequence ratio runs over the sampled tokens, the ones ``weights`` marks."""
@@ -131,49 +108,94 @@ def with_loss_inputs(datum: Datum, loss: str) -> Datum:
     return Datum(datum.model_input, inputs)
 
 
-def _has_logprobs(completion: Completion) -> bool:
-    return completion.logprobs is not None and len(completion.logprobs) == len(completion.tokens)
+def trajectory_datums(trajectory: Trajectory, advantage: float) -> list[Datum]:
+    """The datums of one trajectory (one per run of turns sharing a prefix)."""
+    datums: list[Datum] = []
+    tokens: list[int] = []
+    trained: list[float] = []  # per token: 1.0 for an action token
+    logprobs: list[float] = []
+    for turn in trajectory.turns:
+        if not _extends(turn.observation, tokens):
+            datums.extend(_datum(tokens, trained, logprobs, advantage))
+            tokens, trained, logprobs = [], [], []
+        added = len(turn.observation) - len(tokens)
+        tokens.extend(turn.observation[len(tokens) :])
+        trained.extend([0.0] * added)
+        logprobs.extend([0.0] * added)
+        tokens.extend(turn.action)
+        trained.extend([1.0] * len(turn.action))
+        logprobs.extend(_logprobs(turn))
+    datums.extend(_datum(tokens, trained, logprobs, advantage))
+    return datums
 
 
 def group_datums(
-    prompt_tokens: Sequence[int],
-    completions: Sequence[Completion],
-    rewards: Sequence[float],
-    *,
-    on_missing_logprobs: OnMissingLogprobs = "error",
+    trajectories: Sequence[Trajectory], *, on_missing_logprobs: OnMissingLogprobs = "error"
 ) -> GroupDatums:
-    """Advantages and datums of one group, with the quickstart's skip rules.
-
-    A non-empty response without logprobs (or with a logprob count that does not match
-    its tokens) raises MissingLogprobsError with ``on_missing_logprobs="error"``; with
-    ``"drop"`` it is left out and counted. Its reward still counts in the group mean:
-    the baseline estimate is valid, only the importance ratio is unknown.
-    """
-    if len(completions) != len(rewards):
-        raise ValueError(f"{len(rewards)} rewards for {len(completions)} responses")
-    advantages = group_advantages(rewards)
+    """Advantages and datums of one group of trajectories (``advantages`` in
+    trajectory order, 0 for a masked one)."""
+    kept = [i for i, t in enumerate(trajectories) if not t.masked]
+    baseline = group_advantages([trajectories[i].total_reward for i in kept])
+    advantages = [0.0] * len(trajectories)
+    for i, advantage in zip(kept, baseline, strict=True):
+        advantages[i] = advantage
     datums: list[Datum] = []
     empty = zero = dropped = 0
-    for completion, advantage in zip(completions, advantages, strict=True):
-        if not completion.tokens:
+    for i in kept:
+        trajectory, advantage = trajectories[i], advantages[i]
+        if trajectory.action_tokens == 0:
             empty += 1
             continue
-        if not _has_logprobs(completion):
+        missing = [t for t in trajectory.turns if t.action and not _has_logprobs(t)]
+        if missing:
             if on_missing_logprobs == "error":
-                got = "none" if completion.logprobs is None else len(completion.logprobs)
                 raise MissingLogprobsError(
-                    f"the sampler returned a response of {len(completion.tokens)} tokens "
-                    f"with {got} logprobs; rerun with --on-missing-logprobs drop to skip "
-                    "such responses"
+                    f"the sampler returned a turn of {len(missing[0].action)} tokens without "
+                    "matching logprobs; rerun with --on-missing-logprobs drop to skip such "
+                    "episodes"
                 )
             dropped += 1
             continue
         if abs(advantage) < ADVANTAGE_EPSILON:
             zero += 1
             continue
-        assert completion.logprobs is not None
-        datums.append(build_datum(prompt_tokens, completion.tokens, completion.logprobs, advantage))
-    return GroupDatums(datums, advantages, empty, zero, dropped)
+        datums.extend(trajectory_datums(trajectory, advantage))
+    masked = len(trajectories) - len(kept)
+    return GroupDatums(datums, advantages, empty, zero, dropped, masked)
+
+
+def _extends(observation: Sequence[int], context: Sequence[int]) -> bool:
+    return bool(context) and tuple(observation[: len(context)]) == tuple(context)
+
+
+def _has_logprobs(turn: Turn) -> bool:
+    return turn.logprobs is not None and len(turn.logprobs) == len(turn.action)
+
+
+def _logprobs(turn: Turn) -> Sequence[float]:
+    """The sampler's logprobs (a turn without them never reaches a datum)."""
+    return turn.logprobs if turn.logprobs is not None else [0.0] * len(turn.action)
+
+
+def _datum(
+    tokens: Sequence[int], trained: Sequence[float], logprobs: Sequence[float], advantage: float
+) -> list[Datum]:
+    """The quickstart's layout over a mask: position ``i`` predicts token ``i + 1``."""
+    if len(tokens) < 2 or not any(trained[1:]):
+        return []
+    full = np.asarray(tokens, dtype=np.int64)
+    weights = np.asarray(trained[1:], dtype=np.float32)
+    return [
+        Datum(
+            model_input=full[:-1],
+            loss_fn_inputs={
+                "target_tokens": full[1:],
+                "weights": weights,
+                "logprobs": np.asarray(logprobs[1:], dtype=np.float32),
+                "advantages": weights * np.float32(advantage),
+            },
+        )
+    ]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,178 @@
+"""The rollout stage: problems -> groups of trajectories, sampled at the newest policy.
+
+It draws each step's problems from the seeded source and announces the step
+(:class:`~engine.loop.messages.StepOpened`), waits for admission -- the newest policy
+version must be at least ``step - K`` -- and starts every group of the step, each one
+task that runs the group's episodes and rewards (:class:`~engine.envs.rollout.EpisodeRunner`).
+Every turn samples from the newest sampler (at most ``--concurrency`` requests in flight)
+and records its version; a group's version is that of its oldest turn.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+
+import anyio
+from anyio.abc import TaskGroup
+from anyio.streams.memory import MemoryObjectSendStream
+
+from engine.common.clock import Stopwatch
+from engine.config import EngineConfig
+from engine.core.problems import Problem, ProblemSource
+from engine.core.state import LoopState, ScoredGroup
+from engine.core.trajectory import Observation
+from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn_settings
+from engine.envs.types import EnvGroupBuilder
+from engine.loop.groups import GroupPlan, NotSampled
+from engine.loop.messages import RolledOut, StepOpened, steps_done
+from engine.loop.policy import PolicyVersions, Watermark
+from engine.loop.scoring import RewardError
+from engine.loop.step_metrics import ActivityMeter
+from engine.session.api import Session
+from engine.supervision.stopping import StopGate
+
+__all__ = ["RolloutStage"]
+
+
+class RolloutStage:
+    """Rolls out steps ``state.next_step`` to ``config.pipeline.steps`` (the groups a
+    checkpoint kept are not rolled out again). ``exhausted`` is set when the source ran
+    out first. ``submitted`` is the submitter's count of submitted steps: with
+    ``--sample-ahead`` a step waits for the step ahead of it to be submitted."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        plan: GroupPlan,
+        session: Session,
+        source: ProblemSource,
+        state: LoopState,
+        versions: PolicyVersions,
+        submitted: Watermark,
+        meter: ActivityMeter,
+        *,
+        gate: StopGate,
+        clock: Stopwatch,
+        progress: Callable[[str], None],
+        on_reward_error: Callable[[RewardError], None],
+    ) -> None:
+        self._config = config
+        self._plan = plan
+        self._session = session
+        self._source = source
+        self._state = state
+        self._versions = versions
+        self._submitted = submitted
+        self._meter = meter
+        self._gate = gate
+        self._clock = clock
+        self._progress = progress
+        self._on_reward_error = on_reward_error
+        self._slots = anyio.Semaphore(config.pipeline.concurrency)
+        self._runner = EpisodeRunner(self._sample_turn, plan.limits, clock=clock)
+        ahead = config.pipeline.sample_ahead
+        self._sample_ahead = ahead if ahead is not None or plan.episodic else 0
+        self.exhausted = False
+
+    async def run(self, tg: TaskGroup, send: MemoryObjectSendStream[RolledOut]) -> None:
+        cfg = self._config.pipeline
+        pending = {(g.step, g.index) for g in self._state.pending_groups}
+        async with send:
+            for step in range(self._state.next_step, cfg.steps):
+                problems: list[Problem] = []
+                for _ in range(cfg.batch):
+                    problem = self._source.next()
+                    if problem is None:
+                        self.exhausted = True
+                        return
+                    problems.append(problem)
+                await send.send(StepOpened(step, self._source.state()))
+                await self._versions.wait_for(step - cfg.max_steps_off_policy)  # admission
+                if self._sample_ahead is not None:
+                    await self._submitted.wait_for(step - self._sample_ahead)
+                admitted = self._versions.current.version
+                for index, problem in enumerate(problems):
+                    if (step, index) in pending:
+                        continue  # rolled out before a resume: reused as is
+                    built = self._plan.build(problem, cfg.group)
+                    if isinstance(built, NotSampled):
+                        now = self._clock()
+                        group = ScoredGroup(step, index, problem, admitted, (), now, now, now, now)
+                        await send.send(dataclasses.replace(group, too_long=built.reason))
+                        continue
+                    job = (step, index, problem, admitted, built, send.clone())
+                    tg.start_soon(self._rollout_group, *job)
+
+    async def _rollout_group(
+        self,
+        step: int,
+        index: int,
+        problem: Problem,
+        admitted: int,
+        builder: EnvGroupBuilder,
+        send: MemoryObjectSendStream[RolledOut],
+    ) -> None:
+        async with send:
+            try:
+                rollout = await self._runner.run_group(builder, problem)
+            except Exception as exc:
+                # Sampling retries are spent (or the breaker is open): stop after the
+                # steps in flight instead of cancelling them half-way.
+                self._gate.request(exc)
+                return
+            if rollout.error is not None:
+                self._on_reward_error(rollout.error)
+                if self._config.scoring.on_reward_error == "fail":
+                    # Stop after the steps in flight; until then keep the streams open
+                    # (closing them would break the other rollout tasks mid-send).
+                    self._gate.request(rollout.error)
+                    await anyio.sleep_forever()
+            self._progress(f"step {steps_done(step)} group {index} rolled out")
+            await send.send(_scored(step, index, problem, admitted, rollout))
+
+    async def _sample_turn(
+        self, observation: Observation, n: int, room: int | None
+    ) -> list[SampledAction]:
+        """``n`` actions for ``observation`` from the newest sampler."""
+        cfg = self._config.sampling
+        settings = turn_settings(
+            observation,
+            room,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.temperature,
+            seed=cfg.sampling_seed,
+        )
+        async with self._slots:
+            sampler = self._versions.current
+            self._meter.begin()
+            samples = tokens = 0
+            try:
+                result = await self._session.sample(sampler, observation.tokens, n, settings)
+                samples = len(result.completions)
+                tokens = sum(len(c.tokens) for c in result.completions)
+            finally:
+                self._meter.end(items=samples, tokens=tokens)
+        return [
+            SampledAction(c, result.version, result.retries if i == 0 else 0)
+            for i, c in enumerate(result.completions)
+        ]
+
+
+def _scored(
+    step: int, index: int, problem: Problem, admitted: int, rollout: GroupRollout
+) -> ScoredGroup:
+    trajectories = rollout.trajectories
+    return ScoredGroup(
+        step=step,
+        index=index,
+        problem=problem,
+        version=min((t.version for t in trajectories if t.turns), default=admitted),
+        trajectories=trajectories,
+        sample_started=rollout.started,
+        sample_finished=rollout.episodes_finished,
+        score_started=rollout.episodes_finished,
+        score_finished=rollout.rewards_finished,
+        retries=rollout.retries,
+        reward_error=None if rollout.error is None else str(rollout.error),
+    )

@@ -57,10 +57,11 @@ from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
 from engine.config import Profile
 from engine.core.problems import Task
+from engine.envs.loader import load_task
 from engine.local import LocalServer
 from engine.session.adapter import snapshot_name
 from engine.session.preflight import read_server_profile
-from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, load_task
+from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
 from engine.tasks.arithmetic import score_arithmetic
 
 __all__ = ["CONFIGS", "HELDOUT_SEED", "RunSpec", "evaluate", "heldout_problems", "main"]

@@ -36,10 +36,10 @@ from benchmarks.report import load_average, markdown_table, run_context, write_j
 from engine import Engine, EngineConfig
 from engine.core.datums import Completion
 from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
+from engine.envs.loader import load_task
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
-from engine.tasks import load_task
 from engine.tasks.render import TaskContext
 
 __all__ = ["ENVS", "evaluate", "main"]

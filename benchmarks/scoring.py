@@ -31,8 +31,9 @@ from typing import Any
 import anyio
 
 from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
+from engine.config.values import parse_score_workers
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
-from engine.loop.scoring import Scorer, parse_score_workers
+from engine.envs.scoring import Scorer
 
 __all__ = ["main"]
 

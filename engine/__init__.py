@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from engine.config import EngineConfig
     from engine.core.state import LoopState, ScoredGroup
     from engine.engine import Engine, StepHook
+    from engine.envs.scoring import RewardError
     from engine.errors import (
         CircuitOpen,
         ConfigError,
@@ -34,7 +35,6 @@ if TYPE_CHECKING:
         StepOutcomeUnknown,
     )
     from engine.loop.results import RunResult, StepResult, StepTimeline
-    from engine.loop.scoring import RewardError
     from engine.session.preflight import PreflightError
     from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, Task
 
@@ -82,7 +82,7 @@ _HOMES = {
     "ServiceError": "engine.errors",
     "Stalled": "engine.errors",
     "StepOutcomeUnknown": "engine.errors",
-    "RewardError": "engine.loop.scoring",
+    "RewardError": "engine.envs.scoring",
     "PreflightError": "engine.session.preflight",
     "RunResult": "engine.loop.results",
     "StepResult": "engine.loop.results",
@@ -101,4 +101,6 @@ def __getattr__(name: str) -> Any:
     home = _HOMES.get(name)
     if home is None:
         raise AttributeError(f"module 'engine' has no attribute {name!r}")
+    if home == "engine.config":
+        importlib.import_module("engine.tasks")  # the built-in tasks register their settings
     return getattr(importlib.import_module(home), name)

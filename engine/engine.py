@@ -42,10 +42,11 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig, Profile, stored_profile
 from engine.core.state import LoopState
+from engine.envs.loader import load_task, preferred_local_model, task_spec
+from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
-from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
@@ -56,8 +57,7 @@ from engine.session.opening import open_session, service_guard
 from engine.session.preflight import local_server_profile
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
-from engine.tasks import Task, load_task
-from engine.tasks.loader import preferred_local_model, task_spec
+from engine.tasks import Task
 
 __all__ = ["Engine", "SessionFactory", "StepHook"]
 
@@ -433,7 +433,7 @@ class Engine:
         spec, args = task_spec(task, cfg.task.spec, cfg.task.args)
         self._task = task
         self._config = cfg.replace(task={"spec": spec, "args": args})
-        check_score_workers(task, parse_score_workers(cfg.scoring.score_workers))
+        check_score_workers(task, cfg.scoring.score_workers)
         if cfg.evaluation.eval_every:
             eval_problems_of(task)  # a task without held-out problems: ConfigError now
 

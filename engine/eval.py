@@ -31,13 +31,13 @@ from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import EngineConfig, parse_task_args
 from engine.config.records import flat_settings
+from engine.envs.loader import load_task
+from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, EngineError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate
 from engine.loop.groups import GroupPlan
-from engine.loop.scoring import check_score_workers, parse_score_workers
 from engine.rundir.directory import stored_config
 from engine.session.opening import open_session, service_guard
-from engine.tasks import load_task
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["EvalRequest", "format_table", "main", "run_eval"]
@@ -136,7 +136,7 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         )
         config = session.config
         task = load_task(config.task.spec, config.task.args)
-        check_score_workers(task, parse_score_workers(config.scoring.score_workers))
+        check_score_workers(task, config.scoring.score_workers)
         plan = GroupPlan(
             config, task, PromptRenderer(task, session.tokenizer), session.info.max_context
         )

@@ -8,9 +8,10 @@ from typing import Any
 import anyio
 
 from engine import Engine, EngineConfig, RunResult, StepHook, StepResult
+from engine.envs.loader import load_task
 from engine.local import LocalServer
 from engine.session.preflight import read_server_profile
-from engine.tasks import ArithmeticTask, load_task
+from engine.tasks import ArithmeticTask
 
 API_KEY = "tml-engine-tests-key"
 

@@ -13,13 +13,9 @@ from pathlib import Path
 import pytest
 from structlog.testing import capture_logs
 
+from engine.common.files import truncate_metrics
 from engine.errors import ResumeError
-from engine.rundir.checkpoints import (
-    CHECKPOINTS_FILE,
-    CheckpointLog,
-    CheckpointRecord,
-    truncate_metrics,
-)
+from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
 from engine.rundir.directory import CONFIG_FILE, load_resume_state, write_config
 
 pytestmark = pytest.mark.anyio

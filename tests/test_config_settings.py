@@ -21,11 +21,11 @@ from engine.config import (
     stored_settings,
 )
 from engine.config.sources import default_text, help_text
+from engine.envs.loader import load_task
 from engine.errors import ConfigError, ResumeError
 from engine.run import build_parser, parse_config
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import CONFIG_FILE, config_record, load_resume_state, write_config
-from engine.tasks import load_task
 from scripts.gen_config_table import run_table
 
 SOURCES = Path(__file__).resolve().parent.parent / "engine" / "config"

@@ -20,9 +20,10 @@ from pathlib import Path
 
 import pytest
 
+from engine.envs.loader import load_task
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
-from engine.tasks import Problem, load_task
+from engine.tasks import Problem
 from examples.doubling_task import DoublingTask
 from scripts.gen_config_table import GENERATED, update_sections
 

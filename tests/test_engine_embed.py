@@ -20,10 +20,10 @@ import anyio
 import pytest
 
 from engine import ConfigError, Engine, EngineConfig, Interrupted, StepResult
+from engine.envs.loader import load_task
 from engine.local import LocalServer
 from engine.session.api import PendingCheckpoint
 from engine.session.preflight import PreflightError
-from engine.tasks import load_task
 from tests.engine_support import API_KEY, run_engine, small_config
 
 REQUIRED_METRICS = (

@@ -19,11 +19,10 @@ from engine import Engine, EngineConfig
 from engine.core.problems import Problem
 from engine.envs import Action, ChatEnv, EnvContext, EnvStepResult, StopCondition, is_env_task
 from engine.envs.examples import calculator, guess_sum
+from engine.envs.loader import load_task, preferred_local_model
 from engine.export import base_model_source
 from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
-from engine.tasks import load_task
 from engine.tasks.arithmetic import ArithmeticTask
-from engine.tasks.loader import preferred_local_model
 from engine.tasks.render import TaskContext
 from scripts import make_model
 

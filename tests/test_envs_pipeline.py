@@ -17,15 +17,16 @@ from env_support import CountdownEnv, RankedGroup
 from fake_session import FakeSession
 from test_pipeline_stages import config, plan, run_pipeline, until
 
+from engine.config.values import parse_score_workers
 from engine.core.problems import Problem, SeededSource
 from engine.core.state import LoopState
 from engine.envs import Action, EnvContext, EnvStepResult, Observation
+from engine.envs.scoring import check_score_workers
 from engine.errors import Interrupted
 from engine.loop.pipeline import Pipeline
 from engine.loop.results import StepResult
-from engine.loop.scoring import check_score_workers, parse_score_workers
+from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle
-from engine.supervision.stopping import StopGate
 
 pytestmark = pytest.mark.anyio
 
@@ -227,7 +228,8 @@ def _record(out: list[StepResult]) -> Any:
 async def test_rollouts_show_each_episode_turn_by_turn() -> None:
     from fake_session import ByteTokenizer
 
-    from engine.rollouts import format_group, group_record
+    from engine.rollouts import format_group
+    from engine.rundir.rollouts import group_record
     from engine.tasks.render import PromptRenderer
 
     task = CountdownTask()

@@ -19,8 +19,9 @@ from fake_session import FakeSession
 from test_pipeline_stages import ToyTask, config, run_pipeline
 
 from engine.common import extras
+from engine.config.values import parse_score_workers
+from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError
-from engine.loop.scoring import check_score_workers, parse_score_workers
 
 needs_ray = pytest.mark.skipif(
     bool(extras.missing("ray")), reason="ray is not installed (pip install 'engine[ray]')"

@@ -12,10 +12,10 @@ import anyio
 import pytest
 
 from engine.config import EngineConfig, OnRewardError
+from engine.envs.scoring import RewardError
 from engine.errors import find_error
 from engine.loop.evaluation import EVAL_FILE, Evaluator, evaluate, pass_at_k
 from engine.loop.groups import GroupPlan
-from engine.loop.scoring import RewardError
 from engine.session.api import SamplerHandle
 from engine.session.preflight import local_server_profile
 from engine.tasks import Problem, RewardBreakdown, SeededSource

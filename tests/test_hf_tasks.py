@@ -12,8 +12,8 @@ from typing import Any
 import datasets
 import pytest
 
+from engine.envs.loader import load_task
 from engine.errors import ConfigError
-from engine.tasks import load_task
 from engine.tasks.dataset import DatasetTask
 
 

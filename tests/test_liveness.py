@@ -20,9 +20,9 @@ import pytest
 import tinker
 
 from engine.errors import ServerUnreachable
+from engine.session.breaker import CircuitBreaker
 from engine.session.liveness import ServerLiveness, http_probe
 from engine.session.retry import OpKind, RetryCounter, RetryPolicy, call_with_retry
-from engine.supervision.watchdog import CircuitBreaker
 from tests.clock import ManualClock
 from tests.reliability_support import (
     SMALL_RUN,

@@ -14,16 +14,17 @@ import pytest
 from fake_session import FakeSession
 
 from engine.config import EngineConfig
+from engine.config.values import parse_score_workers
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
 from engine.core.state import LoopState
+from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
 from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import StepResult
-from engine.loop.scoring import check_score_workers, parse_score_workers
+from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle
 from engine.session.preflight import local_server_profile
-from engine.supervision.stopping import StopGate
 from engine.tasks.render import PromptRenderer
 from tests.datums import model_input_tokens
 

@@ -18,8 +18,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine import Engine, EngineConfig
+from engine.envs.scoring import RewardError
 from engine.local import LocalServer
-from engine.loop.scoring import RewardError
 from engine.rollouts import main as rollouts_main
 from engine.run import main as run_main
 from engine.tasks import ArithmeticTask, Problem, RewardBreakdown

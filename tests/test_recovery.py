@@ -9,8 +9,9 @@ import pytest
 
 from engine.errors import CircuitOpen, OpTimeout, PermanentServiceError, StepOutcomeUnknown
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
-from engine.supervision.recovery import StepOutcome, plan_recovery, run_train_step, step_outcome
-from engine.supervision.watchdog import CircuitBreaker
+from engine.session.breaker import CircuitBreaker
+from engine.session.train_step import StepOutcome, run_train_step, step_outcome
+from engine.supervision.recovery import plan_recovery
 from tests import sdk_errors as sdk
 
 pytestmark = pytest.mark.anyio

@@ -19,6 +19,7 @@ import pytest
 from engine import Engine
 from engine.config import config_from_sources
 from engine.core.state import LoopState
+from engine.envs.loader import load_task, task_spec
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
@@ -27,8 +28,6 @@ from engine.rundir.directory import write_config
 from engine.session.adapter import SdkSession
 from engine.session.api import SamplingParams
 from engine.session.preflight import local_server_profile
-from engine.tasks import load_task
-from engine.tasks.loader import task_spec
 from tests.engine_support import run_engine
 from tests.reliability_support import (
     SMALL_RUN,

@@ -21,11 +21,13 @@ from fake_session import FakeSession
 
 from engine import Engine, EngineConfig
 from engine.config import config_from_sources
+from engine.config.values import ScoreWorkers
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
 from engine.core.state import LoopState
+from engine.envs.loader import load_task, task_spec
+from engine.envs.scoring import RewardError, Scorer
 from engine.errors import ConfigError, Interrupted
 from engine.local import LocalServer
-from engine.loop.scoring import RewardError, Scorer, ScoreWorkers
 from engine.observe.idle import NO_TRAINING_STEPS, no_training_summary, no_training_warning
 from engine.report import main as report_main
 from engine.rollouts import main as rollouts_main
@@ -37,7 +39,6 @@ from engine.session.api import ServerInfo
 from engine.session.preflight import local_server_profile
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.dataset import DatasetTask
-from engine.tasks.loader import load_task, task_spec
 from engine.tasks.rewards import make_reward
 from tests.engine_support import run_engine
 from tests.process_rewards import DyingTask, NoisyTask

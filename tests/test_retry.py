@@ -32,6 +32,7 @@ from engine.errors import (
 )
 from engine.redact import clear_registered_secrets, register_secret
 from engine.session.adapter import sdk_sampling_retry_config
+from engine.session.breaker import CircuitBreaker
 from engine.session.retry import (
     OpKind,
     RetryCounter,
@@ -42,7 +43,6 @@ from engine.session.retry import (
     retrying,
     should_retry,
 )
-from engine.supervision.watchdog import CircuitBreaker
 from tests import sdk_errors as sdk
 from tests.clock import ManualClock, expire_deadlines
 

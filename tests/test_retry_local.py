@@ -23,9 +23,9 @@ from engine.errors import CircuitOpen, PermanentServiceError, StepOutcomeUnknown
 from engine.local import LocalServer
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.session.adapter import sdk_sampling_retry_config
+from engine.session.breaker import CircuitBreaker
 from engine.session.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
 from engine.supervision.recovery import plan_recovery
-from engine.supervision.watchdog import CircuitBreaker
 from tests.clock import ManualClock, expire_deadlines
 
 pytestmark = pytest.mark.anyio

@@ -15,11 +15,12 @@ from pathlib import Path
 import pytest
 
 from engine import StepResult
+from engine.common.files import write_file_atomically
 from engine.errors import ConfigError, RunFileError, exit_code, format_error
 from engine.local import LocalServer
 from engine.observe.metrics import RunLog
 from engine.run import main
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord, write_file_atomically
+from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import prepare_run_dir, write_config
 from engine.rundir.events import EventLog
 from tests.engine_support import run_engine

@@ -16,10 +16,10 @@ import tinker
 from tinker import types
 from tinker.lib.internal_client_holder import InternalClientHolder
 
+from engine.common import sdks
 from engine.config import EngineConfig
 from engine.errors import ConfigError, classify, retry_after
 from engine.local import LocalServer
-from engine.session import sdks
 from engine.session.adapter import settled
 from engine.session.mint import (
     LOOPBACK_IDLE_CONNECTIONS,

@@ -12,12 +12,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from engine.config import EngineConfig, parse_task_args, read_config_file
+from engine.envs.loader import load_task, task_spec
 from engine.errors import ConfigError
 from engine.run import main, parse_config
 from engine.session.preflight import local_server_profile
-from engine.tasks import ArithmeticTask, Problem, load_task
+from engine.tasks import ArithmeticTask, Problem
 from engine.tasks.dataset import DatasetTask
-from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer, render_prompt
 from engine.tasks.rewards import make_reward
 from scripts import make_model

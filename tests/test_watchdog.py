@@ -10,13 +10,8 @@ import anyio.lowlevel
 import pytest
 
 from engine.errors import CircuitOpen, Interrupted, OpTimeout, RunStopped, Stalled, find_error
-from engine.supervision.watchdog import (
-    LOOP_CLOCK,
-    CircuitBreaker,
-    SignalInterrupt,
-    Watchdog,
-    deadline,
-)
+from engine.session.breaker import CircuitBreaker, deadline
+from engine.supervision.watchdog import LOOP_CLOCK, SignalInterrupt, Watchdog
 from tests import sdk_errors as sdk
 from tests.clock import ManualClock
 

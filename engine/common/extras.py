@@ -1,7 +1,7 @@
 """The optional parts of the package (pyproject's extras) and the one-line message that
 says how to install a missing one.
 
-The core package with an SDK extra (``mint`` or ``tinker``: :mod:`engine.session.sdks`
+The core package with an SDK extra (``mint`` or ``tinker``: :mod:`engine.common.sdks`
 says which is installed) is what a hosted user needs. The local
 server (torch, peft, FastAPI), the report pictures (matplotlib), the experiment
 trackers (wandb, tensorboard), Hugging Face datasets (``--task hf:PATH``) and Ray

@@ -5,19 +5,7 @@ variables, TOML files, resume rules (:mod:`engine.config.sources`,
 (:mod:`engine.config.profile`)."""
 
 from engine.common.setting import MAX_SEED, Setting
-from engine.config.models import (
-    GROUPS,
-    HOSTED_BASE_URL,
-    LOSSES,
-    SDKS,
-    TINKER_ONLY_LOSSES,
-    EngineConfig,
-    LogFormat,
-    LogLevel,
-    LossName,
-    OnRewardError,
-    all_settings,
-)
+from engine.config.models import GROUPS, EngineConfig, all_settings
 from engine.config.profile import HOSTED_PROFILE, Profile, server_profile, stored_profile
 from engine.config.records import nest_record, resume_rule
 from engine.config.sources import (
@@ -26,6 +14,16 @@ from engine.config.sources import (
     parse_task_args,
     read_config_file,
     stored_settings,
+)
+from engine.config.values import (
+    HOSTED_BASE_URL,
+    LOSSES,
+    SDKS,
+    TINKER_ONLY_LOSSES,
+    LogFormat,
+    LogLevel,
+    LossName,
+    OnRewardError,
 )
 
 __all__ = [

@@ -16,9 +16,19 @@ import functools
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final, Literal, get_args
+from typing import Annotated, Any, Final, get_args
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    PlainSerializer,
+    SecretStr,
+    ValidationError,
+    model_validator,
+)
+from pydantic_core import PydanticCustomError
 
 from engine.common.extras import require
 from engine.common.setting import (
@@ -38,13 +48,27 @@ from engine.common.setting import (
 from engine.common.setting import (
     seed as seed_range,
 )
+from engine.config.registry import task_settings_models
+from engine.config.values import (
+    HOSTED_BASE_URL,
+    LOSSES,
+    PROBE_INTERVAL_S,
+    SDKS,
+    TINKER_ONLY_LOSSES,
+    TRACKERS,
+    UNREACHABLE_AFTER_S,
+    LogFormat,
+    LogLevel,
+    LossName,
+    OnRewardError,
+    ScoreWorkers,
+    SdkChoice,
+    Tracker,
+    parse_score_workers,
+)
 from engine.core.datums import OnMissingLogprobs
 from engine.core.trajectory import EpisodeLimits, OnLimit, OnParseError
 from engine.errors import ConfigError
-from engine.loop.scoring import parse_score_workers
-from engine.observe.trackers import TRACKERS, Tracker
-from engine.session.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
-from engine.tasks.loader import TASK_SETTINGS
 
 __all__ = [
     "GROUPS",
@@ -74,30 +98,17 @@ __all__ = [
     "task_settings_of",
 ]
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
-LOSSES: Final[tuple[str, ...]] = get_args(LossName)
-TINKER_ONLY_LOSSES: Final = ("gspo",)
-"""Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
-them client-side)."""
-SdkChoice = Literal["auto", "mint", "tinker"]
-SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
-LogFormat = Literal["console", "json"]
-LogLevel = Literal["info", "debug"]
-OnRewardError = Literal["fail", "skip"]
-
-HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
-"""Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
-
-
 # --------------------------------------------------------------------------- checks
 
 
-def _score_workers(v: Any) -> str | None:
+def _score_workers(v: Any) -> Any:
+    """``threads``, ``processes:N`` or ``ray:N`` as :class:`ScoreWorkers`, parsed once."""
+    if isinstance(v, ScoreWorkers):
+        return v
     try:
-        parse_score_workers(str(v))
+        return parse_score_workers(str(v))
     except ValueError as exc:
-        return str(exc)
-    return None
+        raise PydanticCustomError("score_workers", str(exc)) from None
 
 
 def _model_dir_or_pretrained(v: Any) -> str | None:
@@ -309,8 +320,10 @@ class ScoringSettings(_Group):
         description="max reward calls running at once (all responses of all arrived groups "
         "are scored concurrently)",
     )
-    score_workers: Annotated[str, _rule(_score_workers)] = Field(
-        "threads",
+    score_workers: Annotated[
+        ScoreWorkers, BeforeValidator(_score_workers), PlainSerializer(str), Setting()
+    ] = Field(
+        ScoreWorkers(),
         description="where a plain (non-async) reward runs: threads, or processes:N for "
         "CPU-bound rewards (the task must be picklable); an environment task's steps: "
         "processes:N, or ray:N on a Ray cluster (RAY_ADDRESS, else a local one; engine[ray])",
@@ -520,11 +533,11 @@ _FLAT: Final[Mapping[str, SettingField]] = {f.flat: f for f in all_settings()}
 
 def task_settings_of(spec: str) -> type[TaskSettings] | None:
     """The settings a built-in task declares (None: it declares none)."""
-    return next((model for model in TASK_SETTINGS if model.spec == spec), None)
+    return next((model for model in task_settings_models() if model.spec == spec), None)
 
 
 def _task_flat() -> dict[str, tuple[type[TaskSettings], SettingField]]:
-    return {f.name: (model, f) for model in TASK_SETTINGS for f in setting_fields(model)}
+    return {f.name: (model, f) for model in task_settings_models() for f in setting_fields(model)}
 
 
 def route_flat(data: Mapping[str, Any]) -> dict[str, Any]:
@@ -620,7 +633,7 @@ class EngineConfig(BaseModel):
             require("local", "the local server (no MINT_API_KEY set, or --local)")
         for tracker in self.logging.log_to:
             require(tracker, f"--log-to {tracker}")
-        from engine.session.sdks import choose_sdk  # no SDK import; config stays light
+        from engine.common.sdks import choose_sdk  # no SDK import; config stays light
 
         sdk = choose_sdk(session.sdk)
         if self.training.loss in TINKER_ONLY_LOSSES and sdk != "tinker":

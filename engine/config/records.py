@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.common.setting import Resume, setting_fields
 from engine.config.models import GROUPS, all_settings, setting_at
-from engine.tasks.loader import TASK_SETTINGS
+from engine.config.registry import task_settings_models
 
 __all__ = ["flat_settings", "nest_record", "resume_rule"]
 
@@ -23,7 +23,7 @@ def nest_record(stored: Mapping[str, Any]) -> dict[str, Any]:
     as the arithmetic ``op``, among the task's arguments); other keys (``server``,
     ``task_name``...) as they are. A record that is already nested is returned as is."""
     flat = {f.flat: f for f in all_settings()}
-    own = {f.name for model in TASK_SETTINGS for f in setting_fields(model)}
+    own = {f.name for model in task_settings_models() for f in setting_fields(model)}
     out: dict[str, Any] = {}
     groups: dict[str, dict[str, Any]] = {}
     own_args: dict[str, str] = {}

@@ -17,11 +17,12 @@ from pathlib import Path
 from typing import Any, Final, get_origin
 
 from engine.common.setting import SettingField, TaskSettings, parse_text, setting_fields
-from engine.config.models import GROUPS, HOSTED_BASE_URL, EngineConfig, all_settings
+from engine.config.models import GROUPS, EngineConfig, all_settings
 from engine.config.profile import HOSTED_PROFILE, toml_text
 from engine.config.records import nest_record
+from engine.config.registry import task_settings_models
+from engine.config.values import HOSTED_BASE_URL
 from engine.errors import ConfigError
-from engine.tasks.loader import TASK_SETTINGS
 
 __all__ = [
     "add_setting_arguments",
@@ -40,7 +41,7 @@ Values = dict[str, dict[str, Any]]
 
 def task_own_settings() -> tuple[tuple[type[TaskSettings], SettingField], ...]:
     """The settings the built-in tasks declare (flags such as ``--op``)."""
-    return tuple((model, f) for model in TASK_SETTINGS for f in setting_fields(model))
+    return tuple((model, f) for model in task_settings_models() for f in setting_fields(model))
 
 
 def _is_mapping(field: SettingField) -> bool:
@@ -79,7 +80,7 @@ def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
         group = parser.add_argument_group(f"{name} settings", _first_line(model.__doc__))
         for field in setting_fields(model, name):
             _add_flag(group, field, help_text(field))
-    for task in TASK_SETTINGS:
+    for task in task_settings_models():
         group = parser.add_argument_group(
             f"{task.spec} task settings", f"also --task-arg NAME=VALUE (--task {task.spec})"
         )

@@ -24,10 +24,10 @@ from typing import Any, Protocol
 import anyio
 import anyio.to_process
 
+from engine.config.values import ScoreWorkers
 from engine.core.problems import RewardBreakdown
 from engine.core.trajectory import Action, Observation, Trajectory
 from engine.envs.types import Env, EnvGroupBuilder, EnvStepResult
-from engine.loop.scoring import ScoreWorkers
 
 __all__ = [
     "ProcessWorkers",

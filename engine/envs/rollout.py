@@ -21,7 +21,7 @@ Limits (:class:`~engine.envs.types.EpisodeLimits`), and what ends an episode:
 A limit or an environment error yields ``on_limit`` (zero reward, or masked); a parse
 error ``on_parse_error``. A failing ``make_envs``, ``initial_observation`` or
 ``compute_group_rewards`` fails the group like a failing reward function
-(:class:`~engine.loop.scoring.RewardError`, handled by ``--on-reward-error``); a failing
+(:class:`~engine.envs.scoring.RewardError`, handled by ``--on-reward-error``); a failing
 sample request propagates (the run stops after the steps in flight). ``cleanup`` always
 runs, shielded from cancellation for at most :data:`CLEANUP_TIMEOUT_S`.
 """
@@ -41,9 +41,9 @@ from engine.common.clock import Stopwatch
 from engine.core.datums import Completion
 from engine.core.problems import Problem
 from engine.core.trajectory import Action, EpisodeLimits, Observation, Outcome, Trajectory, Turn
+from engine.envs.scoring import RewardError, check_rewards
 from engine.envs.types import Env, EnvGroupBuilder, EnvStepResult
 from engine.errors import EngineError, primary_error
-from engine.loop.scoring import RewardError, check_rewards
 from engine.session.api import SamplingParams
 
 __all__ = ["EpisodeRunner", "GroupRollout", "SampledAction", "TurnSampler", "turn_settings"]

@@ -3,7 +3,7 @@
 Every built-in and user task (arithmetic, JSONL, Hugging Face datasets, ``--task
 module:attr``) runs through this adapter: each episode opens with the task's prompt,
 the first action ends it, and the group reward is the task's reward of each decoded
-response, computed by the run's :class:`~engine.loop.scoring.Scorer` (``score`` or
+response, computed by the run's :class:`~engine.envs.scoring.Scorer` (``score`` or
 ``score_group``, ``--score-workers``, ``--score-concurrency``). The group's episodes
 open alike, so they are sampled in one request of ``--group`` responses, as before:
 the same requests, rewards and datums, datum for datum.
@@ -16,8 +16,8 @@ from dataclasses import dataclass
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.core.trajectory import Action, Observation, Trajectory
+from engine.envs.scoring import Scorer
 from engine.envs.types import Env, EnvStepResult
-from engine.loop.scoring import Scorer
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["PromptEnv", "TaskGroupBuilder"]

@@ -29,10 +29,10 @@ from engine.config import EngineConfig
 from engine.core.problems import Problem, RewardBreakdown, Task
 from engine.core.trajectory import Observation, Trajectory
 from engine.envs.rollout import EpisodeRunner, SampledAction, turn_settings
+from engine.envs.scoring import RewardError
 from engine.envs.types import EnvTask
 from engine.errors import ConfigError, EngineError
 from engine.loop.groups import GroupPlan, NotSampled
-from engine.loop.scoring import RewardError
 from engine.session.api import SamplerHandle, Session
 
 __all__ = [

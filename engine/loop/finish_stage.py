@@ -5,7 +5,7 @@ For each step it awaits the training result and the snapshot, publishes the snap
 the staleness bound, builds the step's metrics and hands the
 :class:`~engine.loop.results.StepResult` to ``on_step``; its loop state keeps every filed
 group of a later step, so nothing sampled is lost on resume. A step is "in flight" from
-its first submission until ``on_step`` returns (:class:`~engine.supervision.stopping.StopGate`),
+its first submission until ``on_step`` returns (:class:`~engine.loop.stopping.StopGate`),
 so a stop only lands between steps; each recorded step gives the submitter a credit.
 """
 
@@ -27,9 +27,9 @@ from engine.loop.messages import SubmittedStep, steps_done
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
 from engine.loop.step_metrics import ActivityMeter, StepTiming, quickstart_line, step_metrics
+from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle, Session, TrainResult
 from engine.session.retry import tally_retries
-from engine.supervision.stopping import StopGate
 
 __all__ = ["FinishStage"]
 

@@ -1,7 +1,7 @@
 """How a task's problems become groups of episodes, for training and held-out eval alike.
 
 A single-turn task's group is ``size`` one-turn episodes of its prompt, rewarded by the
-run's :class:`~engine.loop.scoring.Scorer` (:mod:`engine.envs.single_turn`); an
+run's :class:`~engine.envs.scoring.Scorer` (:mod:`engine.envs.single_turn`); an
 environment task builds its own (in worker processes or on Ray with
 ``--score-workers``). Either way the pipeline runs :class:`EnvGroupBuilder`\\ s and gets
 trajectories back: this module is the one place that tells the kinds apart.
@@ -15,9 +15,9 @@ from engine.config import EngineConfig
 from engine.core.problems import Problem, Task
 from engine.core.trajectory import EpisodeLimits, Observation, StopCondition
 from engine.envs.executors import RemoteGroup, Workers, env_workers
+from engine.envs.scoring import Scorer
 from engine.envs.single_turn import TaskGroupBuilder
 from engine.envs.types import EnvContext, EnvGroupBuilder, EnvTask, is_env_task
-from engine.loop.scoring import Scorer, parse_score_workers
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["GroupPlan", "NotSampled"]
@@ -36,7 +36,7 @@ class GroupPlan:
     its episodes run under (None: single-turn, one turn ended by the environment) and
     the worker pool an environment's steps run in (entered once per run). The task is
     checked against ``--score-workers`` once, by whoever loads it
-    (:func:`~engine.loop.scoring.check_score_workers`)."""
+    (:func:`~engine.envs.scoring.check_score_workers`)."""
 
     def __init__(
         self,
@@ -49,7 +49,7 @@ class GroupPlan:
         self._max_tokens = config.sampling.max_tokens
         self._max_context = max_context
         self.stop = StopCondition(*renderer.stops(stop_at_eos=config.sampling.stop_at_eos))
-        workers = parse_score_workers(config.scoring.score_workers)
+        workers = config.scoring.score_workers
         self.workers: Workers | None = None
         self._env_task: EnvTask | None = None
         self._scorer: Scorer | None = None

@@ -22,6 +22,7 @@ from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.problems import ProblemSource
 from engine.core.state import LoopState, ScoredGroup
+from engine.envs.scoring import RewardError
 from engine.loop.evaluation import Evaluator
 from engine.loop.finish_stage import FinishStage
 from engine.loop.groups import GroupPlan
@@ -29,11 +30,10 @@ from engine.loop.messages import RolledOut, SubmittedStep
 from engine.loop.policy import PolicyVersions, Watermark
 from engine.loop.results import StepResult
 from engine.loop.rollout_stage import RolloutStage
-from engine.loop.scoring import RewardError
 from engine.loop.step_metrics import ActivityMeter
+from engine.loop.stopping import StopGate
 from engine.loop.submit_stage import SubmitStage, checkpoint_name
 from engine.session.api import SamplerHandle, Session
-from engine.supervision.stopping import StopGate
 
 __all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
 

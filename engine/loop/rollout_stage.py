@@ -23,14 +23,14 @@ from engine.core.problems import Problem, ProblemSource
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Observation
 from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn_settings
+from engine.envs.scoring import RewardError
 from engine.envs.types import EnvGroupBuilder
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.loop.messages import RolledOut, StepOpened, steps_done
 from engine.loop.policy import PolicyVersions, Watermark
-from engine.loop.scoring import RewardError
 from engine.loop.step_metrics import ActivityMeter
+from engine.loop.stopping import StopGate
 from engine.session.api import Session
-from engine.supervision.stopping import StopGate
 
 __all__ = ["RolloutStage"]
 

@@ -27,8 +27,8 @@ from engine.core.state import LoopState, ScoredGroup
 from engine.loop.messages import RolledOut, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
 from engine.loop.step_metrics import Assembled
+from engine.loop.stopping import StopGate
 from engine.session.api import LossSpec, PendingCheckpoint, PendingSnapshot, Session, StepTicket
-from engine.supervision.stopping import StopGate
 
 __all__ = ["SubmitStage", "checkpoint_name"]
 

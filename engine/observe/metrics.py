@@ -23,10 +23,10 @@ from typing import IO, Any, Literal, TextIO
 
 import structlog
 
+from engine.common.files import truncate_metrics
 from engine.errors import RunFileError
 from engine.observe.trackers import MetricSink
 from engine.redact import redact_processor
-from engine.rundir.checkpoints import truncate_metrics
 
 __all__ = ["RunLog", "detail_line"]
 

@@ -24,22 +24,18 @@ import math
 import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Literal, Protocol, get_args
+from typing import Any, Protocol
 
+from engine.config.values import TRACKERS
 from engine.errors import ConfigError
 
 __all__ = [
-    "TRACKERS",
     "MetricSink",
     "TensorBoardSink",
-    "Tracker",
     "WandbSink",
     "open_trackers",
     "scalar_metrics",
 ]
-
-Tracker = Literal["wandb", "tensorboard"]
-TRACKERS: Final[tuple[str, ...]] = get_args(Tracker)
 
 
 class MetricSink(Protocol):

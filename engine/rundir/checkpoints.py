@@ -1,15 +1,16 @@
-"""A run's durable checkpoints, and the atomic and truncating writes of its files.
+"""A run's durable checkpoints.
 
 Why: a run must survive ``kill -9``, an interrupt and a broken server without losing or
 repeating training. ``<run dir>/checkpoints.jsonl`` (:class:`CheckpointLog`) holds one
 JSON line per checkpoint: ``step`` (completed optimizer steps in the saved state),
 ``state_path`` (``tinker://`` path from ``save_state``), ``sampler_path``, ``reason``,
 ``time`` and the engine's opaque ``loop_state`` (data cursor, RNG state... of the last
-TRAINED step). On resume and recovery :func:`truncate_metrics` drops the lines of the
+TRAINED step). On resume and recovery
+:func:`~engine.common.files.truncate_metrics` drops the lines of the
 steps after the checkpoint from the per-step logs (for every one of them at once:
 :meth:`engine.rundir.record.RunRecord.rewind`), so the redone steps appear once.
 Files the engine rewrites (``config.json``, summaries) are written atomically
-(:func:`write_file_atomically`: temp file + rename), so a full disk leaves the previous
+(:func:`~engine.common.files.write_file_atomically`: temp file + rename), so a full disk leaves the previous
 version, and the error names the file. The directory itself (which one a run may use,
 ``config.json``, the resume check, the summaries) is :mod:`engine.rundir.directory`.
 
@@ -24,7 +25,6 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from collections.abc import Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -34,6 +34,7 @@ from typing import Any, Literal, get_args
 import anyio
 import structlog
 
+from engine.common.files import fsync_dir
 from engine.errors import ResumeError, RunFileError
 
 __all__ = [
@@ -41,8 +42,6 @@ __all__ = [
     "CheckpointLog",
     "CheckpointReason",
     "CheckpointRecord",
-    "truncate_metrics",
-    "write_file_atomically",
 ]
 
 CHECKPOINTS_FILE = "checkpoints.jsonl"
@@ -103,19 +102,6 @@ class CheckpointRecord:
         return cls(**kwargs)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 class CheckpointLog:
     """``<run_dir>/checkpoints.jsonl``: append-only, one record per line."""
 
@@ -140,7 +126,7 @@ class CheckpointLog:
         except OSError as exc:
             raise RunFileError(self.path, exc) from exc
         if created:
-            _fsync_dir(self.run_dir)
+            fsync_dir(self.run_dir)
         self._log.info(
             "checkpoint",
             step=record.step,
@@ -193,72 +179,3 @@ class CheckpointLog:
         for record in self._records():
             last = record
         return last
-
-
-def write_file_atomically(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` all at once (temp file, fsync, rename): a crash or a
-    full disk leaves the previous version, never a truncated file. A failure raises
-    :class:`~engine.errors.RunFileError` naming ``path``."""
-    try:
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    except OSError as exc:
-        raise RunFileError(path, exc) from exc
-    try:
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        Path(tmp).unlink(missing_ok=True)
-        if isinstance(exc, OSError):
-            raise RunFileError(path, exc) from exc
-        raise
-    _fsync_dir(path.parent)
-
-
-def truncate_metrics(
-    path: str | os.PathLike[str],
-    keep_through_step: int,
-    *,
-    log: Any = None,
-) -> int:
-    """Drop the lines of a per-step JSONL log whose ``step`` is after
-    ``keep_through_step``; return how many.
-
-    Call it when resuming or recovering, before the engine appends again: the steps after
-    the checkpoint are redone and written anew, so without this each of them would appear
-    twice. Steps count from 1, so ``keep_through_step`` is the checkpoint's ``step``.
-    Lines without a ``step`` are kept; torn or invalid lines are dropped. The file is
-    rewritten atomically; a missing file is 0.
-    """
-    target = Path(path)
-    try:
-        raw = target.read_bytes()
-    except FileNotFoundError:
-        return 0
-    kept: list[bytes] = []
-    dropped = 0
-    for line in raw.split(b"\n"):
-        if not line.strip():
-            continue
-        try:
-            data = json.loads(line)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            dropped += 1
-            continue
-        step = data.get("step") if isinstance(data, dict) else None
-        if (
-            isinstance(step, int | float)
-            and not isinstance(step, bool)
-            and step > keep_through_step
-        ):
-            dropped += 1
-            continue
-        kept.append(line)
-    if dropped:
-        write_file_atomically(target, b"".join(line + b"\n" for line in kept))
-        (log if log is not None else _log).info(
-            "metrics.truncated", path=str(target), after_step=keep_through_step, dropped=dropped
-        )
-    return dropped

@@ -34,6 +34,7 @@ from datetime import datetime
 from pathlib import Path
 from typing import Any, Final
 
+from engine.common.files import write_file_atomically
 from engine.config import EngineConfig, nest_record, resume_rule
 from engine.config.models import setting_at
 from engine.core.state import LoopState
@@ -49,12 +50,7 @@ from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config
 from engine.report import REPORT_PNG
-from engine.rundir.checkpoints import (
-    CHECKPOINTS_FILE,
-    CheckpointLog,
-    CheckpointRecord,
-    write_file_atomically,
-)
+from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
 from engine.rundir.events import QUIET, EventLog, HeldEvents
 from engine.rundir.lock import LOCK_FILE, RunDirLock
 from engine.rundir.record import RunRecord

@@ -18,17 +18,13 @@ import json
 from pathlib import Path
 from typing import Any
 
+from engine.common.files import truncate_metrics
 from engine.loop.evaluation import EVAL_FILE
 from engine.loop.results import StepResult
 from engine.observe.metrics import RunLog
-from engine.rollouts import ROLLOUTS_FILE, RolloutLog
-from engine.rundir.checkpoints import (
-    CheckpointLog,
-    CheckpointReason,
-    CheckpointRecord,
-    truncate_metrics,
-)
+from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
+from engine.rundir.rollouts import ROLLOUTS_FILE, RolloutLog
 
 __all__ = ["RunRecord"]
 

@@ -44,6 +44,7 @@ import anyio
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
+from engine.common.sdks import SdkName
 from engine.config import EngineConfig
 from engine.core.datums import Completion, Datum, with_loss_inputs
 from engine.errors import EngineError, primary_error
@@ -61,7 +62,6 @@ from engine.session.api import (
 from engine.session.preflight import PreflightError, check_reachable, setup_call
 from engine.session.preflight import recommended_profile as read_recommended_profile
 from engine.session.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard, tally_retries
-from engine.session.sdks import SdkName
 
 __all__ = [
     "SNAPSHOT_TTL_S",

@@ -26,24 +26,19 @@ Time runs on an injectable :class:`~engine.common.clock.Clock`.
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
-from typing import Final, TypeVar
+from typing import TypeVar
 
 import anyio
 import httpx
 
 from engine.common.clock import LOOP_CLOCK, Clock
+from engine.config.values import PROBE_INTERVAL_S
 from engine.errors import ServerUnreachable, os_reason
 
-__all__ = ["PROBE_INTERVAL_S", "UNREACHABLE_AFTER_S", "Probe", "ServerLiveness", "http_probe"]
+__all__ = ["Probe", "ServerLiveness", "http_probe"]
 
 T = TypeVar("T")
 
-UNREACHABLE_AFTER_S: Final = 30.0
-"""Default seconds of refused connections before a server counts as gone."""
-
-PROBE_INTERVAL_S: Final = 5.0
-"""Seconds between probes (shorter when ``unreachable_after`` is short: at least three
-probes fail before a server counts as gone)."""
 
 Probe = Callable[[], Awaitable[str | None]]
 """One liveness probe: None when the server answered, else why it could not be reached."""

@@ -1,5 +1,5 @@
 """Opening a session: the reliability layer a run's calls go through, the local server
-when the run uses one, and the SDK adapter (:mod:`engine.session.sdks`).
+when the run uses one, and the SDK adapter (:mod:`engine.common.sdks`).
 
 With an API key (and optional base URL) a session talks to that endpoint; with neither
 the local server starts in the background and says so (its data dir, where its
@@ -17,12 +17,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from engine.common.clock import LOOP_CLOCK, Clock
+from engine.common.sdks import SdkName, choose_sdk
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.redact import register_secret
+from engine.session.breaker import CircuitBreaker
 from engine.session.retry import RetryCounter, ServiceGuard, retry_policies
-from engine.session.sdks import SdkName, choose_sdk
-from engine.supervision.watchdog import CircuitBreaker
 
 if TYPE_CHECKING:
     from engine.session.adapter import SdkSession

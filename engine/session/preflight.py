@@ -83,8 +83,8 @@ async def read_server_profile(
     of its ``get_server_capabilities`` answer, read as plain JSON: the SDK drops the
     recommended settings). Fails like the preflight (:class:`PreflightError`); calls
     are guarded as in a run with the default settings unless ``guard`` is given."""
+    from engine.common.sdks import installed_tinker_version
     from engine.session.opening import service_guard
-    from engine.session.sdks import installed_tinker_version
 
     guard = guard or service_guard(EngineConfig())
     await check_reachable(base_url, api_key, guard, installed_tinker_version() or "0.22.0")

@@ -83,6 +83,7 @@ import structlog
 import tenacity
 
 from engine.common.clock import LOOP_CLOCK, Clock
+from engine.config.values import UNREACHABLE_AFTER_S
 from engine.errors import (
     EngineError,
     PermanentServiceError,
@@ -93,9 +94,9 @@ from engine.errors import (
     classify,
     retry_after,
 )
-from engine.session.liveness import UNREACHABLE_AFTER_S, ServerLiveness
-from engine.supervision.recovery import run_train_step
-from engine.supervision.watchdog import CircuitBreaker, deadline
+from engine.session.breaker import CircuitBreaker, deadline
+from engine.session.liveness import ServerLiveness
+from engine.session.train_step import run_train_step
 
 __all__ = [
     "SDK_MAX_RETRIES",

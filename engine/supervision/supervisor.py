@@ -15,7 +15,7 @@ its end and is the one place that decides what happens when something goes wrong
   (:class:`~engine.rundir.record.RunRecord`) and redo the steps after it
   (:mod:`engine.supervision.recovery`); the breaker bounds how often in a row.
 * **Stops**: the breaker, the watchdog, a failed sample/reward and a stop request all
-  end the run at a step boundary (:class:`~engine.supervision.stopping.StopGate`; after
+  end the run at a step boundary (:class:`~engine.loop.stopping.StopGate`; after
   :data:`STOP_GRACE_S` the step in flight is cancelled), write a stop checkpoint when
   the state can be trusted, and raise the reason.
 * **Resume**: a resumed run starts from the run dir's latest checkpoint (weights,
@@ -34,6 +34,7 @@ import anyio
 from engine.common.clock import Clock
 from engine.config import EngineConfig
 from engine.core.state import LoopState
+from engine.envs.scoring import RewardError
 from engine.envs.types import is_env_task
 from engine.errors import (
     RunStopped,
@@ -47,18 +48,17 @@ from engine.loop.evaluation import Evaluator, eval_problems_of
 from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
 from engine.loop.results import RunResult, StepResult
-from engine.loop.scoring import RewardError
+from engine.loop.stopping import StopGate
 from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.report import finished_run_report
-from engine.rollouts import RolloutLog
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
+from engine.rundir.rollouts import RolloutLog
 from engine.session.api import PendingCheckpoint, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
-from engine.supervision.stopping import StopGate
 from engine.supervision.watchdog import Watchdog
 from engine.tasks import Task
 from engine.tasks.render import PromptRenderer

@@ -6,10 +6,9 @@ worker, a server in a 500 storm) that leave the trainer waiting forever. Each to
 turns "waiting forever" into an exception that carries a clear reason, so the engine can
 write a checkpoint and exit:
 
-* :func:`deadline` -- every await on the service gets a timeout and a message that names
-  the operation (``timed out after 30s waiting for sample``).
-* :class:`CircuitBreaker` -- N consecutive failures of one operation kind raise
-  :class:`~engine.errors.CircuitOpen` (checkpoint reason ``breaker``).
+* :func:`~engine.session.breaker.deadline` and
+  :class:`~engine.session.breaker.CircuitBreaker` bound every await on the service and
+  count its consecutive failures (they live with the session, which uses them);
 * :class:`Watchdog` -- a task in the engine's task group that raises
   :class:`~engine.errors.Stalled` (reason ``watchdog``) when nothing progressed for a
   configurable time; cancelling the task group stops it cleanly.
@@ -26,84 +25,18 @@ from __future__ import annotations
 import os
 import signal
 import sys
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 import structlog
 
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.errors import CircuitOpen, Interrupted, OpTimeout, Stalled, classify
+from engine.errors import Interrupted, Stalled
 
-__all__ = [
-    "CircuitBreaker",
-    "SignalInterrupt",
-    "Watchdog",
-    "deadline",
-]
+__all__ = ["SignalInterrupt", "Watchdog"]
 
 _log = structlog.get_logger("engine.supervision.watchdog")
-
-
-@contextmanager
-def deadline(seconds: float | None, op: str, clock: Clock = LOOP_CLOCK) -> Iterator[None]:
-    """Run the body for at most ``seconds`` on ``clock``; on expiry raise
-    :class:`~engine.errors.OpTimeout` naming ``op``. ``None`` means no limit (use only
-    where another layer bounds the wait). A ``TimeoutError`` raised by the body itself
-    (not by this deadline) passes through unchanged."""
-    if seconds is None:
-        yield
-        return
-    if seconds <= 0:
-        raise ValueError(f"deadline for {op} must be positive, got {seconds}")
-    with clock.cancel_after(seconds) as scope:
-        yield
-    if scope.cancelled_caught:
-        raise OpTimeout(op, seconds)
-
-
-class CircuitBreaker:
-    """Counts consecutive failures per operation kind; the N-th raises CircuitOpen.
-
-    ``threshold`` is one number for every kind or a mapping kind -> number (kinds not in
-    the mapping use ``default``). A success of a kind resets its count. Owned by one
-    event loop; no locking needed.
-    """
-
-    def __init__(
-        self, threshold: int | Mapping[str, int], *, default: int = 5, log: Any = None
-    ) -> None:
-        self._log = log if log is not None else _log
-        self._thresholds: dict[str, int] = {}
-        if isinstance(threshold, int):
-            default = threshold
-        else:
-            self._thresholds = {str(k): v for k, v in threshold.items()}
-        for kind, value in [*self._thresholds.items(), ("default", default)]:
-            if value < 1:
-                raise ValueError(f"breaker threshold for {kind} must be >= 1, got {value}")
-        self._default = default
-        self._failures: dict[str, int] = {}
-
-    def threshold(self, kind: str) -> int:
-        return self._thresholds.get(str(kind), self._default)
-
-    def failures(self, kind: str) -> int:
-        """Current run of consecutive failures of ``kind``."""
-        return self._failures.get(str(kind), 0)
-
-    def record_success(self, kind: str) -> None:
-        self._failures[str(kind)] = 0
-
-    def record_failure(self, kind: str, exc: BaseException) -> None:
-        """Count one failure; raise CircuitOpen (chained to ``exc``) at the threshold."""
-        key = str(kind)
-        count = self._failures.get(key, 0) + 1
-        self._failures[key] = count
-        if count >= self.threshold(key):
-            self._log.error("breaker.open", kind=key, failures=count, error=classify(exc).message)
-            raise CircuitOpen(key, count, classify(exc).message) from exc
 
 
 class Watchdog:

@@ -3,11 +3,9 @@
 from engine.core.problems import Problem, ProblemSource, RewardBreakdown, SeededSource, Task
 from engine.tasks.arithmetic import ArithmeticTask, extract_prediction, score_arithmetic
 from engine.tasks.dataset import DatasetTask
-from engine.tasks.loader import BUILTIN_TASKS, load_task
 from engine.tasks.render import ChatMessage, Prompt, PromptRenderer, TaskContext
 
 __all__ = [
-    "BUILTIN_TASKS",
     "ArithmeticTask",
     "ChatMessage",
     "DatasetTask",
@@ -20,6 +18,5 @@ __all__ = [
     "Task",
     "TaskContext",
     "extract_prediction",
-    "load_task",
     "score_arithmetic",
 ]

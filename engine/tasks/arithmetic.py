@@ -27,6 +27,7 @@ from typing import Annotated, Any, Final
 from pydantic import Field
 
 from engine.common.setting import Setting, TaskSettings, one_of
+from engine.config.registry import register_task_settings
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
 
 __all__ = [
@@ -65,6 +66,7 @@ def default_eval_size(min_operand: int | str, max_operand: int | str) -> int:
     return min(DEFAULT_EVAL_SIZE, pairs // 10) if int(max_operand) >= int(min_operand) else 0
 
 
+@register_task_settings
 class ArithmeticSettings(TaskSettings):
     """The arithmetic task's own flags (``--op +`` is ``--task-arg op=+``); the server
     recommends them for the model it serves."""

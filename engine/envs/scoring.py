@@ -37,54 +37,28 @@ import pickle
 import sys
 import traceback
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
-from typing import Any, Literal, TypeVar
+from typing import Any, TypeVar
 
 import anyio
 import anyio.to_process
 
 from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
+from engine.config.values import ScoreWorkers
 from engine.core.problems import Problem, RewardBreakdown, Task
 from engine.envs.types import EnvTask, is_env_task
 from engine.errors import ConfigError, EngineError, classify, primary_error
 
 __all__ = [
     "RewardError",
-    "ScoreWorkers",
     "Scorer",
     "check_picklable",
     "check_reward",
     "check_rewards",
     "check_score_workers",
-    "parse_score_workers",
 ]
 
 T = TypeVar("T")
-
-
-@dataclass(frozen=True)
-class ScoreWorkers:
-    """Where synchronous rewards (and an environment task's environments) run: worker
-    threads, ``count`` worker processes, or Ray tasks (``count`` in flight; environment
-    tasks only)."""
-
-    kind: Literal["threads", "processes", "ray"] = "threads"
-    count: int = 0
-
-    def __str__(self) -> str:
-        return "threads" if self.kind == "threads" else f"{self.kind}:{self.count}"
-
-
-def parse_score_workers(text: str) -> ScoreWorkers:
-    """``threads``, ``processes:N`` or ``ray:N`` (N >= 1)."""
-    value = text.strip()
-    if value == "threads":
-        return ScoreWorkers()
-    kind, _, count = value.partition(":")
-    if kind in ("processes", "ray") and count.strip().isdigit() and int(count) >= 1:
-        return ScoreWorkers("processes" if kind == "processes" else "ray", int(count))
-    raise ValueError("must be 'threads', 'processes:N' or 'ray:N' with N >= 1")
 
 
 class RewardError(EngineError):

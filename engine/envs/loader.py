@@ -16,15 +16,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from engine.common.setting import TaskSettings
 from engine.core.problems import Task
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError
-from engine.tasks.arithmetic import ArithmeticSettings, ArithmeticTask
+from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.dataset import DataFormat, DatasetTask
 from engine.tasks.judge_task import judged_task
 
-__all__ = ["BUILTIN_TASKS", "TASK_SETTINGS", "load_task", "preferred_local_model", "task_spec"]
+__all__ = ["BUILTIN_TASKS", "load_task", "preferred_local_model", "task_spec"]
 
 SHIPPED_ENVIRONMENTS = {
     "guess-sum": "engine.envs.examples.guess_sum:GuessSumTask",
@@ -33,9 +32,6 @@ SHIPPED_ENVIRONMENTS = {
 """Short names of the environments in engine.envs.examples (docs/environments.md)."""
 
 BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH", "judge:SPEC", *SHIPPED_ENVIRONMENTS)
-
-TASK_SETTINGS: tuple[type[TaskSettings], ...] = (ArithmeticSettings,)
-"""The built-in tasks that declare settings of their own (flags such as ``--op``)."""
 
 _DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 

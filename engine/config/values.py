@@ -1,0 +1,74 @@
+"""The values settings take that are more than a number or a name, and the names every
+layer shares: losses, SDK generations, trackers, where rewards run, the server-liveness
+defaults. Kept apart from the settings models so the layers below config can read them."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final, Literal, get_args
+
+__all__ = [
+    "HOSTED_BASE_URL",
+    "LOSSES",
+    "PROBE_INTERVAL_S",
+    "SDKS",
+    "TINKER_ONLY_LOSSES",
+    "TRACKERS",
+    "UNREACHABLE_AFTER_S",
+    "LogFormat",
+    "LogLevel",
+    "LossName",
+    "OnRewardError",
+    "ScoreWorkers",
+    "SdkChoice",
+    "Tracker",
+    "parse_score_workers",
+]
+
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LOSSES: Final[tuple[str, ...]] = get_args(LossName)
+TINKER_ONLY_LOSSES: Final = ("gspo",)
+"""Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
+them client-side)."""
+SdkChoice = Literal["auto", "mint", "tinker"]
+SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
+LogFormat = Literal["console", "json"]
+LogLevel = Literal["info", "debug"]
+OnRewardError = Literal["fail", "skip"]
+
+HOSTED_BASE_URL: Final = "https://mint.macaron.xin/"
+"""Where the quickstart (and the ``mint`` SDK) point when no base URL is configured."""
+
+Tracker = Literal["wandb", "tensorboard"]
+TRACKERS: Final[tuple[str, ...]] = get_args(Tracker)
+
+UNREACHABLE_AFTER_S: Final = 30.0
+"""Default seconds of refused connections before a server counts as gone."""
+
+PROBE_INTERVAL_S: Final = 5.0
+"""Seconds between probes (shorter when ``unreachable_after`` is short: at least three
+probes fail before a server counts as gone)."""
+
+
+@dataclass(frozen=True)
+class ScoreWorkers:
+    """Where synchronous rewards (and an environment task's environments) run: worker
+    threads, ``count`` worker processes, or Ray tasks (``count`` in flight; environment
+    tasks only)."""
+
+    kind: Literal["threads", "processes", "ray"] = "threads"
+    count: int = 0
+
+    def __str__(self) -> str:
+        return "threads" if self.kind == "threads" else f"{self.kind}:{self.count}"
+
+
+def parse_score_workers(text: str) -> ScoreWorkers:
+    """``threads``, ``processes:N`` or ``ray:N`` (N >= 1)."""
+    value = text.strip()
+    if value == "threads":
+        return ScoreWorkers()
+    kind, _, count = value.partition(":")
+    if kind in ("processes", "ray") and count.strip().isdigit() and int(count) >= 1:
+        return ScoreWorkers("processes" if kind == "processes" else "ray", int(count))
+    raise ValueError("must be 'threads', 'processes:N' or 'ray:N' with N >= 1")

@@ -1,0 +1,124 @@
+"""The engine's packages form layers that only import downward, with no circles.
+
+The layer order is written once, here (docs/architecture.md draws it): a module may
+import modules of its own layer or of a layer below it, never above. Within a layer the
+packages may import each other only without a circle. The local server (``engine.local``)
+stands beside the client: it imports nothing of it but the foundation, and any client
+layer may launch it. Every import counts, also one inside a function or under
+``TYPE_CHECKING``: a lazy import is still a dependency.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections import defaultdict
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parents[1] / "engine"
+
+LAYERS: tuple[tuple[str, ...], ...] = (
+    ("engine.errors", "engine.redact", "engine.common"),  # foundation
+    ("engine.core",),  # value types: problems, trajectories, datums, loop state
+    ("engine.config",),  # settings
+    ("engine.session",),  # the MinT session seam and its adapters
+    ("engine.tasks",),  # single-turn tasks and rewards
+    ("engine.envs",),  # environments, scoring, the task loader
+    ("engine.loop",),  # the pipeline
+    ("engine.observe", "engine.rundir", "engine.supervision"),  # around the pipeline
+    (  # the facade and the command lines
+        "engine",
+        "engine.engine",
+        "engine.run",
+        "engine.eval",
+        "engine.export",
+        "engine.report",
+        "engine.rollouts",
+        "engine.checkpoint_files",
+        "engine.serve",
+    ),
+)
+BESIDE = "engine.local"
+FOUNDATION = LAYERS[0]
+
+
+def _unit(module: str) -> str:
+    """The package (or top-level module) a module belongs to."""
+    parts = module.split(".")
+    if len(parts) >= 2 and (ENGINE / parts[1]).is_dir():
+        return ".".join(parts[:2])
+    return module if len(parts) == 2 else "engine"
+
+
+def _modules() -> dict[str, Path]:
+    out: dict[str, Path] = {}
+    for path in ENGINE.rglob("*.py"):
+        parts = list(path.relative_to(ENGINE.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.add(node.module)
+    return {name for name in found if name == "engine" or name.startswith("engine.")}
+
+
+def _arrows() -> dict[str, set[str]]:
+    """Unit -> the units it imports (its own left out)."""
+    arrows: dict[str, set[str]] = defaultdict(set)
+    for module, path in _modules().items():
+        source = _unit(module)
+        for target in map(_unit, _imports(path)):
+            if target != source:
+                arrows[source].add(target)
+    return arrows
+
+
+def _layer(unit: str) -> int:
+    for i, layer in enumerate(LAYERS):
+        if unit in layer:
+            return i
+    raise AssertionError(f"{unit} is in no layer: add it to LAYERS in {__file__}")
+
+
+def test_every_package_is_in_a_layer() -> None:
+    units = {_unit(m) for m in _modules()} - {BESIDE}
+    for unit in units:
+        _layer(unit)
+
+
+def test_no_package_imports_a_layer_above_it() -> None:
+    upward = sorted(
+        f"{source} -> {target}"
+        for source, targets in _arrows().items()
+        if source != BESIDE
+        for target in targets
+        if target != BESIDE and _layer(target) > _layer(source)
+    )
+    assert upward == []
+
+
+def test_the_local_server_imports_nothing_of_the_client_but_the_foundation() -> None:
+    assert _arrows()[BESIDE] <= set(FOUNDATION)
+
+
+def test_no_import_circles_between_packages() -> None:
+    arrows = _arrows()
+    circles: list[str] = []
+
+    def visit(unit: str, path: list[str]) -> None:
+        for target in sorted(arrows.get(unit, ())):
+            if target in path:
+                circles.append(" -> ".join([*path[path.index(target) :], target]))
+            elif len(path) < len(arrows) + 1:
+                visit(target, [*path, target])
+
+    for unit in sorted(arrows):
+        visit(unit, [unit])
+    assert circles == []

@@ -10,9 +10,10 @@ TRAINED step). On resume and recovery
 steps after the checkpoint from the per-step logs (for every one of them at once:
 :meth:`engine.rundir.record.RunRecord.rewind`), so the redone steps appear once.
 Files the engine rewrites (``config.json``, summaries) are written atomically
-(:func:`~engine.common.files.write_file_atomically`: temp file + rename), so a full disk leaves the previous
-version, and the error names the file. The directory itself (which one a run may use,
-``config.json``, the resume check, the summaries) is :mod:`engine.rundir.directory`.
+(:func:`~engine.common.files.write_file_atomically`: temp file + rename), so a full
+disk leaves the previous version, and the error names the file. The directory itself
+(which one a run may use, ``config.json``, the resume check, the summaries) is
+:mod:`engine.rundir.directory`.
 
 Durability: a record is ONE ``write`` of one line, then ``flush`` + ``fsync``; a record
 exists only once ``save_state`` has returned its path, so every record points at a

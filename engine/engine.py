@@ -59,7 +59,7 @@ from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 from engine.tasks import Task
 
-__all__ = ["Engine", "SessionFactory", "StepHook"]
+__all__ = ["Engine", "SessionFactory", "StepHook", "load_run_task", "prepare_run"]
 
 SessionFactory = Callable[[EngineConfig], contextlib.AbstractAsyncContextManager[Session]]
 """Opens a session for a config (entered when the engine is, left when it is)."""
@@ -136,29 +136,8 @@ class Engine:
                 "EngineConfig.from_env(), which reads MINT_API_KEY), or local=True to start "
                 "the local MinT server in this process"
             )
-        changes: dict[str, Any] = {}
-        profiles: list[Profile] = []
-        if task is not None:
-            # config.json records the spec and arguments that rebuild the task (also one
-            # passed as an object), so --resume works alike from the CLI and embedded.
-            spec, args = task_spec(task, config.task.spec, config.task.args)
-            changes["task"] = {"spec": spec, "args": args}
-        if config.checkpoints.resume is not None:
-            # A resumed run keeps the settings it was started with unless given anew.
-            profiles.append(stored_profile(stored_config(config.checkpoints.resume)))
-        if config.uses_local_server:
-            # A task may name the model it runs on (the shipped environments do); what
-            # the server started here will recommend is known before it starts.
-            spec = changes.get("task", {}).get("spec", config.task.spec)
-            local_model = config.session.local_model or preferred_local_model(task, spec)
-            changes["local_model"] = local_model
-            profiles.append(local_server_profile(local_model))
-        # Resolved once from every profile known now; a remote server's recommendations
-        # fill what is left once connected (open_session), before anything trains.
-        self._config = config.resolved(*profiles, **changes)
+        self._config = config
         self._task = task
-        if not self._config.unresolved_task_args:
-            self._load_task()
         self._clock = clock
         self._session_source = session
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
@@ -172,8 +151,8 @@ class Engine:
 
     @property
     def config(self) -> EngineConfig:
-        """The resolved configuration: the server's defaults filled in (by a remote
-        server, once the engine is entered)."""
+        """The configuration: as given until the engine is entered, then resolved (the
+        profiles known before connecting, then a remote server's defaults)."""
         return self._config
 
     @property
@@ -282,6 +261,7 @@ class Engine:
             )
         self._lifecycle = _Lifecycle.OPENING
         try:
+            self._resolve()
             self._run = await self._open(started_at=time.perf_counter())
         except BaseException:
             self._lifecycle = _Lifecycle.CLOSED
@@ -425,17 +405,11 @@ class Engine:
         assert given is not None
         return await resources.enter_async_context(given(self._config))
 
+    def _resolve(self) -> None:
+        self._config, self._task = prepare_run(self._config, self._task)
+
     def _load_task(self) -> None:
-        """Load the task (unless one was given) from the config's spec and arguments,
-        and record the spec and arguments that rebuild it."""
-        cfg = self._config
-        task = self._task if self._task is not None else load_task(cfg.task.spec, cfg.task.args)
-        spec, args = task_spec(task, cfg.task.spec, cfg.task.args)
-        self._task = task
-        self._config = cfg.replace(task={"spec": spec, "args": args})
-        check_score_workers(task, cfg.scoring.score_workers)
-        if cfg.evaluation.eval_every:
-            eval_problems_of(task)  # a task without held-out problems: ConfigError now
+        self._config, self._task = load_run_task(self._config, self._task)
 
     @property
     def _task_name(self) -> str:
@@ -498,6 +472,48 @@ class Engine:
             events=run.events,
         )
 
+
+
+def prepare_run(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, Task | None]:
+    """What an engine does before connecting, on entering (``Engine(...)`` itself reads
+    nothing): the config resolved from every profile known then (a resumed run's
+    config.json, the local server's model) and the task loaded, unless its arguments are
+    still the server's to decide (then None)."""
+    changes: dict[str, Any] = {}
+    profiles: list[Profile] = []
+    if task is not None:
+        # config.json records the spec and arguments that rebuild the task (also one
+        # passed as an object), so --resume works alike from the CLI and embedded.
+        spec, args = task_spec(task, config.task.spec, config.task.args)
+        changes["task"] = {"spec": spec, "args": args}
+    if config.checkpoints.resume is not None:
+        # A resumed run keeps the settings it was started with unless given anew.
+        profiles.append(stored_profile(stored_config(config.checkpoints.resume)))
+    if config.uses_local_server:
+        # A task may name the model it runs on (the shipped environments do); what
+        # the server started here will recommend is known before it starts.
+        spec = changes.get("task", {}).get("spec", config.task.spec)
+        local_model = config.session.local_model or preferred_local_model(task, spec)
+        changes["local_model"] = local_model
+        profiles.append(local_server_profile(local_model))
+    # Resolved once from every profile known now; a remote server's recommendations
+    # fill what is left once connected (open_session), before anything trains.
+    resolved = config.resolved(*profiles, **changes)
+    if resolved.unresolved_task_args:
+        return resolved, task
+    return load_run_task(resolved, task)
+
+
+def load_run_task(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, Task]:
+    """The task (``task``, else loaded from the config's spec and arguments), checked
+    against the config before anything is spent, and the config recording the spec and
+    arguments that rebuild it."""
+    task = task if task is not None else load_task(config.task.spec, config.task.args)
+    spec, args = task_spec(task, config.task.spec, config.task.args)
+    check_score_workers(task, config.scoring.score_workers)
+    if config.evaluation.eval_every:
+        eval_problems_of(task)  # a task without held-out problems: ConfigError now
+    return config.replace(task={"spec": spec, "args": args}), task
 
 async def _publish(send: MemoryObjectSendStream[StepResult], step: StepResult) -> None:
     """Hand a step to the consumer of steps(); one that left early reads no more."""

@@ -15,7 +15,8 @@ from typing import Any
 import anyio
 import pytest
 
-from engine import Engine, EngineConfig
+from engine import EngineConfig
+from engine.engine import prepare_run
 from engine.core.problems import Problem
 from engine.envs import Action, ChatEnv, EnvContext, EnvStepResult, StopCondition, is_env_task
 from engine.envs.examples import calculator, guess_sum
@@ -72,14 +73,15 @@ def test_the_tasks_run_on_the_packaged_agent_model_unless_one_is_given(tokenizer
     for name in ("guess-sum", "calculator"):
         assert preferred_local_model(None, name) == AGENT_MODEL_DIR  # from the spec
         assert preferred_local_model(load_task(name), name) == AGENT_MODEL_DIR
-        engine = Engine(EngineConfig(task=name, local=True))
-        assert engine.config.session.local_model == AGENT_MODEL_DIR
-        given = Engine(EngineConfig(task=name, local=True, local_model=DEFAULT_MODEL_DIR))
-        assert given.config.session.local_model == DEFAULT_MODEL_DIR
-    assert Engine(EngineConfig(task="arithmetic", local=True)).config.session.local_model is None
+        config, _ = prepare_run(EngineConfig(task=name, local=True), None)
+        assert config.session.local_model == AGENT_MODEL_DIR
+        given = EngineConfig(task=name, local=True, local_model=DEFAULT_MODEL_DIR)
+        assert prepare_run(given, None)[0].session.local_model == DEFAULT_MODEL_DIR
+    arithmetic = EngineConfig(task="arithmetic", local=True)
+    assert prepare_run(arithmetic, None)[0].session.local_model is None
     assert preferred_local_model(None, "no.such.module:Task") is None  # load_task says why
-    remote = Engine(EngineConfig(task="calculator", base_url="http://127.0.0.1:9", api_key="k"))
-    assert remote.config.session.local_model is None  # a remote server serves its own models
+    remote = EngineConfig(task="calculator", base_url="http://127.0.0.1:9", api_key="k")
+    assert prepare_run(remote, None)[0].session.local_model is None  # a remote server serves its own models
     assert base_model_source(make_model.AGENT_MODEL_NAME) == str(AGENT_MODEL_DIR)
 
 

@@ -179,8 +179,14 @@ def test_an_unpicklable_task_with_processes_is_refused_before_the_run_dir(
         pass
 
     config = EngineConfig(local=True, run_dir=tmp_path / "run", score_workers="processes:2")
+    engine = Engine(config, task=Local(1.0))  # reads nothing yet
+
+    async def enter() -> None:
+        async with engine:
+            pass
+
     with pytest.raises(ConfigError, match="picklable"):
-        Engine(config, task=Local(1.0))
+        anyio.run(enter)
     assert not (tmp_path / "run").exists()
 
 

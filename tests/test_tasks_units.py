@@ -359,13 +359,13 @@ def test_problem_ids_are_draw_positions(tmp_path: Path) -> None:
 
 
 def test_eval_every_needs_held_out_problems_before_anything_starts() -> None:
-    from engine import Engine
+    from engine.engine import prepare_run
 
     with pytest.raises(ConfigError, match="--eval-every needs held-out problems"):
-        Engine(EngineConfig(local=True, eval_every=5, task_args={"eval_size": "0"}))
-    engine = Engine(EngineConfig(local=True, eval_every=5))  # evaluated: 64 pairs held out
-    assert engine.config.task.args["eval_size"] == "64"
-    assert Engine(EngineConfig(local=True)).config.task.args["eval_size"] == "0"
+        prepare_run(EngineConfig(local=True, eval_every=5, task_args={"eval_size": "0"}), None)
+    config, _ = prepare_run(EngineConfig(local=True, eval_every=5), None)  # 64 pairs held out
+    assert config.task.args["eval_size"] == "64"
+    assert prepare_run(EngineConfig(local=True), None)[0].task.args["eval_size"] == "0"
 
 
 def test_the_shipped_example_config_loads() -> None:

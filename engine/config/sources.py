@@ -14,7 +14,7 @@ import argparse
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, get_origin
+from typing import Any, get_origin
 
 from engine.common.setting import SettingField, TaskSettings, parse_text, setting_fields
 from engine.config.models import GROUPS, EngineConfig, all_settings
@@ -221,7 +221,7 @@ def read_config_file(path: Path) -> Values:
     for field in all_settings():
         for name in (field.flat, field.flag.removeprefix("--")):
             flat[name.replace("-", "_")] = (field.path, field)
-    own = {f.name for _, f in task_own_settings()}
+    own = {f.name: f for _, f in task_own_settings()}
     for raw_key, value in data.items():
         key = raw_key.replace("-", "_")
         if key in GROUPS and isinstance(value, dict):
@@ -235,7 +235,7 @@ def read_config_file(path: Path) -> Values:
             _put(out, flat[key][1], value, f"{raw_key} in {path}")
         elif key in own:
             args = out.setdefault("task", {}).setdefault("args", {})
-            args.setdefault(key, _stored_value(_OWN[key], value, f"{raw_key} in {path}"))
+            args.setdefault(key, _stored_value(own[key], value, f"{raw_key} in {path}"))
         else:
             raise ConfigError(
                 f"{raw_key} in {path} is not a setting (see python -m engine.run --help)"
@@ -260,9 +260,6 @@ def _put(out: Values, field: SettingField, value: Any, where: str) -> None:
     if _is_mapping(field):
         parsed = {**group.get(field.name, {}), **parsed}
     group[field.name] = parsed
-
-
-_OWN: Final = {f.name: f for _, f in task_own_settings()}
 
 
 def _is_hosted_default(url: str | None) -> bool:

@@ -294,9 +294,6 @@ class Backend:
     def has_model(self, model_id: str) -> bool:
         return model_id in self._clients
 
-    def model_spec(self, model_id: str) -> AdapterSpec:
-        return self._client(model_id).spec
-
     def optimizer_steps(self, model_id: str) -> int:
         """How many optim_steps this model's current optimizer state has applied: counts
         up by one per ``optim_step``, restored by ``load_state(optimizer=True)`` and reset

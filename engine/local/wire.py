@@ -12,7 +12,7 @@ import math
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 from engine.local.backend import AdamConfig, DatumIn, ForwardResult, SampledSequences
 
@@ -71,13 +71,6 @@ class SamplingParamsW(_Wire):
 
 
 # ---- requests ----------------------------------------------------------------------
-
-
-class CreateSessionW(_Wire):
-    tags: list[str] = Field(default_factory=list)
-    user_metadata: dict[str, Any] | None = None
-    sdk_version: str | None = None
-    project_id: str | None = None
 
 
 class CreateModelW(_Wire):
@@ -186,10 +179,6 @@ class SampleW(_Wire):
 class RetrieveFutureW(_Wire):
     request_id: str
     allow_metadata_only: bool = False
-
-
-class SessionHeartbeatW(_Wire):
-    session_id: str
 
 
 W = TypeVar("W", bound=_Wire)

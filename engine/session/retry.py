@@ -1,72 +1,10 @@
 """The engine's retry layer: what is safe to retry, how long, and who already retried.
 
-Why a layer at all: the pinned SDK (tinker 0.22.0) already retries a lot, in four
-places, and some of them never give up. The engine must neither multiply those retries
-(10 x 5 min x forever) nor retry what is unsafe (a train step). This module retries ONLY
-above the SDK, ONLY for idempotent operations, and bounds every attempt with a deadline.
-
-Which layer retries what (read from /tmp/sdk/tinker):
-
-1. HTTP (``_base_client.AsyncAPIClient.request``): each REST call up to ``max_retries``
-   times (ServiceClient kwarg, default 10) on connection errors, timeouts (60 s read,
-   5 s connect), 408/409/429/5xx, waiting ``Retry-After`` when 0 < value <= 60 s, else
-   0.5 * 2^n s (max 10 s) with jitter; same idempotency key. Calls sent with
-   ``max_retries=0``: retrieve_future, asample, save_weights (save_state),
-   save_weights_for_sampler, heartbeat. Calls that ONLY this layer protects:
-   ``create_session`` (in the ServiceClient constructor), ``create_model``
-   (create_lora_training_client) and ``create_sampling_session`` (create_sampling_client).
-2. Submission (``InternalClientHolder.execute_with_retries``): wraps client/config,
-   get_server_capabilities, forward, forward_backward, optim_step, save_state,
-   save_weights_for_sampler, load_state and the asample submit. Retries the same
-   transient set for up to 5 min wall time, sleeping min(2^k, 30) s, ignoring
-   Retry-After; a new idempotency key but the SAME seq_id (the server dedupes on
-   ``(model_id, seq_id)``). Not configurable.
-3. Futures (``api_future_impl._APIFuture._result_async``): polls retrieve_future
-   forever on 5xx/408 (no sleep) and connection errors/429 (min(2^k, 30) s); a bare 400
-   three times, then ``ValueError``; 401/403/404/409/422 -> ``ValueError`` at once; 410
-   -> ``RetryableException``; an ``{"error", "category"}`` answer ->
-   ``RequestFailedError``. Only a caller's timeout/cancellation ends a stuck poll.
-4. Sampling (``retry_handler.RetryHandler``, around each whole ``sample``): retries
-   connection errors, timeouts, 408/409/429/5xx and ``RetryableException`` (re-submits
-   the sample) with 0.5 -> 10 s jittered backoff, NO attempt limit, until 2 h pass
-   without any sample completing (``RetryConfig.progress_timeout``). 429 on asample is
-   absorbed before that (1 s dispatch backoff). ``RequestFailedError`` is not retried.
-
-What the engine does (this module):
-
-* Construct ``ServiceClient(max_retries=SDK_MAX_RETRIES)`` (3): layer 1 still honours
-  Retry-After for brief 429/503s, layer 2 still covers submissions for 5 min, and the
-  unprotected setup calls (create_session/create_model/create_sampling_session) surface
-  within seconds so the SESSION policy here, which honours Retry-After, takes over.
-* Create sampling clients (``engine.session.adapter``) with a ``retry_config`` so
-  layer 4 gives up after ``policy.attempt_timeout`` without progress instead of 2 h.
-* Wrap each idempotent call in :func:`call_with_retry`: every attempt runs under a
-  deadline (``attempt_timeout``), so layer 3's endless polling is bounded too; a failure
-  is retried only when :func:`engine.errors.classify` calls it transient -- the cases
-  the SDK gives up on: ``RequestFailedError`` of category server/unknown, an expired
-  future (``RetryableException``) outside sampling, a submission that outlasted layer 2,
-  our own deadline, a setup 429/5xx (with its Retry-After). Attempts and total time are
-  capped by the :class:`RetryPolicy`. Permanent errors fail on the first attempt.
-* Never retry a train step here (``OpKind.TRAIN_STEP``): forward_backward + optim_step
-  is not idempotent once submitted; :mod:`engine.supervision.recovery` restores the last checkpoint.
-
-A dead server is noticed apart from all that (:mod:`engine.session.liveness`): while an attempt
-waits, the server is probed, and once it has refused connections for
-``unreachable_after`` seconds the call ends with ServerUnreachable (never retried, not
-counted by the breaker) instead of waiting out its deadline; an attempt that fails while
-the probes fail waits for that verdict before it is retried.
-
-Worst case per call: ``max_attempts * attempt_timeout`` plus the waits, and never more
-than ``max_elapsed`` of waiting started. Every retry is logged (``retry`` event) and
-counted in a :class:`RetryCounter`, which step metrics read as ``retries/<kind>``.
-
-Safety of retrying training-client ops (save_state, save_weights_for_sampler): each SDK
-call takes a new seq_id. After a failed *execution* (RequestFailedError, expired future)
-the server has consumed the old seq_id, so a new attempt is safe. After a *submission*
-that never reached the server, a server that insists on gap-free seq_ids would hold the
-new attempt forever; the per-attempt deadline turns that into a timeout and the breaker
-stops the run, and the recovery path (a fresh training client from the last checkpoint)
-starts a new seq_id sequence.
+The pinned SDK already retries in four places, some without end; the engine must
+neither multiply those retries nor retry what is unsafe (a train step). So this module
+retries only above the SDK, only idempotent operations, each attempt under a deadline,
+counted per kind (``retries/<kind>``). docs/reliability.md, "Who retries what", has the
+SDK's layers and the reasoning.
 """
 
 from __future__ import annotations

@@ -78,6 +78,3 @@ class SessionOps:
             self.resources.release_sampler(sampler_id, why)
         self.core.registry.close_session(session_id)
         return {}
-
-    def is_finished(self, session_id: str) -> bool:
-        return session_id in self._finished

@@ -473,7 +473,6 @@ class Engine:
         )
 
 
-
 def prepare_run(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, Task | None]:
     """What an engine does before connecting, on entering (``Engine(...)`` itself reads
     nothing): the config resolved from every profile known then (a resumed run's
@@ -514,6 +513,7 @@ def load_run_task(config: EngineConfig, task: Task | None) -> tuple[EngineConfig
     if config.evaluation.eval_every:
         eval_problems_of(task)  # a task without held-out problems: ConfigError now
     return config.replace(task={"spec": spec, "args": args}), task
+
 
 async def _publish(send: MemoryObjectSendStream[StepResult], step: StepResult) -> None:
     """Hand a step to the consumer of steps(); one that left early reads no more."""

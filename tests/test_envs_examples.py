@@ -16,8 +16,8 @@ import anyio
 import pytest
 
 from engine import EngineConfig
-from engine.engine import prepare_run
 from engine.core.problems import Problem
+from engine.engine import prepare_run
 from engine.envs import Action, ChatEnv, EnvContext, EnvStepResult, StopCondition, is_env_task
 from engine.envs.examples import calculator, guess_sum
 from engine.envs.loader import load_task, preferred_local_model
@@ -81,7 +81,8 @@ def test_the_tasks_run_on_the_packaged_agent_model_unless_one_is_given(tokenizer
     assert prepare_run(arithmetic, None)[0].session.local_model is None
     assert preferred_local_model(None, "no.such.module:Task") is None  # load_task says why
     remote = EngineConfig(task="calculator", base_url="http://127.0.0.1:9", api_key="k")
-    assert prepare_run(remote, None)[0].session.local_model is None  # a remote server serves its own models
+    # a remote server serves its own models
+    assert prepare_run(remote, None)[0].session.local_model is None
     assert base_model_source(make_model.AGENT_MODEL_NAME) == str(AGENT_MODEL_DIR)
 
 

@@ -44,7 +44,7 @@ from engine.config import EngineConfig, Profile, stored_profile
 from engine.core.state import LoopState
 from engine.envs.loader import load_task, preferred_local_model, task_spec
 from engine.envs.scoring import check_score_workers
-from engine.errors import ConfigError, Interrupted, primary_error
+from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
 from engine.observe.metrics import RunLog
@@ -64,8 +64,8 @@ __all__ = ["Engine", "SessionFactory", "StepHook", "load_run_task", "prepare_run
 SessionFactory = Callable[[EngineConfig], contextlib.AbstractAsyncContextManager[Session]]
 """Opens a session for a config (entered when the engine is, left when it is)."""
 
-_BY_CALLER = "Engine.request_stop() (the embedding code asked)"
-_LEFT_EARLY = "the embedding code leaving the engine before the run ended"
+_BY_CALLER = "Engine.request_stop()"
+_LEFT_EARLY = "the embedding code leaving steps() or the engine before the run ended"
 
 
 class _Lifecycle(enum.Enum):
@@ -197,11 +197,13 @@ class Engine:
         """Stop the run gracefully (SIGINT/SIGTERM in the CLI): at once when no step is in
         flight, else after the step in flight (at most
         :data:`~engine.supervision.supervisor.STOP_GRACE_S` later); then a stop checkpoint is
-        written and ``run()``/``steps()`` raise ``reason`` (default
-        :class:`~engine.errors.Interrupted`, exit code 130). Safe to call from the
-        engine's event loop at any time, also before the run starts; a no-op once the
-        engine is closed."""
-        reason = reason if reason is not None else Interrupted(_BY_CALLER)
+        written and the run ends normally: ``steps()`` ends, ``run()`` and :attr:`result`
+        give the :class:`~engine.loop.results.RunResult` (``stopped`` True). With a
+        ``reason`` (an exception), ``run()``/``steps()`` raise it instead (the CLI's
+        signals raise :class:`~engine.errors.Interrupted`, exit code 130). Safe to call
+        from the engine's event loop at any time, also before the run starts; a no-op once
+        the engine is closed."""
+        reason = reason if reason is not None else StopRequested(_BY_CALLER)
         if self._lifecycle is _Lifecycle.CLOSED:
             return
         if self._run is None:
@@ -213,11 +215,13 @@ class Engine:
     def _stop_left_early(self) -> None:
         assert self._run is not None
         if self._run.supervisor.gate.reason is None:
-            self._stop(Interrupted(_LEFT_EARLY))
+            self._stop(StopRequested(_LEFT_EARLY))
 
     def _stop(self, reason: Exception) -> None:
         assert self._run is not None
-        if not isinstance(reason, Interrupted):
+        if isinstance(reason, StopRequested):
+            message = f"{reason} (after the step in flight)"
+        elif not isinstance(reason, Interrupted):
             message = f"stop requested: {reason}"
         elif reason.signal_name.startswith("SIG"):
             message = f"{reason} (after the step in flight; a second signal exits at once)"
@@ -245,11 +249,19 @@ class Engine:
             raise run.error
 
     async def run(self) -> RunResult:
-        """Run every step; return the final sampler path and the metrics."""
+        """Run every step (or until :meth:`request_stop`); return the final sampler path
+        and the metrics."""
         async for _ in self.steps():
             pass
         assert self._run is not None and self._run.result is not None
         return self._run.result
+
+    @property
+    def result(self) -> RunResult | None:
+        """How the run ended (the object ``run()`` returns), once it has; also after
+        leaving ``steps()`` early, with every step trained (those after the last one the
+        loop saw included). None while it runs, or when it failed."""
+        return self._run.result if self._run is not None else None
 
     # -- lifecycle -----------------------------------------------------------------
 

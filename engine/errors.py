@@ -52,6 +52,7 @@ __all__ = [
     "Stalled",
     "StepOutcomeUnknown",
     "StopReason",
+    "StopRequested",
     "classify",
     "exit_code",
     "find_error",
@@ -157,6 +158,18 @@ class Interrupted(RunStopped):
     def __init__(self, signal_name: str = "SIGINT") -> None:
         super().__init__(f"interrupted by {signal_name}; stopping after a checkpoint")
         self.signal_name = signal_name
+
+
+class StopRequested(RunStopped):
+    """The embedding code asked the run to stop (``Engine.request_stop()``, or leaving
+    ``steps()`` early): after the step in flight and a stop checkpoint, the run ends
+    normally with a :class:`~engine.loop.results.RunResult` (``stopped`` True)."""
+
+    reason: StopReason = "interrupt"
+
+    def __init__(self, by: str) -> None:
+        super().__init__(f"stop requested by {by}")
+        self.by = by
 
 
 class CircuitOpen(RunStopped):

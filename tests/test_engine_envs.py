@@ -27,7 +27,8 @@ def test_a_multi_turn_environment_trains_end_to_end(server: LocalServer, tmp_pat
     config = small_config(server, tmp_path / "run", steps=3, stop_at_eos=True, max_tokens=8)
     steps, result = run_engine(config, task=RetryAdditionTask())
 
-    assert result.steps_completed == 3 and result.final_path.startswith("tinker://")
+    assert result.steps_completed == 3
+    assert result.final_path is not None and result.final_path.startswith("tinker://")
     episodes = [e for s in steps for g in s.groups for e in g.trajectories]
     assert len(episodes) == 3 * 4 * 4
     assert {len(e.turns) for e in episodes} <= {1, 2}

@@ -18,7 +18,6 @@ from test_envs_pipeline import CountdownTask, WaitingEnv
 from test_pipeline_stages import ToyTask, config
 
 from engine import Engine, EngineConfig
-from engine.errors import Interrupted
 from engine.loop.results import StepResult
 
 pytestmark = pytest.mark.anyio
@@ -95,8 +94,8 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
                 engine.request_stop()
 
         engine.add_step_hook(stop_after_first)
-        with pytest.raises(Interrupted):
-            await engine.run()
+        result = await engine.run()
+    assert result.stopped and result.steps_completed == 1
     assert [s.step for s in first] == [1]
     assert task.built[3] == 1  # its episode was in flight at the stop
 
@@ -243,11 +242,10 @@ async def test_a_stop_with_a_checkpoint_in_flight_records_it_once_saved(tmp_path
             engine.request_stop()
             saving.set()
 
-        with pytest.raises(ExceptionGroup) as stopped:
-            async with anyio.create_task_group() as tg:
-                tg.start_soon(stop_while_saving)
-                await engine.run()
-    assert stopped.group_contains(Interrupted)
+        async with anyio.create_task_group() as tg:
+            tg.start_soon(stop_while_saving)
+            result = await engine.run()
+    assert result.stopped and result.steps_completed == 3
     saved = checkpoint_steps(tmp_path / "run")
     assert saved == [(0, "periodic"), (2, "periodic"), (3, "interrupt")]
     await run(cfg.replace(resume=tmp_path / "run"), ToyTask(), session)
@@ -361,3 +359,42 @@ async def test_step_0_saves_that_keep_failing_fail_the_run_before_any_step_is_re
         await run(cfg, ToyTask(), session)
     assert trained_ids(tmp_path / "run") == []
     assert not (tmp_path / "run" / "checkpoints.jsonl").exists()
+
+
+async def test_a_break_out_of_steps_returns_what_was_trained_and_nothing_is_hidden(
+    tmp_path: Path,
+) -> None:
+    """K=1 with a step submitted ahead: when the loop breaks at step 2, step 3 may already
+    be training. It finishes (its calls are on the server), and the engine's result
+    says so: every trained step is in it, the final sampler is the stop checkpoint's."""
+    cfg = fake_config(tmp_path / "run", steps=6)
+    seen: list[int] = []
+    async with Engine(cfg, task=ToyTask(), session=FakeSession()) as engine:
+        async for step in engine.steps():
+            seen.append(step.step)
+            if step.step == 2:
+                break
+    result = engine.result
+    assert seen == [1, 2]
+    assert result is not None and result.stopped
+    trained = [m["step"] for m in result.metrics]
+    assert trained[:2] == [1, 2] and trained == list(range(1, result.steps_completed + 1))
+    assert result.steps_completed < 6
+    saved = checkpoint_steps(tmp_path / "run")
+    assert saved[-1] == (result.steps_completed, "interrupt")
+    assert result.final_path is not None
+    summary = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert summary["status"] == "stopped" and summary["steps_completed"] == len(trained)
+
+
+async def test_request_stop_then_iterating_on_ends_normally_with_the_run_result(
+    tmp_path: Path,
+) -> None:
+    cfg = fake_config(tmp_path / "run", steps=6)
+    async with Engine(cfg, task=ToyTask(), session=FakeSession()) as engine:
+        async for step in engine.steps():
+            if step.step == 1:
+                engine.request_stop()
+    result = engine.result
+    assert result is not None and result.stopped and result.steps_completed >= 1
+    assert result.run_dir == tmp_path / "run"

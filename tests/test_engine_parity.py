@@ -75,7 +75,7 @@ def test_k0_sends_the_quickstart_datums(server: LocalServer, tmp_path: Path) -> 
             assert a["logprobs"] == pytest.approx(b["logprobs"], abs=1e-3)
         assert step.staleness == 0
         assert step.sampler_versions == (step.step - 1,) * 4
-    assert result.final_path.startswith("tinker://")
+    assert result.final_path is not None and result.final_path.startswith("tinker://")
     assert result.steps_completed == 3
 
 

@@ -19,14 +19,14 @@ import anyio
 import pytest
 from fake_session import FakeSession
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, RunResult
 from engine.config import config_from_sources
 from engine.config.values import ScoreWorkers
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
 from engine.core.state import LoopState
 from engine.envs.loader import load_task, task_spec
 from engine.envs.scoring import RewardError, Scorer
-from engine.errors import ConfigError, Interrupted
+from engine.errors import ConfigError
 from engine.local import LocalServer
 from engine.observe.idle import NO_TRAINING_STEPS, no_training_summary, no_training_warning
 from engine.report import main as report_main
@@ -433,7 +433,10 @@ def test_leaving_steps_early_checkpoints_what_was_trained(
     assert latest["reason"] == "interrupt" and latest["step"] >= 2
     assert len(metrics(run_dir)) == latest["step"]  # every trained step is in the checkpoint
     summary = read_json(run_dir / "summary.json")
-    assert summary["status"] == "interrupted" and "embedding code" in summary["error"]
+    # the caller's stop is no error: the run stopped, and says who stopped it
+    assert summary["status"] == "stopped" and summary["error"] is None
+    assert summary["stopped"]["reason"] == "interrupt"
+    assert "embedding code leaving steps()" in console.getvalue()
     assert "SIGINT" not in console.getvalue()
 
 
@@ -442,14 +445,16 @@ def test_request_stop_says_the_embedding_code_asked(server: LocalServer, tmp_pat
     config = fast_config(server, tmp_path / "run", steps=4)
     console = io.StringIO()
 
-    async def go() -> None:
+    async def go() -> RunResult | None:
         async with Engine(config, console=console) as engine:
             async for _ in engine.steps():
                 engine.request_stop()
+        return engine.result
 
-    with pytest.raises(Interrupted, match=r"Engine\.request_stop\(\)"):
-        anyio.run(go)
+    result = anyio.run(go)  # the caller's stop ends the run normally, with its result
+    assert result is not None and result.stopped and result.final_path is not None
     assert "SIGINT" not in console.getvalue()
+    assert "stop requested by Engine.request_stop()" in console.getvalue()
     assert "request_stop" in events(tmp_path / "run", "stop.requested")[0]["message"]
 
 

@@ -62,12 +62,16 @@ class StepResult:
 
 @dataclass(frozen=True)
 class RunResult:
-    """A finished run: the final sampler path (``Saved: <path>``), the run directory and
-    every step's metrics. ``exhausted`` is True when the problem source ran out before
-    ``steps`` steps."""
+    """A run that ended: the final sampler path (``Saved: <path>``), the run directory
+    and every trained step's metrics (also those trained after the caller stopped
+    looking). ``exhausted`` is True when the problem source ran out before ``steps``
+    steps; ``stopped`` when the embedding code stopped it (``final_path`` is then the
+    sampler of the stop checkpoint, or of the latest checkpoint when a step's outcome
+    kept the stop from writing one; None when there is none)."""
 
-    final_path: str
+    final_path: str | None
     run_dir: Path
     steps_completed: int
     metrics: tuple[dict[str, Any], ...] = field(repr=False)
     exhausted: bool = False
+    stopped: bool = False

@@ -412,7 +412,7 @@ class RunDirectory:
         metrics = record.steps if record is not None else ()
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
         summary: dict[str, Any] = {
-            "status": _status(error),
+            "status": _status(error, stopped=record is not None and record.stopped is not None),
             "error": str(error) if error else None,
             "stopped": record.stopped if record is not None else None,
             "task": task_name,
@@ -526,10 +526,11 @@ def _make_run_dir(configured: Path | None, task_name: str, events: HeldEvents) -
     raise ConfigError(f"cannot find a free run directory name near {base}")
 
 
-def _status(error: BaseException | None) -> str:
-    """finished | interrupted (SIGINT/SIGTERM) | stopped (breaker, watchdog) | failed."""
+def _status(error: BaseException | None, *, stopped: bool = False) -> str:
+    """finished | interrupted (SIGINT/SIGTERM) | stopped (breaker, watchdog, or the
+    embedding code, whose stop ends the run without an error) | failed."""
     if error is None:
-        return "finished"
+        return "stopped" if stopped else "finished"
     if isinstance(error, Interrupted):
         return "interrupted"
     return "stopped" if isinstance(error, RunStopped) else "failed"

@@ -40,6 +40,7 @@ from engine.errors import (
     RunStopped,
     Stalled,
     StepOutcomeUnknown,
+    StopRequested,
     find_error,
     format_error,
     primary_error,
@@ -142,9 +143,25 @@ class Supervisor:
     # -- the run -------------------------------------------------------------------
 
     async def run(self) -> RunResult:
-        """Train every step, then the final checkpoint and the report. Raises the reason
-        of a stop (after its stop checkpoint) or the error that ended the run."""
+        """Train every step, then the final checkpoint and the report. A stop the
+        embedding code asked for (:class:`~engine.errors.StopRequested`) ends it after
+        its stop checkpoint with a result; any other stop or error is raised (after the
+        stop checkpoint)."""
         outcome = await self._supervise()
+        if isinstance(outcome, CheckpointRecord | None):  # stopped by the caller
+            no_report = await anyio.to_thread.run_sync(finished_run_report, self._run_record.path)
+            if no_report is not None:
+                self._log.info("report", no_report)
+            final_path = outcome.sampler_path if outcome is not None else None
+            if final_path is not None:
+                self._log.saved(final_path)
+            return RunResult(
+                final_path=final_path,
+                run_dir=self._run_record.path,
+                steps_completed=len(self._run_record.steps),
+                metrics=self._run_record.steps,
+                stopped=True,
+            )
         if outcome.exhausted:
             self._log.warning(
                 "source_exhausted",
@@ -170,10 +187,11 @@ class Supervisor:
         if self._supervising:
             await self._stop_checkpoint(stop)
 
-    async def _supervise(self) -> PipelineOutcome:
+    async def _supervise(self) -> PipelineOutcome | CheckpointRecord | None:
         """Train to the end, recovering from unknown step outcomes; on a stop (signal,
         breaker, watchdog, failure) write a stop checkpoint if the state can be trusted,
-        then raise the reason."""
+        then raise the reason; a stop the caller asked for returns the checkpoint a
+        resume would continue from (None: none) instead."""
         self._supervising = True
         gate = self.gate
         watchdog = Watchdog(
@@ -196,7 +214,9 @@ class Supervisor:
             return outcome
         stop = gate.reason if gate.reason is not None else failure
         assert stop is not None
-        await self._stop_checkpoint(stop)
+        latest = await self._stop_checkpoint(stop)
+        if isinstance(stop, StopRequested):
+            return latest
         raise stop
 
     async def _watch(self, watchdog: Watchdog) -> None:
@@ -415,10 +435,11 @@ class Supervisor:
         await self._run_record.add_checkpoint(record)
         return record
 
-    async def _stop_checkpoint(self, stop: Exception) -> None:
+    async def _stop_checkpoint(self, stop: Exception) -> CheckpointRecord | None:
         """One bounded save_state attempt when the state holds exactly the completed
         steps; otherwise (a step in flight or of unknown outcome) the latest checkpoint
-        stands. Either way, say where a resume would continue."""
+        stands. Either way, say where a resume would continue, and return that
+        checkpoint (None: none)."""
         reason: CheckpointReason = stop.reason if isinstance(stop, RunStopped) else "error"
         state = self.state
         saved: CheckpointRecord | None = None
@@ -449,6 +470,7 @@ class Supervisor:
             checkpoint_step=latest.step if latest is not None else None,
             message=f"run stopped ({reason}): {note}{where}",
         )
+        return latest
 
 
 def all_empty_warning(step: int) -> str:

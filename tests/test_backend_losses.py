@@ -1,4 +1,4 @@
-"""The six losses: values and LoRA gradients against a reference written directly on
+"""The seven losses: values and LoRA gradients against a reference written directly on
 the model's logits (log_softmax + gather + the loss formula, autograd), PPO/CISPO
 clipping, sum semantics and gradient accumulation."""
 
@@ -72,6 +72,12 @@ def _gspo(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
     return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
 
 
+def _stable_reinforce(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
+    w = torch.exp(lp - d["logprobs"]).clamp(max=cfg.get("ratio_cap", 2.0)).detach()
+    pull = 0.5 * cfg.get("kl_coeff", 0.0) * (lp - d["logprobs"]) ** 2
+    return -(d["stability_mask"] * (w * d["advantages"] * lp - pull)).sum()
+
+
 REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "cross_entropy": (_ce, None),
     "importance_sampling": (_is, None),
@@ -80,6 +86,7 @@ REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "cispo": (_cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}),
     "dro": (_dro, {"beta": 0.3}),
     "gspo": (_gspo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    "stable_reinforce": (_stable_reinforce, {"kl_coeff": 0.05, "ratio_cap": 1.2}),
 }
 
 
@@ -99,6 +106,7 @@ def _datums(backend: Backend, model_id: str, seed: int) -> list[DatumIn]:
             "advantages": torch.randn(n, generator=gen),
             "logprobs": current + 0.3 * torch.randn(n, generator=gen),
             "sequence_ratio_mask": (torch.arange(n) >= n // 3).float(),
+            "stability_mask": (torch.arange(n) >= n // 4).float(),
         }
         out.append(DatumIn(tokens, inputs))
     return out

@@ -103,6 +103,33 @@ def test_logprobs_follow_the_sampling_distribution(backend: Backend) -> None:
             assert seq.logprobs == pytest.approx(want.squeeze(-1).tolist(), abs=1e-5)
 
 
+def test_untempered_logprobs_and_the_trainer_at_the_sampling_temperature(
+    backend: Backend,
+) -> None:
+    """At temperature 0.7: the same seed draws the same tokens either way; 'untempered'
+    reports the model's own logprob (what training computes by default), 'tempered' the
+    sampling distribution's, which the RL losses reproduce with loss_fn_config
+    temperature = 0.7 (an on-policy ratio of 1)."""
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 21, 43)
+    tempered, untempered = backend.sample(
+        [
+            SampleJob(key, prompt, 3, 10, temperature=0.7, seed=8),
+            SampleJob(key, prompt, 3, 10, temperature=0.7, seed=8, tempered_logprobs=False),
+        ]
+    )
+    for t, u in zip(tempered.sequences, untempered.sequences, strict=True):
+        assert t.tokens == u.tokens
+        assert u.logprobs == pytest.approx(
+            _train_logprobs(backend, "trained", prompt, u.tokens), abs=1e-5
+        )
+        datum = rl_datum(prompt + t.tokens, len(prompt), t.logprobs, 1.0)
+        for cfg, same in (({"temperature": 0.7}, True), (None, False)):
+            out = backend.forward_backward("trained", [datum], "ppo", cfg, backward=False)
+            trained = out.outputs[0]["logprobs"][len(prompt) - 1 :].tolist()
+            assert (trained == pytest.approx(t.logprobs, abs=1e-5)) is same
+
+
 def test_batched_requests_equal_individual_requests(backend: Backend) -> None:
     key = backend.save_sampler("trained", None)
     jobs = [

@@ -3,9 +3,11 @@ seeds, stops, prompt logprobs, frozen snapshots and request validation."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from backend_util import (
@@ -23,8 +25,11 @@ from engine.local.backend import (
     Backend,
     BackendError,
     DatumIn,
+    SampledSequences,
     SampleJob,
 )
+from engine.local.batcher import PendingSample, SampleBatcher, SampleOutcome
+from engine.local.compute import ComputeThread
 
 
 @pytest.fixture(scope="module")
@@ -311,3 +316,45 @@ def test_a_sample_job_for_an_unknown_sampler_is_a_clear_error(backend: Backend) 
     with pytest.raises(BackendError) as err:
         backend.sample([good, SampleJob("nope", [1, 2, 3], 1, 4)])
     assert "sample request 1: unknown sampler 'nope'" in str(err.value)
+
+
+@pytest.mark.anyio
+async def test_a_seeded_request_draws_the_same_tokens_whatever_the_batcher_merges_it_with(
+    backend: Backend,
+) -> None:
+    """Two identical seeded requests, queued with others (another seed, another
+    temperature, the base model) so the batcher runs them all in one backend.sample call,
+    get the same tokens as each other and as the request run alone."""
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 31, 17)
+    seeded = SampleJob(key, prompt, 3, 12, temperature=0.9, seed=1234)
+    others = [
+        SampleJob(key, prompt, 2, 12, temperature=0.9, seed=99),
+        SampleJob(key, prompt_ids(backend, 8, 9), 4, 7, temperature=1.3, seed=5),
+        SampleJob(None, prompt, 3, 12, temperature=0.9, seed=1234),
+    ]
+    compute = ComputeThread()
+    batcher = SampleBatcher(compute, backend.sample, max_batch=8, max_queued=8)
+    got: dict[int, SampleOutcome] = {}
+    jobs = [others[0], seeded, others[1], seeded, others[2]]
+    done = anyio.Event()
+
+    def deliver(i: int, outcome: SampleOutcome) -> None:
+        got[i] = outcome
+        if len(got) == len(jobs):
+            done.set()
+
+    for i, job in enumerate(jobs):  # all queued before the batcher drains: one batch
+        batcher.submit(PendingSample(job, functools.partial(deliver, i)))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(batcher.run)
+        await done.wait()
+        tg.cancel_scope.cancel()
+    await compute.aclose()
+    assert batcher.batches == 1 and batcher.largest_batch == len(jobs)
+    (alone,) = backend.sample([seeded])
+    first, second = got[1], got[3]
+    assert isinstance(first, SampledSequences) and isinstance(second, SampledSequences)
+    want = [s.tokens for s in alone.sequences]
+    assert [s.tokens for s in first.sequences] == want
+    assert [s.tokens for s in second.sequences] == want

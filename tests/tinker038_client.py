@@ -190,8 +190,8 @@ def stable_reinforce_flow(base_url: str) -> dict[str, Any]:
     """StableReinforce as the hosted docs describe it: sample with record_stability_info,
     attribute each datum's tokens to its sequence_id, train with loss_fn_config."""
     service = tinker.ServiceClient(base_url=base_url)
-    tc = service.create_lora_training_client(base_model=model_name(base_url), rank=4, seed=3)
-    tc = tc.result()
+    base = model_name(base_url)
+    tc = service.create_lora_training_client(base_model=base, rank=4, seed=3).result()
     prompt = tc.get_tokenizer().encode(QUESTION)
     sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
     params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)

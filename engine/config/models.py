@@ -74,9 +74,9 @@ __all__ = [
     "task_settings_of",
 ]
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
-TINKER_ONLY_LOSSES: Final = ("gspo",)
+TINKER_ONLY_LOSSES: Final = ("gspo", "stable_reinforce")
 """Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
 them client-side)."""
 SdkChoice = Literal["auto", "mint", "tinker"]
@@ -224,8 +224,8 @@ class TrainingSettings(_Group):
     ] = Field(None, description="Adam learning rate")
     loss: LossName = Field(
         "ppo",
-        description=f"loss function: {', '.join(LOSSES)} (gspo: the tinker SDK only, with the "
-        "server's default loss_fn_config)",
+        description=f"loss function: {', '.join(LOSSES)} (gspo, stable_reinforce: the tinker "
+        "SDK only, with the server's default loss_fn_config; see docs/losses.md)",
     )
     clip_low: Annotated[float, _rule(finite_positive)] = Field(
         0.8, description="lower ratio clip for ppo/cispo"

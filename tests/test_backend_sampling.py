@@ -112,7 +112,8 @@ def test_untempered_logprobs_and_the_trainer_at_the_sampling_temperature(
     backend: Backend,
 ) -> None:
     """At temperature 0.7: the same seed draws the same tokens either way; 'untempered'
-    reports the model's own logprob (what training computes by default), 'tempered' the
+    reports the model's own logprob (what training computes by default) and still keeps
+    the sampling distribution's for the stability records; 'tempered' reports the
     sampling distribution's, which the RL losses reproduce with loss_fn_config
     temperature = 0.7 (an on-policy ratio of 1)."""
     key = backend.save_sampler("trained", None)
@@ -124,7 +125,9 @@ def test_untempered_logprobs_and_the_trainer_at_the_sampling_temperature(
         ]
     )
     for t, u in zip(tempered.sequences, untempered.sequences, strict=True):
-        assert t.tokens == u.tokens
+        assert t.tokens == u.tokens and t.behaviour_logprobs is None
+        # what stable_reinforce's records keep: the distribution actually sampled
+        assert u.behaviour_logprobs == pytest.approx(t.logprobs, abs=1e-6)
         assert u.logprobs == pytest.approx(
             _train_logprobs(backend, "trained", prompt, u.tokens), abs=1e-5
         )

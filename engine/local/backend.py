@@ -111,6 +111,9 @@ class SampledSeq:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "length" | "stop"
+    behaviour_logprobs: list[float] | None = None
+    """Under the distribution each token was drawn from, when ``logprobs`` report the
+    untempered model instead (None: ``logprobs`` are these)."""
 
 
 @dataclass(frozen=True)
@@ -676,7 +679,10 @@ class Backend:
                 with self._host.active(self._load_slot(key)):
                     outs = self._sampler.run(batch)
             for i, out in zip(idxs, outs, strict=True):
-                seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
+                seqs = [
+                    SampledSeq(s.tokens, s.logprobs, s.stop_reason, s.behaviour_logprobs)
+                    for s in out.sequences
+                ]
                 results[i] = SampledSequences(
                     sequences=seqs,
                     prompt_logprobs=out.prompt_logprobs,

@@ -59,6 +59,9 @@ class Sequence_:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = "length"
+    behaviour_logprobs: list[float] | None = None
+    """Each token's logprob under the distribution it was drawn from, when ``logprobs``
+    reports another one (``tempered_logprobs=False``); None: ``logprobs`` are those."""
 
 
 @dataclass
@@ -101,22 +104,27 @@ def _draw(logprobs: Tensor, uniforms: Tensor) -> Tensor:
 
 def _choose(
     logits: Tensor, policy: _Policy, draws: list[tuple[torch.Generator, int]]
-) -> tuple[Tensor, Tensor]:
-    """Next token and its logprob (see module docstring) for rows sharing one sampling
-    policy. ``draws`` lists (generator, rows) per request in row order: each request's
-    rows take one uniform each from its own generator."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Next token, its reported logprob (see module docstring) and its logprob under the
+    distribution it was drawn from, for rows sharing one sampling policy. ``draws`` lists
+    (generator, rows) per request in row order: each request's rows take one uniform
+    each from its own generator."""
     logits = logits.float()
     temperature, top_k, top_p, tempered = policy
     if temperature == 0.0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        chosen = logp.gather(-1, tok[:, None]).squeeze(-1)
+        return tok, chosen, chosen
     scaled = _restrict(logits / temperature, top_k, top_p)
     logp = torch.log_softmax(scaled, dim=-1)
     uniforms = torch.cat([torch.rand(n, 1, generator=gen) for gen, n in draws])
     tok = _draw(logp, uniforms)
-    reported = logp if tempered else torch.log_softmax(logits, dim=-1)
-    return tok, reported.gather(-1, tok[:, None]).squeeze(-1)
+    behaviour = logp.gather(-1, tok[:, None]).squeeze(-1)
+    if tempered:
+        return tok, behaviour, behaviour
+    untempered = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    return tok, untempered, behaviour
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -180,6 +188,7 @@ class Sampler:
         while True:
             next_tok = torch.full((len(row_seq),), self._pad, dtype=torch.long)
             next_lp = torch.zeros(len(row_seq))
+            next_blp = torch.zeros(len(row_seq))
             by_policy: dict[_Policy, list[int]] = {}
             rows_of: dict[int, int] = {}  # request -> its number of live rows
             for k in live:
@@ -194,17 +203,22 @@ class Sampler:
                 requests = dict.fromkeys(row_seq[k][0] for k in rows)
                 draws = [(gens[i], rows_of[i]) for i in requests]
                 index = torch.tensor(rows)
-                tok, lp = _choose(last[index], policy, draws)
+                tok, lp, blp = _choose(last[index], policy, draws)
                 next_tok[index] = tok
                 next_lp[index] = lp
+                next_blp[index] = blp
             keep: list[int] = []
-            toks, lps = next_tok.tolist(), next_lp.tolist()
+            toks, lps, blps = next_tok.tolist(), next_lp.tolist(), next_blp.tolist()
             for k in live:
                 ri, si = row_seq[k]
                 r = reqs[ri]
                 seq = outputs[ri].sequences[si]
                 seq.tokens.append(toks[k])
                 seq.logprobs.append(lps[k])
+                if not r.tempered_logprobs:
+                    if seq.behaviour_logprobs is None:
+                        seq.behaviour_logprobs = []
+                    seq.behaviour_logprobs.append(blps[k])
                 if self._stopped(seq, r):
                     seq.stop_reason = "stop"
                 elif len(seq.tokens) < r.max_tokens:

@@ -296,8 +296,9 @@ class SamplingOps:
 
         def record(outcome: SampledSequences) -> None:
             for i, seq in enumerate(outcome.sequences):
+                behaviour = seq.behaviour_logprobs or seq.logprobs  # what was sampled from
                 self.core.stability.record(
-                    session_id, sequence_id(entry.request_id, i), seq.tokens, seq.logprobs
+                    session_id, sequence_id(entry.request_id, i), seq.tokens, behaviour
                 )
 
         return record

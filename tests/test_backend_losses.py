@@ -1,6 +1,7 @@
-"""The six losses: values and LoRA gradients against a reference written directly on
-the model's logits (log_softmax + gather + the loss formula, autograd), PPO/CISPO
-clipping, sum semantics and gradient accumulation."""
+"""The seven losses and the TIS / MIS options of importance_sampling and ppo: values and
+LoRA gradients against a reference written directly on the model's logits (log_softmax +
+gather + the loss formula, autograd), PPO/CISPO clipping, sum semantics and gradient
+accumulation."""
 
 from __future__ import annotations
 
@@ -46,11 +47,24 @@ def _is(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
     return -(torch.exp(lp - d["logprobs"]) * d["advantages"]).sum()
 
 
+def _mask(r: Tensor, cfg: dict[str, float]) -> Tensor:
+    if cfg.get("mask_high", 0.0) == 0:
+        return torch.ones_like(r)
+    r = r.detach()
+    return ((r >= cfg["mask_low"]) & (r <= cfg["mask_high"])).double()
+
+
+def _tis(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
+    r = torch.exp(lp - d["logprobs"])
+    w = r.clamp(max=cfg["tis_cap"]).detach()
+    return -(_mask(r, cfg) * w * d["advantages"] * lp).sum()
+
+
 def _ppo(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
     lo, hi = cfg.get("clip_low_threshold", 0.8), cfg.get("clip_high_threshold", 1.2)
     r = torch.exp(lp - d["logprobs"])
     a = d["advantages"]
-    return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
+    return -(_mask(r, cfg) * torch.minimum(r * a, torch.clamp(r, lo, hi) * a)).sum()
 
 
 def _cispo(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
@@ -72,14 +86,23 @@ def _gspo(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
     return -torch.minimum(r * a, torch.clamp(r, lo, hi) * a).sum()
 
 
+def _stable_reinforce(lp: Tensor, d: dict[str, Tensor], cfg: dict[str, float]) -> Tensor:
+    w = torch.exp(lp - d["logprobs"]).clamp(max=cfg.get("ratio_cap", 2.0)).detach()
+    pull = 0.5 * cfg.get("kl_coeff", 0.0) * (lp - d["logprobs"]) ** 2
+    return -(d["stability_mask"] * (w * d["advantages"] * lp - pull)).sum()
+
+
 REFERENCES: dict[str, tuple[Callable[..., Tensor], dict[str, float] | None]] = {
     "cross_entropy": (_ce, None),
     "importance_sampling": (_is, None),
     "ppo": (_ppo, None),
     "ppo_custom_clip": (_ppo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
+    "ppo_masked": (_ppo, {"mask_low": 0.8, "mask_high": 1.25}),
+    "importance_sampling_tis_masked": (_tis, {"tis_cap": 1.1, "mask_low": 0.7, "mask_high": 1.4}),
     "cispo": (_cispo, {"clip_low_threshold": 0.7, "clip_high_threshold": 1.1}),
     "dro": (_dro, {"beta": 0.3}),
     "gspo": (_gspo, {"clip_low_threshold": 0.9, "clip_high_threshold": 1.1}),
+    "stable_reinforce": (_stable_reinforce, {"kl_coeff": 0.05, "ratio_cap": 1.2}),
 }
 
 
@@ -99,6 +122,7 @@ def _datums(backend: Backend, model_id: str, seed: int) -> list[DatumIn]:
             "advantages": torch.randn(n, generator=gen),
             "logprobs": current + 0.3 * torch.randn(n, generator=gen),
             "sequence_ratio_mask": (torch.arange(n) >= n // 3).float(),
+            "stability_mask": (torch.arange(n) >= n // 4).float(),
         }
         out.append(DatumIn(tokens, inputs))
     return out
@@ -107,7 +131,7 @@ def _datums(backend: Backend, model_id: str, seed: int) -> list[DatumIn]:
 @pytest.mark.parametrize("case", sorted(REFERENCES))
 def test_loss_value_and_gradients_match_reference(backend: Backend, case: str) -> None:
     ref_fn, cfg = REFERENCES[case]
-    loss_fn = "ppo" if case.startswith("ppo") else case
+    loss_fn = next(name for name in ("ppo", "importance_sampling", case) if case.startswith(name))
     model_id = f"loss-{case}"
     _model_with_nonzero_b(backend, model_id, seed=11)
     data = _datums(backend, model_id, seed=3)

@@ -3,9 +3,11 @@ seeds, stops, prompt logprobs, frozen snapshots and request validation."""
 
 from __future__ import annotations
 
+import functools
 import math
 from pathlib import Path
 
+import anyio
 import pytest
 import torch
 from backend_util import (
@@ -23,8 +25,11 @@ from engine.local.backend import (
     Backend,
     BackendError,
     DatumIn,
+    SampledSequences,
     SampleJob,
 )
+from engine.local.batcher import PendingSample, SampleBatcher, SampleOutcome
+from engine.local.compute import ComputeThread
 
 
 @pytest.fixture(scope="module")
@@ -101,6 +106,36 @@ def test_logprobs_follow_the_sampling_distribution(backend: Backend) -> None:
             logits = backend._model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
             want = torch.log_softmax(logits / 0.5, -1).gather(-1, torch.tensor(seq.tokens)[:, None])
             assert seq.logprobs == pytest.approx(want.squeeze(-1).tolist(), abs=1e-5)
+
+
+def test_untempered_logprobs_and_the_trainer_at_the_sampling_temperature(
+    backend: Backend,
+) -> None:
+    """At temperature 0.7: the same seed draws the same tokens either way; 'untempered'
+    reports the model's own logprob (what training computes by default) and still keeps
+    the sampling distribution's for the stability records; 'tempered' reports the
+    sampling distribution's, which the RL losses reproduce with loss_fn_config
+    temperature = 0.7 (an on-policy ratio of 1)."""
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 21, 43)
+    tempered, untempered = backend.sample(
+        [
+            SampleJob(key, prompt, 3, 10, temperature=0.7, seed=8),
+            SampleJob(key, prompt, 3, 10, temperature=0.7, seed=8, tempered_logprobs=False),
+        ]
+    )
+    for t, u in zip(tempered.sequences, untempered.sequences, strict=True):
+        assert t.tokens == u.tokens and t.behaviour_logprobs is None
+        # what stable_reinforce's records keep: the distribution actually sampled
+        assert u.behaviour_logprobs == pytest.approx(t.logprobs, abs=1e-6)
+        assert u.logprobs == pytest.approx(
+            _train_logprobs(backend, "trained", prompt, u.tokens), abs=1e-5
+        )
+        datum = rl_datum(prompt + t.tokens, len(prompt), t.logprobs, 1.0)
+        for cfg, same in (({"temperature": 0.7}, True), (None, False)):
+            out = backend.forward_backward("trained", [datum], "ppo", cfg, backward=False)
+            trained = out.outputs[0]["logprobs"][len(prompt) - 1 :].tolist()
+            assert (trained == pytest.approx(t.logprobs, abs=1e-5)) is same
 
 
 def test_batched_requests_equal_individual_requests(backend: Backend) -> None:
@@ -284,3 +319,45 @@ def test_a_sample_job_for_an_unknown_sampler_is_a_clear_error(backend: Backend) 
     with pytest.raises(BackendError) as err:
         backend.sample([good, SampleJob("nope", [1, 2, 3], 1, 4)])
     assert "sample request 1: unknown sampler 'nope'" in str(err.value)
+
+
+@pytest.mark.anyio
+async def test_a_seeded_request_draws_the_same_tokens_whatever_the_batcher_merges_it_with(
+    backend: Backend,
+) -> None:
+    """Two identical seeded requests, queued with others (another seed, another
+    temperature, the base model) so the batcher runs them all in one backend.sample call,
+    get the same tokens as each other and as the request run alone."""
+    key = backend.save_sampler("trained", None)
+    prompt = prompt_ids(backend, 31, 17)
+    seeded = SampleJob(key, prompt, 3, 12, temperature=0.9, seed=1234)
+    others = [
+        SampleJob(key, prompt, 2, 12, temperature=0.9, seed=99),
+        SampleJob(key, prompt_ids(backend, 8, 9), 4, 7, temperature=1.3, seed=5),
+        SampleJob(None, prompt, 3, 12, temperature=0.9, seed=1234),
+    ]
+    compute = ComputeThread()
+    batcher = SampleBatcher(compute, backend.sample, max_batch=8, max_queued=8)
+    got: dict[int, SampleOutcome] = {}
+    jobs = [others[0], seeded, others[1], seeded, others[2]]
+    done = anyio.Event()
+
+    def deliver(i: int, outcome: SampleOutcome) -> None:
+        got[i] = outcome
+        if len(got) == len(jobs):
+            done.set()
+
+    for i, job in enumerate(jobs):  # all queued before the batcher drains: one batch
+        batcher.submit(PendingSample(job, functools.partial(deliver, i)))
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(batcher.run)
+        await done.wait()
+        tg.cancel_scope.cancel()
+    await compute.aclose()
+    assert batcher.batches == 1 and batcher.largest_batch == len(jobs)
+    (alone,) = backend.sample([seeded])
+    first, second = got[1], got[3]
+    assert isinstance(first, SampledSequences) and isinstance(second, SampledSequences)
+    want = [s.tokens for s in alone.sequences]
+    assert [s.tokens for s in first.sequences] == want
+    assert [s.tokens for s in second.sequences] == want

@@ -121,7 +121,20 @@ def test_unsupported_options_fail_with_a_clear_message(
     assert "topk_sample_logprobs" in messages["topk_sample_logprobs"]
     assert "not supported by the local server" in messages["prompt_alt_tokens_k"]
     assert "implements only AdamW" in messages["dimuon"]
-    assert "unsupported loss_fn 'stable_reinforce'" in messages["stable_reinforce"]
+
+
+def test_stable_reinforce_trains_on_recorded_samples(
+    server: LocalServer, tinker_python: Path
+) -> None:
+    """record_stability_info at sampling, Datum.with_provenance, loss_fn_config kl_coeff:
+    the sequences with positive advantage grow likelier than those with negative; a datum
+    without provenance, or naming an unrecorded sequence, fails with a clear message."""
+    report = run_client(tinker_python, server, "stable_reinforce")
+    up = [g for g, sign in zip(report["gains"], report["signs"], strict=True) if sign > 0]
+    down = [g for g, sign in zip(report["gains"], report["signs"], strict=True) if sign < 0]
+    assert min(up) > 0 and min(up) > max(down), report
+    assert "has no provenance" in report["messages"]["no_provenance"]
+    assert "has no stability record" in report["messages"]["unrecorded"]
 
 
 def test_a_022_and_a_038_client_share_one_server_at_once(

@@ -111,7 +111,7 @@ def test_the_gradient_raises_the_logprob_of_good_tokens_and_lowers_bad_ones() ->
 
 def test_gspo_takes_the_ppo_clip_config_and_needs_the_mask() -> None:
     spec, cfg = resolve("gspo", {"clip_high_threshold": 1.1})
-    assert cfg == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.1}
+    assert cfg == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.1, "temperature": 1.0}
     assert "sequence_ratio_mask" in spec.inputs
     assert spec.check is not None
     assert spec.check({"sequence_ratio_mask": torch.tensor([0.0, 1.0])}) is None

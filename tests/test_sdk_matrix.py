@@ -134,6 +134,38 @@ def test_gspo_trains_through_the_038_sdk(server: LocalServer, tmp_path: Path) ->
     assert any(bool(t.any()) for name, t in adapter.items() if "lora_B" in name)
 
 
+@pytest.mark.parametrize("max_steps_off_policy", ["0", "1"])
+def test_stable_reinforce_trains_through_the_038_sdk(
+    server: LocalServer, tmp_path: Path, max_steps_off_policy: str
+) -> None:
+    """``--loss stable_reinforce``: the engine samples with ``record_stability_info``,
+    attributes every datum to the sequences it sampled (``Datum.with_provenance``), and
+    the server trains on its own records of them, on- and off-policy."""
+    run_dir = tmp_path / "r"
+    wide = ("--batch", "8", "--group", "6", "--temperature", "1.0")
+    before = server.stats.applied
+    done = engine_run(
+        "tinker",
+        server,
+        *wide,
+        "--loss",
+        "stable_reinforce",
+        "--max-steps-off-policy",
+        max_steps_off_policy,
+        "--steps",
+        "2",
+        "--run-dir",
+        str(run_dir),
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    after = server.stats.applied
+    assert after.get("forward_backward", 0) > before.get("forward_backward", 0)
+    assert after.get("optim_step", 0) == before.get("optim_step", 0) + 2
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [row for row in rows if "avg_reward" in row]
+    assert len(steps) == 2 and all(math.isfinite(row["optim/loss"]) for row in steps)
+
+
 def test_the_other_generation_is_refused_in_one_line(tmp_path: Path) -> None:
     """Asking the tinker 0.38 environment for the mint adapter: exit 2, one line, before
     a run dir exists."""

@@ -2,7 +2,7 @@
 interpreter by tests/test_local_server_tinker038.py (it cannot import the engine, whose
 environment pins tinker 0.22). Asserts as it goes and prints one JSON report line last.
 
-    python tests/tinker038_client.py BASE_URL {sync|async|errors}
+    python tests/tinker038_client.py BASE_URL {sync|async|errors|stable_reinforce}
 """
 
 from __future__ import annotations
@@ -52,7 +52,7 @@ def sync_flow(base_url: str) -> dict[str, Any]:
     losses = []
     for _ in range(3):
         fb = tc.forward_backward(data, "cross_entropy")  # submitted back to back
-        opt = tc.optim_step(types.AdamParams(learning_rate=5e-3))
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-3))
         out = fb.result()
         losses.append(out.metrics["loss:sum"])
         assert [len(o["logprobs"].tolist()) for o in out.loss_fn_outputs] == [
@@ -103,7 +103,7 @@ def sync_flow(base_url: str) -> dict[str, Any]:
     fwd_b = resumed.forward(data, "cross_entropy").result().metrics["loss:sum"]
     assert math.isclose(fwd_a, fwd_b, rel_tol=1e-6), (fwd_a, fwd_b)
     resumed.forward_backward(data, "cross_entropy").result()
-    resumed.optim_step(types.AdamParams(learning_rate=5e-3)).result()
+    resumed.optim_step(types.AdamParams(learning_rate=2e-3)).result()
     weights_only = service.create_training_client_from_state(state).result()
     tc.load_state(state).result()  # deprecated, still served
 
@@ -138,7 +138,7 @@ async def async_flow(base_url: str) -> dict[str, Any]:
     losses = []
     for _ in range(2):
         fb = tc.forward_backward(data, "cross_entropy")
-        opt = tc.optim_step(types.AdamParams(learning_rate=5e-3))
+        opt = tc.optim_step(types.AdamParams(learning_rate=2e-3))
         losses.append((await fb).metrics["loss:sum"])
         await opt
     sampler = await tc.save_weights_and_get_sampling_client()
@@ -159,13 +159,101 @@ async def async_flow(base_url: str) -> dict[str, Any]:
     return {"losses": losses, "state": path, "sampler": named, "model_id": tc.model_id}
 
 
+def provenance_datum(prompt: list[int], seq: Any, advantage: float) -> types.Datum:
+    """One sampled sequence as a stable_reinforce datum, its positions attributed."""
+    full = prompt + list(seq.tokens)
+    n_sampled = len(seq.tokens)
+    advantages = [0.0] * (len(prompt) - 1) + [advantage] * n_sampled
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints(full[:-1]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=full[1:], dtype="int64", shape=[len(full) - 1]),
+            "advantages": types.TensorData(
+                data=advantages, dtype="float32", shape=[len(advantages)]
+            ),
+        },
+    )
+    sid = seq.sequence_id
+    return datum.with_provenance(
+        model_input=[
+            types.PromptProvenanceSpan(sequence_id=sid, length=len(prompt)),
+            types.SampledProvenanceSpan(sequence_id=sid, length=n_sampled - 1),
+        ],
+        loss_fn_inputs=[
+            types.PromptProvenanceSpan(sequence_id=sid, offset=1, length=len(prompt) - 1),
+            types.SampledProvenanceSpan(sequence_id=sid, length=n_sampled),
+        ],
+    )
+
+
+def stable_reinforce_flow(base_url: str) -> dict[str, Any]:
+    """StableReinforce as the hosted docs describe it: sample with record_stability_info,
+    attribute each datum's tokens to its sequence_id, train with loss_fn_config."""
+    service = tinker.ServiceClient(base_url=base_url)
+    base = model_name(base_url)
+    tc = service.create_lora_training_client(base_model=base, rank=4, seed=3).result()
+    prompt = tc.get_tokenizer().encode(QUESTION)
+    sampler = tc.save_weights_and_get_sampling_client(record_stability_info=True).result()
+    params = types.SamplingParams(max_tokens=6, temperature=1.0, seed=7)
+    response = sampler.sample(types.ModelInput.from_ints(prompt), 4, params).result()
+    # the first sequence (and any repeat of it) is trained up, the others down
+    signs = [
+        1.0 if seq.tokens == response.sequences[0].tokens else -1.0 for seq in response.sequences
+    ]
+    assert -1.0 in signs, "the four samples should not all be the same"
+    mean = sum(signs) / len(signs)
+    data = [
+        provenance_datum(prompt, seq, sign - mean)
+        for seq, sign in zip(response.sequences, signs, strict=True)
+    ]
+    config = {"kl_coeff": 0.01}
+    first = tc.forward_backward(data, "stable_reinforce", loss_fn_config=config).result()
+    tc.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+    for _ in range(2):
+        tc.forward_backward(data, "stable_reinforce", loss_fn_config=config).result()
+        tc.optim_step(types.AdamParams(learning_rate=2e-3)).result()
+    last = tc.forward(data, "stable_reinforce", loss_fn_config=config).result()
+
+    def sampled_logprob(out: Any, i: int) -> float:
+        n = len(response.sequences[i].tokens)
+        return float(sum(out.loss_fn_outputs[i]["logprobs"].tolist()[-n:]))
+
+    gains = [sampled_logprob(last, i) - sampled_logprob(first, i) for i in range(4)]
+    assert math.isfinite(first.metrics["loss:sum"]), first.metrics
+    up = [g for g, sign in zip(gains, signs, strict=True) if sign > 0]
+    down = [g for g, sign in zip(gains, signs, strict=True) if sign < 0]
+    # the trained-up sequence became likelier, and more so than any trained-down one
+    assert min(up) > 0 and min(up) > max(down), (gains, signs)
+
+    messages: dict[str, str] = {}
+    plain = types.Datum(model_input=data[0].model_input, loss_fn_inputs=data[0].loss_fn_inputs)
+    try:
+        tc.forward_backward([plain], "stable_reinforce").result()
+    except Exception as exc:
+        messages["no_provenance"] = f"{type(exc).__name__}: {exc}"
+    unrecorded_sampler = tc.save_weights_and_get_sampling_client().result()
+    other = unrecorded_sampler.sample(types.ModelInput.from_ints(prompt), 1, params).result()
+    try:
+        tc.forward_backward(
+            [provenance_datum(prompt, other.sequences[0], 1.0)], "stable_reinforce"
+        ).result()
+    except Exception as exc:
+        messages["unrecorded"] = f"{type(exc).__name__}: {exc}"
+    service.close("success").result()
+    return {
+        "gains": gains,
+        "signs": signs,
+        "first_loss": first.metrics["loss:sum"],
+        "messages": messages,
+    }
+
+
 def error_flow(base_url: str) -> dict[str, Any]:
     """Options the local server does not implement fail with a clear message."""
     service = tinker.ServiceClient(base_url=base_url)
     base = model_name(base_url)
     tc = service.create_lora_training_client(base_model=base, rank=4).result()
     tokenizer = tc.get_tokenizer()
-    data = [sft_datum(tokenizer, QUESTION, " 42")]
     prompt = types.ModelInput.from_ints(tokenizer.encode(QUESTION))
     sampler = tc.save_weights_and_get_sampling_client().result()
     messages: dict[str, str] = {}
@@ -193,7 +281,6 @@ def error_flow(base_url: str) -> dict[str, Any]:
             base_model=base, rank=4, optimizer=types.DimuonOptimizerConfig()
         ).result(),
     )
-    failure("stable_reinforce", lambda: tc.forward_backward(data, "stable_reinforce").result())
     service.close("success").result()
     return {"messages": messages}
 
@@ -206,6 +293,8 @@ def main() -> None:
         report = asyncio.run(async_flow(base_url))
     elif scenario == "errors":
         report = error_flow(base_url)
+    elif scenario == "stable_reinforce":
+        report = stable_reinforce_flow(base_url)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     report["tinker_version"] = tinker.__version__

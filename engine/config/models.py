@@ -235,8 +235,8 @@ class TrainingSettings(_Group):
     ] = Field(None, description="Adam learning rate")
     loss: LossName = Field(
         "ppo",
-        description=f"loss function: {', '.join(LOSSES)} (gspo: the tinker SDK only, with the "
-        "server's default loss_fn_config)",
+        description=f"loss function: {', '.join(LOSSES)} (gspo, stable_reinforce: the tinker "
+        "SDK only, with the server's default loss_fn_config; see docs/losses.md)",
     )
     clip_low: Annotated[float, _rule(finite_positive)] = Field(
         0.8, description="lower ratio clip for ppo/cispo"

@@ -25,9 +25,9 @@ __all__ = [
     "parse_score_workers",
 ]
 
-LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo"]
+LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)
-TINKER_ONLY_LOSSES: Final = ("gspo",)
+TINKER_ONLY_LOSSES: Final = ("gspo", "stable_reinforce")
 """Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
 them client-side)."""
 SdkChoice = Literal["auto", "mint", "tinker"]

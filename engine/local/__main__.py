@@ -31,6 +31,7 @@ from engine.local.config import (
     DEFAULT_DATA_DIR_TEXT,
     DEFAULT_MODEL_DIR,
     READY_PREFIX,
+    SAMPLING_LOGPROBS,
     Limits,
     ServerConfig,
     default_data_dir,
@@ -236,6 +237,14 @@ def build_parser() -> argparse.ArgumentParser:
         "one otherwise; on a busy machine 1 is often fastest)",
     )
     parser.add_argument(
+        "--sampling-logprobs",
+        choices=SAMPLING_LOGPROBS,
+        default="tempered",
+        help="the logprob reported for each sampled token: under the distribution it was "
+        "drawn from ('tempered', the default, as hosted Tinker) or under the untempered "
+        "model ('untempered'); see docs/losses.md",
+    )
+    parser.add_argument(
         "--session-timeout",
         type=float,
         default=600.0,
@@ -322,6 +331,7 @@ def main(argv: list[str] | None = None) -> int:
             header_timeout_s=args.header_timeout,
             body_timeout_s=args.body_timeout,
             session_timeout_s=args.session_timeout,
+            sampling_logprobs=args.sampling_logprobs,
             num_threads=args.threads,
             limits=limits,
         )

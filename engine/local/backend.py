@@ -103,6 +103,7 @@ class SampleJob:
     stop_token_ids: list[int] = field(default_factory=list)
     prompt_logprobs: bool = False
     topk_prompt_logprobs: int = 0
+    tempered_logprobs: bool = True
 
 
 @dataclass(frozen=True)
@@ -110,6 +111,9 @@ class SampledSeq:
     tokens: list[int]
     logprobs: list[float]
     stop_reason: str  # "length" | "stop"
+    behaviour_logprobs: list[float] | None = None
+    """Under the distribution each token was drawn from, when ``logprobs`` report the
+    untempered model instead (None: ``logprobs`` are these)."""
 
 
 @dataclass(frozen=True)
@@ -357,7 +361,7 @@ class Backend:
             for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
                 rows = [checked[i] for i in batch]
                 padded = pad_right(rows, self._pad_id, spec.inputs)
-                logp = self._logprobs(rows, padded)
+                logp = self._logprobs(rows, padded, cfg.get("temperature", 1.0))
                 # zero logp and inputs on the padding: every loss term there is then 0
                 logp = torch.where(padded.mask, logp, 0.0)
                 datum_losses = spec.fn(logp, padded.inputs, cfg)
@@ -389,13 +393,17 @@ class Backend:
                 )
         return ForwardResult(outputs=outputs, metrics={"loss:sum": total})
 
-    def _logprobs(self, rows: list[CheckedDatum], padded: PaddedBatch) -> torch.Tensor:
-        """(B, T) logprobs of the padded targets under the active adapter; datums that
-        share a prompt run it once (see ``engine.local.prefix``)."""
+    def _logprobs(
+        self, rows: list[CheckedDatum], padded: PaddedBatch, temperature: float
+    ) -> torch.Tensor:
+        """(B, T) logprobs of the padded targets under the active adapter's logits divided
+        by ``temperature``; datums that share a prompt run it once (``engine.local.prefix``)."""
         plan = plan_prefixes(rows) if self.share_prefixes else None
         if plan is not None:
-            return shared_prefix_logprobs(self._model, self._cache_kw, padded, plan, self._pad_id)
-        logits = self._model(input_ids=padded.ids, use_cache=False).logits.float()
+            return shared_prefix_logprobs(
+                self._model, self._cache_kw, padded, plan, self._pad_id, temperature
+            )
+        logits = self._model(input_ids=padded.ids, use_cache=False).logits.float() / temperature
         return -torch.nn.functional.cross_entropy(
             logits.flatten(0, 1), padded.targets.flatten(), reduction="none"
         ).view(padded.targets.shape)
@@ -668,7 +676,10 @@ class Backend:
                 with self._host.active(self._load_slot(key)):
                     outs = self._sampler.run(batch)
             for i, out in zip(idxs, outs, strict=True):
-                seqs = [SampledSeq(s.tokens, s.logprobs, s.stop_reason) for s in out.sequences]
+                seqs = [
+                    SampledSeq(s.tokens, s.logprobs, s.stop_reason, s.behaviour_logprobs)
+                    for s in out.sequences
+                ]
                 results[i] = SampledSequences(
                     sequences=seqs,
                     prompt_logprobs=out.prompt_logprobs,
@@ -729,6 +740,7 @@ def _request(job: SampleJob) -> Request:
         stop_token_ids=frozenset(job.stop_token_ids),
         prompt_logprobs=job.prompt_logprobs,
         topk_prompt_logprobs=job.topk_prompt_logprobs,
+        tempered_logprobs=job.tempered_logprobs,
     )
 
 

@@ -27,6 +27,8 @@ READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 
 LOOPBACK_NAMES = frozenset({"localhost"})
+SAMPLING_LOGPROBS = ("tempered", "untempered")
+"""What a sampled token's reported logprob is taken under (``ServerConfig.sampling_logprobs``)."""
 DEFAULT_DATA_DIR_TEXT = (
     "$XDG_DATA_HOME/engine/local-server, else ~/.local/share/engine/local-server"
 )
@@ -98,6 +100,9 @@ class Limits:
     """Snapshots from save_weights_and_get_sampling_client kept in memory, bounded as
     ``max_named_samplers`` is (sampling from a released one fails with a clear error).
     Named snapshots (save_weights_for_sampler) are not counted: they live on disk."""
+    max_stability_records: int = 65536
+    """Sampled sequences kept for ``stable_reinforce`` (``record_stability_info``); beyond
+    it the least recently used are forgotten first (training on one then fails clearly)."""
 
     def __post_init__(self) -> None:
         for name, value in vars(self).items():
@@ -141,6 +146,9 @@ class ServerConfig:
     sampling sessions (the SDK heartbeats every 10 s)."""
     housekeeping_interval_s: float = 10.0
     """How often silent sessions, expired checkpoints and archive URLs are swept."""
+    sampling_logprobs: str = "tempered"
+    """Each sampled token's logprob under the distribution it was drawn from ("tempered",
+    as hosted Tinker reports it) or under the untempered model ("untempered")."""
     num_threads: int | None = None
     """torch intra-op threads of the compute thread; None: one for small models, torch's
     default less one core otherwise (see ``backend._auto_threads``)."""
@@ -167,6 +175,11 @@ class ServerConfig:
             value = getattr(self, name)
             if not value > 0:
                 raise ServerConfigError(f"{name} must be > 0, got {value!r}")
+        if self.sampling_logprobs not in SAMPLING_LOGPROBS:
+            raise ServerConfigError(
+                f"sampling_logprobs must be one of {', '.join(SAMPLING_LOGPROBS)}, "
+                f"got {self.sampling_logprobs!r}"
+            )
         if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
             raise ServerConfigError(f"num_threads must be in 1..1024, got {self.num_threads!r}")
         if self.sample_batch_window_s < 0:
@@ -205,6 +218,7 @@ def make_config(
     header_timeout_s: float = 10.0,
     body_timeout_s: float = 60.0,
     session_timeout_s: float = 600.0,
+    sampling_logprobs: str = "tempered",
     num_threads: int | None = None,
     limits: Limits | None = None,
 ) -> ServerConfig:
@@ -236,6 +250,7 @@ def make_config(
         header_timeout_s=header_timeout_s,
         body_timeout_s=body_timeout_s,
         session_timeout_s=session_timeout_s,
+        sampling_logprobs=sampling_logprobs,
         num_threads=num_threads,
         limits=limits or Limits(),
     )

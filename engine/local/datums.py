@@ -18,7 +18,7 @@ import torch
 
 Tensor = torch.Tensor
 
-_FLOAT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask")
+_FLOAT_KEYS = ("weights", "logprobs", "advantages", "sequence_ratio_mask", "stability_mask")
 
 
 class DatumError(ValueError):

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from engine.local.backend import AdamConfig, Backend
 from engine.local.losses import LOSSES
 from engine.local.storage import TinkerPath, check_name
@@ -52,7 +54,10 @@ def forward_job(
     limits: ModelLimits,
     *,
     backward: bool,
+    server_inputs: list[dict[str, torch.Tensor]] | None = None,
 ) -> Job:
+    """``server_inputs``: per datum, loss inputs the server supplies (they replace the
+    client's of the same name), e.g. ``engine.local.stability.stability_inputs``."""
     what = "forward_backward" if backward else "forward"
     if not inp.data:
         raise WireError(f"{what} needs at least one datum")
@@ -76,6 +81,8 @@ def forward_job(
 
     def run() -> dict[str, Any]:
         data = datums_of(inp.data)
+        for datum, extra in zip(data, server_inputs or (), strict=False):
+            datum.inputs.update(extra)
         result = backend.forward_backward(
             model_id, data, inp.loss_fn, inp.loss_fn_config, backward=backward
         )

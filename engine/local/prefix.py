@@ -110,17 +110,25 @@ def plan_prefixes(data: Sequence[CheckedDatum]) -> PrefixPlan | None:
 
 
 def shared_prefix_logprobs(
-    model: nn.Module, cache_kw: str, batch: PaddedBatch, plan: PrefixPlan, pad_id: int
+    model: nn.Module,
+    cache_kw: str,
+    batch: PaddedBatch,
+    plan: PrefixPlan,
+    pad_id: int,
+    temperature: float = 1.0,
 ) -> Tensor:
-    """Per-token logprobs of ``batch.targets`` (B, T), as the plain forward computes them
-    (values on the padding are arbitrary)."""
+    """Per-token logprobs of ``batch.targets`` (B, T) under the logits divided by
+    ``temperature``, as the plain forward computes them (values on the padding are
+    arbitrary)."""
     attention = getattr(model.config, "_attn_implementation", None)
     if plan.packed_width <= PACKED_ROW_WIDTH and attention in PACKING_ATTENTION:
-        return _packed_logprobs(model, batch, plan, pad_id)
-    return _cached_logprobs(model, cache_kw, batch, plan, pad_id)
+        return _packed_logprobs(model, batch, plan, pad_id, temperature)
+    return _cached_logprobs(model, cache_kw, batch, plan, pad_id, temperature)
 
 
-def _packed_logprobs(model: nn.Module, batch: PaddedBatch, plan: PrefixPlan, pad_id: int) -> Tensor:
+def _packed_logprobs(
+    model: nn.Module, batch: PaddedBatch, plan: PrefixPlan, pad_id: int, temperature: float
+) -> Tensor:
     ids, targets = batch.ids, batch.targets
     rows, width = len(plan.leads), plan.packed_width
     lengths = batch.mask.sum(-1)
@@ -157,7 +165,7 @@ def _packed_logprobs(model: nn.Module, batch: PaddedBatch, plan: PrefixPlan, pad
     out = model(
         input_ids=packed, attention_mask=mask[:, None], position_ids=positions, use_cache=False
     )
-    logp = torch.log_softmax(out.logits.float(), dim=-1)
+    logp = torch.log_softmax(out.logits.float() / temperature, dim=-1)
 
     # datum i's token t sits in column t of its row within the prefix, after it at
     # starts[i] + t - prefix[i]
@@ -168,7 +176,12 @@ def _packed_logprobs(model: nn.Module, batch: PaddedBatch, plan: PrefixPlan, pad
 
 
 def _cached_logprobs(
-    model: nn.Module, cache_kw: str, batch: PaddedBatch, plan: PrefixPlan, pad_id: int
+    model: nn.Module,
+    cache_kw: str,
+    batch: PaddedBatch,
+    plan: PrefixPlan,
+    pad_id: int,
+    temperature: float,
 ) -> Tensor:
     ids, targets = batch.ids, batch.targets
     rows, width = ids.shape
@@ -183,7 +196,7 @@ def _cached_logprobs(
     in_prefix = t < group_lens[:, None]
     prefix_ids = torch.where(in_prefix, ids[plan.leads, :prefix_width], pad_id)
     out = model(input_ids=prefix_ids, use_cache=True)
-    prefix_logp = torch.log_softmax(out.logits.float(), dim=-1)
+    prefix_logp = torch.log_softmax(out.logits.float() / temperature, dim=-1)
     cache = getattr(out, cache_kw)
     cache.batch_select_indices(plan.group_of)
 
@@ -202,7 +215,9 @@ def _cached_logprobs(
         **{cache_kw: cache},
     )
     suffix_logp = -torch.nn.functional.cross_entropy(
-        out.logits.float().flatten(0, 1), suffix_targets.flatten(), reduction="none"
+        (out.logits.float() / temperature).flatten(0, 1),
+        suffix_targets.flatten(),
+        reduction="none",
     ).view(rows, suffix_width)
 
     # gather both parts back into the (B, T) layout of the plain forward

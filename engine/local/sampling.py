@@ -5,13 +5,16 @@ prompt is prefilled once (left-padded, with an attention mask and explicit posit
 its KV cache rows are replicated for its ``num_samples``, and every decode step is a
 single forward over all still-running rows (finished rows are dropped from the cache).
 
-Logprob convention (matters for importance sampling): each sampled token's logprob is
-its log-probability under the distribution it was actually drawn from, i.e. the model's
-logits divided by the temperature, then restricted by top-k / top-p and renormalised.
-With temperature 1 and no truncation that is exactly the training policy's logprob, so
-an on-policy importance ratio is 1. Greedy decoding (temperature 0) has a degenerate
-sampling distribution, so it reports the untempered model logprob instead. Prompt
-logprobs always use the untempered model (as ``compute_logprobs`` expects).
+Logprob convention (matters for importance sampling; docs/losses.md): by default each
+sampled token's logprob is its log-probability under the distribution it was actually
+drawn from, i.e. the model's logits divided by the temperature, then restricted by
+top-k / top-p and renormalised, as hosted Tinker reports it. With temperature 1 and no
+truncation that is exactly the training policy's logprob, so an on-policy importance
+ratio is 1. ``Request.tempered_logprobs=False`` (the server's ``sampling_logprobs
+="untempered"``) reports the untempered model logprob instead. Greedy decoding
+(temperature 0) has a degenerate sampling distribution, so it reports the untempered
+model logprob. Prompt logprobs always use the untempered model (as ``compute_logprobs``
+expects).
 
 Randomness is per request: a request's ``seed`` seeds its own generator and every row
 consumes it in a fixed order, so a request's samples do not depend on which other
@@ -46,6 +49,9 @@ class Request:
     stop_token_ids: frozenset[int]
     prompt_logprobs: bool
     topk_prompt_logprobs: int
+    tempered_logprobs: bool = True
+    """Report each sampled token's logprob under the distribution it was drawn from (True,
+    hosted Tinker's convention) or under the untempered model (False)."""
 
 
 @dataclass
@@ -53,6 +59,9 @@ class Sequence_:
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     stop_reason: str = "length"
+    behaviour_logprobs: list[float] | None = None
+    """Each token's logprob under the distribution it was drawn from, when ``logprobs``
+    reports another one (``tempered_logprobs=False``); None: ``logprobs`` are those."""
 
 
 @dataclass
@@ -78,8 +87,9 @@ def _restrict(logits: Tensor, top_k: int, top_p: float) -> Tensor:
     return logits
 
 
-_Policy = tuple[float, int, float]
-"""(temperature, top_k, top_p): rows with equal policies are sampled together."""
+_Policy = tuple[float, int, float, bool]
+"""(temperature, top_k, top_p, tempered_logprobs): rows with equal policies are sampled
+together."""
 
 
 def _draw(logprobs: Tensor, uniforms: Tensor) -> Tensor:
@@ -94,21 +104,27 @@ def _draw(logprobs: Tensor, uniforms: Tensor) -> Tensor:
 
 def _choose(
     logits: Tensor, policy: _Policy, draws: list[tuple[torch.Generator, int]]
-) -> tuple[Tensor, Tensor]:
-    """Next token and its logprob (see module docstring) for rows sharing one sampling
-    policy. ``draws`` lists (generator, rows) per request in row order: each request's
-    rows take one uniform each from its own generator."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """Next token, its reported logprob (see module docstring) and its logprob under the
+    distribution it was drawn from, for rows sharing one sampling policy. ``draws`` lists
+    (generator, rows) per request in row order: each request's rows take one uniform
+    each from its own generator."""
     logits = logits.float()
-    temperature, top_k, top_p = policy
+    temperature, top_k, top_p, tempered = policy
     if temperature == 0.0:
         logp = torch.log_softmax(logits, dim=-1)
         tok = logits.argmax(dim=-1)
-        return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+        chosen = logp.gather(-1, tok[:, None]).squeeze(-1)
+        return tok, chosen, chosen
     scaled = _restrict(logits / temperature, top_k, top_p)
     logp = torch.log_softmax(scaled, dim=-1)
     uniforms = torch.cat([torch.rand(n, 1, generator=gen) for gen, n in draws])
     tok = _draw(logp, uniforms)
-    return tok, logp.gather(-1, tok[:, None]).squeeze(-1)
+    behaviour = logp.gather(-1, tok[:, None]).squeeze(-1)
+    if tempered:
+        return tok, behaviour, behaviour
+    untempered = torch.log_softmax(logits, dim=-1).gather(-1, tok[:, None]).squeeze(-1)
+    return tok, untempered, behaviour
 
 
 def cache_keyword(model: nn.Module) -> str:
@@ -172,12 +188,14 @@ class Sampler:
         while True:
             next_tok = torch.full((len(row_seq),), self._pad, dtype=torch.long)
             next_lp = torch.zeros(len(row_seq))
+            next_blp = torch.zeros(len(row_seq))
             by_policy: dict[_Policy, list[int]] = {}
             rows_of: dict[int, int] = {}  # request -> its number of live rows
             for k in live:
                 ri = row_seq[k][0]
                 r = reqs[ri]
-                by_policy.setdefault((r.temperature, r.top_k, r.top_p), []).append(k)
+                policy = (r.temperature, r.top_k, r.top_p, r.tempered_logprobs)
+                by_policy.setdefault(policy, []).append(k)
                 rows_of[ri] = rows_of.get(ri, 0) + 1
             for policy, rows in by_policy.items():
                 # rows ascend and each request's rows are contiguous: one uniform per row,
@@ -185,17 +203,22 @@ class Sampler:
                 requests = dict.fromkeys(row_seq[k][0] for k in rows)
                 draws = [(gens[i], rows_of[i]) for i in requests]
                 index = torch.tensor(rows)
-                tok, lp = _choose(last[index], policy, draws)
+                tok, lp, blp = _choose(last[index], policy, draws)
                 next_tok[index] = tok
                 next_lp[index] = lp
+                next_blp[index] = blp
             keep: list[int] = []
-            toks, lps = next_tok.tolist(), next_lp.tolist()
+            toks, lps, blps = next_tok.tolist(), next_lp.tolist(), next_blp.tolist()
             for k in live:
                 ri, si = row_seq[k]
                 r = reqs[ri]
                 seq = outputs[ri].sequences[si]
                 seq.tokens.append(toks[k])
                 seq.logprobs.append(lps[k])
+                if not r.tempered_logprobs:
+                    if seq.behaviour_logprobs is None:
+                        seq.behaviour_logprobs = []
+                    seq.behaviour_logprobs.append(blps[k])
                 if self._stopped(seq, r):
                     seq.stop_reason = "stop"
                 elif len(seq.tokens) < r.max_tokens:

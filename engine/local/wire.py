@@ -12,7 +12,7 @@ import math
 from typing import Any, Literal, TypeVar
 
 import torch
-from pydantic import BaseModel, ConfigDict, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from engine.local.backend import AdamConfig, DatumIn, ForwardResult, SampledSequences
 
@@ -42,9 +42,23 @@ class ModelInputW(_Wire):
     chunks: list[dict[str, Any]]
 
 
+class ProvenanceSpanW(_Wire):
+    """One run of a datum field (tinker >= 0.38 ``Datum.with_provenance``): ``length``
+    positions that reproduce ``[offset, offset + length)`` of the named sequence's
+    sampled tokens (``sampled``) or of its request's prompt (``prompt``)."""
+
+    kind: Literal["sampled", "prompt"]
+    sequence_id: str
+    offset: int = Field(default=0, ge=0)
+    length: int = Field(ge=0)
+
+
 class DatumW(_Wire):
     model_input: ModelInputW
     loss_fn_inputs: dict[str, TensorDataW]
+    # tinker >= 0.38: provenance (spans tile model_input and target_tokens respectively)
+    model_input_spans: list[ProvenanceSpanW] | None = None
+    loss_fn_input_spans: list[ProvenanceSpanW] | None = None
 
 
 class ForwardBackwardInputW(_Wire):

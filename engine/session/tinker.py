@@ -37,10 +37,15 @@ from tinker.lib.base_url import DEFAULT_BASE_URL
 
 from engine.session.adapter import LoraSpec, SdkSession, settled
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
+from engine.session.provenance import SampledIndex, Span, datum_provenance
 
-__all__ = ["CLOSE_TIMEOUT_S", "TinkerSession"]
+__all__ = ["CLOSE_TIMEOUT_S", "STABILITY_LOSSES", "TinkerSession"]
 
 T = TypeVar("T")
+
+STABILITY_LOSSES: Final = frozenset({"stable_reinforce"})
+"""Losses that need samples recorded (``record_stability_info``) and datums attributed
+to them (``Datum.with_provenance``, built by :mod:`engine.session.provenance`)."""
 
 CLOSE_TIMEOUT_S: Final = 10.0
 """How long closing waits for the server to finish the session (best effort: a server
@@ -59,6 +64,15 @@ class TinkerSession(SdkSession):
     sdk = "tinker"
     sdk_version = tinker.__version__
     default_base_url = DEFAULT_BASE_URL  # hosted Tinker
+
+    @property
+    def _records_stability(self) -> bool:
+        return self.config.training.loss in STABILITY_LOSSES
+
+    @functools.cached_property
+    def _sampled(self) -> SampledIndex:
+        """The responses sampled with stability info, to attribute datums to them."""
+        return SampledIndex()
 
     @staticmethod
     def _sdk_service(base_url: str, api_key: str | None) -> tinker.ServiceClient:
@@ -85,15 +99,38 @@ class TinkerSession(SdkSession):
             seed=settings.seed,
             stop=list(settings.stop_strings) or list(settings.stop_token_ids) or None,
         )
-        return await client.sample(prompt=prompt, num_samples=num_samples, sampling_params=params)
+        response = await client.sample(
+            prompt=prompt, num_samples=num_samples, sampling_params=params
+        )
+        if self._records_stability:
+            for seq in response.sequences:
+                if seq.logprobs is not None:
+                    self._sampled.add(seq.sequence_id, seq.tokens, seq.logprobs)
+        return response
 
     async def _sdk_forward_backward(
         self, training: Any, batch: list[types.Datum], loss: LossSpec
     ) -> Any:
+        if loss.name in STABILITY_LOSSES:
+            batch = [self._with_provenance(d, f"datum {i}") for i, d in enumerate(batch)]
         return training.forward_backward(
             batch,
             loss.name,  # type: ignore[arg-type]  # validated against LOSSES by the config
             loss.config,
+        )
+
+    def _with_provenance(self, datum: Any, where: str) -> Any:
+        inputs = datum.loss_fn_inputs
+        model_input, loss_inputs = datum_provenance(
+            self._sampled,
+            inputs["target_tokens"].to_numpy(),
+            inputs["logprobs"].to_numpy(),
+            inputs["weights"].to_numpy(),
+            where,
+        )
+        return datum.with_provenance(
+            model_input=[_sdk_span(s) for s in model_input],
+            loss_fn_inputs=[_sdk_span(s) for s in loss_inputs],
         )
 
     async def _sdk_optim_step(self, training: Any, params: types.AdamParams) -> Any:
@@ -113,7 +150,9 @@ class TinkerSession(SdkSession):
 
     def _sdk_reserve_snapshot(self, training: Any, version: int) -> Any:
         return training.save_weights_and_get_sampling_client(
-            retry_config=self._sampling_retry_config(), kind="snapshot"
+            retry_config=self._sampling_retry_config(),
+            kind="snapshot",
+            record_stability_info=self._records_stability,
         )
 
     async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> SamplerHandle:
@@ -130,6 +169,7 @@ class TinkerSession(SdkSession):
             model_path=path,
             base_model=base_model,
             retry_config=self._sampling_retry_config(),
+            record_stability_info=self._records_stability,
         )
         return await future  # type: ignore[no-any-return]
 
@@ -165,3 +205,8 @@ class TinkerSession(SdkSession):
         # Best effort: the run's outcome is decided; a server that is gone cannot answer.
         with anyio.move_on_after(CLOSE_TIMEOUT_S), contextlib.suppress(Exception):
             await settled(self._service.close("errored" if failed else "success"))
+
+
+def _sdk_span(span: Span) -> Any:
+    kind = types.SampledProvenanceSpan if span.kind == "sampled" else types.PromptProvenanceSpan  # type: ignore[attr-defined]  # new in 0.38
+    return kind(sequence_id=span.sequence_id, offset=span.offset, length=span.length)

@@ -28,6 +28,7 @@ from engine.local.latency import TrainingClock
 from engine.local.recommended import model_entry
 from engine.local.sequencer import SeqRejected
 from engine.local.service.registry import Registry
+from engine.local.stability import StabilityRecords
 from engine.local.stats import Stats
 from engine.local.storage import BadPath
 from engine.local.wire import WireError, parse
@@ -136,6 +137,7 @@ class Core:
         )
         self.stats = Stats()
         self.registry = Registry(now)
+        self.stability = StabilityRecords(now, max_records=limits.max_stability_records)
         self.tg: TaskGroup | None = None
 
     def spawn(self, fn: Callable[..., Any], *args: Any) -> None:

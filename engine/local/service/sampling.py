@@ -6,11 +6,12 @@ from __future__ import annotations
 import functools
 import math
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import anyio
 
-from engine.local.backend import BackendError, SampleJob
+from engine.local.backend import BackendError, SampledSequences, SampleJob
 from engine.local.batcher import (
     PendingSample,
     SampleBatcher,
@@ -192,15 +193,27 @@ class SamplingOps:
         entry = core.new_future("asample")
         try:
             req = parse(SampleW, body, "asample")
-            job = sample_job_of(req, self._sampler_of(req), core.card, core.config.limits)
+            job = sample_job_of(
+                req,
+                self._sampler_of(req),
+                core.card,
+                core.config.limits,
+                tempered=core.config.sampling_logprobs == "tempered",
+            )
         except USER_ERRORS as exc:
             core.futures.fail(entry, str(exc))
             return core.ref(entry)
         if core.faults.submit_fault("asample"):
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
+        recorder = self._recorder(entry, req) if req.record_stability_info else None
         deliver = functools.partial(
-            self._deliver, entry, anyio.current_time(), req.prompt_logprobs_last_n, job.sampler
+            self._deliver,
+            entry,
+            anyio.current_time(),
+            req.prompt_logprobs_last_n,
+            job.sampler,
+            recorder,
         )
         try:
             self.batcher.submit(PendingSample(job, deliver))
@@ -241,6 +254,7 @@ class SamplingOps:
         submitted: float,
         last_n: int | None,
         sampler: str | None,
+        recorder: Callable[[SampledSequences], None] | None,
         outcome: SampleOutcome,
     ) -> None:
         core = self.core
@@ -264,6 +278,8 @@ class SamplingOps:
         except ValueError as exc:
             core.futures.fail(entry, f"sampling produced an invalid result: {exc}", "server")
             return
+        if recorder is not None:
+            recorder(outcome)
         core.stats.applied["asample"] += 1
         if core.latency is not None:
             due = submitted + core.latency.sample_time(generated_tokens(outcome))
@@ -271,6 +287,21 @@ class SamplingOps:
                 core.spawn(self._resolve_at, entry, payload, due)
                 return
         core.futures.resolve(entry, payload)
+
+    def _recorder(self, entry: FutureEntry, req: SampleW) -> Callable[[SampledSequences], None]:
+        """Records a finished request's sequences under the ids its promise announced
+        (``sample_ref``), for the session that sampled them."""
+        session = self.core.registry.samplers.get(req.sampling_session_id or "")
+        session_id = session.session_id if session is not None else None
+
+        def record(outcome: SampledSequences) -> None:
+            for i, seq in enumerate(outcome.sequences):
+                behaviour = seq.behaviour_logprobs or seq.logprobs  # what was sampled from
+                self.core.stability.record(
+                    session_id, sequence_id(entry.request_id, i), seq.tokens, behaviour
+                )
+
+        return record
 
     async def _resolve_at(self, entry: FutureEntry, payload: dict[str, Any], due: float) -> None:
         await anyio.sleep_until(due)
@@ -284,8 +315,13 @@ def sample_ref(ref: dict[str, Any], body: Any) -> dict[str, Any]:
     count = raw_field(body, "num_samples", int)
     count = 1 if count is None else count
     if 1 <= count <= 1 << 16:
-        ref["sample_sequence_ids"] = [f"{ref['request_id']}-{i}" for i in range(count)]
+        ref["sample_sequence_ids"] = [sequence_id(ref["request_id"], i) for i in range(count)]
     return ref
+
+
+def sequence_id(request_id: str, index: int) -> str:
+    """The ``sequence_id`` of sample ``index`` of asample request ``request_id``."""
+    return f"{request_id}-{index}"
 
 
 def keep_last_prompt_logprobs(payload: dict[str, Any], last_n: int | None) -> dict[str, Any]:
@@ -305,7 +341,6 @@ _UNSUPPORTED_SAMPLE_OPTIONS = {
     "topk_sample_logprobs": "top-k logprobs of the sampled tokens",
     "target_prompt_logprobs": "logprobs of chosen target tokens at prompt positions",
     "prompt_alt_tokens_k": "alternative-token draws at prompt positions",
-    "record_stability_info": "stability info for StableReinforce training",
 }
 
 
@@ -317,7 +352,9 @@ def _check_supported_options(req: SampleW) -> None:
             )
 
 
-def sample_job_of(req: SampleW, sampler: str | None, card: ModelCard, limits: Limits) -> SampleJob:
+def sample_job_of(
+    req: SampleW, sampler: str | None, card: ModelCard, limits: Limits, *, tempered: bool = True
+) -> SampleJob:
     """The backend job for one asample request: every check of a sample request lives
     here (the backend trusts the jobs it gets)."""
     _check_supported_options(req)
@@ -380,4 +417,5 @@ def sample_job_of(req: SampleW, sampler: str | None, card: ModelCard, limits: Li
         stop_token_ids=stop_ids,
         prompt_logprobs=bool(req.prompt_logprobs) or req.topk_prompt_logprobs > 0,
         topk_prompt_logprobs=req.topk_prompt_logprobs,
+        tempered_logprobs=tempered,
     )

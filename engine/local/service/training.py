@@ -25,6 +25,7 @@ from engine.local.jobs import (
     save_sampler_job,
     save_state_job,
 )
+from engine.local.losses import STABILITY_LOSSES
 from engine.local.sequencer import ModelSequencer, SeqRejected
 from engine.local.service.checkpoints import CheckpointStore
 from engine.local.service.core import (
@@ -38,6 +39,7 @@ from engine.local.service.core import (
 )
 from engine.local.service.registry import ModelState
 from engine.local.service.resources import Resources
+from engine.local.stability import stability_inputs
 from engine.local.stats import OpCycle
 from engine.local.storage import TinkerPath
 from engine.local.wire import (
@@ -257,12 +259,22 @@ class TrainingOps:
         )
         mid = model.model_id
         backend = core.backend
-        if endpoint == "forward_backward":
-            fb = parse(ForwardBackwardW, body, endpoint)
-            return forward_job(backend, mid, fb.forward_backward_input, limits, backward=True)
-        if endpoint == "forward":
-            fw = parse(ForwardW, body, endpoint)
-            return forward_job(backend, mid, fw.forward_input, limits, backward=False)
+        if endpoint in ("forward_backward", "forward"):
+            if endpoint == "forward_backward":
+                inp = parse(ForwardBackwardW, body, endpoint).forward_backward_input
+            else:
+                inp = parse(ForwardW, body, endpoint).forward_input
+            server_inputs = None
+            if inp.loss_fn in STABILITY_LOSSES:
+                server_inputs = stability_inputs(core.stability, model.session_id, inp)
+            return forward_job(
+                backend,
+                mid,
+                inp,
+                limits,
+                backward=endpoint == "forward_backward",
+                server_inputs=server_inputs,
+            )
         if endpoint == "optim_step":
             opt = parse(OptimStepW, body, endpoint)
             if opt.adam_params is None:

@@ -146,7 +146,23 @@ def _datum(datum: pb.Datum, where: str) -> dict[str, Any]:
         name: _tensor(t, f"{where}.loss_fn_inputs.{name}")
         for name, t in datum.loss_fn_inputs.items()
     }
-    return {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
+    out: dict[str, Any] = {"model_input": {"chunks": chunks}, "loss_fn_inputs": inputs}
+    if datum.model_input_spans or datum.loss_fn_input_spans:
+        out["model_input_spans"] = [_span(s) for s in datum.model_input_spans]
+        out["loss_fn_input_spans"] = [_span(s) for s in datum.loss_fn_input_spans]
+    return out
+
+
+def _span(span: pb.ProvenanceSpan) -> dict[str, Any]:
+    """A provenance run as ``engine.local.wire.ProvenanceSpanW`` reads it."""
+    arm = span.sampled_tokens if span.WhichOneof("span") == "sampled_tokens" else span.prompt_tokens
+    kind = "sampled" if span.WhichOneof("span") == "sampled_tokens" else "prompt"
+    return {
+        "kind": kind,
+        "sequence_id": arm.sequence_id,
+        "offset": int(arm.offset),
+        "length": int(arm.length),
+    }
 
 
 def _tensor(tensor: pb.Tensor, where: str) -> dict[str, Any]:

@@ -62,7 +62,9 @@ async def evaluate(sampler: Any, tokenizer: Any, task: EnvTask) -> dict[str, flo
         EpisodeLimits(max_tokens=CONTEXT),
     )
 
-    async def sample(observation: Observation, n: int, room: int | None) -> list[SampledAction]:
+    async def sample(
+        observation: Observation, n: int, room: int | None, *, episode: int, turn: int
+    ) -> list[SampledAction]:
         stop = observation.stop
         limit = stop.max_tokens or MAX_TOKENS
         params = types.SamplingParams(

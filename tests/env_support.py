@@ -76,7 +76,7 @@ class ScriptedSampler:
     calls: list[tuple[Observation, int, int | None]] = field(default_factory=list)
 
     async def __call__(
-        self, observation: Observation, n: int, room: int | None
+        self, observation: Observation, n: int, room: int | None, *, episode: int, turn: int
     ) -> list[SampledAction]:
         self.calls.append((observation, n, room))
         out: list[SampledAction] = []

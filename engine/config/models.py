@@ -190,7 +190,9 @@ class ModelSettings(_Group):
         int | None, Setting(env=("MINT_LORA_RANK",), check=positive, recommended=True)
     ] = Field(None, description="LoRA rank")
     lora_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
-        None, description="seed of the LoRA initialisation (the quickstart leaves it to the server)"
+        None,
+        description="seed of the LoRA initialisation (the quickstart leaves it to the server; "
+        "unset: --seed)",
     )
     init_from: Annotated[str | None, Setting(check=_tinker_weights, unset="off")] = Field(
         None,
@@ -220,7 +222,10 @@ class SamplingSettings(_Group):
         "tinker 0.22 drops its stop_token_ids)",
     )
     sampling_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
-        None, description="seed sent with every sample request (reproducible sampling)"
+        None,
+        description="one seed sent with every sample request, as the quickstart sends it "
+        "(unset: each request's seed is derived from --seed, its step, group, episode and turn, "
+        "so a run repeats)",
     )
 
 

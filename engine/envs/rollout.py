@@ -40,6 +40,7 @@ import anyio
 from engine.common.clock import Stopwatch
 from engine.core.datums import Completion
 from engine.core.problems import Problem
+from engine.core.seeds import ALL_EPISODES
 from engine.core.trajectory import Action, EpisodeLimits, Observation, Outcome, Trajectory, Turn
 from engine.envs.scoring import RewardError, check_rewards
 from engine.envs.types import Env, EnvGroupBuilder, EnvStepResult
@@ -66,10 +67,13 @@ class SampledAction:
 
 class TurnSampler(Protocol):
     """Samples ``n`` actions for one observation. ``room`` caps the action's length
-    (the context left under ``max_tokens``; None: no cap beyond the stop condition)."""
+    (the context left under ``max_tokens``; None: no cap beyond the stop condition).
+    ``episode`` and ``turn`` say which request of the group it is (``episode`` is
+    :data:`~engine.core.seeds.ALL_EPISODES` for the group's shared first turn): what a
+    request's seed is derived from."""
 
     async def __call__(
-        self, observation: Observation, n: int, room: int | None
+        self, observation: Observation, n: int, room: int | None, *, episode: int, turn: int
     ) -> Sequence[SampledAction]: ...
 
 
@@ -210,7 +214,7 @@ class EpisodeRunner:
         first, room = observations[0], self._room(observations[0])
         if any(o != first for o in observations) or (room is not None and room < 1):
             return [None] * len(observations)
-        actions = await self._sample(first, len(observations), room)
+        actions = await self._sample(first, len(observations), room, episode=ALL_EPISODES, turn=0)
         tally.retries += sum(a.retries for a in actions)
         if len(actions) != len(observations):
             raise EngineError(
@@ -235,11 +239,12 @@ class EpisodeRunner:
         outcome: Outcome = "timeout"
         error: str | None = None
         with anyio.CancelScope(deadline=deadline):
-            outcome, error = await self._turns(env, observation, first, turns, tally)
+            outcome, error = await self._turns(i, env, observation, first, turns, tally)
         out[i] = self._finished(tuple(turns), outcome, error, self._clock() - group_started)
 
     async def _turns(
         self,
+        i: int,
         env: Env,
         observation: Observation,
         action: SampledAction | None,
@@ -252,7 +257,8 @@ class EpisodeRunner:
                 room = self._room(observation)
                 if room is not None and room < 1:
                     return "max_tokens", None
-                action = (await self._sample(observation, 1, room))[0]
+                sampled = await self._sample(observation, 1, room, episode=i, turn=len(turns))
+                action = sampled[0]
                 tally.retries += action.retries
             completion = action.completion
             result: EnvStepResult

@@ -27,6 +27,7 @@ import anyio
 
 from engine.config import EngineConfig
 from engine.core.problems import Problem, RewardBreakdown, Task
+from engine.core.seeds import EVAL_STEP, sampling_seed
 from engine.core.trajectory import Observation, Trajectory
 from engine.envs.rollout import EpisodeRunner, SampledAction, turn_settings
 from engine.envs.scoring import RewardError
@@ -82,6 +83,7 @@ async def evaluate(
     temperature: float = 1.0,
     pass_reward: float = PASS_REWARD,
     on_reward_error: Callable[[RewardError], None] | None = None,
+    seed: int | None = None,
 ) -> dict[str, float]:
     """One greedy episode per held-out problem (a group of one from ``plan``, run by the
     training's episode runner under its limits), scored as in training: ``eval/reward/total``
@@ -93,13 +95,20 @@ async def evaluate(
     (mean over all), ``eval/sampled/pass@1`` and ``eval/sampled/pass@n``. A group that
     cannot be built, sampled or scored ends the evaluation with its RewardError, unless
     ``on_reward_error`` is given: it is then called with the error and the problem is left
-    out of the means (none left: no means)."""
+    out of the means (none left: no means). ``seed`` (a run's ``--seed``) seeds each
+    request by the problem's index (:data:`~engine.core.seeds.EVAL_STEP`); None sends
+    none."""
     limiter = anyio.CapacityLimiter(concurrency)
 
-    def runner(temperature: float) -> EpisodeRunner:
-        async def sample(observation: Observation, n: int, room: int | None) -> list[SampledAction]:
+    def runner(temperature: float, problem: int) -> EpisodeRunner:
+        async def sample(
+            observation: Observation, n: int, room: int | None, *, episode: int, turn: int
+        ) -> list[SampledAction]:
+            request_seed = (
+                None if seed is None else sampling_seed(seed, EVAL_STEP, problem, episode, turn)
+            )
             settings = turn_settings(
-                observation, room, max_tokens=max_tokens, temperature=temperature
+                observation, room, max_tokens=max_tokens, temperature=temperature, seed=request_seed
             )
             async with limiter:
                 result = await session.sample(sampler, observation.tokens, n, settings)
@@ -107,7 +116,6 @@ async def evaluate(
 
         return EpisodeRunner(sample, plan.limits)
 
-    greedy, sampled = runner(0.0), runner(temperature)
     episodes: list[Trajectory | None] = [None] * len(problems)
     scored_samples: list[list[RewardBreakdown] | None] = [None] * len(problems)
 
@@ -122,8 +130,8 @@ async def evaluate(
 
     async def one(i: int, problem: Problem) -> None:
         try:
-            (episode,) = await play(greedy, problem, 1)
-            rest = await play(sampled, problem, samples) if samples else []
+            (episode,) = await play(runner(0.0, i), problem, 1)
+            rest = await play(runner(temperature, i), problem, samples) if samples else []
         except RewardError as error:
             if on_reward_error is None:
                 raise
@@ -215,6 +223,7 @@ class Evaluator:
         self._samples = config.evaluation.eval_samples
         self._temperature = config.sampling.temperature
         self._skip_reward_errors = config.scoring.on_reward_error == "skip"
+        self._seed = config.task.seed
         self._say = say
         self._warn = warn
         self._track = track
@@ -240,6 +249,7 @@ class Evaluator:
             samples=self._samples,
             temperature=self._temperature,
             on_reward_error=skip if self._skip_reward_errors else None,
+            seed=self._seed,
         )
         record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
         with self._path.open("a", encoding="utf-8") as f:

@@ -11,6 +11,7 @@ and records its version; a group's version is that of its oldest turn.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 
 import anyio
@@ -20,6 +21,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.problems import Problem, ProblemSource
+from engine.core.seeds import sampling_seed
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Observation
 from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn_settings
@@ -70,7 +72,6 @@ class RolloutStage:
         self._progress = progress
         self._on_reward_error = on_reward_error
         self._slots = anyio.Semaphore(config.pipeline.concurrency)
-        self._runner = EpisodeRunner(self._sample_turn, plan.limits, clock=clock)
         ahead = config.pipeline.sample_ahead
         self._sample_ahead = ahead if ahead is not None or plan.episodic else 0
         self.exhausted = False
@@ -115,7 +116,9 @@ class RolloutStage:
     ) -> None:
         async with send:
             try:
-                rollout = await self._runner.run_group(builder, problem)
+                sample = functools.partial(self._sample_turn, step, index)
+                runner = EpisodeRunner(sample, self._plan.limits, clock=self._clock)
+                rollout = await runner.run_group(builder, problem)
             except Exception as exc:
                 # Sampling retries are spent (or the breaker is open): stop after the
                 # steps in flight instead of cancelling them half-way.
@@ -132,16 +135,25 @@ class RolloutStage:
             await send.send(_scored(step, index, problem, admitted, rollout))
 
     async def _sample_turn(
-        self, observation: Observation, n: int, room: int | None
+        self,
+        step: int,
+        group: int,
+        observation: Observation,
+        n: int,
+        room: int | None,
+        *,
+        episode: int,
+        turn: int,
     ) -> list[SampledAction]:
-        """``n`` actions for ``observation`` from the newest sampler."""
+        """``n`` actions for ``observation`` from the newest sampler, seeded by where the
+        request sits in the run (``--sampling-seed``: that one seed for every request,
+        as the quickstart sends it)."""
         cfg = self._config.sampling
+        seed = cfg.sampling_seed
+        if seed is None:
+            seed = sampling_seed(self._config.task.seed, step, group, episode, turn)
         settings = turn_settings(
-            observation,
-            room,
-            max_tokens=cfg.max_tokens,
-            temperature=cfg.temperature,
-            seed=cfg.sampling_seed,
+            observation, room, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed
         )
         async with self._slots:
             sampler = self._versions.current

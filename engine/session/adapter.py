@@ -549,7 +549,7 @@ class SdkSession:
         lora = LoraSpec(
             base_model,
             config.model.lora_rank,
-            config.model.lora_seed,
+            config.model.lora_seed if config.model.lora_seed is not None else config.task.seed,
             config.model.init_from,
             config.model.init_from_optimizer,
         )

@@ -59,8 +59,8 @@ from engine.config import Profile
 from engine.core.problems import Task
 from engine.envs.loader import load_task
 from engine.local import LocalServer
-from engine.session.adapter import snapshot_name
 from engine.session.preflight import read_server_profile
+from engine.session.sdk_calls import snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
 from engine.tasks.arithmetic import score_arithmetic
 

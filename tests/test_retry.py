@@ -31,7 +31,6 @@ from engine.errors import (
     retry_after,
 )
 from engine.redact import clear_registered_secrets, register_secret
-from engine.session.adapter import sdk_sampling_retry_config
 from engine.session.breaker import CircuitBreaker
 from engine.session.retry import (
     OpKind,
@@ -43,6 +42,7 @@ from engine.session.retry import (
     retrying,
     should_retry,
 )
+from engine.session.sdk_calls import sdk_sampling_retry_config
 from tests import sdk_errors as sdk
 from tests.clock import ManualClock, expire_deadlines
 

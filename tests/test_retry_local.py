@@ -22,9 +22,9 @@ from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import CircuitOpen, PermanentServiceError, StepOutcomeUnknown
 from engine.local import LocalServer
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
-from engine.session.adapter import sdk_sampling_retry_config
 from engine.session.breaker import CircuitBreaker
 from engine.session.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
+from engine.session.sdk_calls import sdk_sampling_retry_config
 from engine.supervision.recovery import plan_recovery
 from tests.clock import ManualClock, expire_deadlines
 

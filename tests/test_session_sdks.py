@@ -20,7 +20,6 @@ from engine.common import sdks
 from engine.config import EngineConfig
 from engine.errors import ConfigError, classify, retry_after
 from engine.local import LocalServer
-from engine.session.adapter import settled
 from engine.session.mint import (
     LOOPBACK_IDLE_CONNECTIONS,
     MintSession,
@@ -28,6 +27,7 @@ from engine.session.mint import (
     reserve_sampler_snapshot,
 )
 from engine.session.opening import adapter_class, open_session, service_guard
+from engine.session.sdk_calls import settled
 from tests.hosted_env import run_without
 from tests.test_install import clean_env, one_error_line
 

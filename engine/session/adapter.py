@@ -2,33 +2,13 @@
 calls themselves left to a subclass (:mod:`engine.session.mint` for tinker 0.22 under
 ``mint``, :mod:`engine.session.tinker` for tinker >= 0.38).
 
-Why one base: both generations have the same clients (ServiceClient, TrainingClient,
-SamplingClient), the same types (``tinker.types``) and the same futures (``APIFuture``
-with ``.future()``); they differ in how a call is made (0.22's ``*_async`` methods that
-need two awaits, 0.38's methods that return a future at once), in how a sampler
-snapshot keeps its place in the model's sequence, and in how a session is closed. The
-rest -- every call through :meth:`SdkSession._call`, the single seam where the
-reliability layer (``engine.session.retry``, ``engine.supervision.watchdog``) wraps
-retries, deadlines and circuit breaking, and the typed results -- is here once.
-
-Imported only by the adapters: it imports ``tinker`` (whichever generation is
-installed) for the names both share.
-
-Two SDK facts shape the calls (docs/architecture.md, "Wire facts"):
-
-* A step's ``forward_backward`` AND ``optim_step`` are submitted
-  (:meth:`SdkSession.submit_forward_backward`, :meth:`SdkSession.submit_optim_step`)
-  before either is awaited (:meth:`SdkSession.finish_train_step`): one server round
-  instead of three.
-* Some SDK calls block the calling thread even in their ``_async`` form (the
-  ServiceClient constructor, ``get_tokenizer``); they run in a worker thread so the
-  event loop keeps serving the other pipeline stages.
-
-Reliability (see :mod:`engine.session.retry`): idempotent kinds (setup, sampling,
-sampler snapshots, save_state) are retried on transient errors under a per-attempt
-deadline; train-step calls are bounded by a deadline and never repeated: a failure after
-submission raises :class:`~engine.errors.StepOutcomeUnknown` and the engine restores a
-checkpoint with :meth:`SdkSession.restore`.
+Both generations have the same clients, types and futures and differ in how a call is
+made, how a sampler snapshot keeps its place in the model's sequence and how a session
+closes; the rest is here once, every call through :meth:`SdkSession._call` (the seam
+where retries, deadlines and the breaker wrap it). A step's ``forward_backward`` and
+``optim_step`` are submitted before either is awaited (one server round); train-step
+calls are never repeated (docs/architecture.md, "Wire facts" and "Exactly-once train
+steps"). Imported only by the adapters: it imports ``tinker``.
 """
 
 from __future__ import annotations
@@ -61,17 +41,15 @@ from engine.session.api import (
 )
 from engine.session.preflight import PreflightError, check_reachable, setup_call
 from engine.session.preflight import recommended_profile as read_recommended_profile
-from engine.session.retry import OpKind, RetryCounter, RetryPolicy, ServiceGuard, tally_retries
+from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retries
+from engine.session.sdk_calls import (
+    import_tokenizer_library,
+    sdk_sampling_retry_config,
+    settled,
+    to_sdk_datum,
+)
 
-__all__ = [
-    "SNAPSHOT_TTL_S",
-    "LoraSpec",
-    "SdkSession",
-    "sdk_sampling_retry_config",
-    "settled",
-    "snapshot_name",
-    "to_sdk_datum",
-]
+__all__ = ["SNAPSHOT_TTL_S", "LoraSpec", "SdkSession"]
 
 T = TypeVar("T")
 
@@ -494,7 +472,7 @@ class SdkSession:
             async with anyio.create_task_group() as warming:
                 # The tokenizer's library takes seconds of client CPU to import: import
                 # it while the server answers the setup calls, not after them.
-                warming.start_soon(_import_tokenizer_library)
+                warming.start_soon(import_tokenizer_library)
                 session = await cls._open(
                     config,
                     base_url,
@@ -603,50 +581,3 @@ class SdkSession:
                 await session._sdk_close(True)
             raise
         return session
-
-
-async def _import_tokenizer_library() -> None:
-    """Import what ``get_tokenizer`` imports (Hugging Face ``transformers``), in a worker
-    thread; abandoned (left to finish) if the setup fails first."""
-
-    def load() -> None:
-        with contextlib.suppress(ImportError):  # get_tokenizer will say what is missing
-            import transformers.models.auto.tokenization_auto  # noqa: F401
-
-    await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
-
-
-def to_sdk_datum(datum: Datum) -> types.Datum:
-    return types.Datum(
-        model_input=types.ModelInput.from_ints(tokens=datum.model_input.tolist()),
-        loss_fn_inputs={
-            key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
-        },
-    )
-
-
-def snapshot_name(version: int) -> str:
-    """The sampler weights' name of policy ``version``: the snapshot lives at
-    ``tinker://<model id>/sampler_weights/<name>``."""
-    return f"sampler-v{version}"
-
-
-async def settled(future: Any) -> Any:
-    """The result of an SDK future (an ``APIFuture`` of a call on the model's sequence).
-    Cancelling the wait abandons the result, never the call: the SDK would cancel its
-    request after it took its place in the sequence, and every later call of the model
-    would wait on the server for the place left empty."""
-    return await asyncio.shield(asyncio.wrap_future(future.future()))
-
-
-def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
-    """``retry_config`` for sampling clients: the SDK's sampling retry loop (no attempt
-    limit) gives up after ``policy.attempt_timeout`` without progress instead of 2 h,
-    and uses the policy's backoff bounds."""
-    base = RetryConfig()
-    return RetryConfig(
-        max_connections=base.max_connections,
-        progress_timeout=policy.attempt_timeout or base.progress_timeout,
-        retry_delay_base=max(policy.initial_wait, 0.01),
-        retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
-    )

@@ -1,0 +1,71 @@
+"""Small pieces of SDK plumbing both adapters use: engine datums as SDK datums, sampler
+snapshot names, awaiting an SDK future without cancelling its call, the sampling
+clients' retry config, and importing the tokenizer library off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import anyio
+from tinker import types
+from tinker.lib.retry_handler import RetryConfig
+
+from engine.core.datums import Datum
+from engine.session.retry import RetryPolicy
+
+__all__ = [
+    "import_tokenizer_library",
+    "sdk_sampling_retry_config",
+    "settled",
+    "snapshot_name",
+    "to_sdk_datum",
+]
+
+
+async def import_tokenizer_library() -> None:
+    """Import what ``get_tokenizer`` imports (Hugging Face ``transformers``), in a worker
+    thread; abandoned (left to finish) if the setup fails first."""
+
+    def load() -> None:
+        with contextlib.suppress(ImportError):  # get_tokenizer will say what is missing
+            import transformers.models.auto.tokenization_auto  # noqa: F401
+
+    await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+
+
+def to_sdk_datum(datum: Datum) -> types.Datum:
+    return types.Datum(
+        model_input=types.ModelInput.from_ints(tokens=datum.model_input.tolist()),
+        loss_fn_inputs={
+            key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
+        },
+    )
+
+
+def snapshot_name(version: int) -> str:
+    """The sampler weights' name of policy ``version``: the snapshot lives at
+    ``tinker://<model id>/sampler_weights/<name>``."""
+    return f"sampler-v{version}"
+
+
+async def settled(future: Any) -> Any:
+    """The result of an SDK future (an ``APIFuture`` of a call on the model's sequence).
+    Cancelling the wait abandons the result, never the call: the SDK would cancel its
+    request after it took its place in the sequence, and every later call of the model
+    would wait on the server for the place left empty."""
+    return await asyncio.shield(asyncio.wrap_future(future.future()))
+
+
+def sdk_sampling_retry_config(policy: RetryPolicy) -> RetryConfig:
+    """``retry_config`` for sampling clients: the SDK's sampling retry loop (no attempt
+    limit) gives up after ``policy.attempt_timeout`` without progress instead of 2 h,
+    and uses the policy's backoff bounds."""
+    base = RetryConfig()
+    return RetryConfig(
+        max_connections=base.max_connections,
+        progress_timeout=policy.attempt_timeout or base.progress_timeout,
+        retry_delay_base=max(policy.initial_wait, 0.01),
+        retry_delay_max=max(policy.max_wait, policy.initial_wait, 0.01),
+    )

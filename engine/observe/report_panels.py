@@ -6,7 +6,8 @@ The metrics are recognised by the engine's names (docs/run-directory.md): a rewa
 component ``c`` is ``env/all/<c>`` with its ``env/all/<c>/rate``; an environment's
 per-episode counts are the other ``env/all/*`` means (turns, tool calls, tool errors,
 the environment's own turn metrics); ``env/all/outcome/*`` are the episode endings;
-``eval/*`` come from ``eval.jsonl``. Needs matplotlib (import after ``require``).
+``eval/*`` come from ``eval.jsonl``. Choosing needs nothing; :func:`draw_panels` imports
+matplotlib (call it after ``require("report", ...)``).
 """
 
 from __future__ import annotations
@@ -160,8 +161,13 @@ def components(runs: Sequence[RunData]) -> list[str]:
 
 
 def _same(records: Sequence[dict[str, Any]], a: str, b: str) -> bool:
+    """Whether metrics ``a`` and ``b`` are equal wherever both are numbers."""
     pairs = [(m.get(a), m.get(b)) for m in records]
-    return all(x is None or y is None or abs(float(x) - float(y)) <= _SAME for x, y in pairs)
+    return all(
+        abs(x - y) <= _SAME
+        for x, y in pairs
+        if isinstance(x, int | float) and isinstance(y, int | float)
+    )
 
 
 def same_as_reward(runs: Sequence[RunData], component: str) -> bool:

@@ -1,16 +1,18 @@
 """``python -m engine.report RUN_DIR [RUN_DIR ...]``: a picture of one run, or several
 overlaid, from their ``metrics.jsonl``.
 
-Writes ``report.png`` (six panels: reward and exact rate, raw and smoothed; median step
-time by stage; staleness; KL between sampler and trainer; throughput; when the runs log
-them, a row of response panels: response length in tokens, mean and max, and the
-fractions of trained groups and of truncated and empty responses; and, when a run has
-``eval.jsonl`` from ``--eval-every``, a row of held-out panels: greedy mean reward and
-the rate of each reward component by step, step 0 included; a run that trained nothing
-says so in words, on the picture and in the page) and a self-contained
-``report.html`` (the picture embedded, a table per run). One run: into
-its own directory; several: into ``--out`` (default ``reports/<timestamp>``). A finished
-run draws its own ``report.png`` (:func:`finished_run_report`).
+Writes ``report.png``, the panels that the run's own metrics fill and no others
+(:mod:`engine.observe.report_panels`): the mean reward (raw and smoothed) and each
+reward component of the task; for an environment, the turns, tool calls, tool errors
+and other counts per episode and how the episodes ended; the held-out means of
+``eval.jsonl`` (from ``--eval-every``, step 0 included); loss, KL, entropy and gradient
+norm where logged; staleness; response lengths and the fractions of trained groups and
+of truncated and empty responses; the stages' seconds per step, as medians and against
+wall clock; throughput. A run that trained nothing says so in words, on the picture and
+in the page. Also a self-contained ``report.html`` (the picture embedded, a table per
+run). One run: into its own directory; several, overlaid one colour each: into
+``--out`` (default ``reports/<timestamp>``). A finished run draws its own
+``report.png`` (:func:`finished_run_report`).
 
 Needs the ``report`` extra (matplotlib); without it the command says how to install it
 (exit 2). Damaged lines of metrics.jsonl / eval.jsonl are skipped with a warning that
@@ -37,6 +39,7 @@ from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.common.extras import require
 from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
+from engine.observe.report_panels import components, draw_panels
 from engine.rundir.steplog import StepLines, read_step_lines
 
 if TYPE_CHECKING:
@@ -58,13 +61,6 @@ __all__ = [
 REPORT_PNG = "report.png"
 REPORT_HTML = "report.html"
 DEFAULT_SMOOTHING = 0.6
-STAGES: dict[str, str] = {  # time/<stage> metric -> axis label
-    "sample": "sample",
-    "score": "score",
-    "train": "train",
-    "wait": "trainer\nwaits",
-    "step": "whole\nstep",
-}
 
 
 @dataclass(frozen=True)
@@ -85,10 +81,6 @@ class RunData:
     def eval_series(self, name: str) -> tuple[list[int], list[float | None]]:
         """(step numbers, values) of one ``eval/*`` metric, one point per evaluation."""
         return _series(self.evals, name)
-
-    def eval_rates(self) -> list[str]:
-        """The ``eval/<component>/rate`` metrics of the run's evaluations."""
-        return sorted({k for e in self.evals for k in e if k.endswith("/rate")})
 
     def has(self, name: str) -> bool:
         return any(_number(m.get(name)) is not None for m in self.steps)
@@ -181,165 +173,15 @@ def plot_report(runs: Sequence[RunData], path: Path, smoothing: float = DEFAULT_
 
 
 def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -> Figure:
-    """The figure of :func:`plot_report`; its first axes hold the reward curves, two
-    lines per run (raw, smoothed), in the order of ``runs``; when a run has held-out
-    evaluations, two more axes follow the six: held-out reward, held-out rates."""
-    from engine.observe.plotting import color, new_figure
-
-    evaluated = [run for run in runs if run.evals]
-    responses = [run for run in runs if run.has(RESPONSE_LEN) or run.has(TRAINED_FRAC)]
-    rows = 2 + bool(responses) + bool(evaluated)
-    fig = new_figure(15, 4.25 * rows)
-    grid = fig.add_gridspec(rows, 3)
-    axes: list[Any] = [fig.add_subplot(grid[row, col]) for row in range(2) for col in range(3)]
-    ax_reward, ax_exact, ax_time, ax_stale, ax_kl, ax_rate = axes
-
-    def curve(ax: Any, i: int, run: RunData, name: str, scale: float = 1.0) -> None:
-        steps, values = run.series(name)
-        scaled = [None if v is None else v * scale for v in values]
-        ax.plot(steps, scaled, color=color(i), alpha=0.3, lw=1)
-        ax.plot(steps, smooth(scaled, smoothing), color=color(i), lw=2, label=run.label)
-
-    for i, run in enumerate(runs):
-        curve(ax_reward, i, run, "avg_reward")
-        if run.has("exact_rate"):
-            curve(ax_exact, i, run, "exact_rate", 100.0)
-        curve(ax_rate, i, run, "throughput/samples_per_s")
-        steps, stale = run.series("off_policy/staleness")
-        ax_stale.step(steps, stale, where="mid", color=color(i), lw=2, label=run.label)
-        for name, style in (("optim/kl_sample_train_v1", "-"), ("optim/kl_sample_train_v2", "--")):
-            steps, kl = run.series(name)
-            ax_kl.plot(steps, kl, style, color=color(i), lw=1.2, marker=".", ms=3)
-    _stage_bars(ax_time, runs, color)
-
-    smoothed = f"smoothed {smoothing:g}" if smoothing else "raw"
-    ax_reward.set_title(f"mean reward per step (faint: raw, bold: {smoothed})")
-    ax_exact.set_title("exact answers, % of samples")
-    if not any(run.has("exact_rate") for run in runs):
-        ax_exact.text(
-            0.5, 0.5, "the task reports no exact_rate", ha="center", transform=ax_exact.transAxes
-        )
-    ax_stale.set_title("off-policy staleness (steps behind the trainer)")
-    ax_stale.yaxis.get_major_locator().set_params(integer=True)
-    most_stale = max(
-        (v or 0 for run in runs for v in run.series("off_policy/staleness")[1]), default=0
-    )
-    ax_stale.set_ylim(-0.3, max(1.0, most_stale) + 0.3)
-    ax_kl.set_title("KL(sampler || trainer): v1 solid, v2 dashed")
-    ax_kl.axhline(0.0, color="grey", lw=0.6)
-    if not any(run.has("optim/kl_sample_train_v1") for run in runs):
-        ax_kl.set_ylim(-1.0, 1.0)
-        ax_kl.set_xlim(ax_reward.get_xlim())
-        ax_kl.text(0.5, 0.6, "no trained step: no KL", ha="center", transform=ax_kl.transAxes)
-    ax_rate.set_title("throughput, samples per second")
-    for ax in (ax_reward, ax_exact, ax_stale, ax_kl, ax_rate):
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    ax_reward.legend(fontsize=8)
-    row = 2
-    if responses:
-        _response_panels(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1:]), runs, color)
-        row += 1
-    if evaluated:
-        _eval_panels(fig.add_subplot(grid[row, 0]), fig.add_subplot(grid[row, 1:]), runs, color)
+    """The figure of :func:`plot_report`: the panels of :mod:`engine.observe.report_panels`
+    that the runs' metrics fill (each axes' gid names its panel, the reward first), with
+    the runs' names, and why a run trained nothing, as its title."""
     title = ", ".join(run.label for run in runs)
     for run in runs:
         reason = run.trained_nothing
         if reason is not None:
             title += f"\n{run.label} trained nothing: {reason}"
-    fig.suptitle(title, fontsize=11)
-    lines = title.count("\n") + 1
-    fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.22 * lines / fig.get_figheight()))
-    return fig
-
-
-RESPONSE_LEN = "response_len/mean"
-TRAINED_FRAC = "groups/trained_frac"
-_FRACTIONS = (
-    (TRAINED_FRAC, "-", "trained groups"),
-    ("response_len/truncated_frac", "--", "truncated responses"),
-    ("response_len/empty_frac", ":", "empty responses"),
-)
-
-
-def _response_panels(ax_len: Any, ax_frac: Any, runs: Sequence[RunData], color: Any) -> None:
-    """Response length (mean solid, max dashed) and the fractions of trained groups and
-    of truncated and empty responses; each line labelled only for a run that has it."""
-    for i, run in enumerate(runs):
-        for name, style, what in (
-            (RESPONSE_LEN, "-", "mean"),
-            ("response_len/max", "--", "max"),
-        ):
-            if run.has(name):
-                steps, values = run.series(name)
-                ax_len.plot(
-                    steps, values, style, color=color(i), lw=1.5, label=f"{run.label}: {what}"
-                )
-        for name, style, what in _FRACTIONS:
-            if run.has(name):
-                steps, values = run.series(name)
-                percent = [None if v is None else v * 100.0 for v in values]
-                ax_frac.plot(
-                    steps, percent, style, color=color(i), lw=1.5, label=f"{run.label}: {what}"
-                )
-    ax_len.set_title("response length, tokens")
-    ax_frac.set_title("% of groups trained; % of responses truncated, empty")
-    ax_frac.set_ylim(-5.0, 105.0)
-    for ax in (ax_len, ax_frac):
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-        if ax.get_lines():
-            ax.legend(fontsize=8)
-
-
-def _eval_panels(ax_reward: Any, ax_rates: Any, runs: Sequence[RunData], color: Any) -> None:
-    """The held-out evaluations: greedy mean reward, and each component's rate (one line
-    style per component), one point per evaluation, one colour per run."""
-    styles = ("-", "--", ":", "-.")
-    rates = sorted({name for run in runs for name in run.eval_rates()})
-    for i, run in enumerate(runs):
-        if not run.evals:
-            continue
-        steps, values = run.eval_series("eval/reward/total")
-        ax_reward.plot(steps, values, color=color(i), lw=2, marker="o", ms=4, label=run.label)
-        for j, name in enumerate(rates):
-            if not run.eval_has(name):
-                continue
-            steps, values = run.eval_series(name)
-            ax_rates.plot(
-                steps,
-                [None if v is None else v * 100.0 for v in values],
-                styles[j % len(styles)],
-                color=color(i),
-                lw=2,
-                marker="o",
-                ms=4,
-                label=f"{run.label}: {name.removeprefix('eval/').removesuffix('/rate')}",
-            )
-    ax_reward.set_title("held-out mean reward (greedy)")
-    ax_rates.set_title("held-out rates, % of problems with the component > 0 (greedy)")
-    for ax in (ax_reward, ax_rates):
-        ax.set_xlabel("step")
-        ax.grid(alpha=0.3)
-    if rates:
-        ax_rates.legend(fontsize=8)
-
-
-def _stage_bars(ax: Any, runs: Sequence[RunData], color: Any) -> None:
-    """Median seconds per step in each stage, one bar per run: the stages overlap when
-    sampling runs ahead, so they are side by side, not stacked."""
-    width = 0.8 / len(runs)
-    for i, run in enumerate(runs):
-        medians = []
-        for stage in STAGES:
-            values = [v for v in run.series(f"time/{stage}")[1] if v is not None]
-            medians.append(statistics.median(values) if values else 0.0)
-        xs = [x + (i - (len(runs) - 1) / 2) * width for x in range(len(STAGES))]
-        bars = ax.bar(xs, medians, width, color=color(i), label=run.label)
-        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
-    ax.set_xticks(range(len(STAGES)), list(STAGES.values()))
-    ax.set_title("median seconds per step, by stage")
-    ax.grid(axis="y", alpha=0.3)
+    return draw_panels(runs, lambda values: smooth(values, smoothing), title)
 
 
 def _table(runs: Sequence[RunData]) -> str:
@@ -348,7 +190,7 @@ def _table(runs: Sequence[RunData]) -> str:
         "status",
         "steps",
         "reward first / last / best",
-        "exact rate, last 5",
+        "components, mean of the last 5 steps",
         "held-out reward first / last",
         "median step (s)",
         "final sampler",
@@ -356,7 +198,6 @@ def _table(runs: Sequence[RunData]) -> str:
     rows = []
     for run in runs:
         rewards = [v for v in run.series("avg_reward")[1] if v is not None]
-        exact = [v for v in run.series("exact_rate")[1][-5:] if v is not None]
         times = [v for v in run.series("time/step")[1] if v is not None]
         held_out = [v for v in run.eval_series("eval/reward/total")[1] if v is not None]
         summary = run.summary or {}
@@ -366,7 +207,7 @@ def _table(runs: Sequence[RunData]) -> str:
             + (f"; trained nothing: {run.trained_nothing}" if run.trained_nothing else ""),
             str(len(run.steps)),
             f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}" if rewards else "n/a",
-            f"{statistics.mean(exact):.1%}" if exact else "n/a",
+            _component_means(run),
             f"{held_out[0]:.3f} / {held_out[-1]:.3f}" if held_out else "n/a",
             f"{statistics.median(times):.2f}" if times else "n/a",
             str(summary.get("final_path") or "not saved"),
@@ -374,6 +215,15 @@ def _table(runs: Sequence[RunData]) -> str:
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")
     header = "<tr>" + "".join(f"<th>{html.escape(h)}</th>" for h in head) + "</tr>"
     return f"<table>{header}{''.join(rows)}</table>"
+
+
+def _component_means(run: RunData) -> str:
+    means = []
+    for name in components([run]):
+        values = [v for v in run.series(f"env/all/{name}")[1][-5:] if v is not None]
+        if values:
+            means.append(f"{name} {statistics.mean(values):.3f}")
+    return ", ".join(means) or "n/a"
 
 
 def write_html(runs: Sequence[RunData], png: Path, path: Path) -> Path:

@@ -100,6 +100,11 @@ def test_a_directory_without_steps_is_one_clear_error(tmp_path: Path) -> None:
         load_run(tmp_path)
 
 
+def panels(fig: Any) -> dict[str, Any]:
+    """The report's axes by panel key (each axes' gid)."""
+    return {str(ax.get_gid()): ax for ax in fig.axes}
+
+
 def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
     runs = [
         load_run(make_run(tmp_path / "k0", [0.5, 0.6, 0.7])),
@@ -107,6 +112,7 @@ def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
     ]
     fig = draw_report(runs)
     reward_axes = fig.axes[0]
+    assert reward_axes.get_gid() == "reward"
     lines = reward_axes.get_lines()
     assert len(lines) == 4  # raw and smoothed per run
     assert [len(np.asarray(line.get_xdata())) for line in lines] == [3, 3, 4, 4]
@@ -114,13 +120,54 @@ def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
     legend = reward_axes.get_legend()
     assert legend is not None
     assert [t.get_text() for t in legend.get_texts()] == ["k0", "k1"]
-    stage_axes = fig.axes[2]
-    assert len(stage_axes.patches) == 2 * 5  # five stage bars per run
+    assert len(panels(fig)["stage_medians"].patches) == 2 * 5  # five stage bars per run
 
 
-def test_held_out_evaluations_get_their_own_panels(tmp_path: Path) -> None:
+def test_a_panel_is_drawn_only_when_its_metrics_are_logged(tmp_path: Path) -> None:
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i, "avg_reward": 0.1 * i}) + "\n" for i in (1, 2, 3))
+    )
+    assert set(panels(draw_report([load_run(bare)]))) == {"reward"}
+    plain = load_run(make_run(tmp_path / "plain", [0.5, 0.6, 0.7]))
+    assert set(panels(draw_report([plain]))) == {
+        "reward",
+        "kl",
+        "staleness",
+        "stage_medians",
+        "throughput",
+    }
+    logged = make_run(tmp_path / "logged", [0.5, 0.6, 0.7])
+    lines = [json.loads(line) for line in (logged / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:
+        m.update({"optim/entropy": 0.8, "optim/grad_norm": 1.5, "optim/loss": 0.2})
+    (logged / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    drawn = panels(draw_report([load_run(logged)]))
+    assert {"entropy", "grad_norm", "loss"} <= set(drawn)
+    assert list(np.asarray(drawn["grad_norm"].get_lines()[0].get_ydata())) == [1.5] * 3
+
+
+def test_a_component_that_is_the_whole_reward_is_named_not_drawn_twice(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "jsonl", [0.25, 0.5])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for m in lines:  # a dataset task's reward preset: correct is 0 or 1, the whole reward
+        m.update({"env/all/correct": m["avg_reward"], "env/all/correct/rate": m["avg_reward"]})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    evals = [json.loads(line) for line in add_evals(run_dir, [0, 2]).joinpath("eval.jsonl").open()]
+    for e in evals:
+        e["eval/correct"] = e["eval/correct/rate"] = e["eval/reward/total"]
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    drawn = panels(draw_report([load_run(run_dir)]))
+    assert not {"components", "component_rates"} & set(drawn)
+    assert drawn["reward"].get_title() == "mean reward per step (= correct)"
+    assert [line.get_label() for line in drawn["held_out"].get_lines()] == ["reward"]
+    assert "(= correct)" in drawn["held_out"].get_title()
+
+
+def test_held_out_evaluations_get_their_own_panel_of_means(tmp_path: Path) -> None:
     plain = load_run(make_run(tmp_path / "plain", [0.5, 0.6, 0.7, 0.8]))
-    assert plain.evals == [] and len(draw_report([plain]).axes) == 6  # no eval row
+    assert plain.evals == [] and "held_out" not in panels(draw_report([plain]))
     evaluated = add_evals(make_run(tmp_path / "eval", [0.5, 0.6, 0.7, 0.8]), [0, 2, 4])
     with (evaluated / "eval.jsonl").open("a") as f:
         f.write('{"step": 6, "eval/rew')  # killed mid-write
@@ -128,16 +175,11 @@ def test_held_out_evaluations_get_their_own_panels(tmp_path: Path) -> None:
     steps, rewards = runs[0].eval_series("eval/reward/total")
     assert steps == [0, 2, 4] and rewards == pytest.approx([0.3, 0.32, 0.34])
     fig = draw_report(runs)
-    assert len(fig.axes) == 8
-    held_out_reward, held_out_rates = fig.axes[6:]
-    [line] = held_out_reward.get_lines()  # the run without evaluations draws none
+    held_out = panels(fig)["held_out"]
+    [line] = held_out.get_lines()  # the run without evaluations draws none; no components
     assert list(np.asarray(line.get_xdata())) == [0, 2, 4]
+    assert list(np.asarray(line.get_ydata())) == pytest.approx([0.3, 0.32, 0.34])
     assert list(line.get_color()) == list(fig.axes[0].get_lines()[0].get_color())
-    rates_legend = held_out_rates.get_legend()
-    assert rates_legend is not None
-    labels = [t.get_text() for t in rates_legend.get_texts()]
-    assert labels == ["eval: correct", "eval: format"]
-    assert [list(np.asarray(x.get_ydata())) for x in held_out_rates.get_lines()][1] == [90.0] * 3
 
 
 def test_the_command_writes_a_picture_and_a_self_contained_page(
@@ -218,7 +260,8 @@ def test_response_panels_label_what_each_run_has_and_a_run_that_trained_nothing_
     )
 
     fig = draw_report(runs)
-    ax_len, ax_frac = fig.axes[6:8]
+    drawn = panels(fig)
+    ax_len, ax_frac = drawn["length"], drawn["fractions"]
     len_legend, frac_legend = ax_len.get_legend(), ax_frac.get_legend()
     assert len_legend is not None and frac_legend is not None
     assert [t.get_text() for t in len_legend.get_texts()] == [
@@ -232,8 +275,4 @@ def test_response_panels_label_what_each_run_has_and_a_run_that_trained_nothing_
         "idle: empty responses",
     ]
     assert "idle trained nothing: every response was empty" in fig.get_suptitle()
-
-    alone = draw_report([runs[1]])
-    kl = alone.axes[4]
-    assert "no trained step" in " ".join(t.get_text() for t in kl.texts)
-    assert kl.get_xlim() == alone.axes[0].get_xlim()
+    assert "kl" not in panels(draw_report([runs[1]]))  # no trained step: no KL panel

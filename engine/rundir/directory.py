@@ -46,6 +46,7 @@ from engine.errors import (
     RunFileError,
     RunStopped,
 )
+from engine.loop.evaluation import EVAL_FILE
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.redact import REDACTED, redact_config
@@ -54,6 +55,7 @@ from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, Checkpoin
 from engine.rundir.events import QUIET, EventLog, HeldEvents
 from engine.rundir.lock import LOCK_FILE, RunDirLock
 from engine.rundir.record import RunRecord
+from engine.rundir.steplog import read_step_lines
 from engine.tasks import Task
 
 __all__ = [
@@ -431,6 +433,7 @@ class RunDirectory:
             "seconds": round(time.perf_counter() - self._started_at, 3),
             "final_path": final_path,
             "no_training": no_training_summary(metrics),
+            "held_out": held_out_summary(self.path / EVAL_FILE),
         }
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
@@ -536,6 +539,40 @@ def _status(error: BaseException | None, *, stopped: bool = False) -> str:
     return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
+def held_out_summary(path: Path) -> dict[str, Any] | None:
+    """The first and last held-out evaluations of ``eval.jsonl`` (step, problems, mean
+    reward and component means), or None without one."""
+    try:
+        evals = read_step_lines(path).records
+    except OSError:
+        return None
+    if not evals:
+        return None
+
+    def figures(record: Mapping[str, Any]) -> dict[str, Any]:
+        means = {
+            k.removeprefix("eval/"): v
+            for k, v in record.items()
+            if k.startswith("eval/") and f"{k}/rate" in record
+        }
+        reward = {"reward": record.get("eval/reward/total")}
+        return {"step": record["step"], "problems": record.get("eval/problems"), **reward, **means}
+
+    return {"first": figures(evals[0]), "last": figures(evals[-1])}
+
+
+def _held_out_line(held: Mapping[str, Any]) -> str:
+    first, last = held["first"], held["last"]
+    names = [k for k in first if k not in ("step", "problems") and k in last]
+    changes = ", ".join(
+        f"{name} {first[name]:.3f} -> {last[name]:.3f}"
+        for name in names
+        if isinstance(first[name], int | float) and isinstance(last[name], int | float)
+    )
+    problems = f", {first['problems']:g} problems" if first.get("problems") else ""
+    return f"- held-out (greedy{problems}), step {first['step']} -> {last['step']}: {changes}"
+
+
 def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -> str:
     def num(v: Any) -> str:
         return "n/a" if v is None else f"{v:.3f}"
@@ -550,6 +587,7 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         f"- avg reward: first {num(s['first_avg_reward'])}, last {num(s['last_avg_reward'])}, "
         f"best {num(s['best_avg_reward'])}",
         f"- max staleness: {s['max_staleness']}",
+        *([_held_out_line(held)] if (held := s["held_out"]) else []),
         *(
             [
                 f"- **trained nothing** for {idle['untrained_steps']} steps (longest run: "

@@ -19,8 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from engine.common.cli import OneLineErrorParser
+from engine.common.steplog import read_step_lines
 from engine.rundir.rollouts import ROLLOUTS_FILE
-from engine.rundir.steplog import read_step_lines
 
 __all__ = ["format_group", "main"]
 

@@ -12,15 +12,15 @@ import numpy as np
 import pytest
 
 from engine.errors import ConfigError
-from engine.report import (
+from engine.observe.report import (
     REPORT_HTML,
     REPORT_PNG,
     draw_report,
     finished_run_report,
     load_run,
-    main,
     smooth,
 )
+from engine.report import main
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -20,7 +20,7 @@ from test_engine_fake_session import HeldOutCountdown, fake_config, run
 from test_pipeline_stages import ToyProblems
 
 from engine.core.problems import Problem, RewardBreakdown
-from engine.report import REPORT_PNG, draw_report, load_run
+from engine.observe.report import REPORT_PNG, draw_report, load_run
 
 pytestmark = pytest.mark.anyio
 

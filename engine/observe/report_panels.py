@@ -1,4 +1,4 @@
-"""The panels of the run report (:mod:`engine.report`), chosen from the metrics the runs
+"""The panels of the run report (:mod:`engine.observe.report`), chosen from the metrics the runs
 logged: each panel is built as data first (:class:`Panel`) and drawn only when it holds a
 value, so a task gets the panels of what it measures and never an empty one.
 
@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from engine.report import RunData
+    from engine.observe.report import RunData
 
 __all__ = ["Panel", "build_panels", "components", "draw_panels"]
 

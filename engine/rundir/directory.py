@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from engine.common.files import write_file_atomically
+from engine.common.steplog import read_step_lines
 from engine.config import EngineConfig, nest_record, resume_rule
 from engine.config.models import setting_at
 from engine.core.state import LoopState
@@ -49,13 +50,12 @@ from engine.errors import (
 from engine.loop.evaluation import EVAL_FILE
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
+from engine.observe.report import REPORT_PNG
 from engine.redact import REDACTED, redact_config
-from engine.report import REPORT_PNG
 from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
 from engine.rundir.events import QUIET, EventLog, HeldEvents
 from engine.rundir.lock import LOCK_FILE, RunDirLock
 from engine.rundir.record import RunRecord
-from engine.rundir.steplog import read_step_lines
 from engine.tasks import Task
 
 __all__ = [

@@ -52,7 +52,7 @@ from engine.loop.results import RunResult, StepResult
 from engine.loop.stopping import StopGate
 from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
-from engine.report import finished_run_report
+from engine.observe.report import finished_run_report
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord

@@ -74,6 +74,7 @@ class Episode:
             1
         )
         self._busy = False
+        self._in_flight: _Pending | None = None
         self.ended: str | None = None
         """Why the episode ended (None while it runs)."""
         self.env = AgentEnv(self)
@@ -129,6 +130,8 @@ class Episode:
             self.ended = why
         self._events_send.close()
         self._events_recv.close()
+        if self._in_flight is not None:  # its handler answers 409
+            self._in_flight.answer.close()
 
     # -- the environment's side ------------------------------------------------------
 
@@ -172,13 +175,15 @@ class Episode:
         answer_send, answer_recv = anyio.create_memory_object_stream[Choice](1)
         with answer_recv:
             try:
-                pending = _Pending(observation, answer_send, tools, logs, metrics)
-                await self._events_send.send(pending)
+                self._in_flight = _Pending(observation, answer_send, tools, logs, metrics)
+                await self._events_send.send(self._in_flight)
                 return await answer_recv.receive()
             except (anyio.EndOfStream, anyio.ClosedResourceError, anyio.BrokenResourceError):
                 raise EndpointError(
                     409, f"episode {self.id} has ended ({self.ended or 'closed'})"
                 ) from None
+            finally:
+                self._in_flight = None
 
 
 class _CallGuard:

@@ -12,6 +12,7 @@ from typing import Any
 
 import openai
 from env_support import ChatBytes
+from openai.types.chat import ChatCompletionFunctionToolParam
 
 from engine.envs import EnvContext, EpisodeLimits, Observation, StopCondition
 from engine.envs.rollout import SampledAction
@@ -61,11 +62,13 @@ class AltSampler:
             self.calls.append(observation)
             text = self.replies[(len(self.calls) - 1) % len(self.replies)]
             tokens = alt_tokens(text)
-            out.append(SampledAction(Completion(tokens, (-0.5,) * len(tokens), "stop"), self.version))
+            out.append(
+                SampledAction(Completion(tokens, (-0.5,) * len(tokens), "stop"), self.version)
+            )
         return out
 
 
-MULTIPLY = {
+MULTIPLY: ChatCompletionFunctionToolParam = {
     "type": "function",
     "function": {
         "name": "multiply",
@@ -91,6 +94,8 @@ async def calculator_agent(client: openai.AsyncOpenAI, problem: Problem) -> floa
         if not message.tool_calls:
             return float((message.content or "").strip() == str(problem.answer))
         for call in message.tool_calls:
+            if call.type != "function":
+                continue
             args = json.loads(call.function.arguments)
             messages.append(
                 {"role": "tool", "tool_call_id": call.id, "content": str(args["a"] * args["b"])}

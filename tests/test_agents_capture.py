@@ -148,9 +148,25 @@ def test_the_responses_are_the_openai_packages_types() -> None:
     from engine.envs.tools import ToolCall
 
     choice = Choice((1, 2), "x", None, (ToolCall("f", {"a": 1}, "call_0"),), "tool_calls")
-    body = ChatRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "q"}]})
+    body = ChatRequest.model_validate(
+        {"model": "m", "messages": [{"role": "user", "content": "q"}]}
+    )
     parsed = ChatCompletion.model_validate(_chat_response(Answer(3, (choice,)), "m", body))
     call = parsed.choices[0].message.tool_calls[0]  # type: ignore[index]
     assert json.loads(call.function.arguments) == {"a": 1}  # type: ignore[union-attr]
     assert parsed.usage is not None and parsed.usage.total_tokens == 5
     assert alt_tokens("a", eos=False) == (ALT + ord("a"),)
+
+
+def test_the_request_fields_are_named_as_in_the_openai_package() -> None:
+    from openai.types import completion_create_params as text_params
+    from openai.types.chat import completion_create_params as chat_params
+
+    from engine.agents.wire import ChatRequest, CompletionRequest
+
+    chat = chat_params.CompletionCreateParamsBase.__annotations__
+    text = text_params.CompletionCreateParamsBase.__annotations__
+    # ("stream" is in the streaming variants' params)
+    streaming = set(chat_params.CompletionCreateParamsStreaming.__annotations__)
+    assert set(ChatRequest.model_fields) <= set(chat) | streaming
+    assert set(CompletionRequest.model_fields) <= set(text) | {"stream"}

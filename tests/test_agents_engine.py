@@ -35,8 +35,14 @@ def test_an_openai_sdk_agent_trains_end_to_end_with_each_call_a_turn(
     server: LocalServer, tmp_path: Path
 ) -> None:
     config = small_config(
-        server, tmp_path / "run", steps=2, batch=2, group=4, max_tokens=96,
-        max_steps_off_policy=0, episode_timeout=120.0,
+        server,
+        tmp_path / "run",
+        steps=2,
+        batch=2,
+        group=4,
+        max_tokens=96,
+        max_steps_off_policy=0,
+        episode_timeout=120.0,
     )
     steps, result = run_engine(config, task=calculator())
     assert result.steps_completed == 2

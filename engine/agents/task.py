@@ -109,6 +109,11 @@ class AgentGroup:
         self._stack = contextlib.AsyncExitStack()
         self.endpoint: Endpoint | None = None
 
+    @property
+    def api_key(self) -> str:
+        """The key the group's agents are given (its endpoint takes no other)."""
+        return self._secret
+
     async def __aenter__(self) -> AgentGroup:
         import openai
 

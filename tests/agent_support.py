@@ -6,7 +6,7 @@ against the ``openai`` SDK."""
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,11 +46,20 @@ def agent_context(**limits: Any) -> EnvContext:
     return EnvContext(TaskContext(TwoSpellings()), StopCondition(), EpisodeLimits(**limits))
 
 
+def calculator_reply(observation: Observation) -> str:
+    """The tool call until the tool's result is in the context, then the product."""
+    return "42" if b"<tool>42" in bytes(t % ALT for t in observation.tokens if t < 512) else CALL
+
+
+CALL = '<tool_call>{"name": "multiply", "arguments": {"a": 6, "b": 7}}</tool_call>'
+
+
 @dataclass
 class AltSampler:
-    """Answers each request with the next scripted reply, in the second spelling."""
+    """Answers each request with the next scripted reply (or ``replies(observation)``),
+    in the second spelling."""
 
-    replies: Sequence[str]
+    replies: Sequence[str] | Callable[[Observation], str]
     version: int = 0
     calls: list[Observation] = field(default_factory=list)
 
@@ -60,7 +69,10 @@ class AltSampler:
         out = []
         for _ in range(n):
             self.calls.append(observation)
-            text = self.replies[(len(self.calls) - 1) % len(self.replies)]
+            if callable(self.replies):
+                text = self.replies(observation)
+            else:
+                text = self.replies[(len(self.calls) - 1) % len(self.replies)]
             tokens = alt_tokens(text)
             out.append(
                 SampledAction(Completion(tokens, (-0.5,) * len(tokens), "stop"), self.version)

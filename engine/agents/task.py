@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hmac
+import importlib.util
 import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
@@ -37,6 +38,7 @@ from engine.agents.wire import EndpointError
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.tools import ToolCallParser
 from engine.envs.types import Env, EnvContext, Trajectory
+from engine.errors import ConfigError
 from engine.tasks.base import Problem, ProblemSource, RewardBreakdown
 
 __all__ = ["AgentFunction", "AgentGroup", "AgentTask"]
@@ -70,6 +72,8 @@ class AgentTask:
         local_model: Path | None = None,
         limits: EndpointLimits | None = None,
     ) -> None:
+        if importlib.util.find_spec("openai") is None:
+            raise ConfigError("agent tasks need the openai SDK: pip install '.[agents]'")
         if not callable(getattr(problems, "source", None)):
             raise TypeError("problems must have a source(seed, state) method (e.g. a Task)")
         self.agent = agent

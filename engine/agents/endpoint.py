@@ -4,7 +4,7 @@ the caller's event loop, on a loopback port picked or given.
 Routes: ``POST /v1/chat/completions`` (``stream: true`` answers as server-sent events,
 in one piece once the reply is sampled), ``POST /v1/completions``, ``GET /v1/models``,
 each also under ``/e/{episode}/v1/...`` (the path that names a training episode). A
-:class:`Backend` says who may call (``Authorization: Bearer KEY``) and samples. Errors
+:class:`EndpointBackend` says who may call (``Authorization: Bearer KEY``) and samples. Errors
 come in OpenAI's format: 400 bad body, 401 bad key, 404 unknown episode or route, 409 a
 call after its episode ended, 413 a body over ``max_body_bytes``, 429 over
 ``max_concurrency`` calls in flight (or a second concurrent call of one episode), 503
@@ -37,7 +37,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from engine.agents.chat import Answer, Choice
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError, error_body
 
-__all__ = ["Backend", "Caller", "Endpoint", "EndpointLimits", "serve_endpoint"]
+__all__ = ["Caller", "Endpoint", "EndpointBackend", "EndpointLimits", "serve_endpoint"]
 
 SHUTDOWN_GRACE_S = 5.0
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -51,7 +51,7 @@ class Caller(Protocol):
     async def complete(self, request: CompletionRequest) -> Answer: ...
 
 
-class Backend(Protocol):
+class EndpointBackend(Protocol):
     """What the endpoint serves: the model's name and the callers."""
 
     @property
@@ -82,7 +82,7 @@ class Endpoint:
         return self.base_url.removesuffix("/v1") + f"/e/{episode}/v1"
 
 
-def build_app(backend: Backend, endpoint: Endpoint, limits: EndpointLimits) -> FastAPI:
+def build_app(backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimits) -> FastAPI:
     app = FastAPI(openapi_url=None, docs_url=None, redoc_url=None)
 
     @app.exception_handler(EndpointError)
@@ -137,7 +137,7 @@ def build_app(backend: Backend, endpoint: Endpoint, limits: EndpointLimits) -> F
 
 @asynccontextmanager
 async def serve_endpoint(
-    backend: Backend,
+    backend: EndpointBackend,
     *,
     host: str = "127.0.0.1",
     port: int = 0,

@@ -173,6 +173,7 @@ class Conversation:
     def __init__(self, chat: ChatFormat) -> None:
         self._chat = chat
         self._last: _Call | None = None
+        self._rendered = ""
 
     def prompt(
         self, messages: list[dict[str, Any]], tools: list[dict[str, Any]]
@@ -181,6 +182,7 @@ class Conversation:
         after the first whose messages do not extend the last call's plus its reply)."""
         chat = self._chat
         full = chat.render_text(messages, tools, generation=True)
+        self._rendered = full
         last = self._last
         if last is None:
             return chat.encode(full), False
@@ -211,8 +213,9 @@ class Conversation:
         prompt: tuple[int, ...],
         reply: Choice,
     ) -> None:
-        """The call just answered (the base of the next prompt)."""
-        text = self._chat.render_text(messages, tools, generation=True)
+        """The call just answered (the base of the next prompt; ``messages`` and
+        ``tools`` are those :meth:`prompt` rendered last)."""
+        text = self._rendered
         self._last = _Call(
             tuple(_key(m) for m in messages), json.dumps(tools, sort_keys=True), text, prompt, reply
         )

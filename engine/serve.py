@@ -98,11 +98,7 @@ class SessionBackend:
     async def complete(self, request: CompletionRequest) -> Answer:
         if request.echo:
             raise EndpointError(400, "echo is not supported", param="echo")
-        prompt = (
-            self._chat.encode(request.prompt)
-            if isinstance(request.prompt, str)
-            else tuple(request.prompt)
-        )
+        prompt = self._chat.prompt_tokens(request.prompt)
         return await self._sample(
             prompt, request, request.max_tokens, request.logprobs is not None, False
         )

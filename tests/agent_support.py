@@ -28,6 +28,9 @@ class TwoSpellings(ChatBytes):
     eos_token = "</s>"
     eos_token_id = 999
 
+    def __len__(self) -> int:
+        return 1000
+
     def decode(self, tokens: Sequence[int], skip_special_tokens: bool = False) -> str:
         out = bytearray()
         for t in tokens:

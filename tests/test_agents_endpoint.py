@@ -99,6 +99,8 @@ async def test_each_error_has_its_status_in_openais_format(served: Any) -> None:
         await c.chat.completions.create(model="m", messages=USER, n=2)
     with pytest.raises(openai.BadRequestError, match="messages"):
         await c.chat.completions.create(model="m", messages=[])
+    with pytest.raises(openai.BadRequestError, match="token ids in"):
+        await c.completions.create(model="m", prompt=[5, 1000])  # out of the vocabulary
     long: list[ChatCompletionMessageParam] = [{"role": "user", "content": "x" * 5000}]
     with pytest.raises(openai.APIStatusError) as too_long:
         await c.chat.completions.create(model="m", messages=long)

@@ -121,6 +121,17 @@ class ChatFormat:
     def encode(self, text: str) -> tuple[int, ...]:
         return tuple(self.tokenizer.encode(text, add_special_tokens=False))
 
+    def prompt_tokens(self, prompt: str | Sequence[int]) -> tuple[int, ...]:
+        """A text completion's prompt as token ids; 400 unless it is a non-empty prompt
+        of the served vocabulary (a bad id must not reach, and fail, the sampler)."""
+        tokens = self.encode(prompt) if isinstance(prompt, str) else tuple(prompt)
+        size = len(self.tokenizer)
+        if not tokens or any(not 0 <= t < size for t in tokens):
+            raise EndpointError(
+                400, f"prompt must be non-empty text or token ids in [0, {size})", param="prompt"
+            )
+        return tokens
+
     def decode(self, tokens: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(tokens), skip_special_tokens=False))
 

@@ -108,10 +108,7 @@ class Episode:
         _refuse_in_training(request.n, bool(request.logprobs), request.top_p)
         if request.echo:
             raise EndpointError(400, "echo is not supported", param="echo")
-        if isinstance(request.prompt, str):
-            prompt = self._chat.encode(request.prompt)
-        else:
-            prompt = tuple(request.prompt)
+        prompt = self._chat.prompt_tokens(request.prompt)
         with self._call():
             stop = self._stop_of(request.stop_strings(), request.max_tokens)
             reply = await self._hand_over(Observation(prompt, stop), False, {}, {})

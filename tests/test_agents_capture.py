@@ -111,7 +111,7 @@ async def test_a_hanging_agent_is_cut_at_the_episode_timeout_and_cancelled() -> 
             cancelled.set()
         return 1.0
 
-    rollout, _ = await run(hangs, ["41"], group=1, episode_timeout=2.0)
+    rollout, _ = await run(hangs, ["41"], group=1, episode_timeout=4.0)
     (episode,) = rollout.trajectories
     assert episode.outcome in ("timeout", "env_error") and episode.zeroed
     assert len(episode.turns) in (0, 1)

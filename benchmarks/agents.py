@@ -43,7 +43,7 @@ from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
 from engine.loop.rl import Completion
-from engine.tasks.render import TaskContext
+from engine.tasks import TaskContext
 from examples.openai_calculator_agent import task as agent_task
 
 __all__ = ["main", "per_call_ms"]

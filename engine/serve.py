@@ -35,7 +35,7 @@ from engine.errors import EngineError, find_error
 from engine.eval import EvalRequest, _config, _sampler_path, _stage, _with_base_model_of
 from engine.session.api import SamplerHandle, SamplingParams, Session
 from engine.session.opening import open_session, service_guard
-from engine.tasks.render import TaskContext
+from engine.tasks import TaskContext
 
 __all__ = ["ServeRequest", "SessionBackend", "main", "serve"]
 

@@ -25,7 +25,7 @@ from openai.types.chat import ChatCompletionFunctionToolParam
 
 from engine.agents import AgentTask
 from engine.local.config import AGENT_MODEL_DIR
-from engine.tasks.arithmetic import ArithmeticTask
+from engine.tasks import ArithmeticTask
 
 MULTIPLY: ChatCompletionFunctionToolParam = {
     "type": "function",

@@ -17,8 +17,7 @@ from openai.types.chat import ChatCompletionFunctionToolParam
 from engine.envs import EnvContext, EpisodeLimits, Observation, StopCondition
 from engine.envs.rollout import SampledAction
 from engine.loop.rl import Completion
-from engine.tasks.base import Problem
-from engine.tasks.render import TaskContext
+from engine.tasks import Problem, TaskContext
 
 ALT = 256
 """Token ``ALT + b`` decodes as byte ``b`` too; encoding never produces it."""

@@ -17,8 +17,7 @@ from agent_support import ALT, AltSampler, agent_context, alt_tokens, calculator
 from engine.agents import AgentResult, AgentTask
 from engine.envs.datums import trajectory_datums
 from engine.envs.rollout import EpisodeRunner
-from engine.tasks.arithmetic import ArithmeticTask
-from engine.tasks.base import Problem
+from engine.tasks import ArithmeticTask, Problem
 
 pytestmark = pytest.mark.anyio
 

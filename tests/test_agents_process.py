@@ -16,9 +16,7 @@ from agent_support import AltSampler, agent_context, calculator_reply
 from engine.agents.process import AgentCommand
 from engine.agents.task import AgentTask
 from engine.envs.rollout import EpisodeRunner
-from engine.tasks import load_task
-from engine.tasks.arithmetic import ArithmeticTask
-from engine.tasks.base import Problem
+from engine.tasks import ArithmeticTask, Problem, load_task
 
 pytestmark = pytest.mark.anyio
 

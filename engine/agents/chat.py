@@ -21,7 +21,7 @@ from typing import Any
 
 from engine.agents.wire import EndpointError, MessageWire, ToolWire
 from engine.envs.tools import HermesToolCalls, ToolCall, ToolCallParser
-from engine.tasks.render import TaskContext
+from engine.tasks import TaskContext
 
 __all__ = ["Answer", "ChatFormat", "Choice", "Conversation"]
 

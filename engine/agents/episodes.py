@@ -26,7 +26,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.agents.chat import Answer, ChatFormat, Choice, Conversation
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
-from engine.envs.types import Action, EnvContext, EnvStepResult, Observation, StopCondition
+from engine.envs import Action, EnvContext, EnvStepResult, Observation, StopCondition
 from engine.errors import EngineError
 
 __all__ = ["AgentEnv", "AgentError", "AgentResult", "Episode"]

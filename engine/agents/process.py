@@ -32,7 +32,7 @@ from engine.agents.episodes import AgentError, AgentResult
 from engine.agents.task import AgentTask
 from engine.errors import ConfigError
 from engine.local.config import AGENT_MODEL_DIR
-from engine.tasks.base import Problem
+from engine.tasks import Problem
 
 __all__ = ["AGENT_PROCESS_MODEL", "OUTPUT_LIMIT", "AgentCommand", "agent_command_task"]
 

@@ -35,11 +35,11 @@ from engine.agents.chat import ChatFormat
 from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
 from engine.agents.episodes import AgentResult, Episode
 from engine.agents.wire import EndpointError
+from engine.envs import Env, EnvContext, Trajectory
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.tools import ToolCallParser
-from engine.envs.types import Env, EnvContext, Trajectory
 from engine.errors import ConfigError, EngineError
-from engine.tasks.base import Problem, ProblemSource, RewardBreakdown
+from engine.tasks import Problem, ProblemSource, RewardBreakdown
 
 __all__ = ["AgentFunction", "AgentGroup", "AgentTask"]
 

@@ -10,6 +10,7 @@ import json
 from typing import Any
 
 import anyio
+import httpx
 import openai
 import pytest
 from agent_support import ALT, AltSampler, agent_context, alt_tokens, calculator_agent
@@ -169,3 +170,35 @@ def test_the_request_fields_are_named_as_in_the_openai_package() -> None:
     streaming = set(chat_params.CompletionCreateParamsStreaming.__annotations__)
     assert set(ChatRequest.model_fields) <= set(chat) | streaming
     assert set(CompletionRequest.model_fields) <= set(text) | {"stream"}
+
+
+async def test_a_stop_mid_call_cancels_the_agents_and_closes_the_endpoint() -> None:
+    in_call, cancelled = anyio.Event(), anyio.Event()
+
+    class Stalled(AltSampler):
+        async def __call__(self, observation: Any, n: int, room: Any) -> Any:
+            in_call.set()
+            await anyio.sleep_forever()
+
+    async def agent(client: openai.AsyncOpenAI, problem: Problem) -> float:
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": problem.question}]
+            )
+        finally:
+            cancelled.set()
+        return 1.0
+
+    context = agent_context()
+    builder = task(agent).group_builder(PROBLEM, 2, context)
+    runner = EpisodeRunner(Stalled(["41"]), context.limits)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run_group, builder, PROBLEM)
+        await in_call.wait()
+        assert builder.endpoint is not None
+        url = builder.endpoint.base_url
+        tg.cancel_scope.cancel()  # a stop while every agent waits for its reply
+    assert cancelled.is_set()
+    with pytest.raises(httpx.ConnectError):  # the endpoint is gone with its group
+        async with httpx.AsyncClient() as raw:
+            await raw.get(url + "/models")

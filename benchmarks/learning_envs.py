@@ -1,10 +1,13 @@
 """Do the shipped environments learn? Held-out reward of the packaged agent model (the
-model the shipped environments ask for) on the guessing game and the calculator tool,
+model the shipped environments ask for) on the guessing game and the calculator tool (as an
+environment, and as an agent on the ``openai`` SDK through the capturing endpoint),
 before and after an engine run, over seeds.
 
-    python -m benchmarks.learning_envs                          # 20 steps, 3 seeds, both
+    python -m benchmarks.learning_envs                          # 20 steps, 3 seeds, all
     python -m benchmarks.learning_envs --quick                  # 2 steps, 1 seed (smoke)
     python -m benchmarks.learning_envs --envs calculator --seeds 1,2,3,4,5
+    python -m benchmarks.learning_envs --envs calculator openai-calculator \
+        --out benchmarks/results/agents_learning    # the environment against the agent
 
 Each run is ``python -m engine.run --local --task NAME --env-max-tokens 256`` with the
 engine's defaults (8 problems x 6 episodes per step, temperature 0.8, K=1, the lr and
@@ -45,7 +48,10 @@ from engine.tasks.render import TaskContext
 __all__ = ["ENVS", "evaluate", "main"]
 
 API_KEY = "tml-benchmarks-learning-envs"
-ENVS = ("guess-sum", "calculator")
+ENVS = ("guess-sum", "calculator", "openai-calculator")
+SPECS = {"openai-calculator": "examples.openai_calculator_agent:task"}
+"""Names whose ``--task`` spec is not the name: the calculator as an agent on the ``openai``
+SDK, trained through the capturing endpoint (docs/agents.md)."""
 MAX_TOKENS = 16
 CONTEXT = 256
 """The agent model's context: episodes stop before it (``--env-max-tokens 256``)."""
@@ -89,7 +95,11 @@ async def evaluate(sampler: Any, tokenizer: Any, task: EnvTask) -> dict[str, flo
         rollout = await runner.run_group(builder, problems[i])
         trajectory = rollout.trajectories[0]
         rewards[i] = trajectory.total_reward
-        tools[i] = float(any(t.metrics.get("tool_calls", 0) for t in trajectory.turns))
+        tools[i] = float(
+            any(
+                t.metrics.get("tool_calls", 0) or t.logs.get("tool_calls") for t in trajectory.turns
+            )
+        )
 
     async with anyio.create_task_group() as tg:
         for i in range(len(problems)):
@@ -108,7 +118,7 @@ def _run(server: LocalServer, name: str, seed: int, steps: int, run_dir: Path) -
         config = EngineConfig(
             base_url=server.base_url,
             api_key=API_KEY,
-            task=name,
+            task=SPECS.get(name, name),
             steps=steps,
             seed=seed,
             run_dir=run_dir,
@@ -161,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer = fresh.get_tokenizer()
         base = fresh.save_weights_and_get_sampling_client()
         for name in args.envs:
-            task: Any = load_task(name)
+            task: Any = load_task(SPECS.get(name, name))
             before = anyio.run(evaluate, base, tokenizer, task)
             print(f"{name} base model: {before}", file=sys.stderr, flush=True)
             for seed in seeds:

@@ -266,3 +266,13 @@ def test_startup_quick_run_times_both_loops_from_process_start(tmp_path: Path) -
         assert row["last_step_s"] == ends[-1] and _finite(row["speedup_to_last"])
     assert rows["quickstart loop"]["speedup_to_last"] == pytest.approx(1.0)
     assert (tmp_path / "startup.md").read_text().count("\n") == 4
+
+
+def test_agents_quick_run_compares_the_endpoint_with_the_environment(tmp_path: Path) -> None:
+    from benchmarks import agents
+
+    agents.main(["--quick", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "agents.json").read_text())
+    assert set(data["per_call_ms"]) == set(data["steps_per_s"]) == {"environment", "openai agent"}
+    assert all(v > 0 for v in (*data["per_call_ms"].values(), *data["steps_per_s"].values()))
+    assert "ms per call" in (tmp_path / "agents.md").read_text()

@@ -22,7 +22,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.config",),  # settings
     ("engine.session",),  # the MinT session seam and its adapters
     ("engine.tasks",),  # single-turn tasks and rewards
-    ("engine.envs",),  # environments, scoring, the task loader
+    ("engine.envs", "engine.agents"),  # environments, scoring; agents as environments
     ("engine.loop",),  # the pipeline
     ("engine.observe", "engine.rundir", "engine.supervision"),  # around the pipeline
     (  # the facade and the command lines
@@ -34,6 +34,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "engine.report",
         "engine.rollouts",
         "engine.checkpoint_files",
+        "engine.catalog",
         "engine.serve",
     ),
 )

@@ -1,6 +1,7 @@
 """Turn ``--task`` (and its ``--task-arg`` values) into a Task: the built-in arithmetic
 task, a JSONL dataset (``jsonl:PATH``), a Hugging Face dataset on disk (``hf:PATH``),
-``package.module:attr``, or any of these scored by a judge (``judge:SPEC``).
+``package.module:attr``, any of these scored by a judge (``judge:SPEC``), or an agent
+process per episode (``agent-cmd:COMMAND``).
 
 Why strict: a typo in a task path should stop the run before any server work, with one
 sentence naming what is wrong, not an ImportError traceback halfway through step 1.
@@ -31,7 +32,14 @@ SHIPPED_ENVIRONMENTS = {
 }
 """Short names of the environments in engine.envs.examples (docs/environments.md)."""
 
-BUILTIN_TASKS = ("arithmetic", "jsonl:PATH", "hf:PATH", "judge:SPEC", *SHIPPED_ENVIRONMENTS)
+BUILTIN_TASKS = (
+    "arithmetic",
+    "jsonl:PATH",
+    "hf:PATH",
+    "judge:SPEC",
+    "agent-cmd:COMMAND",
+    *SHIPPED_ENVIRONMENTS,
+)
 
 _DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 
@@ -43,11 +51,16 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
     (``"guess-sum"``, ``"calculator"``) or a user task at ``package.module:attr``,
     where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
     are passed to it as keyword arguments (strings). ``"judge:SPEC"`` is ``SPEC``'s task
-    scored by the judge its ``judge.*`` arguments set (:mod:`engine.tasks.judge_task`).
+    scored by the judge its ``judge.*`` arguments set (:mod:`engine.tasks.judge_task`);
+    ``"agent-cmd:COMMAND"`` runs an agent process per episode (:mod:`engine.agents.process`).
     Raises ConfigError with a one-line reason."""
     args = dict(args or {})
     if spec.startswith("judge:"):
         return judged_task(spec, args, load_task)
+    if spec.startswith("agent-cmd:"):  # an agent process per episode (the agents extra)
+        from engine.agents.process import agent_command_task
+
+        return agent_command_task(spec.removeprefix("agent-cmd:"), args, load_task)  # type: ignore[return-value]
     spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
     if spec == "arithmetic":
         try:
@@ -111,6 +124,10 @@ def preferred_local_model(task: Task | None, spec: str) -> Path | None:
     model). Read from ``task``, else from the class or factory ``spec`` names without
     building it; None when there is none (a bad spec is reported by :func:`load_task`)."""
     source: Any = task
+    if source is None and spec.startswith("agent-cmd:"):
+        from engine.agents.process import AGENT_PROCESS_MODEL
+
+        return AGENT_PROCESS_MODEL
     if source is None:
         spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
         if spec == "arithmetic" or _data_format(spec) is not None:

@@ -23,11 +23,14 @@ error ``on_parse_error``. A failing ``make_envs``, ``initial_observation`` or
 ``compute_group_rewards`` fails the group like a failing reward function
 (:class:`~engine.envs.scoring.RewardError`, handled by ``--on-reward-error``); a failing
 sample request propagates (the run stops after the steps in flight). ``cleanup`` always
-runs, shielded from cancellation for at most :data:`CLEANUP_TIMEOUT_S`.
+runs, shielded from cancellation for at most :data:`CLEANUP_TIMEOUT_S`. A builder that is
+also an async context manager is entered around its whole group (make_envs to cleanup):
+the scope in which it may own tasks, e.g. an agent task's agents (:mod:`engine.agents`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import time
@@ -139,16 +142,25 @@ class EpisodeRunner:
         cleanup. A group that cannot be built, scored or cleaned up comes back with
         ``error`` set (its group rewards zero); a failing sample request raises."""
         started = self._clock()
-        try:
-            rollout = await self._rollout(builder, problem, started)
-        finally:
-            # Shielded (a stop must not leak the group's resources) but bounded (a stop
-            # must not hang on a cleanup that never returns).
-            cleanup_error: Exception | None = TimeoutError(
-                f"cleanup did not return within {CLEANUP_TIMEOUT_S:g} s"
-            )
-            with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
-                cleanup_error = await _cleanup(builder)
+        async with contextlib.AsyncExitStack() as scope:
+            if isinstance(builder, contextlib.AbstractAsyncContextManager):
+                # A builder that owns tasks for its group (an agent task's agents) holds
+                # them in its own scope, entered here so that it spans the whole group.
+                try:
+                    await scope.enter_async_context(builder)
+                except Exception as exc:
+                    now = self._clock()
+                    return GroupRollout((), started, now, now, 0, _reward_error(problem, exc))
+            try:
+                rollout = await self._rollout(builder, problem, started)
+            finally:
+                # Shielded (a stop must not leak the group's resources) but bounded (a
+                # stop must not hang on a cleanup that never returns).
+                cleanup_error: Exception | None = TimeoutError(
+                    f"cleanup did not return within {CLEANUP_TIMEOUT_S:g} s"
+                )
+                with anyio.move_on_after(CLEANUP_TIMEOUT_S, shield=True):
+                    cleanup_error = await _cleanup(builder)
         if cleanup_error is not None and rollout.error is None:
             rollout = dataclasses.replace(rollout, error=_reward_error(problem, cleanup_error))
         return rollout

@@ -1,0 +1,174 @@
+"""The agent endpoint's cost against the native environment API, on the same episodes:
+the calculator as an environment (``--task calculator``: ChatEnv, the tool run by the
+engine) and as an agent written against the ``openai`` SDK
+(examples/openai_calculator_agent.py: every call an HTTP round trip through the
+capturing endpoint).
+
+    python -m benchmarks.agents                 # 6 steps per configuration
+    python -m benchmarks.agents --quick         # 3 steps (smoke test)
+
+Two measurements:
+
+* **per call** (no server): the same groups (16 problems x 4 episodes, each a tool call
+  then the answer) through the engine's episode runner with an instant scripted sampler,
+  so what is timed is the episode machinery alone; reported as ms per call (turn), the
+  median of 3 repeats, and the difference: the endpoint's overhead per call.
+* **steps/s** (the local server with the hosted-like ``--latency mint`` clock, the
+  packaged agent model): full engine runs of each, same seed and settings, two of each
+  alternated (the mean is reported); the pace over the steady steps (step 2 to the
+  last), (n - 1) / (t_last - t_first).
+
+Writes ``agents.json`` and ``agents.md`` to ``--out`` and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import re
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import anyio
+
+from benchmarks.report import load_average, markdown_table, run_context, write_json
+from engine import Engine, EngineConfig, StepResult
+from engine.core.datums import Completion
+from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
+from engine.envs.examples.calculator import CalculatorTask, tool_call_text
+from engine.envs.rollout import EpisodeRunner, SampledAction
+from engine.local import LocalServer
+from engine.local.config import AGENT_MODEL_DIR
+from engine.tasks import TaskContext
+from examples.openai_calculator_agent import task as agent_task
+
+__all__ = ["main", "per_call_ms"]
+
+API_KEY = "tml-benchmarks-agents"
+DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+_QUESTION = re.compile(r"What is (\d+) \* (\d+)\?")
+
+
+def _tokenizer() -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(str(AGENT_MODEL_DIR))
+
+
+async def per_call_ms(task: EnvTask, tokenizer: Any, groups: int, group: int) -> float:
+    """Wall ms per turn of ``groups`` groups run one after another on an instant sampler
+    (a tool call, then the product)."""
+    eos = tokenizer.eos_token_id
+    calls = 0
+
+    async def sample(
+        observation: Observation, n: int, room: int | None, *, episode: int, turn: int
+    ) -> list[SampledAction]:
+        nonlocal calls
+        calls += n
+        text = tokenizer.decode(list(observation.tokens))
+        a, b = (int(x) for x in _QUESTION.findall(text)[-1])
+        reply = str(a * b) if "Result:" in text else tool_call_text(a, b)
+        tokens = (*tokenizer.encode(reply, add_special_tokens=False), eos)
+        return [SampledAction(Completion(tokens, (-0.1,) * len(tokens), "stop"), 0)] * n
+
+    context = EnvContext(
+        TaskContext(tokenizer),
+        StopCondition(stop_token_ids=(eos,), max_tokens=96),
+        EpisodeLimits(max_tokens=256),
+    )
+    runner = EpisodeRunner(sample, context.limits)
+    source = task.source(0)
+    problems = [source.next() for _ in range(groups)]
+    start = time.perf_counter()
+    for problem in problems:
+        assert problem is not None
+        rollout = await runner.run_group(task.group_builder(problem, group, context), problem)
+        assert rollout.error is None and all(t.total_reward == 1.0 for t in rollout.trajectories)
+    return (time.perf_counter() - start) * 1000 / calls
+
+
+def _pace(server: LocalServer, task: Any, steps: int, run_dir: Path) -> float:
+    """Steps/s of an engine run over its steady steps."""
+    ends: list[float] = []
+
+    def on_step(result: StepResult) -> None:
+        ends.append(time.perf_counter())
+
+    async def go() -> None:
+        config = EngineConfig(
+            base_url=server.base_url,
+            api_key=API_KEY,
+            steps=steps,
+            seed=1,
+            run_dir=run_dir,
+            progress=False,
+            env_max_tokens=256,
+        )
+        async with Engine(config, task=task, on_step=[on_step]) as engine:
+            await engine.run()
+
+    anyio.run(go)
+    return (len(ends) - 1) / (ends[-1] - ends[0])
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.agents", description=__doc__)
+    parser.add_argument("--steps", type=int, default=None, help="steps per run (default 6)")
+    parser.add_argument("--quick", action="store_true", help="3 steps")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
+    args = parser.parse_args(argv)
+    steps = args.steps if args.steps is not None else (3 if args.quick else 6)
+    context = run_context(vars(args))
+    tokenizer = _tokenizer()
+    tasks: dict[str, Any] = {"environment": CalculatorTask(), "openai agent": agent_task()}
+    per_call = {
+        name: statistics.median(anyio.run(per_call_ms, task, tokenizer, 16, 4) for _ in range(3))
+        for name, task in tasks.items()
+    }
+    paces: dict[str, list[float]] = {name: [] for name in tasks}
+    with (
+        LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency="mint") as server,
+        tempfile.TemporaryDirectory() as tmp,
+    ):
+        for repeat in range(2):  # alternated, so that a change of load hits both alike
+            for name, task in tasks.items():
+                run_dir = Path(tmp) / f"{name.replace(' ', '-')}-{repeat}"
+                paces[name].append(_pace(server, task, steps, run_dir))
+    pace = {name: statistics.fmean(values) for name, values in paces.items()}
+    context["load_average_end"] = load_average()
+    rows = [[name, f"{per_call[name]:.2f}", f"{pace[name]:.3f}"] for name in tasks]
+    overhead = per_call["openai agent"] - per_call["environment"]
+    ratio = pace["openai agent"] / pace["environment"]
+    table = markdown_table(
+        ["calculator as", "ms per call (no server)", "steps/s (mint clock)"], rows
+    )
+    given = argv if argv is not None else sys.argv[1:]
+    command = " ".join(["python -m benchmarks.agents", *given])
+    write_json(
+        args.out / "agents.json",
+        {
+            "context": context,
+            "per_call_ms": per_call,
+            "steps_per_s": pace,
+            "steps_per_s_runs": paces,
+            "steps": steps,
+        },
+    )
+    (args.out / "agents.md").write_text(
+        f"# The agent endpoint against the native environment API\n\n`{command}`\n\n{table}\n"
+        f"Endpoint overhead: {overhead:+.2f} ms per call; the agent's pace is "
+        f"{ratio:.2f}x the environment's ({steps} steps each, steady steps 2..{steps}). "
+        f"Load average at start {context['load_average_start']}, at end "
+        f"{context['load_average_end']}; commit {context['commit']}.\n"
+    )
+    print(table)
+    print(f"overhead {overhead:+.2f} ms/call, pace ratio {ratio:.2f}")
+
+
+if __name__ == "__main__":
+    main()

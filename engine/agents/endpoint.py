@@ -1,0 +1,360 @@
+"""The OpenAI-compatible HTTP endpoint: a Starlette app served by uvicorn in-process, on
+the caller's event loop, on a loopback port picked or given.
+
+Routes: ``POST /v1/chat/completions`` (``stream: true`` answers as server-sent events,
+in one piece once the reply is sampled), ``POST /v1/completions``, ``GET /v1/models``,
+each also under ``/e/{episode}/v1/...`` (the path that names a training episode). A
+:class:`EndpointBackend` says who may call (``Authorization: Bearer KEY``) and samples. Errors
+come in OpenAI's format: 400 bad body, 401 bad key, 404 unknown episode or route, 409 a
+call after its episode ended, 413 a body over ``max_body_bytes``, 429 over
+``max_concurrency`` calls in flight (or a second concurrent call of one episode), 503
+once the endpoint is stopping.
+
+Shutdown never hangs: leaving :func:`serve_endpoint` refuses new calls (503), closes
+the listener and the connections, and waits at most :data:`SHUTDOWN_GRACE_S` for the
+calls in flight.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
+
+import anyio
+import pydantic
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from engine.agents.chat import Answer, Choice
+from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError, error_body
+
+__all__ = ["Caller", "Endpoint", "EndpointBackend", "EndpointLimits", "serve_endpoint"]
+
+SHUTDOWN_GRACE_S = 5.0
+M = TypeVar("M", bound=pydantic.BaseModel)
+
+
+class Caller(Protocol):
+    """Whoever a request speaks for (an episode, or a served model's user)."""
+
+    async def chat(self, request: ChatRequest) -> Answer: ...
+
+    async def complete(self, request: CompletionRequest) -> Answer: ...
+
+
+class EndpointBackend(Protocol):
+    """What the endpoint serves: the model's name and the callers."""
+
+    @property
+    def model(self) -> str: ...
+
+    def caller(self, episode: str | None, api_key: str | None) -> Caller:
+        """The caller of a request (``episode``: the path's, None for ``/v1/...``);
+        raises :class:`EndpointError` (401, 404, 409)."""
+        ...
+
+
+@dataclass(frozen=True)
+class EndpointLimits:
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_concurrency: int = 256
+
+
+@dataclass
+class Endpoint:
+    """A running endpoint: ``base_url`` (ends in ``/v1``) and its in-flight count."""
+
+    base_url: str
+    in_flight: int = 0
+    stopping: bool = False
+
+    def episode_url(self, episode: str) -> str:
+        """The base URL that names ``episode`` (what its agent is given)."""
+        return self.base_url.removesuffix("/v1") + f"/e/{episode}/v1"
+
+
+def build_app(backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimits) -> Starlette:
+    """The routes (Starlette's: built in microseconds, once per group)."""
+
+    async def endpoint_error(_: Request, exc: Exception) -> Response:
+        assert isinstance(exc, EndpointError)
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    async def not_found(request: Request, _: Exception) -> Response:
+        body = error_body(f"no route {request.method} {request.url.path}", "not_found_error")
+        return JSONResponse(body, 404)
+
+    async def not_allowed(request: Request, _: Exception) -> Response:
+        message = f"{request.method} is not allowed on {request.url.path}"
+        return JSONResponse(error_body(message, "invalid_request_error"), 405)
+
+    async def models(_: Request) -> Response:
+        card = {"id": backend.model, "object": "model", "created": 0, "owned_by": "engine"}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    async def chat(request: Request) -> Response:
+        with _admitted(endpoint, limits):
+            caller = backend.caller(request.path_params.get("episode"), _bearer(request))
+            body = _parse(ChatRequest, await _body(request, limits.max_body_bytes))
+            answer = await caller.chat(body)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_chat_chunks(answer, backend.model, body, include_usage))
+        return JSONResponse(_chat_response(answer, backend.model, body))
+
+    async def completions(request: Request) -> Response:
+        with _admitted(endpoint, limits):
+            caller = backend.caller(request.path_params.get("episode"), _bearer(request))
+            body = _parse(CompletionRequest, await _body(request, limits.max_body_bytes))
+            answer = await caller.complete(body)
+        response = _completion_response(answer, backend.model, body)
+        if body.stream:
+            return _sse(iter([response]))
+        return JSONResponse(response)
+
+    routes = [
+        Route(prefix + path, handler, methods=[method])
+        for prefix in ("/v1", "/e/{episode}/v1")
+        for path, handler, method in (
+            ("/models", models, "GET"),
+            ("/chat/completions", chat, "POST"),
+            ("/completions", completions, "POST"),
+        )
+    ]
+    handlers = {EndpointError: endpoint_error, 404: not_found, 405: not_allowed}
+    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+
+
+@asynccontextmanager
+async def serve_endpoint(
+    backend: EndpointBackend,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    limits: EndpointLimits | None = None,
+) -> AsyncIterator[Endpoint]:
+    """Serve ``backend`` until the block exits (on this event loop, no task of its own:
+    uvicorn's protocol handles each connection)."""
+    limits = limits or EndpointLimits()
+    sock = _bind(host, port)
+    bound_host, bound_port = sock.getsockname()[:2]
+    url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
+    endpoint = Endpoint(f"http://{url_host}:{bound_port}/v1")
+    server = uvicorn.Server(
+        uvicorn.Config(
+            build_app(backend, endpoint, limits),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            timeout_keep_alive=75,
+        )
+    )
+    server.config.load()
+    server.lifespan = server.config.lifespan_class(server.config)
+    try:
+        await server.startup(sockets=[sock])
+        yield endpoint
+    finally:
+        endpoint.stopping = True
+        with anyio.move_on_after(SHUTDOWN_GRACE_S + 1, shield=True):
+            await _shutdown(server)
+        sock.close()
+
+
+async def _shutdown(server: uvicorn.Server) -> None:
+    """uvicorn's shutdown without its fixed sleeps: stop accepting, end the connections,
+    give the calls in flight the grace period, then cancel them."""
+    for listener in getattr(server, "servers", []):
+        listener.close()
+    for connection in list(server.server_state.connections):
+        connection.shutdown()
+    tasks = list(server.server_state.tasks)
+    try:
+        if tasks:
+            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_S)
+    finally:
+        for task in server.server_state.tasks:
+            task.cancel()
+
+
+def _bind(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise OSError(f"cannot bind the agent endpoint to {host}:{port}: {exc.strerror}") from None
+    sock.listen(512)
+    return sock
+
+
+@contextlib.contextmanager
+def _admitted(endpoint: Endpoint, limits: EndpointLimits) -> Iterator[None]:
+    if endpoint.stopping:
+        raise EndpointError(503, "the endpoint is stopping")
+    if endpoint.in_flight >= limits.max_concurrency:
+        raise EndpointError(429, f"over {limits.max_concurrency} calls in flight; retry later")
+    endpoint.in_flight += 1
+    try:
+        yield
+    finally:
+        endpoint.in_flight -= 1
+
+
+def _bearer(request: Request) -> str | None:
+    header = request.headers.get("authorization", "")
+    scheme, _, key = header.partition(" ")
+    return key.strip() or None if scheme.lower() == "bearer" else None
+
+
+async def _body(request: Request, limit: int) -> bytes:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise EndpointError(413, f"the request body is over {limit} bytes")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise EndpointError(413, f"the request body is over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _parse(model: type[M], body: bytes) -> M:
+    try:
+        return model.model_validate_json(body)
+    except pydantic.ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ())) or None
+        raise EndpointError(
+            400, f"invalid request body: {where or 'body'}: {first.get('msg')}", param=where
+        ) from None
+
+
+def _usage(answer: Answer) -> dict[str, int]:
+    completion = sum(len(c.tokens) for c in answer.choices)
+    return {
+        "prompt_tokens": answer.prompt_tokens,
+        "completion_tokens": completion,
+        "total_tokens": answer.prompt_tokens + completion,
+    }
+
+
+def _message(choice: Choice) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": choice.content}
+    if choice.tool_calls:
+        message["tool_calls"] = [
+            {
+                "id": call.id,
+                "type": "function",
+                "function": {"name": call.name, "arguments": json.dumps(dict(call.arguments))},
+            }
+            for call in choice.tool_calls
+        ]
+    return message
+
+
+def _logprobs(choice: Choice) -> dict[str, Any] | None:
+    if choice.logprobs is None:
+        return None
+    return {
+        "content": [
+            {"token": t, "logprob": lp, "bytes": list(t.encode()), "top_logprobs": []}
+            for t, lp in zip(choice.token_texts, choice.logprobs, strict=False)
+        ]
+    }
+
+
+def _chat_response(answer: Answer, model: str, body: ChatRequest) -> dict[str, Any]:
+    return {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "message": _message(c),
+                "finish_reason": c.finish_reason,
+                "logprobs": _logprobs(c) if body.logprobs else None,
+            }
+            for i, c in enumerate(answer.choices)
+        ],
+        "usage": _usage(answer),
+    }
+
+
+def _chat_chunks(
+    answer: Answer, model: str, body: ChatRequest, include_usage: bool
+) -> Iterator[dict[str, Any]]:
+    head = {
+        "id": f"chatcmpl-{uuid.uuid4().hex}",
+        "object": "chat.completion.chunk",
+        "created": int(time.time()),
+        "model": model,
+    }
+    for i, c in enumerate(answer.choices):
+        delta: dict[str, Any] = {"role": "assistant", "content": c.content or ""}
+        if c.tool_calls:
+            delta["tool_calls"] = [
+                {"index": k, **call} for k, call in enumerate(_message(c)["tool_calls"])
+            ]
+        yield {
+            **head,
+            "choices": [
+                {
+                    "index": i,
+                    "delta": delta,
+                    "finish_reason": None,
+                    "logprobs": _logprobs(c) if body.logprobs else None,
+                }
+            ],
+        }
+        yield {**head, "choices": [{"index": i, "delta": {}, "finish_reason": c.finish_reason}]}
+    if include_usage:
+        yield {**head, "choices": [], "usage": _usage(answer)}
+
+
+def _completion_response(answer: Answer, model: str, body: CompletionRequest) -> dict[str, Any]:
+    return {
+        "id": f"cmpl-{uuid.uuid4().hex}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": model,
+        "choices": [
+            {
+                "index": i,
+                "text": c.text,
+                "finish_reason": "length" if c.finish_reason == "length" else "stop",
+                "logprobs": (
+                    {"tokens": list(c.token_texts), "token_logprobs": list(c.logprobs)}
+                    if body.logprobs is not None and c.logprobs is not None
+                    else None
+                ),
+            }
+            for i, c in enumerate(answer.choices)
+        ],
+        "usage": _usage(answer),
+    }
+
+
+def _sse(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
+    def events() -> Iterator[str]:
+        for chunk in chunks:
+            yield f"data: {json.dumps(chunk)}\n\n"
+        yield "data: [DONE]\n\n"
+
+    return StreamingResponse(events(), media_type="text/event-stream")

@@ -1,0 +1,237 @@
+"""Agents as training tasks: an agent function run once per episode against the
+capturing endpoint.
+
+An agent is ``async def episode(client, problem) -> float | AgentResult``: ``client`` is
+an ``openai.AsyncOpenAI`` whose base URL names the episode (``client.base_url`` and
+``client.api_key`` serve any other OpenAI-compatible client), ``problem`` the
+:class:`~engine.core.problems.Problem` to solve; it returns the episode's reward.
+:class:`AgentTask` makes one an :class:`~engine.envs.types.EnvTask`: each group serves
+an endpoint on loopback and runs its agents in a task group it owns (the group's scope,
+entered by the episode runner around the whole group), one :class:`AgentEnv` each.
+
+What an agent that fails yields reuses the environment settings: an agent that raises
+or runs past ``timeout`` (default ``--episode-timeout``) after its first call ends its
+episode with outcome ``env_error`` (``--on-limit``: zero or mask); one that ends before
+its first call fails its group like a failing reward (``--on-reward-error``). When the
+group ends, calls still in flight get a 409 and the agents are cancelled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import importlib.util
+import math
+import secrets
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import anyio
+from anyio.abc import TaskGroup
+
+from engine.agents.chat import ChatFormat
+from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
+from engine.agents.episodes import AgentResult, Episode
+from engine.agents.wire import EndpointError
+from engine.envs import Env, EnvContext, Trajectory
+from engine.envs.examples.stops import stop_at_eos
+from engine.envs.tools import ToolCallParser
+from engine.errors import ConfigError, EngineError
+from engine.tasks import Problem, ProblemSource, RewardBreakdown
+
+__all__ = ["AgentFunction", "AgentGroup", "AgentTask"]
+
+AgentFunction = Callable[[Any, Problem], Awaitable["float | AgentResult"]]
+"""``async def episode(client: openai.AsyncOpenAI, problem: Problem) -> float | AgentResult``."""
+
+SERVED_MODEL = "policy"
+"""The model name ``/v1/models`` lists (the ``model`` a request names is not checked)."""
+
+
+class AgentTask:
+    """An agent function trained as an environment task.
+
+    ``problems`` is any object with ``source(seed, state)`` (a task such as
+    :class:`~engine.tasks.arithmetic.ArithmeticTask`); its ``eval_problems()`` (if any)
+    are the held-out set. ``timeout`` bounds each agent run in seconds (None: the run's
+    ``--episode-timeout``). ``local_model``: the model the local server loads for this
+    task unless one is given. Replies always end at the model's EOS, as a chat
+    endpoint's do.
+    """
+
+    def __init__(
+        self,
+        agent: AgentFunction,
+        problems: Any,
+        *,
+        name: str | None = None,
+        timeout: float | None = None,
+        parser: ToolCallParser | None = None,
+        local_model: Path | None = None,
+        limits: EndpointLimits | None = None,
+    ) -> None:
+        if importlib.util.find_spec("openai") is None:
+            raise ConfigError("agent tasks need the openai SDK: pip install '.[agents]'")
+        if not callable(getattr(problems, "source", None)):
+            raise TypeError("problems must have a source(seed, state) method (e.g. a Task)")
+        self.agent = agent
+        self.problems = problems
+        self.name = name or getattr(agent, "__name__", "agent")
+        self.timeout = timeout
+        self.parser = parser
+        self.endpoint_limits = limits
+        if local_model is not None:
+            self.local_model = local_model
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> ProblemSource:
+        return self.problems.source(seed, state)  # type: ignore[no-any-return]
+
+    def eval_problems(self) -> list[Problem]:
+        own = getattr(self.problems, "eval_problems", None)
+        return list(own()) if callable(own) else []
+
+    def group_builder(self, problem: Problem, group_size: int, context: EnvContext) -> AgentGroup:
+        return AgentGroup(self, problem, group_size, stop_at_eos(context))
+
+
+class AgentGroup:
+    """One group of agent episodes: an endpoint and the agents, held from the group's
+    start to its end (an async context manager, entered by the episode runner)."""
+
+    def __init__(
+        self, task: AgentTask, problem: Problem, group_size: int, context: EnvContext
+    ) -> None:
+        self._task = task
+        self._problem = problem
+        self._context = context
+        chat = ChatFormat(context.task, task.parser)
+        token = secrets.token_hex(4)
+        self.episodes = [Episode(f"{token}-{i}", chat, context) for i in range(group_size)]
+        self._secret = "sk-engine-" + secrets.token_hex(16)
+        self._stack = contextlib.AsyncExitStack()
+        self.endpoint: Endpoint | None = None
+
+    @property
+    def api_key(self) -> str:
+        """The key the group's agents are given (its endpoint takes no other)."""
+        return self._secret
+
+    async def __aenter__(self) -> AgentGroup:
+        import openai
+
+        stack = self._stack
+        try:
+            backend = _GroupBackend(self._secret, {e.id: e for e in self.episodes})
+            endpoint = await stack.enter_async_context(
+                serve_endpoint(backend, limits=self._task.endpoint_limits)
+            )
+            self.endpoint = endpoint
+            timeout = self._timeout()
+            # One connection pool for the group's clients. verify=False: the endpoint is
+            # plain HTTP on loopback, no certificate is ever checked, and loading the CA
+            # bundle for nothing cost ~75 ms per group.
+            http = openai.DefaultAsyncHttpxClient(
+                timeout=None if math.isinf(timeout) else timeout, verify=False
+            )
+            stack.push_async_callback(_shielded, http.aclose)
+            tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
+            stack.callback(tg.cancel_scope.cancel)  # the agents do not outlive the group
+            stack.callback(self._close_episodes)
+            for episode in self.episodes:
+                client = openai.AsyncOpenAI(
+                    base_url=endpoint.episode_url(episode.id),
+                    api_key=self._secret,
+                    http_client=http,
+                )
+                tg.start_soon(self._run_agent, episode, client, timeout)
+        except BaseException:
+            await stack.aclose()
+            raise
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        # Not under a shield of ours: the agents' task group was entered before any such
+        # scope, and anyio scopes must nest; each resource shields its own shutdown.
+        await self._stack.aclose()
+
+    async def make_envs(self) -> Sequence[Env]:
+        if self.endpoint is None:
+            raise EngineError(
+                "an agent group runs its agents while it is entered (async with): agent "
+                "tasks run on the event loop, --score-workers does not apply to them"
+            )
+        return [e.env for e in self.episodes]
+
+    async def compute_group_rewards(
+        self, trajectories: Sequence[Trajectory], envs: Sequence[Env]
+    ) -> Sequence[RewardBreakdown]:
+        return [RewardBreakdown(0.0)] * len(trajectories)  # the agents' rewards are per turn
+
+    async def cleanup(self) -> None:
+        self._close_episodes()
+
+    def _close_episodes(self) -> None:
+        for episode in self.episodes:
+            episode.close("the runner ended the episode")
+
+    def _timeout(self) -> float:
+        timeout = self._task.timeout
+        if timeout is None:
+            timeout = self._context.limits.episode_timeout
+        return math.inf if timeout is None else timeout
+
+    async def _run_agent(self, episode: Episode, client: Any, limit_s: float) -> None:
+        """One agent run; whatever it does ends as a result or an error of its episode."""
+        result: AgentResult | None = None
+        error: str | None = None
+        try:
+            with anyio.fail_after(limit_s):
+                value = await self._task.agent(client, self._problem)
+            result = _result(value)
+        except TimeoutError:
+            error = f"it ran past its timeout of {limit_s:g} s"
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        await episode.finish(result, error)
+
+
+class _GroupBackend:
+    """A group's callers: its episodes, by the path's episode id, for its key."""
+
+    model = SERVED_MODEL
+
+    def __init__(self, secret: str, episodes: Mapping[str, Episode]) -> None:
+        self._secret = secret
+        self._episodes = episodes
+
+    def caller(self, episode: str | None, api_key: str | None) -> Episode:
+        if api_key is None or not hmac.compare_digest(api_key, self._secret):
+            raise EndpointError(401, "invalid API key: use the key the agent was given")
+        if episode is None:
+            raise EndpointError(
+                404, "no episode in the path: use the base URL the agent was given (/e/ID/v1)"
+            )
+        found = self._episodes.get(episode)
+        if found is None:
+            raise EndpointError(404, f"unknown episode {episode!r}")
+        return found
+
+
+async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
+    with anyio.move_on_after(5, shield=True):
+        await close()
+
+
+def _result(value: object) -> AgentResult:
+    if isinstance(value, AgentResult):
+        return value
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"the agent returned {type(value).__name__}, not a float or AgentResult")
+    return AgentResult(float(value))

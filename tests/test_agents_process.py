@@ -1,0 +1,99 @@
+"""Agent processes (``--task agent-cmd:...``) on a scripted sampler: the shipped example
+process trains as an agent function does; one that exits non-zero or hangs ends its
+episode as configured, and no process it started is left running."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from agent_support import AltSampler, agent_context, calculator_reply
+
+from engine.agents.process import AgentCommand
+from engine.agents.task import AgentTask
+from engine.envs.loader import load_task
+from engine.envs.rollout import EpisodeRunner
+from engine.tasks import ArithmeticTask, Problem
+
+pytestmark = pytest.mark.anyio
+
+ROOT = Path(__file__).resolve().parents[1]
+PROBLEM = Problem(0, "What is 6 * 7?", 42)
+
+
+async def run(argv: list[str], replies: Any, **limits: Any) -> Any:
+    context = agent_context(**limits)
+    task = AgentTask(AgentCommand(argv), ArithmeticTask())
+    runner = EpisodeRunner(AltSampler(replies), context.limits)
+    return await runner.run_group(task.group_builder(PROBLEM, 2, context), PROBLEM)
+
+
+async def test_the_example_process_is_an_agent_trained_like_any_other() -> None:
+    script = str(ROOT / "examples" / "agent_process.py")
+    rollout = await run([sys.executable, script], calculator_reply)
+    assert rollout.error is None
+    for episode in rollout.trajectories:
+        assert episode.outcome == "done" and episode.total_reward == 1.0
+        assert [bool(t.logs.get("tool_calls")) for t in episode.turns] == [True, False]
+
+
+async def test_a_process_that_exits_non_zero_ends_its_episode_as_an_agent_error(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "fails.py"
+    script.write_text(
+        "import openai, sys\n"
+        "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+        "print('broken', file=sys.stderr); sys.exit(3)\n"
+    )
+    rollout = await run([sys.executable, str(script)], ["41"], on_limit="mask")
+    for episode in rollout.trajectories:
+        assert episode.outcome == "env_error" and episode.masked
+        assert "status 3: broken" in (episode.error or "")
+
+
+async def test_a_hanging_process_is_killed_with_its_children_at_the_timeout(
+    tmp_path: Path,
+) -> None:
+    pids = tmp_path / "pids"
+    script = tmp_path / "hangs.py"
+    script.write_text(
+        "import openai, os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
+        "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+        "time.sleep(600)\n"
+    )
+    rollout = await run([sys.executable, str(script)], ["41"], episode_timeout=10.0)
+    for episode in rollout.trajectories:
+        assert episode.outcome in ("timeout", "env_error") and episode.zeroed
+    started = [int(p) for line in pids.read_text().split("\n") if line for p in line.split()]
+    assert len(started) == 4  # two processes, each with a child
+    for pid in started:
+        assert not _alive(pid), f"process {pid} was left running"
+
+
+def _alive(pid: int) -> bool:
+    """True while ``pid`` runs (a zombie awaiting its parent's wait counts as gone)."""
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        status = Path(f"/proc/{pid}/stat")
+        if status.exists() and status.read_text().split(")")[-1].split()[0] == "Z":
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def test_agent_cmd_is_a_task_spec_with_its_own_arguments() -> None:
+    task = load_task("agent-cmd:python agent.py --fast", {"op": "*", "timeout": "30"})
+    assert isinstance(task, AgentTask) and task.timeout == 30.0
+    assert task.agent.argv == ["python", "agent.py", "--fast"]  # type: ignore[attr-defined]
+    assert task.source(0).next() is not None

@@ -1,0 +1,71 @@
+"""``engine.serve`` answers the ``openai`` client for a trained checkpoint: one step
+trained on the local server, its checkpoint served on the OpenAI-compatible endpoint
+(sampled where it lives, through the session seam), chat and text completions over
+loopback; a wrong key is a 401, and a bad checkpoint a one-line error."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import anyio
+import openai
+import pytest
+
+from engine.local import LocalServer
+from engine.serve import ServeRequest, main, serve
+from tests.engine_support import API_KEY, run_engine, small_config
+
+
+def test_a_trained_checkpoint_answers_the_openai_client(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with LocalServer(api_key=API_KEY) as server:
+        _, result = run_engine(small_config(server, tmp_path / "run", steps=1))
+        monkeypatch.setenv("MINT_API_KEY", API_KEY)
+        monkeypatch.delenv("MINT_BASE_URL", raising=False)
+        request = ServeRequest(str(result.run_dir), api_key="sk-serve", max_tokens=8)
+
+        async def go() -> None:
+            ready = anyio.Event()
+            async with anyio.create_task_group() as tg:
+                tg.start_soon(lambda: serve(request, ready=ready))
+                with anyio.fail_after(120):
+                    await ready.wait()
+                base_url = capsys.readouterr().out.strip().splitlines()[0]
+                async with openai.AsyncOpenAI(
+                    base_url=base_url, api_key="sk-serve", max_retries=0
+                ) as client:
+                    chat = await client.chat.completions.create(
+                        model="x",
+                        messages=[{"role": "user", "content": "1 + 2 = ?"}],
+                        n=2,
+                        logprobs=True,
+                        temperature=1.0,
+                        seed=3,
+                    )
+                    assert len(chat.choices) == 2
+                    assert chat.usage is not None and chat.usage.prompt_tokens > 0
+                    for choice in chat.choices:
+                        assert choice.finish_reason in ("stop", "length")
+                        assert choice.logprobs is not None and choice.logprobs.content
+                    text = await client.completions.create(
+                        model="x", prompt="1 + 2 =", max_tokens=4
+                    )
+                    assert text.usage is not None and text.usage.completion_tokens <= 4
+                    models = await client.models.list()
+                    assert models.data[0].id.startswith("tinker://")
+                async with openai.AsyncOpenAI(
+                    base_url=base_url, api_key="sk-wrong", max_retries=0
+                ) as wrong:
+                    with pytest.raises(openai.AuthenticationError):
+                        await wrong.completions.create(model="x", prompt="1", max_tokens=1)
+                tg.cancel_scope.cancel()
+
+        anyio.run(go)
+
+
+def test_a_checkpoint_that_does_not_exist_is_a_one_line_error(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main([str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

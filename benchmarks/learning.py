@@ -55,9 +55,9 @@ from benchmarks.engine_cli import TINKER_PYTHON, run_engine_cli
 from benchmarks.measure import positive_int
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, RunResult
+from engine.catalog import load_task
 from engine.config import Profile
 from engine.core.problems import Task
-from engine.envs.loader import load_task
 from engine.local import LocalServer
 from engine.session.preflight import read_server_profile
 from engine.session.sdk_calls import snapshot_name

@@ -37,9 +37,9 @@ from tinker import types
 
 from benchmarks.report import load_average, markdown_table, run_context, write_json
 from engine import Engine, EngineConfig
+from engine.catalog import load_task
 from engine.core.datums import Completion
 from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
-from engine.envs.loader import load_task
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR

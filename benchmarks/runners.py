@@ -42,8 +42,8 @@ from benchmarks.measure import (
 )
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine import Engine, EngineConfig, StepResult
+from engine.catalog import load_task
 from engine.config import Profile
-from engine.envs.loader import load_task
 from engine.local.latency import LatencyProfile
 from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown

@@ -39,10 +39,10 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
+from engine.catalog import load_task, preferred_local_model, task_spec
 from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig, Profile, stored_profile
 from engine.core.state import LoopState
-from engine.envs.loader import load_task, preferred_local_model, task_spec
 from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
 from engine.loop.evaluation import eval_problems_of

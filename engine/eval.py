@@ -27,11 +27,11 @@ from typing import Any
 
 import anyio
 
+from engine.catalog import load_task
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import EngineConfig, parse_task_args
 from engine.config.records import flat_settings
-from engine.envs.loader import load_task
 from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, EngineError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate

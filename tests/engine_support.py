@@ -8,7 +8,7 @@ from typing import Any
 import anyio
 
 from engine import Engine, EngineConfig, RunResult, StepHook, StepResult
-from engine.envs.loader import load_task
+from engine.catalog import load_task
 from engine.local import LocalServer
 from engine.session.preflight import read_server_profile
 from engine.tasks import ArithmeticTask

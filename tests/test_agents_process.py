@@ -15,7 +15,7 @@ from agent_support import AltSampler, agent_context, calculator_reply
 
 from engine.agents.process import AgentCommand
 from engine.agents.task import AgentTask
-from engine.envs.loader import load_task
+from engine.catalog import load_task
 from engine.envs.rollout import EpisodeRunner
 from engine.tasks import ArithmeticTask, Problem
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from engine.catalog import load_task
 from engine.config import (
     GROUPS,
     HOSTED_PROFILE,
@@ -21,7 +22,6 @@ from engine.config import (
     stored_settings,
 )
 from engine.config.sources import default_text, help_text
-from engine.envs.loader import load_task
 from engine.errors import ConfigError, ResumeError
 from engine.run import build_parser, parse_config
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.envs.loader import load_task
+from engine.catalog import load_task
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
 from engine.tasks import Problem

@@ -20,7 +20,7 @@ import anyio
 import pytest
 
 from engine import ConfigError, Engine, EngineConfig, StepResult
-from engine.envs.loader import load_task
+from engine.catalog import load_task
 from engine.local import LocalServer
 from engine.session.api import PendingCheckpoint
 from engine.session.preflight import PreflightError

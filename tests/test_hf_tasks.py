@@ -12,7 +12,7 @@ from typing import Any
 import datasets
 import pytest
 
-from engine.envs.loader import load_task
+from engine.catalog import load_task
 from engine.errors import ConfigError
 from engine.tasks.dataset import DatasetTask
 

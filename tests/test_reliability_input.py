@@ -17,9 +17,9 @@ import anyio
 import pytest
 
 from engine import Engine
+from engine.catalog import load_task, task_spec
 from engine.config import config_from_sources
 from engine.core.state import LoopState
-from engine.envs.loader import load_task, task_spec
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main

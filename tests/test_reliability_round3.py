@@ -20,11 +20,11 @@ import pytest
 from fake_session import FakeSession
 
 from engine import Engine, EngineConfig, RunResult
+from engine.catalog import load_task, task_spec
 from engine.config import config_from_sources
 from engine.config.values import ScoreWorkers
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
 from engine.core.state import LoopState
-from engine.envs.loader import load_task, task_spec
 from engine.envs.scoring import RewardError, Scorer
 from engine.errors import ConfigError
 from engine.local import LocalServer

@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from transformers import AutoTokenizer
 
+from engine.catalog import load_task, task_spec
 from engine.config import EngineConfig, parse_task_args, read_config_file
-from engine.envs.loader import load_task, task_spec
 from engine.errors import ConfigError
 from engine.run import main, parse_config
 from engine.session.preflight import local_server_profile

@@ -208,6 +208,11 @@ class SamplingSettings(_Group):
         description="stop sampling at the tokenizer's EOS (off, like the quickstart: "
         "tinker 0.22 drops its stop_token_ids)",
     )
+    keep_stop_text: bool = Field(
+        False,
+        description="the text a reward sees keeps its stop string and EOS token, as the "
+        "quickstart decodes it (off: cut before them, e.g. ' 76' not ' 76</s>')",
+    )
     sampling_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
         None, description="seed sent with every sample request (reproducible sampling)"
     )

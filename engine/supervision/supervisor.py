@@ -464,7 +464,9 @@ def _open_task_outputs(
     config: EngineConfig, task: Task, session: Session, record: RunRecord, log: RunLog
 ) -> _TaskOutputs:
     """The renderer and the evaluator; ``record`` keeps the rollouts."""
-    renderer = PromptRenderer(task, session.tokenizer)
+    renderer = PromptRenderer(
+        task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text
+    )
     record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
     evaluator = None
     if config.evaluation.eval_every:

@@ -1,11 +1,13 @@
 """What the command-line entry points share: the program name shown in usage lines (the
 console script's own name, else ``python -m <module>``), ``--version`` and a parser whose
-usage errors are one line."""
+usage errors are one line (a mistyped flag with the nearest flags)."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import NoReturn
@@ -32,7 +34,25 @@ def add_version_flag(parser: argparse.ArgumentParser) -> None:
 
 
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is ONE line on stderr and exit code 2."""
+    """argparse, but a usage error is ONE line on stderr and exit code 2, and an unknown
+    flag is answered with the nearest known ones (``--bacth``: did you mean --batch?)."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unrecognized(extras))
+        return parsed
+
+    def _unrecognized(self, extras: Sequence[str]) -> str:
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        for item in extras:
+            name = item.partition("=")[0]
+            close = difflib.get_close_matches(name, flags, n=3, cutoff=0.6)
+            if name.startswith("-") and close:
+                return f"unrecognized argument {name} (did you mean {' or '.join(close)}?)"
+        return f"unrecognized arguments: {' '.join(extras)}"
 
     def error(self, message: str) -> NoReturn:
         print(f"Error: {message} (see --help)", file=sys.stderr)

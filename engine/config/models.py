@@ -27,6 +27,7 @@ from engine.common.setting import (
     SettingField,
     TaskSettings,
     check_value,
+    did_you_mean,
     finite_non_negative,
     finite_positive,
     http_url,
@@ -758,7 +759,9 @@ def _one_line(exc: ValidationError) -> str:
     setting = setting_at(".".join(loc[:2]))
     where = setting.flat if setting is not None else ".".join(loc)
     if error["type"] == "extra_forbidden":
-        return f"{where} is not a setting (see python -m engine.run --help)"
+        known = [*_FLAT, *(f.path for f in all_settings()), *_task_flat()]
+        hint = did_you_mean(where, known)
+        return f"{where} is not a setting{hint} (see python -m engine.run --help)"
     given = error.get("input")
     if error["type"] == "literal_error" and setting is not None:
         choices = ", ".join(map(str, get_args(setting.value_type)))

@@ -45,7 +45,7 @@ from engine.loop.rl import OnMissingLogprobs
 from engine.loop.scoring import parse_score_workers
 from engine.observe.trackers import TRACKERS, Tracker
 from engine.session.liveness import PROBE_INTERVAL_S, UNREACHABLE_AFTER_S
-from engine.tasks.loader import TASK_SETTINGS
+from engine.tasks.loader import TASK_SETTINGS, settings_spec
 
 __all__ = [
     "GROUPS",
@@ -525,8 +525,8 @@ _FLAT: Final[Mapping[str, SettingField]] = {f.flat: f for f in all_settings()}
 
 
 def task_settings_of(spec: str) -> type[TaskSettings] | None:
-    """The settings a built-in task declares (None: it declares none)."""
-    return next((model for model in TASK_SETTINGS if model.spec == spec), None)
+    """The settings a built-in task declares (a judged task: its task's; None: none)."""
+    return next((model for model in TASK_SETTINGS if model.spec == settings_spec(spec)), None)
 
 
 def _task_flat() -> dict[str, tuple[type[TaskSettings], SettingField]]:
@@ -562,7 +562,7 @@ def route_flat(data: Mapping[str, Any]) -> dict[str, Any]:
         spec = task.get("spec", TaskSettingsGroup.model_fields["spec"].default)
         for key, value in task_own.items():
             model, field = own_names[key]
-            if spec != model.spec:
+            if settings_spec(spec) != model.spec:
                 raise ConfigError(
                     f"{', '.join(task_own)} only apply to the {model.spec} task; give task "
                     f"{spec!r} its settings with --task-arg KEY=VALUE"
@@ -704,7 +704,7 @@ class EngineConfig(BaseModel):
         spec = self.task.spec
         args: dict[str, str] = {}
         for profile in reversed(profiles):
-            args.update(profile.task_args.get(spec, {}))
+            args.update(profile.task_args.get(settings_spec(spec), {}))
         args.update(self.task.args)
         own = task_settings_of(spec)
         if own is not None:

@@ -465,7 +465,10 @@ def _open_task_outputs(
 ) -> _TaskOutputs:
     """The renderer and the evaluator; ``record`` keeps the rollouts."""
     renderer = PromptRenderer(
-        task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text
+        task,
+        session.tokenizer,
+        keep_stop_text=config.sampling.keep_stop_text,
+        run_dir=record.path,
     )
     record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
     evaluator = None

@@ -24,7 +24,14 @@ from engine.tasks.base import Task
 from engine.tasks.dataset import DataFormat, DatasetTask
 from engine.tasks.judge_task import judged_task
 
-__all__ = ["BUILTIN_TASKS", "TASK_SETTINGS", "load_task", "preferred_local_model", "task_spec"]
+__all__ = [
+    "BUILTIN_TASKS",
+    "TASK_SETTINGS",
+    "load_task",
+    "preferred_local_model",
+    "settings_spec",
+    "task_spec",
+]
 
 SHIPPED_ENVIRONMENTS = {
     "guess-sum": "engine.envs.examples.guess_sum:GuessSumTask",
@@ -40,6 +47,15 @@ TASK_SETTINGS: tuple[type[TaskSettings], ...] = (ArithmeticSettings,)
 _DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 
 _REQUIRED = ("name", "source", "prompt", "score")
+
+
+def settings_spec(spec: str) -> str:
+    """The task spec whose own settings and server recommendations ``spec`` takes: a
+    judged task's (``judge:arithmetic`` -> ``arithmetic``: the judge changes the
+    reward, not the problems), else ``spec`` itself."""
+    while spec.startswith("judge:"):
+        spec = spec.removeprefix("judge:")
+    return spec
 
 
 def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
@@ -41,13 +42,16 @@ Prompt = str | Sequence[ChatMessage]
 
 @dataclass(frozen=True)
 class TaskContext:
-    """What a task may need from the served model: its tokenizer and the chat-template
-    options the task set."""
+    """What a task may need from the served model and the run: the tokenizer, the
+    chat-template options the task set, how responses are decoded, the run dir."""
 
     tokenizer: Any
     chat_template_options: Mapping[str, Any] = field(default_factory=dict)
     skip_special_tokens: bool = False
     keep_stop_text: bool = False
+    run_dir: Path | None = None
+    """The run's directory, for a task's own files (a judge's ``judge.jsonl``); None
+    outside a run."""
 
     def render(self, prompt: Prompt) -> list[int]:
         """The prompt token ids of ``prompt`` (see :func:`render_prompt`)."""
@@ -102,15 +106,23 @@ def render_prompt(
 
 class PromptRenderer:
     """A task's prompts, stop strings and response decoding for one tokenizer
-    (``keep_stop_text``: ``--keep-stop-text``)."""
+    (``keep_stop_text``: ``--keep-stop-text``; ``run_dir``: the run's directory)."""
 
-    def __init__(self, task: Any, tokenizer: Any, *, keep_stop_text: bool = False) -> None:
+    def __init__(
+        self,
+        task: Any,
+        tokenizer: Any,
+        *,
+        keep_stop_text: bool = False,
+        run_dir: Path | None = None,
+    ) -> None:
         self._task = task
         self.context = TaskContext(
             tokenizer,
             dict(getattr(task, "chat_template_options", {})),
             skip_special_tokens=bool(getattr(task, "skip_special_tokens", False)),
             keep_stop_text=keep_stop_text,
+            run_dir=run_dir,
         )
         self._stop = tuple(str(s) for s in getattr(task, "stop", ()) or ())
         if not all(self._stop):

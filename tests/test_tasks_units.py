@@ -17,6 +17,7 @@ from engine.run import main, parse_config
 from engine.session.preflight import local_server_profile
 from engine.tasks import ArithmeticTask, Problem, load_task
 from engine.tasks.dataset import DatasetTask
+from engine.tasks.judge import Judge, JudgedTask, OpenAIJudgeModel
 from engine.tasks.loader import task_spec
 from engine.tasks.render import PromptRenderer, render_prompt
 from engine.tasks.rewards import make_reward
@@ -132,6 +133,8 @@ def test_a_reward_sees_the_response_without_its_end_token(tokenizer: Any) -> Non
     assert plain.decode(tokenizer.encode(" 7</s>", add_special_tokens=False)) == " 7"
     kept = PromptRenderer(ArithmeticTask(), tokenizer, keep_stop_text=True)
     assert kept.decode([*seven, eos]) == " 7</s>"
+    judged = JudgedTask(ArithmeticTask(), Judge(OpenAIJudgeModel("http://judge.test/v1", "m")))
+    assert PromptRenderer(judged, tokenizer).decode([*seven, eos]) == " 7"  # what a judge reads
     context = plain.context
     assert context.response_text([*seven, *seven], (), stop_token_ids=(seven[0],)) == ""
 

@@ -5,12 +5,13 @@ usage errors are one line (a mistyped flag with the nearest flags)."""
 from __future__ import annotations
 
 import argparse
-import difflib
 import sys
 from collections.abc import Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import NoReturn
+
+from engine.common.setting import did_you_mean
 
 __all__ = ["OneLineErrorParser", "add_version_flag", "engine_version", "program_name"]
 
@@ -49,9 +50,9 @@ class OneLineErrorParser(argparse.ArgumentParser):
         flags = [f for f in self._option_string_actions if f.startswith("--")]
         for item in extras:
             name = item.partition("=")[0]
-            close = difflib.get_close_matches(name, flags, n=3, cutoff=0.6)
-            if name.startswith("-") and close:
-                return f"unrecognized argument {name} (did you mean {' or '.join(close)}?)"
+            hint = did_you_mean(name, flags) if name.startswith("-") else ""
+            if hint:
+                return f"unrecognized argument {name}{hint}"
         return f"unrecognized arguments: {' '.join(extras)}"
 
     def error(self, message: str) -> NoReturn:

@@ -236,9 +236,11 @@ def _parse_mapping(text: str) -> dict[str, str]:
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean X or Y?)`` with the names closest to ``name`` (difflib), or ``""``."""
-    close = difflib.get_close_matches(name, list(known), n=3, cutoff=0.6)
-    return f" (did you mean {' or '.join(close)}?)" if close else ""
+    """`` (did you mean X or Y?)`` with the names closest to ``name`` (difflib, leading
+    dashes aside: ``--bacth`` is near ``--batch``, ``--bogus`` near nothing), or ``""``."""
+    names = {k.lstrip("-"): k for k in known}
+    close = difflib.get_close_matches(name.lstrip("-"), list(names), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(names[c] for c in close)}?)" if close else ""
 
 
 _METAVARS: Final[Mapping[Any, str]] = {

@@ -13,14 +13,16 @@ Optional task members read here (a task without them behaves as before):
   text).
 * ``skip_special_tokens``: decode responses without special tokens (default False:
   ``tokenizer.decode(tokens)``, as the quickstart does).
+* ``chat_template_options``: keyword arguments for the chat template, e.g.
+  ``{"enable_thinking": False}`` for Qwen3.
+* ``setup(context)``: called once with the :class:`TaskContext` before the first prompt.
 
 The text a reward, a judge or an environment sees ends before the first stop string,
 stop token or end-of-sequence token (``' 76'``, not the quickstart's ``' 76</s>'``), so
 that ``response == answer`` works; the trained tokens are the sampled ones, unchanged.
-``--keep-stop-text`` keeps the decoded text whole, as the quickstart saw it.
-* ``chat_template_options``: keyword arguments for the chat template, e.g.
-  ``{"enable_thinking": False}`` for Qwen3.
-* ``setup(context)``: called once with the :class:`TaskContext` before the first prompt.
+``--keep-stop-text`` gives a task's reward the decoded text whole, as the quickstart saw
+it (an environment's conversation always holds the cut text: the chat template writes
+the end token itself).
 """
 
 from __future__ import annotations
@@ -48,7 +50,6 @@ class TaskContext:
     tokenizer: Any
     chat_template_options: Mapping[str, Any] = field(default_factory=dict)
     skip_special_tokens: bool = False
-    keep_stop_text: bool = False
     run_dir: Path | None = None
     """The run's directory, for a task's own files (a judge's ``judge.jsonl``); None
     outside a run."""
@@ -56,6 +57,12 @@ class TaskContext:
     def render(self, prompt: Prompt) -> list[int]:
         """The prompt token ids of ``prompt`` (see :func:`render_prompt`)."""
         return render_prompt(self.tokenizer, prompt, self.chat_template_options)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """``tokens`` decoded whole (special tokens skipped if the task says so)."""
+        return str(
+            self.tokenizer.decode(list(tokens), skip_special_tokens=self.skip_special_tokens)
+        )
 
     def response_text(
         self,
@@ -65,16 +72,11 @@ class TaskContext:
     ) -> str:
         """The sampled ``tokens`` as the text a reward or an environment reads: cut
         before the first stop token or EOS token, then before the first stop string or
-        the EOS token's text (``keep_stop_text``: decoded whole). The one rule of
-        response decoding (see the module doc)."""
+        the EOS token's text. The one rule of response decoding (see the module doc)."""
         ids = list(tokens)
-        if not self.keep_stop_text:
-            eos_id = getattr(self.tokenizer, "eos_token_id", None)
-            ends = {*stop_token_ids, *([eos_id] if isinstance(eos_id, int) else [])}
-            ids = ids[: next((i for i, t in enumerate(ids) if t in ends), len(ids))]
-        text = str(self.tokenizer.decode(ids, skip_special_tokens=self.skip_special_tokens))
-        if self.keep_stop_text:
-            return text
+        eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        ends = {*stop_token_ids, *([eos_id] if isinstance(eos_id, int) else [])}
+        text = self.decode(ids[: next((i for i, t in enumerate(ids) if t in ends), len(ids))])
         eos_text = getattr(self.tokenizer, "eos_token", None)
         ends_text = [*stop_strings, *([eos_text] if isinstance(eos_text, str) else [])]
         cuts = [cut for cut in (text.find(s) for s in ends_text if s) if cut >= 0]
@@ -121,9 +123,9 @@ class PromptRenderer:
             tokenizer,
             dict(getattr(task, "chat_template_options", {})),
             skip_special_tokens=bool(getattr(task, "skip_special_tokens", False)),
-            keep_stop_text=keep_stop_text,
             run_dir=run_dir,
         )
+        self._keep_stop_text = keep_stop_text
         self._stop = tuple(str(s) for s in getattr(task, "stop", ()) or ())
         if not all(self._stop):
             raise ConfigError(f"task {getattr(task, 'name', task)!r} declares an empty stop string")
@@ -143,8 +145,10 @@ class PromptRenderer:
         return self.encode(self._task.prompt(problem))
 
     def decode(self, tokens: Sequence[int]) -> str:
-        """A response as the task scores it (:meth:`TaskContext.response_text` with
-        the task's stop strings)."""
+        """A response as the task scores it: :meth:`TaskContext.response_text` with the
+        task's stop strings, or (``keep_stop_text``) decoded whole."""
+        if self._keep_stop_text:
+            return self.context.decode(tokens)
         return self.context.response_text(tokens, self._stop)
 
     def decode_prompt(self, tokens: Sequence[int]) -> str:

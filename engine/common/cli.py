@@ -5,15 +5,20 @@ usage errors are one line (a mistyped flag with the nearest flags)."""
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import NoReturn
 
-from engine.common.setting import did_you_mean
-
-__all__ = ["OneLineErrorParser", "add_version_flag", "engine_version", "program_name"]
+__all__ = [
+    "OneLineErrorParser",
+    "add_version_flag",
+    "did_you_mean",
+    "engine_version",
+    "program_name",
+]
 
 
 def engine_version() -> str:
@@ -32,6 +37,14 @@ def program_name(module: str, script: str) -> str:
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"%(prog)s {engine_version()}")
+
+
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean X or Y?)`` with the names closest to ``name`` (difflib, leading
+    dashes aside: ``--bacth`` is near ``--batch``, ``--bogus`` near nothing), or ``""``."""
+    names = {k.lstrip("-"): k for k in known}
+    close = difflib.get_close_matches(name.lstrip("-"), list(names), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(names[c] for c in close)}?)" if close else ""
 
 
 class OneLineErrorParser(argparse.ArgumentParser):

@@ -9,12 +9,11 @@ markers, so nothing about a setting is written twice.
 
 from __future__ import annotations
 
-import difflib
 import json
 import math
 import types
 import urllib.parse
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, ClassVar, Final, Literal, Union, get_args, get_origin
@@ -22,6 +21,7 @@ from typing import Annotated, Any, ClassVar, Final, Literal, Union, get_args, ge
 from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
+from engine.common.cli import did_you_mean
 from engine.errors import ConfigError
 
 __all__ = [
@@ -233,14 +233,6 @@ def _parse_mapping(text: str) -> dict[str, str]:
             raise ValueError(text)
         out[key.strip()] = value
     return out
-
-
-def did_you_mean(name: str, known: Iterable[str]) -> str:
-    """`` (did you mean X or Y?)`` with the names closest to ``name`` (difflib, leading
-    dashes aside: ``--bacth`` is near ``--batch``, ``--bogus`` near nothing), or ``""``."""
-    names = {k.lstrip("-"): k for k in known}
-    close = difflib.get_close_matches(name.lstrip("-"), list(names), n=3, cutoff=0.75)
-    return f" (did you mean {' or '.join(names[c] for c in close)}?)" if close else ""
 
 
 _METAVARS: Final[Mapping[Any, str]] = {

@@ -138,7 +138,10 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         task = load_task(config.task.spec, config.task.args)
         check_score_workers(task, config.scoring.score_workers)
         plan = GroupPlan(
-            config, task, PromptRenderer(task, session.tokenizer), session.info.max_context
+            config,
+            task,
+            PromptRenderer(task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text),
+            session.info.max_context,
         )
         problems = eval_problems_of(task)
 

@@ -26,7 +26,7 @@ import sys
 import threading
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, NoReturn, TextIO
+from typing import Any, Final, NoReturn, TextIO
 
 import anyio
 from tqdm import tqdm
@@ -39,6 +39,8 @@ from engine.config import (
     read_config_file,
     stored_settings,
 )
+from engine.config.models import setting_at
+from engine.config.sources import env_text
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.loop.results import RunResult, StepResult
@@ -49,6 +51,8 @@ from engine.supervision.loop_monitor import LoopMonitor
 from engine.supervision.watchdog import SignalInterrupt
 
 __all__ = ["build_parser", "exit_process", "main"]
+
+_RESUME: Final = setting_at("checkpoints.resume")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -76,7 +80,13 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
     config_file = args.pop("config")
     from_file = read_config_file(Path(config_file).expanduser()) if config_file else {}
     defaults: dict[str, Any] = {}
-    resume = args.get("resume") or from_file.get("checkpoints", {}).get("resume")
+    assert _RESUME is not None
+    resume_env = env_text(_RESUME, environ)
+    resume = (
+        args.get("resume")
+        or (resume_env[1] if resume_env else None)
+        or from_file.get("checkpoints", {}).get("resume")
+    )
     if resume is not None:
         run_dir = Path(resume).expanduser()
         # ResumeError (exit 2) if unusable; the engine checks its checkpoints.

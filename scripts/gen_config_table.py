@@ -73,7 +73,7 @@ def run_table() -> str:
     ]
     settings += [(f, t.spec, f"task.args.{f.name}") for t, f in task_own_settings()]
     for field, task, key in settings:
-        env = ", ".join(_code(name) for name in field.marker.env)
+        env = ", ".join(_code(name) for name in field.env)
         default = _code(default_text(field, task))
         rows.append(
             f"| `{field.flag}` | {_cell(env)} | `{key}` | {_cell(default)} | "

@@ -211,7 +211,7 @@ def test_help_names_every_env_variable_and_default(capsys: pytest.CaptureFixture
     text = " ".join(capsys.readouterr().out.split())
     for name in ENV_NAMES[:2] + ENV_NAMES[4:]:
         assert name in text
-    assert "env MINT_CUSTOM_REWARD_BATCH; default: 8" in text
+    assert "env ENGINE_BATCH / MINT_CUSTOM_REWARD_BATCH; default: 8" in text
     assert "--max-steps-off-policy" in text and "--stream-minibatches" in text
     assert "--local-model" in text and "--run-dir" in text and "--log-format" in text
 

@@ -4,6 +4,7 @@ and documented default; old TOML files and run dirs keep working; keys stay secr
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +22,7 @@ from engine.config import (
     stored_profile,
     stored_settings,
 )
-from engine.config.sources import default_text, help_text
+from engine.config.sources import default_text, help_text, task_own_settings
 from engine.errors import ConfigError, ResumeError
 from engine.run import build_parser, parse_config
 from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
@@ -72,8 +73,67 @@ def test_help_is_grouped_by_concern() -> None:
 def test_flags_and_env_names_are_kept() -> None:
     flags = {f.flag for f in all_settings()}
     assert {"--lr", "--task", "--task-arg", "--no-progress", "--seed", "--local"} <= flags
-    env = {name for f in all_settings() for name in f.marker.env}
+    env = {name for f in all_settings() for name in f.env}
     assert {"MINT_CUSTOM_REWARD_STEPS", "MINT_API_KEY", "TINKER_BASE_URL", "ENGINE_SDK"} <= env
+
+
+def test_every_setting_has_an_engine_variable() -> None:
+    """One prefix for all: ENGINE_<flat name>, read before the quickstart's aliases."""
+    fields = [*all_settings(), *(f for _, f in task_own_settings())]
+    for field in fields:
+        assert field.env[0] == "ENGINE_" + field.flat.upper(), field.path
+    assert len({f.env[0] for f in fields}) == len(fields)
+    both = {"ENGINE_STEPS": "5", "MINT_CUSTOM_REWARD_STEPS": "3"}
+    assert config_from_sources({}, both).pipeline.steps == 5
+
+
+@pytest.mark.parametrize(
+    ("environ", "read"),
+    [
+        ({"ENGINE_BATCH": "3"}, lambda c: c.pipeline.batch == 3),
+        ({"ENGINE_LEARNING_RATE": "1e-4"}, lambda c: c.training.learning_rate == 1e-4),
+        ({"ENGINE_LOSS": "dro"}, lambda c: c.training.loss == "dro"),
+        ({"ENGINE_STOP_AT_EOS": "true"}, lambda c: c.sampling.stop_at_eos),
+        ({"ENGINE_PROGRESS": "false"}, lambda c: not c.logging.progress),
+        ({"ENGINE_RUN_DIR": "runs/x"}, lambda c: c.logging.run_dir == Path("runs/x")),
+        ({"ENGINE_TASK": "guess-sum"}, lambda c: c.task.spec == "guess-sum"),
+        ({"ENGINE_TASK_ARGS": "reward=numeric,chat=true"}, lambda c: c.task.args["chat"] == "true"),
+        ({"ENGINE_TASK_ARGS": '{"rubric": "a, b"}'}, lambda c: c.task.args == {"rubric": "a, b"}),
+        ({"ENGINE_OP": "-"}, lambda c: c.task.args == {"op": "-"}),
+        ({"ENGINE_API_KEY": "sk-x"}, lambda c: not c.session.local),
+    ],
+)
+def test_engine_variables_are_read(environ: dict[str, str], read: Any) -> None:
+    assert read(config_from_sources({}, environ))
+
+
+def test_engine_variable_errors_name_the_variable() -> None:
+    with pytest.raises(ConfigError, match=r"^ENGINE_LOSS must be one of importance_sampling"):
+        config_from_sources({}, {"ENGINE_LOSS": "ppo2"})
+    with pytest.raises(ConfigError, match=r"^ENGINE_TASK_ARGS must be KEY=VALUE"):
+        config_from_sources({}, {"ENGINE_TASK_ARGS": "chat"})
+
+
+def test_help_shows_types_and_choices_not_value() -> None:
+    text = build_parser().format_help()
+    assert not re.search(r"--[a-z-]+ VALUE\b", text)
+    assert "--loss {importance_sampling,ppo,cispo,dro,gspo}" in text
+    assert "--op {+,-,*}" in text
+    assert "--batch INT" in text and "--lr NUMBER" in text and "--run-dir PATH" in text
+    assert "--log-to NAME[,NAME...]" in text
+    assert "env ENGINE_BATCH / MINT_CUSTOM_REWARD_BATCH; default: 8" in " ".join(text.split())
+
+
+def test_a_mistyped_flag_gets_the_nearest_names(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        parse_config(["--bacth", "3"], {})
+    assert exit_info.value.code == 2
+    assert capsys.readouterr().err.strip() == (
+        "Error: unrecognized argument --bacth (did you mean --batch?) (see --help)"
+    )
+    with pytest.raises(SystemExit):
+        parse_config(["--temprature=1"], {})
+    assert "did you mean --temperature?" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- sources
@@ -124,7 +184,12 @@ def test_nested_and_legacy_flat_toml_read_alike(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     ("text", "error"),
     [
-        ("[pipeline]\nbatchh = 4\n", r"^pipeline.batchh in .* is not a setting"),
+        (
+            "[pipeline]\nbatchh = 4\n",
+            r"^pipeline.batchh in .* is not a setting \(did you mean batch\?\)",
+        ),
+        ("lerning_rate = 1e-3\n", r"^lerning_rate in .* \(did you mean learning_rate"),
+        ("[samplng]\ntemperature = 1\n", r"^samplng in .* not a setting \(did you mean sampling"),
         ("[pipeline]\nbatch = 0\n", r"^pipeline.batch in .* must be positive, got '0'$"),
         ("batch = 'x'\n", r"^batch in .* must be an integer, got 'x'$"),
         ("[session]\napi_key = 'sk-x'\n", r"keep API keys out of files"),
@@ -143,7 +208,7 @@ def test_flat_keywords_and_groups_build_the_same_config() -> None:
     nested = EngineConfig(pipeline={"batch": 4}, training={"loss": "dro"})
     assert flat == nested
     assert flat.replace(steps=2).pipeline == nested.pipeline.model_copy(update={"steps": 2})
-    with pytest.raises(ConfigError, match=r"^bacth is not a setting"):
+    with pytest.raises(ConfigError, match=r"^bacth is not a setting \(did you mean batch\?\)"):
         EngineConfig(bacth=4)
     with pytest.raises(ConfigError, match=r"^op only apply to the arithmetic task"):
         EngineConfig(task="jsonl:data.jsonl", op="+")
@@ -245,3 +310,8 @@ def test_secrets_never_reach_the_record(tmp_path: Path) -> None:
     assert key not in (tmp_path / CONFIG_FILE).read_text()
     leaked = {**LEGACY_RECORD, "api_key": key}
     assert "api_key" not in stored_settings(leaked, "x").get("session", {})
+
+
+def test_engine_resume_reads_the_run_dirs_settings(tmp_path: Path) -> None:
+    with pytest.raises(ResumeError):
+        parse_config([], {"ENGINE_RESUME": str(tmp_path / "no-run")})

@@ -18,6 +18,7 @@ from engine.checkpoint_files import resolve_checkpoint
 from engine.errors import ConfigError
 from engine.export import export_checkpoint, main
 from engine.local.backend import AdamConfig, AdapterSpec, Backend, DatumIn
+from engine.local.recommended import served_model_name
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from tests.backend_util import MODEL_DIR, random_datums
 
@@ -67,6 +68,9 @@ def test_peft_export_matches_the_servers_forward(trained: Trained, tmp_path: Pat
     assert main([str(ckpt), "--format", "peft", "--out", str(out)]) == 0
     config = json.loads((out / "adapter_config.json").read_text())
     assert config["r"] == 4 and config["lora_alpha"] == 32
+    # the model id, not a path of this machine (the adapter loads elsewhere)
+    assert config["base_model_name_or_path"] == served_model_name(MODEL_DIR)
+    assert config["revision"] is None
     base = AutoModelForCausalLM.from_pretrained(MODEL_DIR, dtype=torch.float32)
     untrained = [_target_logprobs(base, s) for s in seqs]
     model = PeftModel.from_pretrained(base, str(out)).eval()
@@ -74,6 +78,19 @@ def test_peft_export_matches_the_servers_forward(trained: Trained, tmp_path: Pat
         got = _target_logprobs(model, seq)
         assert torch.allclose(got, want, atol=LOGPROB_TOLERANCE, rtol=0)
         assert not torch.allclose(before, want, atol=1e-2)  # the LoRA really changed it
+
+
+def test_a_local_base_path_and_a_revision_are_explicit(trained: Trained, tmp_path: Path) -> None:
+    ckpt, _, _ = trained
+    named = tmp_path / "named"
+    args = [str(ckpt), "--out", str(named), "--base-model", "org/base", "--revision", "abc123"]
+    assert main(args) == 0
+    config = json.loads((named / "adapter_config.json").read_text())
+    assert (config["base_model_name_or_path"], config["revision"]) == ("org/base", "abc123")
+    local = tmp_path / "local"
+    assert main([str(ckpt), "--out", str(local), "--base-path", str(MODEL_DIR)]) == 0
+    config = json.loads((local / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(Path(MODEL_DIR).resolve())
 
 
 def test_merged_export_matches_the_servers_forward(trained: Trained, tmp_path: Path) -> None:

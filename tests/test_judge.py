@@ -15,6 +15,7 @@ import anyio.lowlevel
 import httpx
 import pytest
 
+from engine.config import EngineConfig
 from engine.errors import PermanentServiceError
 from engine.session.retry import RetryPolicy
 from engine.tasks import Problem
@@ -219,11 +220,13 @@ def test_bad_judge_arguments_are_one_line_and_exit_2(
 def test_a_judge_task_from_the_command_line_trains_against_the_local_server(
     tmp_path: Path,
 ) -> None:
+    """The engine trains on its own local server (no MINT_API_KEY anywhere) while a
+    second local server without a key judges; the judged task asks what the served
+    model's recommendation says (a + b), and judge.jsonl shows what the judge read."""
     from engine.local import LocalServer
-    from tests.engine_support import API_KEY
     from tests.reliability_support import run_cli
 
-    with LocalServer(api_key=API_KEY) as server:
+    with LocalServer() as server:
         judge = {
             "api": "mint",
             "url": server.base_url,
@@ -231,23 +234,22 @@ def test_a_judge_task_from_the_command_line_trains_against_the_local_server(
             "verdict": "same-number",  # the packaged model answers the question itself
             "max_tokens": "8",
         }
-        args = ["--base-url", server.base_url, "--task", "judge:arithmetic"]
-        task = {"op": "+", "min_operand": "10", "max_operand": "99"}  # what it learned
-        task |= {f"judge.{k}": v for k, v in judge.items()}
-        args += [f"--task-arg={k}={v}" for k, v in task.items()]
+        args = ["--task", "judge:arithmetic"]
+        args += [f"--task-arg=judge.{k}={v}" for k, v in judge.items()]
         args += ["--steps", "1", "--batch", "2", "--group", "4", "--max-tokens", "8"]
         run = tmp_path / "run"
-        done = run_cli(
-            [*args, "--run-dir", str(run), "--no-progress"], tmp_path, MINT_API_KEY=API_KEY
-        )
+        done = run_cli([*args, "--run-dir", str(run), "--no-progress"], tmp_path)
     assert done.returncode == 0, done.stderr
     [record] = [json.loads(line) for line in (run / "metrics.jsonl").open()]
     assert record["judge/calls"] >= 1
     assert record["judge/calls"] + record["judge/cache_hits"] == 8  # 2 groups of 4
     assert record["judge/unparsed"] == 0.0 and "env/all/judge" in record
     config = json.loads((run / "config.json").read_text())
-    assert config["task"]["spec"] == "judge:arithmetic"
+    assert config["task"]["spec"] == "judge:arithmetic" and config["server"] == "local"
     assert config["task"]["args"]["judge.api"] == "mint"
+    assert config["task"]["args"]["op"] == "+"  # the local server's recommendation
+    samples = [json.loads(line) for line in (run / "judge.jsonl").open()]
+    assert samples and all(" + " in s["prompt"] and s["reply"] for s in samples)
 
 
 class RecordingSampler:
@@ -282,3 +284,75 @@ def test_a_mint_judge_reads_the_prompt_through_the_chat_template_or_as_it_is(cha
     assert tokenizer.decode(sent).count("Question:") == (2 if chat else 1)
     if not chat:
         assert sent == tokenizer.encode(prompt)  # as the task's own string prompt is sent
+
+
+def test_a_judged_task_takes_the_servers_recommended_task_settings() -> None:
+    """judge:arithmetic asks what plain arithmetic asks: the local server's a + b,
+    10..99, not the hosted defaults (a * b, 10..199); --op is its flag too."""
+    from engine.catalog import load_task
+    from engine.session.preflight import local_server_profile
+
+    local = local_server_profile(None)
+    judge = {"judge.url": "http://127.0.0.1:9/v1", "judge.model": "m"}
+    plain = EngineConfig(task="arithmetic").resolved(local).task.args
+    judged = EngineConfig(task="judge:arithmetic", task_args=judge).resolved(local)
+    assert plain == {"op": "+", "min_operand": "10", "max_operand": "99"}
+    assert judged.task.args == {**plain, **judge}
+    assert judged.unresolved == ()
+    task = load_task(judged.task.spec, judged.task.args)
+    problem = task.source(0).next()
+    assert problem is not None and " + " in problem.question
+    flagged = EngineConfig(task="judge:arithmetic", task_args=judge, op="-").resolved(local)
+    assert flagged.task.args["op"] == "-"
+
+
+def test_the_judges_prompts_and_raw_replies_land_in_the_run_dir(tmp_path: Path) -> None:
+    """judge.jsonl holds the first log_samples verdicts and up to log_samples more
+    unparsed ones (bounded however long the run, also across a resume), each with the
+    prompt as sent and the reply as received."""
+    from engine.tasks.render import TaskContext
+
+    def judged() -> JudgedTask:
+        task = JudgedTask(ArithmeticTask(op="+"), judge_of(Endpoint(), log_samples=2))
+        task.setup(TaskContext(tokenizer=None, run_dir=tmp_path))
+        return task
+
+    task = judged()
+    for i, response in enumerate(("1", "???", "22", "???", "???", "???")):
+        anyio.run(task.score, response, Problem(i, f"{i} + 0 =", i))
+    lines = [json.loads(line) for line in (tmp_path / "judge.jsonl").read_text().splitlines()]
+    assert [(r["score"], r["unparsed"]) for r in lines] == [
+        (0.1, False),
+        (None, True),
+        (None, True),
+        (None, True),
+    ]
+    assert "Response to grade:\n???\n" in lines[1]["prompt"] and lines[1]["reply"] == "no idea"
+    assert task.metrics()["judge/unparsed"] == 4.0
+    resumed = judged()
+    anyio.run(resumed.score, "???", Problem(9, "9 + 0 =", 9))
+    assert len((tmp_path / "judge.jsonl").read_text().splitlines()) == 4
+
+
+def test_a_judge_key_of_its_own_keeps_the_engine_on_the_local_server(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """MINT_API_KEY would send the training to that server: a judge reads
+    ENGINE_JUDGE_API_KEY first, and a mint judge on a loopback URL needs no key."""
+    from engine.catalog import load_task
+    from engine.config import config_from_sources
+    from engine.tasks.judge_task import LazyMintJudgeModel
+
+    monkeypatch.delenv("MINT_API_KEY", raising=False)
+    monkeypatch.delenv("ENGINE_JUDGE_API_KEY", raising=False)
+    mint = {"judge.api": "mint", "judge.model": "m", "judge.url": "http://127.0.0.1:8000"}
+    local = load_task("judge:arithmetic", mint)
+    assert isinstance(local, JudgedTask)
+    assert isinstance(local.judge._model, LazyMintJudgeModel)
+    assert local.judge._model._api_key == "tml-engine-local"
+    monkeypatch.setenv("ENGINE_JUDGE_API_KEY", "sk-judge")
+    remote = load_task("judge:arithmetic", {**mint, "judge.url": "https://judge.example"})
+    assert isinstance(remote, JudgedTask)
+    assert isinstance(remote.judge._model, LazyMintJudgeModel)
+    assert remote.judge._model._api_key == "sk-judge"
+    assert config_from_sources({}, {"ENGINE_JUDGE_API_KEY": "sk-judge"}).session.local

@@ -335,3 +335,35 @@ def test_console_script_finds_a_task_module_in_the_current_directory(tmp_path: P
     )
     assert proc.returncode == 2
     assert proc.stderr == "Error: invalid task 'mytask:make': calling make failed (found me)\n"
+
+
+class _ExactAnswer(ArithmeticTask):
+    """A user's reward as a newcomer writes it: ``==`` on the stripped response (the
+    answers it saw are kept)."""
+
+    name = "exact-answer"
+
+    def __init__(self) -> None:
+        super().__init__(op="+", min_operand=10, max_operand=99)
+        self.seen: list[str] = []
+
+    def score(self, response: str, problem: Problem) -> RewardBreakdown:  # type: ignore[override]
+        self.seen.append(response)
+        return RewardBreakdown(1.0 if response.strip() == str(problem.answer) else 0.0)
+
+
+@pytest.mark.parametrize("keep", [False, True])
+def test_an_equality_reward_sees_the_answer_without_the_end_token(
+    server: LocalServer, tmp_path: Path, keep: bool
+) -> None:
+    """The packaged model answers ' 76</s>': the reward sees ' 76' (and scores it), the
+    trained tokens still end with the EOS token; --keep-stop-text shows it the '</s>'."""
+    task = _ExactAnswer()
+    config = task_config(server, tmp_path / "run", steps=1, keep_stop_text=keep)
+    steps, _ = run_engine(config, task=task)
+    eos = AutoTokenizer.from_pretrained(DEFAULT_OUT).eos_token_id
+    actions = [t.turns[0].action for g in steps[0].groups for t in g.trajectories]
+    assert any(action[-1] == eos for action in actions)
+    assert any("</s>" in text for text in task.seen) is keep
+    if not keep:
+        assert steps[0].metrics["avg_reward"] > 0

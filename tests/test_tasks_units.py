@@ -18,6 +18,7 @@ from engine.run import main, parse_config
 from engine.session.preflight import local_server_profile
 from engine.tasks import ArithmeticTask, Problem
 from engine.tasks.dataset import DatasetTask
+from engine.tasks.judge import Judge, JudgedTask, OpenAIJudgeModel
 from engine.tasks.render import PromptRenderer, render_prompt
 from engine.tasks.rewards import make_reward
 from scripts import make_model
@@ -115,10 +116,27 @@ def test_renderer_stop_strings_decoding_and_setup(tokenizer: Any) -> None:
     assert renderer.stops(stop_at_eos=True) == (("\n", "Question:", "</s>"), ())
     tokens = tokenizer.encode(" 46\nQuestion: x", add_special_tokens=False)
     assert renderer.decode([*tokens, tokenizer.eos_token_id]) == " 46"
-    plain = PromptRenderer(ArithmeticTask(), tokenizer)  # no stop, raw decoding (as before)
+    plain = PromptRenderer(ArithmeticTask(), tokenizer)  # no stop strings
     assert plain.stops(stop_at_eos=False) == ((), ())
     assert plain.stops(stop_at_eos=True) == ((), (tokenizer.eos_token_id,))
-    assert plain.decode([*tokenizer.encode(" 7", add_special_tokens=False), 2]) == " 7</s>"
+
+
+def test_a_reward_sees_the_response_without_its_end_token(tokenizer: Any) -> None:
+    """The packaged model ends ' 7' with '</s>': the text a reward compares with ``==``
+    stops before it (and before anything sampled past it); --keep-stop-text keeps the
+    quickstart's decoding."""
+    seven = tokenizer.encode(" 7", add_special_tokens=False)
+    eos = tokenizer.eos_token_id
+    plain = PromptRenderer(ArithmeticTask(), tokenizer)
+    assert plain.decode([*seven, eos]) == " 7"
+    assert plain.decode([*seven, eos, *seven]) == " 7"
+    assert plain.decode(tokenizer.encode(" 7</s>", add_special_tokens=False)) == " 7"
+    kept = PromptRenderer(ArithmeticTask(), tokenizer, keep_stop_text=True)
+    assert kept.decode([*seven, eos]) == " 7</s>"
+    judged = JudgedTask(ArithmeticTask(), Judge(OpenAIJudgeModel("http://judge.test/v1", "m")))
+    assert PromptRenderer(judged, tokenizer).decode([*seven, eos]) == " 7"  # what a judge reads
+    context = plain.context
+    assert context.response_text([*seven, *seven], (), stop_token_ids=(seven[0],)) == ""
 
 
 # ----------------------------------------------------------------------------- dataset

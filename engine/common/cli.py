@@ -1,16 +1,24 @@
 """What the command-line entry points share: the program name shown in usage lines (the
 console script's own name, else ``python -m <module>``), ``--version`` and a parser whose
-usage errors are one line."""
+usage errors are one line (a mistyped flag with the nearest flags)."""
 
 from __future__ import annotations
 
 import argparse
+import difflib
 import sys
+from collections.abc import Iterable, Sequence
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 from typing import NoReturn
 
-__all__ = ["OneLineErrorParser", "add_version_flag", "engine_version", "program_name"]
+__all__ = [
+    "OneLineErrorParser",
+    "add_version_flag",
+    "did_you_mean",
+    "engine_version",
+    "program_name",
+]
 
 
 def engine_version() -> str:
@@ -31,8 +39,34 @@ def add_version_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"%(prog)s {engine_version()}")
 
 
+def did_you_mean(name: str, known: Iterable[str]) -> str:
+    """`` (did you mean X or Y?)`` with the names closest to ``name`` (difflib, leading
+    dashes aside: ``--bacth`` is near ``--batch``, ``--bogus`` near nothing), or ``""``."""
+    names = {k.lstrip("-"): k for k in known}
+    close = difflib.get_close_matches(name.lstrip("-"), list(names), n=3, cutoff=0.75)
+    return f" (did you mean {' or '.join(names[c] for c in close)}?)" if close else ""
+
+
 class OneLineErrorParser(argparse.ArgumentParser):
-    """argparse, but a usage error is ONE line on stderr and exit code 2."""
+    """argparse, but a usage error is ONE line on stderr and exit code 2, and an unknown
+    flag is answered with the nearest known ones (``--bacth``: did you mean --batch?)."""
+
+    def parse_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> argparse.Namespace:
+        parsed, extras = self.parse_known_args(args, namespace)
+        if extras:
+            self.error(self._unrecognized(extras))
+        return parsed
+
+    def _unrecognized(self, extras: Sequence[str]) -> str:
+        flags = [f for f in self._option_string_actions if f.startswith("--")]
+        for item in extras:
+            name = item.partition("=")[0]
+            hint = did_you_mean(name, flags) if name.startswith("-") else ""
+            if hint:
+                return f"unrecognized argument {name}{hint}"
+        return f"unrecognized arguments: {' '.join(extras)}"
 
     def error(self, message: str) -> NoReturn:
         print(f"Error: {message} (see --help)", file=sys.stderr)

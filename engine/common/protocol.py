@@ -5,8 +5,12 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["RECOMMENDED_FIELD"]
+__all__ = ["LOCAL_PLACEHOLDER_KEY", "RECOMMENDED_FIELD"]
 
 RECOMMENDED_FIELD: Final = "engine_recommended"
 """The extra field of a model entry in ``get_server_capabilities`` with the RL settings
 the local server recommends for that model (the SDK ignores it; hosted MinT omits it)."""
+
+LOCAL_PLACEHOLDER_KEY: Final = "tml-engine-local"
+"""The API key a client sends to a local server started without one (the SDK refuses
+to connect without a key; such a server accepts any)."""

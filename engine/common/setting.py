@@ -9,6 +9,7 @@ markers, so nothing about a setting is written twice.
 
 from __future__ import annotations
 
+import json
 import math
 import types
 import urllib.parse
@@ -20,9 +21,11 @@ from typing import Annotated, Any, ClassVar, Final, Literal, Union, get_args, ge
 from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
+from engine.common.cli import did_you_mean
 from engine.errors import ConfigError
 
 __all__ = [
+    "ENV_PREFIX",
     "MAX_SEED",
     "Check",
     "Resume",
@@ -30,6 +33,7 @@ __all__ = [
     "SettingField",
     "TaskSettings",
     "check_value",
+    "did_you_mean",
     "finite_non_negative",
     "finite_positive",
     "http_url",
@@ -51,6 +55,10 @@ one is refused), ``changeable`` (the run dir's value unless given anew; nothing 
 changes) or ``current`` (never read from the run dir: where it connects, how it
 reports)."""
 
+ENV_PREFIX: Final = "ENGINE_"
+"""Every setting's own environment variable is this prefix and its flat name in capitals
+(``ENGINE_BATCH``, ``ENGINE_LEARNING_RATE``); ``Setting.env`` adds aliases."""
+
 MAX_SEED: Final = 2**63 - 1
 """Seeds are sent to the server as signed 64-bit integers: 0..MAX_SEED."""
 
@@ -60,10 +68,11 @@ class Setting:
     """The marker of a setting field (``Annotated[type, Setting(...)]``).
 
     ``flag``: its command-line flag (default ``--`` + the field name, dashed); ``env``:
-    environment variables, the first set wins; ``check``: a value's problem beyond its
-    type (a ``Literal`` type checks its choices by itself); ``unset``: what ``None``
-    means, for the docs and ``--help``; ``recommended``: the server recommends its value
-    when unset (:class:`engine.config.Profile`); ``flat``: its name as a keyword of
+    aliases read after ``ENGINE_<FLAT NAME>`` (the quickstart's
+    ``MINT_CUSTOM_REWARD_STEPS``...), the first set wins; ``check``: a value's problem
+    beyond its type (a ``Literal`` type checks its choices by itself); ``unset``: what
+    ``None`` means, for the docs and ``--help``; ``recommended``: the server recommends
+    its value when unset (:class:`engine.config.Profile`); ``flat``: its name as a keyword of
     ``EngineConfig(...)``, in a flat TOML file and in a run dir's config.json from
     before the groups (default the field name); ``secret``: never written anywhere."""
 
@@ -98,6 +107,26 @@ class SettingField:
     @property
     def flag(self) -> str:
         return self.marker.flag or "--" + self.name.replace("_", "-")
+
+    @property
+    def env(self) -> tuple[str, ...]:
+        """Its environment variables, the first set wins: ``ENGINE_<FLAT NAME>``, then
+        the declared aliases."""
+        return tuple(dict.fromkeys((ENV_PREFIX + self.flat.upper(), *self.marker.env)))
+
+    @property
+    def metavar(self) -> str:
+        """What ``--help`` shows as its value: the choices, or the kind of value."""
+        kind = self.value_type
+        check = self.marker.check
+        choices = check.choices if isinstance(check, _OneOf) else _choices(kind)
+        if choices:
+            return "{" + ",".join(choices) + "}"
+        if get_origin(kind) is tuple:
+            return "NAME[,NAME...]"
+        if get_origin(kind) is dict:
+            return "KEY=VALUE"
+        return _METAVARS.get(kind, "TEXT")
 
     @property
     def value_type(self) -> Any:
@@ -158,7 +187,7 @@ def parse_text(field: SettingField, text: str, source: str) -> Any:
         value = _parse(kind, text)
     except ValueError:
         raise ConfigError(
-            f"{source} must be {_KIND_NAMES.get(kind, 'valid')}, got {text!r}"
+            f"{source} must be {_KIND_NAMES.get(get_origin(kind) or kind, 'valid')}, got {text!r}"
         ) from None
     problem = field.problem(value)
     if problem:
@@ -167,6 +196,8 @@ def parse_text(field: SettingField, text: str, source: str) -> Any:
 
 
 def _parse(kind: Any, text: str) -> Any:
+    if get_origin(kind) is dict:
+        return _parse_mapping(text)
     if kind is int:
         return int(text.strip())
     if kind is float:
@@ -185,11 +216,38 @@ def _parse(kind: Any, text: str) -> Any:
     return text
 
 
+def _parse_mapping(text: str) -> dict[str, str]:
+    """A table from text: a JSON object, or ``KEY=VALUE`` items separated by commas."""
+    if text.strip().startswith("{"):
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError:
+            raise ValueError(text) from None
+        if not isinstance(data, dict):
+            raise ValueError(text)
+        return {str(k): v if isinstance(v, str) else json.dumps(v) for k, v in data.items()}
+    out: dict[str, str] = {}
+    for item in filter(str.strip, text.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise ValueError(text)
+        out[key.strip()] = value
+    return out
+
+
+_METAVARS: Final[Mapping[Any, str]] = {
+    int: "INT",
+    float: "NUMBER",
+    Path: "PATH",
+    str: "TEXT",
+}
+
 _KIND_NAMES: Final[Mapping[Any, str]] = {
     int: "an integer",
     float: "a number",
     bool: "true or false",
     Path: "a non-empty path",
+    dict: "KEY=VALUE[,KEY=VALUE...] or a JSON object",
 }
 
 
@@ -245,11 +303,18 @@ def finite_non_negative(v: Any) -> str | None:
     return None if math.isfinite(v) and v >= 0 else "must be a number >= 0"
 
 
-def one_of(choices: tuple[str, ...]) -> Check:
-    def check(v: Any) -> str | None:
-        return None if v in choices else f"must be one of {', '.join(choices)}"
+@dataclass(frozen=True)
+class _OneOf:
+    """A check of choices that ``--help`` can list."""
 
-    return check
+    choices: tuple[str, ...]
+
+    def __call__(self, v: Any) -> str | None:
+        return None if v in self.choices else f"must be one of {', '.join(self.choices)}"
+
+
+def one_of(choices: tuple[str, ...]) -> Check:
+    return _OneOf(choices)
 
 
 def non_empty(v: Any) -> str | None:

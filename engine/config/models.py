@@ -37,6 +37,7 @@ from engine.common.setting import (
     SettingField,
     TaskSettings,
     check_value,
+    did_you_mean,
     finite_non_negative,
     finite_positive,
     http_url,
@@ -48,7 +49,7 @@ from engine.common.setting import (
 from engine.common.setting import (
     seed as seed_range,
 )
-from engine.config.registry import task_settings_models
+from engine.config.registry import settings_spec, task_settings_models
 from engine.config.values import (
     HOSTED_BASE_URL,
     LOSSES,
@@ -220,6 +221,11 @@ class SamplingSettings(_Group):
         False,
         description="stop sampling at the tokenizer's EOS (off, like the quickstart: "
         "tinker 0.22 drops its stop_token_ids)",
+    )
+    keep_stop_text: bool = Field(
+        False,
+        description="the text a reward sees keeps its stop string and EOS token, as the "
+        "quickstart decodes it (off: cut before them, e.g. ' 76' not ' 76</s>')",
     )
     sampling_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
         None,
@@ -537,8 +543,10 @@ _FLAT: Final[Mapping[str, SettingField]] = {f.flat: f for f in all_settings()}
 
 
 def task_settings_of(spec: str) -> type[TaskSettings] | None:
-    """The settings a built-in task declares (None: it declares none)."""
-    return next((model for model in task_settings_models() if model.spec == spec), None)
+    """The settings a built-in task declares (a judged task: its task's; None: none)."""
+    return next(
+        (model for model in task_settings_models() if model.spec == settings_spec(spec)), None
+    )
 
 
 def _task_flat() -> dict[str, tuple[type[TaskSettings], SettingField]]:
@@ -574,7 +582,7 @@ def route_flat(data: Mapping[str, Any]) -> dict[str, Any]:
         spec = task.get("spec", TaskSettingsGroup.model_fields["spec"].default)
         for key, value in task_own.items():
             model, field = own_names[key]
-            if spec != model.spec:
+            if settings_spec(spec) != model.spec:
                 raise ConfigError(
                     f"{', '.join(task_own)} only apply to the {model.spec} task; give task "
                     f"{spec!r} its settings with --task-arg KEY=VALUE"
@@ -716,7 +724,7 @@ class EngineConfig(BaseModel):
         spec = self.task.spec
         args: dict[str, str] = {}
         for profile in reversed(profiles):
-            args.update(profile.task_args.get(spec, {}))
+            args.update(profile.task_args.get(settings_spec(spec), {}))
         args.update(self.task.args)
         own = task_settings_of(spec)
         if own is not None:
@@ -771,7 +779,9 @@ def _one_line(exc: ValidationError) -> str:
     setting = setting_at(".".join(loc[:2]))
     where = setting.flat if setting is not None else ".".join(loc)
     if error["type"] == "extra_forbidden":
-        return f"{where} is not a setting (see python -m engine.run --help)"
+        known = [*_FLAT, *(f.path for f in all_settings()), *_task_flat()]
+        hint = did_you_mean(where, known)
+        return f"{where} is not a setting{hint} (see python -m engine.run --help)"
     given = error.get("input")
     if error["type"] == "literal_error" and setting is not None:
         choices = ", ".join(map(str, get_args(setting.value_type)))

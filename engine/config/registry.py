@@ -13,7 +13,7 @@ from typing import TypeVar
 
 from engine.common.setting import TaskSettings
 
-__all__ = ["register_task_settings", "task_settings_models"]
+__all__ = ["register_task_settings", "settings_spec", "task_settings_models"]
 
 _T = TypeVar("_T", bound=type[TaskSettings])
 _REGISTERED: list[type[TaskSettings]] = []
@@ -31,3 +31,12 @@ def register_task_settings(model: _T) -> _T:
 def task_settings_models() -> tuple[type[TaskSettings], ...]:
     """Every registered model, in registration order."""
     return tuple(_REGISTERED)
+
+
+def settings_spec(spec: str) -> str:
+    """The task spec whose own settings and server recommendations ``spec`` takes: a
+    judged task's (``judge:arithmetic`` -> ``arithmetic``: the judge changes the
+    reward, not the problems), else ``spec`` itself."""
+    while spec.startswith("judge:"):
+        spec = spec.removeprefix("judge:")
+    return spec

@@ -16,7 +16,13 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, get_origin
 
-from engine.common.setting import SettingField, TaskSettings, parse_text, setting_fields
+from engine.common.setting import (
+    SettingField,
+    TaskSettings,
+    did_you_mean,
+    parse_text,
+    setting_fields,
+)
 from engine.config.models import GROUPS, EngineConfig, all_settings
 from engine.config.profile import HOSTED_PROFILE, toml_text
 from engine.config.records import nest_record
@@ -28,6 +34,7 @@ __all__ = [
     "add_setting_arguments",
     "config_from_sources",
     "default_text",
+    "env_text",
     "help_text",
     "parse_task_args",
     "read_config_file",
@@ -68,8 +75,20 @@ def default_text(field: SettingField, task: str | None = None) -> str:
 
 
 def help_text(field: SettingField, task: str | None = None) -> str:
-    env = f"env {' / '.join(field.marker.env)}; " if field.marker.env else ""
+    env = f"env {' / '.join(field.env)}; "
     return f"{field.description} ({env}default: {default_text(field, task)})"
+
+
+def env_text(field: SettingField, environ: Mapping[str, str]) -> tuple[str, str] | None:
+    """(variable, text) of the first of ``field``'s environment variables that is set
+    (the ``mint`` SDK's own hosted ``TINKER_BASE_URL`` does not count)."""
+    for name in field.env:
+        text = environ.get(name)
+        if name == "TINKER_BASE_URL" and _is_hosted_default(text):
+            continue  # importing ``mint`` sets it; it is the default, not a choice
+        if text is not None and text.strip():
+            return name, text
+    return None
 
 
 def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
@@ -95,10 +114,12 @@ def _add_flag(group: argparse._ArgumentGroup, field: SettingField, text: str) ->
         group.add_argument(field.flag, dest=field.flat, action=action, default=None, help=text)
     elif _is_mapping(field):
         group.add_argument(
-            field.flag, dest=field.flat, action="append", metavar="KEY=VALUE", help=text
+            field.flag, dest=field.flat, action="append", metavar=field.metavar, help=text
         )
     else:
-        group.add_argument(field.flag, dest=field.flat, default=None, metavar="VALUE", help=text)
+        group.add_argument(
+            field.flag, dest=field.flat, default=None, metavar=field.metavar, help=text
+        )
 
 
 def _first_line(doc: str | None) -> str:
@@ -149,18 +170,20 @@ def config_from_sources(
                 value = {**values.get(field.group, {}).get(field.name, {}), **value}
             values.setdefault(field.group, {})[field.name] = value
             continue
-        for name in field.marker.env:
-            text = environ.get(name)
-            if name == "TINKER_BASE_URL" and _is_hosted_default(text):
-                continue  # importing ``mint`` sets it; it is the default, not a choice
-            if text is not None and text.strip():
-                values.setdefault(field.group, {})[field.name] = parse_text(field, text, name)
-                break
+        found = env_text(field, environ)
+        if found is not None:
+            name, text = found
+            value = parse_text(field, text, name)
+            if _is_mapping(field):
+                value = {**values.get(field.group, {}).get(field.name, {}), **value}
+            values.setdefault(field.group, {})[field.name] = value
     own: dict[str, Any] = {}
     for _, field in task_own_settings():
-        text = flags.get(field.flat)
-        if text is not None:
-            own[field.flat] = parse_text(field, str(text), field.flag)
+        flag = flags.get(field.flat)
+        if flag is not None:
+            own[field.flat] = parse_text(field, str(flag), field.flag)
+        elif (found := env_text(field, environ)) is not None:
+            own[field.flat] = parse_text(field, found[1], found[0])
     session = values.setdefault("session", {})
     connect = session.get("api_key") or session.get("base_url") is not None
     if session.get("local_model") is not None or not connect:
@@ -229,7 +252,11 @@ def read_config_file(path: Path) -> Values:
                 where = f"{raw_key}.{raw_name} in {path}"
                 found = _in_group(key, raw_name)
                 if found is None:
-                    raise ConfigError(f"{where} is not a setting (see python -m engine.run --help)")
+                    names = [f.name for f in setting_fields(GROUPS[key], key)]
+                    raise ConfigError(
+                        f"{where} is not a setting{did_you_mean(raw_name.replace('-', '_'), names)}"
+                        " (see python -m engine.run --help)"
+                    )
                 _put(out, found, item, where)
         elif key in flat:
             _put(out, flat[key][1], value, f"{raw_key} in {path}")
@@ -237,8 +264,10 @@ def read_config_file(path: Path) -> Values:
             args = out.setdefault("task", {}).setdefault("args", {})
             args.setdefault(key, _stored_value(own[key], value, f"{raw_key} in {path}"))
         else:
+            known = [*GROUPS, *flat, *own]
             raise ConfigError(
-                f"{raw_key} in {path} is not a setting (see python -m engine.run --help)"
+                f"{raw_key} in {path} is not a setting{did_you_mean(key, known)} "
+                "(see python -m engine.run --help)"
             )
     return out
 

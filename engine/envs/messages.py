@@ -179,15 +179,9 @@ class ChatEnv:
         return Observation(tuple(self._context.render(self.messages, self._schemas)), self._stop)
 
     def _decode(self, tokens: Sequence[int]) -> str:
-        """The reply as text, cut at the first stop string (the sampler may return it)."""
-        tokenizer = self._context.tokenizer
-        text = str(tokenizer.decode(list(tokens), skip_special_tokens=False))
-        cuts = [text.find(s) for s in self._stop.stop_strings if s]
-        eos = getattr(tokenizer, "eos_token", None)
-        if isinstance(eos, str) and eos:
-            cuts.append(text.find(eos))
-        found = [c for c in cuts if c >= 0]
-        return text[: min(found)] if found else text
+        """The reply as text, as a reward reads it (the sampler may return its stop)."""
+        stop = self._stop
+        return self._context.task.response_text(tokens, stop.stop_strings, stop.stop_token_ids)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from engine.common.clock import LOOP_CLOCK, Clock
+from engine.common.protocol import LOCAL_PLACEHOLDER_KEY
 from engine.common.sdks import SdkName, choose_sdk
 from engine.config import EngineConfig
 from engine.errors import ConfigError
@@ -28,8 +29,6 @@ if TYPE_CHECKING:
     from engine.session.adapter import SdkSession
 
 __all__ = ["adapter_class", "open_session", "service_guard"]
-
-_LOCAL_PLACEHOLDER_KEY = "tml-engine-local"
 
 _ADAPTERS: dict[SdkName, tuple[str, str]] = {
     "mint": ("engine.session.mint", "MintSession"),
@@ -98,7 +97,7 @@ async def open_session(
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
             say(f"Local server: {server.base_url} serving {server.model_name}")
             # A local server without a key accepts any; the SDK still wants one.
-            api_key = server.api_key or _LOCAL_PLACEHOLDER_KEY
+            api_key = server.api_key or LOCAL_PLACEHOLDER_KEY
             session = await stack.enter_async_context(
                 session_class.connect(
                     config,

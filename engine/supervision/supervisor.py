@@ -487,7 +487,12 @@ def _open_task_outputs(
     config: EngineConfig, task: Task, session: Session, record: RunRecord, log: RunLog
 ) -> _TaskOutputs:
     """The group plan and the evaluator; ``record`` keeps the rollouts."""
-    renderer = PromptRenderer(task, session.tokenizer)
+    renderer = PromptRenderer(
+        task,
+        session.tokenizer,
+        keep_stop_text=config.sampling.keep_stop_text,
+        run_dir=record.path,
+    )
     record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
     plan = GroupPlan(config, task, renderer, session.info.max_context)
     evaluator = None

@@ -9,15 +9,20 @@ is awaited, not sent twice), retries transient failures with the project's polic
 repeat) and counts its cost: ``judge/calls``, ``judge/cache_hits``,
 ``judge/prompt_tokens``, ``judge/completion_tokens``, ``judge/unparsed`` (replies without
 a score: reward 0) and ``judge/retries``, cumulative over the run, in every step's
-metrics (:meth:`JudgedTask.metrics`). :class:`JudgedTask` puts a judge on any task.
+metrics (:meth:`JudgedTask.metrics`). :class:`JudgedTask` puts a judge on any task, and
+writes a sample of the judge's prompts and raw replies to the run directory's
+``judge.jsonl`` (the first ``log_samples`` calls and up to ``log_samples`` more whose
+reply held no score), so an ``unparsed`` count can be read, not guessed.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Protocol
 
 import anyio
@@ -26,6 +31,7 @@ import httpx
 from engine.core.problems import Problem, ProblemSource, RewardBreakdown, Task
 from engine.errors import ServiceError
 from engine.session.retry import RetryCounter, RetryPolicy, call_with_retry
+from engine.tasks.render import TaskContext
 
 __all__ = [
     "DEFAULT_RUBRIC",
@@ -52,6 +58,9 @@ Verdict = Callable[[str, str], float | None]
 verdict (reward 0, counted in ``judge/unparsed``)."""
 JUDGE_KIND = "judge"
 """The retry kind of judge calls (``retries/judge``)."""
+JUDGE_LOG = "judge.jsonl"
+"""The run directory's sample of the judge's prompts and replies."""
+DEFAULT_LOG_SAMPLES = 32
 
 
 @dataclass(frozen=True)
@@ -176,6 +185,35 @@ class _Usage:
     retries: RetryCounter = field(default_factory=RetryCounter)
 
 
+class _SampleLog:
+    """``judge.jsonl``: the first ``limit`` verdicts and up to ``limit`` more unparsed
+    ones, one JSON line each (a resumed run counts what the file holds)."""
+
+    def __init__(self, path: Path, limit: int) -> None:
+        self._path = path
+        self._limit = limit
+        self._lock = anyio.Lock()
+        lines = path.read_text(encoding="utf-8").splitlines() if path.is_file() else []
+        self._first = min(len(lines), limit)
+        self._unparsed = len(lines) - self._first
+
+    async def add(self, prompt: str, reply: JudgeReply, value: float | None) -> None:
+        if self._first < self._limit:
+            self._first += 1
+        elif value is None and self._unparsed < self._limit:
+            self._unparsed += 1
+        else:
+            return
+        record = {"prompt": prompt, "reply": reply.text, "score": value, "unparsed": value is None}
+        line = json.dumps(record, ensure_ascii=False) + "\n"
+        async with self._lock:
+            await anyio.to_thread.run_sync(self._append, line)
+
+    def _append(self, line: str) -> None:
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write(line)
+
+
 class Judge:
     """Scores (prompt, response) pairs with ``model`` and ``rubric``, reading each reply
     with ``verdict`` (default :func:`score_line`)."""
@@ -190,9 +228,12 @@ class Judge:
         cache_size: int = 4096,
         max_tokens: int = 64,
         policy: RetryPolicy | None = None,
+        log_samples: int = DEFAULT_LOG_SAMPLES,
     ) -> None:
-        if concurrency < 1 or cache_size < 0 or max_tokens < 1:
-            raise ValueError("concurrency and max_tokens must be positive, cache_size >= 0")
+        if concurrency < 1 or cache_size < 0 or max_tokens < 1 or log_samples < 0:
+            raise ValueError(
+                "concurrency and max_tokens must be positive, cache_size and log_samples >= 0"
+            )
         self._model = model
         self._rubric = rubric
         self._verdict = verdict or score_line()
@@ -203,6 +244,12 @@ class Judge:
         self._max_tokens = max_tokens
         self._policy = policy or RetryPolicy(max_attempts=4, attempt_timeout=300.0)
         self._usage = _Usage()
+        self._log_samples = log_samples
+        self._samples: _SampleLog | None = None
+
+    def log_to(self, path: Path) -> None:
+        """Write the sample of prompts and replies to ``path`` (see the module doc)."""
+        self._samples = _SampleLog(path, self._log_samples) if self._log_samples else None
 
     def metrics(self) -> dict[str, float]:
         """The judge's cost so far (see the module doc)."""
@@ -258,6 +305,8 @@ class Judge:
         u.prompt_tokens += reply.prompt_tokens
         u.completion_tokens += reply.completion_tokens
         value = self._verdict(reply.text, response)
+        if self._samples is not None:
+            await self._samples.add(text, reply, value)
         if value is None:
             u.unparsed += 1
             return 0.0
@@ -276,8 +325,14 @@ class JudgedTask:
         self.stop = getattr(task, "stop", ())
         self.skip_special_tokens = getattr(task, "skip_special_tokens", False)
         self.chat_template_options = getattr(task, "chat_template_options", {})
-        if hasattr(task, "setup"):
-            self.setup = task.setup
+
+    def setup(self, context: TaskContext) -> None:
+        """The task's own setup; the judge's sample goes to the run directory."""
+        setup = getattr(self._task, "setup", None)
+        if callable(setup):
+            setup(context)
+        if context.run_dir is not None:
+            self.judge.log_to(context.run_dir / JUDGE_LOG)
 
     def source(self, seed: int, state: Mapping[str, Any] | None = None) -> ProblemSource:
         return self._task.source(seed, state)

@@ -1,9 +1,13 @@
 """``--task judge:SPEC``: the task ``SPEC`` names, its reward replaced by a judge.
 
 The judge is set by ``judge.*`` task arguments (``--task-arg judge.url=...``); the other
-arguments go to ``SPEC``'s task. The API key is read from the environment variable
-``judge.api_key_env`` names, so no secret reaches the command line or the run directory
-(``config.json`` records the task arguments)::
+arguments go to ``SPEC``'s task, which takes the settings the server recommends for
+``SPEC`` (``judge:arithmetic`` asks what ``arithmetic`` asks). The API key is read from
+the environment variable ``judge.api_key_env`` names (default ``ENGINE_JUDGE_API_KEY``,
+else ``OPENAI_API_KEY`` / ``MINT_API_KEY``), so no secret reaches the command line or
+the run directory (``config.json`` records the task arguments); a ``mint`` judge on a
+loopback URL needs none (a local server without a key takes any), so judging never
+needs ``MINT_API_KEY``, which would send the training to that server::
 
     --task judge:jsonl:data.jsonl --task-arg chat=true \\
         --task-arg judge.url=http://host:8000/v1 --task-arg judge.model=grader
@@ -18,15 +22,18 @@ from __future__ import annotations
 
 import os
 import string
+import urllib.parse
 from collections.abc import Callable, Mapping
 
 import anyio
 
+from engine.common.protocol import LOCAL_PLACEHOLDER_KEY
 from engine.core.problems import Task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import extract_prediction
 from engine.tasks.dataset import flag_arg
 from engine.tasks.judge import (
+    DEFAULT_LOG_SAMPLES,
     DEFAULT_RUBRIC,
     Judge,
     JudgedTask,
@@ -43,6 +50,10 @@ __all__ = ["ANSWER_THE_QUESTION", "PREFIX", "LazyMintJudgeModel", "judged_task",
 PREFIX = "judge."
 """Task arguments with this prefix configure the judge."""
 DEFAULT_KEY_ENV = {"openai": "OPENAI_API_KEY", "mint": "MINT_API_KEY"}
+JUDGE_KEY_ENV = "ENGINE_JUDGE_API_KEY"
+"""Read before ``DEFAULT_KEY_ENV``: a judge's key that the engine's own settings never
+read (``MINT_API_KEY`` also makes the engine train on that server)."""
+_LOOPBACK = ("localhost", "127.0.0.1", "::1")
 ANSWER_THE_QUESTION = "{prompt}"
 """The rubric of the ``same-number`` verdict: the judge answers the question itself."""
 _FIELDS = {"prompt", "response", "answer"}
@@ -58,6 +69,7 @@ _ARGS = (
     "concurrency",
     "max_tokens",
     "cache_size",
+    "log_samples",
 )
 
 
@@ -150,16 +162,20 @@ def _judge(args: Mapping[str, str]) -> Judge:
         if "chat" in args
         else rubric != ANSWER_THE_QUESTION
     )
-    key_env = args.get("api_key_env", DEFAULT_KEY_ENV[api])
-    api_key = os.environ.get(key_env) or None
+    own = args.get("api_key_env")
+    names = [own] if own else [JUDGE_KEY_ENV, DEFAULT_KEY_ENV[api]]
+    api_key = next((os.environ[n] for n in names if os.environ.get(n)), None)
     if api == "mint" and api_key is None:  # the SDK refuses to connect without one
-        raise ValueError(
-            f"{PREFIX}api=mint needs an API key in ${key_env} (any key for a local server "
-            f"without one; {PREFIX}api_key_env names another variable)"
-        )
+        if urllib.parse.urlsplit(url).hostname not in _LOOPBACK:
+            raise ValueError(
+                f"{PREFIX}api=mint needs an API key in ${' or $'.join(names)} "
+                f"({PREFIX}api_key_env names another variable)"
+            )
+        api_key = LOCAL_PLACEHOLDER_KEY  # a local server started without a key
     concurrency = _count(args, "concurrency", 8, minimum=1)
     max_tokens = _count(args, "max_tokens", 64, minimum=1)
     cache_size = _count(args, "cache_size", 4096, minimum=0)
+    log_samples = _count(args, "log_samples", DEFAULT_LOG_SAMPLES, minimum=0)
     judge_model: JudgeModel = (  # last: every argument is valid
         OpenAIJudgeModel(url, model, api_key=api_key)
         if api == "openai"
@@ -172,6 +188,7 @@ def _judge(args: Mapping[str, str]) -> Judge:
         concurrency=concurrency,
         max_tokens=max_tokens,
         cache_size=cache_size,
+        log_samples=log_samples,
     )
 
 

@@ -10,18 +10,26 @@ optional ``setup(context)`` method.
 Optional task members read here (a task without them behaves as before):
 
 * ``stop``: stop strings sent to the sampler (``--stop-at-eos`` adds the EOS token's
-  text); a decoded response is cut at the first of them.
+  text).
 * ``skip_special_tokens``: decode responses without special tokens (default False:
   ``tokenizer.decode(tokens)``, as the quickstart does).
 * ``chat_template_options``: keyword arguments for the chat template, e.g.
   ``{"enable_thinking": False}`` for Qwen3.
 * ``setup(context)``: called once with the :class:`TaskContext` before the first prompt.
+
+The text a reward, a judge or an environment sees ends before the first stop string,
+stop token or end-of-sequence token (``' 76'``, not the quickstart's ``' 76</s>'``), so
+that ``response == answer`` works; the trained tokens are the sampled ones, unchanged.
+``--keep-stop-text`` gives a task's reward the decoded text whole, as the quickstart saw
+it (an environment's conversation always holds the cut text: the chat template writes
+the end token itself).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from engine.errors import ConfigError
@@ -36,15 +44,43 @@ Prompt = str | Sequence[ChatMessage]
 
 @dataclass(frozen=True)
 class TaskContext:
-    """What a task may need from the served model: its tokenizer and the chat-template
-    options the task set."""
+    """What a task may need from the served model and the run: the tokenizer, the
+    chat-template options the task set, how responses are decoded, the run dir."""
 
     tokenizer: Any
     chat_template_options: Mapping[str, Any] = field(default_factory=dict)
+    skip_special_tokens: bool = False
+    run_dir: Path | None = None
+    """The run's directory, for a task's own files (a judge's ``judge.jsonl``); None
+    outside a run."""
 
     def render(self, prompt: Prompt) -> list[int]:
         """The prompt token ids of ``prompt`` (see :func:`render_prompt`)."""
         return render_prompt(self.tokenizer, prompt, self.chat_template_options)
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        """``tokens`` decoded whole (special tokens skipped if the task says so)."""
+        return str(
+            self.tokenizer.decode(list(tokens), skip_special_tokens=self.skip_special_tokens)
+        )
+
+    def response_text(
+        self,
+        tokens: Sequence[int],
+        stop_strings: Sequence[str] = (),
+        stop_token_ids: Sequence[int] = (),
+    ) -> str:
+        """The sampled ``tokens`` as the text a reward or an environment reads: cut
+        before the first stop token or EOS token, then before the first stop string or
+        the EOS token's text. The one rule of response decoding (see the module doc)."""
+        ids = list(tokens)
+        eos_id = getattr(self.tokenizer, "eos_token_id", None)
+        ends = {*stop_token_ids, *([eos_id] if isinstance(eos_id, int) else [])}
+        text = self.decode(ids[: next((i for i, t in enumerate(ids) if t in ends), len(ids))])
+        eos_text = getattr(self.tokenizer, "eos_token", None)
+        ends_text = [*stop_strings, *([eos_text] if isinstance(eos_text, str) else [])]
+        cuts = [cut for cut in (text.find(s) for s in ends_text if s) if cut >= 0]
+        return text[: min(cuts)] if cuts else text
 
 
 def render_prompt(
@@ -71,15 +107,28 @@ def render_prompt(
 
 
 class PromptRenderer:
-    """A task's prompts, stop strings and response decoding for one tokenizer."""
+    """A task's prompts, stop strings and response decoding for one tokenizer
+    (``keep_stop_text``: ``--keep-stop-text``; ``run_dir``: the run's directory)."""
 
-    def __init__(self, task: Any, tokenizer: Any) -> None:
+    def __init__(
+        self,
+        task: Any,
+        tokenizer: Any,
+        *,
+        keep_stop_text: bool = False,
+        run_dir: Path | None = None,
+    ) -> None:
         self._task = task
-        self.context = TaskContext(tokenizer, dict(getattr(task, "chat_template_options", {})))
+        self.context = TaskContext(
+            tokenizer,
+            dict(getattr(task, "chat_template_options", {})),
+            skip_special_tokens=bool(getattr(task, "skip_special_tokens", False)),
+            run_dir=run_dir,
+        )
+        self._keep_stop_text = keep_stop_text
         self._stop = tuple(str(s) for s in getattr(task, "stop", ()) or ())
         if not all(self._stop):
             raise ConfigError(f"task {getattr(task, 'name', task)!r} declares an empty stop string")
-        self._skip_special = bool(getattr(task, "skip_special_tokens", False))
         setup = getattr(task, "setup", None)
         if callable(setup):
             setup(self.context)
@@ -96,14 +145,11 @@ class PromptRenderer:
         return self.encode(self._task.prompt(problem))
 
     def decode(self, tokens: Sequence[int]) -> str:
-        """A response as the task scores it: special tokens stripped if the task says
-        so, cut at the first stop string."""
-        text = str(self.tokenizer.decode(list(tokens), skip_special_tokens=self._skip_special))
-        for stop in self._stop:
-            cut = text.find(stop)
-            if cut >= 0:
-                text = text[:cut]
-        return text
+        """A response as the task scores it: :meth:`TaskContext.response_text` with the
+        task's stop strings, or (``keep_stop_text``) decoded whole."""
+        if self._keep_stop_text:
+            return self.context.decode(tokens)
+        return self.context.response_text(tokens, self._stop)
 
     def decode_prompt(self, tokens: Sequence[int]) -> str:
         """A prompt as text, special tokens kept (for reading rollouts)."""

@@ -66,7 +66,7 @@ class AltSampler:
     calls: list[Observation] = field(default_factory=list)
 
     async def __call__(
-        self, observation: Observation, n: int, room: int | None
+        self, observation: Observation, n: int, room: int | None, *, episode: int, turn: int
     ) -> list[SampledAction]:
         out = []
         for _ in range(n):

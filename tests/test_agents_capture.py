@@ -176,7 +176,7 @@ async def test_a_stop_mid_call_cancels_the_agents_and_closes_the_endpoint() -> N
     in_call, cancelled = anyio.Event(), anyio.Event()
 
     class Stalled(AltSampler):
-        async def __call__(self, observation: Any, n: int, room: Any) -> Any:
+        async def __call__(self, observation: Any, n: int, room: Any, **where: int) -> Any:
             in_call.set()
             await anyio.sleep_forever()
 

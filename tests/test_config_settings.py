@@ -117,7 +117,7 @@ def test_engine_variable_errors_name_the_variable() -> None:
 def test_help_shows_types_and_choices_not_value() -> None:
     text = build_parser().format_help()
     assert not re.search(r"--[a-z-]+ VALUE\b", text)
-    assert "--loss {importance_sampling,ppo,cispo,dro,gspo}" in text
+    assert "--loss {importance_sampling,ppo,cispo,dro,gspo,stable_reinforce}" in text
     assert "--op {+,-,*}" in text
     assert "--batch INT" in text and "--lr NUMBER" in text and "--run-dir PATH" in text
     assert "--log-to NAME[,NAME...]" in text

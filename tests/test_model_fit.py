@@ -51,7 +51,7 @@ def test_a_users_own_prompts_get_numbers_that_score_0_as_the_docs_say(tmp_path: 
     done = run_cli([*args, "--run-dir", str(tmp_path / "run")], tmp_path)
     assert done.returncode == 0, done.stderr
     groups = [json.loads(line) for line in (tmp_path / "run" / "rollouts.jsonl").open()]
-    texts = [r["text"] for g in groups for r in g["responses"]]
+    texts = [e["turns"][0]["action"] for g in groups for e in g["episodes"]]
     assert any(t.strip() for t in texts)
     assert all(re.fullmatch(r"\s*\d*", t) for t in texts), texts
     [metrics] = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]

@@ -49,9 +49,10 @@ from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
-from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
+from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
 from engine.rundir.events import EventLog, describe
 from engine.rundir.record import RunRecord
+from engine.rundir.resume import read_run_config
 from engine.session.api import Session
 from engine.session.opening import open_session, service_guard
 from engine.session.preflight import local_server_profile
@@ -499,7 +500,7 @@ def prepare_run(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, 
         changes["task"] = {"spec": spec, "args": args}
     if config.checkpoints.resume is not None:
         # A resumed run keeps the settings it was started with unless given anew.
-        profiles.append(stored_profile(stored_config(config.checkpoints.resume)))
+        profiles.append(stored_profile(read_run_config(config.checkpoints.resume)))
     if config.uses_local_server:
         # A task may name the model it runs on (the shipped environments do); what
         # the server started here will recommend is known before it starts.

@@ -424,7 +424,7 @@ class RunDirectory:
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
             "max_steps_off_policy": config.pipeline.max_steps_off_policy,
-            "loss": config.training.loss,
+            "loss": "cross_entropy" if config.training.objective == "sft" else config.training.loss,
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max((m["avg_reward"] for m in metrics if "avg_reward" in m), default=None),

@@ -244,4 +244,5 @@ class ConversationTask:
 def _problem(problem_id: int, row: Row, data: Mapping[str, Any]) -> Problem:
     """As the training source draws them: the answer is the first assistant message."""
     assert not isinstance(row.prompt, str)
-    return Problem(problem_id, str(row.prompt[-1]["content"]), row.answer, dict(data))
+    question = [m for m in row.prompt if m["role"] == "user"] or list(row.prompt)
+    return Problem(problem_id, str(question[-1]["content"]), row.answer, dict(data))

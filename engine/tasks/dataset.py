@@ -225,8 +225,14 @@ class DatasetSource:
 
 
 def _problem(problem_id: int, row: Row, data: Mapping[str, Any]) -> Problem:
-    question = row.prompt if isinstance(row.prompt, str) else str(row.prompt[-1]["content"])
+    question = row.prompt if isinstance(row.prompt, str) else _last_question(row.prompt)
     return Problem(id=problem_id, question=question, answer=row.answer, data=dict(data))
+
+
+def _last_question(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The last user message of a chat prompt (or conversation), else its last message."""
+    user = [m for m in messages if m.get("role") == "user"]
+    return str((user or list(messages))[-1]["content"])
 
 
 class DatasetTask:

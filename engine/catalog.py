@@ -17,10 +17,10 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.config.values import Objective
 from engine.core.problems import Task
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError
-from engine.config.values import Objective
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.conversations import ConversationTask
 from engine.tasks.dataset import DataFormat, DatasetTask

@@ -25,9 +25,7 @@ def server() -> Iterator[LocalServer]:
         yield running
 
 
-def test_sft_lowers_the_training_and_the_held_out_loss(
-    server: LocalServer, tmp_path: Path
-) -> None:
+def test_sft_lowers_the_training_and_the_held_out_loss(server: LocalServer, tmp_path: Path) -> None:
     config = small_config(
         server,
         tmp_path / "run",

@@ -23,10 +23,10 @@ from engine.config import EngineConfig
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
 from engine.loop.evaluation import Evaluator
-from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.messages import SubmittedStep, steps_done
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
+from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.step_metrics import (
     ActivityMeter,
     StepTiming,

@@ -122,11 +122,22 @@ class SftStage:
                     built = self._plan.build(problem, step)
                     if isinstance(built, NotSampled):
                         group = ScoredGroup(
-                            step, index, problem, step, (), now, now, now, now, too_long=built.reason
+                            step,
+                            index,
+                            problem,
+                            step,
+                            (),
+                            now,
+                            now,
+                            now,
+                            now,
+                            too_long=built.reason,
                         )
                     else:
                         done = self._clock()
-                        group = ScoredGroup(step, index, problem, step, (built,), now, done, done, done)
+                        group = ScoredGroup(
+                            step, index, problem, step, (built,), now, done, done, done
+                        )
                     await send.send(group)
                     await anyio.lowlevel.checkpoint()
                 self._progress(f"step {steps_done(step)} conversations rendered")

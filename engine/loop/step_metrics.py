@@ -283,7 +283,9 @@ def supervised_line(step: int, metrics: Mapping[str, Any]) -> str:
     """A supervised step's console line."""
     loss = metrics["sft/loss"]
     shown = "n/a" if loss is None else f"{loss:.4f}"
-    return f"Step {step}: sft/loss={shown}, tokens={metrics['sft/tokens']}, datums={metrics['datums']}"
+    return (
+        f"Step {step}: sft/loss={shown}, tokens={metrics['sft/tokens']}, datums={metrics['datums']}"
+    )
 
 
 def _problems_digest(groups: Sequence[ScoredGroup]) -> str:

@@ -427,7 +427,9 @@ class RunDirectory:
             "loss": "cross_entropy" if config.training.objective == "sft" else config.training.loss,
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
-            "best_avg_reward": max((m["avg_reward"] for m in metrics if "avg_reward" in m), default=None),
+            "best_avg_reward": max(
+                (m["avg_reward"] for m in metrics if "avg_reward" in m), default=None
+            ),
             "objective": config.training.objective,
             "first_sft_loss": first.get("sft/loss"),
             "last_sft_loss": last.get("sft/loss"),
@@ -609,7 +611,10 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         "",
     ]
     if s["objective"] == "sft":
-        lines += ["| step | sft/loss | tokens | datums | time/step (s) |", "|---:|---:|---:|---:|---:|"]
+        lines += [
+            "| step | sft/loss | tokens | datums | time/step (s) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
         lines += [
             f"| {m['step']} | {num(m['sft/loss'])} | {m['sft/tokens']} | {m['datums']} | "
             f"{m['time/step']:.2f} |"

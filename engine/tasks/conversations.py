@@ -93,7 +93,9 @@ def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any
         isinstance(messages, list)
         and messages
         and all(
-            isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            isinstance(m, dict)
+            and isinstance(m.get("role"), str)
+            and isinstance(m.get("content"), str)
             for m in messages
         )
     ):
@@ -142,7 +144,9 @@ class ConversationTask:
     ) -> None:
         self.path = Path(path)
         if eval_size and eval_path is not None:
-            raise ConfigError("task arguments eval_size and eval_path both choose the held-out rows: give one")
+            raise ConfigError(
+                "task arguments eval_size and eval_path both choose the held-out rows: give one"
+            )
         rows = _read(self.path, messages_field)
         held_out = _read(Path(eval_path), messages_field) if eval_path is not None else []
         if not 0 <= eval_size < len(rows):
@@ -185,7 +189,9 @@ class ConversationTask:
             try:
                 return int(args[key])
             except ValueError:
-                raise ConfigError(f"task argument {key} must be an integer, got {args[key]!r}") from None
+                raise ConfigError(
+                    f"task argument {key} must be an integer, got {args[key]!r}"
+                ) from None
 
         template: dict[str, Any] = {}
         if "enable_thinking" in args:

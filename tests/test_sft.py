@@ -181,3 +181,16 @@ async def test_the_held_out_loss_is_measured_at_the_start_and_every_n_steps(
     task = ConversationTask(data, eval_size=4)
     held_out = {p.data["row"] for p in task.eval_problems()}
     assert not held_out & {g.problem.data["row"] for s in steps for g in s.groups}
+
+
+async def test_a_lost_sft_step_is_restored_and_redone_once(tmp_path: Path) -> None:
+    session = ChatSession(fail_step=3)
+    cfg = sft_config(tmp_path / "run", conversations(tmp_path / "c.jsonl", 20))
+    steps = await run(cfg, session)
+    assert ("failed", 3) in session.log and ("restore", 2) in session.log
+    final = {s.step: s for s in steps}  # the redone step replaces the lost one
+    assert sorted(final) == [1, 2, 3, 4]
+    ids = [g.problem.id for step in sorted(final) for g in final[step].groups]
+    assert ids == list(range(8))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]

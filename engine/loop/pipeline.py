@@ -1,4 +1,5 @@
-"""The pipelined RL loop: rollout -> submitter -> finisher, in one anyio task group.
+"""The pipelined loop: rollout -> submitter -> finisher, in one anyio task group (with
+``--objective sft`` the SFT stage, :mod:`~engine.loop.sft_stage`, in place of the rollout).
 
 The stages (:mod:`~engine.loop.rollout_stage`, :mod:`~engine.loop.submit_stage`,
 :mod:`~engine.loop.finish_stage`) are joined by bounded memory streams and pass each

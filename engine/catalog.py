@@ -57,7 +57,7 @@ def load_task(
     are passed to it as keyword arguments (strings). ``"judge:SPEC"`` is ``SPEC``'s task
     scored by the judge its ``judge.*`` arguments set (:mod:`engine.tasks.judge_task`);
     ``"agent-cmd:COMMAND"`` runs an agent process per episode (:mod:`engine.agents.process`).
-    With ``objective="sft"``, ``"jsonl:PATH"`` is a file of chat conversations
+    With ``objective="sft"``, ``"jsonl:PATH"`` and ``"hf:PATH"`` hold chat conversations
     (:mod:`engine.tasks.conversations`). Raises ConfigError with a one-line reason."""
     args = dict(args or {})
     if spec.startswith("judge:"):
@@ -81,12 +81,7 @@ def load_task(
                 + (".jsonl" if data_format == "jsonl" else ".parquet")
             )
         if objective == "sft":
-            if data_format != "jsonl":
-                raise ConfigError(
-                    "--objective sft reads conversations from --task jsonl:PATH (hf datasets "
-                    "are not supported for it yet)"
-                )
-            return ConversationTask.from_args(path, args)
+            return ConversationTask.from_args(path, args, data_format)
         return DatasetTask.from_args(path, args, data_format)
     obj = _import_attr(spec)
     attr = spec.partition(":")[2]

@@ -194,3 +194,29 @@ async def test_a_lost_sft_step_is_restored_and_redone_once(tmp_path: Path) -> No
     assert ids == list(range(8))
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert [json.loads(line)["step"] for line in lines] == [1, 2, 3, 4]
+
+
+def test_hf_conversations_train_with_a_held_out_split(tmp_path: Path) -> None:
+    datasets = pytest.importorskip("datasets")
+
+    def split(count: int, start: int) -> Any:
+        return datasets.Dataset.from_list(
+            [
+                {
+                    "messages": [
+                        {"role": "user", "content": f"q{i}"},
+                        {"role": "assistant", "content": f"a{i}"},
+                    ]
+                }
+                for i in range(start, start + count)
+            ]
+        )
+
+    path = tmp_path / "saved"
+    datasets.DatasetDict({"train": split(6, 0), "test": split(2, 100)}).save_to_disk(str(path))
+    task = load_task(f"hf:{path}", {"eval_split": "test"}, objective="sft")
+    assert isinstance(task, ConversationTask)
+    assert [p.answer for p in task.eval_problems()] == ["a100", "a101"]
+    assert task.spec == (f"hf:{path.resolve()}", {"eval_split": "test"})
+    with pytest.raises(ConfigError, match="unknown task argument 'reward' for --objective sft"):
+        load_task(f"hf:{path}", {"reward": "exact"}, objective="sft")

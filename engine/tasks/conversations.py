@@ -1,14 +1,16 @@
-"""Chat conversations for supervised fine-tuning: ``--objective sft --task jsonl:PATH``.
+"""Chat conversations for supervised fine-tuning: ``--objective sft --task jsonl:PATH``
+(or ``hf:PATH``, a Hugging Face dataset on disk, read by :mod:`engine.tasks.hf`).
 
-Each line of the JSONL file is one conversation, ``{"messages": [{"role", "content"},
-...]}`` with at least one assistant message (a line without one is refused, naming
-the line). A conversation is rendered with the served model's chat template, one
-assistant message at a time (:func:`render_conversation`): the context before it, as
-the sampler would see it (the template with its generation prompt), and the tokens
-the message adds (its text and the end token the template writes). Only those
-tokens are trained (docs/sft.md). The held-out split (``eval_size`` rows or a second
-file ``eval_path``), shuffling, epochs and the resumable cursor are the dataset
-task's (:class:`~engine.tasks.dataset.DatasetSource`).
+Each line of the JSONL file (each row of the dataset) is one conversation,
+``{"messages": [{"role", "content"}, ...]}`` with at least one assistant message (a
+line without one is refused, naming the line). A conversation is rendered with the
+served model's chat template, one assistant message at a time
+(:func:`render_conversation`): the context before it, as the sampler would see it
+(the template with its generation prompt), and the tokens the message adds (its text
+and the end token the template writes). Only those tokens are trained (docs/sft.md).
+The held-out split (``eval_size`` rows, a second file ``eval_path`` or an ``hf``
+dataset's split ``eval_split``), shuffling, epochs and the resumable cursor are the
+dataset task's (:class:`~engine.tasks.dataset.DatasetSource`).
 
 A conversation task is also an ordinary task: its prompt is the conversation up to
 its first assistant message and its reward 1 when a response equals that message
@@ -18,13 +20,14 @@ its first assistant message and its reward 1 when a response equals that message
 from __future__ import annotations
 
 import random
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Final
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
-from engine.tasks.dataset import DatasetSource, Row, flag_arg, read_records
+from engine.tasks.dataset import HF_ARGS, DataFormat, DatasetSource, Row, flag_arg, read_records
+from engine.tasks.hf import read_hf_splits
 from engine.tasks.render import ChatMessage, TaskContext
 
 __all__ = ["CONVERSATION_ARGS", "ConversationTask", "render_conversation"]
@@ -113,15 +116,48 @@ def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any
     return tuple(messages)
 
 
-def _read(path: Path, field: str) -> list[Row]:
+def _rows(records: Iterable[tuple[str, Any]], field: str, name: str) -> list[Row]:
     rows: list[Row] = []
-    for where, record in read_records(path):
+    for where, record in records:
         messages = _conversation(record, field, where)
         first = next(m["content"] for m in messages if m["role"] == "assistant")
         rows.append(Row(len(rows), messages, first))
     if not rows:
-        raise ConfigError(f"dataset {path} has no conversations")
+        raise ConfigError(f"{name} has no conversations")
     return rows
+
+
+def _read(
+    path: Path,
+    data_format: DataFormat,
+    split: str | None,
+    eval_split: str | None,
+    eval_path: str | Path | None,
+    field: str,
+) -> tuple[list[Row], list[Row]]:
+    """The training conversations and those of ``eval_path`` or ``eval_split``."""
+    if data_format == "jsonl":
+        if split is not None or eval_split is not None:
+            raise ConfigError(
+                "task arguments split and eval_split name splits of hf: datasets; a "
+                "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
+            )
+        rows = _rows(read_records(path), field, f"dataset {path}")
+        if eval_path is None:
+            return rows, []
+        return rows, _rows(read_records(Path(eval_path)), field, f"dataset {eval_path}")
+    dataset = read_hf_splits(path)
+    split = dataset.require(split) if split is not None else dataset.default()
+    if eval_split == split:
+        raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
+    rows = _rows(dataset.records(split), field, f"{path} (split {split})")
+    if eval_split is not None:
+        records = dataset.records(dataset.require(eval_split))
+        return rows, _rows(records, field, f"{path} (split {eval_split})")
+    if eval_path is not None:
+        other = read_hf_splits(Path(eval_path))
+        return rows, _rows(other.records(other.default()), field, f"dataset {eval_path}")
+    return rows, []
 
 
 class ConversationTask:
@@ -133,6 +169,9 @@ class ConversationTask:
         self,
         path: str | Path,
         *,
+        data_format: DataFormat = "jsonl",
+        split: str | None = None,
+        eval_split: str | None = None,
         messages_field: str = "messages",
         system: str | None = None,
         epochs: int | None = None,
@@ -143,12 +182,20 @@ class ConversationTask:
         args: Mapping[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
-        if eval_size and eval_path is not None:
-            raise ConfigError(
-                "task arguments eval_size and eval_path both choose the held-out rows: give one"
+        chosen_by = [
+            name
+            for name, given in (
+                ("eval_size", eval_size != 0),
+                ("eval_path", eval_path is not None),
+                ("eval_split", eval_split is not None),
             )
-        rows = _read(self.path, messages_field)
-        held_out = _read(Path(eval_path), messages_field) if eval_path is not None else []
+            if given
+        ]
+        if len(chosen_by) > 1:
+            raise ConfigError(
+                f"task arguments {' and '.join(chosen_by)} both choose the held-out rows: give one"
+            )
+        rows, held_out = _read(self.path, data_format, split, eval_split, eval_path, messages_field)
         if not 0 <= eval_size < len(rows):
             raise ConfigError(
                 f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
@@ -171,16 +218,20 @@ class ConversationTask:
         self.stop: tuple[str, ...] = ()
         self.chat_template_options = dict(chat_template_options or {})
         self.name = f"sft-{self.path.stem or self.path.resolve().name}"
-        self.spec = (f"jsonl:{self.path.resolve()}", dict(args or {}))
+        self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
 
     @classmethod
-    def from_args(cls, path: str, args: Mapping[str, str]) -> ConversationTask:
-        """Build from ``--task-arg`` strings (see :data:`CONVERSATION_ARGS`)."""
-        unknown = sorted(set(args) - set(CONVERSATION_ARGS))
+    def from_args(
+        cls, path: str, args: Mapping[str, str], data_format: DataFormat = "jsonl"
+    ) -> ConversationTask:
+        """Build from ``--task-arg`` strings (see :data:`CONVERSATION_ARGS`, and
+        :data:`~engine.tasks.dataset.HF_ARGS` for ``hf``)."""
+        known = {**CONVERSATION_ARGS, **(HF_ARGS if data_format == "hf" else {})}
+        unknown = sorted(set(args) - set(known))
         if unknown:
             raise ConfigError(
-                f"unknown task argument {unknown[0]!r} for --objective sft jsonl tasks; known: "
-                f"{', '.join(CONVERSATION_ARGS)}"
+                f"unknown task argument {unknown[0]!r} for --objective sft {data_format} "
+                f"tasks; known: {', '.join(known)}"
             )
 
         def integer(key: str) -> int | None:
@@ -198,6 +249,9 @@ class ConversationTask:
             template["enable_thinking"] = flag_arg(args, "enable_thinking")
         return cls(
             path,
+            data_format=data_format,
+            split=args.get("split"),
+            eval_split=args.get("eval_split"),
             messages_field=args.get("messages_field", "messages"),
             system=args.get("system"),
             epochs=integer("epochs"),

@@ -23,6 +23,7 @@ from engine.core.trajectory import Trajectory
 from engine.errors import ConfigError
 from engine.loop.results import StepResult
 from engine.loop.sft_stage import ConversationPlan
+from engine.run import parse_config
 from engine.tasks.conversations import ConversationTask
 from engine.tasks.render import PromptRenderer
 
@@ -220,3 +221,19 @@ def test_hf_conversations_train_with_a_held_out_split(tmp_path: Path) -> None:
     assert task.spec == (f"hf:{path.resolve()}", {"eval_split": "test"})
     with pytest.raises(ConfigError, match="unknown task argument 'reward' for --objective sft"):
         load_task(f"hf:{path}", {"reward": "exact"}, objective="sft")
+
+
+def test_the_shipped_sft_example_config_loads() -> None:
+    root = Path(__file__).resolve().parents[1]
+    cfg = parse_config(["--config", str(root / "examples" / "sft_repeat.toml")], {})
+    assert (cfg.training.objective, cfg.pipeline.steps, cfg.evaluation.eval_every) == (
+        "sft",
+        60,
+        20,
+    )
+    task = load_task(
+        f"jsonl:{root / 'examples' / 'sft_repeat.jsonl'}",
+        cfg.task.args,
+        objective=cfg.training.objective,
+    )
+    assert isinstance(task, ConversationTask) and len(task.eval_problems()) == 100

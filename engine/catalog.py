@@ -17,10 +17,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.config.values import Objective
 from engine.core.problems import Task
 from engine.envs.types import is_env_task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticTask
+from engine.tasks.conversations import ConversationTask
 from engine.tasks.dataset import DataFormat, DatasetTask
 from engine.tasks.judge_task import judged_task
 
@@ -46,14 +48,17 @@ _DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 _REQUIRED = ("name", "source", "prompt", "score")
 
 
-def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
+def load_task(
+    spec: str, args: Mapping[str, str] | None = None, *, objective: Objective = "rl"
+) -> Task:
     """``"arithmetic"``, ``"jsonl:PATH"``, ``"hf:PATH"``, a shipped environment
     (``"guess-sum"``, ``"calculator"``) or a user task at ``package.module:attr``,
     where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
     are passed to it as keyword arguments (strings). ``"judge:SPEC"`` is ``SPEC``'s task
     scored by the judge its ``judge.*`` arguments set (:mod:`engine.tasks.judge_task`);
     ``"agent-cmd:COMMAND"`` runs an agent process per episode (:mod:`engine.agents.process`).
-    Raises ConfigError with a one-line reason."""
+    With ``objective="sft"``, ``"jsonl:PATH"`` and ``"hf:PATH"`` hold chat conversations
+    (:mod:`engine.tasks.conversations`). Raises ConfigError with a one-line reason."""
     args = dict(args or {})
     if spec.startswith("judge:"):
         return judged_task(spec, args, load_task)
@@ -75,6 +80,8 @@ def load_task(spec: str, args: Mapping[str, str] | None = None) -> Task:
                 f"invalid task '{data_format}:': name the data, e.g. {data_format}:data/train"
                 + (".jsonl" if data_format == "jsonl" else ".parquet")
             )
+        if objective == "sft":
+            return ConversationTask.from_args(path, args, data_format)
         return DatasetTask.from_args(path, args, data_format)
     obj = _import_attr(spec)
     attr = spec.partition(":")[2]

@@ -47,6 +47,7 @@ from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
+from engine.loop.sft_stage import check_conversation_task
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
@@ -521,9 +522,15 @@ def load_run_task(config: EngineConfig, task: Task | None) -> tuple[EngineConfig
     """The task (``task``, else loaded from the config's spec and arguments), checked
     against the config before anything is spent, and the config recording the spec and
     arguments that rebuild it."""
-    task = task if task is not None else load_task(config.task.spec, config.task.args)
+    task = (
+        task
+        if task is not None
+        else load_task(config.task.spec, config.task.args, objective=config.training.objective)
+    )
     spec, args = task_spec(task, config.task.spec, config.task.args)
     check_score_workers(task, config.scoring.score_workers)
+    if config.training.objective == "sft":
+        check_conversation_task(task)
     if config.evaluation.eval_every:
         eval_problems_of(task)  # a task without held-out problems: ConfigError now
     return config.replace(task={"spec": spec, "args": args}), task

@@ -52,6 +52,8 @@ class FakeSession:
     the UTF-8 bytes), with logprob -0.5 per token."""
 
     log: list[tuple[str, int]] = field(default_factory=list)
+    losses: list[LossSpec] = field(default_factory=list)
+    """The loss of every forward_backward, in submission order."""
     fail_step: int | None = None
     """A 1-based step whose results fail with an unknown outcome (once)."""
     fail_checkpoint: int | None = None
@@ -93,11 +95,20 @@ class FakeSession:
         )
         return SampleResult(sampler.version, completions)
 
+    async def prompt_logprobs(
+        self, sampler: SamplerHandle, tokens: Sequence[int]
+    ) -> list[float | None]:
+        """-1 / (1 + version) per token: a later snapshot scores every token higher."""
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("prompt_logprobs", sampler.version))
+        return [None, *[-1.0 / (1 + sampler.version)] * (len(tokens) - 1)]
+
     async def submit_forward_backward(
         self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
     ) -> None:
         await anyio.lowlevel.checkpoint()
         self.log.append(("forward_backward", ticket.step))
+        self.losses.append(loss)
         ticket.handles.append(list(datums))
         ticket.datums.append(len(datums))
 

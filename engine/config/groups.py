@@ -45,6 +45,7 @@ from engine.config.values import (
     LogFormat,
     LogLevel,
     LossName,
+    Objective,
     OnRewardError,
     ScoreWorkers,
     SdkChoice,
@@ -216,6 +217,11 @@ class TrainingSettings(_Group):
             flag="--lr", env=("MINT_CUSTOM_REWARD_LR",), check=finite_positive, recommended=True
         ),
     ] = Field(None, description="Adam learning rate")
+    objective: Objective = Field(
+        "rl",
+        description="rl: train on rewards; sft: supervised fine-tuning on the assistant turns of "
+        "a jsonl task's conversations (the cross_entropy loss; --loss is not used; docs/sft.md)",
+    )
     loss: LossName = Field(
         "ppo",
         description=f"loss function: {', '.join(LOSSES)} (gspo, stable_reinforce: the tinker "

@@ -18,6 +18,7 @@ __all__ = [
     "LogFormat",
     "LogLevel",
     "LossName",
+    "Objective",
     "OnRewardError",
     "ScoreWorkers",
     "SdkChoice",
@@ -30,6 +31,9 @@ LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 TINKER_ONLY_LOSSES: Final = ("gspo", "stable_reinforce")
 """Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
 them client-side)."""
+Objective = Literal["rl", "sft"]
+"""What a run trains for: rewards (``rl``) or the assistant turns of conversations
+(``sft``, the ``cross_entropy`` loss: docs/sft.md)."""
 SdkChoice = Literal["auto", "mint", "tinker"]
 SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]

@@ -35,6 +35,7 @@ __all__ = [
     "group_advantages",
     "group_datums",
     "kl_sample_train",
+    "supervised_datums",
     "trajectory_datums",
     "with_loss_inputs",
 ]
@@ -127,6 +128,17 @@ def trajectory_datums(trajectory: Trajectory, advantage: float) -> list[Datum]:
         logprobs.extend(_logprobs(turn))
     datums.extend(_datum(tokens, trained, logprobs, advantage))
     return datums
+
+
+def supervised_datums(trajectory: Trajectory) -> list[Datum]:
+    """The ``cross_entropy`` datums of a conversation whose assistant messages are the
+    trajectory's actions (``--objective sft``): :func:`trajectory_datums`'s layout with
+    only ``target_tokens`` and ``weights`` (1 on the assistant tokens, 0 elsewhere)."""
+    keep = ("target_tokens", "weights")
+    return [
+        Datum(d.model_input, {k: d.loss_fn_inputs[k] for k in keep})
+        for d in trajectory_datums(trajectory, 0.0)
+    ]
 
 
 def group_datums(

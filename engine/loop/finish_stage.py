@@ -26,7 +26,15 @@ from engine.loop.evaluation import Evaluator
 from engine.loop.messages import SubmittedStep, steps_done
 from engine.loop.policy import PolicyVersions
 from engine.loop.results import StepResult, StepTimeline
-from engine.loop.step_metrics import ActivityMeter, StepTiming, quickstart_line, step_metrics
+from engine.loop.sft_eval import SupervisedEvaluator
+from engine.loop.step_metrics import (
+    ActivityMeter,
+    StepTiming,
+    quickstart_line,
+    step_metrics,
+    supervised_line,
+    supervised_step_metrics,
+)
 from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle, Session, TrainResult
 from engine.session.retry import tally_retries
@@ -53,7 +61,7 @@ class FinishStage:
         gate: StopGate,
         clock: Stopwatch,
         progress: Callable[[str], None],
-        evaluate: Evaluator | None,
+        evaluate: Evaluator | SupervisedEvaluator | None,
         episodic: bool,
     ) -> None:
         self._config = config
@@ -142,23 +150,36 @@ class FinishStage:
                 f"internal error: step {done} trained on data {staleness} versions old "
                 f"(bound {bound})"
             )
-        metrics = step_metrics(
-            done,
-            self._config.pipeline.steps,
-            groups,
-            submitted.assembled,
-            result,
-            timing,
-            self._meter.take(),
-            lr=self._config.training.learning_rate or 0.0,
-            staleness=staleness,
-            episodic=self._episodic,
-            snapshot_retries=snapshot_retries,
-        )
+        if self._config.training.objective == "sft":
+            metrics = supervised_step_metrics(
+                done,
+                self._config.pipeline.steps,
+                groups,
+                submitted.assembled,
+                result,
+                timing,
+                lr=self._config.training.learning_rate or 0.0,
+            )
+            line = supervised_line(done, metrics)
+        else:
+            metrics = step_metrics(
+                done,
+                self._config.pipeline.steps,
+                groups,
+                submitted.assembled,
+                result,
+                timing,
+                self._meter.take(),
+                lr=self._config.training.learning_rate or 0.0,
+                staleness=staleness,
+                episodic=self._episodic,
+                snapshot_retries=snapshot_retries,
+            )
+            line = quickstart_line(done, metrics)
         return StepResult(
             step=done,
             metrics=metrics,
-            line=quickstart_line(done, metrics),
+            line=line,
             datums=submitted.assembled.datums,
             groups=groups,
             advantages=submitted.assembled.advantages,

@@ -1,4 +1,5 @@
-"""The pipelined RL loop: rollout -> submitter -> finisher, in one anyio task group.
+"""The pipelined loop: rollout -> submitter -> finisher, in one anyio task group (with
+``--objective sft`` the SFT stage, :mod:`~engine.loop.sft_stage`, in place of the rollout).
 
 The stages (:mod:`~engine.loop.rollout_stage`, :mod:`~engine.loop.submit_stage`,
 :mod:`~engine.loop.finish_stage`) are joined by bounded memory streams and pass each
@@ -30,6 +31,8 @@ from engine.loop.messages import RolledOut, SubmittedStep
 from engine.loop.policy import PolicyVersions, Watermark
 from engine.loop.results import StepResult
 from engine.loop.rollout_stage import RolloutStage
+from engine.loop.sft_eval import SupervisedEvaluator
+from engine.loop.sft_stage import ConversationPlan, SftStage
 from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
 from engine.loop.submit_stage import SubmitStage, checkpoint_name
@@ -47,13 +50,14 @@ class PipelineOutcome:
 
 class Pipeline:
     """One run of the loop from ``state`` to ``config.pipeline.steps``, on the groups
-    ``plan`` builds. ``before_training`` is awaited once, right before the first call
-    that trains."""
+    ``plan`` builds (a :class:`ConversationPlan`: supervised fine-tuning, the SFT stage
+    in place of the rollout stage). ``before_training`` is awaited once, right before
+    the first call that trains."""
 
     def __init__(
         self,
         config: EngineConfig,
-        plan: GroupPlan,
+        plan: GroupPlan | ConversationPlan,
         session: Session,
         source: ProblemSource,
         state: LoopState,
@@ -63,7 +67,7 @@ class Pipeline:
         gate: StopGate,
         progress: Callable[[str], None] = lambda what: None,
         clock: Stopwatch = time.perf_counter,
-        evaluate: Evaluator | None = None,
+        evaluate: Evaluator | SupervisedEvaluator | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,
         before_training: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
@@ -72,20 +76,24 @@ class Pipeline:
         versions = PolicyVersions(sampler)
         submitted = Watermark(state.next_step)
         meter = ActivityMeter(clock)
-        self._rollout = RolloutStage(
-            config,
-            self._plan,
-            session,
-            source,
-            state,
-            versions,
-            submitted,
-            meter,
-            gate=gate,
-            clock=clock,
-            progress=progress,
-            on_reward_error=on_reward_error,
-        )
+        self._rollout: RolloutStage | SftStage
+        if isinstance(plan, ConversationPlan):
+            self._rollout = SftStage(config, plan, source, state, clock=clock, progress=progress)
+        else:
+            self._rollout = RolloutStage(
+                config,
+                plan,
+                session,
+                source,
+                state,
+                versions,
+                submitted,
+                meter,
+                gate=gate,
+                clock=clock,
+                progress=progress,
+                on_reward_error=on_reward_error,
+            )
         self._finish = FinishStage(
             config,
             session,
@@ -106,7 +114,8 @@ class Pipeline:
             submitted,
             gate=gate,
             clock=clock,
-            sample_ahead=config.pipeline.sample_ahead is not None or not self._plan.episodic,
+            sample_ahead=not isinstance(plan, ConversationPlan)
+            and (config.pipeline.sample_ahead is not None or not plan.episodic),
             evaluates=self._finish.evaluates,
             before_training=before_training,
         )
@@ -128,7 +137,10 @@ class Pipeline:
             if self._plan.workers is not None:  # a pool or a Ray cluster, for this run
                 await workers.enter_async_context(self._plan.workers)
             async with anyio.create_task_group() as tg:
-                tg.start_soon(self._rollout.run, tg, rolled_send)
+                if isinstance(self._rollout, SftStage):
+                    tg.start_soon(self._rollout.run, rolled_send)
+                else:
+                    tg.start_soon(self._rollout.run, tg, rolled_send)
                 tg.start_soon(
                     self._submit.run, rolled_recv, submitted_send, filed_send, credit_recv
                 )

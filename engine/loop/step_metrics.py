@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from engine.common.clock import Stopwatch
 from engine.core.datums import Datum, kl_sample_train
 from engine.core.state import ScoredGroup
@@ -29,6 +31,8 @@ __all__ = [
     "response_metrics",
     "reward_metrics",
     "step_metrics",
+    "supervised_line",
+    "supervised_step_metrics",
 ]
 
 
@@ -226,6 +230,64 @@ def step_metrics(
         metrics.update(episode_metrics([t for g in groups for t in g.trajectories]))
         metrics["skipped/masked_episodes"] = assembled.masked
     return metrics
+
+
+def supervised_step_metrics(
+    done: int,
+    steps: int,
+    groups: Sequence[ScoredGroup],
+    assembled: Assembled,
+    result: TrainResult,
+    timing: StepTiming,
+    *,
+    lr: float,
+) -> dict[str, Any]:
+    """The metrics.jsonl event of a supervised step (``--objective sft``): ``sft/loss``
+    is the mean cross-entropy per assistant token at the weights the step started from
+    (from the logprobs its forward_backward returned), ``sft/tokens`` the tokens it
+    trained on."""
+    weights = [np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in assembled.datums]
+    trained = [np.asarray(o, dtype=np.float64).reshape(-1) for o in result.logprobs]
+    tokens = float(sum(w.sum() for w in weights))
+    loss = (
+        -sum(float((w * lp).sum()) for w, lp in zip(weights, trained, strict=True)) / tokens
+        if tokens
+        else None
+    )
+    step_time = max(timing.train_end - timing.last_end, 1e-9)
+    training_busy = timing.train_end - max(timing.train_start, timing.last_end)
+    used = sum(1 for g in groups if g.trainable)
+    return {
+        "step": done,
+        "sft/loss": loss,
+        "sft/tokens": int(tokens),
+        "sft/conversations": used,
+        "datums": len(assembled.datums),
+        "groups/total": len(groups),
+        "groups/used": used,
+        "groups/too_long": sum(1 for g in groups if g.too_long is not None),
+        "off_policy/staleness": 0,
+        "optim/loss": result.metrics.get("loss:sum"),
+        "optim/lr": lr,
+        "optim/trained_tokens": int(tokens),
+        "time/train": timing.train_end - timing.train_start,
+        "time/wait": timing.wait,
+        "time/step": step_time,
+        "trainer/idle_ratio": _ratio(1.0 - training_busy / step_time),
+        "throughput/tokens_per_s": tokens / step_time,
+        "progress/done_frac": done / steps,
+        "problem_ids": [g.problem.id for g in groups],
+        "problems/digest": _problems_digest(groups),
+    }
+
+
+def supervised_line(step: int, metrics: Mapping[str, Any]) -> str:
+    """A supervised step's console line."""
+    loss = metrics["sft/loss"]
+    shown = "n/a" if loss is None else f"{loss:.4f}"
+    return (
+        f"Step {step}: sft/loss={shown}, tokens={metrics['sft/tokens']}, datums={metrics['datums']}"
+    )
 
 
 def _problems_digest(groups: Sequence[ScoredGroup]) -> str:

@@ -22,7 +22,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
-from engine.core.datums import Datum, GroupDatums, group_datums
+from engine.core.datums import Datum, GroupDatums, group_datums, supervised_datums
 from engine.core.state import LoopState, ScoredGroup
 from engine.loop.messages import RolledOut, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
@@ -85,7 +85,12 @@ class SubmitStage:
             raise ValueError("the config must be resolved before it runs")
         self._config = config
         self._lr: float = config.training.learning_rate
-        self._loss = LossSpec(config.training.loss, config.training.loss_fn_config())
+        self._supervised = config.training.objective == "sft"
+        self._loss = (
+            LossSpec("cross_entropy")
+            if self._supervised
+            else LossSpec(config.training.loss, config.training.loss_fn_config())
+        )
         self._session = session
         self._state = state
         self._submitted = submitted
@@ -143,7 +148,9 @@ class SubmitStage:
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
                     await self._session.submit_optim_step(assembly.ticket, self._lr)
-                    if done < cfg.steps or self._evaluates(done):
+                    # Supervised steps sample nothing: a snapshot only for an eval.
+                    samples_next = done < cfg.steps and not self._supervised
+                    if samples_next or self._evaluates(done):
                         # Right behind the optim step: it snapshots the new weights.
                         snapshot = await self._session.submit_snapshot(done)
                 checkpoint: PendingCheckpoint | None = None
@@ -224,8 +231,12 @@ class SubmitStage:
         return True
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
+        """The group's datums: RL's (advantages), or a conversation's (``cross_entropy``)."""
         if not group.trainable:
             return GroupDatums([], [0.0] * len(group.trajectories), 0, 0, 0)
+        if self._supervised:
+            datums = [d for t in group.trajectories for d in supervised_datums(t)]
+            return GroupDatums(datums, [0.0] * len(group.trajectories), 0, 0, 0)
         return group_datums(
             group.trajectories, on_missing_logprobs=self._config.training.on_missing_logprobs
         )

@@ -38,7 +38,15 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def detail_line(m: Mapping[str, Any]) -> str:
-    """The readable second line of a step: staleness, KL, loss, time split, idleness."""
+    """The readable second line of a step: staleness, KL, loss, time split, idleness
+    (a supervised step's: its groups, summed loss, train time and idleness)."""
+    if "sft/loss" in m:
+        return (
+            f"  groups={m['groups/used']}/{m['groups/total']} "
+            f"loss:sum={_fmt(m['optim/loss'], '.4g')} | train {m['time/train']:.2f}s "
+            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
+            f"| {m['throughput/tokens_per_s']:.0f} tok/s"
+        )
     return (
         f"  versions={m['sampling_client/step_min']}..{m['sampling_client/step_max']} "
         f"staleness={m['off_policy/staleness']} "

@@ -276,10 +276,15 @@ class RunDirectory:
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
             "max_steps_off_policy": config.pipeline.max_steps_off_policy,
-            "loss": config.training.loss,
+            "loss": "cross_entropy" if config.training.objective == "sft" else config.training.loss,
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
-            "best_avg_reward": max((m["avg_reward"] for m in metrics), default=None),
+            "best_avg_reward": max(
+                (m["avg_reward"] for m in metrics if "avg_reward" in m), default=None
+            ),
+            "objective": config.training.objective,
+            "first_sft_loss": first.get("sft/loss"),
+            "last_sft_loss": last.get("sft/loss"),
             "max_staleness": max((m["off_policy/staleness"] for m in metrics), default=None),
             "retries": dict(retries),
             "seconds": round(time.perf_counter() - self._started_at, 3),
@@ -405,7 +410,7 @@ def held_out_summary(path: Path) -> dict[str, Any] | None:
         means = {
             k.removeprefix("eval/"): v
             for k, v in record.items()
-            if k.startswith("eval/") and f"{k}/rate" in record
+            if k.startswith("eval/") and (f"{k}/rate" in record or k == "eval/sft/loss")
         }
         reward = {"reward": record.get("eval/reward/total")}
         return {"step": record["step"], "problems": record.get("eval/problems"), **reward, **means}
@@ -436,8 +441,10 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         f"- server: {s['server']}; loss: {s['loss']}; "
         f"max steps off-policy: {s['max_steps_off_policy']}",
         f"- steps: {s['steps_completed']} of {s['steps_planned']} in {s['seconds']:.1f}s",
-        f"- avg reward: first {num(s['first_avg_reward'])}, last {num(s['last_avg_reward'])}, "
-        f"best {num(s['best_avg_reward'])}",
+        f"- sft/loss per token: first {num(s['first_sft_loss'])}, last {num(s['last_sft_loss'])}"
+        if s["objective"] == "sft"
+        else f"- avg reward: first {num(s['first_avg_reward'])}, last "
+        f"{num(s['last_avg_reward'])}, best {num(s['best_avg_reward'])}",
         f"- max staleness: {s['max_staleness']}",
         *([_held_out_line(held)] if (held := s["held_out"]) else []),
         *(
@@ -454,6 +461,19 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         if s["report"]
         else f"- report: `python -m engine.report {s['run_dir']}` draws it",
         "",
+    ]
+    if s["objective"] == "sft":
+        lines += [
+            "| step | sft/loss | tokens | datums | time/step (s) |",
+            "|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {m['step']} | {num(m['sft/loss'])} | {m['sft/tokens']} | {m['datums']} | "
+            f"{m['time/step']:.2f} |"
+            for m in metrics
+        ]
+        return "\n".join(lines) + "\n"
+    lines += [
         "| step | avg_reward | datums | staleness | kl_v1 | time/step (s) |",
         "|---:|---:|---:|---:|---:|---:|",
     ]

@@ -131,6 +131,10 @@ class SdkSession:
         """Submit; returns the SDK future of the result."""
         raise NotImplementedError
 
+    async def _sdk_prompt_logprobs(self, client: Any, prompt: types.ModelInput) -> list[Any]:
+        """The sampler's logprob of each prompt token (the first: None)."""
+        raise NotImplementedError
+
     async def _sdk_optim_step(self, training: Any, params: types.AdamParams) -> Any:
         raise NotImplementedError
 
@@ -218,6 +222,24 @@ class SdkSession:
                 f"the sampler returned {len(completions)} responses, {num_samples} were asked"
             )
         return SampleResult(sampler.version, completions, tally.count)
+
+    async def prompt_logprobs(
+        self, sampler: SamplerHandle, tokens: Sequence[int]
+    ) -> list[float | None]:
+        """``sampler``'s logprob of each of ``tokens`` given those before it (the first:
+        None); retried like a sample request."""
+        client = sampler.client
+        prompt = types.ModelInput.from_ints(tokens=list(tokens))
+
+        async def go() -> list[Any]:
+            return await self._sdk_prompt_logprobs(client, prompt)
+
+        logprobs = await self._call(OpKind.SAMPLE, "compute_logprobs", go)
+        if len(logprobs) != len(tokens):
+            raise EngineError(
+                f"the sampler returned {len(logprobs)} prompt logprobs for {len(tokens)} tokens"
+            )
+        return [None if lp is None else float(lp) for lp in logprobs]
 
     async def submit_snapshot(self, version: int) -> PendingSnapshot:
         """Reserve, in the training client's sequence, a snapshot of the weights after

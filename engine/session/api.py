@@ -177,6 +177,13 @@ class Session(Protocol):
         """``num_samples`` responses to one prompt (retried on transient errors)."""
         ...
 
+    async def prompt_logprobs(
+        self, sampler: SamplerHandle, tokens: Sequence[int]
+    ) -> list[float | None]:
+        """``sampler``'s logprob of each of ``tokens`` given those before it (the first:
+        None): what a held-out supervised loss is computed from (retried)."""
+        ...
+
     async def submit_forward_backward(
         self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
     ) -> None: ...

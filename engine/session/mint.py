@@ -72,6 +72,11 @@ class MintSession(SdkSession):
             prompt=prompt, num_samples=num_samples, sampling_params=sampling_params(settings)
         )
 
+    async def _sdk_prompt_logprobs(
+        self, client: tinker.SamplingClient, prompt: types.ModelInput
+    ) -> list[Any]:
+        return list(await client.compute_logprobs_async(prompt))
+
     async def _sdk_forward_backward(
         self, training: tinker.TrainingClient, batch: list[types.Datum], loss: LossSpec
     ) -> Any:

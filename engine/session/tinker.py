@@ -109,6 +109,9 @@ class TinkerSession(SdkSession):
                     self._sampled.add(seq.sequence_id, seq.tokens, seq.logprobs)
         return response
 
+    async def _sdk_prompt_logprobs(self, client: Any, prompt: types.ModelInput) -> list[Any]:
+        return list(await client.compute_logprobs(prompt))
+
     async def _sdk_forward_backward(
         self, training: Any, batch: list[types.Datum], loss: LossSpec
     ) -> Any:

@@ -49,6 +49,8 @@ from engine.loop.evaluation import Evaluator, eval_problems_of
 from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
 from engine.loop.results import RunResult, StepResult
+from engine.loop.sft_eval import SupervisedEvaluator
+from engine.loop.sft_stage import ConversationPlan
 from engine.loop.stopping import StopGate
 from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
@@ -83,8 +85,8 @@ class _TaskOutputs:
     built once per run: its checks run once) and the held-out evaluator (with
     ``--eval-every``)."""
 
-    plan: GroupPlan
-    evaluator: Evaluator | None
+    plan: GroupPlan | ConversationPlan
+    evaluator: Evaluator | SupervisedEvaluator | None
 
 
 class Supervisor:
@@ -342,7 +344,7 @@ class Supervisor:
             for key, value in task_metrics().items():
                 result.metrics.setdefault(key, value)
         self._run_record.append(result)
-        dropped = result.metrics["dropped/missing_logprobs"]
+        dropped = result.metrics.get("dropped/missing_logprobs", 0)
         if dropped:
             self._log.warning(
                 "missing_logprobs",
@@ -494,6 +496,21 @@ def _open_task_outputs(
         run_dir=record.path,
     )
     record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
+    if config.training.objective == "sft":
+        conversations = ConversationPlan(task, renderer, session.info.max_context)
+        supervised = None
+        if config.evaluation.eval_every:
+            supervised = SupervisedEvaluator(
+                session,
+                conversations,
+                GroupPlan(config, task, renderer, session.info.max_context),
+                eval_problems_of(task),
+                config,
+                record.path,
+                say=lambda line: log.info("eval", line),
+                track=log.track,
+            )
+        return _TaskOutputs(conversations, supervised)
     plan = GroupPlan(config, task, renderer, session.info.max_context)
     evaluator = None
     if config.evaluation.eval_every:

@@ -38,6 +38,7 @@ __all__ = [
     "DatasetTask",
     "Row",
     "load_rows",
+    "read_records",
     "rows_of",
 ]
 
@@ -85,30 +86,32 @@ class Row:
 def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[Row]:
     """The rows of a JSONL file (blank lines skipped); a ConfigError names the file and
     line of the first bad one (not UTF-8, not JSON, nested too deep, a number too long)."""
+    return rows_of(read_records(path), prompt_field, answer_field, f"dataset {path}")
+
+
+def read_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """``(where, record)`` of each non-blank line of a JSONL file (``where`` is
+    ``path:line``); a ConfigError names the first line that cannot be read."""
     try:
         lines = path.read_bytes().splitlines()
     except OSError as exc:
         raise ConfigError(f"cannot read dataset {path}: {exc.strerror or exc}") from None
-
-    def records() -> Iterator[tuple[str, Any]]:
-        for number, raw in enumerate(lines, start=1):
-            where = f"{path}:{number}"
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start + 1})") from None
-            if not line.strip():
-                continue
-            try:
-                yield where, json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from None
-            except RecursionError:
-                raise ConfigError(f"{where} is nested too deeply to read") from None
-            except ValueError as exc:  # e.g. an integer beyond Python's digit limit
-                raise ConfigError(f"{where} cannot be read ({str(exc).splitlines()[0]})") from None
-
-    return rows_of(records(), prompt_field, answer_field, f"dataset {path}")
+    for number, raw in enumerate(lines, start=1):
+        where = f"{path}:{number}"
+        try:
+            line = raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise ConfigError(f"{where} is not UTF-8 text (byte {exc.start + 1})") from None
+        if not line.strip():
+            continue
+        try:
+            yield where, json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{where} is not valid JSON ({exc.msg})") from None
+        except RecursionError:
+            raise ConfigError(f"{where} is nested too deeply to read") from None
+        except ValueError as exc:  # e.g. an integer beyond Python's digit limit
+            raise ConfigError(f"{where} cannot be read ({str(exc).splitlines()[0]})") from None
 
 
 def rows_of(
@@ -222,8 +225,14 @@ class DatasetSource:
 
 
 def _problem(problem_id: int, row: Row, data: Mapping[str, Any]) -> Problem:
-    question = row.prompt if isinstance(row.prompt, str) else str(row.prompt[-1]["content"])
+    question = row.prompt if isinstance(row.prompt, str) else _last_question(row.prompt)
     return Problem(id=problem_id, question=question, answer=row.answer, data=dict(data))
+
+
+def _last_question(messages: Sequence[Mapping[str, Any]]) -> str:
+    """The last user message of a chat prompt (or conversation), else its last message."""
+    user = [m for m in messages if m.get("role") == "user"]
+    return str((user or list(messages))[-1]["content"])
 
 
 class DatasetTask:

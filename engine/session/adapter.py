@@ -17,7 +17,6 @@ import asyncio
 import contextlib
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar, cast
 
 import anyio
@@ -43,28 +42,20 @@ from engine.session.preflight import PreflightError, check_reachable, setup_call
 from engine.session.preflight import recommended_profile as read_recommended_profile
 from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retries
 from engine.session.sdk_calls import (
+    LoraSpec,
     import_tokenizer_library,
     sdk_sampling_retry_config,
     settled,
     to_sdk_datum,
 )
 
-__all__ = ["SNAPSHOT_TTL_S", "LoraSpec", "SdkSession"]
+__all__ = ["SNAPSHOT_TTL_S", "SdkSession"]
 
 T = TypeVar("T")
 
 SNAPSHOT_TTL_S = 24 * 3600
 """Time to live of the per-version sampler weights on the server: a version is sampled
 from for at most K+1 steps; the TTL keeps a long run from piling them up."""
-
-
-@dataclass(frozen=True)
-class LoraSpec:
-    base_model: str
-    rank: int
-    seed: int | None
-    init_from: str | None = None  # saved weights the fresh client starts from
-    init_with_optimizer: bool = False
 
 
 class SdkSession:
@@ -228,13 +219,12 @@ class SdkSession:
     ) -> list[float | None]:
         """``sampler``'s logprob of each of ``tokens`` given those before it (the first:
         None); retried like a sample request."""
-        client = sampler.client
         prompt = types.ModelInput.from_ints(tokens=list(tokens))
-
-        async def go() -> list[Any]:
-            return await self._sdk_prompt_logprobs(client, prompt)
-
-        logprobs = await self._call(OpKind.SAMPLE, "compute_logprobs", go)
+        logprobs = await self._call(
+            OpKind.SAMPLE,
+            "compute_logprobs",
+            functools.partial(self._sdk_prompt_logprobs, sampler.client, prompt),
+        )
         if len(logprobs) != len(tokens):
             raise EngineError(
                 f"the sampler returned {len(logprobs)} prompt logprobs for {len(tokens)} tokens"

@@ -30,10 +30,16 @@ from tinker._constants import DEFAULT_TIMEOUT
 
 from engine.config import HOSTED_BASE_URL
 from engine.local.config import is_loopback_host
-from engine.session.adapter import SNAPSHOT_TTL_S, LoraSpec, SdkSession
+from engine.session.adapter import SNAPSHOT_TTL_S, SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.retry import SDK_MAX_RETRIES
-from engine.session.sdk_calls import sdk_sampling_retry_config, settled, snapshot_name, to_sdk_datum
+from engine.session.sdk_calls import (
+    LoraSpec,
+    sdk_sampling_retry_config,
+    settled,
+    snapshot_name,
+    to_sdk_datum,
+)
 
 __all__ = [
     "MintSession",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from dataclasses import dataclass
 from typing import Any
 
 import anyio
@@ -16,12 +17,24 @@ from engine.core.datums import Datum
 from engine.session.retry import RetryPolicy
 
 __all__ = [
+    "LoraSpec",
     "import_tokenizer_library",
     "sdk_sampling_retry_config",
     "settled",
     "snapshot_name",
     "to_sdk_datum",
 ]
+
+
+@dataclass(frozen=True)
+class LoraSpec:
+    """The LoRA adapter a session's training client is created with."""
+
+    base_model: str
+    rank: int
+    seed: int | None
+    init_from: str | None = None  # saved weights the fresh client starts from
+    init_with_optimizer: bool = False
 
 
 async def import_tokenizer_library() -> None:

@@ -35,10 +35,10 @@ import tinker
 from tinker import types
 from tinker.lib.base_url import DEFAULT_BASE_URL
 
-from engine.session.adapter import LoraSpec, SdkSession
+from engine.session.adapter import SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.provenance import SampledIndex, Span, datum_provenance
-from engine.session.sdk_calls import settled
+from engine.session.sdk_calls import LoraSpec, settled
 
 __all__ = ["CLOSE_TIMEOUT_S", "STABILITY_LOSSES", "TinkerSession"]
 

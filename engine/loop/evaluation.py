@@ -162,9 +162,9 @@ async def evaluate_problems(
     the problem is left out of the means (none left: no means). ``seed`` (a run's
     ``--seed``) seeds each request by the problem's index
     (:data:`~engine.core.seeds.EVAL_STEP`); None sends none."""
-    problem = pass_k_problem(ks, samples)
-    if problem:
-        raise ValueError(problem)
+    unfit = pass_k_problem(ks, samples)
+    if unfit:
+        raise ValueError(unfit)
     limiter = anyio.CapacityLimiter(concurrency)
 
     def runner(temperature: float, problem: int) -> EpisodeRunner:

@@ -410,7 +410,7 @@ class EvaluationSettings(_Group):
     eval_k: Annotated[tuple[int, ...], _rule(_each_positive)] = Field(
         (),
         description="with --eval-every: also eval/sampled/pass@k for each k of this list, "
-        "e.g. 1,4,8 (each k at most --eval-samples)",
+        "e.g. 1,4,8 (no k above the samples drawn)",
     )
 
     @model_validator(mode="after")

@@ -248,7 +248,7 @@ def problem_records(
 
     out = []
     for index, outcome in enumerate(evaluation.problems):
-        first = outcome.greedy or next(iter(outcome.samples), None)
+        greedy = outcome.greedy
         out.append(
             {
                 "index": index,
@@ -256,9 +256,9 @@ def problem_records(
                 "question": outcome.problem.question,
                 "answer": outcome.problem.answer,
                 "prompt": None
-                if first is None
-                else renderer.decode_prompt(first.turns[0].observation),
-                "greedy": None if outcome.greedy is None else response(outcome.greedy, True),
+                if greedy is None
+                else renderer.decode_prompt(greedy.turns[0].observation),
+                "greedy": None if greedy is None else response(greedy, True),
                 "samples": [response(t, i < texts) for i, t in enumerate(outcome.samples)],
                 "reward_error": outcome.error,
             }

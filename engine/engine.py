@@ -41,7 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.catalog import load_task, preferred_local_model, task_spec
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.config import EngineConfig, Profile, stored_profile
+from engine.config import EngineConfig, Profile, with_stored_settings
 from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
@@ -49,9 +49,10 @@ from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
-from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record, stored_config
+from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
 from engine.rundir.events import EventLog, describe
 from engine.rundir.record import RunRecord
+from engine.rundir.resume import CONFIG_FILE, read_run_config
 from engine.session.api import Session
 from engine.session.opening import open_session, service_guard
 from engine.session.preflight import local_server_profile
@@ -497,9 +498,10 @@ def prepare_run(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, 
         # passed as an object), so --resume works alike from the CLI and embedded.
         spec, args = task_spec(task, config.task.spec, config.task.args)
         changes["task"] = {"spec": spec, "args": args}
-    if config.checkpoints.resume is not None:
+    resume = config.checkpoints.resume
+    if resume is not None:
         # A resumed run keeps the settings it was started with unless given anew.
-        profiles.append(stored_profile(stored_config(config.checkpoints.resume)))
+        config = with_stored_settings(config, read_run_config(resume), str(resume / CONFIG_FILE))
     if config.uses_local_server:
         # A task may name the model it runs on (the shipped environments do); what
         # the server started here will recommend is known before it starts.

@@ -41,7 +41,7 @@ from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, EngineError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
-from engine.rundir.directory import stored_config
+from engine.rundir.resume import read_run_config
 from engine.session.opening import open_session, service_guard
 from engine.tasks.render import PromptRenderer
 
@@ -101,7 +101,7 @@ class EvalRequest:
 
 
 def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConfig:
-    stored = stored_config(ref.run_dir) if ref.run_dir is not None else {}
+    stored = read_run_config(ref.run_dir) if ref.run_dir is not None else {}
     recorded = flat_settings(stored)
     settings: dict[str, Any] = {k: recorded[k] for k in _FROM_RUN if recorded.get(k) is not None}
     if settings.get("task_args", {}).get("eval_size") == "0":

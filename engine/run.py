@@ -37,7 +37,7 @@ from engine.config import (
     add_setting_arguments,
     config_from_sources,
     read_config_file,
-    stored_settings,
+    with_stored_settings,
 )
 from engine.config.models import setting_at
 from engine.config.sources import env_text
@@ -79,7 +79,6 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
     args = vars(build_parser().parse_args(argv))
     config_file = args.pop("config")
     from_file = read_config_file(Path(config_file).expanduser()) if config_file else {}
-    defaults: dict[str, Any] = {}
     assert _RESUME is not None
     resume_env = env_text(_RESUME, environ)
     resume = (
@@ -87,17 +86,13 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         or (resume_env[1] if resume_env else None)
         or from_file.get("checkpoints", {}).get("resume")
     )
-    if resume is not None:
-        run_dir = Path(resume).expanduser()
-        # ResumeError (exit 2) if unusable; the engine checks its checkpoints.
-        stored = read_run_config(run_dir)
-        defaults = stored_settings(stored, str(run_dir / CONFIG_FILE))
-    for group, values in from_file.items():
-        merged = {**defaults.get(group, {}), **values}
-        if "args" in values:  # task arguments merge key by key
-            merged["args"] = {**defaults.get(group, {}).get("args", {}), **values["args"]}
-        defaults[group] = merged
-    return config_from_sources(args, environ, defaults=defaults)
+    config = config_from_sources(args, environ, defaults=from_file)
+    if resume is None:
+        return config
+    # A resumed run keeps its settings unless given anew (the engine's rule, applied here
+    # too so that --help-level errors and the progress bar see them): ResumeError, exit 2.
+    run_dir = Path(resume).expanduser()
+    return with_stored_settings(config, read_run_config(run_dir), str(run_dir / CONFIG_FILE))
 
 
 class _TqdmSafeStream:

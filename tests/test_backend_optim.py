@@ -7,7 +7,8 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums
 
-from engine.local.backend import AdamConfig, AdapterSpec, Backend, BackendError, DatumIn, SampleJob
+from engine.local.backend import Backend
+from engine.local.compute_types import AdamConfig, AdapterSpec, BackendError, DatumIn, SampleJob
 
 
 @pytest.fixture(scope="module")

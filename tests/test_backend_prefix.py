@@ -10,7 +10,8 @@ import torch
 from backend_util import assert_close_rel, lora_params, new_backend
 
 from engine.local import prefix
-from engine.local.backend import AdapterSpec, Backend, DatumIn
+from engine.local.backend import Backend
+from engine.local.compute_types import AdapterSpec, DatumIn
 from engine.local.datums import CheckedDatum, check_data
 from engine.local.prefix import plan_prefixes
 

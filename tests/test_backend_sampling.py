@@ -19,17 +19,17 @@ from backend_util import (
     rl_datum,
 )
 
-from engine.local.backend import (
+from engine.local.backend import Backend
+from engine.local.batcher import PendingSample, SampleBatcher, SampleOutcome
+from engine.local.compute import ComputeThread
+from engine.local.compute_types import (
     AdamConfig,
     AdapterSpec,
-    Backend,
     BackendError,
     DatumIn,
     SampledSequences,
     SampleJob,
 )
-from engine.local.batcher import PendingSample, SampleBatcher, SampleOutcome
-from engine.local.compute import ComputeThread
 
 
 @pytest.fixture(scope="module")

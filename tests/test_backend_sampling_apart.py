@@ -12,14 +12,8 @@ import pytest
 import torch
 from backend_util import new_backend, prompt_ids, random_datums
 
-from engine.local.backend import (
-    AdamConfig,
-    AdapterSpec,
-    Backend,
-    DatumIn,
-    SampledSequences,
-    SampleJob,
-)
+from engine.local.backend import Backend
+from engine.local.compute_types import AdamConfig, AdapterSpec, DatumIn, SampledSequences, SampleJob
 
 STEPS = 6
 

@@ -19,7 +19,6 @@ from engine.config import (
     config_from_sources,
     read_config_file,
     resume_rule,
-    stored_profile,
     stored_settings,
 )
 from engine.config.sources import default_text, help_text, task_own_settings
@@ -265,9 +264,8 @@ def test_a_legacy_run_dir_resumes(tmp_path: Path) -> None:
     assert (config.pipeline.steps, config.pipeline.batch, config.task.seed) == (6, 2, 7)
     assert config.model.lora_rank == 8 and config.training.learning_rate == 0.001
     assert config.logging.run_dir is None  # a resume runs in its own directory
-    profile = stored_profile(LEGACY_RECORD)
-    assert profile.task_args == {"arithmetic": LEGACY_RECORD["task_args"]}
-    resolved = config.resolved(profile, HOSTED_PROFILE)
+    assert config.task.args == LEGACY_RECORD["task_args"]
+    resolved = config.resolved(HOSTED_PROFILE)
     task = load_task(resolved.task.spec, resolved.task.args)
     state = load_resume_state(run_dir, current_config=config_record(resolved, task))
     assert state.step == 2
@@ -282,9 +280,7 @@ def test_a_new_run_dir_records_the_groups_and_resumes(tmp_path: Path) -> None:
     assert record["pipeline"]["batch"] == 2 and record["server"] == "local"
     run_dir = _run_dir(tmp_path, record)
     resumed = parse_config(["--resume", str(run_dir)], {})
-    assert resumed.resolved(stored_profile(record)) == config.resolved(HOSTED_PROFILE).replace(
-        resume=run_dir
-    )
+    assert resumed.resolved() == config.resolved(HOSTED_PROFILE).replace(resume=run_dir)
 
 
 def test_resume_rules_come_from_the_markers() -> None:
@@ -315,3 +311,23 @@ def test_secrets_never_reach_the_record(tmp_path: Path) -> None:
 def test_engine_resume_reads_the_run_dirs_settings(tmp_path: Path) -> None:
     with pytest.raises(ResumeError):
         parse_config([], {"ENGINE_RESUME": str(tmp_path / "no-run")})
+
+
+def test_a_resumed_run_keeps_its_settings_by_one_rule_embedded_and_from_the_cli(
+    tmp_path: Path,
+) -> None:
+    """Embedded (``EngineConfig(resume=...)``) and from the command line alike, a resumed
+    run keeps what it was started with unless a setting is given anew; task arguments
+    merge key by key."""
+    from engine.engine import prepare_run
+
+    started = EngineConfig(local=True, batch=3, group=5, steps=4, task_args={"op": "-"})
+    run_dir = _run_dir(tmp_path, config_record(started.resolved(HOSTED_PROFILE), None))
+    embedded, _ = prepare_run(EngineConfig(local=True, resume=run_dir, steps=6), None)
+    cli = parse_config(["--resume", str(run_dir), "--steps", "6"], {})
+    for config in (embedded, cli):
+        assert (config.pipeline.batch, config.pipeline.group) == (3, 5)  # kept
+        assert config.pipeline.steps == 6  # given anew
+        assert config.task.args["op"] == "-"
+    regrouped, _ = prepare_run(EngineConfig(local=True, resume=run_dir, group=2), None)
+    assert (regrouped.pipeline.batch, regrouped.pipeline.group) == (3, 2)

@@ -46,6 +46,8 @@ REQUIRED_METRICS = (
     "off_policy/staleness",
     "optim/kl_sample_train_v1",
     "optim/kl_sample_train_v2",
+    "optim/entropy",
+    "optim/grad_norm",
     "optim/loss",
     "time/sample",
     "time/score",

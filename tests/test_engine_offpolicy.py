@@ -131,3 +131,5 @@ def test_every_loss_trains_and_reports_kl(loss: str, server: LocalServer, tmp_pa
     assert m["datums"] > 0
     assert m["optim/loss"] is not None
     assert m["optim/kl_sample_train_v1"] is not None and m["optim/kl_sample_train_v2"] >= 0
+    assert m["optim/entropy"] > 0  # minus the mean logprob of what was sampled
+    assert m["optim/grad_norm"] is not None and m["optim/grad_norm"] >= 0  # the server's

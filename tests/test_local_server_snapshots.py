@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.local import Limits, RunningServer, serve_local
-from engine.local.backend import SampledSequences, SampleJob
+from engine.local.compute_types import SampledSequences, SampleJob
 from engine.local.config import make_config
 from engine.local.service.registry import ModelState, Registry
 from tests.clock import SetTime

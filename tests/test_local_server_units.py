@@ -24,8 +24,8 @@ from engine.local import launch
 from engine.local.__main__ import GIL_SWITCH_INTERVAL_S
 from engine.local.__main__ import main as cli_main
 from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
-from engine.local.backend import BackendError
 from engine.local.compute import ComputeThread
+from engine.local.compute_types import BackendError
 from engine.local.config import (
     AGENT_MODEL_DIR,
     DEFAULT_MODEL_DIR,

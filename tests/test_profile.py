@@ -16,12 +16,7 @@ import anyio
 import pytest
 
 from engine.common.protocol import RECOMMENDED_FIELD
-from engine.config import (
-    HOSTED_PROFILE,
-    EngineConfig,
-    server_profile,
-    stored_profile,
-)
+from engine.config import HOSTED_PROFILE, EngineConfig, server_profile, with_stored_settings
 from engine.local import LocalServer
 from engine.run import main
 from engine.session.preflight import local_server_profile, read_server_profile
@@ -142,16 +137,15 @@ def test_explicit_settings_win_and_a_resume_keeps_its_stored_ones() -> None:
     resolved = config.resolved(local)
     assert (resolved.training.learning_rate, resolved.model.lora_rank) == (1e-3, local.lora_rank)
     assert resolved.task.args == {"op": "-", "min_operand": "10", "max_operand": "20"}
-    stored = stored_profile(
-        {
-            "base_model": "stored/model",
-            "lora_rank": 4,
-            "learning_rate": 0.01,
-            "task": "arithmetic",
-            "task_args": {"op": "*", "min_operand": "1", "max_operand": "9"},
-        }
-    )
-    resumed = EngineConfig(local=True, lora_rank=8, op="+").resolved(stored, local)
+    stored = {
+        "base_model": "stored/model",
+        "lora_rank": 4,
+        "learning_rate": 0.01,
+        "task": "arithmetic",
+        "task_args": {"op": "*", "min_operand": "1", "max_operand": "9"},
+    }
+    given = EngineConfig(local=True, lora_rank=8, op="+")
+    resumed = with_stored_settings(given, stored, "config.json").resolved(local)
     assert (resumed.model.base_model, resumed.model.lora_rank, resumed.training.learning_rate) == (
         "stored/model",
         8,

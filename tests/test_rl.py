@@ -145,6 +145,7 @@ def test_kl_metrics_use_only_trained_positions() -> None:
     assert kl.tokens == 2
     assert kl.v1 == pytest.approx(-0.25)
     assert kl.v2 == pytest.approx(0.5 * (0.25 + 1.0) / 2)
+    assert kl.entropy == pytest.approx(1.5)  # -mean(-1, -2): the sampled tokens only
 
 
 def test_kl_of_no_tokens_is_none_not_nan() -> None:

@@ -6,7 +6,7 @@ variables, TOML files, resume rules (:mod:`engine.config.sources`,
 
 from engine.common.setting import MAX_SEED, Setting
 from engine.config.models import GROUPS, EngineConfig, all_settings
-from engine.config.profile import HOSTED_PROFILE, Profile, server_profile, stored_profile
+from engine.config.profile import HOSTED_PROFILE, Profile, server_profile
 from engine.config.records import nest_record, resume_rule
 from engine.config.sources import (
     add_setting_arguments,
@@ -14,6 +14,7 @@ from engine.config.sources import (
     parse_task_args,
     read_config_file,
     stored_settings,
+    with_stored_settings,
 )
 from engine.config.values import (
     HOSTED_BASE_URL,
@@ -49,6 +50,6 @@ __all__ = [
     "read_config_file",
     "resume_rule",
     "server_profile",
-    "stored_profile",
     "stored_settings",
+    "with_stored_settings",
 ]

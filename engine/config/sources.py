@@ -40,6 +40,7 @@ __all__ = [
     "read_config_file",
     "stored_settings",
     "task_own_settings",
+    "with_stored_settings",
 ]
 
 Values = dict[str, dict[str, Any]]
@@ -191,12 +192,32 @@ def config_from_sources(
     return EngineConfig(**values, **own)
 
 
+def with_stored_settings(
+    config: EngineConfig, stored: Mapping[str, Any], source: str
+) -> EngineConfig:
+    """The one rule a resumed run's settings follow, from the command line and embedded
+    alike: it keeps the settings it was started with (``stored``, its config.json) unless
+    ``config`` sets them (a flag, a variable, a TOML key, a keyword). Task arguments merge
+    key by key; unset optional settings (None) take the stored value."""
+    changes: dict[str, dict[str, Any]] = {}
+    for group, values in stored_settings(stored, source).items():
+        model = getattr(config, group)
+        given = model.model_fields_set
+        for name, value in values.items():
+            current = getattr(model, name)
+            if name == "args" and group == "task":
+                value = {**value, **current}
+            elif name in given and current is not None:
+                continue
+            changes.setdefault(group, {})[name] = value
+    return config.replace(**changes) if changes else config
+
+
 def stored_settings(stored: Mapping[str, Any], source: str) -> Values:
-    """The settings of a run directory's config.json (either layout) as groups, for
-    :func:`config_from_sources` ``defaults`` when a run is resumed: a resumed run keeps
-    the settings it was started with unless a flag says otherwise. Settings a resume
-    takes from its own flags and environment (``resume="current"``: the run dir, keys,
-    how it reports) and secrets are left out; ``source`` names the file in errors."""
+    """The settings of a run directory's config.json (either layout) as groups, the
+    ones a resume keeps (:func:`with_stored_settings`). Settings a resume takes from its
+    own flags and environment (``resume="current"``: the run dir, keys, how it reports)
+    and secrets are left out; ``source`` names the file in errors."""
     nested = nest_record(stored)
     out: Values = {}
     for field in all_settings():

@@ -205,11 +205,14 @@ class KLStats:
     v1 = mean(q - p), v2 = 0.5 * mean((q - p)^2), with q the sampler's logprob and p the
     training policy's logprob of the same token (tinker-cookbook's definitions). Stable
     runs keep them below ~0.01; off-policy data without a clipped loss makes them grow.
+    ``entropy`` = -mean(q): the sampler's entropy estimated from its own draws (the
+    distribution sampled from: tempered at T != 1 on servers that report it so).
     """
 
     v1: float | None
     v2: float | None
     tokens: int
+    entropy: float | None = None
 
 
 def kl_sample_train(datums: Sequence[Datum], outputs: Sequence[Any]) -> KLStats:
@@ -233,4 +236,5 @@ def kl_sample_train(datums: Sequence[Datum], outputs: Sequence[Any]) -> KLStats:
     diff = (sampler - np.concatenate(trained))[weights]
     if diff.size == 0:
         return KLStats(None, None, 0)
-    return KLStats(float(diff.mean()), float(0.5 * np.mean(diff * diff)), int(diff.size))
+    entropy = float(-sampler[weights].mean())
+    return KLStats(float(diff.mean()), float(0.5 * np.mean(diff * diff)), int(diff.size), entropy)

@@ -1,38 +1,39 @@
 """Torch compute backend of the local MinT-compatible server.
 
-CONTRACT (shared by the HTTP layer in ``engine/local/app.py`` and this module; change
-only together): every method is called from ONE compute thread owned by the server, so
-the backend needs no locking; it never sees JSON or HTTP, only plain Python / torch
-values; every user-caused problem raises ``BackendError`` with a clear message (the
-server turns it into a ``RequestFailedError`` with category "user").
-
-One exception: while ``samples_apart`` is true, ``sample`` may run on a second thread
-(one at a time), concurrently with every other method, as the hosted samplers run apart
-from the trainer. It then reads only what nothing else writes: the base weights
-(``BaseWeights``, captured before any adapter existed), sampler snapshots (cloned
-tensors, never changed; the dict entry is looked up once per call) and the folded copy
-of the model, which only ``sample`` touches. Training clients, peft adapters and slots
-are never read on that path.
+Contract (with the HTTP layer, ``engine/local/app.py``; change only together): every
+method is called from ONE compute thread, so nothing locks; it sees plain Python / torch
+values, never JSON or HTTP; a user-caused problem raises ``BackendError`` (the server
+answers a "user" ``RequestFailedError``). The exception: while ``samples_apart`` is
+true, ``sample`` may run on a second thread, reading only what nothing else writes (the
+base weights, cloned sampler snapshots, the folded model copy only it touches).
 """
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import itertools
 import math
 import secrets
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-from pydantic import BaseModel, ConfigDict
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from engine.local import checkpoint, losses
+from engine.local.compute_types import (
+    AdamConfig,
+    AdapterSpec,
+    BackendError,
+    DatumIn,
+    ForwardResult,
+    SampledSeq,
+    SampledSequences,
+    SampleJob,
+    SamplerSnapshot,
+    request_of,
+)
 from engine.local.datums import (
     CheckedDatum,
     DatumError,
@@ -44,121 +45,20 @@ from engine.local.datums import (
 from engine.local.lora import AdapterHost, BaseWeights, TargetSet
 from engine.local.prefix import plan_prefixes, shared_prefix_logprobs
 from engine.local.recommended import served_model_name
-from engine.local.sampling import Request, Sampler, cache_keyword
-
-
-class BackendError(Exception):
-    """A request the backend cannot honour (bad shapes, unknown loss, unknown model...)."""
-
-
-@dataclass(frozen=True)
-class AdapterSpec:
-    """The LoRA adapter of one training client: its rank, init seed and which modules
-    it trains."""
-
-    rank: int
-    seed: int | None = None
-    train_mlp: bool = True
-    train_attn: bool = True
-    train_unembed: bool = True
-
-
-@dataclass(frozen=True)
-class DatumIn:
-    """One datum, decoded: ``tokens`` is the flattened model_input; ``inputs`` holds the
-    dense loss_fn_inputs (target_tokens int64, weights/advantages/logprobs float32...)."""
-
-    tokens: list[int]
-    inputs: dict[str, torch.Tensor]
-
-
-class AdamConfig(BaseModel):
-    """AdamW hyperparameters: the backend's argument and the wire's ``adam_params``
-    (unknown keys are ignored, as for every wire type)."""
-
-    model_config = ConfigDict(extra="ignore", frozen=True)
-
-    learning_rate: float = 1e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-12
-    weight_decay: float = 0.0
-    grad_clip_norm: float = 0.0
-
-
-@dataclass(frozen=True)
-class SampleJob:
-    """One asample request. ``sampler`` is a key from ``save_sampler``/``load_sampler``,
-    or None for the bare base model."""
-
-    sampler: str | None
-    prompt: list[int]
-    num_samples: int
-    max_tokens: int
-    temperature: float = 1.0
-    top_k: int = -1
-    top_p: float = 1.0
-    seed: int | None = None
-    stop_strings: list[str] = field(default_factory=list)
-    stop_token_ids: list[int] = field(default_factory=list)
-    prompt_logprobs: bool = False
-    topk_prompt_logprobs: int = 0
-    tempered_logprobs: bool = True
-
-
-@dataclass(frozen=True)
-class SampledSeq:
-    tokens: list[int]
-    logprobs: list[float]
-    stop_reason: str  # "length" | "stop"
-    behaviour_logprobs: list[float] | None = None
-    """Under the distribution each token was drawn from, when ``logprobs`` report the
-    untempered model instead (None: ``logprobs`` are these)."""
-
-
-@dataclass(frozen=True)
-class SampledSequences:
-    """What one sample job produced: its sequences, and the prompt's logprobs when asked."""
-
-    sequences: list[SampledSeq]
-    prompt_logprobs: list[float | None] | None = None  # first entry None
-    topk_prompt_logprobs: list[list[tuple[int, float]] | None] | None = None
-
-
-@dataclass(frozen=True)
-class ForwardResult:
-    outputs: list[dict[str, torch.Tensor]]  # per datum, at least {"logprobs": (N,)}
-    metrics: dict[str, float]  # keys "name:reduction", at least "loss:sum"
-
-
-@dataclass
-class _Client:
-    """One training client: its adapter, LoRA spec, optimizer and step count."""
-
-    adapter: str
-    spec: AdapterSpec
-    targets: TargetSet
-    seed: int
-    params: dict[str, torch.nn.Parameter]
-    optimizer: torch.optim.AdamW
-    steps: int = 0
-
-
-@dataclass(frozen=True)
-class _Snapshot:
-    """Frozen LoRA tensors a sampler reads (cloned, so later training cannot move them)."""
-
-    rank: int
-    targets: TargetSet
-    tensors: dict[str, torch.Tensor]
-
+from engine.local.sampling import Sampler, cache_keyword
+from engine.local.training_state import (
+    Client,
+    TrainingState,
+    all_finite,
+    check_adam,
+    check_finite,
+    check_optimizer,
+    gradients_kept_only_on_success,
+    new_adam,
+    restore_adam,
+)
 
 _DEFAULT_LOGITS_BUDGET = 1 << 25  # logits elements per forward micro-batch (128 MiB fp32)
-
-
-def _new_adam(params: dict[str, torch.nn.Parameter]) -> torch.optim.AdamW:
-    # hyperparameters are overwritten from AdamConfig on every step
-    return torch.optim.AdamW(list(params.values()), lr=0.0, foreach=False)
 
 
 _SMALL_MODEL_PARAMS = 20_000_000
@@ -245,8 +145,8 @@ class Backend:
         self.share_prefixes = True
         """Run prompts shared by several training datums once (False: the plain padded
         forward; both compute the same values)."""
-        self._clients: dict[str, _Client] = {}
-        self._snapshots: dict[str, _Snapshot] = {}
+        self._clients: dict[str, Client] = {}
+        self._snapshots: dict[str, SamplerSnapshot] = {}
         self._loaded_paths: dict[Path, str] = {}
         self._slots: dict[tuple[int, str], str] = {}
         self._slot_holds: dict[str, str] = {}  # slot -> the snapshot key copied into it
@@ -287,7 +187,7 @@ class Backend:
         seed = spec.seed if spec.seed is not None else secrets.randbits(31)
         adapter = f"client{next(self._counter)}"
         params = self._host.add(adapter, spec.rank, targets, seed)
-        self._clients[model_id] = _Client(adapter, spec, targets, seed, params, _new_adam(params))
+        self._clients[model_id] = Client(adapter, spec, targets, seed, params, new_adam(params))
 
     def delete_model(self, model_id: str) -> None:
         """Drop a training client (its adapter, gradients and optimizer state)."""
@@ -304,7 +204,7 @@ class Backend:
         to 0 by ``load_state(optimizer=False)``."""
         return self._client(model_id).steps
 
-    def _client(self, model_id: str) -> _Client:
+    def _client(self, model_id: str) -> Client:
         client = self._clients.get(model_id)
         if client is None:
             raise BackendError(f"unknown model_id {model_id!r}")
@@ -356,7 +256,7 @@ class Backend:
         with (
             self._host.active(client.adapter),
             torch.set_grad_enabled(backward),
-            _gradients_kept_only_on_success(params),
+            gradients_kept_only_on_success(params),
         ):
             for batch in micro_batches(checked, self.vocab_size, self._logits_budget):
                 rows = [checked[i] for i in batch]
@@ -386,7 +286,7 @@ class Backend:
                     f"the summed {loss_fn} loss overflows to {total}; nothing was applied "
                     "(send fewer or less extreme datums)"
                 )
-            if not _all_finite(p.grad for p in params):
+            if not all_finite(p.grad for p in params):
                 raise BackendError(
                     f"the {loss_fn} gradient of this request is not finite (its loss inputs are "
                     "too extreme); nothing was applied"
@@ -415,15 +315,15 @@ class Backend:
         fails (a non-finite gradient, or weights that would become non-finite) changes
         nothing: weights, optimizer state and step count stay as they were."""
         client = self._client(model_id)
-        _check_adam(adam)
+        check_adam(adam)
         params = list(client.params.values())
-        if not _all_finite(p.grad for p in params):
+        if not all_finite(p.grad for p in params):
             client.optimizer.zero_grad(set_to_none=True)
             raise BackendError(
                 "optim_step refused: the accumulated gradient is not finite; it was "
                 "discarded, and the weights and optimizer state are unchanged"
             )
-        saved = _TrainingState.of(client)
+        saved = TrainingState.of(client)
         try:
             for p in params:
                 if p.grad is None:
@@ -441,7 +341,7 @@ class Backend:
                     weight_decay=adam.weight_decay,
                 )
             client.optimizer.step()
-            if not _all_finite(params):
+            if not all_finite(params):
                 raise BackendError(
                     f"optim_step refused: with these AdamParams (learning_rate "
                     f"{adam.learning_rate:g}, eps {adam.eps:g}) the weights would become "
@@ -456,7 +356,7 @@ class Backend:
 
     # ---- checkpoints ------------------------------------------------------------------
 
-    def _meta(self, client: _Client, kind: str) -> dict[str, Any]:
+    def _meta(self, client: Client, kind: str) -> dict[str, Any]:
         return {
             "kind": kind,
             "base_model": self.model_name,
@@ -477,7 +377,7 @@ class Backend:
         client = self._client(model_id)
         tensors = {k: p.detach().clone() for k, p in client.params.items()}
         key = f"{model_id}:sampler{next(self._counter)}"
-        self._snapshots[key] = _Snapshot(client.spec.rank, client.targets, tensors)
+        self._snapshots[key] = SamplerSnapshot(client.spec.rank, client.targets, tensors)
         if dest is not None:
             checkpoint.write(Path(dest), self._meta(client, "sampler"), tensors)
             self._loaded_paths[Path(dest).resolve()] = key
@@ -494,7 +394,7 @@ class Backend:
         targets = self._targets_of(path, ckpt.meta)
         self._check_tensors(path, ckpt.weights, ckpt.meta["lora_rank"], targets)
         key = f"loaded:sampler{next(self._counter)}"
-        self._snapshots[key] = _Snapshot(ckpt.meta["lora_rank"], targets, ckpt.weights)
+        self._snapshots[key] = SamplerSnapshot(ckpt.meta["lora_rank"], targets, ckpt.weights)
         self._loaded_paths[path] = key
         return key
 
@@ -552,26 +452,11 @@ class Backend:
             for key, p in client.params.items():
                 p.copy_(ckpt.weights[key])
                 p.grad = None
-        client.optimizer = _new_adam(client.params)
+        client.optimizer = new_adam(client.params)
         client.steps = 0
         if optimizer and ckpt.optimizer is not None:
-            self._restore_adam(client, ckpt.optimizer, Path(src))
+            restore_adam(client, ckpt.optimizer, Path(src))
             client.steps = int(ckpt.meta.get("optimizer_steps", 0))
-
-    @staticmethod
-    def _restore_adam(client: _Client, saved: dict[str, torch.Tensor], src: Path) -> None:
-        for key, p in client.params.items():
-            names = (f"exp_avg/{key}", f"exp_avg_sq/{key}", f"step/{key}")
-            present = [n in saved for n in names]
-            if not any(present):
-                continue  # never stepped when saved
-            if not all(present):
-                raise BackendError(f"{src}: optimizer state for {key} is incomplete")
-            client.optimizer.state[p] = {
-                "step": saved[names[2]].reshape(()).clone(),
-                "exp_avg": saved[names[0]].clone(),
-                "exp_avg_sq": saved[names[1]].clone(),
-            }
 
     def verify_checkpoint(self, src: Path) -> dict[str, Any]:
         """Read a checkpoint completely (tensors, and optimizer state for a state) and
@@ -586,7 +471,7 @@ class Backend:
         rank = ckpt.meta["lora_rank"]
         self._check_tensors(path, ckpt.weights, rank, targets)
         if ckpt.optimizer is not None:
-            self._check_optimizer(path, ckpt.optimizer, self._host.shapes(rank, targets))
+            check_optimizer(path, ckpt.optimizer, self._host.shapes(rank, targets))
         return {k: v for k, v in ckpt.meta.items() if k != "format"}
 
     @staticmethod
@@ -629,38 +514,20 @@ class Backend:
                 raise BackendError(
                     f"{src}: tensor {key} has shape {tuple(tensors[key].shape)}, expected {shape}"
                 )
-            _check_finite(src, key, tensors[key])
-
-    @staticmethod
-    def _check_optimizer(
-        src: Path, saved: dict[str, torch.Tensor], shapes: dict[str, tuple[int, int]]
-    ) -> None:
-        """Adam state as ``save_state`` writes it: moments shaped like their weights, one
-        step count each, all finite."""
-        for name, tensor in saved.items():
-            kind, _, key = name.partition("/")
-            expected = (1,) if kind == "step" else shapes.get(key)
-            if kind not in ("exp_avg", "exp_avg_sq", "step") or key not in shapes:
-                raise BackendError(f"{src}: unexpected optimizer tensor {name}")
-            if tuple(tensor.shape) != expected:
-                raise BackendError(
-                    f"{src}: optimizer tensor {name} has shape {tuple(tensor.shape)}, "
-                    f"expected {expected}"
-                )
-            _check_finite(src, name, tensor)
+            check_finite(src, key, tensors[key])
 
     # ---- sampling ---------------------------------------------------------------------
 
     def sample(self, jobs: list[SampleJob]) -> list[SampledSequences]:
         """Run many asample requests as one batched computation (per snapshot)."""
-        snapshots: dict[str, _Snapshot] = {}
+        snapshots: dict[str, SamplerSnapshot] = {}
         for i, job in enumerate(jobs):
             if job.sampler is not None and job.sampler not in snapshots:
                 snap = self._snapshots.get(job.sampler)
                 if snap is None:
                     raise BackendError(f"sample request {i}: unknown sampler {job.sampler!r}")
                 snapshots[job.sampler] = snap
-        requests = [_request(job) for job in jobs]
+        requests = [request_of(job) for job in jobs]
         results: list[SampledSequences | None] = [None] * len(jobs)
         groups: dict[str | None, list[int]] = {}
         for i, job in enumerate(jobs):
@@ -687,7 +554,7 @@ class Backend:
                 )
         return [r for r in results if r is not None]
 
-    def _fold(self, key: str | None, snap: _Snapshot | None, folded: torch.nn.Module) -> None:
+    def _fold(self, key: str | None, snap: SamplerSnapshot | None, folded: torch.nn.Module) -> None:
         """Give the folded copy the base weights plus snapshot ``key``'s LoRA delta
         (computed from the snapshot's own tensors: no adapter, no shared module)."""
         if self._folded_holds == (key,):
@@ -723,95 +590,3 @@ class Backend:
                     p.copy_(snap.tensors[name])
             self._slot_holds[slot] = key
         return slot
-
-
-def _request(job: SampleJob) -> Request:
-    """Jobs arrive validated (``engine.local.service.sampling.sample_job_of``); ``sample``
-    checks that their snapshots exist."""
-    return Request(
-        prompt=list(job.prompt),
-        num_samples=job.num_samples,
-        max_tokens=job.max_tokens,
-        temperature=float(job.temperature),
-        top_k=job.top_k,
-        top_p=float(job.top_p),
-        seed=job.seed,
-        stop_strings=tuple(job.stop_strings),
-        stop_token_ids=frozenset(job.stop_token_ids),
-        prompt_logprobs=job.prompt_logprobs,
-        topk_prompt_logprobs=job.topk_prompt_logprobs,
-        tempered_logprobs=job.tempered_logprobs,
-    )
-
-
-def _all_finite(tensors: Iterable[torch.Tensor | None]) -> bool:
-    return all(t is None or bool(torch.isfinite(t).all()) for t in tensors)
-
-
-def _check_finite(src: Path, name: str, tensor: torch.Tensor) -> None:
-    if not _all_finite([tensor]):
-        raise BackendError(f"{src}: tensor {name} holds NaN or infinite values")
-
-
-@contextlib.contextmanager
-def _gradients_kept_only_on_success(params: list[torch.nn.Parameter]) -> Iterator[None]:
-    """Gradients computed inside the block start from zero; when it succeeds they are
-    added to the ones accumulated before, when it raises they are dropped and the earlier
-    ones are restored untouched (a failed forward_backward leaves no trace)."""
-    earlier = [p.grad for p in params]
-    for p in params:
-        p.grad = None
-    try:
-        yield
-    except BaseException:
-        for p, grad in zip(params, earlier, strict=True):
-            p.grad = grad
-        raise
-    for p, grad in zip(params, earlier, strict=True):
-        if grad is not None:
-            p.grad = grad if p.grad is None else grad.add_(p.grad)
-
-
-@dataclass(frozen=True)
-class _TrainingState:
-    """A copy of a client's weights, gradients and optimizer state (to undo a step)."""
-
-    weights: list[torch.Tensor]
-    grads: list[torch.Tensor | None]
-    optimizer: dict[str, Any]
-    steps: int
-
-    @classmethod
-    def of(cls, client: _Client) -> _TrainingState:
-        params = list(client.params.values())
-        return cls(
-            weights=[p.detach().clone() for p in params],
-            grads=[None if p.grad is None else p.grad.clone() for p in params],
-            optimizer=copy.deepcopy(client.optimizer.state_dict()),
-            steps=client.steps,
-        )
-
-    def restore(self, client: _Client) -> None:
-        with torch.no_grad():
-            for p, weight, grad in zip(
-                client.params.values(), self.weights, self.grads, strict=True
-            ):
-                p.copy_(weight)
-                p.grad = grad
-        client.optimizer.load_state_dict(self.optimizer)
-        client.steps = self.steps
-
-
-def _check_adam(adam: AdamConfig) -> None:
-    checks = {
-        "learning_rate": adam.learning_rate >= 0,
-        "beta1": 0 <= adam.beta1 < 1,
-        "beta2": 0 <= adam.beta2 < 1,
-        "eps": adam.eps >= 0,
-        "weight_decay": adam.weight_decay >= 0,
-        "grad_clip_norm": adam.grad_clip_norm >= 0,
-    }
-    for name, ok in checks.items():
-        value = getattr(adam, name)
-        if not (math.isfinite(value) and ok):
-            raise BackendError(f"invalid AdamParams.{name}: {value}")

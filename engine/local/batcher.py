@@ -18,8 +18,8 @@ from dataclasses import dataclass
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.local.backend import SampledSequences, SampleJob
 from engine.local.compute import ComputeThread
+from engine.local.compute_types import SampledSequences, SampleJob
 
 SampleOutcome = SampledSequences | Exception
 

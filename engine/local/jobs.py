@@ -16,7 +16,8 @@ from typing import Any
 
 import torch
 
-from engine.local.backend import AdamConfig, Backend
+from engine.local.backend import Backend
+from engine.local.compute_types import AdamConfig
 from engine.local.losses import LOSSES
 from engine.local.storage import TinkerPath, check_name
 from engine.local.wire import (

@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 import torch
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from engine.local.backend import AdamConfig, DatumIn, ForwardResult, SampledSequences
+from engine.local.compute_types import AdamConfig, DatumIn, ForwardResult, SampledSequences
 
 REDUCTIONS = frozenset({"mean", "sum", "min", "max", "slack", "hash_unordered", "unique"})
 

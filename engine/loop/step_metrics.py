@@ -201,6 +201,8 @@ def step_metrics(
         "off_policy/staleness": staleness,
         "optim/kl_sample_train_v1": kl.v1,
         "optim/kl_sample_train_v2": kl.v2,
+        "optim/entropy": kl.entropy,
+        "optim/grad_norm": result.optim_metrics.get("grad_norm:mean"),
         "optim/loss": result.metrics.get("loss:sum"),
         "optim/lr": lr,
         "optim/trained_tokens": kl.tokens,

@@ -85,7 +85,7 @@ async def open_session(
     session_class = adapter_class(choose_sdk(config.session.sdk))
     if config.uses_local_server:
         from engine.local import ServerConfigError, serve_local
-        from engine.local.backend import BackendError
+        from engine.local.compute_types import BackendError
 
         say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
         async with contextlib.AsyncExitStack() as stack:

@@ -26,8 +26,9 @@ from typing import Any
 import anyio
 from anyio.abc import TaskStatus
 
-from engine.local.backend import Backend, BackendError
+from engine.local.backend import Backend
 from engine.local.compute import ComputeThread
+from engine.local.compute_types import BackendError
 from engine.local.config import ServerConfig
 from engine.local.faults import FaultInjector
 from engine.local.futures import FutureStore

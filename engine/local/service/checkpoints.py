@@ -37,7 +37,7 @@ from typing import Any
 
 import anyio
 
-from engine.local.backend import BackendError
+from engine.local.compute_types import BackendError
 from engine.local.jobs import Job
 from engine.local.service.core import Core, HttpError
 from engine.local.storage import KINDS, BadPath, Kind, TinkerPath, check_model_id, check_name

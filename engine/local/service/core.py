@@ -18,8 +18,9 @@ from typing import Any
 
 from anyio.abc import TaskGroup
 
-from engine.local.backend import Backend, BackendError
+from engine.local.backend import Backend
 from engine.local.compute import ComputeThread, ComputeThreadClosed
+from engine.local.compute_types import BackendError
 from engine.local.config import ServerConfig
 from engine.local.faults import FaultInjector
 from engine.local.futures import FutureEntry, FutureStore, TooManyPending

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from engine.local.backend import AdapterSpec
+from engine.local.compute_types import AdapterSpec
 from engine.local.sequencer import ModelSequencer
 
 RELEASED_KEPT = 16384

@@ -11,7 +11,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from engine.local.backend import AdapterSpec, Backend
+from engine.local.backend import Backend
+from engine.local.compute_types import AdapterSpec
 from engine.local.futures import FutureEntry
 from engine.local.jobs import Job
 from engine.local.sequencer import ModelSequencer

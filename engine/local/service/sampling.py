@@ -11,7 +11,6 @@ from typing import Any
 
 import anyio
 
-from engine.local.backend import BackendError, SampledSequences, SampleJob
 from engine.local.batcher import (
     PendingSample,
     SampleBatcher,
@@ -20,6 +19,7 @@ from engine.local.batcher import (
     generated_tokens,
 )
 from engine.local.compute import ComputeThreadClosed
+from engine.local.compute_types import BackendError, SampledSequences, SampleJob
 from engine.local.config import Limits
 from engine.local.futures import FutureEntry
 from engine.local.service.checkpoints import CheckpointStore

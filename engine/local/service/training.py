@@ -14,7 +14,7 @@ from typing import Any
 
 import anyio
 
-from engine.local.backend import AdapterSpec
+from engine.local.compute_types import AdapterSpec
 from engine.local.futures import FutureEntry
 from engine.local.jobs import (
     Job,

@@ -1,6 +1,7 @@
 """``python -m engine.eval CHECKPOINT``: evaluate a trained checkpoint on a task's held-out
-problems, greedily and sampled (mean reward, pass rate, pass@1, pass@k), with the same
-evaluator that runs during training (:func:`engine.loop.evaluation.evaluate`).
+problems, greedily and sampled (mean reward, its components, pass rate, pass@k for a list
+of k), with the same evaluator that runs during training
+(:func:`engine.loop.evaluation.evaluate_problems`).
 
 CHECKPOINT is a run dir, a checkpoint dir or a ``tinker://`` path
 (:mod:`engine.checkpoint_files`). A run dir supplies the task, its arguments and the
@@ -9,8 +10,9 @@ are here is served by a local server started on a temporary data dir (holding a 
 it); any other is sampled where it lives (``--base-url`` / ``MINT_BASE_URL``, the run's
 ``base_url``, with ``MINT_API_KEY``). ``--baseline`` also evaluates the starting weights
 (step 0: a fresh LoRA adds nothing to the base model) and prints the difference. The
-result is written as JSON (``--out``, default ``<run dir>/eval-<step>.json`` for a run dir)
-and printed as a short table.
+result is written as JSON (``--out``, default ``<run dir>/eval-<step>.json`` for a run dir):
+the metrics and each problem's prompt and responses with their rewards
+(:func:`~engine.loop.evaluation.problem_records`); it is printed as a short table.
 """
 
 from __future__ import annotations
@@ -30,17 +32,23 @@ import anyio
 from engine.catalog import load_task
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.common.setting import parse_text
 from engine.config import EngineConfig, parse_task_args
+from engine.config.models import setting_at
 from engine.config.records import flat_settings
+from engine.config.values import pass_k_problem
 from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, EngineError, find_error
-from engine.loop.evaluation import eval_problems_of, evaluate
+from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
 from engine.rundir.resume import read_run_config
 from engine.session.opening import open_session, service_guard
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["EvalRequest", "format_table", "main", "run_eval"]
+__all__ = ["DEFAULT_SAMPLES", "EvalRequest", "format_table", "main", "run_eval"]
+
+DEFAULT_SAMPLES = 4
+"""Sampled responses per problem when neither ``--samples`` nor ``--k`` says."""
 
 _FROM_RUN = (
     "task",
@@ -72,12 +80,24 @@ class EvalRequest:
     step: int | None = None
     task: str | None = None
     task_args: Mapping[str, str] | None = None
-    samples: int = 4
+    samples: int | None = None
+    """Sampled responses per problem (None: the largest of ``ks``, else
+    :data:`DEFAULT_SAMPLES`)."""
+    ks: tuple[int, ...] = ()
+    """pass@k for each of these, besides pass@1 and pass@n (each k <= n)."""
+    texts: int = 4
+    """Sampled responses per problem whose text the JSON keeps (all keep their rewards)."""
     temperature: float | None = None
     max_tokens: int | None = None
     baseline: bool = False
     data_dir: Path | None = None
     base_url: str | None = None
+
+    @property
+    def samples_drawn(self) -> int:
+        if self.samples is not None:
+            return self.samples
+        return max(self.ks, default=DEFAULT_SAMPLES)
 
 
 def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConfig:
@@ -117,6 +137,10 @@ def _stage(directory: Path, data_dir: Path) -> str:
 
 async def run_eval(request: EvalRequest) -> dict[str, Any]:
     """Evaluate as ``request`` says; return the JSON-able result."""
+    samples = request.samples_drawn
+    problem = pass_k_problem(request.ks, samples)
+    if problem:
+        raise ConfigError(f"--k {problem} (--samples {samples})")
     ref = resolve_checkpoint(request.checkpoint, step=request.step, data_dir=request.data_dir)
     local = ref.directory is not None
     config = _config(request, ref, local)
@@ -137,45 +161,47 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         config = session.config
         task = load_task(config.task.spec, config.task.args)
         check_score_workers(task, config.scoring.score_workers)
-        plan = GroupPlan(
-            config,
-            task,
-            PromptRenderer(task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text),
-            session.info.max_context,
+        plan_renderer = PromptRenderer(
+            task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text
         )
+        plan = GroupPlan(config, task, plan_renderer, session.info.max_context)
         problems = eval_problems_of(task)
 
-        async def measure(sampler: Any) -> dict[str, float]:
-            metrics = await evaluate(
+        async def measure(sampler: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
+            evaluation = await evaluate_problems(
                 session,
                 sampler,
                 plan,
                 problems,
                 max_tokens=config.sampling.max_tokens,
                 concurrency=config.pipeline.concurrency,
-                samples=request.samples,
+                samples=samples,
+                ks=request.ks,
                 temperature=config.sampling.temperature,
             )
-            return {k.removeprefix("eval/"): v for k, v in metrics.items()}
+            metrics = {k.removeprefix("eval/"): v for k, v in evaluation.metrics.items()}
+            return metrics, problem_records(evaluation, plan_renderer, texts=request.texts)
 
         step = ref.step if ref.step is not None else 1
+        metrics, records = await measure(await session.open_sampler(step, path))
         result: dict[str, Any] = {
             "checkpoint": request.checkpoint,
             "tinker_path": ref.tinker_path,
             "step": ref.step,
             "task": task.name,
-            "samples": request.samples,
+            "samples": samples,
+            "k": sorted({1, samples, *request.ks}) if samples else [],
             "temperature": config.sampling.temperature,
             "max_tokens": config.sampling.max_tokens,
-            "metrics": await measure(await session.open_sampler(step, path)),
+            "metrics": metrics,
+            "problems": records,
         }
         if request.baseline:
             pending = await session.submit_snapshot(0)
-            baseline = await measure(await session.finish_snapshot(pending))
+            baseline, baseline_records = await measure(await session.finish_snapshot(pending))
             result["baseline"] = baseline
-            result["difference"] = {
-                k: v - baseline[k] for k, v in result["metrics"].items() if k in baseline
-            }
+            result["baseline_problems"] = baseline_records
+            result["difference"] = {k: v - baseline[k] for k, v in metrics.items() if k in baseline}
     return result
 
 
@@ -209,14 +235,22 @@ def _sampler_path(ref: CheckpointRef) -> str:
     return ref.tinker_path
 
 
-_TABLE_KEYS = ("reward/total", "pass_rate", "success_rate", "sampled/reward/total")
+def _table_keys(metrics: Mapping[str, float]) -> list[str]:
+    """Greedy reward, the mean of each reward component (a key with a ``/rate`` beside
+    it), pass and success rates, then the sampled reward and pass@k by k."""
+    components = sorted(k for k in metrics if f"{k}/rate" in metrics)
+    order = ("reward/total", *components, "pass_rate", "success_rate", "sampled/reward/total")
+    passes = sorted(
+        (k for k in metrics if k.startswith("sampled/pass@")),
+        key=lambda k: int(k.rpartition("@")[2]),
+    )
+    return [k for k in order if k in metrics] + passes
 
 
 def format_table(result: Mapping[str, Any]) -> str:
     """The result as a short Markdown table (greedy, sampled, and the baseline)."""
     metrics: Mapping[str, float] = result["metrics"]
-    keys = [k for k in _TABLE_KEYS if k in metrics]
-    keys += sorted(k for k in metrics if k.startswith("sampled/pass@"))
+    keys = _table_keys(metrics)
     baseline: Mapping[str, float] | None = result.get("baseline")
     step = result.get("step")
     columns = [f"step {step}" if step is not None else "checkpoint"]
@@ -250,7 +284,19 @@ def _parser() -> OneLineErrorParser:
     parser.add_argument("--step", type=int, help="a run dir's checkpoint of this step")
     parser.add_argument("--task", help="the task (default: the run's)")
     parser.add_argument("--task-arg", action="append", default=[], metavar="KEY=VALUE")
-    parser.add_argument("--samples", type=int, default=4, help="sampled responses per problem")
+    parser.add_argument(
+        "--samples",
+        type=int,
+        help=f"sampled responses per problem (default: the largest --k, else {DEFAULT_SAMPLES})",
+    )
+    parser.add_argument("--k", metavar="K[,K...]", help="also pass@k for each k, e.g. 1,4,8")
+    parser.add_argument(
+        "--response-texts",
+        type=int,
+        default=4,
+        metavar="N",
+        help="sampled responses per problem whose text the JSON keeps (4; all keep rewards)",
+    )
     parser.add_argument("--temperature", type=float, help="for the samples (default: the run's)")
     parser.add_argument("--max-tokens", type=int, help="per response (default: the run's)")
     parser.add_argument("--baseline", action="store_true", help="also evaluate step 0")
@@ -264,8 +310,10 @@ def _parser() -> OneLineErrorParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.samples < 0:
+    if args.samples is not None and args.samples < 0:
         parser.error(f"--samples must be >= 0, got {args.samples}")
+    if args.response_texts < 0:
+        parser.error(f"--response-texts must be >= 0, got {args.response_texts}")
     try:
         request = EvalRequest(
             checkpoint=args.checkpoint,
@@ -273,6 +321,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             task=args.task,
             task_args=parse_task_args(args.task_arg),
             samples=args.samples,
+            ks=() if args.k is None else _ks(args.k),
+            texts=args.response_texts,
             temperature=args.temperature,
             max_tokens=args.max_tokens,
             baseline=args.baseline,
@@ -290,11 +340,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     if out is None and result["step"] is not None:  # a run dir's checkpoint
         out = Path(args.checkpoint) / f"eval-step{result['step']}.json"
     if out is not None:
-        out.write_text(json.dumps(result, indent=2, sort_keys=True) + "\n", encoding="utf-8")
+        text = json.dumps(result, indent=2, sort_keys=True, default=str)
+        out.write_text(text + "\n", encoding="utf-8")
     print(format_table(result))
     if out is not None:
         print(out)
     return 0
+
+
+def _ks(text: str) -> tuple[int, ...]:
+    """``--k``'s list, parsed and checked as ``--eval-k``'s."""
+    field = setting_at("evaluation.eval_k")
+    assert field is not None
+    ks: tuple[int, ...] = parse_text(field, text, "--k")
+    if not ks:
+        raise ConfigError(f"--k must name at least one k, e.g. 1,4,8, got {text!r}")
+    return ks
 
 
 if __name__ == "__main__":

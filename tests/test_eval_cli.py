@@ -1,6 +1,7 @@
 """engine.eval end to end: the default run (two steps) on the local server, then its
 final checkpoint and its step-0 checkpoint evaluated by ``python -m engine.eval``, which
-shows the difference. Greedy sampling on the local server is deterministic, so the
+shows the difference, pass@k for a list of k, the reward components and each problem's
+prompt and responses. Greedy sampling on the local server is deterministic, so the
 step-0 checkpoint and the fresh-LoRA baseline (B = 0: the same weights) agree exactly."""
 
 from __future__ import annotations
@@ -26,18 +27,43 @@ def test_eval_shows_the_difference_between_the_final_and_step_0_checkpoints(
     monkeypatch.delenv("MINT_API_KEY", raising=False)
     monkeypatch.delenv("MINT_BASE_URL", raising=False)
 
-    assert main([str(run), "--baseline", "--samples", "2"]) == 0
+    # --k 1,2,3: three samples drawn (the largest k), the text of one kept per problem
+    assert main([str(run), "--baseline", "--k", "1,2,3", "--response-texts", "1"]) == 0
     table = capsys.readouterr().out
     final = json.loads((run / "eval-step2.json").read_text())
     assert final["step"] == 2 and final["task"] == "arithmetic-add"
+    assert final["samples"] == 3 and final["k"] == [1, 2, 3]
     metrics, baseline = final["metrics"], final["baseline"]
     assert metrics["problems"] == baseline["problems"] > 0
-    for key in ("reward/total", "pass_rate", "sampled/reward/total", "sampled/pass@2"):
+    passes = ["sampled/pass@1", "sampled/pass@2", "sampled/pass@3"]
+    for key in ("reward/total", "pass_rate", "exact_bonus", "sampled/reward/total", *passes):
         assert 0.0 <= metrics[key] <= 1.0
         assert final["difference"][key] == pytest.approx(metrics[key] - baseline[key])
+    assert metrics["sampled/pass@1"] <= metrics["sampled/pass@2"] <= metrics["sampled/pass@3"]
     assert "| metric | step 0 | step 2 | difference |" in table
     before, after = baseline["reward/total"], metrics["reward/total"]
     assert f"| reward/total | {before:.3f} | {after:.3f} |" in table
+    for component in ("distance_reward", "exact_bonus", "format_reward"):  # their means
+        assert f"| {component} | {baseline[component]:.3f} | {metrics[component]:.3f} |" in table
+    assert table.index("| sampled/pass@2 |") < table.index("| sampled/pass@3 |")
+
+    # each held-out problem: its prompt, the greedy response and 3 sampled ones, rewarded
+    records = final["problems"]
+    assert len(records) == metrics["problems"] and len(final["baseline_problems"]) == len(records)
+    for record in records:
+        assert record["prompt"].endswith("?\nAnswer:") and record["reward_error"] is None
+        greedy, samples = record["greedy"], record["samples"]
+        assert isinstance(greedy["response"], str) and len(samples) == 3
+        assert "response" in samples[0] and all("response" not in s for s in samples[1:])
+        for response in (greedy, *samples):
+            assert set(response["components"]) == {
+                "distance_reward",
+                "exact_bonus",
+                "format_reward",
+            }
+            assert response["passed"] == (response["reward"] >= 1.0)
+    greedy_mean = sum(r["greedy"]["reward"] for r in records) / len(records)
+    assert greedy_mean == pytest.approx(metrics["reward/total"])
 
     out = tmp_path / "step0.json"
     assert main([str(run), "--step", "0", "--samples", "0", "--out", str(out)]) == 0

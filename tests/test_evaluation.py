@@ -1,5 +1,6 @@
-"""Held-out evaluation below the seam (a fake session): the metrics, eval.jsonl, and a
-reward that raises on a held-out problem under each ``--on-reward-error``."""
+"""Held-out evaluation below the seam (a fake session): the metrics, pass@k for a list of
+k, the per-problem records, eval.jsonl, ``engine.eval``'s table and its errors for a bad
+list of k, and a reward that raises on a held-out problem under each ``--on-reward-error``."""
 
 from __future__ import annotations
 
@@ -11,10 +12,20 @@ from typing import Any
 import anyio
 import pytest
 
-from engine.config import EngineConfig, OnRewardError
+from engine.config import EngineConfig, OnRewardError, config_from_sources
 from engine.envs.scoring import RewardError
-from engine.errors import find_error
-from engine.loop.evaluation import EVAL_FILE, Evaluator, evaluate, pass_at_k
+from engine.errors import ConfigError, find_error
+from engine.eval import format_table
+from engine.eval import main as eval_main
+from engine.loop.evaluation import (
+    EVAL_FILE,
+    Evaluation,
+    Evaluator,
+    evaluate,
+    evaluate_problems,
+    pass_at_k,
+    problem_records,
+)
 from engine.loop.groups import GroupPlan
 from engine.session.api import SamplerHandle
 from engine.session.preflight import local_server_profile
@@ -186,3 +197,172 @@ def test_held_out_episodes_of_an_environment_task_and_a_group_that_fails() -> No
     with pytest.raises(BaseException) as raised:
         anyio.run(go)
     assert find_error(raised.value, RewardError) is not None
+
+
+def _sampled(task: Any, *, samples: int, ks: tuple[int, ...] = (), **kwargs: Any) -> Evaluation:
+    session = FakeSession()
+
+    async def go() -> Evaluation:
+        return await evaluate_problems(
+            session,
+            SamplerHandle(1, None),
+            _plan(_config(max_tokens=4), task, session),
+            task.eval_problems(),
+            max_tokens=4,
+            samples=samples,
+            ks=ks,
+            **kwargs,
+        )
+
+    return anyio.run(go)
+
+
+def test_pass_at_k_for_a_list_of_k_keeps_pass_at_1_and_pass_at_n() -> None:
+    # samples "1 0".."1 7": exactly one of the 8 passes for each answer (0, 2, 7)
+    metrics = _sampled(_LastDigitTask(), samples=8, ks=(2, 4)).metrics
+    passes = {k: v for k, v in metrics.items() if "pass@" in k}
+    assert passes == pytest.approx(
+        {
+            "eval/sampled/pass@1": 1 / 8,
+            "eval/sampled/pass@2": 2 / 8,
+            "eval/sampled/pass@4": 4 / 8,
+            "eval/sampled/pass@8": 1.0,
+        }
+    )
+    with pytest.raises(ValueError, match="pass@9 needs at least 9 sampled responses"):
+        _sampled(_LastDigitTask(), samples=8, ks=(2, 9))
+
+
+def test_problem_records_hold_prompts_responses_and_rewards_with_bounded_texts() -> None:
+    task = _LastDigitTask()
+    evaluation = _sampled(task, samples=4)
+    session = FakeSession()
+    records = problem_records(evaluation, PromptRenderer(task, session.tokenizer), texts=2)
+    assert [r["answer"] for r in records] == [0, 2, 7]
+    first, second, _ = records
+    assert first["prompt"] == "held out 0" and first["reward_error"] is None
+    assert first["greedy"] == {
+        "response": "1 0",
+        "reward": 1.0,
+        "components": {"correct": 1.0},
+        "passed": True,
+    }
+    # every sampled response keeps its reward; only the first 2 keep their text
+    assert [s.get("response") for s in second["samples"]] == ["1 0", "1 1", None, None]
+    assert [s["reward"] for s in second["samples"]] == [0.0, 0.0, 1.0, 0.0]
+    assert [s["passed"] for s in second["samples"]] == [False, False, True, False]
+    assert all(s["components"] == {"correct": s["reward"]} for s in second["samples"])
+
+
+def test_problem_records_say_which_problem_was_left_out_and_why() -> None:
+    task = _HeldOutTask()
+    evaluation = _sampled(task, samples=1, on_reward_error=lambda error: None)
+    records = problem_records(evaluation, PromptRenderer(task, FakeSession().tokenizer), texts=1)
+    left_out = records[1]
+    assert left_out["greedy"] is None and left_out["samples"] == []
+    assert "no answer key for this one" in left_out["reward_error"]
+    assert records[0]["greedy"]["passed"] and not records[2]["greedy"]["passed"]
+
+
+def test_episode_records_give_the_transcript_after_the_prompt_and_the_outcome() -> None:
+    task = _EpisodesTask()
+    session = FakeSession()
+    plan = _plan(_config(env_max_turns=2, max_tokens=4), task, session)
+
+    async def go() -> Evaluation:
+        return await evaluate_problems(
+            session,
+            SamplerHandle(1, None),
+            plan,
+            task.eval_problems(),
+            max_tokens=4,
+            on_reward_error=lambda error: None,
+        )
+
+    renderer = PromptRenderer(task, session.tokenizer)
+    one_turn, _, cut = problem_records(anyio.run(go), renderer, texts=0)
+    assert "outcome" not in one_turn["greedy"]  # one turn, done
+    assert one_turn["greedy"]["response"] == "1 0"
+    assert cut["greedy"]["outcome"] == "max_turns" and cut["greedy"]["turns"] == 2
+    assert one_turn["prompt"] == "go:" and cut["greedy"]["response"] == "1 0|1 0"
+
+
+def test_training_evaluates_pass_at_k_for_eval_k_and_keeps_its_metric_names(
+    tmp_path: Path,
+) -> None:
+    session, task = FakeSession(), _LastDigitTask()
+    cfg = _config(steps=1, eval_every=1, max_tokens=4, eval_k=(2,))
+    assert cfg.evaluation.samples_drawn == 2  # --eval-samples unset: the largest k
+    evaluator = Evaluator(session, _plan(cfg, task, session), task.eval_problems(), cfg, tmp_path)
+
+    async def go() -> dict[str, float]:
+        return await evaluator(1, SamplerHandle(1, None))
+
+    metrics = anyio.run(go)
+    assert {k for k in metrics if "pass@" in k} == {"eval/sampled/pass@1", "eval/sampled/pass@2"}
+    [record] = [json.loads(line) for line in (tmp_path / EVAL_FILE).read_text().splitlines()]
+    assert record == {"step": 1, "sampler_version": 1, **metrics}
+    wider = _config(steps=1, eval_every=1, eval_samples=8, eval_k=(2, 4))
+    assert wider.evaluation.samples_drawn == 8
+
+
+def test_eval_k_from_flags_environment_and_its_one_line_errors() -> None:
+    assert config_from_sources({}, {"ENGINE_EVAL_K": "4,1,4"}).evaluation.eval_k == (4, 1)
+    assert config_from_sources({"eval_k": "1,8"}, {}).evaluation.samples_drawn == 8
+    with pytest.raises(ConfigError, match=r"--eval-k must be comma-separated integers, got '1,a'"):
+        config_from_sources({"eval_k": "1,a"}, {})
+    with pytest.raises(ConfigError, match=r"--eval-k must be positive integers, got '0,2'"):
+        config_from_sources({"eval_k": "0,2"}, {})
+    with pytest.raises(
+        ConfigError,
+        match=r"--eval-k pass@8 needs at least 8 sampled responses per problem, and 4 are drawn",
+    ):
+        config_from_sources({"eval_k": "1,8", "eval_samples": "4"}, {})
+
+
+def test_the_eval_table_shows_component_means_and_pass_at_k_in_order_of_k() -> None:
+    metrics = {
+        "problems": 3.0,
+        "reward/total": 0.5,
+        "pass_rate": 0.25,
+        "exact": 0.25,
+        "exact/rate": 0.25,
+        "close": 0.75,
+        "close/rate": 1.0,
+        "sampled/reward/total": 0.5,
+        "sampled/pass@1": 0.1,
+        "sampled/pass@16": 0.9,
+        "sampled/pass@4": 0.4,
+    }
+    result = {"task": "t", "step": 2, "samples": 16, "temperature": 1.0, "metrics": metrics}
+    rows = [line.split(" | ")[0].removeprefix("| ") for line in format_table(result).splitlines()]
+    assert rows[3:] == [
+        "reward/total",
+        "close",
+        "exact",
+        "pass_rate",
+        "sampled/reward/total",
+        "sampled/pass@1",
+        "sampled/pass@4",
+        "sampled/pass@16",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--k", "1,x"], "--k must be comma-separated integers, got '1,x'"),
+        (["--k", ","], "--k must name at least one k, e.g. 1,4,8, got ','"),
+        (["--k", "0"], "--k must be positive integers, got '0'"),
+        (
+            ["--k", "1,8", "--samples", "4"],
+            "--k pass@8 needs at least 8 sampled responses per problem, and 4 are drawn "
+            "(--samples 4)",
+        ),
+    ],
+)
+def test_a_bad_list_of_k_is_a_one_line_error_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], error: str
+) -> None:
+    assert eval_main([str(tmp_path / "no-such-run"), *argv]) == 2
+    assert capsys.readouterr().err == f"Error: {error}\n"

@@ -123,7 +123,7 @@ class SettingField:
         if choices:
             return "{" + ",".join(choices) + "}"
         if get_origin(kind) is tuple:
-            return "NAME[,NAME...]"
+            return "INT[,INT...]" if _items(kind) is int else "NAME[,NAME...]"
         if get_origin(kind) is dict:
             return "KEY=VALUE"
         return _METAVARS.get(kind, "TEXT")
@@ -212,8 +212,14 @@ def _parse(kind: Any, text: str) -> Any:
             raise ValueError("empty path")  # Path("") would be the current directory
         return Path(text).expanduser()
     if get_origin(kind) is tuple:
-        return tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+        names = tuple(dict.fromkeys(name.strip() for name in text.split(",") if name.strip()))
+        return tuple(dict.fromkeys(map(int, names))) if _items(kind) is int else names
     return text
+
+
+def _items(kind: Any) -> Any:
+    """The item type of ``tuple[X, ...]``."""
+    return get_args(kind)[0] if get_args(kind) else str
 
 
 def _parse_mapping(text: str) -> dict[str, str]:
@@ -248,6 +254,7 @@ _KIND_NAMES: Final[Mapping[Any, str]] = {
     bool: "true or false",
     Path: "a non-empty path",
     dict: "KEY=VALUE[,KEY=VALUE...] or a JSON object",
+    tuple: "comma-separated integers",
 }
 
 

@@ -51,6 +51,7 @@ from engine.config.values import (
     SdkChoice,
     Tracker,
     parse_score_workers,
+    pass_k_problem,
 )
 from engine.core.datums import OnMissingLogprobs
 from engine.core.trajectory import EpisodeLimits, OnLimit, OnParseError
@@ -112,6 +113,10 @@ def _sampling_temperature(v: Any) -> str | None:
 def _trackers(v: Any) -> str | None:
     unknown = [name for name in v if name not in TRACKERS]
     return f"must name trackers out of {', '.join(TRACKERS)}" if unknown else None
+
+
+def _each_positive(v: Any) -> str | None:
+    return "must be positive integers" if any(k < 1 for k in v) else None
 
 
 def _secret_non_empty(v: Any) -> str | None:
@@ -377,8 +382,26 @@ class EvaluationSettings(_Group):
     eval_samples: Annotated[int, _rule(non_negative)] = Field(
         0,
         description="with --eval-every: also N responses per held-out problem at --temperature "
-        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only)",
+        "(eval/sampled/* mean reward, pass@1, pass@N; 0: greedy only, or the largest "
+        "--eval-k)",
     )
+    eval_k: Annotated[tuple[int, ...], _rule(_each_positive)] = Field(
+        (),
+        description="with --eval-every: also eval/sampled/pass@k for each k of this list, "
+        "e.g. 1,4,8 (no k above the samples drawn)",
+    )
+
+    @model_validator(mode="after")
+    def _k_within_samples(self) -> EvaluationSettings:
+        problem = pass_k_problem(self.eval_k, self.samples_drawn)
+        if problem:
+            raise ConfigError(f"--eval-k {problem} (--eval-samples {self.eval_samples})")
+        return self
+
+    @property
+    def samples_drawn(self) -> int:
+        """Sampled responses per held-out problem: ``eval_samples``, else the largest k."""
+        return self.eval_samples or max(self.eval_k, default=0)
 
 
 class CheckpointSettings(_Group):

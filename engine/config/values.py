@@ -4,6 +4,7 @@ defaults. Kept apart from the settings models so the layers below config can rea
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Final, Literal, get_args
 
@@ -24,6 +25,7 @@ __all__ = [
     "SdkChoice",
     "Tracker",
     "parse_score_workers",
+    "pass_k_problem",
 ]
 
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
@@ -76,3 +78,16 @@ def parse_score_workers(text: str) -> ScoreWorkers:
     if kind in ("processes", "ray") and count.strip().isdigit() and int(count) >= 1:
         return ScoreWorkers("processes" if kind == "processes" else "ray", int(count))
     raise ValueError("must be 'threads', 'processes:N' or 'ray:N' with N >= 1")
+
+
+def pass_k_problem(ks: Sequence[int], samples: int) -> str | None:
+    """Why pass@k for each of ``ks`` cannot be estimated from ``samples`` sampled responses
+    per problem (the unbiased estimate needs k <= n), or None."""
+    if any(k < 1 for k in ks):
+        return f"each k must be >= 1, got {min(ks)}"
+    if ks and max(ks) > samples:
+        return (
+            f"pass@{max(ks)} needs at least {max(ks)} sampled responses per problem, "
+            f"and {samples} are drawn"
+        )
+    return None

@@ -11,8 +11,9 @@ Two measurements:
 
 * **per call** (no server): the same groups (16 problems x 4 episodes, each a tool call
   then the answer) through the engine's episode runner with an instant scripted sampler,
-  so what is timed is the episode machinery alone; reported as ms per call (turn), the
-  median of 3 repeats, and the difference: the endpoint's overhead per call.
+  so what is timed is the episode machinery alone; reported as wall and CPU (the
+  process's) ms per call (turn), the median of 3 repeats, and the difference: the
+  endpoint's overhead per call. The CPU figure moves less with the machine's load.
 * **steps/s** (the local server with the hosted-like ``--latency mint`` clock, the
   packaged agent model): full engine runs of each, same seed and settings, two of each
   alternated (the mean is reported); the pace over the steady steps (step 2 to the
@@ -31,7 +32,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import anyio
 
@@ -46,7 +47,7 @@ from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks import TaskContext
 from examples.openai_calculator_agent import task as agent_task
 
-__all__ = ["main", "per_call_ms"]
+__all__ = ["CallCost", "main", "per_call_ms"]
 
 API_KEY = "tml-benchmarks-agents"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -59,9 +60,14 @@ def _tokenizer() -> Any:
     return AutoTokenizer.from_pretrained(str(AGENT_MODEL_DIR))
 
 
-async def per_call_ms(task: EnvTask, tokenizer: Any, groups: int, group: int) -> float:
-    """Wall ms per turn of ``groups`` groups run one after another on an instant sampler
-    (a tool call, then the product)."""
+class CallCost(NamedTuple):
+    wall_ms: float
+    cpu_ms: float
+
+
+async def per_call_ms(task: EnvTask, tokenizer: Any, groups: int, group: int) -> CallCost:
+    """Wall and CPU ms per turn of ``groups`` groups run one after another on an instant
+    sampler (a tool call, then the product)."""
     eos = tokenizer.eos_token_id
     calls = 0
 
@@ -84,12 +90,14 @@ async def per_call_ms(task: EnvTask, tokenizer: Any, groups: int, group: int) ->
     runner = EpisodeRunner(sample, context.limits)
     source = task.source(0)
     problems = [source.next() for _ in range(groups)]
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     for problem in problems:
         assert problem is not None
         rollout = await runner.run_group(task.group_builder(problem, group, context), problem)
         assert rollout.error is None and all(t.total_reward == 1.0 for t in rollout.trajectories)
-    return (time.perf_counter() - start) * 1000 / calls
+    return CallCost(
+        (time.perf_counter() - start) * 1000 / calls, (time.process_time() - cpu) * 1000 / calls
+    )
 
 
 def _pace(server: LocalServer, task: Any, steps: int, run_dir: Path) -> float:
@@ -126,10 +134,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     context = run_context(vars(args))
     tokenizer = _tokenizer()
     tasks: dict[str, Any] = {"environment": CalculatorTask(), "openai agent": agent_task()}
-    per_call = {
-        name: statistics.median(anyio.run(per_call_ms, task, tokenizer, 16, 4) for _ in range(3))
+    costs = {
+        name: [anyio.run(per_call_ms, task, tokenizer, 16, 4) for _ in range(3)]
         for name, task in tasks.items()
     }
+    per_call = {name: statistics.median(c.wall_ms for c in runs) for name, runs in costs.items()}
+    per_call_cpu = {name: statistics.median(c.cpu_ms for c in runs) for name, runs in costs.items()}
     paces: dict[str, list[float]] = {name: [] for name in tasks}
     with (
         LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency="mint") as server,
@@ -141,11 +151,16 @@ def main(argv: Sequence[str] | None = None) -> None:
                 paces[name].append(_pace(server, task, steps, run_dir))
     pace = {name: statistics.fmean(values) for name, values in paces.items()}
     context["load_average_end"] = load_average()
-    rows = [[name, f"{per_call[name]:.2f}", f"{pace[name]:.3f}"] for name in tasks]
+    rows = [
+        [name, f"{per_call[name]:.2f}", f"{per_call_cpu[name]:.2f}", f"{pace[name]:.3f}"]
+        for name in tasks
+    ]
     overhead = per_call["openai agent"] - per_call["environment"]
+    overhead_cpu = per_call_cpu["openai agent"] - per_call_cpu["environment"]
     ratio = pace["openai agent"] / pace["environment"]
     table = markdown_table(
-        ["calculator as", "ms per call (no server)", "steps/s (mint clock)"], rows
+        ["calculator as", "ms per call (no server)", "CPU ms per call", "steps/s (mint clock)"],
+        rows,
     )
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python -m benchmarks.agents", *given])
@@ -154,6 +169,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         {
             "context": context,
             "per_call_ms": per_call,
+            "per_call_cpu_ms": per_call_cpu,
             "steps_per_s": pace,
             "steps_per_s_runs": paces,
             "steps": steps,
@@ -161,13 +177,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     (args.out / "agents.md").write_text(
         f"# The agent endpoint against the native environment API\n\n`{command}`\n\n{table}\n"
-        f"Endpoint overhead: {overhead:+.2f} ms per call; the agent's pace is "
+        f"Endpoint overhead: {overhead:+.2f} ms per call ({overhead_cpu:+.2f} ms of CPU); "
+        f"the agent's pace is "
         f"{ratio:.2f}x the environment's ({steps} steps each, steady steps 2..{steps}). "
         f"Load average at start {context['load_average_start']}, at end "
         f"{context['load_average_end']}; commit {context['commit']}.\n"
     )
     print(table)
-    print(f"overhead {overhead:+.2f} ms/call, pace ratio {ratio:.2f}")
+    print(f"overhead {overhead:+.2f} ms/call ({overhead_cpu:+.2f} CPU), pace ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

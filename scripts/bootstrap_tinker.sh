@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Creates .venv-tinker in the checkout (if missing) with the engine (editable, the extra
-# `tinker`: no torch, no local server) on the current tinker SDK (0.38.0), at the exact
-# versions of constraints-tinker.txt. tests/test_local_server_tinker038.py runs the
-# unmodified SDK from it, and tests/test_sdk_matrix.py the engine, against a local server
+# Creates .venv-tinker in the checkout (if missing) with the engine (editable, the extras
+# `tinker` and `agents-endpoint`: no torch, no local server) on the current tinker SDK
+# (0.38.0), at the exact versions of constraints-tinker.txt. tests/test_local_server_tinker038.py
+# runs the unmodified SDK from it, and tests/test_sdk_matrix.py the engine (agent tasks
+# too), against a local server
 # started from .venv (which holds the engine on mint / tinker 0.22 and the local server);
 # without .venv-tinker those tests are skipped (and fail under CI).
 # Idempotent: a second run with unchanged pyproject.toml and constraints-tinker.txt does
@@ -27,8 +28,8 @@ if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then
     exit 0
 fi
 
-echo "bootstrap_tinker: installing engine[tinker] and its pinned dependencies into .venv-tinker" >&2
+echo "bootstrap_tinker: installing engine[tinker,agents-endpoint] and its pinned dependencies into .venv-tinker" >&2
 .venv-tinker/bin/python -m pip install --quiet --disable-pip-version-check \
-    -c constraints-tinker.txt -e ".[tinker]"
+    -c constraints-tinker.txt -e ".[tinker,agents-endpoint]"
 echo "$want" > "$stamp"
 echo "bootstrap_tinker: done" >&2

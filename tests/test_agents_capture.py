@@ -13,7 +13,14 @@ import anyio
 import httpx
 import openai
 import pytest
-from agent_support import ALT, AltSampler, agent_context, alt_tokens, calculator_agent
+from agent_support import (
+    ALT,
+    MULTIPLY,
+    AltSampler,
+    agent_context,
+    alt_tokens,
+    calculator_agent,
+)
 
 from engine.agents import AgentResult, AgentTask
 from engine.core.datums import trajectory_datums
@@ -56,6 +63,35 @@ async def test_a_tool_calling_agent_is_captured_turn_by_turn_on_the_sampled_toke
     assert first.metrics["agent/history_rewrites"] == 0.0  # (counted by the step before)
     assert len(trajectory_datums(episode, 1.0)) == 1
     assert [o.tokens for o in sampler.calls] == [first.observation, second.observation]
+
+
+async def test_the_given_client_and_its_base_url_reach_the_same_episode() -> None:
+    """The agent's client calls the endpoint's app in process; its base URL is the same
+    endpoint over loopback: a conversation that moves from one to the other stays one
+    episode, the second prompt built on the first call's sampled tokens."""
+
+    async def two_clients(client: openai.AsyncOpenAI, problem: Problem) -> float:
+        messages: list[Any] = [{"role": "user", "content": problem.question}]
+        first = await client.chat.completions.create(model="m", messages=messages, tools=[MULTIPLY])
+        reply = first.choices[0].message
+        messages.append(reply.model_dump(exclude_none=True))
+        assert reply.tool_calls
+        messages.append({"role": "tool", "tool_call_id": reply.tool_calls[0].id, "content": "42"})
+        async with openai.AsyncOpenAI(
+            base_url=str(client.base_url), api_key=client.api_key, max_retries=0
+        ) as loopback:
+            second = await loopback.chat.completions.create(
+                model="m", messages=messages, tools=[MULTIPLY]
+            )
+        return float(second.choices[0].message.content == "42")
+
+    rollout, _ = await run(two_clients, [CALL, "42"], group=1)
+    (episode,) = rollout.trajectories
+    assert episode.outcome == "done" and episode.total_reward == 1.0
+    first, second = episode.turns
+    prefix = (*first.observation, *first.action)
+    assert second.observation[: len(prefix)] == prefix
+    assert bytes(second.observation[len(prefix) :]).decode() == "\n<tool>42\n<assistant>"
 
 
 async def test_a_rewritten_history_renders_afresh_and_is_counted() -> None:

@@ -21,6 +21,8 @@ import pytest
 from safetensors.torch import load_file
 
 from engine.local import LocalServer
+from engine.local.config import AGENT_MODEL_DIR
+from engine.rundir.rollouts import ROLLOUTS_FILE
 from tests.tinker_env import REPO, tinker_python
 
 # A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
@@ -34,6 +36,13 @@ RUN_TIMEOUT_S = 900  # a loaded 2-core machine; a run takes seconds idle
 @pytest.fixture(scope="module")
 def server() -> Iterator[LocalServer]:
     with LocalServer(api_key=KEY) as running:
+        yield running
+
+
+@pytest.fixture(scope="module")
+def agent_server() -> Iterator[LocalServer]:
+    """The local server with the packaged agent model (it knows the tool-call format)."""
+    with LocalServer(AGENT_MODEL_DIR, api_key=KEY) as running:
         yield running
 
 
@@ -96,6 +105,31 @@ def test_the_engine_trains_checkpoints_and_resumes(
     ]
     assert [c["loop_state"]["next_step"] for c in checkpoints][-1] == 5
     assert "FutureWarning" not in done.stderr + resumed.stderr  # no deprecated SDK calls
+
+
+@pytest.mark.parametrize("sdk", ["mint", "tinker"])
+def test_an_openai_sdk_agent_trains_on_either_generation(
+    agent_server: LocalServer, sdk: str, tmp_path: Path
+) -> None:
+    """The shipped openai agent (examples/openai_calculator_agent.py) trains through the
+    capturing endpoint with the engine on each SDK generation: every episode is the
+    agent's calls as turns, each prompt built on the tokens sampled before it."""
+    python_of(sdk)
+    run_dir = tmp_path / "run"
+    done = engine_run(
+        sdk,
+        agent_server,
+        *("--task", "examples.openai_calculator_agent:task", "--max-tokens", "96"),
+        *("--steps", "2", "--episode-timeout", "300", "--run-dir", str(run_dir)),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads((run_dir / "config.json").read_text())["session"]["sdk"] == sdk
+    assert steps_of(run_dir) == [1, 2]
+    logged = [json.loads(line) for line in (run_dir / ROLLOUTS_FILE).read_text().splitlines()]
+    episodes = [e for row in logged for e in row["episodes"]]
+    assert episodes and all(e["outcome"] in ("done", "parse_error") for e in episodes)
+    assert all(not turn["new_context"] for e in episodes for turn in e["turns"][1:])
+    assert any(turn.get("logs", {}).get("tool_calls") for e in episodes for turn in e["turns"])
 
 
 @pytest.mark.parametrize("sdk", ["mint", "tinker"])

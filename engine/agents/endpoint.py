@@ -25,7 +25,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import anyio
@@ -73,11 +73,14 @@ class EndpointLimits:
 
 @dataclass
 class Endpoint:
-    """A running endpoint: ``base_url`` (ends in ``/v1``) and its in-flight count."""
+    """A running endpoint: ``base_url`` (ends in ``/v1``), its in-flight count and its
+    ASGI ``app`` (what an in-process client calls without a socket: the same routes,
+    checks and limits)."""
 
     base_url: str
     in_flight: int = 0
     stopping: bool = False
+    app: Starlette = field(init=False, repr=False)
 
     def episode_url(self, episode: str) -> str:
         """The base URL that names ``episode`` (what its agent is given)."""
@@ -151,9 +154,10 @@ async def serve_endpoint(
     bound_host, bound_port = sock.getsockname()[:2]
     url_host = f"[{bound_host}]" if ":" in bound_host else bound_host
     endpoint = Endpoint(f"http://{url_host}:{bound_port}/v1")
+    endpoint.app = build_app(backend, endpoint, limits)
     server = uvicorn.Server(
         uvicorn.Config(
-            build_app(backend, endpoint, limits),
+            endpoint.app,
             lifespan="off",
             log_config=None,
             access_log=False,

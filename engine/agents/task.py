@@ -39,7 +39,7 @@ from engine.envs import Env, EnvContext, Trajectory
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.tools import ToolCallParser
 from engine.errors import ConfigError, EngineError
-from engine.tasks import Problem, ProblemSource, RewardBreakdown
+from engine.tasks import Problem, ProblemSource, RewardBreakdown, TaskContext
 
 __all__ = ["AgentFunction", "AgentGroup", "AgentTask"]
 
@@ -84,6 +84,7 @@ class AgentTask:
         self.endpoint_limits = limits
         if local_model is not None:
             self.local_model = local_model
+        self._chat: tuple[TaskContext, ChatFormat] | None = None
 
     def source(self, seed: int, state: Mapping[str, Any] | None = None) -> ProblemSource:
         return self.problems.source(seed, state)  # type: ignore[no-any-return]
@@ -94,6 +95,12 @@ class AgentTask:
 
     def group_builder(self, problem: Problem, group_size: int, context: EnvContext) -> AgentGroup:
         return AgentGroup(self, problem, group_size, stop_at_eos(context))
+
+    def chat_format(self, task: TaskContext) -> ChatFormat:
+        """The chat format of ``task`` (built once per context: it renders a probe)."""
+        if self._chat is None or self._chat[0] is not task:
+            self._chat = (task, ChatFormat(task, self.parser))
+        return self._chat[1]
 
 
 class AgentGroup:
@@ -106,7 +113,7 @@ class AgentGroup:
         self._task = task
         self._problem = problem
         self._context = context
-        chat = ChatFormat(context.task, task.parser)
+        chat = task.chat_format(context.task)
         token = secrets.token_hex(4)
         self.episodes = [Episode(f"{token}-{i}", chat, context) for i in range(group_size)]
         self._secret = "sk-engine-" + secrets.token_hex(16)
@@ -119,6 +126,7 @@ class AgentGroup:
         return self._secret
 
     async def __aenter__(self) -> AgentGroup:
+        import httpx2
         import openai
 
         stack = self._stack
@@ -129,11 +137,12 @@ class AgentGroup:
             )
             self.endpoint = endpoint
             timeout = self._timeout()
-            # One connection pool for the group's clients. verify=False: the endpoint is
-            # plain HTTP on loopback, no certificate is ever checked, and loading the CA
-            # bundle for nothing cost ~75 ms per group.
+            # The group's clients call the endpoint's app in-process (the SDK's documented
+            # custom transport): no socket, no HTTP parsing on either side, a third less
+            # CPU per call (docs/agents.md). A failing handler is a 500, as from the server.
             http = openai.DefaultAsyncHttpxClient(
-                timeout=None if math.isinf(timeout) else timeout, verify=False
+                transport=httpx2.ASGITransport(endpoint.app, raise_app_exceptions=False),
+                timeout=None if math.isinf(timeout) else timeout,
             )
             stack.push_async_callback(_shielded, http.aclose)
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())

@@ -69,7 +69,7 @@ BAD_INPUT = [
     (
         ["--loss", "mse"],
         {},
-        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, gspo, got 'mse'",
+        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, gspo, stable_reinforce, got 'mse'",
     ),
     (
         ["--on-missing-logprobs", "zero"],

@@ -69,7 +69,8 @@ BAD_INPUT = [
     (
         ["--loss", "mse"],
         {},
-        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, gspo, stable_reinforce, got 'mse'",
+        "Error: --loss must be one of importance_sampling, ppo, cispo, dro, gspo, "
+        "stable_reinforce, got 'mse'",
     ),
     (
         ["--on-missing-logprobs", "zero"],

@@ -34,7 +34,18 @@ from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
 from engine.session.api import Session
 
-__all__ = ["RolloutStage"]
+__all__ = ["RolloutStage", "draw_step"]
+
+
+def draw_step(source: ProblemSource, batch: int) -> list[Problem] | None:
+    """The next step's ``batch`` problems from ``source`` (None: it ran out first)."""
+    problems: list[Problem] = []
+    for _ in range(batch):
+        problem = source.next()
+        if problem is None:
+            return None
+        problems.append(problem)
+    return problems
 
 
 class RolloutStage:
@@ -81,13 +92,10 @@ class RolloutStage:
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
             for step in range(self._state.next_step, cfg.steps):
-                problems: list[Problem] = []
-                for _ in range(cfg.batch):
-                    problem = self._source.next()
-                    if problem is None:
-                        self.exhausted = True
-                        return
-                    problems.append(problem)
+                problems = draw_step(self._source, cfg.batch)
+                if problems is None:
+                    self.exhausted = True
+                    return
                 await send.send(StepOpened(step, self._source.state()))
                 await self._versions.wait_for(step - cfg.max_steps_off_policy)  # admission
                 if self._sample_ahead is not None:

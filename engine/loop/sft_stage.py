@@ -26,6 +26,7 @@ from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
 from engine.loop.messages import RolledOut, StepOpened, steps_done
+from engine.loop.rollout_stage import draw_step
 from engine.tasks.conversations import render_conversation
 from engine.tasks.render import ChatMessage, PromptRenderer
 
@@ -107,13 +108,10 @@ class SftStage:
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
             for step in range(self._state.next_step, cfg.steps):
-                problems: list[Problem] = []
-                for _ in range(cfg.batch):
-                    problem = self._source.next()
-                    if problem is None:
-                        self.exhausted = True
-                        return
-                    problems.append(problem)
+                problems = draw_step(self._source, cfg.batch)
+                if problems is None:
+                    self.exhausted = True
+                    return
                 await send.send(StepOpened(step, self._source.state()))
                 for index, problem in enumerate(problems):
                     if (step, index) in pending:

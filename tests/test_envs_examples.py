@@ -10,6 +10,7 @@ import itertools
 import json
 import random
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -74,9 +75,10 @@ def test_the_tasks_run_on_the_packaged_agent_model_unless_one_is_given(tokenizer
         assert preferred_local_model(None, name) == AGENT_MODEL_DIR  # from the spec
         assert preferred_local_model(load_task(name), name) == AGENT_MODEL_DIR
         config, _ = prepare_run(EngineConfig(task=name, local=True), None)
-        assert config.session.local_model == AGENT_MODEL_DIR
+        # recorded by name, so a run dir names no path of this checkout:
+        assert config.session.local_model == Path("tiny-agent")
         given = EngineConfig(task=name, local=True, local_model=DEFAULT_MODEL_DIR)
-        assert prepare_run(given, None)[0].session.local_model == DEFAULT_MODEL_DIR
+        assert prepare_run(given, None)[0].session.local_model == Path("tiny-arith")
     arithmetic = EngineConfig(task="arithmetic", local=True)
     assert prepare_run(arithmetic, None)[0].session.local_model is None
     assert preferred_local_model(None, "no.such.module:Task") is None  # load_task says why

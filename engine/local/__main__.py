@@ -39,7 +39,7 @@ from engine.local.config import (
 )
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
-from engine.local.pretrained import PRETRAINED
+from engine.local.pretrained import PACKAGED, PRETRAINED
 
 GIL_SWITCH_INTERVAL_S = 0.001
 """The server's event loop shares the GIL with its compute and sampler threads, whose
@@ -112,8 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--model",
         default=None,
         metavar="DIR|NAME",
-        help="local Hugging Face causal-LM directory, or a packaged pretrained model: "
-        f"{', '.join(PRETRAINED)} (opt-in, see docs/local-server.md) (default {DEFAULT_MODEL_DIR})",
+        help="local Hugging Face causal-LM directory, or a packaged model by name: "
+        f"{', '.join(PACKAGED)}, or a pretrained one: {', '.join(PRETRAINED)} (opt-in, see "
+        f"docs/local-server.md) (default tiny-arith, {DEFAULT_MODEL_DIR})",
     )
     parser.add_argument(
         "--model-name",

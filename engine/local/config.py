@@ -14,12 +14,12 @@ from pathlib import Path
 
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
-from engine.local.pretrained import resolve_model
+from engine.local.pretrained import PACKAGED, resolve_model
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent / "default_model"
+DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
 """The small model packaged with the engine (created by ``scripts.make_model``)."""
 
-AGENT_MODEL_DIR = DEFAULT_MODEL_DIR.parent / "agent_model"
+AGENT_MODEL_DIR = PACKAGED["tiny-agent"]
 """The packaged model that also knows the shipped environments' formats (created by
 ``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
 

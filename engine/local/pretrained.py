@@ -81,9 +81,46 @@ def cache_root() -> Path:
     return Path(base) / "engine-local"
 
 
+PACKAGED_DIR = Path(__file__).resolve().parent
+PACKAGED = {
+    "tiny-arith": PACKAGED_DIR / "default_model",
+    "tiny-agent": PACKAGED_DIR / "agent_model",
+}
+"""The models packaged with the engine (made by ``scripts.make_model``), by the name a
+setting or a run dir's config.json gives them, so a run dir names no path of this
+checkout and resumes from another one."""
+
+
+def packaged_name(model: str | Path) -> str | None:
+    """The name of ``model`` when it is one of the :data:`PACKAGED` models (by name or by
+    its directory), else None."""
+    if str(model) in PACKAGED:
+        return str(model)
+    try:
+        resolved = Path(model).resolve()
+    except (OSError, RuntimeError):
+        return None
+    return next((name for name, path in PACKAGED.items() if path == resolved), None)
+
+
+def recorded_packaged_name(recorded: str) -> str | None:
+    """The packaged model a run dir's config.json names: by name, by this checkout's
+    directory, or (run dirs written before names were recorded) by the directory it had
+    in another checkout, ``.../engine/local/<dir>``, which does not exist here."""
+    if (name := packaged_name(recorded)) is not None:
+        return name
+    path = Path(recorded)
+    if path.exists() or path.parent.parts[-2:] != PACKAGED_DIR.parts[-2:]:
+        return None
+    return next((n for n, p in PACKAGED.items() if p.name == path.name), None)
+
+
 def resolve_model(model: str | Path | None) -> Path | None:
-    """A model directory: a pretrained model's name (see :data:`PRETRAINED`) becomes its
-    converted directory (converting it on first use); anything else stays as it is."""
+    """A model directory: a packaged model's name (:data:`PACKAGED`) becomes its directory,
+    a pretrained model's name (:data:`PRETRAINED`) its converted directory (converting it
+    on first use); anything else stays as it is."""
+    if model is not None and str(model) in PACKAGED:
+        return PACKAGED[str(model)]
     if model is not None and str(model) in PRETRAINED:
         return model_directory(str(model))
     return None if model is None else Path(model)

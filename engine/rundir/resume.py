@@ -122,6 +122,20 @@ def read_run_config(directory: Path) -> dict[str, Any]:
         raise ResumeError(f"cannot resume: {config_path} is not valid JSON ({exc})") from None
     if not isinstance(stored, dict):
         raise ResumeError(f"cannot resume: {config_path} does not hold a JSON object")
+    return _packaged_model_by_name(stored)
+
+
+def _packaged_model_by_name(stored: dict[str, Any]) -> dict[str, Any]:
+    """A run dir written before packaged models were recorded by name names one by its
+    directory (maybe of another checkout): read it as the name the engine records now."""
+    from engine.local.pretrained import recorded_packaged_name  # the standard library only
+
+    session = stored.get("session")
+    model = session.get("local_model") if isinstance(session, dict) else None
+    if isinstance(session, dict) and isinstance(model, str):
+        name = recorded_packaged_name(model)
+        if name is not None:
+            return {**stored, "session": {**session, "local_model": name}}
     return stored
 
 

@@ -16,7 +16,6 @@ from typing import Any
 import pytest
 
 from engine.core.state import GROUP_FORMAT, LoopState
-from engine.local.config import AGENT_MODEL_DIR
 from engine.rollouts import main as rollouts_main
 
 FIXTURES = Path(__file__).parent / "fixtures" / "rundir_v1"
@@ -78,10 +77,11 @@ def _resume_trains_the_pending_step_as_the_previous_main_did(
     run_dir = tmp_path / kind
     shutil.copytree(FIXTURES / kind, run_dir)
     # config.json names the served model by the path it had on the machine that wrote it
-    # (the packaged agent model for guess-sum): point it at this checkout's copy.
+    # (the packaged agent model of the time, engine-local/tiny-agent, kept beside the run:
+    # its checkpoints name that base model): point it at that copy.
     config = json.loads((run_dir / "config.json").read_text())
     if config["session"]["local_model"] is not None:
-        config["session"]["local_model"] = str(AGENT_MODEL_DIR)
+        config["session"]["local_model"] = str(run_dir / "agent_model")
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     proc = _run_cli("--resume", str(run_dir), "--steps", "3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

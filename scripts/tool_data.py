@@ -44,8 +44,10 @@ class ToolKind:
     result: Callable[..., Any]
 
 
-_PAIRS = (("a", "b"), ("x", "y"), ("m", "n"), ("first", "second"), ("left", "right"))
-_PAIRS += (("lhs", "rhs"), ("num1", "num2"), ("p", "q"), ("i", "j"), ("u", "v"))
+_PAIRS: tuple[tuple[str, ...], ...] = (
+    *(("a", "b"), ("x", "y"), ("m", "n"), ("first", "second"), ("left", "right")),
+    *(("lhs", "rhs"), ("num1", "num2"), ("p", "q"), ("i", "j"), ("u", "v")),
+)
 _ONES = (("n",), ("x",), ("a",), ("value",), ("number",), ("k",), ("num",))
 _WORDS = (("word",), ("text",), ("s",), ("string",), ("w",), ("name",))
 

@@ -17,10 +17,13 @@ addition rows, rendered with :data:`AGENT_CHAT_TEMPLATE`: the guessing
 game's later turns (a guess after ``Too high.``/``Too low.``) and the calculator's
 multiplication questions, answered through the ``multiply`` tool on only some of them
 (the model guesses the product itself on the rest), so RL has a behaviour to learn in
-each environment too.
+each environment too; and questions with a synthetic tool of random kind, name and
+parameter names (:mod:`scripts.tool_data`), each tool's schema listed by the template, so
+the model reads a tool from its schema and calls a user's own ``@tool`` now and then
+(measured on an unseen ``subtract`` tool, :data:`UNSEEN_TOOL`).
 
 Usage: ``python -m scripts.make_model [--out DIR] [--steps N] [--seed S] ...``;
-the agent model: ``python -m scripts.make_model --environments --out engine/local/agent_model``.
+the agent model as shipped: ``python -m scripts.make_model --environments --threads 2``.
 """
 
 from __future__ import annotations

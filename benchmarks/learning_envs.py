@@ -54,7 +54,8 @@ SPECS = {"openai-calculator": "examples.openai_calculator_agent:task"}
 SDK, trained through the capturing endpoint (docs/agents.md)."""
 MAX_TOKENS = 16
 CONTEXT = 256
-"""The agent model's context: episodes stop before it (``--env-max-tokens 256``)."""
+"""Episodes stop before it (``--env-max-tokens 256``): the first agent model's context
+(the rebuilt one has 512), kept so the figures compare across the two."""
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 
 

@@ -17,10 +17,13 @@ addition rows, rendered with :data:`AGENT_CHAT_TEMPLATE`: the guessing
 game's later turns (a guess after ``Too high.``/``Too low.``) and the calculator's
 multiplication questions, answered through the ``multiply`` tool on only some of them
 (the model guesses the product itself on the rest), so RL has a behaviour to learn in
-each environment too.
+each environment too; and questions with a synthetic tool of random kind, name and
+parameter names (:mod:`scripts.tool_data`), each tool's schema listed by the template, so
+the model reads a tool from its schema and calls a user's own ``@tool`` now and then
+(measured on an unseen ``subtract`` tool, :data:`UNSEEN_TOOL`).
 
 Usage: ``python -m scripts.make_model [--out DIR] [--steps N] [--seed S] ...``;
-the agent model: ``python -m scripts.make_model --environments --out engine/local/agent_model``.
+the agent model as shipped: ``python -m scripts.make_model --environments --threads 2``.
 """
 
 from __future__ import annotations
@@ -33,7 +36,7 @@ import random
 import re
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
@@ -46,10 +49,15 @@ from transformers.utils import logging as hf_logging
 
 from engine.envs import HermesToolCalls
 from engine.envs.examples import calculator, guess_sum
+from engine.envs.tools import Tool, tool_schema
 from engine.local.pretrained import METADATA_FILE
+from scripts.tool_data import call_text, make_tool, tool_transcript
 
 MODEL_NAME = "engine-local/tiny-arith"
-AGENT_MODEL_NAME = "engine-local/tiny-agent"
+AGENT_MODEL_NAME = "engine-local/tiny-agent-2"
+"""The packaged agent model's name: a checkpoint names its base model, and the server
+refuses one trained on another (the first agent model, without tool schemas, was
+``engine-local/tiny-agent``; tests/fixtures/rundir_v1 keeps it for the run trained on it)."""
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "engine" / "local" / "default_model"
 AGENT_OUT = DEFAULT_OUT.parent / "agent_model"
 """``--environments`` builds the packaged agent model here (tasks that name it use it)."""
@@ -80,7 +88,12 @@ CHAT_TEMPLATE = (
 (``Question: ...\nAnswer:``), so chat-message tasks run on the local server."""
 
 AGENT_CHAT_TEMPLATE = (
-    "{{ bos_token }}{% for message in messages %}"
+    "{{ bos_token }}{% for tool in tools or [] %}{% set f = tool['function'] %}"
+    "Tool: {\"name\": {{ f['name'] | tojson }}, \"arguments\": {{ '{' }}"
+    "{% for arg, spec in (f['parameters']['properties'] or {}).items() %}"
+    "{{ arg | tojson }}: {{ spec['type'] | default('any') | tojson }}"
+    "{% if not loop.last %}, {% endif %}{% endfor %}}} {{ f['description'] }}\n"
+    "{% endfor %}{% for message in messages %}"
     "{% if message['role'] == 'user' %}Question: {{ message['content'] }}\n"
     "{% elif message['role'] == 'assistant' %}Answer: {{ message['content'] }}"
     "{% for call in message['tool_calls'] or [] %}<tool_call>"
@@ -91,13 +104,16 @@ AGENT_CHAT_TEMPLATE = (
     "{% else %}{{ message['content'] }}\n{% endif %}"
     "{% endfor %}{% if add_generation_prompt %}Answer: {% endif %}"
 )
-"""The ``--environments`` model's template: chat messages in the format it was trained
-on (``Question: ...\n``,
-``Answer: ...</s>`` with tool calls in the Hermes format, a tool's result as
-``Result: ...\n``), so chat-message tasks and
-multi-turn environments run on the local server. The generation prompt ends with the
-space after ``Answer:``: a sampled reply is then exactly the assistant message's content,
-and re-rendering a conversation reproduces the sampled tokens."""
+"""The ``--environments`` model's template: the tools' schemas first, one line each
+(``Tool: {"name": "multiply", "arguments": {"a": "integer", "b": "integer"}} Multiply
+two integers.``: the call the parser reads, :class:`~engine.envs.HermesToolCalls`, with
+each argument's type in place of its value, then the description), then chat messages
+in the format it was trained on (``Question: ...\n``, ``Answer: ...</s>`` with tool calls
+in the Hermes format, a tool's result as ``Result: ...\n``), so chat-message tasks and
+multi-turn environments run on the local server, with their own tools. The generation
+prompt ends with the space after ``Answer:``: a sampled reply is then exactly the
+assistant message's content, and re-rendering a conversation reproduces the sampled
+tokens."""
 
 
 def prompt_text(a: int, b: int) -> str:
@@ -119,7 +135,9 @@ def _byte_to_char() -> dict[int, str]:
     return {b: chr(c) for b, c in zip(printable, chars, strict=True)}
 
 
-def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFast:
+def build_tokenizer(
+    chat_template: str = CHAT_TEMPLATE, max_length: int = 256
+) -> PreTrainedTokenizerFast:
     """One token per byte (ids 3..258) plus <pad>=0, <s>=1, </s>=2; encode prepends <s>.
 
     Digits being single tokens keeps arithmetic learnable by a tiny model, and a plain
@@ -140,7 +158,7 @@ def build_tokenizer(chat_template: str = CHAT_TEMPLATE) -> PreTrainedTokenizerFa
         bos_token=BOS,
         eos_token=EOS,
         pad_token=PAD,
-        model_max_length=256,
+        model_max_length=max_length,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = chat_template
@@ -154,6 +172,11 @@ class ModelShape:
     num_attention_heads: int = 4
     intermediate_size: int = 256
     max_position_embeddings: int = 256
+
+
+AGENT_SHAPE = ModelShape(max_position_embeddings=512)
+"""The agent model's: a context long enough for a tool's schema, a call, its result and
+the answer (rotary positions: no more parameters)."""
 
 
 def build_model(
@@ -237,19 +260,29 @@ def _arithmetic_row(tokenizer: PreTrainedTokenizerFast, rng: random.Random) -> R
 
 
 Messages = list[dict[str, Any]]
+Schemas = Sequence[dict[str, Any]]
+"""Tool schemas as the message layer passes them to the chat template."""
+MULTIPLY = calculator.multiply_tool()
 
 
-def chat_row(tokenizer: PreTrainedTokenizerFast, messages: Messages, trained: set[int]) -> Row:
-    """A conversation rendered by the model's chat template; the assistant messages at the
-    ``trained`` indices (their content and EOS) are scored, everything else is context."""
+def chat_row(
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Messages,
+    trained: set[int],
+    tools: Sequence[Tool] = (),
+) -> Row:
+    """A conversation rendered by the model's chat template (listing ``tools``' schemas,
+    as the message layer does); the assistant messages at the ``trained`` indices (their
+    content and EOS) are scored, everything else is context."""
+    schemas = [tool_schema(t) for t in tools]
     ids: list[int] = []
     labels: list[int] = []
     for i, message in enumerate(messages):
         if message["role"] == "assistant":
-            prompt = _render(tokenizer, messages[:i], generation_prompt=True)
+            prompt = _render(tokenizer, messages[:i], schemas, generation_prompt=True)
             labels += [-100] * (len(prompt) - len(ids))
             ids = prompt
-        full = _render(tokenizer, messages[: i + 1], generation_prompt=False)
+        full = _render(tokenizer, messages[: i + 1], schemas, generation_prompt=False)
         if full[: len(ids)] != ids:
             raise RuntimeError("the chat template does not render conversations prefix-stably")
         new = full[len(ids) :]
@@ -259,10 +292,17 @@ def chat_row(tokenizer: PreTrainedTokenizerFast, messages: Messages, trained: se
 
 
 def _render(
-    tokenizer: PreTrainedTokenizerFast, messages: Messages, *, generation_prompt: bool
+    tokenizer: PreTrainedTokenizerFast,
+    messages: Messages,
+    tools: Schemas = (),
+    *,
+    generation_prompt: bool,
 ) -> list[int]:
     text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=generation_prompt
+        messages,
+        tools=list(tools) or None,
+        tokenize=False,
+        add_generation_prompt=generation_prompt,
     )
     return list(tokenizer.encode(str(text), add_special_tokens=False))
 
@@ -297,9 +337,11 @@ def guess_transcript(rng: random.Random) -> tuple[Messages, set[int]]:
     return messages, trained
 
 
-def calculator_transcript(rng: random.Random, tool_share: float) -> tuple[Messages, set[int]]:
+def calculator_transcript(
+    rng: random.Random, tool_share: float
+) -> tuple[Messages, set[int], list[Tool]]:
     """A multiplication question answered through the tool (share ``tool_share``) or
-    directly with the product."""
+    directly with the product, with the tool's schema listed as the environment does."""
     a, b = rng.randint(10, 99), rng.randint(10, 99)
     product = str(a * b)
     messages = [{"role": "user", "content": calculator.question(a, b)}]
@@ -310,21 +352,21 @@ def calculator_transcript(rng: random.Random, tool_share: float) -> tuple[Messag
         ]
     messages.append({"role": "assistant", "content": product})
     trained = {i for i, m in enumerate(messages) if m["role"] == "assistant"}
-    return messages, trained
+    return messages, trained, [MULTIPLY]
 
 
 def _row(
     tokenizer: PreTrainedTokenizerFast, rng: random.Random, cfg: EnvMix, *, formats_only: bool
 ) -> Row:
     kind = rng.random()
-    if formats_only:
-        if kind < 0.5:
-            return chat_row(tokenizer, *guess_transcript(rng))
-        return chat_row(tokenizer, *calculator_transcript(rng, cfg.tool_call_share))
+    if formats_only:  # the environments' shares, scaled to fill the batch
+        kind *= cfg.guess_share + cfg.tool_share + cfg.any_tool_share
     if kind < cfg.guess_share:
         return chat_row(tokenizer, *guess_transcript(rng))
     if kind < cfg.guess_share + cfg.tool_share:
         return chat_row(tokenizer, *calculator_transcript(rng, cfg.tool_call_share))
+    if kind < cfg.guess_share + cfg.tool_share + cfg.any_tool_share:
+        return chat_row(tokenizer, *tool_transcript(rng, cfg.tool_call_share))
     return _arithmetic_row(tokenizer, rng)
 
 
@@ -439,34 +481,78 @@ def generate_answers(
     return generate(model, tokenizer, prompts, **sampling)
 
 
-ENV_FORMAT_FLOORS = {"tool_call_rate": 0.1, "tool_answer_rate": 0.7, "hint_followed_rate": 0.7}
+ENV_FORMAT_FLOORS = {
+    "tool_call_rate": 0.1,
+    "tool_answer_rate": 0.7,
+    "hint_followed_rate": 0.7,
+    "unseen_tool_call_rate": 0.05,
+}
 """What the shipped environments need of the model, measured by :func:`env_format_stats`:
-some tool calls to reinforce, results read back, and hints followed."""
+some tool calls to reinforce, results read back, hints followed, and some calls of a tool
+it has never seen (a user's own, read from its schema)."""
+
+UNSEEN_TOOL = make_tool("subtract", "Subtract b from a.", ("a", "b"), int, lambda a, b: a - b)
+"""The unseen tool the build measures: what a user's ``@tool def subtract(a: int, b: int)``
+with the docstring ``Subtract b from a.`` makes (the synthetic conversations never name a
+tool ``subtract``)."""
+
+
+def _call_rate(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    asks: list[tuple[str, dict[str, int]]],
+    tools: Schemas,
+    seed: int,
+) -> float:
+    """How often a question (temperature 0.8, 4 samples each) gets exactly the expected
+    call (the tool's name, the question's values as its arguments)."""
+    prompts = [
+        _render(tokenizer, [{"role": "user", "content": q}], tools, generation_prompt=True)
+        for q, _ in asks
+    ]
+    calls = generate(
+        model,
+        tokenizer,
+        prompts,
+        temperature=0.8,
+        num_samples=4,
+        seed=seed,
+        max_new_tokens=calculator.MAX_REPLY_TOKENS,
+    )
+    name = tools[0]["function"]["name"]
+    hits = sum(
+        t.strip() == call_text(name, arguments)
+        for ts, (_, arguments) in zip(calls, asks, strict=True)
+        for t in ts
+    )
+    return hits / (4 * len(asks))
 
 
 def env_format_stats(
     model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, seed: int, n: int = 64
 ) -> dict[str, float]:
     """One turn of each shipped environment, on fresh problems: how often a multiplication
-    question gets a well-formed ``multiply`` call with the right arguments (temperature
-    0.8, 4 samples each), how often the tool's result is answered exactly (greedy), and
-    how often a guess after a hint moves the way the hint says (greedy)."""
+    question gets a well-formed ``multiply`` call with the right arguments, and a
+    subtraction question one of the unseen ``subtract`` tool (:data:`UNSEEN_TOOL`)
+    (temperature 0.8, 4 samples each), how often the tool's result is answered exactly
+    (greedy), and how often a guess after a hint moves the way the hint says (greedy)."""
     rng = random.Random(seed)
     pairs = [(rng.randint(10, 99), rng.randint(10, 99)) for _ in range(n)]
+    multiply = [tool_schema(MULTIPLY)]
     ask = [[{"role": "user", "content": calculator.question(a, b)}] for a, b in pairs]
-    calls = generate(
+    tool_calls = _call_rate(
         model,
         tokenizer,
-        [_render(tokenizer, m, generation_prompt=True) for m in ask],
-        temperature=0.8,
-        num_samples=4,
-        seed=seed,
-        max_new_tokens=96,
+        [(calculator.question(a, b), {"a": a, "b": b}) for a, b in pairs],
+        multiply,
+        seed,
     )
-    well_formed = sum(
-        t.strip() == calculator.tool_call_text(a, b)
-        for ts, (a, b) in zip(calls, pairs, strict=True)
-        for t in ts
+    unseen_calls = _call_rate(
+        model,
+        tokenizer,
+        [(f"What is {a} - {b}?", {"a": a, "b": b}) for a, b in pairs],
+        [tool_schema(UNSEEN_TOOL)],
+        seed,
     )
     answered = [
         [
@@ -477,7 +563,9 @@ def env_format_stats(
         for m, (a, b) in zip(ask, pairs, strict=True)
     ]
     finals = generate(
-        model, tokenizer, [_render(tokenizer, m, generation_prompt=True) for m in answered]
+        model,
+        tokenizer,
+        [_render(tokenizer, m, multiply, generation_prompt=True) for m in answered],
     )
     exact = sum(parse_int(ts[0]) == a * b for ts, (a, b) in zip(finals, pairs, strict=True))
     hinted: list[Messages] = []
@@ -502,9 +590,10 @@ def env_format_stats(
         new = parse_int(ts[0])
         followed += new is not None and (new - guess) * (target - guess) > 0
     return {
-        "tool_call_rate": well_formed / (4 * n),
+        "tool_call_rate": tool_calls,
         "tool_answer_rate": exact / n,
         "hint_followed_rate": followed / n,
+        "unseen_tool_call_rate": unseen_calls,
     }
 
 
@@ -559,9 +648,10 @@ class EnvMix:
     """``--environments``: a first phase on environment transcripts alone, then these
     shares of the addition SFT's rows."""
 
-    guess_share: float = 0.25  # second-phase rows that are guessing-game transcripts
-    tool_share: float = 0.25  # second-phase rows that are multiplication questions
-    tool_call_share: float = 0.3  # of those, answered through the tool
+    guess_share: float = 0.2  # second-phase rows that are guessing-game transcripts
+    tool_share: float = 0.2  # second-phase rows that are multiplication questions
+    any_tool_share: float = 0.3  # second-phase rows of a synthetic tool (scripts.tool_data)
+    tool_call_share: float = 0.4  # of the tool rows, answered through the tool
     max_format_steps: int = 1500  # first phase: environment rows until their formats hold
 
 
@@ -740,12 +830,16 @@ until their formats are learned, then mostly `Question: What is A + B?\\nAnswer:
 the target. A share of the second
 phase's rows are transcripts of the shipped environments (`engine.envs.examples`) in the
 chat template's format: later turns of the guessing game
-({meta["sft"]["guess_share"]:.0%} of rows) and multiplication questions
-({meta["sft"]["tool_share"]:.0%} of rows), {meta["sft"]["tool_call_share"]:.0%} of them
-answered through the `multiply` tool.
+({meta["sft"]["guess_share"]:.0%} of rows), multiplication questions
+({meta["sft"]["tool_share"]:.0%} of rows) with the `multiply` tool, and questions with a
+synthetic tool of random kind, name and parameter names ({meta["sft"]["any_tool_share"]:.0%}
+of rows, `scripts/tool_data.py`: arithmetic, comparisons, word tools), each tool's schema
+listed by the chat template; {meta["sft"]["tool_call_share"]:.0%} of the tool questions are
+answered through the tool, the rest directly.
 
-Measured on one turn of each environment: well-formed tool calls
-{env["tool_call_rate"]:.1%} (temperature 0.8), tool results answered exactly
+Measured on one turn of each environment: well-formed `multiply` calls
+{env["tool_call_rate"]:.1%} and calls of a `subtract(a, b)` tool it never saw in training
+{env["unseen_tool_call_rate"]:.1%} (temperature 0.8), tool results answered exactly
 {env["tool_answer_rate"]:.1%}, guesses that follow a hint {env["hint_followed_rate"]:.1%}
 (greedy). Its addition alone does not improve under RL (the default model's does)."""
         rl = "RL settings (those of the default model)"
@@ -813,6 +907,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--guess-share", type=float, default=None, help="SFT rows of the guessing game")
     p.add_argument("--tool-share", type=float, default=None, help="SFT rows of the calculator")
     p.add_argument(
+        "--any-tool-share",
+        type=float,
+        default=None,
+        help="SFT rows of a synthetic tool of random kind and name (scripts.tool_data)",
+    )
+    p.add_argument(
         "--tool-call-share",
         type=float,
         default=None,
@@ -834,7 +934,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     args = p.parse_args(argv)
     mix = {"guess_share": "--guess-share", "tool_share": "--tool-share"}
-    mix |= {"tool_call_share": "--tool-call-share", "max_format_steps": "--format-steps"}
+    mix |= {"any_tool_share": "--any-tool-share", "tool_call_share": "--tool-call-share"}
+    mix |= {"max_format_steps": "--format-steps"}
     given = [flag for field, flag in mix.items() if getattr(args, field) is not None]
     if given and not args.environments:
         p.error(f"{', '.join(given)} need --environments")
@@ -847,11 +948,12 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
             "--steps, --format-steps, --batch-size, --eval-every, --fine-eval-every, --threads "
             "must be >= 1"
         )
-    shares = (args.guess_share, args.tool_share, args.tool_call_share)
-    if min(shares) < 0 or max(shares) > 1 or args.guess_share + args.tool_share >= 1:
+    shares = (args.guess_share, args.tool_share, args.any_tool_share, args.tool_call_share)
+    rows = args.guess_share + args.tool_share + args.any_tool_share
+    if min(shares) < 0 or max(shares) > 1 or rows >= 1:
         p.error(
-            "--guess-share, --tool-share, --tool-call-share must lie in [0, 1], "
-            "leaving a share of arithmetic rows"
+            "--guess-share, --tool-share, --any-tool-share, --tool-call-share must lie in "
+            "[0, 1], leaving a share of arithmetic rows"
         )
     if not 0.2 <= args.target_rate <= 0.6:
         p.error("--target-rate must lie in [0.2, 0.6]")
@@ -876,14 +978,16 @@ def main(argv: list[str] | None = None) -> None:
         environments=EnvMix(
             guess_share=args.guess_share,
             tool_share=args.tool_share,
+            any_tool_share=args.any_tool_share,
             tool_call_share=args.tool_call_share,
             max_format_steps=args.max_format_steps,
         )
         if args.environments
         else None,
     )
-    shape = ModelShape()
-    tokenizer = build_tokenizer(AGENT_CHAT_TEMPLATE if args.environments else CHAT_TEMPLATE)
+    shape = AGENT_SHAPE if args.environments else ModelShape()
+    template = AGENT_CHAT_TEMPLATE if args.environments else CHAT_TEMPLATE
+    tokenizer = build_tokenizer(template, shape.max_position_embeddings)
     model = build_model(tokenizer, shape, args.seed)
     n_params = sum(p.numel() for p in model.parameters())
     _log(

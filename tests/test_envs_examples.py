@@ -26,7 +26,7 @@ from engine.export import base_model_source
 from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.render import TaskContext
-from scripts import make_model
+from scripts import make_model, tool_data
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +76,7 @@ def test_the_tasks_run_on_the_packaged_agent_model_unless_one_is_given(tokenizer
         assert preferred_local_model(load_task(name), name) == AGENT_MODEL_DIR
         config, _ = prepare_run(EngineConfig(task=name, local=True), None)
         # recorded by name, so a run dir names no path of this checkout:
-        assert config.session.local_model == Path("tiny-agent")
+        assert config.session.local_model == Path("tiny-agent-2")
         given = EngineConfig(task=name, local=True, local_model=DEFAULT_MODEL_DIR)
         assert prepare_run(given, None)[0].session.local_model == Path("tiny-arith")
     arithmetic = EngineConfig(task="arithmetic", local=True)
@@ -175,33 +175,41 @@ def test_tasks_are_env_tasks_with_held_out_problems_never_drawn() -> None:
         assert not any(source.next().question in held_out for _ in range(500))
 
 
-@pytest.mark.parametrize("kind", ["guess", "calculator"])
+@pytest.mark.parametrize("kind", ["guess", "calculator", "any tool"])
 def test_the_models_training_transcripts_are_what_the_environments_render(
     tokenizer: Any, kind: str
 ) -> None:
-    """The SFT rows of scripts/make_model.py, replayed through the environments: the
-    conversation the model was trained on is token for token the one it will see."""
+    """The SFT rows of scripts/make_model.py, replayed through the environments (a
+    synthetic tool's through a calculator-like environment with that tool): the
+    conversation the model was trained on, tool schemas included, is token for token the
+    one it will see."""
     rng = random.Random(5)
     for _ in range(20):
+        tools: list[Any] = []
         if kind == "guess":
             messages, _ = make_model.guess_transcript(rng)
             a, b = (int(x) for x in messages[0]["content"][8:-1].split(" + "))
             env = ChatEnv(guess_sum.GuessSumEnv(problem(a, b, "+")), context(tokenizer))
         else:
-            messages, _ = make_model.calculator_transcript(rng, 0.5)
-            a, b = (int(x) for x in messages[0]["content"][8:-1].split(" * "))
-            task = calculator.CalculatorTask()
-            env = ChatEnv(
-                calculator.CalculatorEnv(problem(a, b, "*")), context(tokenizer), tools=[task.tool]
-            )
+            if kind == "calculator":
+                messages, _, tools = make_model.calculator_transcript(rng, 0.5)
+            else:
+                messages, _, tools = tool_data.tool_transcript(rng, 0.5)
+            asked = Problem(0, messages[0]["content"], messages[-1]["content"])
+            env = ChatEnv(calculator.CalculatorEnv(asked), context(tokenizer), tools=tools)
         replies = [
-            calculator.tool_call_text(a, b) if m.get("tool_calls") else m["content"]
+            tool_data.call_text(
+                m["tool_calls"][0]["function"]["name"], m["tool_calls"][0]["function"]["arguments"]
+            )
+            if m.get("tool_calls")
+            else m["content"]
             for m in messages
             if m["role"] == "assistant"
         ]
         results = anyio.run(play, tokenizer, env, replies)
         assert results[-1].done
-        ids, _ = make_model.chat_row(tokenizer, messages, set())
+        assert kind == "guess" or results[-1].reward == 1.0  # the answer is the tool's result
+        ids, _ = make_model.chat_row(tokenizer, messages, set(), tools)
         assert list(env._observe().tokens)[: len(ids)] == ids
 
 

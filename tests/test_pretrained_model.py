@@ -74,7 +74,7 @@ def test_the_engine_accepts_a_pretrained_model_name_as_its_local_model() -> None
     config = config_from_sources({"local_model": "smollm2-135m"}, {})
     assert config.uses_local_server and str(config.session.local_model) == "smollm2-135m"
     with pytest.raises(
-        ConfigError, match="existing directory or one of tiny-arith, tiny-agent, smollm2-135m"
+        ConfigError, match="existing directory or one of tiny-arith, tiny-agent-2, smollm2-135m"
     ):
         config_from_sources({"local_model": "no-such-model"}, {})
 
@@ -85,12 +85,12 @@ def test_a_packaged_model_is_recorded_by_name_so_a_run_dir_resumes_in_another_ch
     from engine.config import config_from_sources
     from engine.rundir.resume import read_run_config
 
-    agent_dir = pretrained.PACKAGED["tiny-agent"]
-    for given in ("tiny-agent", str(agent_dir)):
+    agent_dir = pretrained.PACKAGED["tiny-agent-2"]
+    for given in ("tiny-agent-2", str(agent_dir)):
         config = config_from_sources({"local_model": given}, {})
-        assert config.session.local_model == Path("tiny-agent")
-        assert config.public_dict()["session"]["local_model"] == "tiny-agent"
-    assert pretrained.resolve_model("tiny-agent") == agent_dir
+        assert config.session.local_model == Path("tiny-agent-2")
+        assert config.public_dict()["session"]["local_model"] == "tiny-agent-2"
+    assert pretrained.resolve_model("tiny-agent-2") == agent_dir
     assert make_config("tiny-arith").model_dir == pretrained.PACKAGED["tiny-arith"]
     # a user's own model directory stays a path
     assert config_from_sources({"local_model": str(tmp_path)}, {}).session.local_model == tmp_path
@@ -99,7 +99,7 @@ def test_a_packaged_model_is_recorded_by_name_so_a_run_dir_resumes_in_another_ch
         run_dir = tmp_path / "run"
         run_dir.mkdir(exist_ok=True)
         (run_dir / "config.json").write_text(json.dumps({"session": {"local_model": recorded}}))
-        assert read_run_config(run_dir)["session"]["local_model"] == "tiny-agent"
+        assert read_run_config(run_dir)["session"]["local_model"] == "tiny-agent-2"
     assert pretrained.recorded_packaged_name("/another/checkout/models/agent_model") is None
 
 

@@ -76,11 +76,12 @@ def _resume_trains_the_pending_step_as_the_previous_main_did(
 ) -> None:
     run_dir = tmp_path / kind
     shutil.copytree(FIXTURES / kind, run_dir)
-    # config.json names the served model (the packaged agent model for guess-sum) by the
-    # path it had in the checkout that wrote it: it resumes here as that packaged model.
+    # config.json names the served model by the path it had on the machine that wrote it
+    # (the packaged agent model of the time, engine-local/tiny-agent, kept beside the run:
+    # its checkpoints name that base model): point it at that copy.
     config = json.loads((run_dir / "config.json").read_text())
     if config["session"]["local_model"] is not None:
-        config["session"]["local_model"] = "/another/checkout/engine/local/agent_model"
+        config["session"]["local_model"] = str(run_dir / "agent_model")
         (run_dir / "config.json").write_text(json.dumps(config, indent=2))
     proc = _run_cli("--resume", str(run_dir), "--steps", "3", cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr

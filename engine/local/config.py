@@ -19,7 +19,7 @@ from engine.local.pretrained import PACKAGED, resolve_model
 DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
 """The small model packaged with the engine (created by ``scripts.make_model``)."""
 
-AGENT_MODEL_DIR = PACKAGED["tiny-agent"]
+AGENT_MODEL_DIR = PACKAGED["tiny-agent-2"]
 """The packaged model that also knows the shipped environments' formats (created by
 ``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
 

@@ -175,10 +175,12 @@ def step_metrics(
     staleness: int,
     episodic: bool,
     snapshot_retries: int,
+    distill: bool = False,
 ) -> dict[str, Any]:
     """The metrics.jsonl event of step ``done`` (1-based) of ``steps``. ``sampling`` is
     the sampling meter's (busy seconds, samples, tokens) over the step; ``episodic``
-    adds the environment metrics (an environment task's steps)."""
+    adds the environment metrics (an environment task's steps), ``distill`` the
+    teacher's (``--objective distill``)."""
     kl = kl_sample_train(assembled.datums, result.logprobs)
     step_time = max(timing.train_end - timing.last_end, 1e-9)
     sampling_busy, samples, tokens = sampling
@@ -229,7 +231,7 @@ def step_metrics(
         "retries/sample": sum(g.retries for g in groups),
         "retries/save_sampler": snapshot_retries,
     }
-    if any(g.teacher_finished for g in groups):
+    if distill:
         metrics.update(distill_metrics(groups, step_time))
     if episodic:
         metrics.update(episode_metrics([t for g in groups for t in g.trajectories]))

@@ -24,12 +24,14 @@ from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError, EngineError
 from engine.loop.results import StepResult
 from engine.loop.teacher import tokenizer_mismatch
-from engine.rundir.checkpoints import teacher_weights
+from engine.rundir.teacher import teacher_weights
 
 pytestmark = pytest.mark.anyio
 
 
-def turn(obs: tuple[int, ...], action: tuple[int, ...], student: float, teacher: list[float]) -> Turn:
+def turn(
+    obs: tuple[int, ...], action: tuple[int, ...], student: float, teacher: list[float]
+) -> Turn:
     return Turn(obs, action, (student,) * len(action), 0, "stop", teacher_logprobs=tuple(teacher))
 
 

@@ -36,14 +36,13 @@ import anyio
 import structlog
 
 from engine.common.files import fsync_dir
-from engine.errors import ConfigError, ResumeError, RunFileError
+from engine.errors import ResumeError, RunFileError
 
 __all__ = [
     "CHECKPOINTS_FILE",
     "CheckpointLog",
     "CheckpointReason",
     "CheckpointRecord",
-    "teacher_weights",
 ]
 
 CHECKPOINTS_FILE = "checkpoints.jsonl"
@@ -181,18 +180,3 @@ class CheckpointLog:
         for record in self._records():
             last = record
         return last
-
-
-def teacher_weights(source: str) -> str:
-    """What ``--teacher source`` opens: a run directory's latest sampler weights, or
-    ``source`` itself (``tinker://`` sampler weights, or a base model's name)."""
-    if not Path(source).is_dir():
-        return source
-    latest = CheckpointLog(source).latest()
-    if latest is None or latest.sampler_path is None:
-        raise ConfigError(
-            f"--teacher {source} is a directory without a checkpoint that has sampler "
-            f"weights ({CHECKPOINTS_FILE}); give a run directory that saved one, or a "
-            "tinker://.../sampler_weights/ path"
-        )
-    return latest.sampler_path

@@ -56,10 +56,12 @@ from engine.loop.teacher import Teacher, open_teacher
 from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.observe.report import finished_run_report
-from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord, teacher_weights
+from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
+from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
 from engine.rundir.rollouts import RolloutLog
+from engine.rundir.teacher import teacher_weights
 from engine.session.api import PendingCheckpoint, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
@@ -300,7 +302,8 @@ class Supervisor:
         source = self._config.distillation.teacher
         if source is None:
             return None
-        weights = teacher_weights(source)
+        local = self._run_record.path / LOCAL_SERVER_DIR
+        weights = teacher_weights(source, local if self._config.uses_local_server else None)
         teacher = await open_teacher(self._session, source, weights)
         self._log.info("teacher", f"Teacher: {weights} (the student's tokenizer)")
         return teacher

@@ -21,7 +21,7 @@ import anyio
 
 from engine.common.clock import Stopwatch
 from engine.core.trajectory import Trajectory, Turn
-from engine.errors import ConfigError, EngineError
+from engine.errors import ConfigError, EngineError, PermanentServiceError
 from engine.session.api import SamplerHandle, Session
 
 __all__ = ["Teacher", "TeacherScores", "open_teacher", "tokenizer_mismatch"]
@@ -103,6 +103,12 @@ async def open_teacher(session: Session, source: str, sampler_path: str) -> Teac
     it resolved to), refused with a ConfigError unless it has the student's tokenizer."""
     try:
         sampler, tokenizer = await session.open_teacher(sampler_path)
+    except PermanentServiceError as exc:  # refused: no such weights or model
+        raise ConfigError(
+            f"--teacher {source}: the server cannot open it ({exc}); a teacher is saved "
+            "sampler weights, a run directory or a base model the server serves, with the "
+            "student's tokenizer"
+        ) from None
     except (OSError, ValueError) as exc:  # the SDK could not load the teacher's tokenizer
         raise ConfigError(
             f"--teacher {source}: its tokenizer could not be loaded to compare with the "

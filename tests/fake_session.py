@@ -58,6 +58,10 @@ class FakeSession:
     """A 1-based step whose results fail with an unknown outcome (once)."""
     fail_checkpoint: int | None = None
     """A step count whose reserved checkpoint fails to save (once)."""
+    teacher_tokenizer: object | None = None
+    """What :meth:`open_teacher` gives as the teacher's tokenizer (None: the student's)."""
+    teacher_fails_after: int | None = None
+    """Teacher prompt-logprobs requests that succeed before every later one fails."""
     _submitted_optims: int = 0
     _holds: dict[int, anyio.Event] = field(default_factory=dict)
     _checkpoint_holds: dict[int, anyio.Event] = field(default_factory=dict)
@@ -100,6 +104,13 @@ class FakeSession:
     ) -> list[float | None]:
         """-1 / (1 + version) per token: a later snapshot scores every token higher."""
         await anyio.lowlevel.checkpoint()
+        if sampler.client == "teacher":
+            if self.teacher_fails_after is not None:
+                if self.teacher_fails_after == 0:
+                    raise RuntimeError("the fake teacher is gone")
+                self.teacher_fails_after -= 1
+            self.log.append(("teacher_logprobs", len(tokens)))
+            return [None, *[-1.0] * (len(tokens) - 1)]
         self.log.append(("prompt_logprobs", sampler.version))
         return [None, *[-1.0 / (1 + sampler.version)] * (len(tokens) - 1)]
 
@@ -175,6 +186,13 @@ class FakeSession:
         await anyio.lowlevel.checkpoint()
         self.log.append(("base_sampler", 0))
         return SamplerHandle(0, 0)
+
+    async def open_teacher(self, source: str) -> tuple[SamplerHandle, object]:
+        """A teacher whose prompt logprobs are -1 per token (a version-0 sampler)."""
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("teacher", 0))
+        tokenizer = self.teacher_tokenizer or self.tokenizer
+        return SamplerHandle(0, "teacher"), tokenizer
 
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None

@@ -60,6 +60,7 @@ from engine.errors import ConfigError
 __all__ = [
     "GROUPS",
     "CheckpointSettings",
+    "DistillationSettings",
     "EnvironmentSettings",
     "EvaluationSettings",
     "LoggingSettings",
@@ -234,7 +235,8 @@ class TrainingSettings(_Group):
     objective: Objective = Field(
         "rl",
         description="rl: train on rewards; sft: supervised fine-tuning on the assistant turns of "
-        "a jsonl task's conversations (the cross_entropy loss; --loss is not used; docs/sft.md)",
+        "a jsonl task's conversations (the cross_entropy loss; --loss is not used; docs/sft.md); "
+        "distill: on-policy distillation from --teacher (docs/distillation.md)",
     )
     loss: LossName = Field(
         "ppo",
@@ -270,6 +272,28 @@ class TrainingSettings(_Group):
         if self.loss == "dro":
             return {"beta": self.dro_beta}
         return None
+
+
+class DistillationSettings(_Group):
+    """On-policy distillation (``--objective distill``): the teacher and how its signal
+    is weighed (docs/distillation.md)."""
+
+    teacher: Annotated[str | None, Setting(check=non_empty, unset="none")] = Field(
+        None,
+        description="the teacher: saved sampler weights (tinker://.../sampler_weights/NAME), a "
+        "run directory (its latest checkpoint) or a base model name; it must have the "
+        "student's tokenizer",
+    )
+    distill_coef: Annotated[float, _rule(finite_positive)] = Field(
+        1.0,
+        description="per-token advantage = this x (teacher logprob - student logprob) of each "
+        "sampled token (the reverse-KL signal)",
+    )
+    distill_reward_weight: Annotated[float, _rule(finite_non_negative)] = Field(
+        0.0,
+        description="weight of the task's group-relative reward advantage added to every "
+        "token's distillation advantage (0: the teacher alone)",
+    )
 
 
 class PipelineSettings(_Group):
@@ -530,6 +554,7 @@ GROUPS: Final[Mapping[str, type[_Group]]] = {
     "model": ModelSettings,
     "sampling": SamplingSettings,
     "training": TrainingSettings,
+    "distillation": DistillationSettings,
     "pipeline": PipelineSettings,
     "scoring": ScoringSettings,
     "environment": EnvironmentSettings,

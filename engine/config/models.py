@@ -52,6 +52,7 @@ __all__ = [
     "SDKS",
     "TINKER_ONLY_LOSSES",
     "CheckpointSettings",
+    "DistillationSettings",
     "EngineConfig",
     "EnvironmentSettings",
     "EvaluationSettings",
@@ -76,6 +77,7 @@ __all__ = [
 from engine.config.groups import (
     GROUPS,
     CheckpointSettings,
+    DistillationSettings,
     EnvironmentSettings,
     EvaluationSettings,
     LoggingSettings,
@@ -166,6 +168,7 @@ class EngineConfig(BaseModel):
     model: ModelSettings = ModelSettings()
     sampling: SamplingSettings = SamplingSettings()
     training: TrainingSettings = TrainingSettings()
+    distillation: DistillationSettings = DistillationSettings()
     pipeline: PipelineSettings = PipelineSettings()
     scoring: ScoringSettings = ScoringSettings()
     environment: EnvironmentSettings = EnvironmentSettings()
@@ -192,6 +195,11 @@ class EngineConfig(BaseModel):
         session, checkpoints = self.session, self.checkpoints
         if self.model.init_from_optimizer and self.model.init_from is None:
             raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
+        if (self.training.objective == "distill") != (self.distillation.teacher is not None):
+            raise ConfigError(
+                "--objective distill needs --teacher (a tinker:// sampler path, a run "
+                "directory or a base model name), and --teacher needs --objective distill"
+            )
         run_dir = self.logging.run_dir
         if checkpoints.resume is not None and run_dir is not None and run_dir != checkpoints.resume:
             raise ConfigError(

@@ -11,6 +11,10 @@ gives the quickstart's datum position for position (``model_input = full[:-1]``,
 ``target_tokens = full[1:]``). A turn without sampler logprobs is never given zeros
 (that corrupts the importance ratio): it is an error, or a counted drop. Masked
 trajectories yield no datum and stay out of the baseline.
+
+On-policy distillation (:class:`DistillSignal`) gives each action token its own
+advantage: ``coef * (teacher logprob - sampler logprob)`` of that token (the reverse-KL
+signal), plus ``reward_weight`` x the trajectory's group-relative advantage.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ __all__ = [
     "ADVANTAGE_EPSILON",
     "Completion",
     "Datum",
+    "DistillSignal",
     "GroupDatums",
     "KLStats",
     "MissingLogprobsError",
@@ -35,6 +40,7 @@ __all__ = [
     "group_advantages",
     "group_datums",
     "kl_sample_train",
+    "reverse_kl",
     "supervised_datums",
     "trajectory_datums",
     "with_loss_inputs",
@@ -92,6 +98,45 @@ class GroupDatums:
         return all(abs(a) < ADVANTAGE_EPSILON for a in self.advantages)
 
 
+@dataclass(frozen=True)
+class DistillSignal:
+    """How a teacher's logprobs become per-token advantages (``--objective distill``)."""
+
+    coef: float = 1.0
+    reward_weight: float = 0.0
+
+    def advantages(self, turn: Turn, advantage: float) -> list[float]:
+        """Each action token's advantage; ``advantage``: the group-relative one."""
+        if turn.teacher_logprobs is None or len(turn.teacher_logprobs) != len(turn.action):
+            raise EngineError(
+                f"internal error: a turn of {len(turn.action)} tokens reached training "
+                "without the teacher's logprob of each"
+            )
+        base = self.reward_weight * advantage
+        return [
+            base + self.coef * (teacher - student)
+            for teacher, student in zip(turn.teacher_logprobs, _logprobs(turn), strict=True)
+        ]
+
+
+def reverse_kl(trajectories: Sequence[Trajectory]) -> tuple[float, float, int]:
+    """(sum of sampler - teacher logprob, sum of teacher logprob, tokens) over the action
+    tokens that have teacher logprobs: their mean is the per-token reverse-KL estimate
+    ``KL(student || teacher)`` on the student's own samples, and the teacher's mean
+    logprob of them."""
+    kl = teacher = 0.0
+    tokens = 0
+    for trajectory in trajectories:
+        for turn in trajectory.turns:
+            if turn.teacher_logprobs is None or turn.logprobs is None:
+                continue
+            for t, s in zip(turn.teacher_logprobs, turn.logprobs, strict=True):
+                kl += s - t
+                teacher += t
+                tokens += 1
+    return kl, teacher, tokens
+
+
 def group_advantages(rewards: Sequence[float]) -> list[float]:
     """``reward - mean(rewards)`` for each response (the quickstart's baseline)."""
     if not rewards:
@@ -109,24 +154,32 @@ def with_loss_inputs(datum: Datum, loss: str) -> Datum:
     return Datum(datum.model_input, inputs)
 
 
-def trajectory_datums(trajectory: Trajectory, advantage: float) -> list[Datum]:
-    """The datums of one trajectory (one per run of turns sharing a prefix)."""
+def trajectory_datums(
+    trajectory: Trajectory, advantage: float, distill: DistillSignal | None = None
+) -> list[Datum]:
+    """The datums of one trajectory (one per run of turns sharing a prefix); with
+    ``distill`` each action token's advantage is its own (:class:`DistillSignal`)."""
     datums: list[Datum] = []
     tokens: list[int] = []
     trained: list[float] = []  # per token: 1.0 for an action token
     logprobs: list[float] = []
+    advantages: list[float] = []
     for turn in trajectory.turns:
         if not _extends(turn.observation, tokens):
-            datums.extend(_datum(tokens, trained, logprobs, advantage))
-            tokens, trained, logprobs = [], [], []
+            datums.extend(_datum(tokens, trained, logprobs, advantages))
+            tokens, trained, logprobs, advantages = [], [], [], []
         added = len(turn.observation) - len(tokens)
         tokens.extend(turn.observation[len(tokens) :])
-        trained.extend([0.0] * added)
-        logprobs.extend([0.0] * added)
+        for column in (trained, logprobs, advantages):
+            column.extend([0.0] * added)
         tokens.extend(turn.action)
         trained.extend([1.0] * len(turn.action))
         logprobs.extend(_logprobs(turn))
-    datums.extend(_datum(tokens, trained, logprobs, advantage))
+        if distill is None:
+            advantages.extend([advantage] * len(turn.action))
+        else:
+            advantages.extend(distill.advantages(turn, advantage))
+    datums.extend(_datum(tokens, trained, logprobs, advantages))
     return datums
 
 
@@ -142,10 +195,14 @@ def supervised_datums(trajectory: Trajectory) -> list[Datum]:
 
 
 def group_datums(
-    trajectories: Sequence[Trajectory], *, on_missing_logprobs: OnMissingLogprobs = "error"
+    trajectories: Sequence[Trajectory],
+    *,
+    on_missing_logprobs: OnMissingLogprobs = "error",
+    distill: DistillSignal | None = None,
 ) -> GroupDatums:
     """Advantages and datums of one group of trajectories (``advantages`` in
-    trajectory order, 0 for a masked one)."""
+    trajectory order, 0 for a masked one). With ``distill`` a trajectory of zero
+    group-relative advantage is trained too (its tokens' teacher signal)."""
     kept = [i for i, t in enumerate(trajectories) if not t.masked]
     baseline = group_advantages([trajectories[i].total_reward for i in kept])
     advantages = [0.0] * len(trajectories)
@@ -168,10 +225,10 @@ def group_datums(
                 )
             dropped += 1
             continue
-        if abs(advantage) < ADVANTAGE_EPSILON:
+        if distill is None and abs(advantage) < ADVANTAGE_EPSILON:
             zero += 1
             continue
-        datums.extend(trajectory_datums(trajectory, advantage))
+        datums.extend(trajectory_datums(trajectory, advantage, distill))
     masked = len(trajectories) - len(kept)
     return GroupDatums(datums, advantages, empty, zero, dropped, masked)
 
@@ -190,7 +247,10 @@ def _logprobs(turn: Turn) -> Sequence[float]:
 
 
 def _datum(
-    tokens: Sequence[int], trained: Sequence[float], logprobs: Sequence[float], advantage: float
+    tokens: Sequence[int],
+    trained: Sequence[float],
+    logprobs: Sequence[float],
+    advantages: Sequence[float],
 ) -> list[Datum]:
     """The quickstart's layout over a mask: position ``i`` predicts token ``i + 1``."""
     if len(tokens) < 2 or not any(trained[1:]):
@@ -204,7 +264,7 @@ def _datum(
                 "target_tokens": full[1:],
                 "weights": weights,
                 "logprobs": np.asarray(logprobs[1:], dtype=np.float32),
-                "advantages": weights * np.float32(advantage),
+                "advantages": weights * np.asarray(advantages[1:], dtype=np.float32),
             },
         )
     ]

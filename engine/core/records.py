@@ -24,6 +24,11 @@ def trajectory_to_dict(trajectory: Trajectory) -> dict[str, Any]:
                 "reward": t.reward,
                 "metrics": dict(t.metrics),
                 "logs": dict(t.logs),
+                **(
+                    {}
+                    if t.teacher_logprobs is None
+                    else {"teacher_logprobs": list(t.teacher_logprobs)}
+                ),
             }
             for t in trajectory.turns
         ],
@@ -46,12 +51,13 @@ def trajectory_from_dict(data: Mapping[str, Any]) -> Trajectory:
             Turn(
                 observation=tuple(int(x) for x in t["observation"]),
                 action=tuple(int(x) for x in t["action"]),
-                logprobs=None if t["logprobs"] is None else tuple(float(x) for x in t["logprobs"]),
+                logprobs=_floats(t["logprobs"]),
                 version=int(t["version"]),
                 stop_reason=str(t["stop_reason"]),
                 reward=float(t["reward"]),
                 metrics={str(k): float(v) for k, v in t["metrics"].items()},
                 logs=dict(t["logs"]),
+                teacher_logprobs=_floats(t.get("teacher_logprobs")),
             )
             for t in data["turns"]
         ),
@@ -62,6 +68,10 @@ def trajectory_from_dict(data: Mapping[str, Any]) -> Trajectory:
         elapsed=float(data["elapsed"]),
         error=data.get("error"),
     )
+
+
+def _floats(values: Sequence[float] | None) -> tuple[float, ...] | None:
+    return None if values is None else tuple(float(x) for x in values)
 
 
 def episode_record(

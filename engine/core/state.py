@@ -49,6 +49,10 @@ class ScoredGroup:
     """Set when the prompt cannot fit the model's context with ``--max-tokens`` of
     response: the group was not sampled; like a reward error, it is part of its step but
     yields no datums."""
+    teacher_started: float = 0.0
+    teacher_finished: float = 0.0
+    """When the teacher was asked for the group's logprobs and answered
+    (``--objective distill``; metrics only, like the other clock values)."""
 
     @property
     def trainable(self) -> bool:

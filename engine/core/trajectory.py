@@ -82,7 +82,8 @@ class Turn:
 
     ``observation`` is the exact prompt sampled from, ``action``/``logprobs`` the exact
     sampled tokens and the sampler's logprob of each (None when the server sent none),
-    ``version`` the sampler version that produced it."""
+    ``version`` the sampler version that produced it; ``teacher_logprobs`` the teacher's
+    logprob of each action token (``--objective distill``; None otherwise)."""
 
     observation: tuple[int, ...]
     action: tuple[int, ...]
@@ -92,6 +93,7 @@ class Turn:
     reward: float = 0.0
     metrics: Mapping[str, float] = field(default_factory=dict)
     logs: Mapping[str, Any] = field(default_factory=dict)
+    teacher_logprobs: tuple[float, ...] | None = None
 
 
 @dataclass(frozen=True)

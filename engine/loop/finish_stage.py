@@ -174,6 +174,7 @@ class FinishStage:
                 staleness=staleness,
                 episodic=self._episodic,
                 snapshot_retries=snapshot_retries,
+                distill=self._config.training.objective == "distill",
             )
             line = quickstart_line(done, metrics)
         return StepResult(

@@ -36,6 +36,7 @@ from engine.loop.sft_stage import ConversationPlan, SftStage
 from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
 from engine.loop.submit_stage import SubmitStage, checkpoint_name
+from engine.loop.teacher import Teacher
 from engine.session.api import SamplerHandle, Session
 
 __all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
@@ -52,7 +53,8 @@ class Pipeline:
     """One run of the loop from ``state`` to ``config.pipeline.steps``, on the groups
     ``plan`` builds (a :class:`ConversationPlan`: supervised fine-tuning, the SFT stage
     in place of the rollout stage). ``before_training`` is awaited once, right before
-    the first call that trains."""
+    the first call that trains; ``teacher`` scores every rolled-out group
+    (``--objective distill``)."""
 
     def __init__(
         self,
@@ -70,6 +72,7 @@ class Pipeline:
         evaluate: Evaluator | SupervisedEvaluator | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,
         before_training: Callable[[], Awaitable[None]] | None = None,
+        teacher: Teacher | None = None,
     ) -> None:
         self._config = config
         self._plan = plan
@@ -93,6 +96,7 @@ class Pipeline:
                 clock=clock,
                 progress=progress,
                 on_reward_error=on_reward_error,
+                teacher=teacher,
             )
         self._finish = FinishStage(
             config,

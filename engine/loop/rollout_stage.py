@@ -5,7 +5,9 @@ It draws each step's problems from the seeded source and announces the step
 version must be at least ``step - K`` -- and starts every group of the step, each one
 task that runs the group's episodes and rewards (:class:`~engine.envs.rollout.EpisodeRunner`).
 Every turn samples from the newest sampler (at most ``--concurrency`` requests in flight)
-and records its version; a group's version is that of its oldest turn.
+and records its version; a group's version is that of its oldest turn. With a teacher
+(``--objective distill``) each group's action tokens get the teacher's logprobs before
+the group is sent on (:mod:`~engine.loop.teacher`).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from engine.loop.messages import RolledOut, StepOpened, steps_done
 from engine.loop.policy import PolicyVersions, Watermark
 from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
+from engine.loop.teacher import Teacher, TeacherScores
 from engine.session.api import Session
 
 __all__ = ["RolloutStage", "draw_step"]
@@ -69,8 +72,10 @@ class RolloutStage:
         clock: Stopwatch,
         progress: Callable[[str], None],
         on_reward_error: Callable[[RewardError], None],
+        teacher: Teacher | None = None,
     ) -> None:
         self._config = config
+        self._teacher = teacher
         self._plan = plan
         self._session = session
         self._source = source
@@ -127,9 +132,14 @@ class RolloutStage:
                 sample = functools.partial(self._sample_turn, step, index)
                 runner = EpisodeRunner(sample, self._plan.limits, clock=self._clock)
                 rollout = await runner.run_group(builder, problem)
+                scores = None
+                if self._teacher is not None and rollout.error is None:
+                    scores = await self._teacher.score(
+                        rollout.trajectories, self._slots, self._clock
+                    )
             except Exception as exc:
-                # Sampling retries are spent (or the breaker is open): stop after the
-                # steps in flight instead of cancelling them half-way.
+                # Sampling (or teacher) retries are spent, or the breaker is open: stop
+                # after the steps in flight instead of cancelling them half-way.
                 self._gate.request(exc)
                 return
             if rollout.error is not None:
@@ -140,7 +150,7 @@ class RolloutStage:
                     self._gate.request(rollout.error)
                     await anyio.sleep_forever()
             self._progress(f"step {steps_done(step)} group {index} rolled out")
-            await send.send(_scored(step, index, problem, admitted, rollout))
+            await send.send(_scored(step, index, problem, admitted, rollout, scores))
 
     async def _sample_turn(
         self,
@@ -180,9 +190,14 @@ class RolloutStage:
 
 
 def _scored(
-    step: int, index: int, problem: Problem, admitted: int, rollout: GroupRollout
+    step: int,
+    index: int,
+    problem: Problem,
+    admitted: int,
+    rollout: GroupRollout,
+    scores: TeacherScores | None,
 ) -> ScoredGroup:
-    trajectories = rollout.trajectories
+    trajectories = rollout.trajectories if scores is None else scores.trajectories
     return ScoredGroup(
         step=step,
         index=index,
@@ -195,4 +210,6 @@ def _scored(
         score_finished=rollout.rewards_finished,
         retries=rollout.retries,
         reward_error=None if rollout.error is None else str(rollout.error),
+        teacher_started=0.0 if scores is None else scores.started,
+        teacher_finished=0.0 if scores is None else scores.finished,
     )

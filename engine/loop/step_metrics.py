@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from engine.common.clock import Stopwatch
-from engine.core.datums import Datum, kl_sample_train
+from engine.core.datums import Datum, kl_sample_train, reverse_kl
 from engine.core.state import ScoredGroup
 from engine.envs.metrics import episode_metrics
 from engine.session.api import TrainResult
@@ -27,6 +27,7 @@ __all__ = [
     "ActivityMeter",
     "Assembled",
     "StepTiming",
+    "distill_metrics",
     "quickstart_line",
     "response_metrics",
     "reward_metrics",
@@ -156,6 +157,8 @@ def quickstart_line(step: int, metrics: Mapping[str, Any]) -> str:
     if "format_rate" in metrics:
         parts.append(f"format_rate={metrics['format_rate']:.1%}")
     parts.append(f"datums={metrics['datums']}")
+    if metrics.get("distill/reverse_kl") is not None:
+        parts.append(f"reverse_kl={metrics['distill/reverse_kl']:.4f}")
     return f"Step {step}: " + ", ".join(parts)
 
 
@@ -172,10 +175,12 @@ def step_metrics(
     staleness: int,
     episodic: bool,
     snapshot_retries: int,
+    distill: bool = False,
 ) -> dict[str, Any]:
     """The metrics.jsonl event of step ``done`` (1-based) of ``steps``. ``sampling`` is
     the sampling meter's (busy seconds, samples, tokens) over the step; ``episodic``
-    adds the environment metrics (an environment task's steps)."""
+    adds the environment metrics (an environment task's steps), ``distill`` the
+    teacher's (``--objective distill``)."""
     kl = kl_sample_train(assembled.datums, result.logprobs)
     step_time = max(timing.train_end - timing.last_end, 1e-9)
     sampling_busy, samples, tokens = sampling
@@ -226,10 +231,31 @@ def step_metrics(
         "retries/sample": sum(g.retries for g in groups),
         "retries/save_sampler": snapshot_retries,
     }
+    if distill:
+        metrics.update(distill_metrics(groups, step_time))
     if episodic:
         metrics.update(episode_metrics([t for g in groups for t in g.trajectories]))
         metrics["skipped/masked_episodes"] = assembled.masked
     return metrics
+
+
+def distill_metrics(groups: Sequence[ScoredGroup], step_time: float) -> dict[str, Any]:
+    """On-policy distillation's signals over a step's sampled tokens:
+    ``distill/reverse_kl`` (mean sampler - teacher logprob: the per-token reverse KL to
+    the teacher), ``distill/teacher_logprob`` (the teacher's mean logprob of them),
+    ``distill/teacher_s`` (wall time with a teacher request of the step's groups in
+    flight) and ``distill/teacher_frac`` (that time over the step's)."""
+    trained = [t for g in groups if g.trainable for t in g.trajectories if not t.masked]
+    kl, teacher, tokens = reverse_kl(trained)
+    asked = [(g.teacher_started, g.teacher_finished) for g in groups if g.teacher_finished]
+    teacher_s = _union_length(asked)
+    return {
+        "distill/reverse_kl": kl / tokens if tokens else None,
+        "distill/teacher_logprob": teacher / tokens if tokens else None,
+        "distill/tokens": tokens,
+        "distill/teacher_s": teacher_s,
+        "distill/teacher_frac": _ratio(teacher_s / step_time),
+    }
 
 
 def supervised_step_metrics(

@@ -22,7 +22,13 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
-from engine.core.datums import Datum, GroupDatums, group_datums, supervised_datums
+from engine.core.datums import (
+    Datum,
+    DistillSignal,
+    GroupDatums,
+    group_datums,
+    supervised_datums,
+)
 from engine.core.state import LoopState, ScoredGroup
 from engine.loop.messages import RolledOut, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
@@ -90,6 +96,12 @@ class SubmitStage:
             LossSpec("cross_entropy")
             if self._supervised
             else LossSpec(config.training.loss, config.training.loss_fn_config())
+        )
+        distill = config.distillation
+        self._distill = (
+            DistillSignal(distill.distill_coef, distill.distill_reward_weight)
+            if config.training.objective == "distill"
+            else None
         )
         self._session = session
         self._state = state
@@ -231,12 +243,15 @@ class SubmitStage:
         return True
 
     def _datums(self, group: ScoredGroup) -> GroupDatums:
-        """The group's datums: RL's (advantages), or a conversation's (``cross_entropy``)."""
+        """The group's datums: RL's (advantages; per token with a teacher), or a
+        conversation's (``cross_entropy``)."""
         if not group.trainable:
             return GroupDatums([], [0.0] * len(group.trajectories), 0, 0, 0)
         if self._supervised:
             datums = [d for t in group.trajectories for d in supervised_datums(t)]
             return GroupDatums(datums, [0.0] * len(group.trajectories), 0, 0, 0)
         return group_datums(
-            group.trajectories, on_missing_logprobs=self._config.training.on_missing_logprobs
+            group.trajectories,
+            on_missing_logprobs=self._config.training.on_missing_logprobs,
+            distill=self._distill,
         )

@@ -44,6 +44,7 @@ from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retri
 from engine.session.sdk_calls import (
     LoraSpec,
     import_tokenizer_library,
+    sampler_tokenizer,
     sdk_sampling_retry_config,
     settled,
     to_sdk_datum,
@@ -251,23 +252,27 @@ class SdkSession:
     async def open_sampler(self, version: int, sampler_path: str) -> SamplerHandle:
         """A sampling client on saved sampler weights (a checkpoint's, or a finished
         snapshot's), as policy ``version``; retried."""
-        client = await self._call(
-            OpKind.SAMPLER_SNAPSHOT,
-            f"open sampler {sampler_path}",
-            lambda: self._sdk_sampling_client(sampler_path),
-        )
-        return SamplerHandle(version, client)
+        return SamplerHandle(version, await self._sampling_client(sampler_path, None))
 
     async def open_base_sampler(self) -> SamplerHandle:
         """A sampling client on the base model, as version 0 (a fresh LoRA's weights:
         its update starts at zero); retried."""
-        base = self.info.base_model
-        client = await self._call(
+        return SamplerHandle(0, await self._sampling_client(None, self.info.base_model))
+
+    async def open_teacher(self, source: str) -> tuple[SamplerHandle, Any]:
+        """A sampling client on ``source`` (tinker:// sampler weights, or a base model's
+        name) and its tokenizer; retried."""
+        path = source if source.startswith("tinker://") else None
+        client = await self._sampling_client(path, None if path else source)
+        tokenizer = await sampler_tokenizer(client, self.info.base_model, self.tokenizer)
+        return SamplerHandle(0, client), tokenizer
+
+    async def _sampling_client(self, path: str | None, base_model: str | None) -> Any:
+        return await self._call(
             OpKind.SAMPLER_SNAPSHOT,
-            f"open sampler {base}",
-            lambda: self._sdk_sampling_client(None, base),
+            f"open sampler {path or base_model}",
+            lambda: self._sdk_sampling_client(path, base_model),
         )
-        return SamplerHandle(0, client)
 
     def _sampling_retry_config(self) -> RetryConfig:
         return sdk_sampling_retry_config(self.guard.policy(OpKind.SAMPLE))

@@ -224,6 +224,12 @@ class Session(Protocol):
         update starts at zero), without a server round to save them first."""
         ...
 
+    async def open_teacher(self, source: str) -> tuple[SamplerHandle, Any]:
+        """A sampling client on ``source`` (``tinker://`` sampler weights, or a base
+        model's name) for ``--objective distill``, and its tokenizer (the student's
+        tokenizer itself when the teacher has the student's base model)."""
+        ...
+
     async def save_checkpoint(
         self, state_name: str, sampler_name: str, *, once_within: float | None = None
     ) -> tuple[str, str]:

@@ -1,6 +1,7 @@
 """Small pieces of SDK plumbing both adapters use: engine datums as SDK datums, sampler
 snapshot names, awaiting an SDK future without cancelling its call, the sampling
-clients' retry config, and importing the tokenizer library off the event loop."""
+clients' retry config, importing the tokenizer library off the event loop, and a
+sampler's tokenizer."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from engine.session.retry import RetryPolicy
 __all__ = [
     "LoraSpec",
     "import_tokenizer_library",
+    "sampler_tokenizer",
     "sdk_sampling_retry_config",
     "settled",
     "snapshot_name",
@@ -46,6 +48,15 @@ async def import_tokenizer_library() -> None:
             import transformers.models.auto.tokenization_auto  # noqa: F401
 
     await anyio.to_thread.run_sync(load, abandon_on_cancel=True)
+
+
+async def sampler_tokenizer(client: Any, base_model: str, tokenizer: Any) -> Any:
+    """The tokenizer of a sampling client's base model: ``tokenizer`` (the student's)
+    when that is ``base_model``, else the SDK's own, loaded in a worker thread."""
+    base = await anyio.to_thread.run_sync(client.get_base_model, abandon_on_cancel=True)
+    if base == base_model:
+        return tokenizer
+    return await anyio.to_thread.run_sync(client.get_tokenizer, abandon_on_cancel=True)
 
 
 def to_sdk_datum(datum: Datum) -> types.Datum:

@@ -52,13 +52,16 @@ from engine.loop.results import RunResult, StepResult
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan
 from engine.loop.stopping import StopGate
+from engine.loop.teacher import Teacher, open_teacher
 from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.observe.report import finished_run_report
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
+from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
 from engine.rundir.rollouts import RolloutLog
+from engine.rundir.teacher import teacher_weights
 from engine.session.api import PendingCheckpoint, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
@@ -246,6 +249,7 @@ class Supervisor:
         self.state = state
         baseline = self._outputs.evaluator if resumed is None else None
         fresh = resumed is None and cfg.model.init_from is None  # a new LoRA: its base's weights
+        teacher = await self._open_teacher()
         while True:
             before_training: Callable[[], Awaitable[None]] | None = None
             if checkpoint is None and fresh:
@@ -281,6 +285,7 @@ class Supervisor:
                 evaluate=self._outputs.evaluator,
                 on_reward_error=self._reward_failed,
                 before_training=before_training,
+                teacher=teacher,
             )
             try:
                 return await pipeline.run()
@@ -291,6 +296,17 @@ class Supervisor:
             self._initial = None  # the abandoned client's, if still unsaved
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
+
+    async def _open_teacher(self) -> Teacher | None:
+        """``--teacher``'s sampler (``--objective distill``), checked once per run."""
+        source = self._config.distillation.teacher
+        if source is None:
+            return None
+        local = self._run_record.path / LOCAL_SERVER_DIR
+        weights = teacher_weights(source, local if self._config.uses_local_server else None)
+        teacher = await open_teacher(self._session, source, weights)
+        self._log.info("teacher", f"Teacher: {weights} (the student's tokenizer)")
+        return teacher
 
     async def _reserve_step_0_checkpoint(self, state: LoopState) -> None:
         pending = await self._session.submit_checkpoint(0, checkpoint_name(0))

@@ -1,0 +1,38 @@
+"""Where ``--teacher`` points (``--objective distill``, docs/distillation.md): a run
+directory stands for its latest checkpoint's sampler weights. On the local server a
+run's weights live in that run's own ``local-server/`` directory, so a teacher run's
+weights are copied into the student's server directory before they are opened."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from engine.errors import ConfigError
+from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog
+from engine.rundir.directory import LOCAL_SERVER_DIR
+
+__all__ = ["teacher_weights"]
+
+
+def teacher_weights(source: str, local_server: Path | None = None) -> str:
+    """What ``--teacher source`` opens: a run directory's latest sampler weights (with
+    ``local_server``, the student's local server directory: copied there from the
+    teacher run's), or ``source`` itself (``tinker://`` sampler weights, a base model)."""
+    run_dir = Path(source)
+    if not run_dir.is_dir():
+        return source
+    latest = CheckpointLog(run_dir).latest()
+    if latest is None or latest.sampler_path is None:
+        raise ConfigError(
+            f"--teacher {source} is a directory without a checkpoint that has sampler "
+            f"weights ({CHECKPOINTS_FILE}); give a run directory that saved one, or a "
+            "tinker://.../sampler_weights/ path"
+        )
+    path = latest.sampler_path
+    saved = run_dir / LOCAL_SERVER_DIR / path.removeprefix("tinker://")
+    if local_server is not None and saved.is_dir():
+        copy = local_server / path.removeprefix("tinker://")
+        if not copy.exists():
+            shutil.copytree(saved, copy)
+    return path

@@ -190,6 +190,11 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
+        if self.scoring.overlong_buffer > self.sampling.max_tokens:
+            raise ConfigError(
+                f"--overlong-buffer {self.scoring.overlong_buffer} must not exceed "
+                f"--max-tokens {self.sampling.max_tokens}"
+            )
         if self.model.init_from_optimizer and self.model.init_from is None:
             raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
         run_dir = self.logging.run_dir

@@ -174,6 +174,8 @@ class FinishStage:
                 staleness=staleness,
                 episodic=self._episodic,
                 snapshot_retries=snapshot_retries,
+                batch=self._config.pipeline.batch,
+                reserves=self._config.pipeline.refill_groups,
             )
             line = quickstart_line(done, metrics)
         return StepResult(

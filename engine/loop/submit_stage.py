@@ -24,7 +24,7 @@ from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.datums import Datum, GroupDatums, group_datums, supervised_datums
 from engine.core.state import LoopState, ScoredGroup
-from engine.loop.messages import RolledOut, StepOpened, SubmittedStep, steps_done
+from engine.loop.messages import RolledOut, StepClosed, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
 from engine.loop.step_metrics import Assembled
 from engine.loop.stopping import StopGate
@@ -117,6 +117,7 @@ class SubmitStage:
             )
             waiting.setdefault(g.step, {})[g.index] = restored
         source_after: dict[int, dict[str, Any]] = {}
+        sizes: dict[int, int] = {}  # step -> its number of groups, once final
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
         async with receive, send, filed, credits:
@@ -124,7 +125,8 @@ class SubmitStage:
                 assembly = _StepAssembly(step)
                 while True:
                     arrived = waiting.get(step, {})
-                    complete = len(arrived) == cfg.batch and step in source_after
+                    size = sizes.get(step)
+                    complete = len(arrived) == size and step in source_after
                     if not await self._submit_ready(assembly, arrived, credits, complete):
                         return  # the finisher has stopped
                     if complete:
@@ -135,13 +137,15 @@ class SubmitStage:
                         return  # the source ran out
                     if isinstance(message, StepOpened):
                         source_after[message.step] = message.source_after
+                    elif isinstance(message, StepClosed):
+                        sizes[message.step] = message.groups
                     else:
                         waiting.setdefault(message.step, {})[message.index] = message
                         await filed.send(message)
                         if message.step == step:
                             complete_at = self._clock()
                 arrived = waiting.pop(step)
-                groups = tuple(arrived[i] for i in range(cfg.batch))
+                groups = tuple(arrived[i] for i in range(sizes.pop(step)))
                 if not await self._open(assembly, credits):
                     return
                 done = steps_done(step)

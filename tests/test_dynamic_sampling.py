@@ -263,6 +263,11 @@ def test_an_overlong_buffer_above_max_tokens_is_a_config_error() -> None:
         config(overlong_buffer=20, max_tokens=16)
 
 
+def test_refill_with_supervised_fine_tuning_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="--refill-groups .* needs --objective rl"):
+        config(refill_groups=2, objective="sft")
+
+
 async def test_overlong_filtering_masks_cut_responses_and_refill_replaces_their_groups() -> None:
     # The fake sampler's responses all stop at "length": every one is overlong.
     results = await run(FakeSession(), TieTask(set()), steps=1, overlong_filter=True)

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks import refill
 from engine.core.problems import Problem, RewardBreakdown
 from engine.local import LocalServer
 from engine.rundir.rollouts import ROLLOUTS_FILE
@@ -52,3 +53,12 @@ def test_tied_groups_are_refilled_on_the_local_server(server: LocalServer, tmp_p
         assert len(result.groups) == 4 + m["refill/extra_groups"]
     records = [json.loads(line) for line in (run_dir / ROLLOUTS_FILE).read_text().splitlines()]
     assert {r["problem_id"] % 2 for r in records} == {0, 1}  # the tied groups are recorded too
+
+
+def test_the_refill_benchmark_runs_quick(tmp_path: Path) -> None:
+    out = tmp_path / "refill.json"
+    assert refill.main(["--quick", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [s["refill_groups"] for s in report["summary"]] == [0, 4]
+    assert all(r["steps"] == 2 and 0 <= r["exact_after"] <= 1 for r in report["runs"])
+    assert "| --refill-groups |" in out.with_suffix(".md").read_text()

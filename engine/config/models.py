@@ -190,6 +190,11 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
+        if self.training.objective == "sft" and self.pipeline.refill_groups:
+            raise ConfigError(
+                "--refill-groups samples reserves for groups whose rewards tie: it needs "
+                "--objective rl"
+            )
         if self.scoring.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(
                 f"--overlong-buffer {self.scoring.overlong_buffer} must not exceed "

@@ -1,7 +1,9 @@
 """The submitter: assembles each step from exactly its groups and submits its training.
 
-Step ``s`` is problem ``s * batch + i`` of the source for each ``i``, in problem order
-whatever versions sampled its groups and whatever order they finished in. Its
+Step ``s`` is problem ``s * (batch + R) + i`` of the source for each group ``i`` the
+rollout stage announced (:class:`~engine.loop.messages.StepClosed`: ``batch``, plus the
+reserves it sampled of the ``R = --refill-groups`` drawn), in problem order whatever
+versions sampled its groups and whatever order they finished in. Its
 forward_backward, optim_step and the snapshot of the weights after it (version
 ``s + 1``) are submitted back to back without awaiting anything: while step ``s``'s
 results are outstanding step ``s + 1`` is already submitted (``--submit-ahead`` steps

@@ -264,7 +264,7 @@ def test_an_overlong_buffer_above_max_tokens_is_a_config_error() -> None:
 
 
 def test_refill_with_supervised_fine_tuning_is_a_config_error() -> None:
-    with pytest.raises(ConfigError, match="--refill-groups .* needs --objective rl"):
+    with pytest.raises(ConfigError, match=r"--refill-groups .* needs --objective rl"):
         config(refill_groups=2, objective="sft")
 
 

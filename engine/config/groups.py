@@ -249,7 +249,7 @@ class TrainingSettings(_Group):
         False,
         description="overlong filtering (DAPO): leave a response cut at --max-tokens (no stop "
         "string or EOS) out of the loss and its group's baseline; an episode: any turn cut so, "
-        "or its context ran out (docs/losses.md#length-control)",
+        "or its context ran out (docs/losses.md)",
     )
 
     @model_validator(mode="after")
@@ -304,7 +304,7 @@ class PipelineSettings(_Group):
         description="dynamic sampling (DAPO): each step draws this many reserve problems and "
         "samples one for each of its groups that carries no signal (rewards all tie, a reward "
         "error, a prompt too long), until --batch groups carry one or the reserves run out "
-        "(0: off; the step trains on fewer groups; docs/losses.md#dynamic-sampling)",
+        "(0: off; the step trains on fewer groups; docs/losses.md)",
     )
     stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
         None, description="send forward_backward per M arriving groups (one optim_step per step)"
@@ -344,9 +344,8 @@ class ScoringSettings(_Group):
     overlong_buffer: Annotated[int, _rule(non_negative)] = Field(
         0,
         description="soft overlong penalty (DAPO): a response in the last N tokens of "
-        "--max-tokens gets a reward falling linearly from 0 to -(--overlong-penalty) at "
-        "--max-tokens (an episode: summed over its turns; 0: off; "
-        "docs/losses.md#length-control)",
+        "--max-tokens gets a reward falling linearly from 0 to -F at --max-tokens, F the "
+        "overlong penalty (an episode: summed over its turns; 0: off; docs/losses.md)",
     )
     overlong_penalty: Annotated[float, _rule(finite_non_negative)] = Field(
         1.0, description="with --overlong-buffer: the penalty of a response of --max-tokens tokens"

@@ -48,7 +48,7 @@ class TieTask(ToyProblems):
 class SeedRecordingSession(FakeSession):
     """A FakeSession that records the seed of every sample request."""
 
-    seeds: list[int | None] = dataclasses.field(default_factory=list)
+    seeds: list[int] = dataclasses.field(default_factory=list)
 
     async def sample(
         self,
@@ -57,6 +57,7 @@ class SeedRecordingSession(FakeSession):
         num_samples: int,
         settings: SamplingParams,
     ) -> SampleResult:
+        assert settings.seed is not None  # derived from --seed: every request has one
         self.seeds.append(settings.seed)
         return await super().sample(sampler, prompt_tokens, num_samples, settings)
 
@@ -205,7 +206,7 @@ async def test_reserves_are_seeded_by_their_step_and_index_and_runs_repeat() -> 
         for g in r.groups
     }
     assert set(first.seeds) == expected and len(first.seeds) == len(expected)
-    assert sorted(map(int, first.seeds)) == sorted(map(int, again.seeds))
+    assert sorted(first.seeds) == sorted(again.seeds)
     assert [_ids(r) for r in one] == [_ids(r) for r in two]
     assert [r.metrics["avg_reward"] for r in one] == [r.metrics["avg_reward"] for r in two]
 

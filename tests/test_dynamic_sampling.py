@@ -9,18 +9,22 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import anyio
 import pytest
 from fake_session import FakeSession
+from test_engine_fake_session import fake_config
+from test_engine_fake_session import run as run_engine
 from test_pipeline_stages import ToyProblems, config, plan
 
+from engine import Engine
 from engine.core.problems import Problem, RewardBreakdown
 from engine.core.seeds import ALL_EPISODES, sampling_seed
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
-from engine.errors import ConfigError
+from engine.errors import ConfigError, ResumeError
 from engine.loop.length_control import LengthControl, is_overlong, overlong_penalty
 from engine.loop.pipeline import Pipeline
 from engine.loop.refill import StepRefill
@@ -226,6 +230,31 @@ async def test_a_checkpoint_mid_refill_resumes_to_the_same_batch() -> None:
         assert one.metrics["datums"] == two.metrics["datums"]
         assert one.metrics["refill/extra_groups"] == two.metrics["refill/extra_groups"]
         assert one.advantages == two.advantages
+
+
+async def test_an_engine_stopped_and_resumed_trains_what_an_uninterrupted_run_trains(
+    tmp_path: Path,
+) -> None:
+    task = TieTask({0, 2, 9})
+    whole = await run_engine(fake_config(tmp_path / "whole", refill_groups=2), task, FakeSession())
+    cfg = fake_config(tmp_path / "run", refill_groups=2)
+    session = FakeSession()
+    first: list[StepResult] = []
+    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
+
+        async def stop_after_first(result: StepResult) -> None:
+            if result.step == 1:
+                engine.request_stop()
+
+        engine.add_step_hook(stop_after_first)
+        assert (await engine.run()).stopped
+    second = await run_engine(cfg.replace(resume=tmp_path / "run"), task, session)
+    assert [_ids(r) for r in first + second] == [_ids(r) for r in whole]
+    assert [r.metrics["refill/extra_groups"] for r in first + second] == [2, 0, 1, 0]
+    with pytest.raises(ResumeError, match=r"pipeline\.refill_groups is 2 in the run dir but 3"):
+        await run_engine(
+            cfg.replace(steps=5, refill_groups=3, resume=tmp_path / "run"), task, session
+        )
 
 
 # ------------------------------------------------------------------ length control

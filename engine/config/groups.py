@@ -256,6 +256,12 @@ class TrainingSettings(_Group):
         "error",
         description="a response without sampler logprobs: stop the run, or drop it and count it",
     )
+    overlong_filter: bool = Field(
+        False,
+        description="overlong filtering (DAPO): leave a response cut at --max-tokens (no stop "
+        "string or EOS) out of the loss and its group's baseline; an episode: any turn cut so, "
+        "or its context ran out (docs/losses.md)",
+    )
 
     @model_validator(mode="after")
     def _clip_order(self) -> TrainingSettings:
@@ -326,6 +332,13 @@ class PipelineSettings(_Group):
         "for training (auto: 0 for reward tasks, unbounded for environment tasks; raise it "
         "when scoring a step takes longer than a clock cycle)",
     )
+    refill_groups: Annotated[int, _rule(non_negative)] = Field(
+        0,
+        description="dynamic sampling (DAPO): each step draws this many reserve problems and "
+        "samples one for each of its groups that carries no signal (rewards all tie, a reward "
+        "error, a prompt too long), until --batch groups carry one or the reserves run out "
+        "(0: off; the step trains on fewer groups; docs/losses.md)",
+    )
     stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
         None, description="send forward_backward per M arriving groups (one optim_step per step)"
     )
@@ -359,6 +372,16 @@ class ScoringSettings(_Group):
         "fail",
         description="a reward function that raises: stop the run (fail), or drop that group "
         "from its step (a held-out problem from the eval/* metrics), count it and log it (skip)",
+    )
+
+    overlong_buffer: Annotated[int, _rule(non_negative)] = Field(
+        0,
+        description="soft overlong penalty (DAPO): a response in the last N tokens of "
+        "--max-tokens gets a reward falling linearly from 0 to -F at --max-tokens, F the "
+        "overlong penalty (an episode: summed over its turns; 0: off; docs/losses.md)",
+    )
+    overlong_penalty: Annotated[float, _rule(finite_non_negative)] = Field(
+        1.0, description="with --overlong-buffer: the penalty of a response of --max-tokens tokens"
     )
 
 

@@ -193,6 +193,16 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
+        if self.training.objective != "rl" and self.pipeline.refill_groups:
+            raise ConfigError(
+                "--refill-groups samples reserves for groups whose rewards tie: it needs "
+                f"--objective rl (not {self.training.objective})"
+            )
+        if self.scoring.overlong_buffer > self.sampling.max_tokens:
+            raise ConfigError(
+                f"--overlong-buffer {self.scoring.overlong_buffer} must not exceed "
+                f"--max-tokens {self.sampling.max_tokens}"
+            )
         if self.model.init_from_optimizer and self.model.init_from is None:
             raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
         if (self.training.objective == "distill") != (self.distillation.teacher is not None):

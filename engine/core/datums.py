@@ -37,11 +37,13 @@ __all__ = [
     "KLStats",
     "MissingLogprobsError",
     "OnMissingLogprobs",
+    "carries_signal",
     "group_advantages",
     "group_datums",
     "kl_sample_train",
     "reverse_kl",
     "supervised_datums",
+    "trajectory_advantages",
     "trajectory_datums",
     "with_loss_inputs",
 ]
@@ -95,7 +97,7 @@ class GroupDatums:
     @property
     def constant_reward(self) -> bool:
         """True when every response got the same reward (the group teaches nothing)."""
-        return all(abs(a) < ADVANTAGE_EPSILON for a in self.advantages)
+        return not carries_signal(self.advantages)
 
 
 @dataclass(frozen=True)
@@ -143,6 +145,23 @@ def group_advantages(rewards: Sequence[float]) -> list[float]:
         return []
     mean = sum(rewards) / len(rewards)
     return [r - mean for r in rewards]
+
+
+def trajectory_advantages(trajectories: Sequence[Trajectory]) -> list[float]:
+    """Each trajectory's advantage in trajectory order: its total reward minus the mean
+    over the unmasked ones (0 for a masked one)."""
+    kept = [i for i, t in enumerate(trajectories) if not t.masked]
+    baseline = group_advantages([trajectories[i].total_reward for i in kept])
+    advantages = [0.0] * len(trajectories)
+    for i, advantage in zip(kept, baseline, strict=True):
+        advantages[i] = advantage
+    return advantages
+
+
+def carries_signal(advantages: Sequence[float]) -> bool:
+    """Whether any advantage is large enough to train on (a group whose rewards all
+    tie, or whose trajectories are all masked, carries none)."""
+    return any(abs(a) >= ADVANTAGE_EPSILON for a in advantages)
 
 
 def with_loss_inputs(datum: Datum, loss: str) -> Datum:
@@ -203,11 +222,8 @@ def group_datums(
     """Advantages and datums of one group of trajectories (``advantages`` in
     trajectory order, 0 for a masked one). With ``distill`` a trajectory of zero
     group-relative advantage is trained too (its tokens' teacher signal)."""
+    advantages = trajectory_advantages(trajectories)
     kept = [i for i, t in enumerate(trajectories) if not t.masked]
-    baseline = group_advantages([trajectories[i].total_reward for i in kept])
-    advantages = [0.0] * len(trajectories)
-    for i, advantage in zip(kept, baseline, strict=True):
-        advantages[i] = advantage
     datums: list[Datum] = []
     empty = zero = dropped = 0
     for i in kept:

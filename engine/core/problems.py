@@ -25,7 +25,8 @@ __all__ = [
 @dataclass(frozen=True)
 class Problem:
     """One problem. ``id`` is its 0-based position in the seeded source (so problem ``i``
-    of step ``s`` has id ``s * batch + i``); ``answer`` and ``data`` must be JSON-friendly
+    of step ``s`` has id ``s * (batch + R) + i``, ``R`` the step's ``--refill-groups``
+    reserves); ``answer`` and ``data`` must be JSON-friendly
     so untrained groups can be checkpointed."""
 
     id: int

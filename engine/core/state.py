@@ -13,6 +13,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from engine.core.datums import carries_signal, trajectory_advantages
 from engine.core.problems import Problem, RewardBreakdown
 from engine.core.records import trajectory_from_dict, trajectory_to_dict
 from engine.core.trajectory import Trajectory, Turn
@@ -58,6 +59,12 @@ class ScoredGroup:
     def trainable(self) -> bool:
         """Whether the group's trajectories can be trained on (sampled and scored)."""
         return self.reward_error is None and self.too_long is None
+
+    @property
+    def has_signal(self) -> bool:
+        """Whether the group can teach anything: it is trainable and its rewards do not
+        all tie (a tied group is skipped; ``--refill-groups`` samples another for it)."""
+        return self.trainable and carries_signal(trajectory_advantages(self.trajectories))
 
     @property
     def rewards(self) -> tuple[RewardBreakdown, ...]:

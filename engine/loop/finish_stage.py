@@ -175,6 +175,8 @@ class FinishStage:
                 episodic=self._episodic,
                 snapshot_retries=snapshot_retries,
                 distill=self._config.training.objective == "distill",
+                batch=self._config.pipeline.batch,
+                reserves=self._config.pipeline.refill_groups,
             )
             line = quickstart_line(done, metrics)
         return StepResult(

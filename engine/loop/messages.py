@@ -10,7 +10,7 @@ from engine.core.state import LoopState, ScoredGroup
 from engine.loop.step_metrics import Assembled
 from engine.session.api import PendingCheckpoint, PendingSnapshot, StepTicket
 
-__all__ = ["RolledOut", "StepOpened", "SubmittedStep", "steps_done"]
+__all__ = ["RolledOut", "StepClosed", "StepOpened", "SubmittedStep", "steps_done"]
 
 
 @dataclass(frozen=True)
@@ -23,8 +23,18 @@ class StepOpened:
     source_after: dict[str, Any]
 
 
-RolledOut = StepOpened | ScoredGroup
-"""Rollout -> submitter: a step's opening, then its groups as they finish."""
+@dataclass(frozen=True)
+class StepClosed:
+    """Step ``step`` has ``groups`` groups, indices ``0..groups-1`` (``--batch``, plus
+    the reserves dynamic sampling sampled: :mod:`~engine.loop.refill`); sent once that
+    number is final, before or after the groups themselves."""
+
+    step: int
+    groups: int
+
+
+RolledOut = StepOpened | StepClosed | ScoredGroup
+"""Rollout -> submitter: a step's opening, its groups as they finish, and its size."""
 
 
 @dataclass(frozen=True)

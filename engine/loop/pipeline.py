@@ -126,8 +126,9 @@ class Pipeline:
 
     async def run(self) -> PipelineOutcome:
         cfg = self._config.pipeline
-        # At most K + 1 steps of groups are untrained at once, well within the bound.
-        bound = (cfg.max_steps_off_policy + 2) * (cfg.batch + 1)
+        # At most K + 1 steps of groups (with their reserves) are untrained at once, well
+        # within the bound.
+        bound = (cfg.max_steps_off_policy + 2) * (cfg.batch + cfg.refill_groups + 2)
         rolled_send, rolled_recv = anyio.create_memory_object_stream[RolledOut](bound)
         submitted_send, submitted_recv = anyio.create_memory_object_stream[SubmittedStep](
             cfg.submit_ahead + 1

@@ -5,7 +5,11 @@ It draws each step's problems from the seeded source and announces the step
 version must be at least ``step - K`` -- and starts every group of the step, each one
 task that runs the group's episodes and rewards (:class:`~engine.envs.rollout.EpisodeRunner`).
 Every turn samples from the newest sampler (at most ``--concurrency`` requests in flight)
-and records its version; a group's version is that of its oldest turn. With a teacher
+and records its version; a group's version is that of its oldest turn. A scored group's
+trajectories get the run's length control (:mod:`~engine.loop.length_control`); with
+``--refill-groups`` a group without signal starts one of the step's reserves
+(:mod:`~engine.loop.refill`), and the step's size is announced
+(:class:`~engine.loop.messages.StepClosed`) once it is final. With a teacher
 (``--objective distill``) each group's action tokens get the teacher's logprobs before
 the group is sent on (:mod:`~engine.loop.teacher`).
 """
@@ -15,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskGroup
@@ -30,14 +35,29 @@ from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn
 from engine.envs.scoring import RewardError
 from engine.envs.types import EnvGroupBuilder
 from engine.loop.groups import GroupPlan, NotSampled
-from engine.loop.messages import RolledOut, StepOpened, steps_done
+from engine.loop.length_control import LengthControl
+from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
 from engine.loop.policy import PolicyVersions, Watermark
+from engine.loop.refill import StepRefill
 from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
 from engine.loop.teacher import Teacher, TeacherScores
 from engine.session.api import Session
 
 __all__ = ["RolloutStage", "draw_step"]
+
+
+@dataclass
+class _OpenStep:
+    """A step whose groups are being rolled out: its problems (the batch, then the
+    reserves), which of them to sample (``refill``), whether its size was announced, and
+    the task group its rollouts run in."""
+
+    step: int
+    problems: list[Problem]
+    refill: StepRefill
+    tg: TaskGroup
+    closed: bool = False
 
 
 def draw_step(source: ProblemSource, batch: int) -> list[Problem] | None:
@@ -90,14 +110,17 @@ class RolloutStage:
         self._slots = anyio.Semaphore(config.pipeline.concurrency)
         ahead = config.pipeline.sample_ahead
         self._sample_ahead = ahead if ahead is not None or plan.episodic else 0
+        self._length = LengthControl.of(config)
         self.exhausted = False
 
     async def run(self, tg: TaskGroup, send: MemoryObjectSendStream[RolledOut]) -> None:
         cfg = self._config.pipeline
-        pending = {(g.step, g.index) for g in self._state.pending_groups}
+        restored: dict[int, list[ScoredGroup]] = {}
+        for g in self._state.pending_groups:
+            restored.setdefault(g.step, []).append(g)  # rolled out before a resume: reused
         async with send:
             for step in range(self._state.next_step, cfg.steps):
-                problems = draw_step(self._source, cfg.batch)
+                problems = draw_step(self._source, cfg.batch + cfg.refill_groups)
                 if problems is None:
                     self.exhausted = True
                     return
@@ -105,28 +128,45 @@ class RolloutStage:
                 await self._versions.wait_for(step - cfg.max_steps_off_policy)  # admission
                 if self._sample_ahead is not None:
                     await self._submitted.wait_for(step - self._sample_ahead)
-                admitted = self._versions.current.version
-                for index, problem in enumerate(problems):
-                    if (step, index) in pending:
-                        continue  # rolled out before a resume: reused as is
-                    built = self._plan.build(problem, cfg.group)
-                    if isinstance(built, NotSampled):
-                        now = self._clock()
-                        group = ScoredGroup(step, index, problem, admitted, (), now, now, now, now)
-                        await send.send(dataclasses.replace(group, too_long=built.reason))
-                        continue
-                    job = (step, index, problem, admitted, built, send.clone())
-                    tg.start_soon(self._rollout_group, *job)
+                refill = StepRefill(cfg.batch, cfg.refill_groups, restored.pop(step, ()))
+                opened = _OpenStep(step, problems, refill, tg)
+                await self._start(opened, refill.to_start(), send)
+
+    async def _start(
+        self, opened: _OpenStep, indices: list[int], send: MemoryObjectSendStream[RolledOut]
+    ) -> None:
+        """Start the rollouts of ``indices`` of the open step (sampled at the newest
+        policy); a group that cannot be sampled is sent at once. Then announce the
+        step's size if it is final."""
+        queue = list(indices)
+        while queue:
+            index = queue.pop(0)
+            problem = opened.problems[index]
+            admitted = self._versions.current.version
+            built = self._plan.build(problem, self._config.pipeline.group)
+            if isinstance(built, NotSampled):
+                now = self._clock()
+                group = ScoredGroup(opened.step, index, problem, admitted, (), now, now, now, now)
+                group = dataclasses.replace(group, too_long=built.reason)
+                await send.send(group)
+                queue.extend(opened.refill.finished(group))
+                continue
+            job = (opened, index, admitted, built, send.clone())
+            opened.tg.start_soon(self._rollout_group, *job)
+        size = opened.refill.size
+        if size is not None and not opened.closed:
+            opened.closed = True
+            await send.send(StepClosed(opened.step, size))
 
     async def _rollout_group(
         self,
-        step: int,
+        opened: _OpenStep,
         index: int,
-        problem: Problem,
         admitted: int,
         builder: EnvGroupBuilder,
         send: MemoryObjectSendStream[RolledOut],
     ) -> None:
+        step, problem = opened.step, opened.problems[index]
         async with send:
             try:
                 sample = functools.partial(self._sample_turn, step, index)
@@ -150,7 +190,9 @@ class RolloutStage:
                     self._gate.request(rollout.error)
                     await anyio.sleep_forever()
             self._progress(f"step {steps_done(step)} group {index} rolled out")
-            await send.send(_scored(step, index, problem, admitted, rollout, scores))
+            group = _scored(step, index, problem, admitted, rollout, scores, self._length)
+            await send.send(group)
+            await self._start(opened, opened.refill.finished(group), send)
 
     async def _sample_turn(
         self,
@@ -196,8 +238,9 @@ def _scored(
     admitted: int,
     rollout: GroupRollout,
     scores: TeacherScores | None,
+    length: LengthControl,
 ) -> ScoredGroup:
-    trajectories = rollout.trajectories if scores is None else scores.trajectories
+    trajectories = length.apply(rollout.trajectories if scores is None else scores.trajectories)
     return ScoredGroup(
         step=step,
         index=index,

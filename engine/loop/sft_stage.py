@@ -25,7 +25,7 @@ from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
-from engine.loop.messages import RolledOut, StepOpened, steps_done
+from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
 from engine.loop.rollout_stage import draw_step
 from engine.tasks.conversations import render_conversation
 from engine.tasks.render import ChatMessage, PromptRenderer
@@ -113,6 +113,7 @@ class SftStage:
                     self.exhausted = True
                     return
                 await send.send(StepOpened(step, self._source.state()))
+                await send.send(StepClosed(step, cfg.batch))
                 for index, problem in enumerate(problems):
                     if (step, index) in pending:
                         continue  # sent before a resume: reused as is

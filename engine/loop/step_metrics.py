@@ -21,6 +21,7 @@ from engine.common.clock import Stopwatch
 from engine.core.datums import Datum, kl_sample_train, reverse_kl
 from engine.core.state import ScoredGroup
 from engine.envs.metrics import episode_metrics
+from engine.loop.length_control import is_overlong
 from engine.session.api import TrainResult
 
 __all__ = [
@@ -29,6 +30,7 @@ __all__ = [
     "StepTiming",
     "distill_metrics",
     "quickstart_line",
+    "refill_metrics",
     "response_metrics",
     "reward_metrics",
     "step_metrics",
@@ -148,6 +150,29 @@ def response_metrics(groups: Sequence[ScoredGroup]) -> dict[str, float]:
     }
 
 
+def refill_metrics(groups: Sequence[ScoredGroup], batch: int, reserves: int) -> dict[str, float]:
+    """Dynamic sampling and length control of one step of ``batch`` groups plus the
+    reserves it sampled (of ``reserves`` drawn): ``groups/with_signal`` (groups whose
+    rewards differ), ``refill/extra_groups`` (reserves sampled), ``refill/replaced``
+    (those with signal), ``refill/unused_reserves`` (drawn, never sampled, never
+    trained), ``refill/short`` (1: fewer than ``batch`` groups with signal),
+    ``length/overlong_frac`` (trajectories cut at their budget) and
+    ``length/overlong_masked`` (of those, the ones left out of training)."""
+    extra = [g for g in groups if g.index >= batch]
+    with_signal = sum(1 for g in groups if g.has_signal)
+    trajectories = [t for g in groups for t in g.trajectories]
+    overlong = [t for t in trajectories if is_overlong(t)]
+    return {
+        "groups/with_signal": with_signal,
+        "refill/extra_groups": len(extra),
+        "refill/replaced": sum(1 for g in extra if g.has_signal),
+        "refill/unused_reserves": reserves - len(extra),
+        "refill/short": int(with_signal < batch),
+        "length/overlong_frac": len(overlong) / len(trajectories) if trajectories else 0.0,
+        "length/overlong_masked": sum(1 for t in overlong if t.masked),
+    }
+
+
 def quickstart_line(step: int, metrics: Mapping[str, Any]) -> str:
     """The MinT quickstart's per-step line, character for character, when the task has
     its components; otherwise the same line without the rates it cannot compute."""
@@ -176,11 +201,14 @@ def step_metrics(
     episodic: bool,
     snapshot_retries: int,
     distill: bool = False,
+    batch: int,
+    reserves: int,
 ) -> dict[str, Any]:
     """The metrics.jsonl event of step ``done`` (1-based) of ``steps``. ``sampling`` is
     the sampling meter's (busy seconds, samples, tokens) over the step; ``episodic``
     adds the environment metrics (an environment task's steps), ``distill`` the
-    teacher's (``--objective distill``)."""
+    teacher's (``--objective distill``); ``batch`` and ``reserves`` are ``--batch`` and
+    ``--refill-groups`` (:func:`refill_metrics`)."""
     kl = kl_sample_train(assembled.datums, result.logprobs)
     step_time = max(timing.train_end - timing.last_end, 1e-9)
     sampling_busy, samples, tokens = sampling
@@ -201,6 +229,7 @@ def step_metrics(
         "groups/reward_errors": len(failed),
         "reward_errors/problem_ids": [g.problem.id for g in failed],
         "groups/too_long": sum(1 for g in groups if g.too_long is not None),
+        **refill_metrics(groups, batch, reserves),
         "skipped/empty_responses": assembled.empty,
         "skipped/zero_advantage": assembled.zero_advantage,
         "dropped/missing_logprobs": assembled.missing_logprobs,

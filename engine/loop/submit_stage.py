@@ -1,7 +1,9 @@
 """The submitter: assembles each step from exactly its groups and submits its training.
 
-Step ``s`` is problem ``s * batch + i`` of the source for each ``i``, in problem order
-whatever versions sampled its groups and whatever order they finished in. Its
+Step ``s`` is problem ``s * (batch + R) + i`` of the source for each group ``i`` the
+rollout stage announced (:class:`~engine.loop.messages.StepClosed`: ``batch``, plus the
+reserves it sampled of the ``R = --refill-groups`` drawn), in problem order whatever
+versions sampled its groups and whatever order they finished in. Its
 forward_backward, optim_step and the snapshot of the weights after it (version
 ``s + 1``) are submitted back to back without awaiting anything: while step ``s``'s
 results are outstanding step ``s + 1`` is already submitted (``--submit-ahead`` steps
@@ -30,7 +32,7 @@ from engine.core.datums import (
     supervised_datums,
 )
 from engine.core.state import LoopState, ScoredGroup
-from engine.loop.messages import RolledOut, StepOpened, SubmittedStep, steps_done
+from engine.loop.messages import RolledOut, StepClosed, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
 from engine.loop.step_metrics import Assembled
 from engine.loop.stopping import StopGate
@@ -129,6 +131,7 @@ class SubmitStage:
             )
             waiting.setdefault(g.step, {})[g.index] = restored
         source_after: dict[int, dict[str, Any]] = {}
+        sizes: dict[int, int] = {}  # step -> its number of groups, once final
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
         async with receive, send, filed, credits:
@@ -136,7 +139,8 @@ class SubmitStage:
                 assembly = _StepAssembly(step)
                 while True:
                     arrived = waiting.get(step, {})
-                    complete = len(arrived) == cfg.batch and step in source_after
+                    size = sizes.get(step)
+                    complete = len(arrived) == size and step in source_after
                     if not await self._submit_ready(assembly, arrived, credits, complete):
                         return  # the finisher has stopped
                     if complete:
@@ -147,13 +151,15 @@ class SubmitStage:
                         return  # the source ran out
                     if isinstance(message, StepOpened):
                         source_after[message.step] = message.source_after
+                    elif isinstance(message, StepClosed):
+                        sizes[message.step] = message.groups
                     else:
                         waiting.setdefault(message.step, {})[message.index] = message
                         await filed.send(message)
                         if message.step == step:
                             complete_at = self._clock()
                 arrived = waiting.pop(step)
-                groups = tuple(arrived[i] for i in range(cfg.batch))
+                groups = tuple(arrived[i] for i in range(sizes.pop(step)))
                 if not await self._open(assembly, credits):
                     return
                 done = steps_done(step)

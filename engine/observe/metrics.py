@@ -38,8 +38,9 @@ def _fmt(value: Any, spec: str) -> str:
 
 
 def detail_line(m: Mapping[str, Any]) -> str:
-    """The readable second line of a step: staleness, KL, loss, time split, idleness
-    (a supervised step's: its groups, summed loss, train time and idleness)."""
+    """The readable second line of a step: staleness, groups trained of sampled (and the
+    reserves dynamic sampling added), KL, loss, time split, idleness (a supervised
+    step's: its groups, summed loss, train time and idleness)."""
     if "sft/loss" in m:
         return (
             f"  groups={m['groups/used']}/{m['groups/total']} "
@@ -47,10 +48,12 @@ def detail_line(m: Mapping[str, Any]) -> str:
             f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
             f"| {m['throughput/tokens_per_s']:.0f} tok/s"
         )
+    extra = m.get("refill/extra_groups", 0)
+    refilled = f" (+{extra} refill)" if extra else ""
     return (
         f"  versions={m['sampling_client/step_min']}..{m['sampling_client/step_max']} "
         f"staleness={m['off_policy/staleness']} "
-        f"groups={m['groups/used']}/{m['groups/total']} "
+        f"groups={m['groups/used']}/{m['groups/total']}{refilled} "
         f"kl_v1={_fmt(m['optim/kl_sample_train_v1'], '+.4f')} "
         f"kl_v2={_fmt(m['optim/kl_sample_train_v2'], '.4f')} "
         f"loss={_fmt(m['optim/loss'], '.4g')} | "

@@ -88,7 +88,7 @@ class AgentTask:
             raise TypeError("problems must have a source(seed, state) method (e.g. a Task)")
         self.agent = agent
         self.problems = problems
-        self.name = name or getattr(agent, "__name__", "agent")
+        self.name: str = name or str(getattr(agent, "__name__", "agent"))
         self.timeout = timeout
         self.parser = parser
         self.endpoint_limits = limits

@@ -1,8 +1,9 @@
 """The agent endpoint's cost against the native environment API, on the same episodes:
 the calculator as an environment (``--task calculator``: ChatEnv, the tool run by the
 engine) and as an agent written against the ``openai`` SDK
-(examples/openai_calculator_agent.py: every call an HTTP round trip through the
-capturing endpoint).
+(examples/openai_calculator_agent.py: every call a request to the capturing endpoint),
+the agent on the engine's event loop and in agent worker processes (``--workers``, a
+``--score-workers`` value, default ``processes:2``).
 
     python -m benchmarks.agents                 # 6 steps per configuration
     python -m benchmarks.agents --quick         # 3 steps (smoke test)
@@ -11,9 +12,10 @@ Two measurements:
 
 * **per call** (no server): the same groups (16 problems x 4 episodes, each a tool call
   then the answer) through the engine's episode runner with an instant scripted sampler,
-  so what is timed is the episode machinery alone; reported as wall and CPU (the
-  process's) ms per call (turn), the median of 3 repeats, and the difference: the
-  endpoint's overhead per call. The CPU figure moves less with the machine's load.
+  so what is timed is the episode machinery alone; reported as wall and CPU (this
+  process's: the engine's, not the agent workers') ms per call (turn), the median of 3
+  repeats, and the CPU over the environment's: the endpoint's overhead per call on the
+  engine's event loop. The CPU figure moves less with the machine's load.
 * **steps/s** (the local server with the hosted-like ``--latency mint`` clock, the
   packaged agent model): full engine runs of each, same seed and settings, two of each
   alternated (the mean is reported); the pace over the steady steps (step 2 to the
@@ -25,6 +27,7 @@ Writes ``agents.json`` and ``agents.md`` to ``--out`` and prints the table.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import re
 import statistics
 import sys
@@ -38,9 +41,11 @@ import anyio
 
 from benchmarks.report import load_average, markdown_table, run_context, write_json
 from engine import Engine, EngineConfig, StepResult
+from engine.config.values import parse_score_workers
 from engine.core.datums import Completion
 from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
 from engine.envs.examples.calculator import CalculatorTask, tool_call_text
+from engine.envs.executors import Workers, env_workers, on_workers
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
@@ -65,9 +70,23 @@ class CallCost(NamedTuple):
     cpu_ms: float
 
 
-async def per_call_ms(task: EnvTask, tokenizer: Any, groups: int, group: int) -> CallCost:
-    """Wall and CPU ms per turn of ``groups`` groups run one after another on an instant
-    sampler (a tool call, then the product)."""
+async def per_call_ms(
+    task: EnvTask, tokenizer: Any, groups: int, group: int, workers: str = "threads"
+) -> CallCost:
+    """Wall and CPU ms (this process's: the engine's) per turn of ``groups`` groups run
+    one after another on an instant sampler (a tool call, then the product), the
+    task's work on ``workers`` (a ``--score-workers`` value)."""
+    async with contextlib.AsyncExitStack() as stack:
+        pool = env_workers(parse_score_workers(workers), task)
+        if pool is not None:
+            await stack.enter_async_context(pool)
+            await _calls(task, tokenizer, 1, group, pool)  # the workers started
+        return await _calls(task, tokenizer, groups, group, pool)
+
+
+async def _calls(
+    task: EnvTask, tokenizer: Any, groups: int, group: int, pool: Workers | None
+) -> CallCost:
     eos = tokenizer.eos_token_id
     calls = 0
 
@@ -93,14 +112,16 @@ async def per_call_ms(task: EnvTask, tokenizer: Any, groups: int, group: int) ->
     start, cpu = time.perf_counter(), time.process_time()
     for problem in problems:
         assert problem is not None
-        rollout = await runner.run_group(task.group_builder(problem, group, context), problem)
+        builder = task.group_builder(problem, group, context)
+        placed = builder if pool is None else on_workers(builder, pool)
+        rollout = await runner.run_group(placed, problem)
         assert rollout.error is None and all(t.total_reward == 1.0 for t in rollout.trajectories)
     return CallCost(
         (time.perf_counter() - start) * 1000 / calls, (time.process_time() - cpu) * 1000 / calls
     )
 
 
-def _pace(server: LocalServer, task: Any, steps: int, run_dir: Path) -> float:
+def _pace(server: LocalServer, task: Any, workers: str, steps: int, run_dir: Path) -> float:
     """Steps/s of an engine run over its steady steps."""
     ends: list[float] = []
 
@@ -116,6 +137,7 @@ def _pace(server: LocalServer, task: Any, steps: int, run_dir: Path) -> float:
             run_dir=run_dir,
             progress=False,
             env_max_tokens=256,
+            score_workers=workers,
         )
         async with Engine(config, task=task, on_step=[on_step]) as engine:
             await engine.run()
@@ -128,38 +150,57 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m benchmarks.agents", description=__doc__)
     parser.add_argument("--steps", type=int, default=None, help="steps per run (default 6)")
     parser.add_argument("--quick", action="store_true", help="3 steps")
+    parser.add_argument(
+        "--workers", default="processes:2", help="the agent's --score-workers row (processes:2)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (3 if args.quick else 6)
     context = run_context(vars(args))
     tokenizer = _tokenizer()
-    tasks: dict[str, Any] = {"environment": CalculatorTask(), "openai agent": agent_task()}
-    costs = {
-        name: [anyio.run(per_call_ms, task, tokenizer, 16, 4) for _ in range(3)]
-        for name, task in tasks.items()
+    runs: dict[str, tuple[Any, str]] = {
+        "environment": (CalculatorTask(), "threads"),
+        "openai agent": (agent_task(), "threads"),
+        f"openai agent, {args.workers}": (agent_task(), args.workers),
     }
-    per_call = {name: statistics.median(c.wall_ms for c in runs) for name, runs in costs.items()}
-    per_call_cpu = {name: statistics.median(c.cpu_ms for c in runs) for name, runs in costs.items()}
-    paces: dict[str, list[float]] = {name: [] for name in tasks}
+    costs = {
+        name: [anyio.run(per_call_ms, task, tokenizer, 16, 4, workers) for _ in range(3)]
+        for name, (task, workers) in runs.items()
+    }
+    per_call = {name: statistics.median(c.wall_ms for c in cs) for name, cs in costs.items()}
+    per_call_cpu = {name: statistics.median(c.cpu_ms for c in cs) for name, cs in costs.items()}
+    paces: dict[str, list[float]] = {name: [] for name in runs}
     with (
         LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency="mint") as server,
         tempfile.TemporaryDirectory() as tmp,
     ):
-        for repeat in range(2):  # alternated, so that a change of load hits both alike
-            for name, task in tasks.items():
-                run_dir = Path(tmp) / f"{name.replace(' ', '-')}-{repeat}"
-                paces[name].append(_pace(server, task, steps, run_dir))
+        for repeat in range(2):  # alternated, so that a change of load hits all alike
+            for i, (name, (task, workers)) in enumerate(runs.items()):
+                run_dir = Path(tmp) / f"{i}-{repeat}"
+                paces[name].append(_pace(server, task, workers, steps, run_dir))
     pace = {name: statistics.fmean(values) for name, values in paces.items()}
     context["load_average_end"] = load_average()
+    base = "environment"
     rows = [
-        [name, f"{per_call[name]:.2f}", f"{per_call_cpu[name]:.2f}", f"{pace[name]:.3f}"]
-        for name in tasks
+        [
+            name,
+            f"{per_call[name]:.2f}",
+            f"{per_call_cpu[name]:.2f}",
+            f"{per_call_cpu[name] - per_call_cpu[base]:+.2f}" if name != base else "",
+            f"{pace[name]:.3f}",
+            f"{pace[name] / pace[base]:.2f}x",
+        ]
+        for name in runs
     ]
-    overhead = per_call["openai agent"] - per_call["environment"]
-    overhead_cpu = per_call_cpu["openai agent"] - per_call_cpu["environment"]
-    ratio = pace["openai agent"] / pace["environment"]
     table = markdown_table(
-        ["calculator as", "ms per call (no server)", "CPU ms per call", "steps/s (mint clock)"],
+        [
+            "calculator as",
+            "ms per call (no server)",
+            "engine CPU ms per call",
+            "CPU over the environment",
+            "steps/s (mint clock)",
+            "pace",
+        ],
         rows,
     )
     given = argv if argv is not None else sys.argv[1:]
@@ -177,14 +218,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     (args.out / "agents.md").write_text(
         f"# The agent endpoint against the native environment API\n\n`{command}`\n\n{table}\n"
-        f"Endpoint overhead: {overhead:+.2f} ms per call ({overhead_cpu:+.2f} ms of CPU); "
-        f"the agent's pace is "
-        f"{ratio:.2f}x the environment's ({steps} steps each, steady steps 2..{steps}). "
+        "CPU is this process's (the engine's event loop, the agents' when they run on it; "
+        "not the worker processes'). Pace: steps/s against the environment's, "
+        f"{steps} steps per run, two runs of each alternated, steady steps 2..{steps}. "
         f"Load average at start {context['load_average_start']}, at end "
         f"{context['load_average_end']}; commit {context['commit']}.\n"
     )
     print(table)
-    print(f"overhead {overhead:+.2f} ms/call ({overhead_cpu:+.2f} CPU), pace ratio {ratio:.2f}")
 
 
 if __name__ == "__main__":

@@ -162,7 +162,7 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         task = load_task(config.task.spec, config.task.args)
         check_score_workers(task, config.scoring.score_workers)
         plan_renderer = PromptRenderer(
-            task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text
+            task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text, session=session
         )
         plan = GroupPlan(config, task, plan_renderer, session.info.max_context)
         problems = eval_problems_of(task)

@@ -1,7 +1,8 @@
 """``engine.serve`` answers the ``openai`` client for a trained checkpoint: one step
 trained on the local server, its checkpoint served on the OpenAI-compatible endpoint
 (sampled where it lives, through the session seam), chat and text completions over
-loopback; a wrong key is a 401, and a bad checkpoint a one-line error."""
+loopback; the judge task (``judge.api=openai``) scores through it with no hosted key; a
+wrong key is a 401, and a bad checkpoint a one-line error."""
 
 from __future__ import annotations
 
@@ -11,8 +12,10 @@ import anyio
 import openai
 import pytest
 
+from engine.catalog import load_task
 from engine.local import LocalServer
 from engine.serve import ServeRequest, main, serve
+from engine.tasks.judge import JudgedTask, OpenAIJudgeModel
 from tests.engine_support import API_KEY, run_engine, small_config
 
 
@@ -54,6 +57,7 @@ def test_a_trained_checkpoint_answers_the_openai_client(
                     assert text.usage is not None and text.usage.completion_tokens <= 4
                     models = await client.models.list()
                     assert models.data[0].id.startswith("tinker://")
+                await judges_through(base_url, monkeypatch)
                 async with openai.AsyncOpenAI(
                     base_url=base_url, api_key="sk-wrong", max_retries=0
                 ) as wrong:
@@ -62,6 +66,24 @@ def test_a_trained_checkpoint_answers_the_openai_client(
                 tg.cancel_scope.cancel()
 
         anyio.run(go)
+
+
+async def judges_through(base_url: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A ``judge:arithmetic`` task whose judge is the served checkpoint: its key is the
+    endpoint's own (``ENGINE_JUDGE_API_KEY``), no hosted key is set."""
+    for hosted in ("OPENAI_API_KEY", "MINT_API_KEY"):
+        monkeypatch.delenv(hosted, raising=False)
+    monkeypatch.setenv("ENGINE_JUDGE_API_KEY", "sk-serve")
+    args = {"judge.url": base_url, "judge.model": "policy", "judge.max_tokens": "4"}
+    task = load_task("judge:arithmetic", args)
+    assert isinstance(task, JudgedTask) and isinstance(task.judge.model, OpenAIJudgeModel)
+    problem = task.source(0).next()
+    assert problem is not None
+    breakdown = await task.score(" 5", problem)
+    assert 0.0 <= breakdown.total <= 1.0
+    metrics = task.metrics()
+    assert metrics["judge/calls"] == 1.0 and metrics["judge/retries"] == 0.0
+    assert metrics["judge/prompt_tokens"] > 0 and metrics["judge/completion_tokens"] >= 1
 
 
 def test_a_checkpoint_that_does_not_exist_is_a_one_line_error(

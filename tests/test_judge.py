@@ -348,11 +348,11 @@ def test_a_judge_key_of_its_own_keeps_the_engine_on_the_local_server(
     mint = {"judge.api": "mint", "judge.model": "m", "judge.url": "http://127.0.0.1:8000"}
     local = load_task("judge:arithmetic", mint)
     assert isinstance(local, JudgedTask)
-    assert isinstance(local.judge._model, LazyMintJudgeModel)
-    assert local.judge._model._api_key == "tml-engine-local"
+    assert isinstance(local.judge.model, LazyMintJudgeModel)
+    assert local.judge.model._api_key == "tml-engine-local"
     monkeypatch.setenv("ENGINE_JUDGE_API_KEY", "sk-judge")
     remote = load_task("judge:arithmetic", {**mint, "judge.url": "https://judge.example"})
     assert isinstance(remote, JudgedTask)
-    assert isinstance(remote.judge._model, LazyMintJudgeModel)
-    assert remote.judge._model._api_key == "sk-judge"
+    assert isinstance(remote.judge.model, LazyMintJudgeModel)
+    assert remote.judge.model._api_key == "sk-judge"
     assert config_from_sources({}, {"ENGINE_JUDGE_API_KEY": "sk-judge"}).session.local

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import json
 import socket
 import time
 import uuid
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
@@ -33,13 +34,22 @@ import pydantic
 import uvicorn
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.agents.chat import Answer, Choice
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError, error_body
 
-__all__ = ["Caller", "Endpoint", "EndpointBackend", "EndpointLimits", "serve_endpoint"]
+__all__ = [
+    "Caller",
+    "Dispatch",
+    "Endpoint",
+    "EndpointBackend",
+    "EndpointLimits",
+    "Reply",
+    "bearer_key",
+    "serve_endpoint",
+]
 
 SHUTDOWN_GRACE_S = 5.0
 M = TypeVar("M", bound=pydantic.BaseModel)
@@ -71,24 +81,119 @@ class EndpointLimits:
     max_concurrency: int = 256
 
 
+@dataclass(frozen=True)
+class Reply:
+    """A request's answer: its status, media type and body."""
+
+    status: int
+    media_type: str
+    content: bytes
+
+
+Dispatch = Callable[[str, str, "str | None", bytes], Awaitable[Reply]]
+"""``dispatch(method, path, api_key, body)``: a request answered without HTTP."""
+
+
 @dataclass
 class Endpoint:
-    """A running endpoint: ``base_url`` (ends in ``/v1``), its in-flight count and its
-    ASGI ``app`` (what an in-process client calls without a socket: the same routes,
-    checks and limits)."""
+    """A running endpoint: ``base_url`` (ends in ``/v1``), its in-flight count, its ASGI
+    ``app`` (what HTTP clients reach) and ``dispatch`` (the same routes, checks and
+    limits without HTTP: what the clients of agent functions call, in process or from
+    a worker process)."""
 
     base_url: str
     in_flight: int = 0
     stopping: bool = False
     app: Starlette = field(init=False, repr=False)
+    dispatch: Dispatch = field(init=False, repr=False)
 
     def episode_url(self, episode: str) -> str:
         """The base URL that names ``episode`` (what its agent is given)."""
         return self.base_url.removesuffix("/v1") + f"/e/{episode}/v1"
 
 
+_ROUTES = {"/models": "GET", "/chat/completions": "POST", "/completions": "POST"}
+BodyReader = Callable[[], Awaitable[bytes]]
+
+
+class _Handlers:
+    """The routes' handling, shared by the ASGI app and :attr:`Endpoint.dispatch`: each
+    takes the path's episode, the key and a body reader, and raises
+    :class:`EndpointError` for an error."""
+
+    def __init__(
+        self, backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimits
+    ) -> None:
+        self._backend = backend
+        self._endpoint = endpoint
+        self._limits = limits
+
+    def models(self) -> Reply:
+        card = {"id": self._backend.model, "object": "model", "created": 0, "owned_by": "engine"}
+        return _json({"object": "list", "data": [card]})
+
+    async def chat(self, episode: str | None, api_key: str | None, read: BodyReader) -> Reply:
+        model = self._backend.model
+        with _admitted(self._endpoint, self._limits):
+            caller = self._backend.caller(episode, api_key)
+            body = _parse(ChatRequest, await read())
+            answer = await caller.chat(body)
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _sse(_chat_chunks(answer, model, body, include_usage))
+        return _json(_chat_response(answer, model, body))
+
+    async def completions(
+        self, episode: str | None, api_key: str | None, read: BodyReader
+    ) -> Reply:
+        with _admitted(self._endpoint, self._limits):
+            caller = self._backend.caller(episode, api_key)
+            body = _parse(CompletionRequest, await read())
+            answer = await caller.complete(body)
+        response = _completion_response(answer, self._backend.model, body)
+        return _sse(iter([response])) if body.stream else _json(response)
+
+    async def dispatch(self, method: str, path: str, api_key: str | None, body: bytes) -> Reply:
+        limit = self._limits.max_body_bytes
+
+        async def read() -> bytes:
+            if len(body) > limit:
+                raise EndpointError(413, f"the request body is over {limit} bytes")
+            return body
+
+        try:
+            episode, route = _route(method, path)
+            if route == "/models":
+                return self.models()
+            if route == "/chat/completions":
+                return await self.chat(episode, api_key, read)
+            return await self.completions(episode, api_key, read)
+        except EndpointError as exc:
+            return _json(exc.body(), exc.status)
+        except Exception as exc:  # what the app answers for a failing handler: a 500
+            return _json(error_body(f"internal error: {type(exc).__name__}", "api_error"), 500)
+
+
+def _route(method: str, path: str) -> tuple[str | None, str]:
+    """The episode (None: ``/v1/...``) and route of ``path``; 404 or 405 otherwise."""
+    episode: str | None = None
+    rest = path
+    if path.startswith("/e/"):
+        episode, _, rest = path[3:].partition("/")
+        rest = "/" + rest
+    route = rest.removeprefix("/v1") if rest.startswith("/v1/") else ""
+    if route not in _ROUTES or episode == "":
+        raise EndpointError(404, f"no route {method} {path}")
+    if _ROUTES[route] != method:
+        raise EndpointError(405, f"{method} is not allowed on {path}")
+    return episode, route
+
+
 def build_app(backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimits) -> Starlette:
-    """The routes (Starlette's: built in microseconds, once per group)."""
+    """The routes (Starlette's: built in microseconds, once per group); sets the
+    endpoint's :attr:`~Endpoint.dispatch` too."""
+    handlers = _Handlers(backend, endpoint, limits)
+    endpoint.dispatch = handlers.dispatch
 
     async def endpoint_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, EndpointError)
@@ -103,40 +208,26 @@ def build_app(backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimi
         return JSONResponse(error_body(message, "invalid_request_error"), 405)
 
     async def models(_: Request) -> Response:
-        card = {"id": backend.model, "object": "model", "created": 0, "owned_by": "engine"}
-        return JSONResponse({"object": "list", "data": [card]})
+        return _response(handlers.models())
 
     async def chat(request: Request) -> Response:
-        with _admitted(endpoint, limits):
-            caller = backend.caller(request.path_params.get("episode"), _bearer(request))
-            body = _parse(ChatRequest, await _body(request, limits.max_body_bytes))
-            answer = await caller.chat(body)
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _sse(_chat_chunks(answer, backend.model, body, include_usage))
-        return JSONResponse(_chat_response(answer, backend.model, body))
+        read = functools.partial(_body, request, limits.max_body_bytes)
+        episode = request.path_params.get("episode")
+        return _response(await handlers.chat(episode, _bearer(request), read))
 
     async def completions(request: Request) -> Response:
-        with _admitted(endpoint, limits):
-            caller = backend.caller(request.path_params.get("episode"), _bearer(request))
-            body = _parse(CompletionRequest, await _body(request, limits.max_body_bytes))
-            answer = await caller.complete(body)
-        response = _completion_response(answer, backend.model, body)
-        if body.stream:
-            return _sse(iter([response]))
-        return JSONResponse(response)
+        read = functools.partial(_body, request, limits.max_body_bytes)
+        episode = request.path_params.get("episode")
+        return _response(await handlers.completions(episode, _bearer(request), read))
 
+    by_route = {"/models": models, "/chat/completions": chat, "/completions": completions}
     routes = [
-        Route(prefix + path, handler, methods=[method])
+        Route(prefix + path, by_route[path], methods=[method])
         for prefix in ("/v1", "/e/{episode}/v1")
-        for path, handler, method in (
-            ("/models", models, "GET"),
-            ("/chat/completions", chat, "POST"),
-            ("/completions", completions, "POST"),
-        )
+        for path, method in _ROUTES.items()
     ]
-    handlers = {EndpointError: endpoint_error, 404: not_found, 405: not_allowed}
-    return Starlette(routes=routes, exception_handlers=handlers)  # type: ignore[arg-type]
+    errors = {EndpointError: endpoint_error, 404: not_found, 405: not_allowed}
+    return Starlette(routes=routes, exception_handlers=errors)  # type: ignore[arg-type]
 
 
 @asynccontextmanager
@@ -219,7 +310,11 @@ def _admitted(endpoint: Endpoint, limits: EndpointLimits) -> Iterator[None]:
 
 
 def _bearer(request: Request) -> str | None:
-    header = request.headers.get("authorization", "")
+    return bearer_key(request.headers.get("authorization", ""))
+
+
+def bearer_key(header: str) -> str | None:
+    """The key of an ``Authorization: Bearer KEY`` header (None: no bearer key)."""
     scheme, _, key = header.partition(" ")
     return key.strip() or None if scheme.lower() == "bearer" else None
 
@@ -355,10 +450,17 @@ def _completion_response(answer: Answer, model: str, body: CompletionRequest) ->
     }
 
 
-def _sse(chunks: Iterator[dict[str, Any]]) -> StreamingResponse:
-    def events() -> Iterator[str]:
-        for chunk in chunks:
-            yield f"data: {json.dumps(chunk)}\n\n"
-        yield "data: [DONE]\n\n"
+def _json(body: Any, status: int = 200) -> Reply:
+    """A JSON reply, encoded as Starlette's JSONResponse encodes."""
+    text = json.dumps(body, ensure_ascii=False, allow_nan=False, separators=(",", ":"))
+    return Reply(status, "application/json", text.encode())
 
-    return StreamingResponse(events(), media_type="text/event-stream")
+
+def _sse(chunks: Iterator[dict[str, Any]]) -> Reply:
+    """Server-sent events, in one piece (the reply is sampled whole)."""
+    events = [f"data: {json.dumps(chunk)}\n\n" for chunk in chunks]
+    return Reply(200, "text/event-stream", ("".join(events) + "data: [DONE]\n\n").encode())
+
+
+def _response(reply: Reply) -> Response:
+    return Response(reply.content, reply.status, media_type=reply.media_type)

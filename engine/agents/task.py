@@ -9,6 +9,12 @@ an ``openai.AsyncOpenAI`` whose base URL names the episode (``client.base_url`` 
 an endpoint on loopback and runs its agents in a task group it owns (the group's scope,
 entered by the episode runner around the whole group), one :class:`AgentEnv` each.
 
+With ``--score-workers processes:N`` (or ``ray:N``) the agents run in worker processes
+(:class:`~engine.agents.workers.AgentWorkers`; Ray tasks) instead, a group's agents
+together in one call (:class:`AgentRuns`), calling the group's endpoint over loopback:
+the agent function must be picklable (checked before the run). Their CPU then leaves
+the engine's event loop, which serves only the calls.
+
 What an agent that fails yields reuses the environment settings: an agent that raises
 or runs past ``timeout`` (default ``--episode-timeout``) after its first call ends its
 episode with outcome ``env_error`` (``--on-limit``: zero or mask); one that ends before
@@ -24,6 +30,7 @@ import importlib.util
 import math
 import secrets
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -35,13 +42,16 @@ from engine.agents.chat import ChatFormat
 from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
 from engine.agents.episodes import AgentResult, Episode
 from engine.agents.wire import EndpointError
+from engine.agents.workers import AgentWorkers
+from engine.config.values import ScoreWorkers
 from engine.envs import Env, EnvContext, Trajectory
 from engine.envs.examples.stops import stop_at_eos
+from engine.envs.executors import Workers
 from engine.envs.tools import ToolCallParser
 from engine.errors import ConfigError, EngineError
 from engine.tasks import Problem, ProblemSource, RewardBreakdown, TaskContext
 
-__all__ = ["AgentFunction", "AgentGroup", "AgentTask"]
+__all__ = ["AgentFunction", "AgentGroup", "AgentRuns", "AgentTask", "run_agent"]
 
 AgentFunction = Callable[[Any, Problem], Awaitable["float | AgentResult"]]
 """``async def episode(client: openai.AsyncOpenAI, problem: Problem) -> float | AgentResult``."""
@@ -78,7 +88,7 @@ class AgentTask:
             raise TypeError("problems must have a source(seed, state) method (e.g. a Task)")
         self.agent = agent
         self.problems = problems
-        self.name = name or getattr(agent, "__name__", "agent")
+        self.name: str = name or str(getattr(agent, "__name__", "agent"))
         self.timeout = timeout
         self.parser = parser
         self.endpoint_limits = limits
@@ -95,6 +105,23 @@ class AgentTask:
 
     def group_builder(self, problem: Problem, group_size: int, context: EnvContext) -> AgentGroup:
         return AgentGroup(self, problem, group_size, stop_at_eos(context))
+
+    @property
+    def worker_payload(self) -> AgentFunction:
+        """What ``--score-workers`` sends to its workers (must pickle): the agent."""
+        return self.agent
+
+    def own_workers(self, spec: ScoreWorkers) -> Workers | None:
+        """Where ``--score-workers`` runs the agents: processes that each run many
+        agents at once (:class:`~engine.agents.workers.AgentWorkers`), Ray tasks, or
+        this event loop (threads, the default)."""
+        if spec.kind == "processes":
+            return AgentWorkers(spec.count)
+        if spec.kind == "ray":
+            from engine.envs.ray_workers import RayWorkers
+
+            return RayWorkers(spec.count)
+        return None
 
     def chat_format(self, task: TaskContext) -> ChatFormat:
         """The chat format of ``task`` (built once per context: it renders a probe)."""
@@ -118,7 +145,13 @@ class AgentGroup:
         self.episodes = [Episode(f"{token}-{i}", chat, context) for i in range(group_size)]
         self._secret = "sk-engine-" + secrets.token_hex(16)
         self._stack = contextlib.AsyncExitStack()
+        self._workers: Workers | None = None
         self.endpoint: Endpoint | None = None
+
+    def on_workers(self, workers: Workers) -> AgentGroup:
+        """This group with its agents run on ``workers`` (its endpoint stays here)."""
+        self._workers = workers
+        return self
 
     @property
     def api_key(self) -> str:
@@ -126,9 +159,6 @@ class AgentGroup:
         return self._secret
 
     async def __aenter__(self) -> AgentGroup:
-        import httpx2
-        import openai
-
         stack = self._stack
         try:
             backend = _GroupBackend(self._secret, {e.id: e for e in self.episodes})
@@ -137,24 +167,29 @@ class AgentGroup:
             )
             self.endpoint = endpoint
             timeout = self._timeout()
-            # The group's clients call the endpoint's app in-process (the SDK's documented
-            # custom transport): no socket, no HTTP parsing on either side, a third less
-            # CPU per call (docs/agents.md). A failing handler is a 500, as from the server.
-            http = openai.DefaultAsyncHttpxClient(
-                transport=httpx2.ASGITransport(endpoint.app, raise_app_exceptions=False),
-                timeout=None if math.isinf(timeout) else timeout,
-            )
-            stack.push_async_callback(_shielded, http.aclose)
+            http = None if self._workers is not None else _in_process_client(endpoint, timeout)
+            if http is not None:
+                stack.push_async_callback(_shielded, http.aclose)
             tg: TaskGroup = await stack.enter_async_context(anyio.create_task_group())
             stack.callback(tg.cancel_scope.cancel)  # the agents do not outlive the group
             stack.callback(self._close_episodes)
-            for episode in self.episodes:
-                client = openai.AsyncOpenAI(
-                    base_url=endpoint.episode_url(episode.id),
-                    api_key=self._secret,
-                    http_client=http,
-                )
-                tg.start_soon(self._run_agent, episode, client, timeout)
+            if self._workers is not None:
+                urls = tuple(endpoint.episode_url(e.id) for e in self.episodes)
+                agent, problem = self._task.agent, self._problem
+                runs = AgentRuns(agent, problem, urls, self._secret, timeout, endpoint.base_url)
+                if isinstance(self._workers, AgentWorkers):
+                    stack.enter_context(self._workers.route(endpoint.base_url, endpoint.dispatch))
+                tg.start_soon(self._run_on_workers, self._workers, runs)
+            else:
+                import openai
+
+                for episode in self.episodes:
+                    client = openai.AsyncOpenAI(
+                        base_url=endpoint.episode_url(episode.id),
+                        api_key=self._secret,
+                        http_client=http,
+                    )
+                    tg.start_soon(self._run_agent, episode, client, timeout)
         except BaseException:
             await stack.aclose()
             raise
@@ -173,8 +208,8 @@ class AgentGroup:
     async def make_envs(self) -> Sequence[Env]:
         if self.endpoint is None:
             raise EngineError(
-                "an agent group runs its agents while it is entered (async with): agent "
-                "tasks run on the event loop, --score-workers does not apply to them"
+                "an agent group runs its agents while it is entered (async with); to run "
+                "them on workers, place the group there with on_workers(workers)"
             )
         return [e.env for e in self.episodes]
 
@@ -198,17 +233,80 @@ class AgentGroup:
 
     async def _run_agent(self, episode: Episode, client: Any, limit_s: float) -> None:
         """One agent run; whatever it does ends as a result or an error of its episode."""
-        result: AgentResult | None = None
-        error: str | None = None
+        await episode.finish(*await run_agent(self._task.agent, client, self._problem, limit_s))
+
+    async def _run_on_workers(self, workers: Workers, runs: AgentRuns) -> None:
+        """The group's agents on ``workers``; a failed call (a worker died, the agent
+        cannot be unpickled there) is every episode's error."""
         try:
-            with anyio.fail_after(limit_s):
-                value = await self._task.agent(client, self._problem)
-            result = _result(value)
-        except TimeoutError:
-            error = f"it ran past its timeout of {limit_s:g} s"
+            _, outcomes = await workers.call(runs, "run")
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        await episode.finish(result, error)
+            error = f"its worker failed: {type(exc).__name__}: {exc}"
+            outcomes = [(None, error)] * len(self.episodes)
+        for episode, (result, error) in zip(self.episodes, outcomes, strict=True):
+            await episode.finish(result, error)
+
+
+@dataclass(frozen=True)
+class AgentRuns:
+    """A group's agent runs as a worker runs them (pickled there; the agent function by
+    reference): each agent with an ``openai.AsyncOpenAI`` on its episode's base URL."""
+
+    agent: AgentFunction
+    problem: Problem
+    urls: tuple[str, ...]
+    api_key: str
+    timeout: float
+    route: str
+    """The endpoint's base URL: what an agent worker process's pipe names it by."""
+
+    async def run(self) -> list[tuple[AgentResult | None, str | None]]:
+        import openai
+
+        from engine.agents.transport import DispatchTransport
+        from engine.agents.workers import worker_dispatch
+
+        dispatch = worker_dispatch(self.route)  # None: over loopback HTTP (Ray, a pool)
+        transport = DispatchTransport(dispatch) if dispatch is not None else None
+        outcomes: list[tuple[AgentResult | None, str | None]] = [(None, "not run")] * len(self.urls)
+        limit = None if math.isinf(self.timeout) else self.timeout
+        async with openai.DefaultAsyncHttpxClient(timeout=limit, transport=transport) as http:
+
+            async def one(i: int, url: str) -> None:
+                client = openai.AsyncOpenAI(base_url=url, api_key=self.api_key, http_client=http)
+                outcomes[i] = await run_agent(self.agent, client, self.problem, self.timeout)
+
+            async with anyio.create_task_group() as tg:
+                for i, url in enumerate(self.urls):
+                    tg.start_soon(one, i, url)
+        return outcomes
+
+
+async def run_agent(
+    agent: AgentFunction, client: Any, problem: Problem, limit_s: float
+) -> tuple[AgentResult | None, str | None]:
+    """One agent run: its result, or how it failed (a raise, a timeout, a bad return)."""
+    try:
+        with anyio.fail_after(limit_s):
+            value = await agent(client, problem)
+        return _result(value), None
+    except TimeoutError:
+        return None, f"it ran past its timeout of {limit_s:g} s"
+    except Exception as exc:
+        return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+
+
+def _in_process_client(endpoint: Endpoint, timeout: float) -> Any:
+    """The HTTP client of a group's agents on this event loop: its requests go straight
+    to the endpoint's dispatch (no socket, no HTTP parsing, no ASGI stack: docs/agents.md)."""
+    import openai
+
+    from engine.agents.transport import DispatchTransport
+
+    return openai.DefaultAsyncHttpxClient(
+        transport=DispatchTransport(endpoint.dispatch),
+        timeout=None if math.isinf(timeout) else timeout,
+    )
 
 
 class _GroupBackend:

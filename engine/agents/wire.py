@@ -119,6 +119,7 @@ class EndpointError(Exception):
         401: "authentication_error",
         404: "not_found_error",
         409: "conflict_error",
+        405: "invalid_request_error",
         413: "invalid_request_error",
         429: "rate_limit_error",
         503: "service_unavailable_error",

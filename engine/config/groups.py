@@ -366,7 +366,8 @@ class ScoringSettings(_Group):
         ScoreWorkers(),
         description="where a plain (non-async) reward runs: threads, or processes:N for "
         "CPU-bound rewards (the task must be picklable); an environment task's steps: "
-        "processes:N, or ray:N on a Ray cluster (RAY_ADDRESS, else a local one; engine[ray])",
+        "processes:N, or ray:N on a Ray cluster (RAY_ADDRESS, else a local one; engine[ray]); "
+        "an agent task's agent functions: processes:N (many per process) or ray:N",
     )
     on_reward_error: Annotated[OnRewardError, Setting(resume="changeable")] = Field(
         "fail",

@@ -36,6 +36,7 @@ __all__ = [
     "Workers",
     "call_in_worker",
     "env_workers",
+    "on_workers",
     "outcome_of",
 ]
 
@@ -81,8 +82,13 @@ class ProcessWorkers:
         return outcome_of(outcome)
 
 
-def env_workers(spec: ScoreWorkers) -> Workers | None:
-    """Where ``--score-workers`` runs an environment task's calls (None: the event loop)."""
+def env_workers(spec: ScoreWorkers, task: object = None) -> Workers | None:
+    """Where ``--score-workers`` runs an environment task's calls (None: the event loop):
+    the task's own choice when it has one (``own_workers(spec)``: an agent task runs its
+    agents in processes that each run many at once)."""
+    own = getattr(task, "own_workers", None)
+    if callable(own):
+        return own(spec)  # type: ignore[no-any-return]
     if spec.kind == "processes":
         return ProcessWorkers(spec.count)
     if spec.kind == "ray":
@@ -90,6 +96,16 @@ def env_workers(spec: ScoreWorkers) -> Workers | None:
 
         return RayWorkers(spec.count)
     return None
+
+
+def on_workers(builder: EnvGroupBuilder, workers: Workers) -> EnvGroupBuilder:
+    """``builder`` with its work on ``workers``: placed by itself when it can be
+    (``on_workers(workers)``: an agent group runs its agents there and serves them
+    here), else as a :class:`RemoteGroup`."""
+    place = getattr(builder, "on_workers", None)
+    if callable(place):
+        return place(workers)  # type: ignore[no-any-return]
+    return RemoteGroup(builder, workers)
 
 
 class RemoteEnv:

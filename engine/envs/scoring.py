@@ -255,15 +255,21 @@ def check_score_workers(task: Task | EnvTask, workers: ScoreWorkers) -> None:
                 "single-turn task: use threads or processes:N"
             )
         require("ray", RAY_FEATURE)
-        check_picklable(task, str(workers), ray_dumps())
+        check_picklable(_worker_payload(task), str(workers), ray_dumps())
         return
     if is_env_task(task):  # its environments are stepped in the worker processes
-        check_picklable(task)
+        check_picklable(_worker_payload(task), str(workers))
         return
     group_fn = getattr(task, "score_group", None)
     fn = group_fn if callable(group_fn) else task.score
     if not inspect.iscoroutinefunction(fn):
         check_picklable(fn)
+
+
+def _worker_payload(task: object) -> object:
+    """What of an environment task the workers get: ``task.worker_payload`` (an agent
+    task: its agent function) or the task itself."""
+    return getattr(task, "worker_payload", task)
 
 
 def check_picklable(

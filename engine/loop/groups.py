@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from engine.config import EngineConfig
 from engine.core.problems import Problem, Task
 from engine.core.trajectory import EpisodeLimits, Observation, StopCondition
-from engine.envs.executors import RemoteGroup, Workers, env_workers
+from engine.envs.executors import Workers, env_workers, on_workers
 from engine.envs.scoring import Scorer
 from engine.envs.single_turn import TaskGroupBuilder
 from engine.envs.types import EnvContext, EnvGroupBuilder, EnvTask, is_env_task
@@ -56,7 +56,7 @@ class GroupPlan:
         self.limits: EpisodeLimits | None = None
         if is_env_task(task):
             self._env_task = task
-            self.workers = env_workers(workers)
+            self.workers = env_workers(workers, task)
             self.limits = config.environment.episode_limits().within(max_context)
             self.context = EnvContext(renderer.context, self.stop, self.limits)
         else:
@@ -80,7 +80,7 @@ class GroupPlan:
             builder = self._env_task.group_builder(problem, size, self.context)
             if self.workers is None or not in_workers:
                 return builder
-            return RemoteGroup(builder, self.workers)
+            return on_workers(builder, self.workers)
         assert self._scorer is not None
         prompt = tuple(self._renderer.prompt_tokens(problem))
         if self._max_context is not None and len(prompt) > self._max_context - self._max_tokens:

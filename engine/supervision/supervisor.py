@@ -510,6 +510,7 @@ def _open_task_outputs(
         session.tokenizer,
         keep_stop_text=config.sampling.keep_stop_text,
         run_dir=record.path,
+        session=session,
     )
     record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
     if config.training.objective == "sft":

@@ -234,7 +234,7 @@ class Judge:
             raise ValueError(
                 "concurrency and max_tokens must be positive, cache_size and log_samples >= 0"
             )
-        self._model = model
+        self.model = model
         self._rubric = rubric
         self._verdict = verdict or score_line()
         self._limiter = anyio.CapacityLimiter(concurrency)
@@ -294,7 +294,7 @@ class Judge:
         text = self._rubric.format(prompt=prompt, response=response, answer=answer)
         async with self._limiter:
             reply = await call_with_retry(
-                lambda: self._model.complete(text, max_tokens=self._max_tokens),
+                lambda: self.model.complete(text, max_tokens=self._max_tokens),
                 kind=JUDGE_KIND,
                 policy=self._policy,
                 counter=self._usage.retries,
@@ -331,6 +331,9 @@ class JudgedTask:
         setup = getattr(self._task, "setup", None)
         if callable(setup):
             setup(context)
+        bind = getattr(self.judge.model, "bind", None)
+        if callable(bind):  # a judge that samples through the run's session
+            bind(context)
         if context.run_dir is not None:
             self.judge.log_to(context.run_dir / JUDGE_LOG)
 

@@ -12,9 +12,13 @@ needs ``MINT_API_KEY``, which would send the training to that server::
     --task judge:jsonl:data.jsonl --task-arg chat=true \\
         --task-arg judge.url=http://host:8000/v1 --task-arg judge.model=grader
 
-``judge.api=openai`` (default) posts to an OpenAI-compatible ``/chat/completions``;
-``judge.api=mint`` samples a MinT server's (or the local server's) ``judge.model`` base
-model through the ``mint`` SDK, connected on the first call. See
+``judge.api=openai`` (default) posts to an OpenAI-compatible ``/chat/completions`` (a
+hosted API, or ``python -m engine.serve CHECKPOINT``); ``judge.api=mint`` samples a MinT
+server's (or a local server's) ``judge.model`` base model through the ``mint`` SDK,
+connected on the first call; ``judge.api=local`` samples through the run's own session
+(:class:`SessionJudgeModel`: the engine's local server with ``--local``): its base model,
+or a checkpoint's sampler weights (``judge.model=tinker://...``), with no second server,
+no URL and no key. See
 docs/export-and-eval.md for every argument.
 """
 
@@ -29,7 +33,8 @@ import anyio
 
 from engine.common.protocol import LOCAL_PLACEHOLDER_KEY
 from engine.core.problems import Task
-from engine.errors import ConfigError
+from engine.errors import ConfigError, EngineError
+from engine.session.api import SamplerHandle, SamplingParams, Session
 from engine.tasks.arithmetic import extract_prediction
 from engine.tasks.dataset import flag_arg
 from engine.tasks.judge import (
@@ -44,8 +49,16 @@ from engine.tasks.judge import (
     Verdict,
     score_line,
 )
+from engine.tasks.render import TaskContext, render_prompt
 
-__all__ = ["ANSWER_THE_QUESTION", "PREFIX", "LazyMintJudgeModel", "judged_task", "same_number"]
+__all__ = [
+    "ANSWER_THE_QUESTION",
+    "PREFIX",
+    "LazyMintJudgeModel",
+    "SessionJudgeModel",
+    "judged_task",
+    "same_number",
+]
 
 PREFIX = "judge."
 """Task arguments with this prefix configure the judge."""
@@ -113,6 +126,52 @@ class LazyMintJudgeModel:
         return MintJudgeModel(sampler, tokenizer, chat=self._chat)
 
 
+class SessionJudgeModel:
+    """The judge as the run's own session samples it (``judge.api=local``): its base
+    model (``model`` None) or the sampler weights at ``model`` (a ``tinker://`` path),
+    opened on the first call; the rubric rendered as :class:`MintJudgeModel` renders it,
+    the reply greedy. The session comes with the task's setup (:meth:`bind`)."""
+
+    def __init__(self, model: str | None, *, chat: bool = True) -> None:
+        self._model = model
+        self._chat = chat
+        self._session: Session | None = None
+        self._sampler: SamplerHandle | None = None
+        self._lock = anyio.Lock()
+
+    def bind(self, context: TaskContext) -> None:
+        """The run's session, from the task's setup."""
+        self._session = context.session
+
+    async def complete(self, prompt: str, *, max_tokens: int) -> JudgeReply:
+        session = self._session
+        if session is None:
+            raise EngineError(
+                f"{PREFIX}api=local judges through the run's session, and this task was "
+                "not set up by a run"
+            )
+        async with self._lock:
+            if self._sampler is None:
+                self._sampler = await (
+                    session.open_base_sampler()
+                    if self._model is None
+                    else session.open_sampler(0, self._model)
+                )
+        tokenizer = session.tokenizer
+        chat = self._chat and getattr(tokenizer, "chat_template", None) is not None
+        tokens = render_prompt(tokenizer, [{"role": "user", "content": prompt}] if chat else prompt)
+        eos = getattr(tokenizer, "eos_token_id", None)
+        settings = SamplingParams(
+            max_tokens=max_tokens,
+            temperature=0.0,
+            stop_token_ids=(eos,) if isinstance(eos, int) else (),
+        )
+        result = await session.sample(self._sampler, tokens, 1, settings)
+        out = list(result.completions[0].tokens)
+        text = str(tokenizer.decode(out, skip_special_tokens=True))
+        return JudgeReply(text, len(tokens), len(out))
+
+
 def judged_task(
     spec: str, args: Mapping[str, str], load: Callable[[str, Mapping[str, str]], Task]
 ) -> JudgedTask:
@@ -139,12 +198,22 @@ def _judge(args: Mapping[str, str]) -> Judge:
             + ")"
         )
     api = args.get("api", "openai")
-    if api not in DEFAULT_KEY_ENV:
-        raise ValueError(f"{PREFIX}api must be openai or mint, got {api!r}")
+    if api not in (*DEFAULT_KEY_ENV, "local"):
+        raise ValueError(f"{PREFIX}api must be openai, mint or local, got {api!r}")
     url, model = args.get("url", ""), args.get("model", "")
-    if not url.startswith(("http://", "https://")):
+    if api == "local":
+        if url:
+            raise ValueError(
+                f"{PREFIX}api=local judges with the run's own server: drop {PREFIX}url"
+            )
+        if model and not model.startswith("tinker://"):
+            raise ValueError(
+                f"{PREFIX}model with {PREFIX}api=local is a checkpoint's sampler path "
+                f"(tinker://...), or none for the base model; got {model!r}"
+            )
+    elif not url.startswith(("http://", "https://")):
         raise ValueError(f"{PREFIX}url must be the judge's http(s) base URL, got {url!r}")
-    if not model:
+    if not model and api != "local":
         raise ValueError(f"{PREFIX}model is required: the judge's model name")
     verdict_name = args.get("verdict", "score")
     verdict: Verdict
@@ -163,7 +232,7 @@ def _judge(args: Mapping[str, str]) -> Judge:
         else rubric != ANSWER_THE_QUESTION
     )
     own = args.get("api_key_env")
-    names = [own] if own else [JUDGE_KEY_ENV, DEFAULT_KEY_ENV[api]]
+    names = [own] if own else [JUDGE_KEY_ENV, DEFAULT_KEY_ENV.get(api, "")]
     api_key = next((os.environ[n] for n in names if os.environ.get(n)), None)
     if api == "mint" and api_key is None:  # the SDK refuses to connect without one
         if urllib.parse.urlsplit(url).hostname not in _LOOPBACK:
@@ -176,11 +245,13 @@ def _judge(args: Mapping[str, str]) -> Judge:
     max_tokens = _count(args, "max_tokens", 64, minimum=1)
     cache_size = _count(args, "cache_size", 4096, minimum=0)
     log_samples = _count(args, "log_samples", DEFAULT_LOG_SAMPLES, minimum=0)
-    judge_model: JudgeModel = (  # last: every argument is valid
-        OpenAIJudgeModel(url, model, api_key=api_key)
-        if api == "openai"
-        else LazyMintJudgeModel(url, model, api_key, chat=chat)
-    )
+    judge_model: JudgeModel  # last: every argument is valid
+    if api == "local":
+        judge_model = SessionJudgeModel(model or None, chat=chat)
+    elif api == "openai":
+        judge_model = OpenAIJudgeModel(url, model, api_key=api_key)
+    else:
+        judge_model = LazyMintJudgeModel(url, model, api_key, chat=chat)
     return Judge(
         judge_model,
         rubric,

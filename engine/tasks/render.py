@@ -30,9 +30,12 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from engine.errors import ConfigError
+
+if TYPE_CHECKING:
+    from engine.session.api import Session
 
 __all__ = ["ChatMessage", "Prompt", "PromptRenderer", "TaskContext", "render_prompt"]
 
@@ -53,6 +56,9 @@ class TaskContext:
     run_dir: Path | None = None
     """The run's directory, for a task's own files (a judge's ``judge.jsonl``); None
     outside a run."""
+    session: Session | None = None
+    """The run's session (a ``judge.api=local`` judge samples through it); None outside
+    a run."""
 
     def render(self, prompt: Prompt) -> list[int]:
         """The prompt token ids of ``prompt`` (see :func:`render_prompt`)."""
@@ -108,7 +114,8 @@ def render_prompt(
 
 class PromptRenderer:
     """A task's prompts, stop strings and response decoding for one tokenizer
-    (``keep_stop_text``: ``--keep-stop-text``; ``run_dir``: the run's directory)."""
+    (``keep_stop_text``: ``--keep-stop-text``; ``run_dir``: the run's directory;
+    ``session``: the run's session)."""
 
     def __init__(
         self,
@@ -117,6 +124,7 @@ class PromptRenderer:
         *,
         keep_stop_text: bool = False,
         run_dir: Path | None = None,
+        session: Session | None = None,
     ) -> None:
         self._task = task
         self.context = TaskContext(
@@ -124,6 +132,7 @@ class PromptRenderer:
             dict(getattr(task, "chat_template_options", {})),
             skip_special_tokens=bool(getattr(task, "skip_special_tokens", False)),
             run_dir=run_dir,
+            session=session,
         )
         self._keep_stop_text = keep_stop_text
         self._stop = tuple(str(s) for s in getattr(task, "stop", ()) or ())

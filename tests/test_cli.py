@@ -160,8 +160,8 @@ BAD_INPUT = [
     (
         ["--local-model", "/no/such/model/dir"],
         {},
-        "Error: --local-model must be an existing directory or one of smollm2-135m, got "
-        "'/no/such/model/dir'",
+        "Error: --local-model must be an existing directory or one of tiny-arith, "
+        "tiny-agent-2, smollm2-135m, got '/no/such/model/dir'",
     ),
 ]
 

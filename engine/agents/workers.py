@@ -65,7 +65,7 @@ class AgentWorkers:
         if processes < 1:
             raise ValueError("processes must be >= 1")
         self._size = processes
-        self._workers: list[_Worker] = []
+        self._workers: list[_AgentWorker] = []
         self._starting = anyio.Lock()
         self._stack = contextlib.AsyncExitStack()
         self._tg: anyio.abc.TaskGroup | None = None
@@ -111,7 +111,7 @@ class AgentWorkers:
         worker = await self._worker()
         return await worker.call(payload)
 
-    async def _worker(self) -> _Worker:
+    async def _worker(self) -> _AgentWorker:
         if self._tg is None:
             raise RuntimeError("AgentWorkers must be entered ('async with') before a call")
         async with self._starting:
@@ -119,13 +119,13 @@ class AgentWorkers:
             least = min(self._workers, key=lambda w: len(w.pending), default=None)
             if least is not None and (not least.pending or len(self._workers) >= self._size):
                 return least
-            worker = await _Worker.start(self.routes)
+            worker = await _AgentWorker.start(self.routes)
             self._tg.start_soon(worker.read_frames)
             self._workers.append(worker)
             return worker
 
 
-class _Worker:
+class _AgentWorker:
     """One worker process: the calls it runs and the requests it sends."""
 
     def __init__(self, process: anyio.abc.Process, routes: dict[str, Dispatch]) -> None:
@@ -135,13 +135,13 @@ class _Worker:
         self._stdout = BufferedByteReceiveStream(process.stdout)
         self._stderr: deque[str] = deque(maxlen=_STDERR_TAIL)
         self._routes = routes
-        self.pending: dict[int, _Pending] = {}
+        self.pending: dict[int, _PendingCall] = {}
         self._jobs = 0
         self._writing = anyio.Lock()
         self.alive = True
 
     @classmethod
-    async def start(cls, routes: dict[str, Dispatch]) -> _Worker:
+    async def start(cls, routes: dict[str, Dispatch]) -> _AgentWorker:
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p)  # the caller's modules
         process = await anyio.open_process(
@@ -157,7 +157,7 @@ class _Worker:
     async def call(self, payload: bytes) -> tuple[Any, Any]:
         self._jobs += 1
         job = self._jobs
-        pending = _Pending()
+        pending = _PendingCall()
         self.pending[job] = pending
         try:
             await self._send(("run", job, payload))
@@ -241,7 +241,7 @@ class _Worker:
             await self.process.wait()
 
 
-class _Pending:
+class _PendingCall:
     def __init__(self) -> None:
         self.done = anyio.Event()
         self.outcome: Outcome | None = None

@@ -273,7 +273,7 @@ def test_agents_quick_run_compares_the_endpoint_with_the_environment(tmp_path: P
 
     agents.main(["--quick", "--out", str(tmp_path)])
     data = json.loads((tmp_path / "agents.json").read_text())
-    names = {"environment", "openai agent"}
+    names = {"environment", "openai agent", "openai agent, processes:2"}
     assert set(data["per_call_ms"]) == set(data["per_call_cpu_ms"]) == set(data["steps_per_s"])
     assert set(data["steps_per_s"]) == names
     figures = ("per_call_ms", "per_call_cpu_ms", "steps_per_s")

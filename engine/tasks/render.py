@@ -58,7 +58,14 @@ class TaskContext:
     outside a run."""
     session: Session | None = None
     """The run's session (a ``judge.api=local`` judge samples through it); None outside
-    a run."""
+    a run, and in a worker process (it belongs to the engine's event loop)."""
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**self.__dict__, "session": None}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        for name, value in state.items():
+            object.__setattr__(self, name, value)
 
     def render(self, prompt: Prompt) -> list[int]:
         """The prompt token ids of ``prompt`` (see :func:`render_prompt`)."""

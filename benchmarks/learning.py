@@ -64,7 +64,16 @@ from engine.session.sdk_calls import snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
 from engine.tasks.arithmetic import score_arithmetic
 
-__all__ = ["CONFIGS", "HELDOUT_SEED", "RunSpec", "evaluate", "heldout_problems", "main"]
+__all__ = [
+    "CONFIGS",
+    "HELDOUT_SEED",
+    "HeldOut",
+    "RunSpec",
+    "evaluate",
+    "held_out",
+    "heldout_problems",
+    "main",
+]
 
 API_KEY = "tml-benchmarks-learning"
 HELDOUT_SEED = 20_261_129
@@ -162,6 +171,41 @@ def _operands(question: str) -> Problem2:
     # "What is {a} + {b}?"
     a, _, b = question.removeprefix("What is ").removesuffix("?").split()
     return int(a), int(b)
+
+
+@dataclass(frozen=True)
+class HeldOut:
+    """A local server's held-out set and the base model to measure against: the served
+    task, its held-out problems, the SDK's service client, the tokenizer, the stop tokens
+    (EOS) and the sampler of a fresh LoRA client (exactly the base model)."""
+
+    profile: Profile
+    task: ArithmeticTask
+    problems: list[Problem2]
+    service: mint.ServiceClient
+    tokenizer: Any
+    stop: list[int] | None
+    base_sampler: Any
+
+
+def held_out(
+    server: LocalServer, n: int, train_seeds: Sequence[int], steps: int, batch: int
+) -> HeldOut:
+    """The :class:`HeldOut` of ``server``'s default model (``n`` problems none of which the
+    training seeds draw in their first steps, see :func:`heldout_problems`)."""
+    profile = anyio.run(read_server_profile, server.base_url, API_KEY)
+    task = served_task(profile.task_args)
+    problems = heldout_problems(task, n, train_seeds, steps, batch)
+    service = mint.ServiceClient(base_url=server.base_url, api_key=API_KEY)
+    assert profile.lora_rank is not None
+    fresh = service.create_lora_training_client(
+        base_model=server.model_name, rank=profile.lora_rank
+    )
+    tokenizer = fresh.get_tokenizer()
+    eos = getattr(tokenizer, "eos_token_id", None)
+    stop = [eos] if isinstance(eos, int) else None
+    base = fresh.save_weights_and_get_sampling_client()
+    return HeldOut(profile, task, problems, service, tokenizer, stop, base)
 
 
 def evaluate(
@@ -333,19 +377,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         LocalServer(api_key=API_KEY, latency=args.latency) as server,
         tempfile.TemporaryDirectory() as tmp,
     ):
-        profile = anyio.run(read_server_profile, server.base_url, API_KEY)
-        task = served_task(profile.task_args)
-        problems = heldout_problems(task, args.heldout, args.seeds, args.steps, args.batch)
-        service = mint.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-        assert profile.lora_rank is not None
-        fresh = service.create_lora_training_client(
-            base_model=server.model_name, rank=profile.lora_rank
-        )
-        tokenizer = fresh.get_tokenizer()
-        eos = getattr(tokenizer, "eos_token_id", None)
-        stop = [eos] if isinstance(eos, int) else None
+        base = held_out(server, args.heldout, args.seeds, args.steps, args.batch)
+        profile, task, problems = base.profile, base.task, base.problems
+        service, tokenizer, stop = base.service, base.tokenizer, base.stop
         start = time.perf_counter()
-        before = evaluate(fresh.save_weights_and_get_sampling_client(), tokenizer, problems, stop)
+        before = evaluate(base.base_sampler, tokenizer, problems, stop)
         eval_s = time.perf_counter() - start
         print(f"base model: greedy exact {before:.1%} on {len(problems)} held-out ({eval_s:.0f} s)")
         for key, spec in specs:

@@ -24,14 +24,12 @@ from pathlib import Path
 from typing import Any
 
 import anyio
-import mint
 
-from benchmarks.learning import API_KEY, evaluate, heldout_problems, served_task
+from benchmarks.learning import API_KEY, evaluate, held_out
 from benchmarks.measure import positive_int
 from benchmarks.report import load_average, run_context, write_json
 from engine import Engine, EngineConfig, RunResult
 from engine.local import LocalServer
-from engine.session.preflight import read_server_profile
 
 __all__ = ["main", "measure"]
 
@@ -64,18 +62,9 @@ def _spread(rows: Sequence[dict[str, Any]], key: str) -> float:
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     rows: list[dict[str, Any]] = []
     with LocalServer(api_key=API_KEY) as server, tempfile.TemporaryDirectory() as tmp:
-        profile = anyio.run(read_server_profile, server.base_url, API_KEY)
-        task = served_task(profile.task_args)
-        problems = heldout_problems(task, args.heldout, args.seeds, args.steps, 8)
-        service = mint.ServiceClient(base_url=server.base_url, api_key=API_KEY)
-        assert profile.lora_rank is not None
-        fresh = service.create_lora_training_client(
-            base_model=server.model_name, rank=profile.lora_rank
-        )
-        tokenizer = fresh.get_tokenizer()
-        eos = getattr(tokenizer, "eos_token_id", None)
-        stop = [eos] if isinstance(eos, int) else None
-        before = evaluate(fresh.save_weights_and_get_sampling_client(), tokenizer, problems, stop)
+        base = held_out(server, args.heldout, args.seeds, args.steps, 8)
+        service, tokenizer, problems, stop = base.service, base.tokenizer, base.problems, base.stop
+        before = evaluate(base.base_sampler, tokenizer, problems, stop)
         for refill in args.refill:
             for seed in args.seeds:
                 config = EngineConfig(

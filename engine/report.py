@@ -3,7 +3,9 @@ overlaid, from their ``metrics.jsonl``.
 
 Writes ``report.png``, the panels that the run's own metrics fill and no others
 (:mod:`engine.observe.report_panels`): the mean reward (raw and smoothed) and each
-reward component of the task; for an environment, the turns, tool calls, tool errors
+reward component of the task; the objective's own signals (SFT's training and held-out
+loss per token, distillation's reverse KL to the teacher and the teacher's share of each
+step, preference pairs' loss, accuracy and implicit rewards); for an environment, the turns, tool calls, tool errors
 and other counts per episode and how the episodes ended; the held-out means of
 ``eval.jsonl`` (from ``--eval-every``, step 0 included); loss, KL, entropy and gradient
 norm where logged; staleness; response lengths and the fractions of trained groups and

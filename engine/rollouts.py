@@ -55,6 +55,8 @@ def _all_have(items: Any, fields: Mapping[str, type]) -> bool:
 def format_group(record: dict[str, Any]) -> str:
     """A group as readable text: header, answer, then each episode turn by turn (a
     single-turn group's one-turn episodes as one line each, under their shared prompt)."""
+    if record.get("supervised"):
+        return "\n".join(_format_conversation(record))
     lines = [
         f"step {record['step']} - problem {record['problem_id']} - "
         f"sampler v{record['sampler_version']}",
@@ -72,6 +74,18 @@ def format_group(record: dict[str, Any]) -> str:
         return "\n".join([*lines, f"  answer: {record['answer']!r}", *_error(record), *responses])
     lines.append(f"  answer: {record['answer']!r}")
     return "\n".join([*lines, *_error(record), *_format_episodes(episodes)])
+
+
+def _format_conversation(record: Mapping[str, Any]) -> list[str]:
+    """A supervised run's conversation (``--objective sft``): each assistant message it
+    trained on, after the context the model was given for it (the whole context when it
+    does not extend the previous one, else what was added)."""
+    lines = [f"step {record['step']} - conversation {record['problem_id']}"]
+    for e in record["episodes"]:
+        for t in e["turns"]:
+            lines.append(f"  {'context' if t['new_context'] else 'then'}: {t['observation']!r}")
+            lines.append(f"  trained [{t['tokens']} tok]: {t['action']!r}")
+    return lines
 
 
 def _error(record: Mapping[str, Any]) -> list[str]:

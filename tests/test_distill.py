@@ -31,6 +31,7 @@ from engine.errors import (
 )
 from engine.loop.results import StepResult
 from engine.loop.teacher import TeacherFailed, tokenizer_mismatch
+from engine.rollouts import main as rollouts_main
 from engine.rundir.teacher import teacher_weights
 
 pytestmark = pytest.mark.anyio
@@ -167,6 +168,19 @@ async def test_every_sampled_token_is_trained_toward_the_teacher(tmp_path: Path)
         assert "reverse_kl=0.5000" in step.line
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert all("distill/reverse_kl" in json.loads(line) for line in lines)
+
+
+async def test_a_distilled_runs_rollouts_show_each_turns_reverse_kl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await run(fake_config(tmp_path / "run", **distilled()), ToyTask(), FakeSession())
+    assert rollouts_main([str(tmp_path / "run"), "--step", "2"]) == 0
+    responses = [line for line in capsys.readouterr().out.splitlines() if "| '" in line]
+    assert responses and all("kl +0.500 teacher -1.000 |" in line for line in responses)
+    await run(fake_config(tmp_path / "env", **distilled()), CountdownTask(), FakeSession())
+    assert rollouts_main([str(tmp_path / "env"), "--step", "2"]) == 0
+    actions = [line for line in capsys.readouterr().out.splitlines() if "action [" in line]
+    assert actions and all("kl +0.500 teacher -1.000: " in line for line in actions)
 
 
 async def test_an_environments_every_action_token_gets_its_teacher_logprob(

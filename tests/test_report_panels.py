@@ -151,7 +151,7 @@ async def test_an_sft_run_gets_its_loss_panel_and_summary_headline(tmp_path: Pat
     await run(cfg, None, ChatSession())
     fig = draw_report([load_run(run_dir)])
     drawn = panels(fig)
-    assert {"sft_loss", "stage_medians", "wall_clock", "throughput"} <= set(drawn)
+    assert {"sft_loss", "held_out", "stage_medians", "wall_clock", "throughput"} <= set(drawn)
     # no reward, nothing sampled: no reward, staleness, loss:sum or sampling panels
     assert not {"reward", "staleness", "loss", "kl", "length", "distill_kl"} & set(drawn)
     assert_none_empty(fig)
@@ -164,6 +164,8 @@ async def test_an_sft_run_gets_its_loss_panel_and_summary_headline(tmp_path: Pat
         pytest.approx([e["eval/sft/loss"] for e in evals]),
     )
     assert "tokens" in drawn["throughput"].get_title()
+    # the held-out first replies: the reward of a conversation task is its `correct`
+    assert drawn["held_out"].get_title().startswith("held-out means (= correct), greedy")
     bars = [t.get_text() for t in drawn["stage_medians"].get_xticklabels()]
     assert bars == ["train", "trainer\nwaits", "whole\nstep"]  # the stages it logged
 

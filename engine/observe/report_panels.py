@@ -356,7 +356,16 @@ def _eval_curves(
 
 def _held_out(runs: Sequence[RunData], own: Sequence[str], folded: str) -> Panel:
     """Held-out means, one point per evaluation: the greedy reward, solid, then each
-    component in its line style of the components panel, then the sampled reward."""
+    component in its line style of the components panel, then the sampled reward. A run
+    whose steps log no reward (SFT's held-out first replies) names the component that
+    is its held-out reward in the title."""
+    if not any(run.has("avg_reward") for run in runs):
+        keys = {k for run in runs for k in _keys(run.evals)}
+        folded = "".join(
+            f" (= {c})"
+            for c in sorted(k.removeprefix("eval/") for k in keys if f"{k}/rate" in keys)
+            if all(_same(run.evals, f"eval/{c}", "eval/reward/total") for run in runs)
+        )
     names = [("eval/reward/total", "reward")] + [(f"eval/{c}", c) for c in own]
     names.append(("eval/sampled/reward/total", "reward, sampled (--eval-samples)"))
     title = f"held-out means{folded}, greedy, step 0 = before training"
@@ -372,18 +381,18 @@ def _objective_panels(runs: Sequence[RunData]) -> list[Panel]:
     return [
         Panel(
             "sft_loss",
-            "SFT loss per assistant token: training steps, held out (step 0 = before)",
+            "SFT loss per assistant token (held out: step 0 = before)",
             _curves(runs, [("sft/loss", "training")], smoothed=True)
             + _eval_curves(runs, [("eval/sft/loss", "held out")], first_style=1),
         ),
         Panel(
             "distill_kl",
-            "reverse KL to the teacher per sampled token (student - teacher logprob)",
+            "reverse KL to the teacher, per sampled token",
             _curves(runs, [("distill/reverse_kl", "")], smoothed=True),
         ),
         Panel(
             "teacher",
-            "% of each step: a teacher request in flight; the trainer idle",
+            "% of each step: teacher asked; trainer idle",
             _curves(
                 runs,
                 [("distill/teacher_frac", "teacher in flight")]
@@ -395,14 +404,14 @@ def _objective_panels(runs: Sequence[RunData]) -> list[Panel]:
         Panel("dpo_loss", "DPO loss per pair", _curves(runs, [("dpo/loss", "")], smoothed=True)),
         Panel(
             "dpo_accuracy",
-            "preference accuracy, % of pairs with chosen > rejected reward",
+            "preference accuracy, % of pairs (chosen > rejected)",
             _curves(runs, [("dpo/accuracy", "training")], percent=True, smoothed=True)
             + _eval_curves(runs, [(DPO_HELD_OUT, "held out")], first_style=1, scale=100.0),
             percent=True,
         ),
         Panel(
             "dpo_rewards",
-            "implicit rewards (beta x logprob ratio to the reference)",
+            "implicit rewards (beta x log ratio to the reference)",
             _curves(
                 runs,
                 [

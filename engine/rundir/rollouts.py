@@ -34,6 +34,8 @@ def group_record(
     """One group as a JSON-friendly record (one line of rollouts.jsonl): each episode
     turn by turn, with the advantage the trainer computed for it (``supervised``: a
     conversation of ``--objective sft``, trained on its assistant messages)."""
+    # A trained message is shown whole, its end token too.
+    decode_action = renderer.decode_prompt if supervised else renderer.decode
     return {
         **({"supervised": True} if supervised else {}),
         "format": GROUP_FORMAT,
@@ -45,7 +47,7 @@ def group_record(
         "sampler_version": group.version,
         "reward_error": group.reward_error,
         "episodes": [
-            episode_record(t, a, renderer.decode_prompt, renderer.decode)
+            episode_record(t, a, renderer.decode_prompt, decode_action)
             for t, a in zip(group.trajectories, advantages, strict=True)
         ],
     }

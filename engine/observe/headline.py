@@ -15,6 +15,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from engine.observe.report_panels import DPO_HELD_OUT
+
 __all__ = ["HEADLINES", "Headline", "HeadlineFigure", "headline_figures"]
 
 
@@ -34,7 +36,7 @@ HEADLINES = (
     Headline("eval/sft/loss", "held-out loss per assistant token"),
     Headline("sft/loss", "training loss per assistant token"),
     Headline("distill/reverse_kl", "reverse KL to the teacher per sampled token"),
-    Headline("eval/dpo/accuracy", "held-out preference accuracy", percent=True),
+    Headline(DPO_HELD_OUT, "held-out preference accuracy", percent=True),
     Headline("dpo/accuracy", "preference accuracy", percent=True),
     Headline("dpo/margin", "reward margin, chosen - rejected"),
 )

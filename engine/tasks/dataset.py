@@ -17,13 +17,14 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
@@ -37,9 +38,13 @@ __all__ = [
     "DatasetSource",
     "DatasetTask",
     "Row",
-    "load_rows",
+    "RowParser",
+    "RowTask",
+    "int_arg",
+    "known_args",
     "read_records",
     "rows_of",
+    "template_options",
 ]
 
 DATASET_ARGS: Final[Mapping[str, str]] = {
@@ -81,12 +86,6 @@ class Row:
     index: int
     prompt: str | tuple[Mapping[str, Any], ...]
     answer: Any
-
-
-def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[Row]:
-    """The rows of a JSONL file (blank lines skipped); a ConfigError names the file and
-    line of the first bad one (not UTF-8, not JSON, nested too deep, a number too long)."""
-    return rows_of(read_records(path), prompt_field, answer_field, f"dataset {path}")
 
 
 def read_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -235,7 +234,94 @@ def _last_question(messages: Sequence[Mapping[str, Any]]) -> str:
     return str((user or list(messages))[-1]["content"])
 
 
-class DatasetTask:
+RowParser = Callable[[Iterable[tuple[str, Any]], str], list[Row]]
+"""Rows from ``(where, record)`` pairs and the data's name (for "has no rows"); each
+row task parses its own fields and refuses a bad record naming ``where``."""
+
+
+class RowTask:
+    """What every task of dataset rows shares (:class:`DatasetTask`, the conversations of
+    ``--objective sft``, the preference pairs of ``--objective dpo``): the rows read once
+    from a JSONL file or a Hugging Face dataset on disk, the held-out split
+    (``eval_size`` rows taken by a fixed shuffle, a second dataset ``eval_path`` or, for
+    ``hf``, the split ``eval_split``), the seeded resumable source, the held-out problems
+    and a problem's row. A subclass says how a record is parsed (``parse``) and what its
+    rows are called (``noun``)."""
+
+    noun: ClassVar[str] = "training rows"
+    split_seed: ClassVar[str] = _SPLIT_SEED
+
+    def __init__(
+        self,
+        path: str | Path,
+        parse: RowParser,
+        *,
+        data_format: DataFormat,
+        split: str | None,
+        eval_split: str | None,
+        epochs: int | None,
+        shuffle: bool,
+        eval_size: int,
+        eval_path: str | Path | None,
+        args: Mapping[str, str] | None,
+    ) -> None:
+        self.path = Path(path)
+        held_out_sources = [
+            name
+            for name, given in (
+                ("eval_size", eval_size != 0),
+                ("eval_path", eval_path is not None),
+                ("eval_split", eval_split is not None),
+            )
+            if given
+        ]
+        if len(held_out_sources) > 1:
+            raise ConfigError(
+                f"task arguments {' and '.join(held_out_sources)} both choose the held-out "
+                "rows: give one"
+            )
+        rows, held_out = _read(self.path, data_format, split, eval_split, eval_path, parse)
+        if not 0 <= eval_size < len(rows):
+            raise ConfigError(
+                f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
+                f"({len(rows)} {self.noun}), got {eval_size}"
+            )
+        if eval_size:
+            order = list(range(len(rows)))
+            random.Random(self.split_seed).shuffle(order)
+            chosen = set(order[:eval_size])
+            held_out = [r for r in rows if r.index in chosen]
+            rows = [r for r in rows if r.index not in chosen]
+        if epochs is not None and epochs < 1:
+            raise ConfigError(f"task argument epochs must be positive, got {epochs}")
+        self._train = rows
+        self._held_out = held_out
+        self._rows = {
+            "train": {r.index: r for r in rows},
+            "eval": {r.index: r for r in held_out},
+        }
+        self._epochs = epochs
+        self._shuffle = shuffle
+        self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
+
+    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> DatasetSource:
+        return DatasetSource(
+            self._train, seed, shuffle=self._shuffle, epochs=self._epochs, state=state
+        )
+
+    def eval_problems(self) -> list[Problem]:
+        """The held-out rows, in file order (ids count from 0)."""
+        return [
+            _problem(i, row, {"split": "eval", "row": row.index})
+            for i, row in enumerate(self._held_out)
+        ]
+
+    def _row(self, problem: Problem) -> Row:
+        split = str(problem.data.get("split", "train"))
+        return self._rows[split][int(problem.data["row"])]
+
+
+class DatasetTask(RowTask):
     """A dataset scored by a reward preset: a JSONL file (``jsonl``) or a Hugging Face
     dataset on disk (``hf``, :mod:`engine.tasks.hf`). Build it with :meth:`from_args`
     (what ``--task jsonl:PATH`` / ``hf:PATH`` with ``--task-arg KEY=VALUE`` does) or
@@ -265,56 +351,28 @@ class DatasetTask:
         chat_template_options: Mapping[str, Any] | None = None,
         args: Mapping[str, str] | None = None,
     ) -> None:
-        self.path = Path(path)
-        held_out_sources = [
-            name
-            for name, given in (
-                ("eval_size", eval_size != 0),
-                ("eval_path", eval_path is not None),
-                ("eval_split", eval_split is not None),
-            )
-            if given
-        ]
-        if len(held_out_sources) > 1:
-            raise ConfigError(
-                f"task arguments {' and '.join(held_out_sources)} both choose the held-out "
-                "rows: give one"
-            )
-        rows, held_out = _read(
-            self.path, data_format, split, eval_split, eval_path, prompt_field, answer_field
+        super().__init__(
+            path,
+            functools.partial(_dataset_rows, prompt_field=prompt_field, answer_field=answer_field),
+            data_format=data_format,
+            split=split,
+            eval_split=eval_split,
+            epochs=epochs,
+            shuffle=shuffle,
+            eval_size=eval_size,
+            eval_path=eval_path,
+            args=args,
         )
-        if not 0 <= eval_size < len(rows):
-            raise ConfigError(
-                f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
-                f"({len(rows)} training rows), got {eval_size}"
-            )
-        if eval_size:
-            order = list(range(len(rows)))
-            random.Random(_SPLIT_SEED).shuffle(order)
-            chosen = set(order[:eval_size])
-            held_out = [r for r in rows if r.index in chosen]
-            rows = [r for r in rows if r.index not in chosen]
-        if epochs is not None and epochs < 1:
-            raise ConfigError(f"task argument epochs must be positive, got {epochs}")
-        self._train = rows
-        self._held_out = held_out
-        self._rows = {
-            "train": {r.index: r for r in rows},
-            "eval": {r.index: r for r in held_out},
-        }
         self._system = system
         self._chat = chat or system is not None
         self._score: RewardFn = make_reward(reward, reward_options or {})
-        self._epochs = epochs
-        self._shuffle = shuffle
         self.reward = reward
         self.stop = tuple(stop)
         self.chat_template_options = dict(chat_template_options or {})
         self.name = f"{data_format}-{self.path.stem or self.path.resolve().name}"
-        self.data_digest = _rows_digest(rows, held_out)
+        self.data_digest = _rows_digest(self._train, self._held_out)
         """A fingerprint of every row (prompts and answers, both splits): a run dir records
         it, and resuming on a changed dataset is refused."""
-        self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
 
     @classmethod
     def from_args(
@@ -322,21 +380,12 @@ class DatasetTask:
     ) -> DatasetTask:
         """Build from ``--task-arg`` strings (see :data:`DATASET_ARGS`, and
         :data:`HF_ARGS` for ``hf``)."""
-        known = {**DATASET_ARGS, **(HF_ARGS if data_format == "hf" else {})}
-        unknown = sorted(set(args) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown task argument {unknown[0]!r} for {data_format} tasks; known: "
-                f"{', '.join(known)}"
-            )
+        known_args(args, DATASET_ARGS, data_format, f"{data_format} tasks")
         options = {
             k: args[k]
             for k in ("tolerance", "numeric_position", "pattern", "pattern_timeout")
             if k in args
         }
-        template: dict[str, Any] = {}
-        if "enable_thinking" in args:
-            template["enable_thinking"] = flag_arg(args, "enable_thinking")
         return cls(
             path,
             data_format=data_format,
@@ -348,12 +397,12 @@ class DatasetTask:
             chat=flag_arg(args, "chat") if "chat" in args else False,
             reward=args.get("reward", "exact"),
             reward_options=options,
-            epochs=_int(args, "epochs") if "epochs" in args else None,
+            epochs=int_arg(args, "epochs") if "epochs" in args else None,
             shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
-            eval_size=_int(args, "eval_size") if "eval_size" in args else 0,
+            eval_size=int_arg(args, "eval_size") if "eval_size" in args else 0,
             eval_path=args.get("eval_path"),
             stop=tuple(s for s in args.get("stop", "").split("|") if s),
-            chat_template_options=template,
+            chat_template_options=template_options(args),
             args=args,
         )
 
@@ -362,18 +411,6 @@ class DatasetTask:
             f"DatasetTask({str(self.path)!r}, {len(self._train)} train / "
             f"{len(self._held_out)} held-out rows, reward={self.reward!r})"
         )
-
-    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> DatasetSource:
-        return DatasetSource(
-            self._train, seed, shuffle=self._shuffle, epochs=self._epochs, state=state
-        )
-
-    def eval_problems(self) -> list[Problem]:
-        """The held-out rows, in file order (ids count from 0)."""
-        return [
-            _problem(i, row, {"split": "eval", "row": row.index})
-            for i, row in enumerate(self._held_out)
-        ]
 
     def prompt(self, problem: Problem) -> str | list[Mapping[str, Any]]:
         row = self._row(problem)
@@ -391,10 +428,6 @@ class DatasetTask:
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
         return self._score(response, problem.answer)
 
-    def _row(self, problem: Problem) -> Row:
-        split = str(problem.data.get("split", "train"))
-        return self._rows[split][int(problem.data["row"])]
-
 
 def _read(
     path: Path,
@@ -402,8 +435,7 @@ def _read(
     split: str | None,
     eval_split: str | None,
     eval_path: str | Path | None,
-    prompt_field: str | None,
-    answer_field: str,
+    parse: RowParser,
 ) -> tuple[list[Row], list[Row]]:
     """The training rows and the held-out rows of ``eval_path`` or ``eval_split`` (none
     without either): the only part that differs between the formats."""
@@ -413,23 +445,28 @@ def _read(
                 "task arguments split and eval_split name splits of hf: datasets; a "
                 "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
             )
-        rows = load_rows(path, prompt_field, answer_field)
+        rows = parse(read_records(path), f"dataset {path}")
         if eval_path is None:
             return rows, []
-        return rows, load_rows(Path(eval_path), prompt_field, answer_field)
+        return rows, parse(read_records(Path(eval_path)), f"dataset {eval_path}")
     dataset = read_hf_splits(path)
     split = dataset.require(split) if split is not None else dataset.default()
     if eval_split == split:
         raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
-    rows = rows_of(dataset.records(split), prompt_field, answer_field, f"{path} (split {split})")
+    rows = parse(dataset.records(split), f"{path} (split {split})")
     if eval_split is not None:
         records = dataset.records(dataset.require(eval_split))
-        return rows, rows_of(records, prompt_field, answer_field, f"{path} (split {eval_split})")
+        return rows, parse(records, f"{path} (split {eval_split})")
     if eval_path is not None:
         other = read_hf_splits(Path(eval_path))
-        records = other.records(other.default())
-        return rows, rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
+        return rows, parse(other.records(other.default()), f"dataset {eval_path}")
     return rows, []
+
+
+def _dataset_rows(
+    records: Iterable[tuple[str, Any]], name: str, *, prompt_field: str | None, answer_field: str
+) -> list[Row]:
+    return rows_of(records, prompt_field, answer_field, name)
 
 
 def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
@@ -441,6 +478,26 @@ def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+def known_args(
+    args: Mapping[str, str], known: Mapping[str, str], data_format: DataFormat, what: str
+) -> None:
+    """ConfigError naming the first of ``args`` that is neither in ``known`` nor, for an
+    ``hf`` dataset, in :data:`HF_ARGS`."""
+    names = {**known, **(HF_ARGS if data_format == "hf" else {})}
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown task argument {unknown[0]!r} for {what}; known: {', '.join(names)}"
+        )
+
+
+def template_options(args: Mapping[str, str]) -> dict[str, Any]:
+    """The chat template's options the task arguments set (``enable_thinking``)."""
+    if "enable_thinking" not in args:
+        return {}
+    return {"enable_thinking": flag_arg(args, "enable_thinking")}
+
+
 def flag_arg(args: Mapping[str, str], key: str) -> bool:
     value = _TRUE.get(args[key].strip().lower())
     if value is None:
@@ -448,7 +505,8 @@ def flag_arg(args: Mapping[str, str], key: str) -> bool:
     return value
 
 
-def _int(args: Mapping[str, str], key: str) -> int:
+def int_arg(args: Mapping[str, str], key: str) -> int:
+    """The integer task argument ``key``; ConfigError when it is not one."""
     try:
         return int(args[key])
     except ValueError:

@@ -22,6 +22,7 @@ from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
+from engine.loop.dpo_eval import PreferenceEvaluator
 from engine.loop.evaluation import Evaluator
 from engine.loop.messages import SubmittedStep, steps_done
 from engine.loop.policy import PolicyVersions
@@ -30,6 +31,8 @@ from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.step_metrics import (
     ActivityMeter,
     StepTiming,
+    preference_line,
+    preference_step_metrics,
     quickstart_line,
     step_metrics,
     supervised_line,
@@ -61,7 +64,7 @@ class FinishStage:
         gate: StopGate,
         clock: Stopwatch,
         progress: Callable[[str], None],
-        evaluate: Evaluator | SupervisedEvaluator | None,
+        evaluate: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None,
         episodic: bool,
     ) -> None:
         self._config = config
@@ -161,6 +164,18 @@ class FinishStage:
                 lr=self._config.training.learning_rate or 0.0,
             )
             line = supervised_line(done, metrics)
+        elif self._config.training.objective == "dpo":
+            metrics = preference_step_metrics(
+                done,
+                self._config.pipeline.steps,
+                groups,
+                submitted.assembled,
+                result,
+                timing,
+                lr=self._config.training.learning_rate or 0.0,
+                beta=self._config.preference.dpo_beta,
+            )
+            line = preference_line(done, metrics)
         else:
             metrics = step_metrics(
                 done,

@@ -276,7 +276,7 @@ class RunDirectory:
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
             "max_steps_off_policy": config.pipeline.max_steps_off_policy,
-            "loss": "cross_entropy" if config.training.objective == "sft" else config.training.loss,
+            "loss": _loss_name(config),
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max(
@@ -396,6 +396,20 @@ def _status(error: BaseException | None, *, stopped: bool = False) -> str:
     return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
+_HELD_OUT_VALUES = ("eval/sft/loss", "eval/dpo/accuracy", "eval/dpo/prefers_chosen")
+"""Held-out values a summary shows besides the rates."""
+
+
+def _loss_name(config: EngineConfig) -> str:
+    """The loss a run trained with, as its summary names it."""
+    objective = config.training.objective
+    if objective == "sft":
+        return "cross_entropy"
+    if objective == "dpo":
+        return f"dpo (forward_backward_custom, beta {config.preference.dpo_beta})"
+    return config.training.loss
+
+
 def held_out_summary(path: Path) -> dict[str, Any] | None:
     """The first and last held-out evaluations of ``eval.jsonl`` (step, problems, mean
     reward and component means), or None without one."""
@@ -410,7 +424,7 @@ def held_out_summary(path: Path) -> dict[str, Any] | None:
         means = {
             k.removeprefix("eval/"): v
             for k, v in record.items()
-            if k.startswith("eval/") and (f"{k}/rate" in record or k == "eval/sft/loss")
+            if k.startswith("eval/") and (f"{k}/rate" in record or k in _HELD_OUT_VALUES)
         }
         reward = {"reward": record.get("eval/reward/total")}
         return {"step": record["step"], "problems": record.get("eval/problems"), **reward, **means}

@@ -285,6 +285,8 @@ class RunDirectory:
             "objective": config.training.objective,
             "first_sft_loss": first.get("sft/loss"),
             "last_sft_loss": last.get("sft/loss"),
+            "first_dpo": {k: first.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")},
+            "last_dpo": {k: last.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")},
             "max_staleness": max((m["off_policy/staleness"] for m in metrics), default=None),
             "retries": dict(retries),
             "seconds": round(time.perf_counter() - self._started_at, 3),
@@ -444,9 +446,31 @@ def _held_out_line(held: Mapping[str, Any]) -> str:
     return f"- held-out (greedy{problems}), step {first['step']} -> {last['step']}: {changes}"
 
 
+def _num(v: Any) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
+def _objective_line(s: Mapping[str, Any]) -> str:
+    """The summary's line of what the objective measures, first and last."""
+    num = _num
+    if s["objective"] == "sft":
+        return (
+            f"- sft/loss per token: first {num(s['first_sft_loss'])}, "
+            f"last {num(s['last_sft_loss'])}"
+        )
+    if s["objective"] == "dpo":
+        first, last = s["first_dpo"], s["last_dpo"]
+        return "- " + "; ".join(
+            f"dpo/{k}: first {num(first[k])}, last {num(last[k])}" for k in first
+        )
+    return (
+        f"- avg reward: first {num(s['first_avg_reward'])}, last "
+        f"{num(s['last_avg_reward'])}, best {num(s['best_avg_reward'])}"
+    )
+
+
 def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -> str:
-    def num(v: Any) -> str:
-        return "n/a" if v is None else f"{v:.3f}"
+    num = _num
 
     lines = [
         f"# Run summary: {s['task']} on {s['base_model']}",
@@ -455,10 +479,7 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         f"- server: {s['server']}; loss: {s['loss']}; "
         f"max steps off-policy: {s['max_steps_off_policy']}",
         f"- steps: {s['steps_completed']} of {s['steps_planned']} in {s['seconds']:.1f}s",
-        f"- sft/loss per token: first {num(s['first_sft_loss'])}, last {num(s['last_sft_loss'])}"
-        if s["objective"] == "sft"
-        else f"- avg reward: first {num(s['first_avg_reward'])}, last "
-        f"{num(s['last_avg_reward'])}, best {num(s['best_avg_reward'])}",
+        _objective_line(s),
         f"- max staleness: {s['max_staleness']}",
         *([_held_out_line(held)] if (held := s["held_out"]) else []),
         *(
@@ -484,6 +505,17 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         lines += [
             f"| {m['step']} | {num(m['sft/loss'])} | {m['sft/tokens']} | {m['datums']} | "
             f"{m['time/step']:.2f} |"
+            for m in metrics
+        ]
+        return "\n".join(lines) + "\n"
+    if s["objective"] == "dpo":
+        lines += [
+            "| step | dpo/loss | dpo/accuracy | dpo/margin | pairs | time/step (s) |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {m['step']} | {num(m.get('dpo/loss'))} | {num(m.get('dpo/accuracy'))} | "
+            f"{num(m.get('dpo/margin'))} | {m['dpo/pairs']} | {m['time/step']:.2f} |"
             for m in metrics
         ]
         return "\n".join(lines) + "\n"

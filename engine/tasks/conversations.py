@@ -22,19 +22,11 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
-from engine.tasks.dataset import (
-    DataFormat,
-    Row,
-    RowTask,
-    flag_arg,
-    int_arg,
-    known_args,
-    template_options,
-)
+from engine.tasks.dataset import DataFormat, Row, RowArgs, RowTask, known_args, row_args
 from engine.tasks.render import ChatMessage, TaskContext
 
 __all__ = ["CONVERSATION_ARGS", "ConversationTask", "render_conversation"]
@@ -138,39 +130,12 @@ class ConversationTask(RowTask):
     skip_special_tokens = True
     noun = "conversations"
     split_seed = "engine-sft-eval-split"
+    name_prefix = "sft"
 
     def __init__(
-        self,
-        path: str | Path,
-        *,
-        data_format: DataFormat = "jsonl",
-        split: str | None = None,
-        eval_split: str | None = None,
-        messages_field: str = "messages",
-        system: str | None = None,
-        epochs: int | None = None,
-        shuffle: bool = True,
-        eval_size: int = 0,
-        eval_path: str | Path | None = None,
-        chat_template_options: Mapping[str, Any] | None = None,
-        args: Mapping[str, str] | None = None,
+        self, path: str | Path, *, messages_field: str = "messages", **rows: Unpack[RowArgs]
     ) -> None:
-        super().__init__(
-            path,
-            functools.partial(_rows, field=messages_field),
-            data_format=data_format,
-            split=split,
-            eval_split=eval_split,
-            epochs=epochs,
-            shuffle=shuffle,
-            eval_size=eval_size,
-            eval_path=eval_path,
-            args=args,
-        )
-        self._system = system
-        self.stop: tuple[str, ...] = ()
-        self.chat_template_options = dict(chat_template_options or {})
-        self.name = f"sft-{self.path.stem or self.path.resolve().name}"
+        super().__init__(path, functools.partial(_rows, field=messages_field), **rows)
 
     @classmethod
     def from_args(
@@ -179,20 +144,8 @@ class ConversationTask(RowTask):
         """Build from ``--task-arg`` strings (see :data:`CONVERSATION_ARGS`, and
         :data:`~engine.tasks.dataset.HF_ARGS` for ``hf``)."""
         known_args(args, CONVERSATION_ARGS, data_format, f"--objective sft {data_format} tasks")
-        return cls(
-            path,
-            data_format=data_format,
-            split=args.get("split"),
-            eval_split=args.get("eval_split"),
-            messages_field=args.get("messages_field", "messages"),
-            system=args.get("system"),
-            epochs=int_arg(args, "epochs") if "epochs" in args else None,
-            shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
-            eval_size=int_arg(args, "eval_size") if "eval_size" in args else 0,
-            eval_path=args.get("eval_path"),
-            chat_template_options=template_options(args),
-            args=args,
-        )
+        messages_field = args.get("messages_field", "messages")
+        return cls(path, messages_field=messages_field, **row_args(args, data_format))
 
     def __repr__(self) -> str:
         return (
@@ -202,12 +155,7 @@ class ConversationTask(RowTask):
 
     def conversation(self, problem: Problem) -> list[ChatMessage]:
         """The problem's conversation (with the ``system`` message, if set)."""
-        row = self._row(problem)
-        assert not isinstance(row.prompt, str)
-        messages = list(row.prompt)
-        if self._system is not None and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self._system})
-        return messages
+        return self._messages(problem)
 
     def prompt(self, problem: Problem) -> list[ChatMessage]:
         """The conversation up to its first assistant message."""

@@ -24,7 +24,7 @@ import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar, Final, Literal
+from typing import Any, ClassVar, Final, Literal, TypedDict, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
@@ -38,11 +38,13 @@ __all__ = [
     "DatasetSource",
     "DatasetTask",
     "Row",
+    "RowArgs",
     "RowParser",
     "RowTask",
     "int_arg",
     "known_args",
     "read_records",
+    "row_args",
     "rows_of",
     "template_options",
 ]
@@ -239,31 +241,66 @@ RowParser = Callable[[Iterable[tuple[str, Any]], str], list[Row]]
 row task parses its own fields and refuses a bad record naming ``where``."""
 
 
+class RowArgs(TypedDict, total=False):
+    """What every row task takes besides its path (:class:`RowTask`)."""
+
+    data_format: DataFormat
+    split: str | None
+    eval_split: str | None
+    system: str | None
+    epochs: int | None
+    shuffle: bool
+    eval_size: int
+    eval_path: str | Path | None
+    chat_template_options: Mapping[str, Any] | None
+    args: Mapping[str, str] | None
+
+
+def row_args(args: Mapping[str, str], data_format: DataFormat) -> RowArgs:
+    """:class:`RowArgs` from ``--task-arg`` strings."""
+    return RowArgs(
+        data_format=data_format,
+        split=args.get("split"),
+        eval_split=args.get("eval_split"),
+        system=args.get("system"),
+        epochs=int_arg(args, "epochs") if "epochs" in args else None,
+        shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
+        eval_size=int_arg(args, "eval_size") if "eval_size" in args else 0,
+        eval_path=args.get("eval_path"),
+        chat_template_options=template_options(args),
+        args=args,
+    )
+
+
 class RowTask:
     """What every task of dataset rows shares (:class:`DatasetTask`, the conversations of
     ``--objective sft``, the preference pairs of ``--objective dpo``): the rows read once
     from a JSONL file or a Hugging Face dataset on disk, the held-out split
     (``eval_size`` rows taken by a fixed shuffle, a second dataset ``eval_path`` or, for
     ``hf``, the split ``eval_split``), the seeded resumable source, the held-out problems
-    and a problem's row. A subclass says how a record is parsed (``parse``) and what its
-    rows are called (``noun``)."""
+    and a problem's row, its ``system`` message and chat template options. A subclass says
+    how a record is parsed (``parse``) and what its rows are called (``noun``)."""
 
     noun: ClassVar[str] = "training rows"
     split_seed: ClassVar[str] = _SPLIT_SEED
+    name_prefix: ClassVar[str | None] = None
+    """The task's name is ``<this or the data format>-<file stem>``."""
 
     def __init__(
         self,
         path: str | Path,
         parse: RowParser,
         *,
-        data_format: DataFormat,
-        split: str | None,
-        eval_split: str | None,
-        epochs: int | None,
-        shuffle: bool,
-        eval_size: int,
-        eval_path: str | Path | None,
-        args: Mapping[str, str] | None,
+        data_format: DataFormat = "jsonl",
+        split: str | None = None,
+        eval_split: str | None = None,
+        system: str | None = None,
+        epochs: int | None = None,
+        shuffle: bool = True,
+        eval_size: int = 0,
+        eval_path: str | Path | None = None,
+        chat_template_options: Mapping[str, Any] | None = None,
+        args: Mapping[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
         held_out_sources = [
@@ -302,6 +339,11 @@ class RowTask:
         }
         self._epochs = epochs
         self._shuffle = shuffle
+        self._system = system
+        self.chat_template_options = dict(chat_template_options or {})
+        self.stop: tuple[str, ...] = ()
+        stem = self.path.stem or self.path.resolve().name
+        self.name = f"{self.name_prefix or data_format}-{stem}"
         self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
 
     def source(self, seed: int, state: Mapping[str, Any] | None = None) -> DatasetSource:
@@ -320,6 +362,17 @@ class RowTask:
         split = str(problem.data.get("split", "train"))
         return self._rows[split][int(problem.data["row"])]
 
+    def _messages(self, problem: Problem) -> list[Mapping[str, Any]]:
+        """The problem's chat messages (a string prompt: one user message), with the
+        ``system`` message first when set and the messages have none."""
+        prompt = self._row(problem).prompt
+        messages: list[Mapping[str, Any]] = (
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
+        )
+        if self._system is not None and messages[0].get("role") != "system":
+            messages.insert(0, {"role": "system", "content": self._system})
+        return messages
+
 
 class DatasetTask(RowTask):
     """A dataset scored by a reward preset: a JSONL file (``jsonl``) or a Hugging Face
@@ -334,42 +387,23 @@ class DatasetTask(RowTask):
         self,
         path: str | Path,
         *,
-        data_format: DataFormat = "jsonl",
-        split: str | None = None,
-        eval_split: str | None = None,
         prompt_field: str | None = None,
         answer_field: str = "answer",
-        system: str | None = None,
         chat: bool = False,
         reward: str = "exact",
         reward_options: Mapping[str, str] | None = None,
-        epochs: int | None = None,
-        shuffle: bool = True,
-        eval_size: int = 0,
-        eval_path: str | Path | None = None,
         stop: Sequence[str] = (),
-        chat_template_options: Mapping[str, Any] | None = None,
-        args: Mapping[str, str] | None = None,
+        **rows: Unpack[RowArgs],
     ) -> None:
         super().__init__(
             path,
             functools.partial(_dataset_rows, prompt_field=prompt_field, answer_field=answer_field),
-            data_format=data_format,
-            split=split,
-            eval_split=eval_split,
-            epochs=epochs,
-            shuffle=shuffle,
-            eval_size=eval_size,
-            eval_path=eval_path,
-            args=args,
+            **rows,
         )
-        self._system = system
-        self._chat = chat or system is not None
+        self._chat = chat or self._system is not None
         self._score: RewardFn = make_reward(reward, reward_options or {})
         self.reward = reward
         self.stop = tuple(stop)
-        self.chat_template_options = dict(chat_template_options or {})
-        self.name = f"{data_format}-{self.path.stem or self.path.resolve().name}"
         self.data_digest = _rows_digest(self._train, self._held_out)
         """A fingerprint of every row (prompts and answers, both splits): a run dir records
         it, and resuming on a changed dataset is refused."""
@@ -388,22 +422,13 @@ class DatasetTask(RowTask):
         }
         return cls(
             path,
-            data_format=data_format,
-            split=args.get("split"),
-            eval_split=args.get("eval_split"),
             prompt_field=args.get("prompt_field"),
             answer_field=args.get("answer_field", "answer"),
-            system=args.get("system"),
             chat=flag_arg(args, "chat") if "chat" in args else False,
             reward=args.get("reward", "exact"),
             reward_options=options,
-            epochs=int_arg(args, "epochs") if "epochs" in args else None,
-            shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
-            eval_size=int_arg(args, "eval_size") if "eval_size" in args else 0,
-            eval_path=args.get("eval_path"),
             stop=tuple(s for s in args.get("stop", "").split("|") if s),
-            chat_template_options=template_options(args),
-            args=args,
+            **row_args(args, data_format),
         )
 
     def __repr__(self) -> str:
@@ -416,14 +441,7 @@ class DatasetTask(RowTask):
         row = self._row(problem)
         if isinstance(row.prompt, str) and not self._chat:
             return row.prompt
-        messages: list[Mapping[str, Any]] = (
-            [{"role": "user", "content": row.prompt}]
-            if isinstance(row.prompt, str)
-            else list(row.prompt)
-        )
-        if self._system is not None and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self._system})
-        return messages
+        return self._messages(problem)
 
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
         return self._score(response, problem.answer)

@@ -17,20 +17,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
 from engine.tasks.conversations import render_conversation
-from engine.tasks.dataset import (
-    DataFormat,
-    Row,
-    RowTask,
-    flag_arg,
-    int_arg,
-    known_args,
-    template_options,
-)
+from engine.tasks.dataset import DataFormat, Row, RowArgs, RowTask, known_args, row_args
 from engine.tasks.render import ChatMessage, TaskContext
 
 __all__ = ["PAIR_ARGS", "PairTask", "RenderedPair"]
@@ -113,38 +105,10 @@ class PairTask(RowTask):
     skip_special_tokens = True
     noun = "pairs"
     split_seed = "engine-dpo-eval-split"
+    name_prefix = "dpo"
 
-    def __init__(
-        self,
-        path: str | Path,
-        *,
-        data_format: DataFormat = "jsonl",
-        split: str | None = None,
-        eval_split: str | None = None,
-        system: str | None = None,
-        epochs: int | None = None,
-        shuffle: bool = True,
-        eval_size: int = 0,
-        eval_path: str | Path | None = None,
-        chat_template_options: Mapping[str, Any] | None = None,
-        args: Mapping[str, str] | None = None,
-    ) -> None:
-        super().__init__(
-            path,
-            _rows,
-            data_format=data_format,
-            split=split,
-            eval_split=eval_split,
-            epochs=epochs,
-            shuffle=shuffle,
-            eval_size=eval_size,
-            eval_path=eval_path,
-            args=args,
-        )
-        self._system = system
-        self.stop: tuple[str, ...] = ()
-        self.chat_template_options = dict(chat_template_options or {})
-        self.name = f"dpo-{self.path.stem or self.path.resolve().name}"
+    def __init__(self, path: str | Path, **rows: Unpack[RowArgs]) -> None:
+        super().__init__(path, _rows, **rows)
 
     @classmethod
     def from_args(
@@ -153,19 +117,7 @@ class PairTask(RowTask):
         """Build from ``--task-arg`` strings (see :data:`PAIR_ARGS`, and
         :data:`~engine.tasks.dataset.HF_ARGS` for ``hf``)."""
         known_args(args, PAIR_ARGS, data_format, f"--objective dpo {data_format} tasks")
-        return cls(
-            path,
-            data_format=data_format,
-            split=args.get("split"),
-            eval_split=args.get("eval_split"),
-            system=args.get("system"),
-            epochs=int_arg(args, "epochs") if "epochs" in args else None,
-            shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
-            eval_size=int_arg(args, "eval_size") if "eval_size" in args else 0,
-            eval_path=args.get("eval_path"),
-            chat_template_options=template_options(args),
-            args=args,
-        )
+        return cls(path, **row_args(args, data_format))
 
     def __repr__(self) -> str:
         return (
@@ -184,12 +136,7 @@ class PairTask(RowTask):
 
     def prompt(self, problem: Problem) -> list[ChatMessage]:
         """The pair's prompt messages (with the ``system`` message, if set)."""
-        row = self._row(problem)
-        assert not isinstance(row.prompt, str)
-        messages = list(row.prompt)
-        if self._system is not None and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self._system})
-        return messages
+        return self._messages(problem)
 
     def pair_tokens(self, context: TaskContext, problem: Problem) -> RenderedPair:
         """The pair's tokens: its prompt, chosen and rejected responses."""

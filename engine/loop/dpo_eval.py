@@ -10,10 +10,8 @@ are asked once per pair (:class:`~engine.loop.reference.Reference`).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
@@ -21,7 +19,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.core.problems import Problem
 from engine.loop.dpo import PairPlan, pair_rewards, preference_metrics
-from engine.loop.evaluation import EVAL_FILE
+from engine.loop.evaluation import HeldOutLog
 from engine.loop.reference import Reference
 from engine.loop.teacher import action_logprobs
 from engine.session.api import SamplerHandle, Session
@@ -52,15 +50,12 @@ class PreferenceEvaluator:
         self._problems = problems
         self._beta = config.preference.dpo_beta
         self._concurrency = config.pipeline.concurrency
-        self._path = run_dir / EVAL_FILE
-        self._every = config.evaluation.eval_every
-        self._last_step = config.pipeline.steps
+        self._held_out = HeldOutLog(config, run_dir, track)
         self._say = say
-        self._track = track
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` train steps are evaluated."""
-        return step == 0 or step % self._every == 0 or step == self._last_step
+        return self._held_out.due(step)
 
     async def __call__(self, step: int, sampler: SamplerHandle) -> dict[str, float]:
         slots = anyio.Semaphore(self._concurrency)
@@ -84,11 +79,7 @@ class PreferenceEvaluator:
         sums = np.asarray(policy)
         metrics["eval/dpo/prefers_chosen"] = float((sums[0::2] > sums[1::2]).mean())
         metrics["eval/dpo/pairs"] = float(n)
-        record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
-        with self._path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-        if step == 0:
-            self._track(0, metrics)
+        self._held_out.write(step, sampler, metrics)
         self._say(
             f"Eval after step {step}: eval/dpo/accuracy={metrics['eval/dpo/accuracy']:.1%} "
             f"margin={metrics['eval/dpo/margin']:+.3f} loss={metrics['eval/dpo/loss']:.4f}, "

@@ -153,28 +153,15 @@ class FinishStage:
                 f"internal error: step {done} trained on data {staleness} versions old "
                 f"(bound {bound})"
             )
-        if self._config.training.objective == "sft":
-            metrics = supervised_step_metrics(
-                done,
-                self._config.pipeline.steps,
-                groups,
-                submitted.assembled,
-                result,
-                timing,
-                lr=self._config.training.learning_rate or 0.0,
-            )
+        objective = self._config.training.objective
+        ready = (done, self._config.pipeline.steps, groups, submitted.assembled, result, timing)
+        if objective == "sft":
+            metrics = supervised_step_metrics(*ready, lr=self._config.training.learning_rate or 0.0)
             line = supervised_line(done, metrics)
-        elif self._config.training.objective == "dpo":
-            metrics = preference_step_metrics(
-                done,
-                self._config.pipeline.steps,
-                groups,
-                submitted.assembled,
-                result,
-                timing,
-                lr=self._config.training.learning_rate or 0.0,
-                beta=self._config.preference.dpo_beta,
-            )
+        elif objective == "dpo":
+            beta = self._config.preference.dpo_beta
+            lr = self._config.training.learning_rate or 0.0
+            metrics = preference_step_metrics(*ready, lr=lr, beta=beta)
             line = preference_line(done, metrics)
         else:
             metrics = step_metrics(

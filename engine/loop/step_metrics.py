@@ -304,14 +304,8 @@ def supervised_step_metrics(
     is the mean cross-entropy per assistant token at the weights the step started from
     (from the logprobs its forward_backward returned), ``sft/tokens`` the tokens it
     trained on."""
-    weights = [np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in assembled.datums]
-    trained = [np.asarray(o, dtype=np.float64).reshape(-1) for o in result.logprobs]
-    tokens = float(sum(w.sum() for w in weights))
-    loss = (
-        -sum(float((w * lp).sum()) for w, lp in zip(weights, trained, strict=True)) / tokens
-        if tokens
-        else None
-    )
+    sums, tokens = _weighted_logprobs(assembled, result)
+    loss = -sum(sums) / tokens if tokens else None
     used = sum(1 for g in groups if g.trainable)
     return {
         "step": done,
@@ -336,14 +330,9 @@ def preference_step_metrics(
     """The metrics.jsonl event of a preference step (``--objective dpo``): the
     ``dpo/*`` values of its pairs at the weights the step started from (the policy's
     logprobs its forward_backward returned), ``dpo/pairs`` the pairs it trained on."""
-    weights = [np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in assembled.datums]
-    policy = [
-        float((w * np.asarray(lp, dtype=np.float64).reshape(-1)).sum())
-        for w, lp in zip(weights, result.logprobs, strict=True)
-    ]
+    policy, tokens = _weighted_logprobs(assembled, result)
     reference = [s for g in groups if g.trainable for s in response_sums(g)]
     chosen, rejected = pair_rewards(policy, reference, beta)
-    tokens = float(sum(w.sum() for w in weights))
     values = preference_metrics(chosen, rejected)
     return {
         "step": done,
@@ -354,6 +343,17 @@ def preference_step_metrics(
         # The backward's own loss is a surrogate (the gradients as weights): the DPO loss.
         "optim/loss": values.get("dpo/loss"),
     }
+
+
+def _weighted_logprobs(assembled: Assembled, result: TrainResult) -> tuple[list[float], float]:
+    """Each datum's trained logprobs summed over its weighted tokens (the policy's, at
+    the weights the step started from), and the weighted tokens of the step."""
+    weights = [np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in assembled.datums]
+    sums = [
+        float((w * np.asarray(lp, dtype=np.float64).reshape(-1)).sum())
+        for w, lp in zip(weights, result.logprobs, strict=True)
+    ]
+    return sums, float(sum(w.sum() for w in weights))
 
 
 def _ready_step_metrics(

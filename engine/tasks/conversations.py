@@ -22,14 +22,20 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final, Unpack
+from typing import Any, Final, TypeGuard, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
 from engine.tasks.dataset import DataFormat, Row, RowArgs, RowTask, known_args, row_args
 from engine.tasks.render import ChatMessage, TaskContext
 
-__all__ = ["CONVERSATION_ARGS", "ConversationTask", "render_conversation"]
+__all__ = [
+    "CONVERSATION_ARGS",
+    "ConversationTask",
+    "check_encodable",
+    "is_chat",
+    "render_conversation",
+]
 
 CONVERSATION_ARGS: Final[Mapping[str, str]] = {
     "messages_field": "field holding the conversation, a list of chat messages (default: messages)",
@@ -85,31 +91,43 @@ def render_conversation(
     return turns
 
 
-def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any], ...]:
-    if not isinstance(record, dict):
-        raise ConfigError(f"{where} is not a JSON object")
-    messages = record.get(field)
-    if not (
-        isinstance(messages, list)
-        and messages
+def is_chat(value: Any) -> TypeGuard[list[dict[str, Any]]]:
+    """Whether ``value`` is a non-empty list of ``{role, content}`` messages with string
+    roles and contents."""
+    return (
+        isinstance(value, list)
+        and bool(value)
         and all(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str)
-            for m in messages
+            for m in value
         )
-    ):
+    )
+
+
+def check_encodable(texts: Iterable[str], where: str) -> None:
+    """ConfigError naming ``where`` when a text holds a lone surrogate (valid JSON, no
+    UTF-8: the tokenizer would fail mid-run)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: a message holds a lone surrogate") from None
+
+
+def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where} is not a JSON object")
+    messages = record.get(field)
+    if not is_chat(messages):
         raise ConfigError(
             f"{where}: field {field!r} must be a list of {{role, content}} messages with "
             "string contents"
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant message to train on")
-    for message in messages:
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"{where}: a message holds a lone surrogate") from None
+    check_encodable((m["content"] for m in messages), where)
     return tuple(messages)
 
 

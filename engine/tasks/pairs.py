@@ -21,7 +21,7 @@ from typing import Any, Final, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
-from engine.tasks.conversations import render_conversation
+from engine.tasks.conversations import check_encodable, is_chat, render_conversation
 from engine.tasks.dataset import DataFormat, Row, RowArgs, RowTask, known_args, row_args
 from engine.tasks.render import ChatMessage, TaskContext
 
@@ -42,20 +42,8 @@ the rejected one (each with the template's end token)."""
 
 
 def _messages(value: Any, where: str) -> tuple[Mapping[str, Any], ...]:
-    if isinstance(value, str) and value.strip():
-        messages: Any = [{"role": "user", "content": value}]
-    else:
-        messages = value
-    if not (
-        isinstance(messages, list)
-        and messages
-        and all(
-            isinstance(m, dict)
-            and isinstance(m.get("role"), str)
-            and isinstance(m.get("content"), str)
-            for m in messages
-        )
-    ):
+    messages = [{"role": "user", "content": value}] if isinstance(value, str) else value
+    if (isinstance(value, str) and not value.strip()) or not is_chat(messages):
         raise ConfigError(
             f"{where}: the prompt must be a non-empty string or a list of {{role, content}} "
             "messages with string contents"
@@ -68,14 +56,6 @@ def _response(record: Mapping[str, Any], key: str, where: str) -> str:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"{where}: the pair has no {key} response (a non-empty string)")
     return value
-
-
-def _encodable(texts: Iterable[str], where: str) -> None:
-    for text in texts:
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"{where}: the pair holds a lone surrogate") from None
 
 
 def _rows(records: Iterable[tuple[str, Any]], name: str) -> list[Row]:
@@ -92,7 +72,7 @@ def _rows(records: Iterable[tuple[str, Any]], name: str) -> list[Row]:
             raise ConfigError(
                 f"{where}: chosen and rejected are the same response; a pair must differ"
             )
-        _encodable([chosen, rejected, *(m["content"] for m in messages)], where)
+        check_encodable([chosen, rejected, *(m["content"] for m in messages)], where)
         rows.append(Row(len(rows), messages, {"chosen": chosen, "rejected": rejected}))
     if not rows:
         raise ConfigError(f"{name} has no pairs")

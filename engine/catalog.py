@@ -25,6 +25,7 @@ from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.conversations import ConversationTask
 from engine.tasks.dataset import DataFormat, DatasetTask
 from engine.tasks.judge_task import judged_task
+from engine.tasks.pairs import PairTask
 
 __all__ = ["BUILTIN_TASKS", "load_task", "preferred_local_model", "task_spec"]
 
@@ -58,7 +59,8 @@ def load_task(
     scored by the judge its ``judge.*`` arguments set (:mod:`engine.tasks.judge_task`);
     ``"agent-cmd:COMMAND"`` runs an agent process per episode (:mod:`engine.agents.process`).
     With ``objective="sft"``, ``"jsonl:PATH"`` and ``"hf:PATH"`` hold chat conversations
-    (:mod:`engine.tasks.conversations`). Raises ConfigError with a one-line reason."""
+    (:mod:`engine.tasks.conversations`), with ``objective="dpo"`` preference pairs
+    (:mod:`engine.tasks.pairs`). Raises ConfigError with a one-line reason."""
     args = dict(args or {})
     if spec.startswith("judge:"):
         return judged_task(spec, args, load_task)
@@ -82,6 +84,8 @@ def load_task(
             )
         if objective == "sft":
             return ConversationTask.from_args(path, args, data_format)
+        if objective == "dpo":
+            return PairTask.from_args(path, args, data_format)
         return DatasetTask.from_args(path, args, data_format)
     obj = _import_attr(spec)
     attr = spec.partition(":")[2]

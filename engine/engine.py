@@ -45,6 +45,7 @@ from engine.config import EngineConfig, Profile, with_stored_settings
 from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
+from engine.loop.dpo import check_pair_task
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
 from engine.loop.sft_stage import check_conversation_task
@@ -531,6 +532,8 @@ def load_run_task(config: EngineConfig, task: Task | None) -> tuple[EngineConfig
     check_score_workers(task, config.scoring.score_workers)
     if config.training.objective == "sft":
         check_conversation_task(task)
+    if config.training.objective == "dpo":
+        check_pair_task(task)
     if config.evaluation.eval_every:
         eval_problems_of(task)  # a task without held-out problems: ConfigError now
     return config.replace(task={"spec": spec, "args": args}), task

@@ -16,10 +16,13 @@ from dataclasses import dataclass, field
 from typing import cast
 
 import anyio
+import numpy as np
 
 from engine.core.datums import Completion, Datum
 from engine.errors import StepOutcomeUnknown
 from engine.session.api import (
+    CustomLoss,
+    CustomLossValue,
     LossSpec,
     PendingCheckpoint,
     PendingSnapshot,
@@ -66,6 +69,11 @@ class FakeSession:
         default_factory=lambda: RuntimeError("the fake teacher is gone")
     )
     """What a failing teacher request raises."""
+    custom_losses: list[tuple[int, list[Datum], CustomLossValue]] = field(default_factory=list)
+    """Each custom-loss forward_backward: its step, datums and the loss at the fake
+    policy's logprobs (:meth:`policy_logprobs`), in submission order."""
+    custom_loss_refusal: str | None = None
+    """Why the fake refuses a custom loss (None: it runs it)."""
     _submitted_optims: int = 0
     _holds: dict[int, anyio.Event] = field(default_factory=dict)
     _checkpoint_holds: dict[int, anyio.Event] = field(default_factory=dict)
@@ -126,6 +134,23 @@ class FakeSession:
         self.losses.append(loss)
         ticket.handles.append(list(datums))
         ticket.datums.append(len(datums))
+
+    async def submit_forward_backward_custom(
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: CustomLoss
+    ) -> None:
+        """The SDK's two rounds: the forward's logprobs (:meth:`policy_logprobs`), the
+        loss on them, then the backward, submitted as one forward_backward."""
+        await anyio.lowlevel.checkpoint()
+        self.log.append(("forward", ticket.step))
+        value = loss([self.policy_logprobs(d) for d in datums])
+        self.custom_losses.append((ticket.step, list(datums), value))
+        await self.submit_forward_backward(ticket, datums, LossSpec("custom"))
+
+    def policy_logprobs(self, datum: Datum) -> np.ndarray:
+        """The fake policy's logprob of each target token: -0.1 x (the step count the
+        weights hold + 1) per byte value / 256 (deterministic, differs per token)."""
+        targets = np.asarray(datum.loss_fn_inputs["target_tokens"], dtype=np.float64)
+        return -0.1 * (self._submitted_optims + 1) * (1.0 + targets / 256.0)
 
     async def submit_optim_step(self, ticket: StepTicket, learning_rate: float) -> None:
         await anyio.lowlevel.checkpoint()

@@ -66,6 +66,7 @@ __all__ = [
     "LoggingSettings",
     "ModelSettings",
     "PipelineSettings",
+    "PreferenceSettings",
     "SamplingSettings",
     "ScoringSettings",
     "SessionSettings",
@@ -236,7 +237,9 @@ class TrainingSettings(_Group):
         "rl",
         description="rl: train on rewards; sft: supervised fine-tuning on the assistant turns of "
         "a jsonl task's conversations (the cross_entropy loss; --loss is not used; docs/sft.md); "
-        "distill: on-policy distillation from --teacher (docs/distillation.md)",
+        "distill: on-policy distillation from --teacher (docs/distillation.md); dpo: preference "
+        "pairs of a jsonl task (prompt, chosen, rejected) through the SDK's custom loss "
+        "(--loss is not used; docs/dpo.md)",
     )
     loss: LossName = Field(
         "ppo",
@@ -299,6 +302,17 @@ class DistillationSettings(_Group):
         0.0,
         description="weight of the task's group-relative reward advantage added to every "
         "token's distillation advantage (0: the teacher alone)",
+    )
+
+
+class PreferenceSettings(_Group):
+    """Preference pairs (``--objective dpo``): how far the policy may move from the
+    reference (docs/dpo.md)."""
+
+    dpo_beta: Annotated[float, _rule(finite_positive)] = Field(
+        0.1,
+        description="beta of the DPO loss -log sigmoid(beta x ((policy - reference logprob of "
+        "the chosen response) - (the same of the rejected one)))",
     )
 
 
@@ -579,6 +593,7 @@ GROUPS: Final[Mapping[str, type[_Group]]] = {
     "sampling": SamplingSettings,
     "training": TrainingSettings,
     "distillation": DistillationSettings,
+    "preference": PreferenceSettings,
     "pipeline": PipelineSettings,
     "scoring": ScoringSettings,
     "environment": EnvironmentSettings,

@@ -63,6 +63,7 @@ __all__ = [
     "ModelSettings",
     "OnRewardError",
     "PipelineSettings",
+    "PreferenceSettings",
     "SamplingSettings",
     "ScoringSettings",
     "SessionSettings",
@@ -83,6 +84,7 @@ from engine.config.groups import (
     LoggingSettings,
     ModelSettings,
     PipelineSettings,
+    PreferenceSettings,
     SamplingSettings,
     ScoringSettings,
     SessionSettings,
@@ -169,6 +171,7 @@ class EngineConfig(BaseModel):
     sampling: SamplingSettings = SamplingSettings()
     training: TrainingSettings = TrainingSettings()
     distillation: DistillationSettings = DistillationSettings()
+    preference: PreferenceSettings = PreferenceSettings()
     pipeline: PipelineSettings = PipelineSettings()
     scoring: ScoringSettings = ScoringSettings()
     environment: EnvironmentSettings = EnvironmentSettings()
@@ -197,6 +200,11 @@ class EngineConfig(BaseModel):
             raise ConfigError(
                 "--refill-groups samples reserves for groups whose rewards tie: it needs "
                 f"--objective rl (not {self.training.objective})"
+            )
+        if self.training.objective == "dpo" and self.pipeline.stream_minibatches:
+            raise ConfigError(
+                "--stream-minibatches splits a step's forward_backward, and --objective dpo "
+                "sends a step's pairs in one forward_backward_custom (its loss is over them all)"
             )
         if self.scoring.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(

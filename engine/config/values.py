@@ -33,10 +33,11 @@ LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 TINKER_ONLY_LOSSES: Final = ("gspo", "stable_reinforce")
 """Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
 them client-side)."""
-Objective = Literal["rl", "sft", "distill"]
+Objective = Literal["rl", "sft", "distill", "dpo"]
 """What a run trains for: rewards (``rl``), the assistant turns of conversations
-(``sft``, the ``cross_entropy`` loss: docs/sft.md) or a teacher's logprobs of the
-student's own samples (``distill``, on-policy distillation: docs/distillation.md)."""
+(``sft``, the ``cross_entropy`` loss: docs/sft.md), a teacher's logprobs of the
+student's own samples (``distill``, on-policy distillation: docs/distillation.md) or
+preference pairs (``dpo``, a custom loss: docs/dpo.md)."""
 SdkChoice = Literal["auto", "mint", "tinker"]
 SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]

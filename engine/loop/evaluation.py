@@ -46,6 +46,7 @@ __all__ = [
     "PASS_REWARD",
     "Evaluation",
     "Evaluator",
+    "HeldOutLog",
     "ProblemEpisodes",
     "eval_problems_of",
     "evaluate",
@@ -329,6 +330,34 @@ def _summary(
     return out
 
 
+class HeldOutLog:
+    """When a held-out evaluation is due (step 0, every ``--eval-every`` steps, the last
+    step) and where its result goes: a line of ``<run dir>/eval.jsonl``, and the step-0
+    one to ``track`` (later ones ride in their step's metrics). Every evaluator has one."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        run_dir: Path,
+        track: Callable[[int, dict[str, float]], None],
+    ) -> None:
+        self._path = run_dir / EVAL_FILE
+        self._every = config.evaluation.eval_every
+        self._last_step = config.pipeline.steps
+        self._track = track
+
+    def due(self, step: int) -> bool:
+        """Whether the weights after ``step`` train steps are evaluated."""
+        return step == 0 or step % self._every == 0 or step == self._last_step
+
+    def write(self, step: int, sampler: SamplerHandle, metrics: dict[str, float]) -> None:
+        record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
+        with self._path.open("a", encoding="utf-8") as f:
+            f.write(json.dumps(record, sort_keys=True) + "\n")
+        if step == 0:
+            self._track(0, metrics)
+
+
 class Evaluator:
     """Runs :func:`evaluate` on the task's held-out problems every ``--eval-every``
     steps, at step 0 and after the last step; each result is appended to
@@ -351,9 +380,7 @@ class Evaluator:
         self._session = session
         self._plan = plan
         self._problems = problems
-        self._path = run_dir / EVAL_FILE
-        self._every = config.evaluation.eval_every
-        self._last_step = config.pipeline.steps
+        self._held_out = HeldOutLog(config, run_dir, track)
         self._max_tokens = config.sampling.max_tokens
         self._concurrency = config.pipeline.concurrency
         self._samples = config.evaluation.samples_drawn
@@ -363,11 +390,10 @@ class Evaluator:
         self._seed = config.task.seed
         self._say = say
         self._warn = warn
-        self._track = track
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` train steps are evaluated."""
-        return step == 0 or step % self._every == 0 or step == self._last_step
+        return self._held_out.due(step)
 
     async def __call__(self, step: int, sampler: SamplerHandle) -> dict[str, float]:
         def skip(error: RewardError) -> None:
@@ -389,11 +415,7 @@ class Evaluator:
             on_reward_error=skip if self._skip_reward_errors else None,
             seed=self._seed,
         )
-        record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
-        with self._path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-        if step == 0:
-            self._track(0, metrics)
+        self._held_out.write(step, sampler, metrics)
         rates = ", ".join(
             f"{k}={v:.1%}"
             for k, v in metrics.items()

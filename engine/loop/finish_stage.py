@@ -22,6 +22,7 @@ from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
+from engine.loop.dpo_eval import PreferenceEvaluator
 from engine.loop.evaluation import Evaluator
 from engine.loop.messages import SubmittedStep, steps_done
 from engine.loop.policy import PolicyVersions
@@ -30,6 +31,8 @@ from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.step_metrics import (
     ActivityMeter,
     StepTiming,
+    preference_line,
+    preference_step_metrics,
     quickstart_line,
     step_metrics,
     supervised_line,
@@ -61,7 +64,7 @@ class FinishStage:
         gate: StopGate,
         clock: Stopwatch,
         progress: Callable[[str], None],
-        evaluate: Evaluator | SupervisedEvaluator | None,
+        evaluate: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None,
         episodic: bool,
     ) -> None:
         self._config = config
@@ -150,17 +153,16 @@ class FinishStage:
                 f"internal error: step {done} trained on data {staleness} versions old "
                 f"(bound {bound})"
             )
-        if self._config.training.objective == "sft":
-            metrics = supervised_step_metrics(
-                done,
-                self._config.pipeline.steps,
-                groups,
-                submitted.assembled,
-                result,
-                timing,
-                lr=self._config.training.learning_rate or 0.0,
-            )
+        objective = self._config.training.objective
+        ready = (done, self._config.pipeline.steps, groups, submitted.assembled, result, timing)
+        if objective == "sft":
+            metrics = supervised_step_metrics(*ready, lr=self._config.training.learning_rate or 0.0)
             line = supervised_line(done, metrics)
+        elif objective == "dpo":
+            beta = self._config.preference.dpo_beta
+            lr = self._config.training.learning_rate or 0.0
+            metrics = preference_step_metrics(*ready, lr=lr, beta=beta)
+            line = preference_line(done, metrics)
         else:
             metrics = step_metrics(
                 done,

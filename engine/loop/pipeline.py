@@ -1,5 +1,6 @@
 """The pipelined loop: rollout -> submitter -> finisher, in one anyio task group (with
-``--objective sft`` the SFT stage, :mod:`~engine.loop.sft_stage`, in place of the rollout).
+``--objective sft`` or ``dpo`` the SFT stage, :mod:`~engine.loop.sft_stage`, in place of
+the rollout).
 
 The stages (:mod:`~engine.loop.rollout_stage`, :mod:`~engine.loop.submit_stage`,
 :mod:`~engine.loop.finish_stage`) are joined by bounded memory streams and pass each
@@ -24,11 +25,14 @@ from engine.config import EngineConfig
 from engine.core.problems import ProblemSource
 from engine.core.state import LoopState, ScoredGroup
 from engine.envs.scoring import RewardError
+from engine.loop.dpo import PairPlan
+from engine.loop.dpo_eval import PreferenceEvaluator
 from engine.loop.evaluation import Evaluator
 from engine.loop.finish_stage import FinishStage
 from engine.loop.groups import GroupPlan
 from engine.loop.messages import RolledOut, SubmittedStep
 from engine.loop.policy import PolicyVersions, Watermark
+from engine.loop.reference import Reference
 from engine.loop.results import StepResult
 from engine.loop.rollout_stage import RolloutStage
 from engine.loop.sft_eval import SupervisedEvaluator
@@ -52,14 +56,14 @@ class PipelineOutcome:
 class Pipeline:
     """One run of the loop from ``state`` to ``config.pipeline.steps``, on the groups
     ``plan`` builds (a :class:`ConversationPlan`: supervised fine-tuning, the SFT stage
-    in place of the rollout stage). ``before_training`` is awaited once, right before
-    the first call that trains; ``teacher`` scores every rolled-out group
-    (``--objective distill``)."""
+    in place of the rollout stage; a :class:`PairPlan`: preference pairs, the same, with
+    ``reference``'s logprobs). ``before_training`` is awaited once, right before the first
+    call that trains; ``teacher`` scores every rolled-out group (``--objective distill``)."""
 
     def __init__(
         self,
         config: EngineConfig,
-        plan: GroupPlan | ConversationPlan,
+        plan: GroupPlan | ConversationPlan | PairPlan,
         session: Session,
         source: ProblemSource,
         state: LoopState,
@@ -69,10 +73,11 @@ class Pipeline:
         gate: StopGate,
         progress: Callable[[str], None] = lambda what: None,
         clock: Stopwatch = time.perf_counter,
-        evaluate: Evaluator | SupervisedEvaluator | None = None,
+        evaluate: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,
         before_training: Callable[[], Awaitable[None]] | None = None,
         teacher: Teacher | None = None,
+        reference: Reference | None = None,
     ) -> None:
         self._config = config
         self._plan = plan
@@ -80,8 +85,10 @@ class Pipeline:
         submitted = Watermark(state.next_step)
         meter = ActivityMeter(clock)
         self._rollout: RolloutStage | SftStage
-        if isinstance(plan, ConversationPlan):
-            self._rollout = SftStage(config, plan, source, state, clock=clock, progress=progress)
+        if isinstance(plan, ConversationPlan | PairPlan):
+            self._rollout = SftStage(
+                config, plan, source, state, clock=clock, progress=progress, reference=reference
+            )
         else:
             self._rollout = RolloutStage(
                 config,
@@ -118,7 +125,7 @@ class Pipeline:
             submitted,
             gate=gate,
             clock=clock,
-            sample_ahead=not isinstance(plan, ConversationPlan)
+            sample_ahead=not isinstance(plan, ConversationPlan | PairPlan)
             and (config.pipeline.sample_ahead is not None or not plan.episodic),
             evaluates=self._finish.evaluates,
             before_training=before_training,

@@ -9,10 +9,8 @@ exactly the steps before it while the next steps are already submitted.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
 
 import anyio
 import numpy as np
@@ -20,7 +18,7 @@ import numpy as np
 from engine.config import EngineConfig
 from engine.core.datums import Datum, supervised_datums
 from engine.core.problems import Problem
-from engine.loop.evaluation import EVAL_FILE, evaluate
+from engine.loop.evaluation import HeldOutLog, evaluate
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.loop.sft_stage import ConversationPlan
 from engine.session.api import SamplerHandle, Session
@@ -73,11 +71,8 @@ class SupervisedEvaluator:
         self._replies = replies
         self._problems = problems
         self._config = config
-        self._path = run_dir / EVAL_FILE
-        self._every = config.evaluation.eval_every
-        self._last_step = config.pipeline.steps
+        self._held_out = HeldOutLog(config, run_dir, track)
         self._say = say
-        self._track = track
         self._datums: list[Datum] = []
         self._too_long = 0
         for problem in problems:
@@ -89,7 +84,7 @@ class SupervisedEvaluator:
 
     def due(self, step: int) -> bool:
         """Whether the weights after ``step`` train steps are evaluated."""
-        return step == 0 or step % self._every == 0 or step == self._last_step
+        return self._held_out.due(step)
 
     async def __call__(self, step: int, sampler: SamplerHandle) -> dict[str, float]:
         cfg = self._config
@@ -113,11 +108,7 @@ class SupervisedEvaluator:
                     seed=cfg.task.seed,
                 )
             )
-        record: dict[str, Any] = {"step": step, "sampler_version": sampler.version, **metrics}
-        with self._path.open("a", encoding="utf-8") as f:
-            f.write(json.dumps(record, sort_keys=True) + "\n")
-        if step == 0:
-            self._track(0, metrics)
+        self._held_out.write(step, sampler, metrics)
         correct = metrics.get("eval/correct/rate")
         self._say(
             f"Eval after step {step}: eval/sft/loss={loss:.4f} over {tokens} assistant tokens"

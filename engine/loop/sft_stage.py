@@ -1,13 +1,15 @@
-"""The source stage of supervised fine-tuning (``--objective sft``): conversations ->
-ready groups, in place of the rollout stage.
+"""The source stage of supervised fine-tuning (``--objective sft``) and of preference
+pairs (``--objective dpo``): data -> ready groups, in place of the rollout stage.
 
-Nothing is sampled: each step draws ``--batch`` conversations from the task's source,
-announces the step (:class:`~engine.loop.messages.StepOpened`, with the source's state
-after it: the data cursor a checkpoint keeps) and sends one group per conversation,
-rendered by :class:`ConversationPlan`. The submitter and the finisher are the RL
-loop's: the submitter turns a group into its ``cross_entropy`` datums
-(:func:`~engine.core.datums.supervised_datums`) and keeps ``--submit-ahead`` steps in
-flight, so the server never waits for the client (docs/sft.md).
+Nothing is sampled: each step draws ``--batch`` rows from the task's source, announces
+the step (:class:`~engine.loop.messages.StepOpened`, with the source's state after it:
+the data cursor a checkpoint keeps) and sends one group per row: a conversation rendered
+by :class:`ConversationPlan`, or a pair rendered by :class:`~engine.loop.dpo.PairPlan`
+with the reference's logprobs of its responses (:class:`~engine.loop.reference.Reference`,
+a step's pairs at once). The submitter and the finisher are the RL loop's: the submitter
+turns a group into its datums (:func:`~engine.core.datums.supervised_datums`) and keeps
+``--submit-ahead`` steps in flight, so the server never waits for the client
+(docs/sft.md, docs/dpo.md).
 """
 
 from __future__ import annotations
@@ -24,8 +26,10 @@ from engine.core.problems import Problem, ProblemSource
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError
+from engine.loop.dpo import PairPlan
 from engine.loop.groups import NotSampled
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
+from engine.loop.reference import Reference
 from engine.loop.rollout_stage import draw_step
 from engine.tasks.conversations import render_conversation
 from engine.tasks.render import ChatMessage, PromptRenderer
@@ -83,17 +87,18 @@ class ConversationPlan:
 class SftStage:
     """Sends the groups of steps ``state.next_step`` to ``config.pipeline.steps`` (those
     a checkpoint kept are not sent again); ``exhausted`` is set when the source ran out
-    first (``--task-arg epochs=N``)."""
+    first (``--task-arg epochs=N``). A :class:`PairPlan` needs ``reference``."""
 
     def __init__(
         self,
         config: EngineConfig,
-        plan: ConversationPlan,
+        plan: ConversationPlan | PairPlan,
         source: ProblemSource,
         state: LoopState,
         *,
         clock: Stopwatch,
         progress: Callable[[str], None],
+        reference: Reference | None = None,
     ) -> None:
         self._config = config
         self._plan = plan
@@ -101,6 +106,7 @@ class SftStage:
         self._state = state
         self._clock = clock
         self._progress = progress
+        self._reference = reference
         self.exhausted = False
 
     async def run(self, send: MemoryObjectSendStream[RolledOut]) -> None:
@@ -114,29 +120,32 @@ class SftStage:
                     return
                 await send.send(StepOpened(step, self._source.state()))
                 await send.send(StepClosed(step, cfg.batch))
-                for index, problem in enumerate(problems):
-                    if (step, index) in pending:
-                        continue  # sent before a resume: reused as is
-                    now = self._clock()
-                    built = self._plan.build(problem, step)
-                    if isinstance(built, NotSampled):
-                        group = ScoredGroup(
-                            step,
-                            index,
-                            problem,
-                            step,
-                            (),
-                            now,
-                            now,
-                            now,
-                            now,
-                            too_long=built.reason,
-                        )
-                    else:
-                        done = self._clock()
-                        group = ScoredGroup(
-                            step, index, problem, step, (built,), now, done, done, done
-                        )
-                    await send.send(group)
+                groups: dict[int, ScoredGroup] = {}
+                async with anyio.create_task_group() as tg:
+                    for index, problem in enumerate(problems):
+                        if (step, index) not in pending:  # else sent before a resume
+                            tg.start_soon(self._ready, step, index, problem, groups)
+                for index in sorted(groups):
+                    await send.send(groups[index])
                     await anyio.lowlevel.checkpoint()
-                self._progress(f"step {steps_done(step)} conversations rendered")
+                self._progress(f"step {steps_done(step)} groups ready")
+
+    async def _ready(
+        self, step: int, index: int, problem: Problem, groups: dict[int, ScoredGroup]
+    ) -> None:
+        """The group of ``problem``, in ``groups[index]``."""
+        now = self._clock()
+        built: tuple[Trajectory, ...] | NotSampled
+        if isinstance(self._plan, PairPlan):
+            assert self._reference is not None
+            built = await self._reference.score(problem, self._plan.group(problem, step))
+        else:
+            conversation = self._plan.build(problem, step)
+            built = conversation if isinstance(conversation, NotSampled) else (conversation,)
+        if isinstance(built, NotSampled):
+            groups[index] = ScoredGroup(
+                step, index, problem, step, (), now, now, now, now, too_long=built.reason
+            )
+        else:
+            done = self._clock()
+            groups[index] = ScoredGroup(step, index, problem, step, built, now, done, done, done)

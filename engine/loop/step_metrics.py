@@ -21,6 +21,7 @@ from engine.common.clock import Stopwatch
 from engine.core.datums import Datum, kl_sample_train, reverse_kl
 from engine.core.state import ScoredGroup
 from engine.envs.metrics import episode_metrics
+from engine.loop.dpo import pair_rewards, preference_metrics, response_sums
 from engine.loop.length_control import is_overlong
 from engine.session.api import TrainResult
 
@@ -29,6 +30,8 @@ __all__ = [
     "Assembled",
     "StepTiming",
     "distill_metrics",
+    "preference_line",
+    "preference_step_metrics",
     "quickstart_line",
     "refill_metrics",
     "response_metrics",
@@ -301,22 +304,74 @@ def supervised_step_metrics(
     is the mean cross-entropy per assistant token at the weights the step started from
     (from the logprobs its forward_backward returned), ``sft/tokens`` the tokens it
     trained on."""
-    weights = [np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in assembled.datums]
-    trained = [np.asarray(o, dtype=np.float64).reshape(-1) for o in result.logprobs]
-    tokens = float(sum(w.sum() for w in weights))
-    loss = (
-        -sum(float((w * lp).sum()) for w, lp in zip(weights, trained, strict=True)) / tokens
-        if tokens
-        else None
-    )
-    step_time = max(timing.train_end - timing.last_end, 1e-9)
-    training_busy = timing.train_end - max(timing.train_start, timing.last_end)
+    sums, tokens = _weighted_logprobs(assembled, result)
+    loss = -sum(sums) / tokens if tokens else None
     used = sum(1 for g in groups if g.trainable)
     return {
         "step": done,
         "sft/loss": loss,
         "sft/tokens": int(tokens),
         "sft/conversations": used,
+        **_ready_step_metrics(done, steps, groups, assembled, result, timing, lr, tokens),
+    }
+
+
+def preference_step_metrics(
+    done: int,
+    steps: int,
+    groups: Sequence[ScoredGroup],
+    assembled: Assembled,
+    result: TrainResult,
+    timing: StepTiming,
+    *,
+    lr: float,
+    beta: float,
+) -> dict[str, Any]:
+    """The metrics.jsonl event of a preference step (``--objective dpo``): the
+    ``dpo/*`` values of its pairs at the weights the step started from (the policy's
+    logprobs its forward_backward returned), ``dpo/pairs`` the pairs it trained on."""
+    policy, tokens = _weighted_logprobs(assembled, result)
+    reference = [s for g in groups if g.trainable for s in response_sums(g)]
+    chosen, rejected = pair_rewards(policy, reference, beta)
+    values = preference_metrics(chosen, rejected)
+    return {
+        "step": done,
+        **values,
+        "dpo/pairs": len(chosen),
+        "dpo/tokens": int(tokens),
+        **_ready_step_metrics(done, steps, groups, assembled, result, timing, lr, tokens),
+        # The backward's own loss is a surrogate (the gradients as weights): the DPO loss.
+        "optim/loss": values.get("dpo/loss"),
+    }
+
+
+def _weighted_logprobs(assembled: Assembled, result: TrainResult) -> tuple[list[float], float]:
+    """Each datum's trained logprobs summed over its weighted tokens (the policy's, at
+    the weights the step started from), and the weighted tokens of the step."""
+    weights = [np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in assembled.datums]
+    sums = [
+        float((w * np.asarray(lp, dtype=np.float64).reshape(-1)).sum())
+        for w, lp in zip(weights, result.logprobs, strict=True)
+    ]
+    return sums, float(sum(w.sum() for w in weights))
+
+
+def _ready_step_metrics(
+    done: int,
+    steps: int,
+    groups: Sequence[ScoredGroup],
+    assembled: Assembled,
+    result: TrainResult,
+    timing: StepTiming,
+    lr: float,
+    tokens: float,
+) -> dict[str, Any]:
+    """What a step of ready groups (nothing sampled: sft, dpo) measures besides its
+    objective's values; ``tokens`` are the response tokens it trained on."""
+    step_time = max(timing.train_end - timing.last_end, 1e-9)
+    training_busy = timing.train_end - max(timing.train_start, timing.last_end)
+    used = sum(1 for g in groups if g.trainable)
+    return {
         "datums": len(assembled.datums),
         "groups/total": len(groups),
         "groups/used": used,
@@ -334,6 +389,17 @@ def supervised_step_metrics(
         "problem_ids": [g.problem.id for g in groups],
         "problems/digest": _problems_digest(groups),
     }
+
+
+def preference_line(step: int, metrics: Mapping[str, Any]) -> str:
+    """A preference step's console line."""
+    if "dpo/loss" not in metrics:
+        return f"Step {step}: no pairs trained, datums={metrics['datums']}"
+    return (
+        f"Step {step}: dpo/loss={metrics['dpo/loss']:.4f}, "
+        f"accuracy={metrics['dpo/accuracy']:.1%}, margin={metrics['dpo/margin']:+.4f}, "
+        f"pairs={metrics['dpo/pairs']}"
+    )
 
 
 def supervised_line(step: int, metrics: Mapping[str, Any]) -> str:

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
+import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.common.clock import Stopwatch
@@ -32,6 +33,7 @@ from engine.core.datums import (
     supervised_datums,
 )
 from engine.core.state import LoopState, ScoredGroup
+from engine.loop.dpo import DpoLoss, response_sums
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
 from engine.loop.step_metrics import Assembled
@@ -93,7 +95,8 @@ class SubmitStage:
             raise ValueError("the config must be resolved before it runs")
         self._config = config
         self._lr: float = config.training.learning_rate
-        self._supervised = config.training.objective == "sft"
+        self._supervised = config.training.objective in ("sft", "dpo")
+        self._preference = config.training.objective == "dpo"
         self._loss = (
             LossSpec("cross_entropy")
             if self._supervised
@@ -226,7 +229,13 @@ class SubmitStage:
             if datums:
                 if not await self._open(assembly, credits):
                     return False
-                await self._session.submit_forward_backward(assembly.ticket, datums, self._loss)
+                if self._preference:
+                    loss = self._dpo_loss([arrived[i] for i in chunk], datums)
+                    await self._session.submit_forward_backward_custom(
+                        assembly.ticket, datums, loss
+                    )
+                else:
+                    await self._session.submit_forward_backward(assembly.ticket, datums, self._loss)
                 assembly.datums.extend(datums)
         return True
 
@@ -248,9 +257,19 @@ class SubmitStage:
         assembly.train_start = self._clock()
         return True
 
+    def _dpo_loss(self, groups: Sequence[ScoredGroup], datums: Sequence[Datum]) -> DpoLoss:
+        """The DPO loss of ``groups`` (pairs), whose datums are ``datums``: chosen then
+        rejected of each trainable pair, in order; scaled by the step's pairs."""
+        return DpoLoss(
+            tuple(np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in datums),
+            tuple(s for g in groups if g.trainable for s in response_sums(g)),
+            self._config.preference.dpo_beta,
+            1.0 / self._config.pipeline.batch,
+        )
+
     def _datums(self, group: ScoredGroup) -> GroupDatums:
         """The group's datums: RL's (advantages; per token with a teacher), or a
-        conversation's (``cross_entropy``)."""
+        conversation's or a pair's (weights 1 on the assistant's tokens)."""
         if not group.trainable:
             return GroupDatums([], [0.0] * len(group.trajectories), 0, 0, 0)
         if self._supervised:

@@ -26,7 +26,14 @@ from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError, EngineError, PermanentServiceError, ServiceError
 from engine.session.api import SamplerHandle, Session
 
-__all__ = ["Teacher", "TeacherFailed", "TeacherScores", "open_teacher", "tokenizer_mismatch"]
+__all__ = [
+    "Teacher",
+    "TeacherFailed",
+    "TeacherScores",
+    "action_logprobs",
+    "open_teacher",
+    "tokenizer_mismatch",
+]
 
 
 class TeacherFailed(EngineError):
@@ -68,22 +75,13 @@ class Teacher:
 
         async def one(i: int, j: int) -> None:
             turn = scored[i][j]
-            async with slots:
-                try:
-                    logprobs = await self._session.prompt_logprobs(
-                        self._sampler, (*turn.observation, *turn.action)
-                    )
-                except ServiceError as exc:
-                    raise TeacherFailed(self.source, exc) from exc
-            action = logprobs[len(turn.observation) :]
-            if len(action) != len(turn.action) or any(lp is None for lp in action):
-                raise EngineError(
-                    f"the teacher {self.source} returned no logprob for some of the "
-                    f"{len(turn.action)} tokens of a turn"
+            try:
+                logprobs = await action_logprobs(
+                    self._session, self._sampler, turn, slots, f"the teacher {self.source}"
                 )
-            scored[i][j] = dataclasses.replace(
-                turn, teacher_logprobs=tuple(float(lp) for lp in action if lp is not None)
-            )
+            except ServiceError as exc:
+                raise TeacherFailed(self.source, exc) from exc
+            scored[i][j] = dataclasses.replace(turn, teacher_logprobs=logprobs)
 
         async with anyio.create_task_group() as tg:
             for i, trajectory in enumerate(trajectories):
@@ -98,6 +96,22 @@ class Teacher:
             started,
             clock(),
         )
+
+
+async def action_logprobs(
+    session: Session, sampler: SamplerHandle, turn: Turn, slots: anyio.Semaphore, who: str
+) -> tuple[float, ...]:
+    """``sampler``'s logprob of each of ``turn``'s action tokens in the context it was
+    taken in: one ``prompt_logprobs`` request of the observation plus the action, under
+    one of ``slots``; ``who`` names the sampler in the error of a short answer."""
+    async with slots:
+        logprobs = await session.prompt_logprobs(sampler, (*turn.observation, *turn.action))
+    action = logprobs[len(turn.observation) :]
+    if len(action) != len(turn.action) or any(lp is None for lp in action):
+        raise EngineError(
+            f"{who} returned no logprob for some of the {len(turn.action)} tokens of a turn"
+        )
+    return tuple(float(lp) for lp in action if lp is not None)
 
 
 def tokenizer_mismatch(student: Any, teacher: Any) -> str | None:

@@ -41,6 +41,13 @@ def detail_line(m: Mapping[str, Any]) -> str:
     """The readable second line of a step: staleness, groups trained of sampled (and the
     reserves dynamic sampling added), KL, loss, time split, idleness (a supervised
     step's: its groups, summed loss, train time and idleness)."""
+    if "dpo/pairs" in m:
+        return (
+            f"  chosen_reward={_fmt(m.get('dpo/chosen_reward'), '+.4f')} "
+            f"rejected_reward={_fmt(m.get('dpo/rejected_reward'), '+.4f')} "
+            f"tokens={m['dpo/tokens']} | train {m['time/train']:.2f}s "
+            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%}"
+        )
     if "sft/loss" in m:
         return (
             f"  groups={m['groups/used']}/{m['groups/total']} "

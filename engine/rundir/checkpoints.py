@@ -174,6 +174,12 @@ class CheckpointLog:
                     f"{self.path} line {number} is not a valid checkpoint record: {exc}"
                 ) from None
 
+    def first_of_step(self, step: int) -> CheckpointRecord | None:
+        """The first valid record of ``step`` with sampler weights, or None."""
+        return next(
+            (r for r in self._records() if r.step == step and r.sampler_path is not None), None
+        )
+
     def latest(self) -> CheckpointRecord | None:
         """The last valid record, or None when there is none."""
         last: CheckpointRecord | None = None

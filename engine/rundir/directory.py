@@ -278,7 +278,7 @@ class RunDirectory:
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
             "max_steps_off_policy": config.pipeline.max_steps_off_policy,
-            "loss": "cross_entropy" if config.training.objective == "sft" else config.training.loss,
+            "loss": _loss_name(config),
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max(
@@ -287,6 +287,8 @@ class RunDirectory:
             "objective": config.training.objective,
             "first_sft_loss": first.get("sft/loss"),
             "last_sft_loss": last.get("sft/loss"),
+            "first_dpo": {k: first.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")},
+            "last_dpo": {k: last.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")},
             "max_staleness": max((m["off_policy/staleness"] for m in metrics), default=None),
             "retries": dict(retries),
             "seconds": round(time.perf_counter() - self._started_at, 3),
@@ -399,6 +401,20 @@ def _status(error: BaseException | None, *, stopped: bool = False) -> str:
     return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
+_HELD_OUT_VALUES = ("eval/sft/loss", "eval/dpo/accuracy", "eval/dpo/prefers_chosen")
+"""Held-out values a summary shows besides the rates."""
+
+
+def _loss_name(config: EngineConfig) -> str:
+    """The loss a run trained with, as its summary names it."""
+    objective = config.training.objective
+    if objective == "sft":
+        return "cross_entropy"
+    if objective == "dpo":
+        return f"dpo (forward_backward_custom, beta {config.preference.dpo_beta})"
+    return config.training.loss
+
+
 def _eval_records(path: Path) -> list[dict[str, Any]]:
     """The held-out evaluations of ``eval.jsonl``, step 0 first (none without one)."""
     try:
@@ -417,7 +433,7 @@ def held_out_summary(evals: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
         means = {
             k.removeprefix("eval/"): v
             for k, v in record.items()
-            if k.startswith("eval/") and (f"{k}/rate" in record or k == "eval/sft/loss")
+            if k.startswith("eval/") and (f"{k}/rate" in record or k in _HELD_OUT_VALUES)
         }
         reward = {"reward": record.get("eval/reward/total")}
         return {"step": record["step"], "problems": record.get("eval/problems"), **reward, **means}
@@ -437,13 +453,16 @@ def _held_out_line(held: Mapping[str, Any]) -> str:
     return f"- held-out (greedy{problems}), step {first['step']} -> {last['step']}: {changes}"
 
 
+def _num(v: Any) -> str:
+    return "n/a" if v is None else f"{v:.3f}"
+
+
 def _summary_markdown(
     s: dict[str, Any],
     metrics: Sequence[Mapping[str, Any]],
     evals: Sequence[Mapping[str, Any]],
 ) -> str:
-    def num(v: Any) -> str:
-        return "n/a" if v is None else f"{v:.3f}"
+    num = _num
 
     lines = [
         f"# Run summary: {s['task']} on {s['base_model']}",
@@ -486,6 +505,17 @@ def _summary_markdown(
         lines += [
             f"| {m['step']} | {num(m['sft/loss'])} | {m['sft/tokens']} | {m['datums']} | "
             f"{m['time/step']:.2f} |"
+            for m in metrics
+        ]
+        return "\n".join(lines) + "\n"
+    if s["objective"] == "dpo":
+        lines += [
+            "| step | dpo/loss | dpo/accuracy | dpo/margin | pairs | time/step (s) |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        lines += [
+            f"| {m['step']} | {num(m.get('dpo/loss'))} | {num(m.get('dpo/accuracy'))} | "
+            f"{num(m.get('dpo/margin'))} | {m['dpo/pairs']} | {m['time/step']:.2f} |"
             for m in metrics
         ]
         return "\n".join(lines) + "\n"

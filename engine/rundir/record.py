@@ -118,6 +118,11 @@ class RunRecord:
         """The latest record of ``checkpoints.jsonl`` (None: no checkpoint yet)."""
         return self._checkpoints.latest()
 
+    def initial_checkpoint(self) -> CheckpointRecord | None:
+        """The first record of ``checkpoints.jsonl`` with sampler weights of step 0: the
+        run's initial weights (None: none)."""
+        return self._checkpoints.first_of_step(0)
+
     async def add_checkpoint(self, checkpoint: CheckpointRecord) -> None:
         """Append ``checkpoint`` to ``checkpoints.jsonl`` durably (one line, fsync'd)."""
         await self._checkpoints.aappend(checkpoint)

@@ -28,6 +28,7 @@ from engine.config import EngineConfig
 from engine.core.datums import Completion, Datum, with_loss_inputs
 from engine.errors import EngineError, primary_error
 from engine.session.api import (
+    CustomLoss,
     LossSpec,
     PendingCheckpoint,
     PendingSnapshot,
@@ -43,11 +44,13 @@ from engine.session.preflight import recommended_profile as read_recommended_pro
 from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retries
 from engine.session.sdk_calls import (
     LoraSpec,
+    custom_loss_refusal,
     import_tokenizer_library,
     sampler_tokenizer,
     sdk_sampling_retry_config,
     settled,
     to_sdk_datum,
+    torch_loss,
 )
 
 __all__ = ["SNAPSHOT_TTL_S", "SdkSession"]
@@ -121,6 +124,13 @@ class SdkSession:
         self, training: Any, batch: list[types.Datum], loss: LossSpec
     ) -> Any:
         """Submit; returns the SDK future of the result."""
+        raise NotImplementedError
+
+    async def _sdk_forward_backward_custom(
+        self, training: Any, batch: list[types.Datum], loss_fn: Any
+    ) -> Any:
+        """Submit ``forward_backward_custom``; returns once the backward is submitted,
+        with an SDK future of its result (one that :func:`settled` can await)."""
         raise NotImplementedError
 
     async def _sdk_prompt_logprobs(self, client: Any, prompt: types.ModelInput) -> list[Any]:
@@ -289,6 +299,30 @@ class SdkSession:
 
         async def go() -> Any:
             return await self._sdk_forward_backward(training, batch, loss)
+
+        handle = await self._step_call(ticket.step, go, completes=False)
+        ticket.handles.append(handle)
+        ticket.datums.append(len(batch))
+
+    @property
+    def custom_loss_refusal(self) -> str | None:
+        """Why this session cannot train with a custom loss (None: it can)."""
+        return custom_loss_refusal(self.sdk, self.sdk_version)
+
+    async def submit_forward_backward_custom(
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: CustomLoss
+    ) -> None:
+        """Submit ``forward_backward_custom`` for ``ticket``'s step: the SDK's forward
+        pass, ``loss`` on its logprobs, then the backward pass of its gradients (a
+        ``cross_entropy`` forward_backward weighted by minus the gradient). Like any
+        training call it is never repeated; its result is awaited by
+        :meth:`finish_train_step`."""
+        training = self._training
+        batch = [to_sdk_datum(d) for d in datums]
+        loss_fn = torch_loss(loss)
+
+        async def go() -> Any:
+            return await self._sdk_forward_backward_custom(training, batch, loss_fn)
 
         handle = await self._step_call(ticket.step, go, completes=False)
         ticket.handles.append(handle)

@@ -18,6 +18,10 @@ A train step is submitted in parts and awaited later, so the trainer can submit 
 * :meth:`Session.submit_checkpoint` reserves a checkpoint (``save_state`` and sampler
   weights) of those same weights there too, so a periodic checkpoint never makes the
   trainer wait for a server round;
+* :meth:`Session.submit_forward_backward_custom` submits a step's forward_backward
+  with a loss the client computes (:class:`CustomLoss`, ``--objective dpo``): the
+  policy's logprobs come back first, and the backward is sent once the loss's gradients
+  are known (two server rounds, not one);
 * :meth:`Session.finish_train_step`, :meth:`Session.finish_snapshot` and
   :meth:`Session.finish_checkpoint` await them.
 
@@ -32,9 +36,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+import numpy as np
+
 from engine.core.datums import Completion, Datum
 
 __all__ = [
+    "CustomLoss",
+    "CustomLossValue",
     "LossSpec",
     "PendingCheckpoint",
     "PendingSnapshot",
@@ -80,6 +88,24 @@ class LossSpec:
 
     name: str
     config: dict[str, float] | None = None
+
+
+@dataclass(frozen=True)
+class CustomLossValue:
+    """A client-side loss at the policy's logprobs: its value, its gradient with respect
+    to each datum's logprobs (one array per datum, the shape of its ``target_tokens``)
+    and metrics."""
+
+    loss: float
+    gradients: list[np.ndarray]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+class CustomLoss(Protocol):
+    """A loss computed on the client from the training policy's logprob of each target
+    token of each datum (``Session.submit_forward_backward_custom``)."""
+
+    def __call__(self, logprobs: Sequence[np.ndarray]) -> CustomLossValue: ...
 
 
 @dataclass(frozen=True)
@@ -187,6 +213,20 @@ class Session(Protocol):
     async def submit_forward_backward(
         self, ticket: StepTicket, datums: Sequence[Datum], loss: LossSpec
     ) -> None: ...
+
+    @property
+    def custom_loss_refusal(self) -> str | None:
+        """Why this session cannot train with a :class:`CustomLoss` (None: it can)."""
+        ...
+
+    async def submit_forward_backward_custom(
+        self, ticket: StepTicket, datums: Sequence[Datum], loss: CustomLoss
+    ) -> None:
+        """Submit one forward_backward of ``ticket``'s step whose loss ``loss`` computes
+        from the policy's logprobs of ``datums`` (each has ``target_tokens`` and
+        ``weights``): a forward pass, then, once its logprobs are back, the backward pass
+        of the loss's gradients. Returns once the backward's place is fixed."""
+        ...
 
     async def submit_optim_step(self, ticket: StepTicket, learning_rate: float) -> None: ...
 

@@ -92,6 +92,15 @@ class MintSession(SdkSession):
             loss.config,
         )
 
+    async def _sdk_forward_backward_custom(
+        self, training: tinker.TrainingClient, batch: list[types.Datum], loss_fn: Any
+    ) -> Any:
+        # 0.22 awaits the forward pass's logprobs here (a server round) and then submits
+        # the backward; its combined future has no concurrent future to await, so it is
+        # awaited on the SDK's loop as one.
+        combined = await training.forward_backward_custom_async(batch, loss_fn)
+        return training.holder.run_coroutine_threadsafe(combined.result_async())
+
     async def _sdk_optim_step(
         self, training: tinker.TrainingClient, params: types.AdamParams
     ) -> Any:

@@ -1,30 +1,35 @@
-"""Small pieces of SDK plumbing both adapters use: engine datums as SDK datums, sampler
-snapshot names, awaiting an SDK future without cancelling its call, the sampling
-clients' retry config, importing the tokenizer library off the event loop, and a
-sampler's tokenizer."""
+"""Small pieces of SDK plumbing both adapters use: engine datums as SDK datums, a custom
+loss as the SDK's loss function, sampler snapshot names, awaiting an SDK future without
+cancelling its call, the sampling clients' retry config, importing the tokenizer library
+off the event loop, and a sampler's tokenizer."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
 import anyio
+import numpy as np
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
 from engine.core.datums import Datum
+from engine.session.api import CustomLoss
 from engine.session.retry import RetryPolicy
 
 __all__ = [
     "LoraSpec",
+    "custom_loss_refusal",
     "import_tokenizer_library",
     "sampler_tokenizer",
     "sdk_sampling_retry_config",
     "settled",
     "snapshot_name",
     "to_sdk_datum",
+    "torch_loss",
 ]
 
 
@@ -66,6 +71,42 @@ def to_sdk_datum(datum: Datum) -> types.Datum:
             key: types.TensorData.from_numpy(value) for key, value in datum.loss_fn_inputs.items()
         },
     )
+
+
+def custom_loss_refusal(sdk: str, version: str) -> str | None:
+    """Why ``forward_backward_custom`` cannot run here (None: it can): the SDK hands the
+    loss the policy's logprobs as torch tensors and differentiates it with torch on the
+    client, and says "PyTorch is not installed" when its module found no torch."""
+    from tinker.lib.public_interfaces import training_client
+
+    if getattr(training_client, "torch", None) is not None:
+        return None
+    return (
+        f"the {sdk} SDK (tinker {version}) runs a custom loss through forward_backward_custom, "
+        "which differentiates it with torch on the client, and torch is not installed in "
+        "this environment (pip install torch)"
+    )
+
+
+def torch_loss(loss: CustomLoss) -> Callable[[list[types.Datum], list[Any]], tuple[Any, Any]]:
+    """``loss`` as the SDK's custom loss function: it gets each datum's logprobs as torch
+    tensors and returns a tensor whose gradient with respect to them is ``loss``'s
+    gradients and whose value is ``loss``'s (a linear term around the logprobs the
+    forward pass returned). torch is imported here only: a refusal says when it is
+    missing (:func:`custom_loss_refusal`)."""
+    import torch
+
+    def fn(data: list[types.Datum], logprobs: list[Any]) -> tuple[Any, Any]:
+        value = loss([np.asarray(lp.detach().cpu().numpy(), dtype=np.float64) for lp in logprobs])
+        linear = torch.stack(
+            [
+                (lp * torch.as_tensor(g, dtype=lp.dtype)).sum()
+                for lp, g in zip(logprobs, value.gradients, strict=True)
+            ]
+        ).sum()
+        return linear - linear.detach() + value.loss, dict(value.metrics)
+
+    return fn
 
 
 def snapshot_name(version: int) -> str:

@@ -123,6 +123,13 @@ class TinkerSession(SdkSession):
             loss.config,
         )
 
+    async def _sdk_forward_backward_custom(
+        self, training: Any, batch: list[types.Datum], loss_fn: Any
+    ) -> Any:
+        # 0.38 reserves both rounds' places at once and runs the forward, the loss and
+        # the backward on its own loop: the future returns at once.
+        return training.forward_backward_custom(batch, loss_fn)
+
     def _with_provenance(self, datum: Any, where: str) -> Any:
         inputs = datum.loss_fn_inputs
         model_input, loss_inputs = datum_provenance(

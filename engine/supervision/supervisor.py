@@ -37,6 +37,7 @@ from engine.core.state import LoopState
 from engine.envs.scoring import RewardError
 from engine.envs.types import is_env_task
 from engine.errors import (
+    ConfigError,
     RunStopped,
     Stalled,
     StepOutcomeUnknown,
@@ -45,9 +46,12 @@ from engine.errors import (
     format_error,
     primary_error,
 )
+from engine.loop.dpo import PairPlan
+from engine.loop.dpo_eval import PreferenceEvaluator
 from engine.loop.evaluation import Evaluator, eval_problems_of
 from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
+from engine.loop.reference import Reference
 from engine.loop.results import RunResult, StepResult
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan
@@ -62,7 +66,7 @@ from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
 from engine.rundir.rollouts import RolloutLog
 from engine.rundir.teacher import teacher_weights
-from engine.session.api import PendingCheckpoint, Session
+from engine.session.api import PendingCheckpoint, SamplerHandle, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.watchdog import Watchdog
@@ -85,11 +89,12 @@ _STOP_CHECKPOINT_MAX_S = 120.0
 @dataclass(frozen=True)
 class _TaskOutputs:
     """How the task's problems become groups (its renderer sees the served tokenizer;
-    built once per run: its checks run once) and the held-out evaluator (with
-    ``--eval-every``)."""
+    built once per run: its checks run once), the held-out evaluator (with
+    ``--eval-every``) and, for ``--objective dpo``, the reference policy."""
 
-    plan: GroupPlan | ConversationPlan
-    evaluator: Evaluator | SupervisedEvaluator | None
+    plan: GroupPlan | ConversationPlan | PairPlan
+    evaluator: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None
+    reference: Reference | None = None
 
 
 class Supervisor:
@@ -266,6 +271,9 @@ class Supervisor:
                 sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
             fresh = False
             watchdog.progress(f"sampler {state.next_step} ready")
+            reference = self._outputs.reference
+            if reference is not None and reference.sampler is None:
+                reference.sampler = sampler if resumed is None else await self._initial_sampler()
             if baseline is not None:
                 await baseline(0, sampler)
                 baseline = None
@@ -286,6 +294,7 @@ class Supervisor:
                 on_reward_error=self._reward_failed,
                 before_training=before_training,
                 teacher=teacher,
+                reference=self._outputs.reference,
             )
             try:
                 return await pipeline.run()
@@ -307,6 +316,17 @@ class Supervisor:
         teacher = await open_teacher(self._session, source, weights)
         self._log.info("teacher", f"Teacher: {weights} (the student's tokenizer)")
         return teacher
+
+    async def _initial_sampler(self) -> SamplerHandle:
+        """A resumed run's initial weights (the reference of ``--objective dpo``): the
+        sampler weights of its step-0 checkpoint."""
+        initial = self._run_record.initial_checkpoint()
+        if initial is None or initial.sampler_path is None:
+            raise ConfigError(
+                f"--objective dpo: {self._run_record.path} has no step-0 checkpoint with "
+                "sampler weights, the reference this run's pairs are scored against"
+            )
+        return await self._session.open_sampler(0, initial.sampler_path)
 
     async def _reserve_step_0_checkpoint(self, state: LoopState) -> None:
         pending = await self._session.submit_checkpoint(0, checkpoint_name(0))
@@ -512,11 +532,34 @@ def _open_task_outputs(
         run_dir=record.path,
         session=session,
     )
-    sft = config.training.objective == "sft"
     record.keep_rollouts(
-        RolloutLog(record.path, config.logging.log_rollouts, renderer, supervised=sft)
+        RolloutLog(
+            record.path,
+            config.logging.log_rollouts,
+            renderer,
+            supervised=config.training.objective == "sft",
+        )
     )
-    if sft:
+    if config.training.objective == "dpo":
+        refusal = session.custom_loss_refusal
+        if refusal is not None:
+            raise ConfigError(f"--objective dpo cannot run: {refusal}")
+        pairs = PairPlan(task, renderer, session.info.max_context)
+        reference = Reference(session, config.pipeline.concurrency)
+        preference = None
+        if config.evaluation.eval_every:
+            preference = PreferenceEvaluator(
+                session,
+                pairs,
+                reference,
+                eval_problems_of(task),
+                config,
+                record.path,
+                say=lambda line: log.info("eval", line),
+                track=log.track,
+            )
+        return _TaskOutputs(pairs, preference, reference)
+    if config.training.objective == "sft":
         conversations = ConversationPlan(task, renderer, session.info.max_context)
         supervised = None
         if config.evaluation.eval_every:

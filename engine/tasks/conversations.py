@@ -19,18 +19,23 @@ its first assistant message and its reward 1 when a response equals that message
 
 from __future__ import annotations
 
-import random
+import functools
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, TypeGuard, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
-from engine.tasks.dataset import HF_ARGS, DataFormat, DatasetSource, Row, flag_arg, read_records
-from engine.tasks.hf import read_hf_splits
+from engine.tasks.dataset import DataFormat, Row, RowArgs, RowTask, known_args, row_args
 from engine.tasks.render import ChatMessage, TaskContext
 
-__all__ = ["CONVERSATION_ARGS", "ConversationTask", "render_conversation"]
+__all__ = [
+    "CONVERSATION_ARGS",
+    "ConversationTask",
+    "check_encodable",
+    "is_chat",
+    "render_conversation",
+]
 
 CONVERSATION_ARGS: Final[Mapping[str, str]] = {
     "messages_field": "field holding the conversation, a list of chat messages (default: messages)",
@@ -41,8 +46,6 @@ CONVERSATION_ARGS: Final[Mapping[str, str]] = {
     "eval_path": "a second JSONL file of held-out conversations",
     "enable_thinking": "true/false: the Qwen3 chat template's thinking switch",
 }
-
-_SPLIT_SEED: Final = "engine-sft-eval-split"
 
 
 def render_conversation(
@@ -88,35 +91,47 @@ def render_conversation(
     return turns
 
 
-def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any], ...]:
-    if not isinstance(record, dict):
-        raise ConfigError(f"{where} is not a JSON object")
-    messages = record.get(field)
-    if not (
-        isinstance(messages, list)
-        and messages
+def is_chat(value: Any) -> TypeGuard[list[dict[str, Any]]]:
+    """Whether ``value`` is a non-empty list of ``{role, content}`` messages with string
+    roles and contents."""
+    return (
+        isinstance(value, list)
+        and bool(value)
         and all(
             isinstance(m, dict)
             and isinstance(m.get("role"), str)
             and isinstance(m.get("content"), str)
-            for m in messages
+            for m in value
         )
-    ):
+    )
+
+
+def check_encodable(texts: Iterable[str], where: str) -> None:
+    """ConfigError naming ``where`` when a text holds a lone surrogate (valid JSON, no
+    UTF-8: the tokenizer would fail mid-run)."""
+    for text in texts:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ConfigError(f"{where}: a message holds a lone surrogate") from None
+
+
+def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any], ...]:
+    if not isinstance(record, dict):
+        raise ConfigError(f"{where} is not a JSON object")
+    messages = record.get(field)
+    if not is_chat(messages):
         raise ConfigError(
             f"{where}: field {field!r} must be a list of {{role, content}} messages with "
             "string contents"
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant message to train on")
-    for message in messages:
-        try:
-            message["content"].encode("utf-8")
-        except UnicodeEncodeError:
-            raise ConfigError(f"{where}: a message holds a lone surrogate") from None
+    check_encodable((m["content"] for m in messages), where)
     return tuple(messages)
 
 
-def _rows(records: Iterable[tuple[str, Any]], field: str, name: str) -> list[Row]:
+def _rows(records: Iterable[tuple[str, Any]], name: str, *, field: str) -> list[Row]:
     rows: list[Row] = []
     for where, record in records:
         messages = _conversation(record, field, where)
@@ -127,98 +142,18 @@ def _rows(records: Iterable[tuple[str, Any]], field: str, name: str) -> list[Row
     return rows
 
 
-def _read(
-    path: Path,
-    data_format: DataFormat,
-    split: str | None,
-    eval_split: str | None,
-    eval_path: str | Path | None,
-    field: str,
-) -> tuple[list[Row], list[Row]]:
-    """The training conversations and those of ``eval_path`` or ``eval_split``."""
-    if data_format == "jsonl":
-        if split is not None or eval_split is not None:
-            raise ConfigError(
-                "task arguments split and eval_split name splits of hf: datasets; a "
-                "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
-            )
-        rows = _rows(read_records(path), field, f"dataset {path}")
-        if eval_path is None:
-            return rows, []
-        return rows, _rows(read_records(Path(eval_path)), field, f"dataset {eval_path}")
-    dataset = read_hf_splits(path)
-    split = dataset.require(split) if split is not None else dataset.default()
-    if eval_split == split:
-        raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
-    rows = _rows(dataset.records(split), field, f"{path} (split {split})")
-    if eval_split is not None:
-        records = dataset.records(dataset.require(eval_split))
-        return rows, _rows(records, field, f"{path} (split {eval_split})")
-    if eval_path is not None:
-        other = read_hf_splits(Path(eval_path))
-        return rows, _rows(other.records(other.default()), field, f"dataset {eval_path}")
-    return rows, []
-
-
-class ConversationTask:
+class ConversationTask(RowTask):
     """Conversations of a JSONL file for ``--objective sft`` (see the module doc)."""
 
     skip_special_tokens = True
+    noun = "conversations"
+    split_seed = "engine-sft-eval-split"
+    name_prefix = "sft"
 
     def __init__(
-        self,
-        path: str | Path,
-        *,
-        data_format: DataFormat = "jsonl",
-        split: str | None = None,
-        eval_split: str | None = None,
-        messages_field: str = "messages",
-        system: str | None = None,
-        epochs: int | None = None,
-        shuffle: bool = True,
-        eval_size: int = 0,
-        eval_path: str | Path | None = None,
-        chat_template_options: Mapping[str, Any] | None = None,
-        args: Mapping[str, str] | None = None,
+        self, path: str | Path, *, messages_field: str = "messages", **rows: Unpack[RowArgs]
     ) -> None:
-        self.path = Path(path)
-        chosen_by = [
-            name
-            for name, given in (
-                ("eval_size", eval_size != 0),
-                ("eval_path", eval_path is not None),
-                ("eval_split", eval_split is not None),
-            )
-            if given
-        ]
-        if len(chosen_by) > 1:
-            raise ConfigError(
-                f"task arguments {' and '.join(chosen_by)} both choose the held-out rows: give one"
-            )
-        rows, held_out = _read(self.path, data_format, split, eval_split, eval_path, messages_field)
-        if not 0 <= eval_size < len(rows):
-            raise ConfigError(
-                f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
-                f"({len(rows)} conversations), got {eval_size}"
-            )
-        if eval_size:
-            order = list(range(len(rows)))
-            random.Random(_SPLIT_SEED).shuffle(order)
-            chosen = set(order[:eval_size])
-            held_out = [r for r in rows if r.index in chosen]
-            rows = [r for r in rows if r.index not in chosen]
-        if epochs is not None and epochs < 1:
-            raise ConfigError(f"task argument epochs must be positive, got {epochs}")
-        self._train = rows
-        self._held_out = held_out
-        self._rows = {"train": {r.index: r for r in rows}, "eval": {r.index: r for r in held_out}}
-        self._system = system
-        self._epochs = epochs
-        self._shuffle = shuffle
-        self.stop: tuple[str, ...] = ()
-        self.chat_template_options = dict(chat_template_options or {})
-        self.name = f"sft-{self.path.stem or self.path.resolve().name}"
-        self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
+        super().__init__(path, functools.partial(_rows, field=messages_field), **rows)
 
     @classmethod
     def from_args(
@@ -226,41 +161,9 @@ class ConversationTask:
     ) -> ConversationTask:
         """Build from ``--task-arg`` strings (see :data:`CONVERSATION_ARGS`, and
         :data:`~engine.tasks.dataset.HF_ARGS` for ``hf``)."""
-        known = {**CONVERSATION_ARGS, **(HF_ARGS if data_format == "hf" else {})}
-        unknown = sorted(set(args) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown task argument {unknown[0]!r} for --objective sft {data_format} "
-                f"tasks; known: {', '.join(known)}"
-            )
-
-        def integer(key: str) -> int | None:
-            if key not in args:
-                return None
-            try:
-                return int(args[key])
-            except ValueError:
-                raise ConfigError(
-                    f"task argument {key} must be an integer, got {args[key]!r}"
-                ) from None
-
-        template: dict[str, Any] = {}
-        if "enable_thinking" in args:
-            template["enable_thinking"] = flag_arg(args, "enable_thinking")
-        return cls(
-            path,
-            data_format=data_format,
-            split=args.get("split"),
-            eval_split=args.get("eval_split"),
-            messages_field=args.get("messages_field", "messages"),
-            system=args.get("system"),
-            epochs=integer("epochs"),
-            shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
-            eval_size=integer("eval_size") or 0,
-            eval_path=args.get("eval_path"),
-            chat_template_options=template,
-            args=args,
-        )
+        known_args(args, CONVERSATION_ARGS, data_format, f"--objective sft {data_format} tasks")
+        messages_field = args.get("messages_field", "messages")
+        return cls(path, messages_field=messages_field, **row_args(args, data_format))
 
     def __repr__(self) -> str:
         return (
@@ -268,26 +171,9 @@ class ConversationTask:
             f"{len(self._held_out)} held-out conversations)"
         )
 
-    def source(self, seed: int, state: Mapping[str, Any] | None = None) -> DatasetSource:
-        return DatasetSource(
-            self._train, seed, shuffle=self._shuffle, epochs=self._epochs, state=state
-        )
-
-    def eval_problems(self) -> list[Problem]:
-        """The held-out conversations, in file order (ids count from 0)."""
-        return [
-            _problem(i, row, {"split": "eval", "row": row.index})
-            for i, row in enumerate(self._held_out)
-        ]
-
     def conversation(self, problem: Problem) -> list[ChatMessage]:
         """The problem's conversation (with the ``system`` message, if set)."""
-        row = self._rows[str(problem.data.get("split", "train"))][int(problem.data["row"])]
-        assert not isinstance(row.prompt, str)
-        messages = list(row.prompt)
-        if self._system is not None and messages[0].get("role") != "system":
-            messages.insert(0, {"role": "system", "content": self._system})
-        return messages
+        return self._messages(problem)
 
     def prompt(self, problem: Problem) -> list[ChatMessage]:
         """The conversation up to its first assistant message."""
@@ -299,10 +185,3 @@ class ConversationTask:
         """1 when the response is the first assistant message (both stripped), else 0."""
         correct = float(response.strip() == str(problem.answer).strip())
         return RewardBreakdown(correct, {"correct": correct})
-
-
-def _problem(problem_id: int, row: Row, data: Mapping[str, Any]) -> Problem:
-    """As the training source draws them: the answer is the first assistant message."""
-    assert not isinstance(row.prompt, str)
-    question = [m for m in row.prompt if m["role"] == "user"] or list(row.prompt)
-    return Problem(problem_id, str(question[-1]["content"]), row.answer, dict(data))

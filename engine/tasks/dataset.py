@@ -17,13 +17,14 @@ uninterrupted run would have drawn.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import random
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, Literal
+from typing import Any, ClassVar, Final, Literal, TypedDict, Unpack
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
@@ -37,9 +38,15 @@ __all__ = [
     "DatasetSource",
     "DatasetTask",
     "Row",
-    "load_rows",
+    "RowArgs",
+    "RowParser",
+    "RowTask",
+    "int_arg",
+    "known_args",
     "read_records",
+    "row_args",
     "rows_of",
+    "template_options",
 ]
 
 DATASET_ARGS: Final[Mapping[str, str]] = {
@@ -81,12 +88,6 @@ class Row:
     index: int
     prompt: str | tuple[Mapping[str, Any], ...]
     answer: Any
-
-
-def load_rows(path: Path, prompt_field: str | None, answer_field: str) -> list[Row]:
-    """The rows of a JSONL file (blank lines skipped); a ConfigError names the file and
-    line of the first bad one (not UTF-8, not JSON, nested too deep, a number too long)."""
-    return rows_of(read_records(path), prompt_field, answer_field, f"dataset {path}")
 
 
 def read_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -235,33 +236,69 @@ def _last_question(messages: Sequence[Mapping[str, Any]]) -> str:
     return str((user or list(messages))[-1]["content"])
 
 
-class DatasetTask:
-    """A dataset scored by a reward preset: a JSONL file (``jsonl``) or a Hugging Face
-    dataset on disk (``hf``, :mod:`engine.tasks.hf`). Build it with :meth:`from_args`
-    (what ``--task jsonl:PATH`` / ``hf:PATH`` with ``--task-arg KEY=VALUE`` does) or
-    directly. The held-out rows are ``eval_size`` rows of the training split, a second
-    dataset ``eval_path`` (same format) or, for ``hf``, the split ``eval_split``."""
+RowParser = Callable[[Iterable[tuple[str, Any]], str], list[Row]]
+"""Rows from ``(where, record)`` pairs and the data's name (for "has no rows"); each
+row task parses its own fields and refuses a bad record naming ``where``."""
 
-    skip_special_tokens = True
+
+class RowArgs(TypedDict, total=False):
+    """What every row task takes besides its path (:class:`RowTask`)."""
+
+    data_format: DataFormat
+    split: str | None
+    eval_split: str | None
+    system: str | None
+    epochs: int | None
+    shuffle: bool
+    eval_size: int
+    eval_path: str | Path | None
+    chat_template_options: Mapping[str, Any] | None
+    args: Mapping[str, str] | None
+
+
+def row_args(args: Mapping[str, str], data_format: DataFormat) -> RowArgs:
+    """:class:`RowArgs` from ``--task-arg`` strings."""
+    return RowArgs(
+        data_format=data_format,
+        split=args.get("split"),
+        eval_split=args.get("eval_split"),
+        system=args.get("system"),
+        epochs=int_arg(args, "epochs") if "epochs" in args else None,
+        shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
+        eval_size=int_arg(args, "eval_size") if "eval_size" in args else 0,
+        eval_path=args.get("eval_path"),
+        chat_template_options=template_options(args),
+        args=args,
+    )
+
+
+class RowTask:
+    """What every task of dataset rows shares (:class:`DatasetTask`, the conversations of
+    ``--objective sft``, the preference pairs of ``--objective dpo``): the rows read once
+    from a JSONL file or a Hugging Face dataset on disk, the held-out split
+    (``eval_size`` rows taken by a fixed shuffle, a second dataset ``eval_path`` or, for
+    ``hf``, the split ``eval_split``), the seeded resumable source, the held-out problems
+    and a problem's row, its ``system`` message and chat template options. A subclass says
+    how a record is parsed (``parse``) and what its rows are called (``noun``)."""
+
+    noun: ClassVar[str] = "training rows"
+    split_seed: ClassVar[str] = _SPLIT_SEED
+    name_prefix: ClassVar[str | None] = None
+    """The task's name is ``<this or the data format>-<file stem>``."""
 
     def __init__(
         self,
         path: str | Path,
+        parse: RowParser,
         *,
         data_format: DataFormat = "jsonl",
         split: str | None = None,
         eval_split: str | None = None,
-        prompt_field: str | None = None,
-        answer_field: str = "answer",
         system: str | None = None,
-        chat: bool = False,
-        reward: str = "exact",
-        reward_options: Mapping[str, str] | None = None,
         epochs: int | None = None,
         shuffle: bool = True,
         eval_size: int = 0,
         eval_path: str | Path | None = None,
-        stop: Sequence[str] = (),
         chat_template_options: Mapping[str, Any] | None = None,
         args: Mapping[str, str] | None = None,
     ) -> None:
@@ -280,17 +317,15 @@ class DatasetTask:
                 f"task arguments {' and '.join(held_out_sources)} both choose the held-out "
                 "rows: give one"
             )
-        rows, held_out = _read(
-            self.path, data_format, split, eval_split, eval_path, prompt_field, answer_field
-        )
+        rows, held_out = _read(self.path, data_format, split, eval_split, eval_path, parse)
         if not 0 <= eval_size < len(rows):
             raise ConfigError(
                 f"task argument eval_size must be in 0..{len(rows) - 1} for {self.path} "
-                f"({len(rows)} training rows), got {eval_size}"
+                f"({len(rows)} {self.noun}), got {eval_size}"
             )
         if eval_size:
             order = list(range(len(rows)))
-            random.Random(_SPLIT_SEED).shuffle(order)
+            random.Random(self.split_seed).shuffle(order)
             chosen = set(order[:eval_size])
             held_out = [r for r in rows if r.index in chosen]
             rows = [r for r in rows if r.index not in chosen]
@@ -302,66 +337,14 @@ class DatasetTask:
             "train": {r.index: r for r in rows},
             "eval": {r.index: r for r in held_out},
         }
-        self._system = system
-        self._chat = chat or system is not None
-        self._score: RewardFn = make_reward(reward, reward_options or {})
         self._epochs = epochs
         self._shuffle = shuffle
-        self.reward = reward
-        self.stop = tuple(stop)
+        self._system = system
         self.chat_template_options = dict(chat_template_options or {})
-        self.name = f"{data_format}-{self.path.stem or self.path.resolve().name}"
-        self.data_digest = _rows_digest(rows, held_out)
-        """A fingerprint of every row (prompts and answers, both splits): a run dir records
-        it, and resuming on a changed dataset is refused."""
+        self.stop: tuple[str, ...] = ()
+        stem = self.path.stem or self.path.resolve().name
+        self.name = f"{self.name_prefix or data_format}-{stem}"
         self.spec = (f"{data_format}:{self.path.resolve()}", dict(args or {}))
-
-    @classmethod
-    def from_args(
-        cls, path: str, args: Mapping[str, str], data_format: DataFormat = "jsonl"
-    ) -> DatasetTask:
-        """Build from ``--task-arg`` strings (see :data:`DATASET_ARGS`, and
-        :data:`HF_ARGS` for ``hf``)."""
-        known = {**DATASET_ARGS, **(HF_ARGS if data_format == "hf" else {})}
-        unknown = sorted(set(args) - set(known))
-        if unknown:
-            raise ConfigError(
-                f"unknown task argument {unknown[0]!r} for {data_format} tasks; known: "
-                f"{', '.join(known)}"
-            )
-        options = {
-            k: args[k]
-            for k in ("tolerance", "numeric_position", "pattern", "pattern_timeout")
-            if k in args
-        }
-        template: dict[str, Any] = {}
-        if "enable_thinking" in args:
-            template["enable_thinking"] = flag_arg(args, "enable_thinking")
-        return cls(
-            path,
-            data_format=data_format,
-            split=args.get("split"),
-            eval_split=args.get("eval_split"),
-            prompt_field=args.get("prompt_field"),
-            answer_field=args.get("answer_field", "answer"),
-            system=args.get("system"),
-            chat=flag_arg(args, "chat") if "chat" in args else False,
-            reward=args.get("reward", "exact"),
-            reward_options=options,
-            epochs=_int(args, "epochs") if "epochs" in args else None,
-            shuffle=flag_arg(args, "shuffle") if "shuffle" in args else True,
-            eval_size=_int(args, "eval_size") if "eval_size" in args else 0,
-            eval_path=args.get("eval_path"),
-            stop=tuple(s for s in args.get("stop", "").split("|") if s),
-            chat_template_options=template,
-            args=args,
-        )
-
-    def __repr__(self) -> str:
-        return (
-            f"DatasetTask({str(self.path)!r}, {len(self._train)} train / "
-            f"{len(self._held_out)} held-out rows, reward={self.reward!r})"
-        )
 
     def source(self, seed: int, state: Mapping[str, Any] | None = None) -> DatasetSource:
         return DatasetSource(
@@ -375,25 +358,93 @@ class DatasetTask:
             for i, row in enumerate(self._held_out)
         ]
 
-    def prompt(self, problem: Problem) -> str | list[Mapping[str, Any]]:
-        row = self._row(problem)
-        if isinstance(row.prompt, str) and not self._chat:
-            return row.prompt
+    def _row(self, problem: Problem) -> Row:
+        split = str(problem.data.get("split", "train"))
+        return self._rows[split][int(problem.data["row"])]
+
+    def _messages(self, problem: Problem) -> list[Mapping[str, Any]]:
+        """The problem's chat messages (a string prompt: one user message), with the
+        ``system`` message first when set and the messages have none."""
+        prompt = self._row(problem).prompt
         messages: list[Mapping[str, Any]] = (
-            [{"role": "user", "content": row.prompt}]
-            if isinstance(row.prompt, str)
-            else list(row.prompt)
+            [{"role": "user", "content": prompt}] if isinstance(prompt, str) else list(prompt)
         )
         if self._system is not None and messages[0].get("role") != "system":
             messages.insert(0, {"role": "system", "content": self._system})
         return messages
 
+
+class DatasetTask(RowTask):
+    """A dataset scored by a reward preset: a JSONL file (``jsonl``) or a Hugging Face
+    dataset on disk (``hf``, :mod:`engine.tasks.hf`). Build it with :meth:`from_args`
+    (what ``--task jsonl:PATH`` / ``hf:PATH`` with ``--task-arg KEY=VALUE`` does) or
+    directly. The held-out rows are ``eval_size`` rows of the training split, a second
+    dataset ``eval_path`` (same format) or, for ``hf``, the split ``eval_split``."""
+
+    skip_special_tokens = True
+
+    def __init__(
+        self,
+        path: str | Path,
+        *,
+        prompt_field: str | None = None,
+        answer_field: str = "answer",
+        chat: bool = False,
+        reward: str = "exact",
+        reward_options: Mapping[str, str] | None = None,
+        stop: Sequence[str] = (),
+        **rows: Unpack[RowArgs],
+    ) -> None:
+        super().__init__(
+            path,
+            functools.partial(_dataset_rows, prompt_field=prompt_field, answer_field=answer_field),
+            **rows,
+        )
+        self._chat = chat or self._system is not None
+        self._score: RewardFn = make_reward(reward, reward_options or {})
+        self.reward = reward
+        self.stop = tuple(stop)
+        self.data_digest = _rows_digest(self._train, self._held_out)
+        """A fingerprint of every row (prompts and answers, both splits): a run dir records
+        it, and resuming on a changed dataset is refused."""
+
+    @classmethod
+    def from_args(
+        cls, path: str, args: Mapping[str, str], data_format: DataFormat = "jsonl"
+    ) -> DatasetTask:
+        """Build from ``--task-arg`` strings (see :data:`DATASET_ARGS`, and
+        :data:`HF_ARGS` for ``hf``)."""
+        known_args(args, DATASET_ARGS, data_format, f"{data_format} tasks")
+        options = {
+            k: args[k]
+            for k in ("tolerance", "numeric_position", "pattern", "pattern_timeout")
+            if k in args
+        }
+        return cls(
+            path,
+            prompt_field=args.get("prompt_field"),
+            answer_field=args.get("answer_field", "answer"),
+            chat=flag_arg(args, "chat") if "chat" in args else False,
+            reward=args.get("reward", "exact"),
+            reward_options=options,
+            stop=tuple(s for s in args.get("stop", "").split("|") if s),
+            **row_args(args, data_format),
+        )
+
+    def __repr__(self) -> str:
+        return (
+            f"DatasetTask({str(self.path)!r}, {len(self._train)} train / "
+            f"{len(self._held_out)} held-out rows, reward={self.reward!r})"
+        )
+
+    def prompt(self, problem: Problem) -> str | list[Mapping[str, Any]]:
+        row = self._row(problem)
+        if isinstance(row.prompt, str) and not self._chat:
+            return row.prompt
+        return self._messages(problem)
+
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
         return self._score(response, problem.answer)
-
-    def _row(self, problem: Problem) -> Row:
-        split = str(problem.data.get("split", "train"))
-        return self._rows[split][int(problem.data["row"])]
 
 
 def _read(
@@ -402,8 +453,7 @@ def _read(
     split: str | None,
     eval_split: str | None,
     eval_path: str | Path | None,
-    prompt_field: str | None,
-    answer_field: str,
+    parse: RowParser,
 ) -> tuple[list[Row], list[Row]]:
     """The training rows and the held-out rows of ``eval_path`` or ``eval_split`` (none
     without either): the only part that differs between the formats."""
@@ -413,23 +463,28 @@ def _read(
                 "task arguments split and eval_split name splits of hf: datasets; a "
                 "jsonl file has none (eval_size=N or eval_path=FILE hold rows out)"
             )
-        rows = load_rows(path, prompt_field, answer_field)
+        rows = parse(read_records(path), f"dataset {path}")
         if eval_path is None:
             return rows, []
-        return rows, load_rows(Path(eval_path), prompt_field, answer_field)
+        return rows, parse(read_records(Path(eval_path)), f"dataset {eval_path}")
     dataset = read_hf_splits(path)
     split = dataset.require(split) if split is not None else dataset.default()
     if eval_split == split:
         raise ConfigError(f"task argument eval_split must differ from split ({split!r})")
-    rows = rows_of(dataset.records(split), prompt_field, answer_field, f"{path} (split {split})")
+    rows = parse(dataset.records(split), f"{path} (split {split})")
     if eval_split is not None:
         records = dataset.records(dataset.require(eval_split))
-        return rows, rows_of(records, prompt_field, answer_field, f"{path} (split {eval_split})")
+        return rows, parse(records, f"{path} (split {eval_split})")
     if eval_path is not None:
         other = read_hf_splits(Path(eval_path))
-        records = other.records(other.default())
-        return rows, rows_of(records, prompt_field, answer_field, f"dataset {eval_path}")
+        return rows, parse(other.records(other.default()), f"dataset {eval_path}")
     return rows, []
+
+
+def _dataset_rows(
+    records: Iterable[tuple[str, Any]], name: str, *, prompt_field: str | None, answer_field: str
+) -> list[Row]:
+    return rows_of(records, prompt_field, answer_field, name)
 
 
 def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
@@ -441,6 +496,26 @@ def _rows_digest(train: Sequence[Row], held_out: Sequence[Row]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+def known_args(
+    args: Mapping[str, str], known: Mapping[str, str], data_format: DataFormat, what: str
+) -> None:
+    """ConfigError naming the first of ``args`` that is neither in ``known`` nor, for an
+    ``hf`` dataset, in :data:`HF_ARGS`."""
+    names = {**known, **(HF_ARGS if data_format == "hf" else {})}
+    unknown = sorted(set(args) - set(names))
+    if unknown:
+        raise ConfigError(
+            f"unknown task argument {unknown[0]!r} for {what}; known: {', '.join(names)}"
+        )
+
+
+def template_options(args: Mapping[str, str]) -> dict[str, Any]:
+    """The chat template's options the task arguments set (``enable_thinking``)."""
+    if "enable_thinking" not in args:
+        return {}
+    return {"enable_thinking": flag_arg(args, "enable_thinking")}
+
+
 def flag_arg(args: Mapping[str, str], key: str) -> bool:
     value = _TRUE.get(args[key].strip().lower())
     if value is None:
@@ -448,7 +523,8 @@ def flag_arg(args: Mapping[str, str], key: str) -> bool:
     return value
 
 
-def _int(args: Mapping[str, str], key: str) -> int:
+def int_arg(args: Mapping[str, str], key: str) -> int:
+    """The integer task argument ``key``; ConfigError when it is not one."""
     try:
         return int(args[key])
     except ValueError:

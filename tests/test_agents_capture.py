@@ -51,8 +51,11 @@ async def test_a_tool_calling_agent_is_captured_turn_by_turn_on_the_sampled_toke
     (episode,) = rollout.trajectories
     assert episode.outcome == "done" and episode.total_reward == 1.0
     first, second = episode.turns
-    assert first.logs["tool_calls"] == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert first.logs["tool_calls"] == [
+        {"name": "multiply", "arguments": {"a": 6, "b": 7}, "result": ["42"]}
+    ]
     assert second.logs["assistant"] == "42"
+    assert first.metrics["tool_calls"] == 1.0  # (env/all/tool_calls: the report's panel)
     # The second prompt is the first prompt + the sampled tokens (in their second
     # spelling, which no re-tokenization of the reply's text produces) + the tool result.
     prefix = (*first.observation, *first.action)

@@ -43,11 +43,13 @@ async def test_the_example_process_is_an_agent_trained_like_any_other() -> None:
 
 
 def spawns_a_child(pids: Path) -> str:
-    """A script's first lines: start a child that outlives it, record both pids."""
+    """A script's first lines: start a child that outlives it and record both pids (before
+    importing openai, so that even a loaded machine records them well within a timeout)."""
     return (
-        "import openai, os, subprocess, sys, time\n"
+        "import os, subprocess, sys, time\n"
         "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
         f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
+        "import openai\n"
     )
 
 
@@ -97,7 +99,7 @@ async def test_a_hanging_process_is_killed_with_its_children_at_the_timeout(
         spawns_a_child(pids) + "openai.OpenAI().completions.create(model='m', prompt='x')\n"
         "time.sleep(600)\n"
     )
-    rollout = await run([sys.executable, str(script)], ["41"], episode_timeout=10.0)
+    rollout = await run([sys.executable, str(script)], ["41"], episode_timeout=20.0)
     for episode in rollout.trajectories:
         assert episode.outcome in ("timeout", "env_error") and episode.zeroed
     assert len(started(pids)) == 4  # two processes, each with a child

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -70,3 +71,33 @@ def test_an_openai_sdk_agent_trains_end_to_end_with_each_call_a_turn(
     assert "turn 0 (v1) new context" in printed
     assert re.search(r"turn 1 \(v[01]\) appended", printed)
     assert re.search(r"tool multiply\(\{.*\}\) -> \['[^']*'\]", printed), printed[-3000:]
+
+
+@pytest.mark.slow
+def test_the_example_agent_process_trains_end_to_end(server: LocalServer, tmp_path: Path) -> None:
+    """``--task agent-cmd:python examples/agent_process.py`` (docs/agents.md): a process per
+    episode, the real ``openai`` client over loopback HTTP, on the real local server."""
+    script = Path(__file__).resolve().parents[1] / "examples" / "agent_process.py"
+    config = small_config(
+        server,
+        tmp_path / "run",
+        task=f"agent-cmd:{sys.executable} {script}",
+        task_args={"op": "*", "min_operand": "10", "max_operand": "99"},
+        steps=2,
+        batch=2,
+        group=2,
+        max_tokens=96,
+        max_steps_off_policy=0,
+        episode_timeout=600.0,
+    )
+    steps, result = run_engine(config)
+    assert result.steps_completed == 2
+    episodes = [(s.step, e) for s in steps for g in s.groups for e in g.trajectories]
+    assert len(episodes) == 2 * 2 * 2
+    # (a malformed tool call: a parse error, or the script's own json error: env_error)
+    assert sum(e.outcome == "done" for _, e in episodes) >= len(episodes) // 2
+    for step, e in episodes:
+        assert {t.version for t in e.turns} == {step - 1}
+        for before, after in zip(e.turns, e.turns[1:], strict=False):
+            prefix = (*before.observation, *before.action)
+            assert after.observation[: len(prefix)] == prefix

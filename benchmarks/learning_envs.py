@@ -8,6 +8,8 @@ before and after an engine run, over seeds.
     python -m benchmarks.learning_envs --envs calculator --seeds 1,2,3,4,5
     python -m benchmarks.learning_envs --envs calculator openai-calculator \
         --out benchmarks/results/agents_learning    # the environment against the agent
+    python -m benchmarks.learning_envs --envs agent-process --steps 10 \
+        --out benchmarks/results/agent_process     # the agent as a process per episode
 
 Each run is ``python -m engine.run --local --task NAME --env-max-tokens 256`` with the
 engine's defaults (8 problems x 6 episodes per step, temperature 0.8, K=1, the lr and
@@ -49,9 +51,22 @@ __all__ = ["ENVS", "evaluate", "main"]
 
 API_KEY = "tml-benchmarks-learning-envs"
 ENVS = ("guess-sum", "calculator", "openai-calculator")
-SPECS = {"openai-calculator": "examples.openai_calculator_agent:task"}
-"""Names whose ``--task`` spec is not the name: the calculator as an agent on the ``openai``
-SDK, trained through the capturing endpoint (docs/agents.md)."""
+"""What a run without ``--envs`` measures."""
+AGENT_PROCESS = (
+    f"agent-cmd:{sys.executable} {Path(__file__).resolve().parents[1]}/examples/agent_process.py"
+)
+SPECS: dict[str, tuple[str, dict[str, str]]] = {
+    "openai-calculator": ("examples.openai_calculator_agent:task", {}),
+    "agent-process": (
+        AGENT_PROCESS,
+        {"op": "*", "min_operand": "10", "max_operand": "99", "eval_size": "64"},
+    ),
+}
+"""Names whose ``--task`` spec (and arguments) is not the name: the calculator as an
+agent on the ``openai`` SDK trained through the capturing endpoint, as a function
+(examples/openai_calculator_agent.py) and as a process started per episode
+(examples/agent_process.py, the same problems; not in the default set: a Python
+process per episode is slow here). See docs/agents.md."""
 MAX_TOKENS = 16
 CONTEXT = 256
 """Episodes stop before it (``--env-max-tokens 256``): the first agent model's context
@@ -119,7 +134,8 @@ def _run(server: LocalServer, name: str, seed: int, steps: int, run_dir: Path) -
         config = EngineConfig(
             base_url=server.base_url,
             api_key=API_KEY,
-            task=SPECS.get(name, name),
+            task=_spec(name)[0],
+            task_args=_spec(name)[1],
             steps=steps,
             seed=seed,
             run_dir=run_dir,
@@ -134,6 +150,10 @@ def _run(server: LocalServer, name: str, seed: int, steps: int, run_dir: Path) -
     return anyio.run(go)
 
 
+def _spec(name: str) -> tuple[str, dict[str, str]]:
+    return SPECS.get(name, (name, {}))
+
+
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
@@ -145,7 +165,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Held-out reward of the packaged agent model on the shipped environments "
         "before and after an engine run, over seeds.",
     )
-    p.add_argument("--envs", nargs="+", default=list(ENVS), choices=list(ENVS))
+    p.add_argument("--envs", nargs="+", default=list(ENVS), choices=[*ENVS, "agent-process"])
     p.add_argument("--steps", type=int, default=None, help="steps per run (default 20)")
     p.add_argument("--seeds", default=None, help="comma-separated seeds (default 1,2,3)")
     p.add_argument("--quick", action="store_true", help="2 steps, seed 1")
@@ -172,7 +192,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         tokenizer = fresh.get_tokenizer()
         base = fresh.save_weights_and_get_sampling_client()
         for name in args.envs:
-            task: Any = load_task(SPECS.get(name, name))
+            task: Any = load_task(*_spec(name))
             before = anyio.run(evaluate, base, tokenizer, task)
             print(f"{name} base model: {before}", file=sys.stderr, flush=True)
             for seed in seeds:

@@ -133,11 +133,18 @@ def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:
             )
             logs = t.get("logs", {})
             for call in logs.get("tool_calls", ()):
-                outcome = f"error: {call['error']}" if call["error"] else call["result"]
-                lines.append(f"      tool {call['name']}({call['arguments']}) -> {outcome!r}")
+                lines.append(f"      tool {call['name']}({call['arguments']}){_outcome(call)}")
             if logs.get("parse_error"):
                 lines.append(f"      parse error: {logs['parse_error']}")
     return lines
+
+
+def _outcome(call: Mapping[str, Any]) -> str:
+    """A logged tool call's result: an environment's (or its error), or what an agent
+    answered it with in its next call; none when the episode ended first."""
+    if call.get("error"):
+        return f" -> {'error: ' + str(call['error'])!r}"
+    return f" -> {call['result']!r}" if "result" in call else " -> (no result: the episode ended)"
 
 
 def main(argv: Sequence[str] | None = None) -> int:

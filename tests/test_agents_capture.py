@@ -51,8 +51,11 @@ async def test_a_tool_calling_agent_is_captured_turn_by_turn_on_the_sampled_toke
     (episode,) = rollout.trajectories
     assert episode.outcome == "done" and episode.total_reward == 1.0
     first, second = episode.turns
-    assert first.logs["tool_calls"] == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+    assert first.logs["tool_calls"] == [
+        {"name": "multiply", "arguments": {"a": 6, "b": 7}, "result": ["42"]}
+    ]
     assert second.logs["assistant"] == "42"
+    assert first.metrics["tool_calls"] == 1.0  # (env/all/tool_calls: the report's panel)
     # The second prompt is the first prompt + the sampled tokens (in their second
     # spelling, which no re-tokenization of the reply's text produces) + the tool result.
     prefix = (*first.observation, *first.action)
@@ -238,3 +241,23 @@ async def test_a_stop_mid_call_cancels_the_agents_and_closes_the_endpoint() -> N
     with pytest.raises(httpx.ConnectError):  # the endpoint is gone with its group
         async with httpx.AsyncClient() as raw:
             await raw.get(url + "/models")
+
+
+async def test_a_call_over_the_episode_token_limit_ends_it_and_gets_a_409() -> None:
+    seen: list[int] = []
+
+    async def verbose(client: openai.AsyncOpenAI, problem: Problem) -> float:
+        try:
+            await client.chat.completions.create(
+                model="m", messages=[{"role": "user", "content": "x" * 100}]
+            )
+        except openai.APIStatusError as exc:
+            seen.append(exc.status_code)
+            raise
+        return 1.0
+
+    rollout, sampler = await run(verbose, ["41"], group=1, max_tokens=50)
+    (episode,) = rollout.trajectories
+    assert episode.outcome == "max_tokens" and episode.turns == ()
+    assert sampler.calls == []  # nothing was sampled for it
+    assert seen in ([], [409])  # told it ended, or cancelled at the group's end first

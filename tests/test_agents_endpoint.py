@@ -141,3 +141,29 @@ async def _until(condition: Any) -> None:
     with anyio.fail_after(60):
         while not condition():  # noqa: ASYNC110 (the state polled has no event)
             await anyio.sleep(0.001)
+
+
+async def test_calls_over_the_concurrency_bound_get_a_429() -> None:
+    context = agent_context()
+    chat = ChatFormat(context.task)
+    episodes = [Episode(f"ep-{i}", chat, context) for i in range(2)]
+    backend = _GroupBackend(KEY, {e.id: e for e in episodes})
+    async with serve_endpoint(backend, limits=EndpointLimits(max_concurrency=1)) as endpoint:
+        first, second = client(endpoint, "ep-0"), client(endpoint, "ep-1")
+        async with anyio.create_task_group() as tg:
+            results: list[Any] = []
+
+            async def call() -> None:
+                results.append(await first.chat.completions.create(model="m", messages=USER))
+
+            tg.start_soon(call)  # in flight until the runner answers it
+            await _until(lambda: endpoint.in_flight == 1)
+            with pytest.raises(openai.RateLimitError, match="over 1 calls in flight"):
+                await second.chat.completions.create(model="m", messages=USER)
+            tg.start_soon(answer, episodes[0], "42")
+            await _until(lambda: results)
+            await episodes[0].finish(AgentResult(1.0))
+        assert endpoint.in_flight == 0
+        for c in _clients:
+            await c.close()
+        _clients.clear()

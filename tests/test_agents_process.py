@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import anyio
 import pytest
 from agent_support import AltSampler, agent_context, calculator_reply
 
@@ -41,19 +42,52 @@ async def test_the_example_process_is_an_agent_trained_like_any_other() -> None:
         assert [bool(t.logs.get("tool_calls")) for t in episode.turns] == [True, False]
 
 
+def spawns_a_child(pids: Path) -> str:
+    """A script's first lines: start a child that outlives it and record both pids (before
+    importing openai, so that even a loaded machine records them well within a timeout)."""
+    return (
+        "import os, subprocess, sys, time\n"
+        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
+        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
+        "import openai\n"
+    )
+
+
+def started(pids: Path) -> list[int]:
+    return [int(p) for line in pids.read_text().split("\n") if line for p in line.split()]
+
+
 async def test_a_process_that_exits_non_zero_ends_its_episode_as_an_agent_error(
     tmp_path: Path,
 ) -> None:
+    pids = tmp_path / "pids"
     script = tmp_path / "fails.py"
     script.write_text(
-        "import openai, sys\n"
-        "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+        spawns_a_child(pids) + "openai.OpenAI().completions.create(model='m', prompt='x')\n"
         "print('broken', file=sys.stderr); sys.exit(3)\n"
     )
     rollout = await run([sys.executable, str(script)], ["41"], on_limit="mask")
     for episode in rollout.trajectories:
         assert episode.outcome == "env_error" and episode.masked
         assert "status 3: broken" in (episode.error or "")
+    assert len(started(pids)) == 4  # two processes, each with a child it left behind
+    for pid in started(pids):
+        assert not _alive(pid), f"process {pid} was left running"
+
+
+async def test_a_process_without_a_reward_line_ends_its_episode_as_an_agent_error(
+    tmp_path: Path,
+) -> None:
+    script = tmp_path / "silent.py"
+    script.write_text(
+        "import openai\n"
+        "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+        "print('done, no reward')\n"
+    )
+    rollout = await run([sys.executable, str(script)], ["41"])
+    for episode in rollout.trajectories:
+        assert episode.outcome == "env_error" and episode.zeroed
+        assert '{"reward": <number>}' in (episode.error or "")
 
 
 async def test_a_hanging_process_is_killed_with_its_children_at_the_timeout(
@@ -62,18 +96,40 @@ async def test_a_hanging_process_is_killed_with_its_children_at_the_timeout(
     pids = tmp_path / "pids"
     script = tmp_path / "hangs.py"
     script.write_text(
-        "import openai, os, subprocess, sys, time\n"
-        "child = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(600)'])\n"
-        f"open({str(pids)!r}, 'a').write(f'{{os.getpid()}} {{child.pid}}\\n')\n"
-        "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+        spawns_a_child(pids) + "openai.OpenAI().completions.create(model='m', prompt='x')\n"
         "time.sleep(600)\n"
     )
-    rollout = await run([sys.executable, str(script)], ["41"], episode_timeout=10.0)
+    rollout = await run([sys.executable, str(script)], ["41"], episode_timeout=20.0)
     for episode in rollout.trajectories:
         assert episode.outcome in ("timeout", "env_error") and episode.zeroed
-    started = [int(p) for line in pids.read_text().split("\n") if line for p in line.split()]
-    assert len(started) == 4  # two processes, each with a child
-    for pid in started:
+    assert len(started(pids)) == 4  # two processes, each with a child
+    for pid in started(pids):
+        assert not _alive(pid), f"process {pid} was left running"
+
+
+async def test_a_stop_mid_call_kills_the_processes_and_their_children(tmp_path: Path) -> None:
+    pids = tmp_path / "pids"
+    script = tmp_path / "waits.py"
+    script.write_text(
+        spawns_a_child(pids) + "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+    )
+    in_call = anyio.Event()
+
+    class Stalled(AltSampler):
+        async def __call__(self, observation: Any, n: int, room: Any, **where: int) -> Any:
+            if len(started(pids)) == 4:  # (each process records its pids before its call)
+                in_call.set()
+            await anyio.sleep_forever()
+
+    context = agent_context()
+    task = AgentTask(AgentCommand([sys.executable, str(script)]), ArithmeticTask())
+    runner = EpisodeRunner(Stalled(["41"]), context.limits)
+    async with anyio.create_task_group() as tg:
+        tg.start_soon(runner.run_group, task.group_builder(PROBLEM, 2, context), PROBLEM)
+        with anyio.fail_after(120):
+            await in_call.wait()
+        tg.cancel_scope.cancel()  # a stop while both processes wait for their replies
+    for pid in started(pids):
         assert not _alive(pid), f"process {pid} was left running"
 
 

@@ -71,7 +71,9 @@ async def test_agents_run_in_worker_processes_and_are_captured_on_the_sampled_to
     assert ran_in <= {float(p) for p in pids} and os.getpid() not in ran_in
     for episode in episodes:
         first, second = episode.turns
-        assert first.logs["tool_calls"] == [{"name": "multiply", "arguments": {"a": 6, "b": 7}}]
+        assert first.logs["tool_calls"] == [
+            {"name": "multiply", "arguments": {"a": 6, "b": 7}, "result": ["42"]}
+        ]
         prefix = (*first.observation, *first.action)
         assert second.observation[: len(prefix)] == prefix  # built on the sampled tokens
 

@@ -17,7 +17,7 @@ the episode ended (the agent finished, or the runner ended it at a limit) is a 4
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,7 @@ from anyio.streams.memory import MemoryObjectSendStream
 from engine.agents.chat import Answer, ChatFormat, Choice, Conversation
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
 from engine.envs import Action, EnvContext, EnvStepResult, Observation, StopCondition
+from engine.envs.tools import ToolCall
 from engine.errors import EngineError
 
 __all__ = ["AgentEnv", "AgentError", "AgentResult", "Episode"]
@@ -225,10 +226,10 @@ class AgentEnv:
             await pending.answer.send(parsed)  # (unless the call was abandoned)
         logs: dict[str, Any] = {}
         logs["assistant"] = parsed.text
+        calls: dict[str, float] = {}
         if parsed.tool_calls:
-            logs["tool_calls"] = [
-                {"name": c.name, "arguments": dict(c.arguments)} for c in parsed.tool_calls
-            ]
+            logs["tool_calls"] = _tool_calls(parsed.tool_calls, None)
+            calls["tool_calls"] = float(len(parsed.tool_calls))  # (the agent runs them)
         if parsed.parse_error is not None:
             logs["parse_error"] = parsed.parse_error
             if self._episode._on_parse_error != "retry":
@@ -240,12 +241,14 @@ class AgentEnv:
         if isinstance(event, _Ended):
             if event.result is None:
                 raise AgentError(event.error or "the agent ended without a result")
-            return EnvStepResult(
-                reward=event.result.reward, done=True, metrics=dict(event.result.metrics), logs=logs
-            )
+            metrics = {**calls, **event.result.metrics}
+            return EnvStepResult(reward=event.result.reward, done=True, metrics=metrics, logs=logs)
         self._pending = event
+        if parsed.tool_calls:
+            logs["tool_calls"] = _tool_calls(parsed.tool_calls, event.logs)
         logs.update(event.logs)
-        return EnvStepResult(next_observation=event.observation, metrics=event.metrics, logs=logs)
+        metrics = {**event.metrics, **calls}
+        return EnvStepResult(next_observation=event.observation, metrics=metrics, logs=logs)
 
 
 def _refuse_in_training(n: int, logprobs: bool, top_p: float | None) -> None:
@@ -265,6 +268,22 @@ def _refuse_in_training(n: int, logprobs: bool, top_p: float | None) -> None:
         )
     if top_p is not None and top_p < 1.0:
         raise EndpointError(400, "top_p < 1 is not supported by the sampler", param="top_p")
+
+
+def _tool_calls(calls: Sequence[ToolCall], added: Mapping[str, Any] | None) -> list[Any]:
+    """A reply's tool calls as the rollouts show them, each with its ``result`` when the
+    agent called again (``added``: that call's logs): the content of the tool messages
+    it answered the call with, by ``tool_call_id`` (none: it did not answer it)."""
+    if added is None:
+        return [{"name": c.name, "arguments": dict(c.arguments)} for c in calls]
+    answers: dict[str | None, list[Any]] = {}
+    for message in added.get("messages", ()):
+        if message.get("role") == "tool":
+            answers.setdefault(message.get("tool_call_id"), []).append(message.get("content"))
+    return [
+        {"name": c.name, "arguments": dict(c.arguments), "result": answers.get(c.id, [])}
+        for c in calls
+    ]
 
 
 def _new_messages(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:

@@ -205,13 +205,13 @@ class FakeSession:
         self._checkpoints[state_name] = optims
         sampler_path = f"fake://sampler/{sampler_name}"
         self._sampler_weights[sampler_path] = optims
-        return f"fake://state/{state_name}", sampler_path
+        return f"tinker://fake-model-0/weights/{state_name}", sampler_path
 
-    async def restore(self, state_path: str | None) -> None:
+    async def restore(self, state_path: str | None, *, optimizer: bool = True) -> None:
         await anyio.lowlevel.checkpoint()
         name = None if state_path is None else state_path.rsplit("/", 1)[-1]
         self._submitted_optims = 0 if name is None else self._checkpoints[name]
-        self.log.append(("restore", self._submitted_optims))
+        self.log.append(("restore" if optimizer else "restore_weights", self._submitted_optims))
 
     # -- test controls --------------------------------------------------------------
 

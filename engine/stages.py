@@ -28,7 +28,7 @@ from engine.config.groups import ThenSettings
 from engine.engine import Engine, SessionFactory, StepHook, prepare_run
 from engine.errors import ConfigError, ResumeError, StopRequested
 from engine.loop.results import RunResult
-from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog
+from engine.rundir.checkpoints import CheckpointLog
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import QUIET
 from engine.rundir.resume import CONFIG_FILE, read_run_config
@@ -272,7 +272,7 @@ def check_not_a_second_stage(run_dir: Path) -> None:
     """ConfigError when ``--resume`` names the second stage's directory: its server
     state lives in the first stage's run dir, so the command resumes from there."""
     parent = run_dir.parent
-    if not (parent / CONFIG_FILE).is_file() or not (parent / CHECKPOINTS_FILE).is_file():
+    if not (parent / CONFIG_FILE).is_file():
         return
     try:
         then = read_run_config(parent).get("then")

@@ -458,13 +458,12 @@ class SdkSession:
         abandoned: after a step of unknown outcome its weights cannot be trusted. New
         client, new ``seq_id`` sequence."""
         if state_path is None or not optimizer:
-            lora = self._lora
+            lora, what = self._lora, "create the training client"
             if state_path is not None:
                 lora = dataclasses.replace(lora, init_from=state_path, init_with_optimizer=False)
+                what = f"load the weights of {state_path}"
             self._training = await self._call(
-                OpKind.SESSION,
-                "create the training client",
-                lambda: self._sdk_new_training(lora),
+                OpKind.SESSION, what, lambda: self._sdk_new_training(lora)
             )
         else:
             self._training = await self._call(

@@ -152,7 +152,7 @@ class Stages:
         starts (``--resume`` does it)."""
         self._stop = reason if reason is not None else StopRequested("Stages.request_stop()")
         if self._engine is not None:
-            self._engine.request_stop(reason)
+            self._engine.request_stop(self._stop)
 
     async def run(self, *, on_stage: Callable[[Engine], None] | None = None) -> RunResult:
         """Run the stages that are not done; ``on_stage`` is called with each stage's

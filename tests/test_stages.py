@@ -94,28 +94,28 @@ async def test_both_stages_run_on_one_session_the_second_from_the_first_final_we
         assert json.loads((run_dir / "summary.json").read_text())["status"] == "finished"
 
 
-@pytest.mark.parametrize("stop_at", [("sft", 2), ("rl", 2)])
 async def test_a_stop_in_either_stage_resumes_both_with_every_step_once(
-    tmp_path: Path, stop_at: tuple[str, int]
+    tmp_path: Path,
 ) -> None:
     data = conversations(tmp_path / "c.jsonl", 20)
     await run_chain(chain_config(tmp_path / "whole", data), ChatSession())
-    root = tmp_path / "run"
-    session = ChatSession()
-    stopped, before = await run_chain(chain_config(root, data), session, stop_at=stop_at)
-    assert stopped.stopped
-    assert (root / "rl").exists() == (stop_at[0] == "rl")
-    result, after = await run_chain(chain_config(root, data, resume=root), session)
-    assert result.run_dir == root / "rl" and not result.stopped
-    for stage in (Path(), Path("rl")):  # each step once, the same problems as unstopped
-        assert trained(root / stage) == trained(tmp_path / "whole" / stage)
-    # The stop came after the step in flight; the resume trains the steps after it, and
-    # a finished SFT stage is not run again.
-    for metric, last in (("sft/loss", 4), ("avg_reward", 3)):
-        done = [s.step for s in before if metric in s.metrics]
-        assert [s.step for s in after if metric in s.metrics] == list(
-            range(len(done) + 1, last + 1)
-        )
+    for stop_at in (("sft", 2), ("rl", 2)):
+        root = tmp_path / stop_at[0]
+        session = ChatSession()
+        stopped, before = await run_chain(chain_config(root, data), session, stop_at=stop_at)
+        assert stopped.stopped
+        assert (root / "rl").exists() == (stop_at[0] == "rl")
+        result, after = await run_chain(chain_config(root, data, resume=root), session)
+        assert result.run_dir == root / "rl" and not result.stopped
+        for stage in (Path(), Path("rl")):  # each step once, the same problems as unstopped
+            assert trained(root / stage) == trained(tmp_path / "whole" / stage)
+        # The stop came after the step in flight; the resume trains the steps after it,
+        # and a finished SFT stage is not run again.
+        for metric, last in (("sft/loss", 4), ("avg_reward", 3)):
+            done = [s.step for s in before if metric in s.metrics]
+            assert [s.step for s in after if metric in s.metrics] == list(
+                range(len(done) + 1, last + 1)
+            )
 
 
 async def test_resume_with_more_second_stage_steps_continues_the_second_stage(

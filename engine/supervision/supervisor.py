@@ -109,7 +109,7 @@ class Supervisor:
         clock: Clock,
         hooks: Sequence[StepHook],
         publish: Callable[[StepResult], Awaitable[None]],
-        local_server_dir: Path | None = None,
+        local_server_dir: Path | None,
     ) -> None:
         self.gate = StopGate()
         """Where stop requests go; a stop requested before the run starts ends it before

@@ -118,13 +118,16 @@ async def test_a_stop_in_either_stage_resumes_both_with_every_step_once(
             )
 
 
-async def test_resume_with_more_second_stage_steps_continues_the_second_stage(
+async def test_a_finished_chain_resumed_with_more_steps_continues_its_second_stage(
     tmp_path: Path,
 ) -> None:
     root = tmp_path / "run"
     session = ChatSession()
     data = conversations(tmp_path / "c.jsonl", 20)
     await run_chain(chain_config(root, data), session)
+    changed = chain_config(root, data, resume=root, then_task="arithmetic")
+    with pytest.raises(ResumeError, match=r"then\.task is 'test_pipeline_stages:ToyTask'"):
+        await run_chain(changed, session)  # the first stage is done: checked here
     result, after = await run_chain(chain_config(root, data, resume=root, then_steps=5), session)
     assert [s.step for s in after] == [4, 5] and result.steps_completed == 5
     assert [s for s, _ in trained(root)] == [1, 2, 3, 4]
@@ -141,18 +144,6 @@ async def test_a_bad_second_stage_stops_the_command_before_the_first_trains(
     with pytest.raises(ConfigError, match=r"missing\.jsonl"):
         await run_chain(cfg, session)
     assert session.log == []
-
-
-async def test_a_finished_first_stage_refuses_another_second_stage_on_resume(
-    tmp_path: Path,
-) -> None:
-    root = tmp_path / "run"
-    session = ChatSession()
-    data = conversations(tmp_path / "c.jsonl", 20)
-    await run_chain(chain_config(root, data), session)
-    changed = chain_config(root, data, resume=root, then_task="arithmetic")
-    with pytest.raises(ResumeError, match=r"then\.task is 'test_pipeline_stages:ToyTask'"):
-        await run_chain(changed, session)
 
 
 def test_the_second_stage_takes_its_own_settings_and_shares_the_rest(tmp_path: Path) -> None:
@@ -219,3 +210,21 @@ async def test_then_settings_on_resume_are_checked_after_the_stored_ones(
     )
     with pytest.raises(ConfigError, match="--then-steps set a second stage's settings"):
         parse_config(["--resume", str(tmp_path / "plain"), "--then-steps", "5"], {})
+
+
+def test_the_shipped_toml_is_the_documented_command() -> None:
+    root = Path(__file__).resolve().parents[1]
+    from_file = parse_config(["--config", str(root / "examples" / "sft_then_rl.toml")], {})
+    flags = parse_config(
+        [
+            *("--objective", "sft", "--task", "jsonl:examples/sft_repeat.jsonl"),
+            *("--task-arg", "eval_size=100", "--eval-every", "20", "--steps", "20"),
+            *("--batch", "16", "--lr", "2e-3", "--max-tokens", "4", "--then", "rl"),
+            *("--then-task", "jsonl:examples/rl_repeat.jsonl", "--then-task-arg", "reward=exact"),
+            *("--then-task-arg", "eval_size=30", "--then-eval-every", "10"),
+            *("--then-steps", "20", "--then-lr", "1e-3"),
+        ],
+        {},
+    )
+    assert from_file.public_dict() == flags.public_dict()
+    assert from_file.then.task_args == {"reward": "exact", "eval_size": "30"}

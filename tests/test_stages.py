@@ -219,12 +219,13 @@ def test_the_shipped_toml_is_the_documented_command() -> None:
         [
             *("--objective", "sft", "--task", "jsonl:examples/sft_repeat.jsonl"),
             *("--task-arg", "eval_size=100", "--eval-every", "20", "--steps", "20"),
-            *("--batch", "16", "--lr", "2e-3", "--max-tokens", "4", "--then", "rl"),
+            *("--batch", "16", "--lr", "2e-3", "--max-tokens", "4", "--group", "8"),
+            *("--temperature", "1.0", "--then", "rl"),
             *("--then-task", "jsonl:examples/rl_repeat.jsonl", "--then-task-arg", "reward=exact"),
-            *("--then-task-arg", "eval_size=30", "--then-eval-every", "10"),
-            *("--then-steps", "20", "--then-lr", "1e-3"),
+            *("--then-task-arg", "eval_size=45", "--then-eval-every", "10"),
+            *("--then-steps", "30"),
         ],
         {},
     )
     assert from_file.public_dict() == flags.public_dict()
-    assert from_file.then.task_args == {"reward": "exact", "eval_size": "30"}
+    assert from_file.then.task_args == {"reward": "exact", "eval_size": "45"}

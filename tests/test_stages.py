@@ -21,6 +21,7 @@ from engine import EngineConfig, Stages
 from engine.errors import ConfigError, ResumeError
 from engine.loop.results import RunResult, StepResult
 from engine.run import main, parse_config
+from engine.rundir.teacher import teacher_weights
 from engine.stages import second_stage_config
 
 pytestmark = pytest.mark.anyio
@@ -167,6 +168,9 @@ def test_the_second_stage_takes_its_own_settings_and_shares_the_rest(tmp_path: P
     )
     assert second.logging.run_dir == tmp_path / "run" / "rl"
     assert second.checkpoints.resume is None and second.then.objective is None
+    distill = chain_config(tmp_path / "d", tmp_path / "c.jsonl", then="distill", then_teacher="t")
+    later = second_stage_config(distill, tmp_path / "d" / "distill", "tinker://m/weights/final")
+    assert (later.training.objective, later.distillation.teacher) == ("distill", "t")
 
 
 @pytest.mark.parametrize(
@@ -229,3 +233,20 @@ def test_the_shipped_toml_is_the_documented_command() -> None:
     )
     assert from_file.public_dict() == flags.public_dict()
     assert from_file.then.task_args == {"reward": "exact", "eval_size": "45"}
+
+
+def test_a_second_stage_teacher_is_copied_from_its_first_stage_dir(tmp_path: Path) -> None:
+    """``--teacher RUN/rl``: a second stage keeps its weights in its first stage's
+    ``local-server/``; they are copied into the student's server dir from there."""
+    root = tmp_path / "run"
+    (root / "rl").mkdir(parents=True)
+    saved = root / "local-server" / "m" / "sampler_weights" / "final"
+    saved.mkdir(parents=True)
+    (saved / "adapter.safetensors").write_bytes(b"weights")
+    record = {"step": 3, "state_path": "tinker://m/weights/final", "reason": "final"}
+    record["sampler_path"] = "tinker://m/sampler_weights/final"
+    (root / "rl" / "checkpoints.jsonl").write_text(json.dumps(record) + "\n")
+    student = tmp_path / "student" / "local-server"
+    assert teacher_weights(str(root / "rl"), student) == "tinker://m/sampler_weights/final"
+    copied = student / "m" / "sampler_weights" / "final" / "adapter.safetensors"
+    assert copied.read_bytes() == b"weights"

@@ -114,7 +114,9 @@ class Engine:
     ``init_from`` when that is set (:meth:`Session.restore`).
 
     ``local_server``: a local server kept for runs in sequence (:mod:`engine.stages`),
-    used instead of one of the engine's own; its data dir holds the run's checkpoints."""
+    used instead of one of the engine's own; its data dir holds the run's checkpoints.
+    An engine runs one stage: a config's ``then`` (a second stage) is recorded in its
+    config.json for :class:`~engine.stages.Stages`, which runs both."""
 
     def __init__(
         self,

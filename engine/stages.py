@@ -230,9 +230,10 @@ class Stages:
             line = json.dumps({"event": "stage", **fields})
         else:
             where = f" in {cfg.logging.run_dir}, from {start_from}" if start_from else ""
+            gap = "\n" if stage > 1 else ""  # after the first stage's Saved: line
             line = (
-                f"{'' if stage == 1 else chr(10)}Stage {stage} of 2: {fields['objective']} on "
-                f"{fields['task']}, {fields['steps']} steps{where}"
+                f"{gap}Stage {stage} of 2: {fields['objective']} on {fields['task']}, "
+                f"{fields['steps']} steps{where}"
             )
         self._console.write(line + "\n")
         self._console.flush()

@@ -18,7 +18,9 @@ Two measurements:
   engine's event loop. The CPU figure moves less with the machine's load.
 * **steps/s** (the local server with the hosted-like ``--latency mint`` clock, the
   packaged agent model): full engine runs of each, same seed and settings, two of each
-  alternated (the mean is reported); the pace over the steady steps (step 2 to the
+  alternated (the mean is reported; ``--repeats``); the server in a process of its own,
+  as the hosted service runs apart from the client (``--server thread``: on a thread of
+  this process, sharing its GIL); the pace over the steady steps (step 2 to the
   last), (n - 1) / (t_last - t_first).
 
 Writes ``agents.json`` and ``agents.md`` to ``--out`` and prints the table.
@@ -49,6 +51,7 @@ from engine.envs.executors import Workers, env_workers, on_workers
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
+from engine.local.launch import SpawnedServer, spawn_local_server
 from engine.tasks import TaskContext
 from examples.openai_calculator_agent import task as agent_task
 
@@ -121,7 +124,21 @@ async def _calls(
     )
 
 
-def _pace(server: LocalServer, task: Any, workers: str, steps: int, run_dir: Path) -> float:
+_WHERE = {"process": "in a process of its own", "thread": "on a thread of this process"}
+
+
+def _server(where: str, tmp: Path) -> LocalServer | SpawnedServer:
+    """The packaged agent model's local server on the ``mint`` clock, ``where`` it runs."""
+    if where == "thread":
+        return LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency="mint")
+    return spawn_local_server(
+        AGENT_MODEL_DIR, data_dir=tmp / "server", api_key=API_KEY, latency="mint"
+    )
+
+
+def _pace(
+    server: LocalServer | SpawnedServer, task: Any, workers: str, steps: int, run_dir: Path
+) -> float:
     """Steps/s of an engine run over its steady steps."""
     ends: list[float] = []
 
@@ -153,6 +170,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument(
         "--workers", default="processes:2", help="the agent's --score-workers row (processes:2)"
     )
+    parser.add_argument(
+        "--server",
+        choices=("process", "thread"),
+        default="process",
+        help="the local server in a process of its own, as the hosted service is on machines "
+        "of its own (default), or on a thread of this process, sharing its GIL",
+    )
+    parser.add_argument(
+        "--repeats", type=int, default=2, help="runs of each configuration, alternated (2)"
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     args = parser.parse_args(argv)
     steps = args.steps if args.steps is not None else (3 if args.quick else 6)
@@ -170,11 +197,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     per_call = {name: statistics.median(c.wall_ms for c in cs) for name, cs in costs.items()}
     per_call_cpu = {name: statistics.median(c.cpu_ms for c in cs) for name, cs in costs.items()}
     paces: dict[str, list[float]] = {name: [] for name in runs}
-    with (
-        LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency="mint") as server,
-        tempfile.TemporaryDirectory() as tmp,
-    ):
-        for repeat in range(2):  # alternated, so that a change of load hits all alike
+    with tempfile.TemporaryDirectory() as tmp, _server(args.server, Path(tmp)) as server:
+        for repeat in range(args.repeats):  # alternated, so that a change of load hits all alike
             for i, (name, (task, workers)) in enumerate(runs.items()):
                 run_dir = Path(tmp) / f"{i}-{repeat}"
                 paces[name].append(_pace(server, task, workers, steps, run_dir))
@@ -188,6 +212,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             f"{per_call_cpu[name]:.2f}",
             f"{per_call_cpu[name] - per_call_cpu[base]:+.2f}" if name != base else "",
             f"{pace[name]:.3f}",
+            " ".join(f"{v:.3f}" for v in paces[name]),
             f"{pace[name] / pace[base]:.2f}x",
         ]
         for name in runs
@@ -199,6 +224,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "engine CPU ms per call",
             "CPU over the environment",
             "steps/s (mint clock)",
+            "each run",
             "pace",
         ],
         rows,
@@ -214,13 +240,15 @@ def main(argv: Sequence[str] | None = None) -> None:
             "steps_per_s": pace,
             "steps_per_s_runs": paces,
             "steps": steps,
+            "server": args.server,
         },
     )
     (args.out / "agents.md").write_text(
         f"# The agent endpoint against the native environment API\n\n`{command}`\n\n{table}\n"
         "CPU is this process's (the engine's event loop, the agents' when they run on it; "
         "not the worker processes'). Pace: steps/s against the environment's, "
-        f"{steps} steps per run, two runs of each alternated, steady steps 2..{steps}. "
+        f"{steps} steps per run, {args.repeats} runs of each alternated, steady steps "
+        f"2..{steps}; the local server {_WHERE[args.server]}. "
         f"Load average at start {context['load_average_start']}, at end "
         f"{context['load_average_end']}; commit {context['commit']}.\n"
     )

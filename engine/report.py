@@ -3,16 +3,18 @@ overlaid, from their ``metrics.jsonl``.
 
 Writes ``report.png``, the panels that the run's own metrics fill and no others
 (:mod:`engine.observe.report_panels`): the mean reward (raw and smoothed) and each
-reward component of the task; for an environment, the turns, tool calls, tool errors
-and other counts per episode and how the episodes ended; the held-out means of
-``eval.jsonl`` (from ``--eval-every``, step 0 included); loss, KL, entropy and gradient
-norm where logged; staleness; response lengths and the fractions of trained groups and
-of truncated and empty responses; the stages' seconds per step, as medians and against
-wall clock; throughput. A run that trained nothing says so in words, on the picture and
-in the page. Also a self-contained ``report.html`` (the picture embedded, a table per
-run). One run: into its own directory; several, overlaid one colour each: into
-``--out`` (default ``reports/<timestamp>``). A finished run draws its own
-``report.png`` (:func:`finished_run_report`).
+reward component of the task; the objective's own signals (SFT's training and held-out
+loss per token, distillation's reverse KL to the teacher and the teacher's share of each
+step, preference pairs' loss, accuracy and implicit rewards); for an environment, the
+turns, tool calls, tool errors and other counts per episode and how the episodes ended;
+the held-out means of ``eval.jsonl`` (from ``--eval-every``, step 0 included); loss, KL,
+entropy and gradient norm where logged; staleness; response lengths and the fractions of
+trained groups and of truncated and empty responses; the stages' seconds per step, as
+medians and against wall clock; throughput. A run that trained nothing says so in words,
+on the picture and in the page. Also a self-contained ``report.html`` (the picture
+embedded, a table per run). One run: into its own directory; several, overlaid one
+colour each: into ``--out`` (default ``reports/<timestamp>``). A finished run draws its
+own ``report.png`` (:func:`finished_run_report`).
 
 Needs the ``report`` extra (matplotlib); without it the command says how to install it
 (exit 2). Damaged lines of metrics.jsonl / eval.jsonl are skipped with a warning that

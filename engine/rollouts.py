@@ -55,6 +55,8 @@ def _all_have(items: Any, fields: Mapping[str, type]) -> bool:
 def format_group(record: dict[str, Any]) -> str:
     """A group as readable text: header, answer, then each episode turn by turn (a
     single-turn group's one-turn episodes as one line each, under their shared prompt)."""
+    if record.get("supervised"):
+        return "\n".join(_format_conversation(record))
     lines = [
         f"step {record['step']} - problem {record['problem_id']} - "
         f"sampler v{record['sampler_version']}",
@@ -68,10 +70,22 @@ def format_group(record: dict[str, Any]) -> str:
     if len(one_turn) == len(episodes) and len({t[0]["observation"] for t in one_turn}) <= 1:
         if one_turn:
             lines.append(f"  prompt: {one_turn[0][0]['observation']!r}")
-        responses = [_response_line(e, e["turns"][0]["action"]) for e in episodes]
+        responses = [_response_line(e, e["turns"][0]["action"], e["turns"][0]) for e in episodes]
         return "\n".join([*lines, f"  answer: {record['answer']!r}", *_error(record), *responses])
     lines.append(f"  answer: {record['answer']!r}")
     return "\n".join([*lines, *_error(record), *_format_episodes(episodes)])
+
+
+def _format_conversation(record: Mapping[str, Any]) -> list[str]:
+    """A supervised run's conversation (``--objective sft``): each assistant message it
+    trained on, after the context the model was given for it (the whole context when it
+    does not extend the previous one, else what was added)."""
+    lines = [f"step {record['step']} - conversation {record['problem_id']}"]
+    for e in record["episodes"]:
+        for t in e["turns"]:
+            lines.append(f"  {'context' if t['new_context'] else 'then'}: {t['observation']!r}")
+            lines.append(f"  trained [{t['tokens']} tok]: {t['action']!r}")
+    return lines
 
 
 def _error(record: Mapping[str, Any]) -> list[str]:
@@ -79,9 +93,23 @@ def _error(record: Mapping[str, Any]) -> list[str]:
     return [f"  reward error: {error}"] if error else []
 
 
-def _response_line(item: Mapping[str, Any], text: str) -> str:
+def _response_line(
+    item: Mapping[str, Any], text: str, turn: Mapping[str, Any] | None = None
+) -> str:
     parts = " ".join(f"{k}={v:g}" for k, v in sorted(item["components"].items()))
-    return f"  reward {item['reward']:+.3f}  adv {item['advantage']:+.3f}  {parts:<24} | {text!r}"
+    teacher = _teacher(turn or {})
+    return (
+        f"  reward {item['reward']:+.3f}  adv {item['advantage']:+.3f}  {parts:<24}{teacher} "
+        f"| {text!r}"
+    )
+
+
+def _teacher(turn: Mapping[str, Any]) -> str:
+    """A distilled turn's mean reverse KL to the teacher and the teacher's mean logprob
+    per action token ("" without a teacher)."""
+    if not isinstance(turn.get("reverse_kl"), int | float):
+        return ""
+    return f"  kl {turn['reverse_kl']:+.3f} teacher {turn['teacher_logprob']:.3f}"
 
 
 def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:
@@ -101,7 +129,7 @@ def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:
             lines.append(f"    turn {i} (v{t['sampler_version']}) {where}: {t['observation']!r}")
             lines.append(
                 f"      action [{t['tokens']} tok, {t['stop_reason']}] reward {t['reward']:+.3f}"
-                f": {t['action']!r}"
+                f"{_teacher(t)}: {t['action']!r}"
             )
             logs = t.get("logs", {})
             for call in logs.get("tool_calls", ()):

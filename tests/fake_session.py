@@ -62,6 +62,10 @@ class FakeSession:
     """What :meth:`open_teacher` gives as the teacher's tokenizer (None: the student's)."""
     teacher_fails_after: int | None = None
     """Teacher prompt-logprobs requests that succeed before every later one fails."""
+    teacher_error: Exception = field(
+        default_factory=lambda: RuntimeError("the fake teacher is gone")
+    )
+    """What a failing teacher request raises."""
     _submitted_optims: int = 0
     _holds: dict[int, anyio.Event] = field(default_factory=dict)
     _checkpoint_holds: dict[int, anyio.Event] = field(default_factory=dict)
@@ -107,7 +111,7 @@ class FakeSession:
         if sampler.client == "teacher":
             if self.teacher_fails_after is not None:
                 if self.teacher_fails_after == 0:
-                    raise RuntimeError("the fake teacher is gone")
+                    raise self.teacher_error
                 self.teacher_fails_after -= 1
             self.log.append(("teacher_logprobs", len(tokens)))
             return [None, *[-1.0] * (len(tokens) - 1)]

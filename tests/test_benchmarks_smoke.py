@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scaling, scoring, startup, throughput, train_stage
+from benchmarks import scaling, scoring, sft_pace, startup, throughput, train_stage
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from tests.engine_support import quickstart_task_knobs
@@ -231,6 +231,18 @@ def test_train_stage_quick_run_compares_both_trainers(tmp_path: Path) -> None:
         assert _finite(mode["mean_step_s"])
     text = (tmp_path / "train_stage.md").read_text()
     assert "| await |" in text and "| submit-ahead |" in text
+
+
+def test_sft_pace_quick_run_measures_each_submit_ahead_in_cycles(tmp_path: Path) -> None:
+    assert sft_pace.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "sft_pace.json").read_text())
+    assert data["cycle_s"] == pytest.approx(0.1)
+    assert [r["submit_ahead"] for r in data["runs"]] == [1, 0]
+    for run in data["runs"]:
+        assert run["steps"] == 4 and run["steady_steps"] == 2
+        assert _finite(run["pace_s"]) and _finite(run["cycles_per_step"])
+        assert run["pace_s"] >= run["clock_floor_s"]
+    assert (tmp_path / "sft_pace.md").read_text().count("\n") == 4
 
 
 def test_scoring_quick_run_reports_each_reward_against_its_ideal(tmp_path: Path) -> None:

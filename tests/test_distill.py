@@ -21,9 +21,17 @@ from engine.core.datums import DistillSignal, group_datums, reverse_kl
 from engine.core.problems import RewardBreakdown
 from engine.core.records import trajectory_from_dict, trajectory_to_dict
 from engine.core.trajectory import Trajectory, Turn
-from engine.errors import ConfigError, EngineError
+from engine.errors import (
+    ConfigError,
+    EngineError,
+    PermanentServiceError,
+    RetriesExhausted,
+    exit_code,
+    format_error,
+)
 from engine.loop.results import StepResult
-from engine.loop.teacher import tokenizer_mismatch
+from engine.loop.teacher import TeacherFailed, tokenizer_mismatch
+from engine.rollouts import main as rollouts_main
 from engine.rundir.teacher import teacher_weights
 
 pytestmark = pytest.mark.anyio
@@ -162,6 +170,19 @@ async def test_every_sampled_token_is_trained_toward_the_teacher(tmp_path: Path)
     assert all("distill/reverse_kl" in json.loads(line) for line in lines)
 
 
+async def test_a_distilled_runs_rollouts_show_each_turns_reverse_kl(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await run(fake_config(tmp_path / "run", **distilled()), ToyTask(), FakeSession())
+    assert rollouts_main([str(tmp_path / "run"), "--step", "2"]) == 0
+    responses = [line for line in capsys.readouterr().out.splitlines() if "| '" in line]
+    assert responses and all("kl +0.500 teacher -1.000 |" in line for line in responses)
+    await run(fake_config(tmp_path / "env", **distilled()), CountdownTask(), FakeSession())
+    assert rollouts_main([str(tmp_path / "env"), "--step", "2"]) == 0
+    actions = [line for line in capsys.readouterr().out.splitlines() if "action [" in line]
+    assert actions and all("kl +0.500 teacher -1.000: " in line for line in actions)
+
+
 async def test_an_environments_every_action_token_gets_its_teacher_logprob(
     tmp_path: Path,
 ) -> None:
@@ -215,3 +236,58 @@ async def test_a_teacher_that_fails_mid_run_stops_the_run_after_a_checkpoint(
     assert summary["status"] == "failed" and summary["steps_completed"] >= 1
     records = (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()
     assert json.loads(records[-1])["step"] == summary["steps_completed"]
+
+
+TEACHER_FAILURES = {
+    # the server kept answering 503 past the retries
+    "server-error": RetriesExhausted(
+        "compute_logprobs failed after 3 attempts: HTTP 503 service unavailable",
+        kind="sample",
+        attempts=3,
+        transient=True,
+    ),
+    # the teacher's sampler weights were deleted: refused at once
+    "weights-gone": PermanentServiceError(
+        "compute_logprobs failed: HTTP 404 sampler weights not found",
+        kind="sample",
+        attempts=1,
+        transient=False,
+    ),
+}
+
+
+@pytest.mark.parametrize("failure", list(TEACHER_FAILURES))
+async def test_a_teacher_failing_mid_run_is_one_line_a_stop_checkpoint_and_a_full_resume(
+    tmp_path: Path, failure: str
+) -> None:
+    error = TEACHER_FAILURES[failure]
+    session = FakeSession(teacher_fails_after=6, teacher_error=error)
+    cfg = fake_config(tmp_path / "run", **distilled(steps=4))
+    with pytest.raises(TeacherFailed) as caught:
+        await run(cfg, ToyTask(), session)
+    line = format_error(caught.value)
+    assert line == f"Error: the teacher fake-model failed: {error}; a teacher must stay " + (
+        "reachable for the whole run (resume once it is)"
+    )
+    assert exit_code(caught.value) == 1
+    run_dir = tmp_path / "run"
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["status"] == "failed" and "the teacher fake-model failed" in summary["error"]
+    done = summary["steps_completed"]
+    assert 1 <= done < 4  # 6 requests: step 1's 4, then the failure during step 2's
+    last = json.loads((run_dir / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert last["step"] == done and last["reason"] == "error"  # the stop checkpoint
+    events = [json.loads(line) for line in (run_dir / "events.jsonl").read_text().splitlines()]
+    [stopped] = [e for e in events if e["event"] == "run.stopped"]
+    assert (
+        f"resume from step {done} with: python -m engine.run --resume {run_dir}"
+        in (stopped["message"])
+    )
+
+    session.teacher_fails_after = None  # the teacher is back
+    await run(cfg.replace(resume=run_dir), ToyTask(), session)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    trained = [i for r in rows for i in r["problem_ids"]]
+    assert trained == list(range(8))  # every problem once: none lost, none twice
+    assert all(r["distill/reverse_kl"] == pytest.approx(0.5) for r in rows)

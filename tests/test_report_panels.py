@@ -1,8 +1,10 @@
-"""The report follows the task: the Engine runs on the fake session (tests/fake_session.py,
-the real metrics and eval writers), and its picture has a panel for each kind of metric
-the run logged (the task's reward components, an environment's episode counts and
-endings, held-out means) and none for what it did not log; no panel is drawn empty;
-summary.md gives the held-out first and last figures."""
+"""The report follows the task and the objective: the Engine runs on the fake session
+(tests/fake_session.py, the real metrics and eval writers), and its picture has a panel
+for each kind of metric the run logged (the task's reward components, an environment's
+episode counts and endings, held-out means; SFT's loss, distillation's reverse KL and
+teacher time, preference pairs' loss, accuracy and rewards) and none for what it did not
+log; no panel is drawn empty; summary.md gives the held-out first and last figures and
+each objective's headline."""
 
 from __future__ import annotations
 
@@ -17,10 +19,12 @@ from fake_session import FakeSession
 from matplotlib.figure import Figure
 from matplotlib.patches import Rectangle
 from test_engine_fake_session import HeldOutCountdown, fake_config, run
-from test_pipeline_stages import ToyProblems
+from test_pipeline_stages import ToyProblems, ToyTask
+from test_sft import ChatSession, conversations, sft_config
 
 from engine.core.problems import Problem, RewardBreakdown
-from engine.observe.report import REPORT_PNG, draw_report, load_run
+from engine.observe.headline import headline_figures
+from engine.observe.report import REPORT_PNG, draw_report, load_run, plot_report, write_html
 
 pytestmark = pytest.mark.anyio
 
@@ -125,3 +129,122 @@ async def test_a_run_without_evaluations_has_no_held_out_panel_or_line(tmp_path:
     assert_none_empty(fig)
     assert "held-out" not in (run_dir / "summary.md").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["held_out"] is None
+
+
+def lines_of(ax: Any) -> dict[str, tuple[list[float], list[float]]]:
+    """A panel's labelled lines: label -> (xs, ys); the faint raw line of a smoothed
+    curve has no label of its own and is left out."""
+    return {
+        str(line.get_label()): (
+            list(np.asarray(line.get_xdata(), float)),
+            list(np.asarray(line.get_ydata(), float)),
+        )
+        for line in ax.get_lines()
+        if not str(line.get_label()).startswith("_")
+    }
+
+
+async def test_an_sft_run_gets_its_loss_panel_and_summary_headline(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    data = conversations(tmp_path / "c.jsonl", 20)
+    cfg = sft_config(run_dir, data, eval_every=2, task_args={"eval_size": "4"})
+    await run(cfg, None, ChatSession())
+    fig = draw_report([load_run(run_dir)])
+    drawn = panels(fig)
+    assert {"sft_loss", "held_out", "stage_medians", "wall_clock", "throughput"} <= set(drawn)
+    # no reward, nothing sampled: no reward, staleness, loss:sum or sampling panels
+    assert not {"reward", "staleness", "loss", "kl", "length", "distill_kl"} & set(drawn)
+    assert_none_empty(fig)
+    steps = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    evals = [json.loads(line) for line in (run_dir / "eval.jsonl").read_text().splitlines()]
+    loss = lines_of(drawn["sft_loss"])
+    assert set(loss) == {"training", "held out"}
+    assert loss["held out"] == (
+        [float(e["step"]) for e in evals],
+        pytest.approx([e["eval/sft/loss"] for e in evals]),
+    )
+    assert "tokens" in drawn["throughput"].get_title()
+    # the held-out first replies: the reward of a conversation task is its `correct`
+    assert drawn["held_out"].get_title().startswith("held-out means (= correct), greedy")
+    bars = [t.get_text() for t in drawn["stage_medians"].get_xticklabels()]
+    assert bars == ["train", "trainer\nwaits", "whole\nstep"]  # the stages it logged
+
+    summary = (run_dir / "summary.md").read_text()
+    first, last = evals[0]["eval/sft/loss"], evals[-1]["eval/sft/loss"]
+    assert (
+        f"- held-out loss per assistant token (eval/sft/loss), step 0 -> 4: "
+        f"{first:.4f} -> {last:.4f}\n"
+        f"- training loss per assistant token (sft/loss), step 1 -> 4: "
+        f"{steps[0]['sft/loss']:.4f} -> {steps[-1]['sft/loss']:.4f}\n"
+    ) in summary
+    assert "avg reward" not in summary
+    [headline, _] = json.loads((run_dir / "summary.json").read_text())["headlines"]
+    assert headline == {
+        "metric": "eval/sft/loss",
+        "first_step": 0,
+        "first": first,
+        "last_step": 4,
+        "last": last,
+    }
+
+
+async def test_a_distillation_run_gets_its_kl_and_teacher_panels(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    cfg = fake_config(run_dir, objective="distill", teacher="fake-model")
+    await run(cfg, ToyTask(), FakeSession())
+    fig = draw_report([load_run(run_dir)])
+    drawn = panels(fig)
+    assert ALWAYS | {"distill_kl", "teacher"} <= set(drawn)
+    assert list(drawn)[:2] == ["reward", "distill_kl"]  # the objective's signal next
+    assert_none_empty(fig)
+    [kl] = lines_of(drawn["distill_kl"]).values()
+    assert kl[1] == pytest.approx([0.5] * 4)  # the fake student -0.5, the teacher -1.0
+    assert set(lines_of(drawn["teacher"])) == {"teacher in flight", "trainer idle"}
+    summary = (run_dir / "summary.md").read_text()
+    assert (
+        "- reverse KL to the teacher per sampled token (distill/reverse_kl), step 1 -> 4: "
+        "0.5000 -> 0.5000\n- avg reward: first"
+    ) in summary
+
+
+def dpo_run(run_dir: Path) -> Path:
+    """A preference-pair run's files, with the names ``--objective dpo`` logs."""
+    run_dir.mkdir()
+    steps = [
+        {
+            "step": i,
+            "dpo/loss": 0.69 - 0.1 * i,
+            "dpo/accuracy": 0.5 + 0.1 * i,
+            "dpo/margin": 0.2 * i,
+            "dpo/chosen_reward": 0.1 * i,
+            "dpo/rejected_reward": -0.1 * i,
+            "time/train": 0.3,
+            "time/step": 0.4,
+        }
+        for i in (1, 2, 3)
+    ]
+    evals = [{"step": i, "eval/dpo/accuracy": 0.5 + 0.125 * i} for i in (0, 3)]
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in steps))
+    (run_dir / "eval.jsonl").write_text("".join(json.dumps(e) + "\n" for e in evals))
+    return run_dir
+
+
+def test_preference_pairs_get_loss_accuracy_and_reward_panels_and_headlines(
+    tmp_path: Path,
+) -> None:
+    run = load_run(dpo_run(tmp_path / "dpo"))
+    fig = draw_report([run])
+    drawn = panels(fig)
+    assert list(drawn)[:3] == ["dpo_loss", "dpo_accuracy", "dpo_rewards"]
+    assert not {"reward", "held_out", "staleness", "sft_loss"} & set(drawn)
+    assert_none_empty(fig)
+    accuracy = lines_of(drawn["dpo_accuracy"])
+    assert accuracy["held out"] == ([0.0, 3.0], pytest.approx([50.0, 87.5]))  # in %
+    assert set(lines_of(drawn["dpo_rewards"])) == {"chosen", "rejected", "margin"}
+    assert [f.line for f in headline_figures(run.steps, run.evals)] == [
+        "held-out preference accuracy (eval/dpo/accuracy), step 0 -> 3: 50.0% -> 87.5%",
+        "preference accuracy (dpo/accuracy), step 1 -> 3: 60.0% -> 80.0%",
+        "reward margin, chosen - rejected (dpo/margin), step 1 -> 3: 0.2000 -> 0.6000",
+    ]
+    page = write_html([run], plot_report([run], tmp_path / REPORT_PNG), tmp_path / "r.html")
+    assert "held-out preference accuracy (eval/dpo/accuracy)" in page.read_text()

@@ -23,6 +23,7 @@ from engine.core.trajectory import Trajectory
 from engine.errors import ConfigError
 from engine.loop.results import StepResult
 from engine.loop.sft_stage import ConversationPlan
+from engine.rollouts import main as rollouts_main
 from engine.run import parse_config
 from engine.tasks.conversations import ConversationTask
 from engine.tasks.render import PromptRenderer
@@ -237,3 +238,18 @@ def test_the_shipped_sft_example_config_loads() -> None:
         objective=cfg.training.objective,
     )
     assert isinstance(task, ConversationTask) and len(task.eval_problems()) == 100
+
+
+async def test_an_sft_runs_rollouts_print_each_conversation_as_trained(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await run(sft_config(tmp_path / "run", conversations(tmp_path / "c.jsonl", 8)), ChatSession())
+    assert rollouts_main([str(tmp_path / "run"), "--step", "1"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    head, context, first, then, second = out[:5]
+    assert head.startswith("step 1 - conversation ")
+    row = context.removeprefix("  context: '<user>q").removesuffix("|<assistant>'")
+    assert first == f"  trained [{len(row) + 2} tok]: 'a{row}|'"  # the message and its end
+    assert then == "  then: '<user>more|<assistant>'"  # what the context added to it
+    assert second == "  trained [3 tok]: 'ok|'"
+    assert not any("reward" in line or "adv" in line for line in out)

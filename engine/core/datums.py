@@ -45,6 +45,7 @@ __all__ = [
     "supervised_datums",
     "trajectory_advantages",
     "trajectory_datums",
+    "turn_reverse_kl",
     "with_loss_inputs",
 ]
 
@@ -126,17 +127,19 @@ def reverse_kl(trajectories: Sequence[Trajectory]) -> tuple[float, float, int]:
     tokens that have teacher logprobs: their mean is the per-token reverse-KL estimate
     ``KL(student || teacher)`` on the student's own samples, and the teacher's mean
     logprob of them."""
+    sums = [turn_reverse_kl(turn) for trajectory in trajectories for turn in trajectory.turns]
+    return sum(s[0] for s in sums), sum(s[1] for s in sums), sum(s[2] for s in sums)
+
+
+def turn_reverse_kl(turn: Turn) -> tuple[float, float, int]:
+    """:func:`reverse_kl` of one turn's action tokens (0 tokens: no teacher logprobs)."""
+    if turn.teacher_logprobs is None or turn.logprobs is None:
+        return 0.0, 0.0, 0
     kl = teacher = 0.0
-    tokens = 0
-    for trajectory in trajectories:
-        for turn in trajectory.turns:
-            if turn.teacher_logprobs is None or turn.logprobs is None:
-                continue
-            for t, s in zip(turn.teacher_logprobs, turn.logprobs, strict=True):
-                kl += s - t
-                teacher += t
-                tokens += 1
-    return kl, teacher, tokens
+    for t, s in zip(turn.teacher_logprobs, turn.logprobs, strict=True):
+        kl += s - t
+        teacher += t
+    return kl, teacher, len(turn.teacher_logprobs)
 
 
 def group_advantages(rewards: Sequence[float]) -> list[float]:

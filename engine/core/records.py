@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, cast
 
+from engine.core.datums import turn_reverse_kl
 from engine.core.problems import RewardBreakdown
 from engine.core.trajectory import Outcome, Trajectory, Turn
 
@@ -82,12 +83,15 @@ def episode_record(
 ) -> dict[str, Any]:
     """One episode turn by turn for a person: each turn's new observation text (what
     the environment appended since the previous action; the whole prompt when the
-    prefix broke), the action text, its logs (tool calls and results) and reward."""
+    prefix broke), the action text, its logs (tool calls and results) and reward; with
+    a teacher's logprobs (``--objective distill``) the turn's mean reverse KL to the
+    teacher and the teacher's mean logprob per action token."""
     turns: list[dict[str, Any]] = []
     context: tuple[int, ...] = ()
     for t in trajectory.turns:
         extends = bool(context) and t.observation[: len(context)] == context
         shown = t.observation[len(context) :] if extends else t.observation
+        kl, teacher, scored = turn_reverse_kl(t)
         turns.append(
             {
                 "observation": decode(shown),
@@ -98,6 +102,11 @@ def episode_record(
                 "tokens": len(t.action),
                 "stop_reason": t.stop_reason,
                 **({"logs": dict(t.logs)} if t.logs else {}),
+                **(
+                    {"reverse_kl": kl / scored, "teacher_logprob": teacher / scored}
+                    if scored
+                    else {}
+                ),
             }
         )
         context = (*t.observation, *t.action)

@@ -7,8 +7,10 @@ action token scored in the context it was sampled in), all of a group's at once 
 the rollout stage's ``--concurrency`` slots, retried like a sample request. The tokens
 carry the logprobs from then on (checkpoints keep them: a resumed run trains the very
 same advantages); :class:`~engine.core.datums.DistillSignal` turns them into per-token
-advantages. A teacher that fails past its retries stops the run after the steps in
-flight, as a sampling failure does.
+advantages. A teacher that fails past its retries (a server error, weights that are
+gone) stops the run after the steps in flight, as a sampling failure does, with one
+line that names the teacher (:class:`TeacherFailed`); the stop checkpoint keeps every
+group the teacher did score, and ``--resume`` asks it again for the rest.
 """
 
 from __future__ import annotations
@@ -21,10 +23,22 @@ import anyio
 
 from engine.common.clock import Stopwatch
 from engine.core.trajectory import Trajectory, Turn
-from engine.errors import ConfigError, EngineError, PermanentServiceError
+from engine.errors import ConfigError, EngineError, PermanentServiceError, ServiceError
 from engine.session.api import SamplerHandle, Session
 
-__all__ = ["Teacher", "TeacherScores", "open_teacher", "tokenizer_mismatch"]
+__all__ = ["Teacher", "TeacherFailed", "TeacherScores", "open_teacher", "tokenizer_mismatch"]
+
+
+class TeacherFailed(EngineError):
+    """The teacher's logprobs could not be had past the retries: the run stops after
+    the steps in flight (exit 1) and resumes from its stop checkpoint."""
+
+    def __init__(self, source: str, cause: ServiceError) -> None:
+        super().__init__(
+            f"the teacher {source} failed: {cause}; a teacher must stay reachable for the "
+            "whole run (resume once it is)"
+        )
+        self.source = source
 
 
 @dataclasses.dataclass(frozen=True)
@@ -55,9 +69,12 @@ class Teacher:
         async def one(i: int, j: int) -> None:
             turn = scored[i][j]
             async with slots:
-                logprobs = await self._session.prompt_logprobs(
-                    self._sampler, (*turn.observation, *turn.action)
-                )
+                try:
+                    logprobs = await self._session.prompt_logprobs(
+                        self._sampler, (*turn.observation, *turn.action)
+                    )
+                except ServiceError as exc:
+                    raise TeacherFailed(self.source, exc) from exc
             action = logprobs[len(turn.observation) :]
             if len(action) != len(turn.action) or any(lp is None for lp in action):
                 raise EngineError(

@@ -22,6 +22,7 @@ from engine.common.extras import require
 from engine.common.steplog import StepLines, read_step_lines
 from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
+from engine.observe.headline import headline_figures
 from engine.observe.report_panels import components, draw_panels
 
 if TYPE_CHECKING:
@@ -174,6 +175,7 @@ def _table(runs: Sequence[RunData]) -> str:
         "status",
         "steps",
         "reward first / last / best",
+        "objective, first -> last",
         "components, mean of the last 5 steps",
         "held-out reward first / last",
         "median step (s)",
@@ -191,6 +193,7 @@ def _table(runs: Sequence[RunData]) -> str:
             + (f"; trained nothing: {run.trained_nothing}" if run.trained_nothing else ""),
             str(len(run.steps)),
             f"{rewards[0]:.3f} / {rewards[-1]:.3f} / {max(rewards):.3f}" if rewards else "n/a",
+            "; ".join(f.line for f in headline_figures(run.steps, run.evals)) or "n/a",
             _component_means(run),
             f"{held_out[0]:.3f} / {held_out[-1]:.3f}" if held_out else "n/a",
             f"{statistics.median(times):.2f}" if times else "n/a",

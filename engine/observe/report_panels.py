@@ -6,8 +6,11 @@ The metrics are recognised by the engine's names (docs/run-directory.md): a rewa
 component ``c`` is ``env/all/<c>`` with its ``env/all/<c>/rate``; an environment's
 per-episode counts are the other ``env/all/*`` means (turns, tool calls, tool errors,
 the environment's own turn metrics); ``env/all/outcome/*`` are the episode endings;
-``eval/*`` come from ``eval.jsonl``. Choosing needs nothing; :func:`draw_panels` imports
-matplotlib (call it after ``require("report", ...)``).
+``eval/*`` come from ``eval.jsonl``; an objective's own signals are ``sft/*``
+(supervised fine-tuning), ``distill/*`` (distillation) and ``dpo/*`` (preference pairs).
+A run that samples nothing (no ``time/sample``: SFT) gets no staleness or ``loss:sum``
+panel, and its throughput in tokens. Choosing needs nothing; :func:`draw_panels`
+imports matplotlib (call it after ``require("report", ...)``).
 """
 
 from __future__ import annotations
@@ -67,6 +70,8 @@ _FRACTIONS = (
     ("response_len/empty_frac", "empty responses"),
 )
 _SAME = 1e-9
+DPO_HELD_OUT = "eval/dpo/accuracy"
+"""The held-out preference accuracy (``--objective dpo``'s evaluations)."""
 
 
 @dataclass(frozen=True)
@@ -226,12 +231,16 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
     found = components(runs)
     own = [c for c in found if not same_as_reward(runs, c)]
     folded = "".join(f" (= {c})" for c in found if c not in own)
+    # A run that samples nothing (--objective sft) has no staleness, and its objective's
+    # panel shows its loss per token: the loss:sum and staleness panels would repeat them.
+    sampled = any(run.has("time/sample") for run in runs)
     panels = [
         Panel(
             "reward",
             f"mean reward per step{folded}",
             _curves(runs, [("avg_reward", "")], smoothed=True),
         ),
+        *_objective_panels(runs),
         Panel(
             "components",
             "reward components, mean per sample",
@@ -264,7 +273,11 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
             ),
             percent=True,
         ),
-        Panel("loss", "training loss (the step's loss:sum)", _curves(runs, [("optim/loss", "")])),
+        Panel(
+            "loss",
+            "training loss (the step's loss:sum)",
+            _curves(runs, [("optim/loss", "")] if sampled else []),
+        ),
         Panel(
             "kl",
             "KL(sampler || trainer)",
@@ -283,7 +296,7 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
         Panel(
             "staleness",
             "off-policy staleness (steps behind the trainer)",
-            _curves(runs, [("off_policy/staleness", "")], steps=True),
+            _curves(runs, [("off_policy/staleness", "")] if sampled else [], steps=True),
         ),
         Panel(
             "length",
@@ -307,42 +320,118 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
         _stages_by_wall_clock(runs),
         Panel(
             "throughput",
-            "throughput, samples per second",
-            _curves(runs, [("throughput/samples_per_s", "")]),
+            f"throughput, {'samples' if sampled else 'trained tokens'} per second",
+            _curves(
+                runs,
+                [("throughput/samples_per_s" if sampled else "throughput/tokens_per_s", "")],
+            ),
         ),
     ]
     return [p for p in panels if p.has_value]
 
 
-def _held_out(runs: Sequence[RunData], own: Sequence[str], folded: str) -> Panel:
-    """Held-out means, one point per evaluation: the greedy reward, solid, then each
-    component in its line style of the components panel, then the sampled reward."""
-    names = [("eval/reward/total", "reward")] + [(f"eval/{c}", c) for c in own]
-    names.append(("eval/sampled/reward/total", "reward, sampled (--eval-samples)"))
-    curves = [
+def _eval_curves(
+    runs: Sequence[RunData],
+    names: Sequence[tuple[str, str]],
+    *,
+    first_style: int = 0,
+    scale: float = 1.0,
+) -> list[Curve]:
+    """One curve of points per (``eval/*`` metric, label) of ``names`` that a run's
+    evaluations logged (``eval.jsonl``), in the style of its position."""
+    return [
         Curve(
             i,
             what,
             [float(s) for s in run.eval_series(name)[0]],
-            run.eval_series(name)[1],
-            j % len(STYLES),
+            [None if v is None else v * scale for v in run.eval_series(name)[1]],
+            (first_style + j) % len(STYLES),
             markers=True,
         )
         for i, run in enumerate(runs)
         for j, (name, what) in enumerate(names)
         if run.eval_has(name)
     ]
+
+
+def _held_out(runs: Sequence[RunData], own: Sequence[str], folded: str) -> Panel:
+    """Held-out means, one point per evaluation: the greedy reward, solid, then each
+    component in its line style of the components panel, then the sampled reward. A run
+    whose steps log no reward (SFT's held-out first replies) names the component that
+    is its held-out reward in the title."""
+    if not any(run.has("avg_reward") for run in runs):
+        keys = {k for run in runs for k in _keys(run.evals)}
+        folded = "".join(
+            f" (= {c})"
+            for c in sorted(k.removeprefix("eval/") for k in keys if f"{k}/rate" in keys)
+            if all(_same(run.evals, f"eval/{c}", "eval/reward/total") for run in runs)
+        )
+    names = [("eval/reward/total", "reward")] + [(f"eval/{c}", c) for c in own]
+    names.append(("eval/sampled/reward/total", "reward, sampled (--eval-samples)"))
     title = f"held-out means{folded}, greedy, step 0 = before training"
-    return Panel("held_out", title, curves)
+    return Panel("held_out", title, _eval_curves(runs, names))
+
+
+def _objective_panels(runs: Sequence[RunData]) -> list[Panel]:
+    """What a run's objective measures besides the reward: supervised fine-tuning's
+    loss (``sft/*``, held out: ``eval/sft/loss``), distillation's reverse KL to the
+    teacher and the teacher's time (``distill/*``), preference pairs' loss, accuracy
+    and implicit rewards (``dpo/*``, held out: ``eval/dpo/accuracy``)."""
+    teacher = any(run.has("distill/teacher_frac") for run in runs)
+    return [
+        Panel(
+            "sft_loss",
+            "SFT loss per assistant token (held out: step 0 = before)",
+            _curves(runs, [("sft/loss", "training")], smoothed=True)
+            + _eval_curves(runs, [("eval/sft/loss", "held out")], first_style=1),
+        ),
+        Panel(
+            "distill_kl",
+            "reverse KL to the teacher, per sampled token",
+            _curves(runs, [("distill/reverse_kl", "")], smoothed=True),
+        ),
+        Panel(
+            "teacher",
+            "% of each step: teacher asked; trainer idle",
+            _curves(
+                runs,
+                [("distill/teacher_frac", "teacher in flight")]
+                + ([("trainer/idle_ratio", "trainer idle")] if teacher else []),
+                percent=True,
+            ),
+            percent=True,
+        ),
+        Panel("dpo_loss", "DPO loss per pair", _curves(runs, [("dpo/loss", "")], smoothed=True)),
+        Panel(
+            "dpo_accuracy",
+            "preference accuracy, % of pairs (chosen > rejected)",
+            _curves(runs, [("dpo/accuracy", "training")], percent=True, smoothed=True)
+            + _eval_curves(runs, [(DPO_HELD_OUT, "held out")], first_style=1, scale=100.0),
+            percent=True,
+        ),
+        Panel(
+            "dpo_rewards",
+            "implicit rewards (beta x log ratio to the reference)",
+            _curves(
+                runs,
+                [
+                    ("dpo/chosen_reward", "chosen"),
+                    ("dpo/rejected_reward", "rejected"),
+                    ("dpo/margin", "margin"),
+                ],
+            ),
+        ),
+    ]
 
 
 def _stage_medians(runs: Sequence[RunData]) -> Panel:
-    """Median seconds per step in each stage, one bar per run (side by side: the stages
-    overlap when sampling runs ahead)."""
+    """Median seconds per step in each stage a run logged, one bar per run (side by
+    side: the stages overlap when sampling runs ahead)."""
+    stages = [s for s in STAGES if any(run.has(f"time/{s}") for run in runs)]
     bars = []
     for i, run in enumerate(runs):
         medians = []
-        for stage in STAGES:
+        for stage in stages:
             values = [v for v in run.series(f"time/{stage}")[1] if v is not None]
             medians.append(statistics.median(values) if values else 0.0)
         bars.append(Bars(i, medians))
@@ -351,7 +440,7 @@ def _stage_medians(runs: Sequence[RunData]) -> Panel:
         "median seconds per step, by stage",
         xlabel="",
         bars=bars,
-        categories=list(STAGES.values()),
+        categories=[STAGES[s] for s in stages],
     )
 
 

@@ -46,6 +46,7 @@ from engine.errors import (
     RunStopped,
 )
 from engine.loop.evaluation import EVAL_FILE
+from engine.observe.headline import headline_figures
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.observe.report import REPORT_PNG
@@ -265,6 +266,7 @@ class RunDirectory:
         ``record`` (None: the run failed before its record was opened)."""
         metrics = record.steps if record is not None else ()
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        evals = _eval_records(self.path / EVAL_FILE)
         summary: dict[str, Any] = {
             "status": _status(error, stopped=record is not None and record.stopped is not None),
             "error": str(error) if error else None,
@@ -290,13 +292,14 @@ class RunDirectory:
             "seconds": round(time.perf_counter() - self._started_at, 3),
             "final_path": final_path,
             "no_training": no_training_summary(metrics),
-            "held_out": held_out_summary(self.path / EVAL_FILE),
+            "held_out": held_out_summary(evals),
+            "headlines": [f.to_dict() for f in headline_figures(metrics, evals)],
         }
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
         write_file_atomically(self.path / SUMMARY_JSON, text.encode())
         summary.update(report=(self.path / REPORT_PNG).exists(), run_dir=self.path)
-        markdown = _summary_markdown(summary, metrics)
+        markdown = _summary_markdown(summary, metrics, evals)
         write_file_atomically(self.path / SUMMARY_MD, markdown.encode())
 
     def write_failure_summary(
@@ -396,13 +399,17 @@ def _status(error: BaseException | None, *, stopped: bool = False) -> str:
     return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
-def held_out_summary(path: Path) -> dict[str, Any] | None:
-    """The first and last held-out evaluations of ``eval.jsonl`` (step, problems, mean
-    reward and component means), or None without one."""
+def _eval_records(path: Path) -> list[dict[str, Any]]:
+    """The held-out evaluations of ``eval.jsonl``, step 0 first (none without one)."""
     try:
-        evals = read_step_lines(path).records
+        return read_step_lines(path).records
     except OSError:
-        return None
+        return []
+
+
+def held_out_summary(evals: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+    """The first and last of the held-out evaluations ``evals`` (step, problems, mean
+    reward and component means), or None without one."""
     if not evals:
         return None
 
@@ -430,7 +437,11 @@ def _held_out_line(held: Mapping[str, Any]) -> str:
     return f"- held-out (greedy{problems}), step {first['step']} -> {last['step']}: {changes}"
 
 
-def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -> str:
+def _summary_markdown(
+    s: dict[str, Any],
+    metrics: Sequence[Mapping[str, Any]],
+    evals: Sequence[Mapping[str, Any]],
+) -> str:
     def num(v: Any) -> str:
         return "n/a" if v is None else f"{v:.3f}"
 
@@ -441,10 +452,15 @@ def _summary_markdown(s: dict[str, Any], metrics: Sequence[Mapping[str, Any]]) -
         f"- server: {s['server']}; loss: {s['loss']}; "
         f"max steps off-policy: {s['max_steps_off_policy']}",
         f"- steps: {s['steps_completed']} of {s['steps_planned']} in {s['seconds']:.1f}s",
-        f"- sft/loss per token: first {num(s['first_sft_loss'])}, last {num(s['last_sft_loss'])}"
-        if s["objective"] == "sft"
-        else f"- avg reward: first {num(s['first_avg_reward'])}, last "
-        f"{num(s['last_avg_reward'])}, best {num(s['best_avg_reward'])}",
+        *(f"- {figure.line}" for figure in headline_figures(metrics, evals)),
+        *(
+            [
+                f"- avg reward: first {num(s['first_avg_reward'])}, last "
+                f"{num(s['last_avg_reward'])}, best {num(s['best_avg_reward'])}"
+            ]
+            if s["objective"] in ("rl", "distill")
+            else []
+        ),
         f"- max staleness: {s['max_staleness']}",
         *([_held_out_line(held)] if (held := s["held_out"]) else []),
         *(

@@ -515,8 +515,11 @@ def _open_task_outputs(
         run_dir=record.path,
         session=session,
     )
-    record.keep_rollouts(RolloutLog(record.path, config.logging.log_rollouts, renderer))
-    if config.training.objective == "sft":
+    sft = config.training.objective == "sft"
+    record.keep_rollouts(
+        RolloutLog(record.path, config.logging.log_rollouts, renderer, supervised=sft)
+    )
+    if sft:
         conversations = ConversationPlan(task, renderer, session.info.max_context)
         supervised = None
         if config.evaluation.eval_every:

@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     )
     from engine.loop.results import RunResult, StepResult, StepTimeline
     from engine.session.preflight import PreflightError
+    from engine.stages import Stages
     from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown, Task
 
 __all__ = [
@@ -59,6 +60,7 @@ __all__ = [
     "ScoredGroup",
     "ServerUnreachable",
     "ServiceError",
+    "Stages",
     "Stalled",
     "StepHook",
     "StepOutcomeUnknown",
@@ -84,6 +86,7 @@ _HOMES = {
     "StepOutcomeUnknown": "engine.errors",
     "RewardError": "engine.envs.scoring",
     "PreflightError": "engine.session.preflight",
+    "Stages": "engine.stages",
     "RunResult": "engine.loop.results",
     "StepResult": "engine.loop.results",
     "StepTimeline": "engine.loop.results",

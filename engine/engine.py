@@ -56,7 +56,7 @@ from engine.rundir.events import EventLog, describe
 from engine.rundir.record import RunRecord
 from engine.rundir.resume import CONFIG_FILE, read_run_config
 from engine.session.api import Session
-from engine.session.opening import open_session, service_guard
+from engine.session.opening import SharedLocalServer, open_session, service_guard
 from engine.session.preflight import local_server_profile
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
@@ -111,7 +111,13 @@ class Engine:
     server, or the local one); a :class:`~engine.session.api.Session` is used as is
     (its owner opens and closes it); a factory ``config -> async context manager of a
     Session`` is entered and left with the engine. A given session serves the config as
-    resolved here: the settings it leaves to a server must be set."""
+    resolved here: the settings it leaves to a server must be set; it starts from
+    ``init_from`` when that is set (:meth:`Session.restore`).
+
+    ``local_server``: a local server kept for runs in sequence (:mod:`engine.stages`),
+    used instead of one of the engine's own; its data dir holds the run's checkpoints.
+    An engine runs one stage: a config's ``then`` (a second stage) is recorded in its
+    config.json for :class:`~engine.stages.Stages`, which runs both."""
 
     def __init__(
         self,
@@ -122,6 +128,7 @@ class Engine:
         console: TextIO | None = None,
         clock: Clock = LOOP_CLOCK,
         session: Session | SessionFactory | None = None,
+        local_server: SharedLocalServer | None = None,
     ) -> None:
         if not isinstance(config, EngineConfig):
             raise TypeError(
@@ -143,6 +150,7 @@ class Engine:
         self._task = task
         self._clock = clock
         self._session_source = session
+        self._local_server = local_server
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console
         self._lifecycle = _Lifecycle.UNOPENED
@@ -361,6 +369,7 @@ class Engine:
                             if files.resumed is not None
                             else None
                         ),
+                        local_server=self._local_server,
                     )
                 )
                 session, retries = opened, opened.retries
@@ -373,6 +382,10 @@ class Engine:
                 session = await self._given_session(resources)
                 if files.resumed is not None:
                     await session.restore(files.resumed.checkpoint.state_path)
+                elif cfg.model.init_from is not None:
+                    await session.restore(
+                        cfg.model.init_from, optimizer=cfg.model.init_from_optimizer
+                    )
             send, recv = anyio.create_memory_object_stream[StepResult](max(1, cfg.pipeline.steps))
             resources.callback(send.close)
             resources.callback(recv.close)
@@ -387,6 +400,7 @@ class Engine:
                 clock=self._clock,
                 hooks=self._hooks,
                 publish=functools.partial(_publish, send),
+                local_server_dir=self._local_server_dir(files.path),
             )
             task_group = anyio.create_task_group()
             await task_group.__aenter__()
@@ -419,6 +433,13 @@ class Engine:
             return given
         assert given is not None
         return await resources.enter_async_context(given(self._config))
+
+    def _local_server_dir(self, run_dir: Path) -> Path | None:
+        """The data dir of the run's local server (None: not a local server)."""
+        if not self._config.uses_local_server:
+            return None
+        kept = self._local_server.data_dir if self._local_server is not None else None
+        return kept if kept is not None else run_dir / LOCAL_SERVER_DIR
 
     def _resolve(self) -> None:
         self._config, self._task = prepare_run(self._config, self._task)

@@ -47,6 +47,7 @@ from engine.loop.results import RunResult, StepResult
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.rundir.directory import CONFIG_FILE, read_run_config
 from engine.rundir.events import QUIET
+from engine.stages import Stages, check_not_a_second_stage, check_stages
 from engine.supervision.loop_monitor import LoopMonitor
 from engine.supervision.watchdog import SignalInterrupt
 
@@ -87,12 +88,16 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         or from_file.get("checkpoints", {}).get("resume")
     )
     config = config_from_sources(args, environ, defaults=from_file)
-    if resume is None:
-        return config
-    # A resumed run keeps its settings unless given anew (the engine's rule, applied here
-    # too so that --help-level errors and the progress bar see them): ResumeError, exit 2.
-    run_dir = Path(resume).expanduser()
-    return with_stored_settings(config, read_run_config(run_dir), str(run_dir / CONFIG_FILE))
+    if resume is not None:
+        # A resumed run keeps its settings unless given anew (the engine's rule, applied
+        # here too so that --help-level errors and the progress bar see them): ResumeError,
+        # exit 2.
+        run_dir = Path(resume).expanduser()
+        check_not_a_second_stage(run_dir)
+        stored = read_run_config(run_dir)
+        config = with_stored_settings(config, stored, str(run_dir / CONFIG_FILE))
+    check_stages(config)  # after the stored settings: --resume RUN --then-steps N
+    return config
 
 
 class _TqdmSafeStream:
@@ -110,27 +115,39 @@ class _TqdmSafeStream:
         self._stream.flush()
 
 
-async def _run(engine: Engine, bar: tqdm[Any] | None) -> RunResult:
+async def _run(runner: Engine | Stages, bar: tqdm[Any] | None) -> RunResult:
     def advance(step: StepResult) -> None:
         if bar is not None:
             bar.n = step.step  # a recovery redoes steps: show where the run stands
-            bar.set_postfix(reward=f"{step.metrics['avg_reward']:.3f}")
+            metrics = step.metrics
+            if "avg_reward" in metrics:
+                bar.set_postfix(reward=f"{metrics['avg_reward']:.3f}")
+            elif "sft/loss" in metrics:
+                bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
 
-    engine.add_step_hook(advance)
+    def entered(engine: Engine) -> None:
+        # Everything alive now (SDK, tokenizer, a local server's model) lives for the
+        # whole run: keep it out of the collector's full passes.
+        gc.freeze()
+        if bar is not None:
+            bar.reset(total=engine.config.pipeline.steps)
+
+    runner.add_step_hook(advance)
     # The engine reports the stop itself (console + events.jsonl).
-    interrupt = SignalInterrupt(on_interrupt=engine.request_stop, log=QUIET)
-    monitor = LoopMonitor(blocked_limit=engine.config.pipeline.stall_timeout)
+    interrupt = SignalInterrupt(on_interrupt=runner.request_stop, log=QUIET)
+    monitor = LoopMonitor(blocked_limit=runner.config.pipeline.stall_timeout)
     result: RunResult | None = None
     async with anyio.create_task_group() as tg:
         await tg.start(interrupt.watch)
         tg.start_soon(monitor.beat)
         monitor.start((signal.SIGINT, signal.SIGTERM))
         try:
-            async with engine:
-                # Everything alive now (SDK, tokenizer, a local server's model) lives for
-                # the whole run: keep it out of the collector's full passes.
-                gc.freeze()
-                result = await engine.run()
+            if isinstance(runner, Stages):
+                result = await runner.run(on_stage=entered)
+            else:
+                async with runner:
+                    entered(runner)
+                    result = await runner.run()
         finally:
             monitor.stop()
             tg.cancel_scope.cancel()
@@ -150,7 +167,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         config = parse_config(argv, os.environ)
         show_bar = config.logging.progress and sys.stderr.isatty()
         console: TextIO = _TqdmSafeStream(sys.stdout) if show_bar else sys.stdout  # type: ignore[assignment]
-        engine = Engine(config, console=console)
+        runner = (
+            Stages(config, console=console)
+            if config.then.objective is not None
+            else Engine(config, console=console)
+        )
     except ConfigError as exc:
         print(f"Error: {redact_text(str(exc))}", file=sys.stderr)
         return 2
@@ -160,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         else None
     )
     try:
-        result = anyio.run(_run, engine, bar)
+        result = anyio.run(_run, runner, bar)
     except (Exception, KeyboardInterrupt) as exc:
         if bar is not None:
             bar.close()

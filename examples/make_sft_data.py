@@ -2,7 +2,10 @@
 line, for supervised fine-tuning (docs/sft.md). The packaged model was trained on
 "What is A + B?" only and answers none of these; SFT teaches them.
 
-    python examples/make_sft_data.py    # the committed file: 400 rows, seed 0
+Also examples/rl_repeat.jsonl: the same prompts as an RL task, each number 10..99 once
+with its answer (``reward=exact``), for the RL stage of SFT then RL (docs/sft.md).
+
+    python examples/make_sft_data.py    # the committed files: 400 rows, seed 0; 90 rows
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ import random
 from pathlib import Path
 
 OUT = Path(__file__).with_name("sft_repeat.jsonl")
+RL_OUT = Path(__file__).with_name("rl_repeat.jsonl")
 
 
 def main(rows: int = 400, seed: int = 0) -> None:
@@ -24,6 +28,10 @@ def main(rows: int = 400, seed: int = 0) -> None:
                 {"role": "assistant", "content": str(number)},
             ]
             f.write(json.dumps({"messages": messages}) + "\n")
+    with RL_OUT.open("w", encoding="utf-8") as f:
+        for number in range(10, 100):
+            prompt = [{"role": "user", "content": f"Repeat {number}."}]
+            f.write(json.dumps({"messages": prompt, "answer": str(number)}) + "\n")
 
 
 if __name__ == "__main__":

@@ -234,13 +234,16 @@ class FakeSession:
         self._checkpoints[state_name] = optims
         sampler_path = f"fake://sampler/{sampler_name}"
         self._sampler_weights[sampler_path] = optims
-        return f"fake://state/{state_name}", sampler_path
+        return f"tinker://fake-model-0/weights/{state_name}", sampler_path
 
-    async def restore(self, state_path: str | None) -> None:
+    async def restore(self, state_path: str | None, *, optimizer: bool = True) -> None:
         await anyio.lowlevel.checkpoint()
         name = None if state_path is None else state_path.rsplit("/", 1)[-1]
-        self._submitted_optims = 0 if name is None else self._checkpoints[name]
-        self.log.append(("restore", self._submitted_optims))
+        loaded = 0 if name is None else self._checkpoints[name]
+        self.log.append(("restore" if optimizer else "restore_weights", loaded))
+        # Weights only (init_from): a fresh optimizer, whose steps count from 0 as the
+        # versions of the run that starts from them do.
+        self._submitted_optims = loaded if optimizer else 0
 
     # -- test controls --------------------------------------------------------------
 

@@ -36,6 +36,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "engine.checkpoint_files",
         "engine.catalog",
         "engine.serve",
+        "engine.stages",
     ),
 )
 BESIDE = "engine.local"

@@ -30,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 KEY = "tml-sdk-matrix-key"
 RUN = ("--batch", "2", "--group", "2", "--max-tokens", "4", "--no-progress")
+SFT_DATA = REPO / "examples" / "sft_repeat.jsonl"
 RUN_TIMEOUT_S = 900  # a loaded 2-core machine; a run takes seconds idle
 
 
@@ -105,6 +106,34 @@ def test_the_engine_trains_checkpoints_and_resumes(
     ]
     assert [c["loop_state"]["next_step"] for c in checkpoints][-1] == 5
     assert "FutureWarning" not in done.stderr + resumed.stderr  # no deprecated SDK calls
+
+
+@pytest.mark.parametrize("sdk", ["mint", "tinker"])
+def test_sft_then_rl_is_one_command_and_resumes_on_either_generation(
+    server: LocalServer, sdk: str, tmp_path: Path
+) -> None:
+    """``--objective sft ... --then rl``: the RL stage starts from the SFT stage's final
+    state on the same server, in ``<run dir>/rl``; ``--resume RUN --then-steps 3`` then
+    trains the RL stage's third step alone (engine/stages.py)."""
+    python_of(sdk)
+    run_dir = tmp_path / "run"
+    sft = ("--objective", "sft", "--task", f"jsonl:{SFT_DATA}", "--steps", "2")
+    then = ("--then", "rl", "--then-task", "arithmetic", "--then-steps", "2", "--then-batch", "2")
+    done = engine_run(sdk, server, *sft, *then, "--run-dir", str(run_dir))
+    assert done.returncode == 0, done.stderr[-4000:]
+    first = [json.loads(line) for line in (run_dir / "checkpoints.jsonl").read_text().splitlines()]
+    second = json.loads((run_dir / "rl" / "config.json").read_text())
+    assert second["model"]["init_from"] == first[-1]["state_path"]
+    assert second["session"]["sdk"] == sdk and second["training"]["objective"] == "rl"
+    assert steps_of(run_dir / "rl") == [1, 2]
+
+    resumed = engine_run(sdk, server, "--resume", str(run_dir), "--then-steps", "3")
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert steps_of(run_dir / "rl") == [1, 2, 3]
+    sft_steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").open()]
+    assert sft_steps == [1, 2]  # the finished SFT stage is not run again
+    final = json.loads((run_dir / "rl" / "checkpoints.jsonl").read_text().splitlines()[-1])
+    assert resumed.stdout.splitlines()[-1] == f"Saved: {final['sampler_path']}"
 
 
 @pytest.mark.parametrize("sdk", ["mint", "tinker"])

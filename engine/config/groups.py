@@ -71,6 +71,7 @@ __all__ = [
     "ScoringSettings",
     "SessionSettings",
     "TaskSettingsGroup",
+    "ThenSettings",
     "TrainingSettings",
 ]
 
@@ -587,6 +588,61 @@ class LoggingSettings(_Group):
     )
 
 
+class ThenSettings(_Group):
+    """The second stage (--then): trained from the first stage's final weights.
+
+    It runs in ``<run dir>/<objective>`` on the same server (:mod:`engine.stages`,
+    docs/sft.md). These settings are its own; unset, each is what a run of its own
+    would have, not the first stage's value. Every other setting is shared."""
+
+    objective: Annotated[Objective | None, Setting(flag="--then", flat="then", unset="none")] = (
+        Field(
+            None,
+            description="after an --objective sft run, train its final weights on: rl, or "
+            "distill (with --then-teacher); one command, one local server",
+        )
+    )
+    task: Annotated[
+        str | None,
+        Setting(flag="--then-task", flat="then_task", check=non_empty, unset="arithmetic"),
+    ] = Field(None, description="the second stage's task (as --task)")
+    task_args: Annotated[dict[str, str], Setting(flag="--then-task-arg", flat="then_task_args")] = (
+        Field(
+            default_factory=dict,
+            description="an argument of the second stage's task (repeatable KEY=VALUE, as "
+            "--task-arg)",
+        )
+    )
+    steps: Annotated[
+        int | None,
+        Setting(
+            flag="--then-steps", flat="then_steps", check=positive, resume="changeable", unset="8"
+        ),
+    ] = Field(None, description="the second stage's training steps")
+    batch: Annotated[
+        int | None, Setting(flag="--then-batch", flat="then_batch", check=positive, unset="8")
+    ] = Field(None, description="the second stage's problems (groups) per step")
+    learning_rate: Annotated[
+        float | None,
+        Setting(
+            flag="--then-lr",
+            flat="then_learning_rate",
+            check=finite_positive,
+            unset="the server's recommendation",
+        ),
+    ] = Field(None, description="the second stage's Adam learning rate")
+    eval_every: Annotated[
+        int | None,
+        Setting(flag="--then-eval-every", flat="then_eval_every", check=non_negative, unset="0"),
+    ] = Field(
+        None, description="the second stage's held-out evaluation every N steps (as --eval-every)"
+    )
+    teacher: Annotated[
+        str | None,
+        Setting(flag="--then-teacher", flat="then_teacher", check=non_empty, unset="none"),
+    ] = Field(None, description="with --then distill: the teacher (as --teacher)")
+
+
 GROUPS: Final[Mapping[str, type[_Group]]] = {
     "task": TaskSettingsGroup,
     "model": ModelSettings,
@@ -601,5 +657,6 @@ GROUPS: Final[Mapping[str, type[_Group]]] = {
     "checkpoints": CheckpointSettings,
     "session": SessionSettings,
     "logging": LoggingSettings,
+    "then": ThenSettings,
 }
 """The groups of :class:`EngineConfig`, in the order ``--help`` shows them."""

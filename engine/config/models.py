@@ -68,6 +68,7 @@ __all__ = [
     "ScoringSettings",
     "SessionSettings",
     "TaskSettingsGroup",
+    "ThenSettings",
     "TrainingSettings",
     "all_settings",
     "route_flat",
@@ -89,6 +90,7 @@ from engine.config.groups import (
     ScoringSettings,
     SessionSettings,
     TaskSettingsGroup,
+    ThenSettings,
     TrainingSettings,
 )
 
@@ -179,6 +181,7 @@ class EngineConfig(BaseModel):
     checkpoints: CheckpointSettings = CheckpointSettings()
     session: SessionSettings = SessionSettings()
     logging: LoggingSettings = LoggingSettings()
+    then: ThenSettings = ThenSettings()
 
     def __init__(self, **data: Any) -> None:
         spec = data.get("task")

@@ -30,7 +30,11 @@ def teacher_weights(source: str, local_server: Path | None = None) -> str:
             "tinker://.../sampler_weights/ path"
         )
     path = latest.sampler_path
-    saved = run_dir / LOCAL_SERVER_DIR / path.removeprefix("tinker://")
+    # The second stage of a --then command keeps its weights in its first stage's dir.
+    held = [
+        d / LOCAL_SERVER_DIR / path.removeprefix("tinker://") for d in (run_dir, run_dir.parent)
+    ]
+    saved = next((d for d in held if d.is_dir()), held[0])
     if local_server is not None and saved.is_dir():
         copy = local_server / path.removeprefix("tinker://")
         if not copy.exists():

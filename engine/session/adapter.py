@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, ClassVar, TypeVar, cast
@@ -484,16 +485,19 @@ class SdkSession:
 
     # -- recovery ----------------------------------------------------------------------
 
-    async def restore(self, state_path: str | None) -> None:
+    async def restore(self, state_path: str | None, *, optimizer: bool = True) -> None:
         """Replace the training client by a new one loaded from ``state_path`` (weights
-        and optimizer state), or, with None, by a fresh LoRA client of the run's base
-        model, rank and seed. The old client is abandoned: after a step of unknown
-        outcome its weights cannot be trusted. New client, new ``seq_id`` sequence."""
-        if state_path is None:
+        and optimizer state; ``optimizer=False``: weights only), or, with None, by a
+        fresh LoRA client of the run's base model, rank and seed. The old client is
+        abandoned: after a step of unknown outcome its weights cannot be trusted. New
+        client, new ``seq_id`` sequence."""
+        if state_path is None or not optimizer:
+            lora, what = self._lora, "create the training client"
+            if state_path is not None:
+                lora = dataclasses.replace(lora, init_from=state_path, init_with_optimizer=False)
+                what = f"load the weights of {state_path}"
             self._training = await self._call(
-                OpKind.SESSION,
-                "create the training client",
-                lambda: self._sdk_new_training(self._lora),
+                OpKind.SESSION, what, lambda: self._sdk_new_training(lora)
             )
         else:
             self._training = await self._call(

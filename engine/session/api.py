@@ -277,7 +277,8 @@ class Session(Protocol):
         returns their ``tinker://`` paths. ``once_within``: one bounded attempt each."""
         ...
 
-    async def restore(self, state_path: str | None) -> None:
+    async def restore(self, state_path: str | None, *, optimizer: bool = True) -> None:
         """Replace the training client by one loaded from ``state_path`` (None: a fresh
-        LoRA client)."""
+        LoRA client); ``optimizer=False`` loads its weights only, with a fresh optimizer
+        (as ``--init-from`` does)."""
         ...

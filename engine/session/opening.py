@@ -26,9 +26,10 @@ from engine.session.breaker import CircuitBreaker
 from engine.session.retry import RetryCounter, ServiceGuard, retry_policies
 
 if TYPE_CHECKING:
+    from engine.local.launch import RunningServer
     from engine.session.adapter import SdkSession
 
-__all__ = ["adapter_class", "open_session", "service_guard"]
+__all__ = ["SharedLocalServer", "adapter_class", "open_session", "service_guard"]
 
 _ADAPTERS: dict[SdkName, tuple[str, str]] = {
     "mint": ("engine.session.mint", "MintSession"),
@@ -62,6 +63,56 @@ def service_guard(
     )
 
 
+class SharedLocalServer:
+    """One local server for runs in sequence (the stages of :mod:`engine.stages`): the
+    first session that needs a local server starts it, in ``data_dir`` or else in the
+    data dir that session asks for; later sessions connect to the same server. It runs
+    until the ``async with`` of :meth:`kept` ends."""
+
+    def __init__(self, data_dir: Path | None = None) -> None:
+        self._data_dir = data_dir
+        self._stack: contextlib.AsyncExitStack | None = None
+        self._server: RunningServer | None = None
+        self._model_dir: Path | None = None
+
+    @property
+    def started(self) -> bool:
+        return self._server is not None
+
+    @property
+    def data_dir(self) -> Path | None:
+        """Where the server keeps its checkpoints (None: not started, none given)."""
+        return self._server.data_dir if self._server is not None else self._data_dir
+
+    @contextlib.asynccontextmanager
+    async def kept(self) -> AsyncIterator[SharedLocalServer]:
+        """The block the server lives in (it starts inside, on first use)."""
+        async with contextlib.AsyncExitStack() as stack:
+            self._stack = stack
+            try:
+                yield self
+            finally:
+                self._stack, self._server = None, None
+
+    async def serve(self, model_dir: Path | None, data_dir: Path | None) -> RunningServer:
+        """The running server, started now if none is (serving ``model_dir``)."""
+        if self._stack is None:
+            raise RuntimeError("SharedLocalServer.serve() outside 'async with shared.kept()'")
+        if self._server is None:
+            from engine.local import serve_local
+
+            self._server = await self._stack.enter_async_context(
+                serve_local(model_dir=model_dir, data_dir=self._data_dir or data_dir)
+            )
+            self._model_dir = model_dir
+        elif model_dir != self._model_dir:
+            raise ConfigError(
+                f"the local server of this command serves {self._model_dir or 'the packaged model'}"
+                f", not {model_dir}: every stage trains the same model"
+            )
+        return self._server
+
+
 @contextlib.asynccontextmanager
 async def open_session(
     config: EngineConfig,
@@ -70,6 +121,7 @@ async def open_session(
     say: Callable[[str], None] = lambda line: None,
     local_data_dir: Path | None = None,
     restore_from: str | None = None,
+    local_server: SharedLocalServer | None = None,
 ) -> AsyncIterator[SdkSession]:
     """Connect as ``config`` says (starting the local server when it uses one) through
     the SDK ``config.session.sdk`` picks, check the server, resolve the settings ``config``
@@ -81,21 +133,29 @@ async def open_session(
     where a local server keeps its checkpoints (default: a temporary dir removed on exit;
     a resumable run passes a dir inside its run dir). ``restore_from`` is a
     ``tinker://`` state to load (weights and optimizer) instead of creating a fresh LoRA
-    client: how a run is resumed."""
+    client: how a run is resumed. ``local_server``: a local server kept for runs in
+    sequence, used (and started on first use) instead of one of this session's own."""
     session_class = adapter_class(choose_sdk(config.session.sdk))
     if config.uses_local_server:
         from engine.local import ServerConfigError, serve_local
         from engine.local.compute_types import BackendError
 
-        say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
+        kept = local_server is not None and local_server.started
+        if not kept:
+            say("No MINT_API_KEY set: starting the local MinT server (engine.local)...")
         async with contextlib.AsyncExitStack() as stack:
+            model_dir = config.session.local_model
             try:
-                server = await stack.enter_async_context(
-                    serve_local(model_dir=config.session.local_model, data_dir=local_data_dir)
-                )
+                if local_server is not None:
+                    server = await local_server.serve(model_dir, local_data_dir)
+                else:
+                    server = await stack.enter_async_context(
+                        serve_local(model_dir=model_dir, data_dir=local_data_dir)
+                    )
             except (ServerConfigError, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
-            say(f"Local server: {server.base_url} serving {server.model_name}")
+            again = " (the same server)" if kept else ""
+            say(f"Local server: {server.base_url} serving {server.model_name}{again}")
             # A local server without a key accepts any; the SDK still wants one.
             api_key = server.api_key or LOCAL_PLACEHOLDER_KEY
             session = await stack.enter_async_context(

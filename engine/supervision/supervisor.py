@@ -28,6 +28,7 @@ import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import anyio
 
@@ -61,7 +62,6 @@ from engine.observe.idle import no_training_warning
 from engine.observe.metrics import RunLog
 from engine.observe.report import finished_run_report
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
-from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
 from engine.rundir.rollouts import RolloutLog
@@ -114,6 +114,7 @@ class Supervisor:
         clock: Clock,
         hooks: Sequence[StepHook],
         publish: Callable[[StepResult], Awaitable[None]],
+        local_server_dir: Path | None,
     ) -> None:
         self.gate = StopGate()
         """Where stop requests go; a stop requested before the run starts ends it before
@@ -131,6 +132,9 @@ class Supervisor:
         self._clock = clock
         self._hooks = hooks
         self._publish = publish
+        self._local_server_dir = local_server_dir
+        """The data dir of the local server the run trains on (a teacher run's weights
+        are copied there); None: not a local server."""
         self._failed_saves = 0  # reserved checkpoint saves failed in a row
         self._outputs = _open_task_outputs(config, task, session, record, log)
         context = session.info.max_context
@@ -311,8 +315,7 @@ class Supervisor:
         source = self._config.distillation.teacher
         if source is None:
             return None
-        local = self._run_record.path / LOCAL_SERVER_DIR
-        weights = teacher_weights(source, local if self._config.uses_local_server else None)
+        weights = teacher_weights(source, self._local_server_dir)
         teacher = await open_teacher(self._session, source, weights)
         self._log.info("teacher", f"Teacher: {weights} (the student's tokenizer)")
         return teacher

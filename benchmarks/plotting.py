@@ -13,7 +13,7 @@ from typing import Any
 
 from engine.observe.plotting import color, new_figure, save
 
-__all__ = ["plot_scaling", "plot_step_times", "plot_timeline"]
+__all__ = ["plot_learning_curves", "plot_scaling", "plot_step_times", "plot_timeline"]
 
 STAGES = ("sample", "score", "train")
 
@@ -165,6 +165,56 @@ def plot_scaling(
 
 
 SERVER_LANES = ("server: sample", "server: train")
+
+
+def plot_learning_curves(
+    cells: Sequence[Mapping[str, Any]], path: Path, ylabel: str, latency: str | None = None
+) -> Path:
+    """Held-out reward of each grid cell against steps (left) and against wall-clock
+    seconds (right), one row per env: the mean over its seeds with a band of one standard
+    error, one colour per config, one line style per K, K=0's final mean dotted. ``cells``
+    need ``env``, ``config``, ``k``, ``cell``, ``seeds``, ``target`` and ``curve`` (points
+    with ``step``, ``reward_mean``, ``reward_se`` (None: no band) and ``wall_s_mean``)."""
+    envs = list(dict.fromkeys(c["env"] for c in cells))
+    configs = list(dict.fromkeys(c["config"] for c in cells))
+    ks = sorted({c["k"] for c in cells})
+    styles = ("-", "--", "-.", ":")
+    fig = new_figure(12, 4.2 * len(envs))
+    axes = fig.subplots(len(envs), 2, squeeze=False)
+    for row, env in zip(axes, envs, strict=True):
+        ax_step, ax_time = row
+        for c in (c for c in cells if c["env"] == env):
+            style = {
+                "color": color(configs.index(c["config"])),
+                "ls": styles[ks.index(c["k"]) % len(styles)],
+            }
+            mean = [p["reward_mean"] for p in c["curve"]]
+            se = [p["reward_se"] or 0.0 for p in c["curve"]]
+            low = [m - s for m, s in zip(mean, se, strict=True)]
+            high = [m + s for m, s in zip(mean, se, strict=True)]
+            for ax, xs in (
+                (ax_step, [p["step"] for p in c["curve"]]),
+                (ax_time, [p["wall_s_mean"] for p in c["curve"]]),
+            ):
+                ax.plot(
+                    xs, mean, label=f"{c['cell']} (n={len(c['seeds'])})", marker="o", ms=3, **style
+                )
+                ax.fill_between(xs, low, high, color=style["color"], alpha=0.1)
+        targets = {c["target"] for c in cells if c["env"] == env and c["target"] is not None}
+        for ax in row:
+            for target in targets:
+                ax.axhline(target, color="0.4", lw=0.8, ls=":")
+            ax.grid(alpha=0.3)
+        ax_step.set_xlabel("training step")
+        ax_step.set_ylabel(f"{ylabel}\n(mean ± SE over seeds)")
+        ax_step.set_title(f"{env}: against steps")
+        ax_time.set_xlabel(
+            f"wall-clock s from the engine's start (mean over seeds; latency {latency or 'off'})"
+        )
+        ax_time.set_title(f"{env}: against wall-clock (dotted: K=0's final mean)")
+        ax_time.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return save(fig, path)
 
 
 def plot_cycles(run: Mapping[str, Any], path: Path) -> Path:

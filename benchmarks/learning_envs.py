@@ -79,9 +79,19 @@ SDK, trained through the capturing endpoint (docs/agents.md)."""
 CONFIGS: dict[str, Mapping[str, Any]] = {
     "ppo": {"loss": "ppo"},
     "is": {"loss": "importance_sampling"},
+    "ppo-t": {"loss": "ppo", "loss_temperature": "sampling"},
+    "tis-t": {"loss": "importance_sampling", "tis_cap": 2.0, "loss_temperature": "sampling"},
+    "icepop-t": {
+        "loss": "importance_sampling",
+        "mask_low": 0.5,
+        "mask_high": 2.0,
+        "loss_temperature": "sampling",
+    },
 }
 """Loss configurations of the grid: ``--configs`` key -> engine settings by
-``EngineConfig`` field name (K comes from ``--ks``)."""
+``EngineConfig`` field name (K comes from ``--ks``; docs/losses.md): the engine's default
+``ppo``, plain ``importance_sampling`` (``is``), and with the loss scored at the sampling
+temperature (``-t``: on-policy ratio 1): ppo, TIS (cap 2), IcePop (mask [0.5, 2])."""
 MAX_TOKENS = 16
 CONTEXT = 256
 """Episodes stop before it (``--env-max-tokens 256``): the first agent model's context
@@ -480,7 +490,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=_configs,
         default=["ppo"],
         help=f"comma-separated loss configurations from {', '.join(CONFIGS)} "
-        "(default ppo, the engine's; is = importance_sampling)",
+        "(default ppo, the engine's; see CONFIGS in benchmarks/learning_envs.py)",
     )
     p.add_argument(
         "--curve-every",

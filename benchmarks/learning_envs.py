@@ -162,7 +162,7 @@ class _Trained:
     """Where the per-version sampler snapshots live (``sampler-vN``)."""
     steps: int
     step_ends: list[float]
-    """Each step's end, seconds from the engine's start (the session is open)."""
+    """Each step's end, seconds from entering the engine (opening its session included)."""
     train_reward: list[float | None]
 
 

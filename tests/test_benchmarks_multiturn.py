@@ -110,7 +110,7 @@ def test_learning_grid_summary_compares_each_cell_with_k0_of_its_config() -> Non
     k0, k2 = learning_envs.summarize(rows)
     assert (k0["cell"], k2["cell"]) == ("ppo K=0", "ppo K=2")
     assert k0["gain_mean"] == pytest.approx(0.4) and k0["gain_se"] == pytest.approx(0.0)
-    assert k2["gain_se"] == pytest.approx(0.1 / math.sqrt(2))
+    assert k2["gain_se"] == pytest.approx(0.1)  # gains 0.3 and 0.5: sd 0.1 * sqrt(2)
     assert k2["gain_mean_vs_k0"] == pytest.approx(1.0)
     # The curve's mean gain: K=0 (0.2 + 0.4) / 2, K=2 (0.4 + 0.4) / 2.
     assert k2["curve_gain_mean_vs_k0"] == pytest.approx(0.4 / 0.3)

@@ -314,11 +314,12 @@ def _pm(mean: float | None, se: float | None, spec: str = ".3f") -> str:
 
 
 def report(
-    rows: Sequence[Mapping[str, Any]], context: Mapping[str, Any], command: str
+    rows: Sequence[Mapping[str, Any]], context: Mapping[str, Any], commands: Sequence[str]
 ) -> tuple[list[dict[str, Any]], str]:
     """The grid's cells and its markdown page."""
     cells = summarize(rows)
-    parts = [f"# Learning on the shipped environments\n\n`{command}`\n"]
+    ran = "\n".join(f"`{c}`  " for c in commands)
+    parts = [f"# Learning on the shipped environments\n\n{ran}\n"]
     for env in dict.fromkeys(c["env"] for c in cells):
         mine = [c for c in cells if c["env"] == env]
         held_out = next(r["held_out"] for r in rows if r["env"] == env)
@@ -416,11 +417,14 @@ def report(
 
 
 def write_report(
-    out: Path, rows: Sequence[Mapping[str, Any]], context: Mapping[str, Any], command: str
+    out: Path,
+    rows: Sequence[Mapping[str, Any]],
+    context: Mapping[str, Any],
+    commands: Sequence[str],
 ) -> list[Path]:
     """``learning_envs.json``, ``.md`` and (with matplotlib) ``.png`` in ``out``."""
-    cells, page = report(rows, context, command)
-    data = {"context": context, "command": command, "runs": list(rows), "summary": cells}
+    cells, page = report(rows, context, commands)
+    data = {"context": context, "commands": list(commands), "runs": list(rows), "summary": cells}
     paths = [write_json(out / f"{NAME}.json", data)]
     (out / f"{NAME}.md").write_text(page)
     paths.append(out / f"{NAME}.md")
@@ -507,6 +511,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quick", action="store_true", help="2 steps, seed 1")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="keep the runs of --out's learning_envs.json that belong to this grid (same "
+        "--steps, --curve-every, --latency) and run the rest: continue a grid cut short, "
+        "or extend it with more seeds, Ks or configs",
+    )
+    p.add_argument(
         "--replot",
         type=Path,
         default=None,
@@ -519,11 +530,42 @@ def build_parser() -> argparse.ArgumentParser:
 def _replot(parser: argparse.ArgumentParser, path: Path) -> None:
     try:
         data = json.loads(path.read_text())
-        rows, context, command = data["runs"], data["context"], data["command"]
+        rows, context, commands = data["runs"], data["context"], data["commands"]
     except (OSError, ValueError, KeyError) as exc:
         parser.error(f"--replot {path}: not a learning_envs.json with a grid ({exc})")
-    for written in write_report(path.parent, rows, context, command):
+    for written in write_report(path.parent, rows, context, commands):
         print(f"wrote {written}")
+
+
+def _resumed(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int, seeds: Sequence[int]
+) -> tuple[list[dict[str, Any]], list[str]]:
+    """The saved runs of ``--out`` inside this grid and the commands that ran them (none
+    without a saved file); exit 2 if they were measured otherwise."""
+    path = args.out / f"{NAME}.json"
+    if not path.is_file():
+        return [], []
+    try:
+        data = json.loads(path.read_text())
+        saved, rows, commands = data["context"]["args"], data["runs"], data["commands"]
+    except (OSError, ValueError, KeyError) as exc:
+        parser.error(f"--resume: {path} is not a learning_envs.json with a grid ({exc})")
+    mine = (saved["curve_every"], saved["latency"], {r["steps"] for r in rows})
+    if mine != (args.curve_every, args.latency, {steps}):
+        parser.error(
+            f"--resume: {path} was measured with --curve-every {saved['curve_every']}, "
+            f"--latency {saved['latency']}, steps {sorted(mine[2])}; this run asks "
+            f"{args.curve_every}, {args.latency}, {steps}"
+        )
+    keep = [
+        r
+        for r in rows
+        if r["env"] in args.envs
+        and r["config"] in args.configs
+        and r["k"] in args.ks
+        and r["seed"] in seeds
+    ]
+    return keep, commands
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -541,7 +583,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python -m benchmarks.learning_envs", *given])
     context = run_context(vars(args))
-    rows: list[dict[str, Any]] = []
+    rows, commands = _resumed(parser, args, steps, seeds) if args.resume else ([], [])
+    commands.append(command)
+    done = {(r["env"], r["config"], r["k"], r["seed"]) for r in rows}
     with (
         LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency=args.latency) as server,
         tempfile.TemporaryDirectory() as tmp,
@@ -557,6 +601,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             for seed in seeds:
                 for config in args.configs:
                     for k in args.ks:
+                        if (name, config, k, seed) in done:
+                            continue
                         run_dir = Path(tmp) / f"{name}-{config}-k{k}-s{seed}-{len(rows)}"
                         settings = {**CONFIGS[config], "max_steps_off_policy": k}
                         load = load_average()
@@ -595,9 +641,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                             file=sys.stderr,
                             flush=True,
                         )
-                        write_report(args.out, rows, context, command)
+                        write_report(args.out, rows, context, commands)
     context["load_average_end"] = load_average()
-    for written in write_report(args.out, rows, context, command):
+    for written in write_report(args.out, rows, context, commands):
         print(f"wrote {written}")
 
 

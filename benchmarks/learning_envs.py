@@ -513,8 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--resume",
         action="store_true",
-        help="keep the runs of --out's learning_envs.json that belong to this grid (same "
-        "--steps, --curve-every, --latency) and run the rest: continue a grid cut short, "
+        help="keep the runs of --out's learning_envs.json (measured with the same --steps, "
+        "--curve-every, --latency) and run this grid's others: continue a grid cut short, "
         "or extend it with more seeds, Ks or configs",
     )
     p.add_argument(
@@ -538,10 +538,11 @@ def _replot(parser: argparse.ArgumentParser, path: Path) -> None:
 
 
 def _resumed(
-    parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int, seeds: Sequence[int]
+    parser: argparse.ArgumentParser, args: argparse.Namespace, steps: int
 ) -> tuple[list[dict[str, Any]], list[str]]:
-    """The saved runs of ``--out`` inside this grid and the commands that ran them (none
-    without a saved file); exit 2 if they were measured otherwise."""
+    """The saved runs of ``--out`` and the commands that ran them (none without a saved
+    file); exit 2 if they were measured otherwise. Runs outside this grid stay in the
+    report: a resumed grid only adds runs."""
     path = args.out / f"{NAME}.json"
     if not path.is_file():
         return [], []
@@ -557,15 +558,7 @@ def _resumed(
             f"--latency {saved['latency']}, steps {sorted(mine[2])}; this run asks "
             f"{args.curve_every}, {args.latency}, {steps}"
         )
-    keep = [
-        r
-        for r in rows
-        if r["env"] in args.envs
-        and r["config"] in args.configs
-        and r["k"] in args.ks
-        and r["seed"] in seeds
-    ]
-    return keep, commands
+    return rows, commands
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -583,7 +576,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     given = argv if argv is not None else sys.argv[1:]
     command = " ".join(["python -m benchmarks.learning_envs", *given])
     context = run_context(vars(args))
-    rows, commands = _resumed(parser, args, steps, seeds) if args.resume else ([], [])
+    rows, commands = _resumed(parser, args, steps) if args.resume else ([], [])
     commands.append(command)
     done = {(r["env"], r["config"], r["k"], r["seed"]) for r in rows}
     with (

@@ -77,8 +77,8 @@ SPECS = {"openai-calculator": "examples.openai_calculator_agent:task"}
 """Names whose ``--task`` spec is not the name: the calculator as an agent on the ``openai``
 SDK, trained through the capturing endpoint (docs/agents.md)."""
 CONFIGS: dict[str, Mapping[str, Any]] = {
-    "ppo": {"loss": "ppo"},
-    "is": {"loss": "importance_sampling"},
+    "ppo": {"loss": "ppo", "loss_temperature": "off"},
+    "is": {"loss": "importance_sampling", "loss_temperature": "off"},
     "ppo-t": {"loss": "ppo", "loss_temperature": "sampling"},
     "tis-t": {"loss": "importance_sampling", "tis_cap": 2.0, "loss_temperature": "sampling"},
     "icepop-t": {

@@ -34,9 +34,11 @@ K=0 of the same config (at the final step, and averaged over the curve's points:
 under the curve, which still tells learning speed apart once the reward saturates), the
 wall-clock of a run (from the engine's start to its last step) and its pace, and the time
 to K=0's final mean reward (the first curve point whose mean reaches it; its wall-clock is
-the mean over the seeds of that step's end). Each run records the load average before and
-after it. Writes ``learning_envs.json``, ``learning_envs.md`` and (with matplotlib)
-``learning_envs.png`` to ``--out`` after every run, so a grid cut short keeps what ran.
+that step's end). Wall-clock figures are medians over the seeds: on a shared machine one
+run that meets a load spike would move a mean by minutes. Each run records the load
+average before and after it. Writes ``learning_envs.json``, ``learning_envs.md`` and (with
+matplotlib) ``learning_envs.png`` to ``--out`` after every run, so a grid cut short keeps
+what ran.
 """
 
 from __future__ import annotations
@@ -230,7 +232,7 @@ def _pace(ends: Sequence[float]) -> float | None:
 
 def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     """One cell per (env, config, K) over its seeds: held-out reward and gain (mean, SE),
-    the mean curve, wall-clock and pace, and against K=0 of the same env and config: the
+    the mean curve, wall-clock and pace (medians), and against K=0 of the same env and config: the
     gain ratio (final, and averaged over the curve's points), the time to K=0's final
     mean reward and its ratio to K=0's own."""
     cells: list[dict[str, Any]] = []
@@ -241,11 +243,11 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         for step in steps:
             at = [r for r in mine if str(step) in r["curve"]]
             mean, se = _mean_se([r["curve"][str(step)]["reward"] for r in at])
-            wall = statistics.fmean(r["step_end_s"][step - 1] if step else 0.0 for r in at)
-            curve.append({"step": step, "reward_mean": mean, "reward_se": se, "wall_s_mean": wall})
+            wall = statistics.median(r["step_end_s"][step - 1] if step else 0.0 for r in at)
+            curve.append({"step": step, "reward_mean": mean, "reward_se": se, "wall_s": wall})
         after, after_se = _mean_se([r["after"]["reward"] for r in mine])
         gain, gain_se = _mean_se([r["gain"] for r in mine])
-        wall, wall_se = _mean_se([r["wall_s"] for r in mine])
+        walls = [r["wall_s"] for r in mine]
         paces = [p for p in (_pace(r["step_end_s"]) for r in mine) if p is not None]
         before = mine[0]["before"]["reward"]
         cells.append(
@@ -266,9 +268,9 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 else None,
                 "solved_after": statistics.fmean(r["after"]["solved"] for r in mine),
                 "tool_use_after": statistics.fmean(r["after"]["tool_use"] for r in mine),
-                "wall_s_mean": wall,
-                "wall_s_se": wall_se,
-                "pace_s": statistics.fmean(paces) if paces else None,
+                "wall_s": statistics.median(walls),
+                "wall_s_range": [min(walls), max(walls)],
+                "pace_s": statistics.median(paces) if paces else None,
                 "curve": curve,
                 "loads": [r["load_before"] for r in mine],
             }
@@ -286,7 +288,7 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
             None,
         )
         cell["steps_to_target"] = None if reached is None else reached["step"]
-        cell["wall_s_to_target"] = None if reached is None else reached["wall_s_mean"]
+        cell["wall_s_to_target"] = None if reached is None else reached["wall_s"]
     for cell in cells:
         k0 = _k0(cells, cell)
         for field in ("gain_mean", "curve_gain_mean", "wall_s_to_target"):
@@ -325,8 +327,10 @@ def report(
         held_out = next(r["held_out"] for r in rows if r["env"] == env)
         parts.append(
             f"## {env}\n\nHeld-out reward before (the base model): {mine[0]['before']:.3f} "
-            f"({held_out} problems, one greedy episode each). Mean ± SE over seeds; "
-            "ratios against K=0 of the same config.\n"
+            f"({held_out} problems, one greedy episode each). Rewards: mean ± SE over "
+            "seeds; wall-clock (from entering the engine) and s/step (steady pace): median "
+            "over seeds, robust to a run that met a load spike; ratios against K=0 of the "
+            "same config.\n"
         )
         parts.append(
             markdown_table(
@@ -339,7 +343,7 @@ def report(
                     "curve gain vs K=0",
                     "solved",
                     "tool use",
-                    "wall per run s",
+                    "wall per run s (min-max)",
                     "s/step",
                     "time to K=0's final s",
                     "vs K=0",
@@ -354,7 +358,7 @@ def report(
                         fmt(c["curve_gain_mean_vs_k0"]),
                         f"{c['solved_after']:.0%}",
                         f"{c['tool_use_after']:.0%}",
-                        _pm(c["wall_s_mean"], c["wall_s_se"], ".1f"),
+                        "{:.1f} ({:.0f}-{:.0f})".format(c["wall_s"], *c["wall_s_range"]),
                         fmt(c["pace_s"]),
                         "not reached"
                         if c["target"] is not None and c["wall_s_to_target"] is None
@@ -367,7 +371,7 @@ def report(
         )
         steps = sorted({p["step"] for c in mine for p in c["curve"]})
         if len(steps) > 2:
-            parts.append("Held-out reward by step (mean ± SE; mean wall-clock to that step):\n")
+            parts.append("Held-out reward by step (mean ± SE; median wall-clock to that step):\n")
             parts.append(
                 markdown_table(
                     ["step", *(c["cell"] for c in mine)],
@@ -376,8 +380,7 @@ def report(
                         + [
                             next(
                                 (
-                                    f"{_pm(p['reward_mean'], p['reward_se'])} "
-                                    f"({p['wall_s_mean']:.1f} s)"
+                                    f"{_pm(p['reward_mean'], p['reward_se'])} ({p['wall_s']:.1f} s)"
                                     for p in c["curve"]
                                     if p["step"] == step
                                 ),

@@ -174,7 +174,7 @@ def plot_learning_curves(
     seconds (right), one row per env: the mean over its seeds with a band of one standard
     error, one colour per config, one line style per K, K=0's final mean dotted. ``cells``
     need ``env``, ``config``, ``k``, ``cell``, ``seeds``, ``target`` and ``curve`` (points
-    with ``step``, ``reward_mean``, ``reward_se`` (None: no band) and ``wall_s_mean``)."""
+    with ``step``, ``reward_mean``, ``reward_se`` (None: no band) and ``wall_s``)."""
     envs = list(dict.fromkeys(c["env"] for c in cells))
     configs = list(dict.fromkeys(c["config"] for c in cells))
     ks = sorted({c["k"] for c in cells})
@@ -194,7 +194,7 @@ def plot_learning_curves(
             high = [m + s for m, s in zip(mean, se, strict=True)]
             for ax, xs in (
                 (ax_step, [p["step"] for p in c["curve"]]),
-                (ax_time, [p["wall_s_mean"] for p in c["curve"]]),
+                (ax_time, [p["wall_s"] for p in c["curve"]]),
             ):
                 ax.plot(
                     xs, mean, label=f"{c['cell']} (n={len(c['seeds'])})", marker="o", ms=3, **style
@@ -209,7 +209,7 @@ def plot_learning_curves(
         ax_step.set_ylabel(f"{ylabel}\n(mean ± SE over seeds)")
         ax_step.set_title(f"{env}: against steps")
         ax_time.set_xlabel(
-            f"wall-clock s from the engine's start (mean over seeds; latency {latency or 'off'})"
+            f"wall-clock s from the engine's start (median over seeds; latency {latency or 'off'})"
         )
         ax_time.set_title(f"{env}: against wall-clock (dotted: K=0's final mean)")
         ax_time.legend(fontsize=7, loc="lower right")

@@ -230,11 +230,13 @@ def _pace(ends: Sequence[float]) -> float | None:
     return (steady[-1] - steady[0]) / (len(steady) - 1) if len(steady) > 1 else None
 
 
-def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+def summarize(
+    rows: Sequence[Mapping[str, Any]], target_reward: float | None = None
+) -> list[dict[str, Any]]:
     """One cell per (env, config, K) over its seeds: held-out reward and gain (mean, SE),
     the mean curve, wall-clock and pace (medians), and against K=0 of the same env and config: the
     gain ratio (final, and averaged over the curve's points), the time to K=0's final
-    mean reward and its ratio to K=0's own."""
+    mean reward and its ratio to K=0's own, and the same for ``target_reward``."""
     cells: list[dict[str, Any]] = []
     for key in dict.fromkeys((r["env"], r["config"], r["k"]) for r in rows):
         mine = [r for r in rows if (r["env"], r["config"], r["k"]) == key]
@@ -277,21 +279,21 @@ def summarize(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
         )
     for cell in cells:
         k0 = _k0(cells, cell)
-        target = None if k0 is None else k0["after_mean"]
-        cell["target"] = target
-        reached = next(
-            (
-                p
-                for p in cell["curve"][1:]
-                if target is not None and p["reward_mean"] >= target - 1e-9
-            ),
-            None,
-        )
-        cell["steps_to_target"] = None if reached is None else reached["step"]
-        cell["wall_s_to_target"] = None if reached is None else reached["wall_s"]
+        cell["target"] = None if k0 is None else k0["after_mean"]
+        for name, target in (("target", cell["target"]), ("reward", target_reward)):
+            reached = next(
+                (
+                    p
+                    for p in cell["curve"][1:]
+                    if target is not None and p["reward_mean"] >= target - 1e-9
+                ),
+                None,
+            )
+            cell[f"steps_to_{name}"] = None if reached is None else reached["step"]
+            cell[f"wall_s_to_{name}"] = None if reached is None else reached["wall_s"]
     for cell in cells:
         k0 = _k0(cells, cell)
-        for field in ("gain_mean", "curve_gain_mean", "wall_s_to_target"):
+        for field in ("gain_mean", "curve_gain_mean", "wall_s_to_target", "wall_s_to_reward"):
             cell[f"{field}_vs_k0"] = _ratio(cell[field], None if k0 is None else k0[field])
     return cells
 
@@ -319,7 +321,8 @@ def report(
     rows: Sequence[Mapping[str, Any]], context: Mapping[str, Any], commands: Sequence[str]
 ) -> tuple[list[dict[str, Any]], str]:
     """The grid's cells and its markdown page."""
-    cells = summarize(rows)
+    target_reward = context["args"].get("target_reward")
+    cells = summarize(rows, target_reward)
     ran = "\n".join(f"`{c}`  " for c in commands)
     parts = [f"# Learning on the shipped environments\n\n{ran}\n"]
     for env in dict.fromkeys(c["env"] for c in cells):
@@ -347,7 +350,9 @@ def report(
                     "s/step",
                     "time to K=0's final s",
                     "vs K=0",
-                ],
+                    f"time to {fmt(target_reward, '.2f')} s",
+                    "vs K=0",
+                ][: None if target_reward is not None else -2],
                 [
                     [
                         c["cell"],
@@ -364,7 +369,9 @@ def report(
                         if c["target"] is not None and c["wall_s_to_target"] is None
                         else fmt(c["wall_s_to_target"], ".1f"),
                         fmt(c["wall_s_to_target_vs_k0"]),
-                    ]
+                        fmt(c["wall_s_to_reward"], ".1f"),
+                        fmt(c["wall_s_to_reward_vs_k0"]),
+                    ][: None if target_reward is not None else -2]
                     for c in mine
                 ],
             )
@@ -506,6 +513,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="also evaluate every N-th step's sampler snapshot (default 0: before/after only)",
     )
     p.add_argument(
+        "--target-reward",
+        type=float,
+        default=None,
+        help="also report each cell's time to this mean held-out reward (a level below "
+        "saturation; default: only the time to K=0's final mean)",
+    )
+    p.add_argument(
         "--latency",
         default="off",
         help="the server's latency profile, as `python -m engine.local --latency` takes it "
@@ -525,17 +539,20 @@ def build_parser() -> argparse.ArgumentParser:
         type=Path,
         default=None,
         metavar="JSON",
-        help="rewrite the markdown and plot of a saved learning_envs.json beside it; no runs",
+        help="rewrite the markdown and plot of a saved learning_envs.json beside it (with "
+        "--target-reward: that column too); no runs",
     )
     return p
 
 
-def _replot(parser: argparse.ArgumentParser, path: Path) -> None:
+def _replot(parser: argparse.ArgumentParser, path: Path, target_reward: float | None) -> None:
     try:
         data = json.loads(path.read_text())
         rows, context, commands = data["runs"], data["context"], data["commands"]
     except (OSError, ValueError, KeyError) as exc:
         parser.error(f"--replot {path}: not a learning_envs.json with a grid ({exc})")
+    if target_reward is not None:
+        context["args"]["target_reward"] = target_reward
     for written in write_report(path.parent, rows, context, commands):
         print(f"wrote {written}")
 
@@ -568,7 +585,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replot is not None:
-        _replot(parser, args.replot)
+        _replot(parser, args.replot, args.target_reward)
         return
     steps = args.steps if args.steps is not None else (2 if args.quick else 20)
     seeds = args.seeds or ([1] if args.quick else [1, 2, 3])

@@ -120,6 +120,9 @@ def test_learning_grid_summary_compares_each_cell_with_k0_of_its_config() -> Non
     assert k2["wall_s_to_target_vs_k0"] == pytest.approx(0.25)
     assert k0["pace_s"] == pytest.approx(2.0) and k2["pace_s"] == pytest.approx(1.0)
     assert [p["wall_s"] for p in k2["curve"]] == [0.0, 2.0, 4.0]
+    k0, k2 = learning_envs.summarize(rows, target_reward=0.6)  # a level below saturation
+    assert (k0["wall_s_to_reward"], k2["wall_s_to_reward"]) == (4.0, 2.0)
+    assert k2["wall_s_to_reward_vs_k0"] == pytest.approx(0.5)
 
 
 def test_learning_grid_resume_keeps_the_saved_runs_measured_alike(tmp_path: Path) -> None:

@@ -130,7 +130,12 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "runs": [],
     }
     if args.resume and args.out.is_file():
-        report["runs"] = json.loads(args.out.read_text())["runs"]
+        earlier = json.loads(args.out.read_text())
+        report["runs"] = earlier["runs"]
+        report["earlier_commands"] = [
+            *earlier.get("earlier_commands", []),
+            earlier.get("command", "?"),
+        ]
     done = {(r["config"], r["seed"]) for r in report["runs"]}
     with (
         LocalServer(api_key=API_KEY, latency=args.latency) as server,
@@ -307,8 +312,10 @@ def write_report(report: dict[str, Any], out: Path, command: str) -> None:
     loads = [r["load_before"][0] for r in report["runs"] if r.get("load_before")]
     context = report["context"]
     load = f"{min(loads):.1f}-{max(loads):.1f}" if loads else "n/a"
+    earlier = "".join(f"`{c}`, then " for c in report.get("earlier_commands", []))
     out.with_suffix(".md").write_text(
-        f"`{command}` (commit {context['commit']}, {context['date']}, {context['cpus']} CPUs; "
+        f"{earlier}`{command}` (commit {context['commit']}, {context['date']}, "
+        f"{context['cpus']} CPUs; "
         f"1-minute load average {load} at the runs' starts, each run's in the JSON; "
         f"latency {report['latency']}, {report['steps']} steps, {report['heldout']} held-out)\n\n"
         + table(report["summary"])

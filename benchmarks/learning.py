@@ -43,9 +43,9 @@ import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import mint
@@ -54,6 +54,7 @@ from tinker import types
 from benchmarks.engine_cli import TINKER_PYTHON, run_engine_cli
 from benchmarks.measure import positive_int
 from benchmarks.quickstart_loop import run_quickstart_loop
+from benchmarks.report import load_average
 from engine import Engine, EngineConfig, RunResult
 from engine.catalog import load_task
 from engine.config import Profile
@@ -73,6 +74,7 @@ __all__ = [
     "held_out",
     "heldout_problems",
     "main",
+    "measure_run",
 ]
 
 API_KEY = "tml-benchmarks-learning"
@@ -97,12 +99,20 @@ class RunSpec:
     loss: str
     max_steps_off_policy: int
     random_rewards: bool = False
+    settings: Mapping[str, Any] = field(default_factory=dict)
+    """Further engine settings by field name (the off-policy corrections: ``tis_cap``,
+    ``mask_low``/``mask_high``, ``loss_temperature``)."""
 
 
+_QUICKSTART: Final = {"loss_temperature": "off"}
+"""K=0 importance sampling as the quickstart trains it: the loss at the model's logits
+(the local server recommends the sampling temperature)."""
 CONFIGS: dict[str, RunSpec] = {
-    "k0": RunSpec("importance_sampling K=0", "importance_sampling", 0),
+    "k0": RunSpec("importance_sampling K=0", "importance_sampling", 0, settings=_QUICKSTART),
     "k1": RunSpec("ppo K=1 (default)", "ppo", 1),
-    "control": RunSpec("control: random rewards K=0", "importance_sampling", 0, True),
+    "control": RunSpec(
+        "control: random rewards K=0", "importance_sampling", 0, True, settings=_QUICKSTART
+    ),
     "gspo": RunSpec("gspo K=1", "gspo", 1),
 }
 DEFAULT_CONFIGS = {"mint": ["k0", "k1", "control"], "tinker": ["k1", "gspo"]}
@@ -260,6 +270,7 @@ def _train(
             f"--seed={seed}",
             f"--loss={spec.loss}",
             f"--max-steps-off-policy={spec.max_steps_off_policy}",
+            *(f"--{key.replace('_', '-')}={value}" for key, value in spec.settings.items()),
         ]
         run = run_engine_cli(args.tinker_python, server.base_url, API_KEY, run_dir, cli)
         config = run.config
@@ -282,6 +293,7 @@ def _train(
         max_steps_off_policy=spec.max_steps_off_policy,
         run_dir=run_dir,
         progress=False,
+        **spec.settings,
     )
     result, model_id, resolved, ends = _run_engine(
         engine_config, _RandomRewardTask(task, seed) if spec.random_rewards else task
@@ -370,6 +382,66 @@ def _curve(
     return out
 
 
+def measure_run(
+    args: argparse.Namespace,
+    server: LocalServer,
+    base: HeldOut,
+    before: float,
+    spec: RunSpec,
+    seed: int,
+    run_dir: Path,
+) -> dict[str, Any]:
+    """One run of ``spec`` with ``seed`` and its held-out figures (``before``: the base
+    model's exact rate): the row a report holds, with the load average at its start."""
+    load = load_average()
+    start = time.perf_counter()
+    trained = _train(args, server, spec, seed, run_dir, base.task)
+    wall_s = time.perf_counter() - start
+    service, tokenizer, problems, stop = base.service, base.tokenizer, base.problems, base.stop
+    curve = _curve(
+        service, tokenizer, problems, stop, trained.model_id, args.steps, args.curve_every
+    )
+    sampler = service.create_sampling_client(model_path=trained.final_path)
+    after = evaluate(sampler, tokenizer, problems, stop)
+    curve[trained.steps_completed] = after
+    metrics = trained.metrics
+    last = metrics[-1] if metrics else {}
+    print(
+        f"{spec.name} seed {seed}: {before:.1%} -> {after:.1%} "
+        f"({after - before:+.1%}) in {wall_s:.0f} s (load {load})",
+        flush=True,
+    )
+    return {
+        "config": spec.name,
+        "loss": spec.loss,
+        "max_steps_off_policy": spec.max_steps_off_policy,
+        "settings": dict(spec.settings),
+        "seed": seed,
+        "random_rewards": spec.random_rewards,
+        "steps": trained.steps_completed,
+        "exact_before": before,
+        "exact_after": after,
+        "delta": after - before,
+        "curve": {str(k): v for k, v in sorted(curve.items())},
+        "wall_s": round(wall_s, 1),
+        "load_before": load,
+        "step_end_s": [round(t, 3) for t in trained.step_ends],
+        "learning_rate": trained.learning_rate,
+        "lora_rank": trained.lora_rank,
+        "final_path": trained.final_path,
+        "train_exact_rate_first": metrics[0].get("exact_rate") if metrics else None,
+        "train_exact_rate_last": last.get("exact_rate"),
+        "train_avg_reward_first": metrics[0].get("avg_reward") if metrics else None,
+        "train_avg_reward_last": last.get("avg_reward"),
+        "kl_sample_train_v2_mean": _mean_metric(metrics, "optim/kl_sample_train_v2"),
+    }
+
+
+def _mean_metric(metrics: Sequence[Mapping[str, Any]], key: str) -> float | None:
+    values = [m[key] for m in metrics if m.get(key) is not None]
+    return statistics.fmean(values) if values else None
+
+
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     specs = [(name, CONFIGS[name]) for name in args.configs]
     rows: list[dict[str, Any]] = []
@@ -378,58 +450,15 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tempfile.TemporaryDirectory() as tmp,
     ):
         base = held_out(server, args.heldout, args.seeds, args.steps, args.batch)
-        profile, task, problems = base.profile, base.task, base.problems
-        service, tokenizer, stop = base.service, base.tokenizer, base.stop
+        profile, task, problems, stop = base.profile, base.task, base.problems, base.stop
         start = time.perf_counter()
-        before = evaluate(base.base_sampler, tokenizer, problems, stop)
+        before = evaluate(base.base_sampler, base.tokenizer, problems, stop)
         eval_s = time.perf_counter() - start
         print(f"base model: greedy exact {before:.1%} on {len(problems)} held-out ({eval_s:.0f} s)")
         for key, spec in specs:
             for seed in args.seeds:
-                start = time.perf_counter()
-                trained = _train(args, server, spec, seed, Path(tmp) / f"{key}-s{seed}", task)
-                wall_s = time.perf_counter() - start
-                curve = _curve(
-                    service,
-                    tokenizer,
-                    problems,
-                    stop,
-                    trained.model_id,
-                    args.steps,
-                    args.curve_every,
-                )
-                sampler = service.create_sampling_client(model_path=trained.final_path)
-                after = evaluate(sampler, tokenizer, problems, stop)
-                curve[trained.steps_completed] = after
-                metrics = trained.metrics
-                last = metrics[-1] if metrics else {}
-                row = {
-                    "config": spec.name,
-                    "loss": spec.loss,
-                    "max_steps_off_policy": spec.max_steps_off_policy,
-                    "seed": seed,
-                    "random_rewards": spec.random_rewards,
-                    "steps": trained.steps_completed,
-                    "exact_before": before,
-                    "exact_after": after,
-                    "delta": after - before,
-                    "curve": {str(k): v for k, v in sorted(curve.items())},
-                    "wall_s": round(wall_s, 1),
-                    "step_end_s": [round(t, 3) for t in trained.step_ends],
-                    "learning_rate": trained.learning_rate,
-                    "lora_rank": trained.lora_rank,
-                    "final_path": trained.final_path,
-                    "train_exact_rate_first": metrics[0].get("exact_rate") if metrics else None,
-                    "train_exact_rate_last": last.get("exact_rate"),
-                    "train_avg_reward_first": metrics[0].get("avg_reward") if metrics else None,
-                    "train_avg_reward_last": last.get("avg_reward"),
-                }
-                rows.append(row)
-                print(
-                    f"{spec.name} seed {seed}: {before:.1%} -> {after:.1%} "
-                    f"({after - before:+.1%}) in {wall_s:.0f} s",
-                    flush=True,
-                )
+                run_dir = Path(tmp) / f"{key}-s{seed}"
+                rows.append(measure_run(args, server, base, before, spec, seed, run_dir))
         quickstart = _quickstart_timing(server, profile, task, args.quickstart_steps, args.batch)
     return {
         "benchmark": "learning",

@@ -13,7 +13,13 @@ from typing import Any
 
 from engine.observe.plotting import color, new_figure, save
 
-__all__ = ["plot_scaling", "plot_step_times", "plot_timeline"]
+__all__ = [
+    "plot_learning_curves",
+    "plot_learning_grid",
+    "plot_scaling",
+    "plot_step_times",
+    "plot_timeline",
+]
 
 STAGES = ("sample", "score", "train")
 
@@ -167,6 +173,56 @@ def plot_scaling(
 SERVER_LANES = ("server: sample", "server: train")
 
 
+def plot_learning_curves(
+    cells: Sequence[Mapping[str, Any]], path: Path, ylabel: str, latency: str | None = None
+) -> Path:
+    """Held-out reward of each grid cell against steps (left) and against wall-clock
+    seconds (right), one row per env: the mean over its seeds with a band of one standard
+    error, one colour per config, one line style per K, K=0's final mean dotted. ``cells``
+    need ``env``, ``config``, ``k``, ``cell``, ``seeds``, ``target`` and ``curve`` (points
+    with ``step``, ``reward_mean``, ``reward_se`` (None: no band) and ``wall_s``)."""
+    envs = list(dict.fromkeys(c["env"] for c in cells))
+    configs = list(dict.fromkeys(c["config"] for c in cells))
+    ks = sorted({c["k"] for c in cells})
+    styles = ("-", "--", "-.", ":")
+    fig = new_figure(12, 4.2 * len(envs))
+    axes = fig.subplots(len(envs), 2, squeeze=False)
+    for row, env in zip(axes, envs, strict=True):
+        ax_step, ax_time = row
+        for c in (c for c in cells if c["env"] == env):
+            style = {
+                "color": color(configs.index(c["config"])),
+                "ls": styles[ks.index(c["k"]) % len(styles)],
+            }
+            mean = [p["reward_mean"] for p in c["curve"]]
+            se = [p["reward_se"] or 0.0 for p in c["curve"]]
+            low = [m - s for m, s in zip(mean, se, strict=True)]
+            high = [m + s for m, s in zip(mean, se, strict=True)]
+            for ax, xs in (
+                (ax_step, [p["step"] for p in c["curve"]]),
+                (ax_time, [p["wall_s"] for p in c["curve"]]),
+            ):
+                ax.plot(
+                    xs, mean, label=f"{c['cell']} (n={len(c['seeds'])})", marker="o", ms=3, **style
+                )
+                ax.fill_between(xs, low, high, color=style["color"], alpha=0.1)
+        targets = {c["target"] for c in cells if c["env"] == env and c["target"] is not None}
+        for ax in row:
+            for target in targets:
+                ax.axhline(target, color="0.4", lw=0.8, ls=":")
+            ax.grid(alpha=0.3)
+        ax_step.set_xlabel("training step")
+        ax_step.set_ylabel(f"{ylabel}\n(mean ± SE over seeds)")
+        ax_step.set_title(f"{env}: against steps")
+        ax_time.set_xlabel(
+            f"wall-clock s from the engine's start (median over seeds; latency {latency or 'off'})"
+        )
+        ax_time.set_title(f"{env}: against wall-clock (dotted: K=0's final mean)")
+        ax_time.legend(fontsize=7, loc="lower right")
+    fig.tight_layout()
+    return save(fig, path)
+
+
 def plot_cycles(run: Mapping[str, Any], path: Path) -> Path:
     """One run per clock cycle: what the server's compute thread did (sampling; the
     training calls and snapshots) under its cycle starts (dotted lines), and what the
@@ -212,5 +268,52 @@ def plot_cycles(run: Mapping[str, Any], path: Path) -> Path:
     ax.invert_yaxis()
     ax.set_xlabel("seconds since the run started")
     ax.grid(axis="x", alpha=0.2)
+    fig.tight_layout()
+    return save(fig, path)
+
+
+_K_STYLES = ("-", "--", "-.", ":", (0, (5, 1, 1, 1)))
+
+
+def plot_learning_grid(
+    summary: Sequence[Mapping[str, Any]], path: Path, latency: str | None = None
+) -> Path:
+    """Held-out accuracy of each cell (``correction@K``) against steps and against
+    wall-clock seconds: the mean over its seeds with a band of one standard error, one
+    colour per correction, one line style per K, the K=0 baseline's final mean dotted.
+    ``summary`` is ``benchmarks.learning_grid.summarize``'s result."""
+    fig = new_figure(14, 5.2)
+    ax_step, ax_time = fig.subplots(1, 2, sharey=True)
+    corrections = list(dict.fromkeys(c["cell"].partition("@")[0] for c in summary))
+    ks = sorted({c["max_steps_off_policy"] for c in summary})
+    for c in summary:
+        correction = c["cell"].partition("@")[0]
+        style = {
+            "color": color(corrections.index(correction)),
+            "ls": _K_STYLES[ks.index(c["max_steps_off_policy"]) % len(_K_STYLES)],
+            "lw": 1.4,
+        }
+        mean = [p["exact_mean"] for p in c["curve"]]
+        low = [p["exact_mean"] - p["exact_se"] for p in c["curve"]]
+        high = [p["exact_mean"] + p["exact_se"] for p in c["curve"]]
+        label = f"{c['cell']} (n={len(c['seeds'])})"
+        for ax, xs in (
+            (ax_step, [p["step"] for p in c["curve"]]),
+            (ax_time, [p["wall_s_mean"] for p in c["curve"]]),
+        ):
+            ax.plot(xs, mean, label=label, marker="o", ms=3, **style)
+            ax.fill_between(xs, low, high, color=style["color"], alpha=0.08)
+    target = next((c.get("target") for c in summary if c.get("target") is not None), None)
+    for ax in (ax_step, ax_time):
+        if target is not None:
+            ax.axhline(target, color="0.4", lw=0.8, ls=":")
+        ax.grid(alpha=0.3)
+    ax_step.set_xlabel("training step")
+    ax_step.set_ylabel("held-out greedy exact rate (mean ± SE over seeds)")
+    ax_step.set_title("against steps")
+    ax_time.set_xlabel(f"wall-clock seconds (mean over seeds; latency {latency or 'off'})")
+    ax_time.set_title("against wall-clock time (dotted: K=0's final mean)")
+    ax_time.legend(fontsize=7, ncol=2, loc="lower right")
+    fig.suptitle("Learning grid: colour = correction, line style = K")
     fig.tight_layout()
     return save(fig, path)

@@ -350,12 +350,13 @@ class Engine:
             if (
                 cfg.pipeline.max_steps_off_policy >= 1
                 and cfg.training.loss == "importance_sampling"
+                and not cfg.training.tis_cap
             ):
                 log.warning(
                     "off_policy_loss",
                     f"--max-steps-off-policy {cfg.pipeline.max_steps_off_policy} with the "
-                    "unclipped importance_sampling loss: a clipped loss (--loss ppo) is safer "
-                    "off-policy",
+                    "unclipped importance_sampling loss: a clipped loss (--loss ppo) or a "
+                    "truncated one (--tis-cap) is safer off-policy",
                 )
             if self._session_source is None:
                 opened = await resources.enter_async_context(

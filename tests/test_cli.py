@@ -260,16 +260,16 @@ def test_embedding_config_errors_name_the_field() -> None:
 
 
 def test_loss_configs_sent_with_forward_backward() -> None:
-    assert EngineConfig(loss="importance_sampling").training.loss_fn_config() is None
-    assert EngineConfig(loss="ppo", clip_low=0.7, clip_high=1.3).training.loss_fn_config() == {
+    def sent(**settings: object) -> dict[str, float] | None:
+        return EngineConfig(**settings).training.loss_fn_config(0.8)
+
+    assert sent(loss="importance_sampling") is None
+    assert sent(loss="ppo", clip_low=0.7, clip_high=1.3) == {
         "clip_low_threshold": 0.7,
         "clip_high_threshold": 1.3,
     }
-    assert EngineConfig(loss="cispo").training.loss_fn_config() == {
-        "clip_low_threshold": 0.8,
-        "clip_high_threshold": 1.2,
-    }
-    assert EngineConfig(loss="dro", dro_beta=0.2).training.loss_fn_config() == {"beta": 0.2}
+    assert sent(loss="cispo") == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
+    assert sent(loss="dro", dro_beta=0.2) == {"beta": 0.2}
 
 
 def _cli_env(**extra: str) -> dict[str, str]:

@@ -49,7 +49,7 @@ def test_k1_overlaps_sampling_with_training_within_its_bound(
     text = console.getvalue()
     assert (
         "Warning: --max-steps-off-policy 1 with the unclipped importance_sampling loss: "
-        "a clipped loss (--loss ppo) is safer off-policy"
+        "a clipped loss (--loss ppo) or a truncated one (--tis-cap) is safer off-policy"
     ) in text
     assert [s.line for s in steps] == [x for x in text.splitlines() if x.startswith("Step ")]
     assert [s.step for s in steps] == [1, 2, 3, 4]

@@ -45,6 +45,7 @@ from engine.config.values import (
     LogFormat,
     LogLevel,
     LossName,
+    LossTemperature,
     Objective,
     OnRewardError,
     ScoreWorkers,
@@ -256,6 +257,30 @@ class TrainingSettings(_Group):
     dro_beta: Annotated[float, _rule(finite_non_negative)] = Field(
         0.05, description="beta of the dro loss"
     )
+    tis_cap: Annotated[float, _rule(finite_non_negative)] = Field(
+        0.0,
+        description="TIS (truncated importance sampling): importance_sampling weighs each "
+        "token's policy gradient by its importance ratio truncated at this cap, without "
+        "gradient through it (0: off; the engine's local server only; docs/losses.md)",
+    )
+    mask_low: Annotated[float, _rule(finite_non_negative)] = Field(
+        0.0,
+        description="with --mask-high: MIS / IcePop, importance_sampling and ppo leave out "
+        "each token whose importance ratio is below this (the engine's local server only)",
+    )
+    mask_high: Annotated[float, _rule(finite_non_negative)] = Field(
+        0.0,
+        description="MIS / IcePop: importance_sampling and ppo leave out each token whose "
+        "importance ratio is above this or below --mask-low (0: off; IcePop uses 0.5 and 2; "
+        "the engine's local server only; docs/losses.md)",
+    )
+    loss_temperature: Annotated[LossTemperature | None, Setting(recommended=True)] = Field(
+        None,
+        description="sampling: the RL losses score the sampled tokens at --temperature, the "
+        "distribution they were drawn from, so an on-policy importance ratio is exactly 1; "
+        "off: at the model's own logits, the quickstart's (the engine's local server "
+        "recommends sampling, which only it takes; docs/losses.md)",
+    )
     on_missing_logprobs: OnMissingLogprobs = Field(
         "error",
         description="a response without sampler logprobs: stop the run, or drop it and count it",
@@ -275,13 +300,66 @@ class TrainingSettings(_Group):
             )
         return self
 
-    def loss_fn_config(self) -> dict[str, float] | None:
-        """The ``loss_fn_config`` sent with forward_backward for the chosen loss."""
+    @model_validator(mode="after")
+    def _corrections(self) -> TrainingSettings:
+        if self.objective == "sft" and (self.tis_cap or self.mask_high):
+            raise ConfigError(
+                "--tis-cap and --mask-low/--mask-high apply to the RL losses; --objective sft "
+                "trains cross_entropy"
+            )
+        if self.tis_cap and self.loss != "importance_sampling":
+            raise ConfigError(
+                f"--tis-cap is for --loss importance_sampling, not {self.loss} (ppo bounds "
+                "its ratio with its clip; docs/losses.md)"
+            )
+        if self.mask_low and not self.mask_high:
+            raise ConfigError("--mask-low needs --mask-high (0: no mask)")
+        if self.mask_high and self.loss not in _MASKED_LOSSES:
+            raise ConfigError(
+                f"--mask-low/--mask-high are for --loss {' or '.join(_MASKED_LOSSES)}, "
+                f"not {self.loss}"
+            )
+        if self.mask_high and self.mask_low >= self.mask_high:
+            raise ConfigError(
+                f"--mask-low ({self.mask_low}) must be below --mask-high ({self.mask_high})"
+            )
+        return self
+
+    def local_loss_options(self) -> list[str]:
+        """The flags set here that only the engine's local server's losses take (a hosted
+        server refuses loss_fn_config keys it does not know)."""
+        return [
+            flag
+            for flag, on in (
+                ("--tis-cap", self.tis_cap > 0),
+                ("--mask-low", self.mask_low > 0),
+                ("--mask-high", self.mask_high > 0),
+                ("--loss-temperature sampling", self.loss_temperature == "sampling"),
+            )
+            if on
+        ]
+
+    def loss_fn_config(self, sampling_temperature: float) -> dict[str, float] | None:
+        """The ``loss_fn_config`` sent with forward_backward for the chosen loss, its
+        off-policy corrections and (``--loss-temperature sampling``) the temperature
+        responses are sampled at; None when there is nothing to send. ``--objective sft``
+        sends none of these (cross_entropy has no ratio)."""
+        config: dict[str, float] = {}
         if self.loss in ("ppo", "cispo"):
-            return {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
-        if self.loss == "dro":
-            return {"beta": self.dro_beta}
-        return None
+            config |= {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}
+        elif self.loss == "dro":
+            config["beta"] = self.dro_beta
+        if self.tis_cap:
+            config["tis_cap"] = self.tis_cap
+        if self.mask_high:
+            config |= {"mask_low": self.mask_low, "mask_high": self.mask_high}
+        if self.loss_temperature == "sampling":
+            config["temperature"] = sampling_temperature
+        return config or None
+
+
+_MASKED_LOSSES: Final = ("importance_sampling", "ppo")
+"""The losses the local server masks by their importance ratio (MIS / IcePop)."""
 
 
 class DistillationSettings(_Group):

@@ -19,6 +19,7 @@ __all__ = [
     "LogFormat",
     "LogLevel",
     "LossName",
+    "LossTemperature",
     "Objective",
     "OnRewardError",
     "ScoreWorkers",
@@ -33,6 +34,11 @@ LOSSES: Final[tuple[str, ...]] = get_args(LossName)
 TINKER_ONLY_LOSSES: Final = ("gspo", "stable_reinforce")
 """Losses only the tinker >= 0.38 SDK can send (the ``mint`` SDK's tinker 0.22 refuses
 them client-side)."""
+LossTemperature = Literal["off", "sampling"]
+"""What the RL losses score the sampled tokens under: the model's own logits (``off``,
+the quickstart's) or the logits divided by the sampling temperature (``sampling``: the
+policy the sampler drew from, so an on-policy ratio is 1; the engine's local server only,
+docs/losses.md)."""
 Objective = Literal["rl", "sft", "distill", "dpo"]
 """What a run trains for: rewards (``rl``), the assistant turns of conversations
 (``sft``, the ``cross_entropy`` loss: docs/sft.md), a teacher's logprobs of the

@@ -100,7 +100,10 @@ class SubmitStage:
         self._loss = (
             LossSpec("cross_entropy")
             if self._supervised
-            else LossSpec(config.training.loss, config.training.loss_fn_config())
+            else LossSpec(
+                config.training.loss,
+                config.training.loss_fn_config(config.sampling.temperature),
+            )
         )
         distill = config.distillation
         self._distill = (

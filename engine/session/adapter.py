@@ -40,7 +40,12 @@ from engine.session.api import (
     StepTicket,
     TrainResult,
 )
-from engine.session.preflight import PreflightError, check_reachable, setup_call
+from engine.session.preflight import (
+    PreflightError,
+    check_local_loss_options,
+    check_reachable,
+    setup_call,
+)
 from engine.session.preflight import recommended_profile as read_recommended_profile
 from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retries
 from engine.session.sdk_calls import (
@@ -563,6 +568,9 @@ class SdkSession:
         say("Connecting to MinT server...")
         say(f"Endpoint: {base_url}")
         await check_reachable(base_url, api_key, guard, cls.sdk_version)
+        local_options = config.training.local_loss_options()
+        if local_options and not local:
+            await check_local_loss_options(base_url, api_key, guard, local_options)
         # config.json records the SDK and what the server resolved
         profiles = (
             [await read_recommended_profile(base_url, api_key, guard)] if config.unresolved else []

@@ -11,18 +11,20 @@ and the one sentence a failed setup call becomes (:func:`setup_call`,
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TypeVar
 
 import httpx
 
+from engine.common.protocol import RECOMMENDED_FIELD
 from engine.config import HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason
 from engine.session.retry import OpKind, ServiceGuard
 
 __all__ = [
     "PreflightError",
+    "check_local_loss_options",
     "check_reachable",
     "local_server_profile",
     "read_server_profile",
@@ -93,6 +95,37 @@ async def read_server_profile(
 
 async def recommended_profile(base_url: str, api_key: str | None, guard: ServiceGuard) -> Profile:
     """The server's recommended settings (its ``get_server_capabilities`` as JSON)."""
+    capabilities = await _capabilities(base_url, api_key, guard)
+    if capabilities is None:
+        return HOSTED_PROFILE
+    try:
+        return server_profile(capabilities, f"the MinT server at {base_url}")
+    except ValueError as exc:
+        raise PreflightError(str(exc)) from exc
+
+
+async def check_local_loss_options(
+    base_url: str, api_key: str | None, guard: ServiceGuard, options: Sequence[str]
+) -> None:
+    """ConfigError unless the server at ``base_url`` is the engine's local server (its
+    capabilities carry :data:`RECOMMENDED_FIELD`), whose losses take ``options`` (the
+    flags of :meth:`~engine.config.groups.TrainingSettings.local_loss_options`): a hosted
+    server refuses loss_fn_config keys it does not know, which would fail the first step."""
+    capabilities = await _capabilities(base_url, api_key, guard)
+    models = capabilities.get("supported_models") if isinstance(capabilities, Mapping) else None
+    if isinstance(models, list) and any(
+        isinstance(m, Mapping) and RECOMMENDED_FIELD in m for m in models
+    ):
+        return
+    raise ConfigError(
+        f"{', '.join(options)}: loss options of the engine's local server, and {base_url} is "
+        "not one (a hosted server refuses loss_fn_config keys it does not know; docs/losses.md)"
+    )
+
+
+async def _capabilities(base_url: str, api_key: str | None, guard: ServiceGuard) -> object:
+    """The server's ``get_server_capabilities`` answer as plain JSON; None when the
+    request needs the SDK's session token (hosted MinT in JWT mode)."""
     response = await _preflight_request(
         base_url, api_key, guard, "GET", "get_server_capabilities", None
     )
@@ -100,16 +133,18 @@ async def recommended_profile(base_url: str, api_key: str | None, guard: Service
         # The key passed client/config: this server wants the SDK's session token here
         # (hosted MinT in JWT mode). The local server takes the plain key everywhere,
         # so this is not one that recommends settings.
-        return HOSTED_PROFILE
+        return None
     if response.status_code >= 400:
         raise PreflightError(
             f"the MinT server at {base_url} answered HTTP {response.status_code} to "
             "get_server_capabilities; is MINT_BASE_URL a MinT server?"
         )
     try:
-        return server_profile(response.json(), f"the MinT server at {base_url}")
+        return response.json()
     except ValueError as exc:
-        raise PreflightError(str(exc)) from exc
+        raise PreflightError(
+            f"the MinT server at {base_url} answered get_server_capabilities with no JSON"
+        ) from exc
 
 
 def local_server_profile(model_dir: Path | None) -> Profile:

@@ -132,7 +132,7 @@ def test_a_mistyped_flag_gets_the_nearest_names(capsys: pytest.CaptureFixture[st
     )
     with pytest.raises(SystemExit):
         parse_config(["--temprature=1"], {})
-    assert "did you mean --temperature?" in capsys.readouterr().err
+    assert "did you mean --temperature or --loss-temperature?" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- sources

@@ -48,8 +48,8 @@ from engine.local import LocalServer
 __all__ = ["CORRECTIONS", "DEFAULT_CELLS", "cell_spec", "main", "summarize"]
 
 CORRECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "is": ("importance_sampling", {"loss_temperature": "off"}),
-    "ppo": ("ppo", {"loss_temperature": "off"}),
+    "is": ("importance_sampling", {}),
+    "ppo": ("ppo", {}),
     "ppo-temp": ("ppo", {"loss_temperature": "sampling"}),
     "is-tis-temp": ("importance_sampling", {"tis_cap": 2.0, "loss_temperature": "sampling"}),
     "ppo-mis-temp": (
@@ -63,7 +63,7 @@ CORRECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """The corrections a cell names: its loss and the engine settings that correct it
 (docs/losses.md: TIS cap 2, IcePop's mask [0.5, 2], the loss at the sampling
-temperature; ``off`` spelled out, as the local server recommends ``sampling``)."""
+temperature)."""
 BASELINE = "is@0"
 """The reference every cell is compared with: K=0 importance sampling, the quickstart."""
 DEFAULT_CELLS = (

@@ -247,6 +247,9 @@ async def test_held_out_pairs_are_evaluated_at_the_start_and_every_n_steps(
     assert records[-1]["eval/dpo/margin"] < 0 and records[-1]["eval/dpo/accuracy"] == 0.0
     assert all(r["eval/dpo/pairs"] == 4 for r in records)
     assert {"eval/dpo/loss", "eval/dpo/prefers_chosen"} <= set(records[0])
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "- held-out (scored), step 0 -> 4: dpo/accuracy" in summary
+    assert "greedy" not in summary
     assert "eval/dpo/accuracy" in steps[1].metrics and "eval/dpo/accuracy" not in steps[0].metrics
     held_out = {p.data["row"] for p in PairTask(data, eval_size=4).eval_problems()}
     assert not held_out & {g.problem.data["row"] for s in steps for g in s.groups}

@@ -441,7 +441,7 @@ def held_out_summary(evals: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
     return {"first": figures(evals[0]), "last": figures(evals[-1])}
 
 
-def _held_out_line(held: Mapping[str, Any]) -> str:
+def _held_out_line(held: Mapping[str, Any], objective: str) -> str:
     first, last = held["first"], held["last"]
     names = [k for k in first if k not in ("step", "problems") and k in last]
     changes = ", ".join(
@@ -449,8 +449,9 @@ def _held_out_line(held: Mapping[str, Any]) -> str:
         for name in names
         if isinstance(first[name], int | float) and isinstance(last[name], int | float)
     )
-    problems = f", {first['problems']:g} problems" if first.get("problems") else ""
-    return f"- held-out (greedy{problems}), step {first['step']} -> {last['step']}: {changes}"
+    how, rows = ("scored", "pairs") if objective == "dpo" else ("greedy", "problems")
+    problems = f", {first['problems']:g} {rows}" if first.get("problems") else ""
+    return f"- held-out ({how}{problems}), step {first['step']} -> {last['step']}: {changes}"
 
 
 def _num(v: Any) -> str:
@@ -481,7 +482,7 @@ def _summary_markdown(
             else []
         ),
         f"- max staleness: {s['max_staleness']}",
-        *([_held_out_line(held)] if (held := s["held_out"]) else []),
+        *([_held_out_line(held, s["objective"])] if (held := s["held_out"]) else []),
         *(
             [
                 f"- **trained nothing** for {idle['untrained_steps']} steps (longest run: "

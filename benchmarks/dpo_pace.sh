@@ -13,20 +13,14 @@ out="${OUT:-benchmarks/results/tmp/dpo_pace}"
 port="${PORT:-18781}"
 key=tml-dpo-pace
 rm -rf "$out" && mkdir -p "$out"
-.venv/bin/python -m engine.local --port "$port" --api-key "$key" --ephemeral --latency mint \
-    > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server' EXIT
-for _ in $(seq 120); do grep -q "serving" "$out/server.log" && break; sleep 1; done
+source benchmarks/stamped.sh
+start_server .venv/bin/python "$out" "$port" "$key"
 for objective in sft dpo; do
     data=examples/sft_repeat.jsonl
     [ "$objective" = dpo ] && data=examples/dpo_repeat.jsonl
     uptime > "$out/$objective.load"
-    env -u MINT_API_KEY -u TINKER_API_KEY .venv/bin/python -m engine.run \
-        --objective "$objective" --task "jsonl:$data" --batch 8 --steps 20 \
-        --api-key "$key" --base-url "http://127.0.0.1:$port" \
-        --run-dir "$out/run-$objective" --no-progress 2>&1 \
-        | .venv/bin/python -m benchmarks.stamp --cycle 0.5 --skip 2 > "$out/$objective.txt"
+    stamped_run .venv/bin/python "$out/$objective.txt" --objective "$objective" \
+        --task "jsonl:$data" --batch 8 --steps 20 --run-dir "$out/run-$objective"
     uptime >> "$out/$objective.load"
     echo "$objective: $(tail -1 "$out/$objective.txt")"
 done

@@ -26,19 +26,13 @@ summary="$out/summary.txt"
 note() { echo "$*" | tee -a "$summary"; }
 load() { uptime | sed 's/.*load average: /load /'; }
 
-"$python" -m engine.local --port "$port" --api-key "$key" --ephemeral --latency mint \
-    > "$out/server.log" 2>&1 &
-server=$!
-trap 'kill $server 2>/dev/null || true' EXIT
-for _ in $(seq 120); do grep -q "serving" "$out/server.log" && break; sleep 1; done
+source benchmarks/stamped.sh
+start_server "$python" "$out" "$port" "$key"
 for workload in $workloads; do
     IFS=x read -r batch group tokens <<< "$workload"
     before=$(load)
-    env -u MINT_API_KEY -u TINKER_API_KEY "$python" -m engine.run \
-        --api-key "$key" --base-url "http://127.0.0.1:$port" --steps "$steps" \
-        --batch "$batch" --group "$group" --max-tokens "$tokens" \
-        --run-dir "$out/run-$workload" --no-progress 2>&1 \
-        | "$python" -m benchmarks.stamp --cycle 0.5 --skip 2 > "$out/cli-$workload.txt"
+    stamped_run "$python" "$out/cli-$workload.txt" --steps "$steps" --batch "$batch" \
+        --group "$group" --max-tokens "$tokens" --run-dir "$out/run-$workload"
     note "CLI $workload: $(tail -1 "$out/cli-$workload.txt") [$before -> $(load)]"
 done
 kill $server

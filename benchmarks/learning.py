@@ -45,7 +45,7 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import anyio
 import mint
@@ -104,10 +104,15 @@ class RunSpec:
     ``mask_low``/``mask_high``, ``loss_temperature``)."""
 
 
+_QUICKSTART: Final = {"loss_temperature": "off"}
+"""K=0 importance sampling as the quickstart trains it: the loss at the model's logits
+(the local server recommends the sampling temperature)."""
 CONFIGS: dict[str, RunSpec] = {
-    "k0": RunSpec("importance_sampling K=0", "importance_sampling", 0),
+    "k0": RunSpec("importance_sampling K=0", "importance_sampling", 0, settings=_QUICKSTART),
     "k1": RunSpec("ppo K=1 (default)", "ppo", 1),
-    "control": RunSpec("control: random rewards K=0", "importance_sampling", 0, True),
+    "control": RunSpec(
+        "control: random rewards K=0", "importance_sampling", 0, True, settings=_QUICKSTART
+    ),
     "gspo": RunSpec("gspo K=1", "gspo", 1),
 }
 DEFAULT_CONFIGS = {"mint": ["k0", "k1", "control"], "tinker": ["k1", "gspo"]}

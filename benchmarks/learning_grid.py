@@ -48,9 +48,10 @@ from engine.local import LocalServer
 __all__ = ["CORRECTIONS", "DEFAULT_CELLS", "cell_spec", "main", "summarize"]
 
 CORRECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
-    "is": ("importance_sampling", {}),
-    "ppo": ("ppo", {}),
+    "is": ("importance_sampling", {"loss_temperature": "off"}),
+    "ppo": ("ppo", {"loss_temperature": "off"}),
     "ppo-temp": ("ppo", {"loss_temperature": "sampling"}),
+    "ppo-lr625": ("ppo", {"loss_temperature": "off", "learning_rate": 6.25e-4}),
     "is-tis-temp": ("importance_sampling", {"tis_cap": 2.0, "loss_temperature": "sampling"}),
     "ppo-mis-temp": (
         "ppo",
@@ -63,7 +64,9 @@ CORRECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
 }
 """The corrections a cell names: its loss and the engine settings that correct it
 (docs/losses.md: TIS cap 2, IcePop's mask [0.5, 2], the loss at the sampling
-temperature)."""
+temperature; ``off`` spelled out, as the local server recommends ``sampling``).
+``ppo-lr625`` is ``ppo`` at 1.25x the packaged model's learning rate (5e-4): the ``1/T``
+scale the tempered gradient carries at temperature 0.8, without the temperature."""
 BASELINE = "is@0"
 """The reference every cell is compared with: K=0 importance sampling, the quickstart."""
 DEFAULT_CELLS = (

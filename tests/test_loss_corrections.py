@@ -17,10 +17,13 @@ from test_pipeline_stages import ToyTask
 from test_profile import hosted_like_server
 
 from engine import EngineConfig
+from engine.config import HOSTED_PROFILE, server_profile, with_stored_settings
 from engine.errors import ConfigError
 from engine.local import LocalServer
+from engine.local.recommended import model_entry
 from engine.run import main
 from engine.session.api import LossSpec
+from engine.session.preflight import local_server_profile
 from tests.engine_support import API_KEY, run_engine, small_config
 
 pytestmark = pytest.mark.anyio
@@ -34,7 +37,7 @@ pytestmark = pytest.mark.anyio
             {"tis_cap": 2.0, "temperature": 0.7},
         ),
         (
-            {"loss": "ppo", "mask_low": 0.5, "mask_high": 2.0},
+            {"loss": "ppo", "mask_low": 0.5, "mask_high": 2.0, "loss_temperature": "off"},
             {
                 "clip_low_threshold": 0.8,
                 "clip_high_threshold": 1.2,
@@ -46,9 +49,14 @@ pytestmark = pytest.mark.anyio
             {"loss": "ppo", "loss_temperature": "sampling"},
             {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2, "temperature": 0.7},
         ),
-        ({"loss": "importance_sampling", "mask_high": 3.0}, {"mask_low": 0.0, "mask_high": 3.0}),
+        (
+            {"loss": "importance_sampling", "mask_high": 3.0},
+            {"mask_low": 0.0, "mask_high": 3.0, "temperature": 0.7},
+        ),
         ({"loss": "dro", "loss_temperature": "sampling"}, {"beta": 0.05, "temperature": 0.7}),
-        ({"loss": "importance_sampling"}, None),
+        ({"loss": "importance_sampling", "loss_temperature": "off"}, None),
+        # unset: the local server's recommendation
+        ({"loss": "importance_sampling"}, {"temperature": 0.7}),
     ],
 )
 async def test_every_forward_backward_sends_the_corrections(
@@ -70,10 +78,7 @@ async def test_every_forward_backward_sends_the_corrections(
         ({"loss": "ppo", "mask_low": 0.5}, "--mask-low needs --mask-high"),
         ({"loss": "ppo", "mask_low": 2.0, "mask_high": 0.5}, r"--mask-low \(2.0\) must be below"),
         ({"loss": "ppo", "mask_low": 1.0, "mask_high": 1.0}, "must be below"),
-        (
-            {"objective": "sft", "loss_temperature": "sampling"},
-            "--loss-temperature sampling apply to the RL losses",
-        ),
+        ({"objective": "sft", "tis_cap": 2.0}, "apply to the RL losses; --objective sft"),
     ],
 )
 def test_invalid_combinations_are_refused_in_one_line(
@@ -82,6 +87,34 @@ def test_invalid_combinations_are_refused_in_one_line(
     with pytest.raises(ConfigError, match=message) as caught:
         EngineConfig(**settings)
     assert "\n" not in str(caught.value)
+
+
+def test_the_local_server_recommends_the_loss_temperature_and_hosted_mint_off(
+    tmp_path: Path,
+) -> None:
+    local = local_server_profile(None)
+    assert local.loss_temperature == "sampling"
+    assert HOSTED_PROFILE.loss_temperature == "off"
+    hosted = EngineConfig(api_key="sk-k").resolved(server_profile({"supported_models": []}))
+    assert hosted.training.loss_temperature == "off"
+    assert hosted.training.loss_fn_config(0.8) == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.2,
+    }
+    assert EngineConfig(local=True).resolved(local).training.loss_fn_config(0.8) == {
+        "clip_low_threshold": 0.8,
+        "clip_high_threshold": 1.2,
+        "temperature": 0.8,
+    }
+    # a server that reports untempered sampling logprobs recommends off
+    untempered = model_entry(None, tempered_logprobs=False)
+    assert server_profile({"supported_models": [untempered]}).loss_temperature == "off"
+    # sft sends no loss config, whatever the recommendation
+    assert EngineConfig(objective="sft").resolved(local).training.loss_temperature == "sampling"
+    # a run dir recorded before the setting existed resumes at the model's logits
+    stored = {"training": {"loss": "ppo", "learning_rate": 1e-3}}
+    resumed = with_stored_settings(EngineConfig(local=True), stored, "config.json")
+    assert resumed.resolved(local).training.loss_temperature == "off"
 
 
 @pytest.mark.parametrize("setting", ["--tis-cap=-1", "--mask-high=nan"])
@@ -120,7 +153,10 @@ def test_a_run_with_the_corrections_trains_on_the_local_server(tmp_path: Path) -
     }
     gaps: dict[str, list[float]] = {}
     with LocalServer(api_key=API_KEY) as server:
-        runs: dict[str, dict[str, Any]] = {"corrected": corrected, "plain": {"loss": "ppo"}}
+        runs: dict[str, dict[str, Any]] = {
+            "corrected": corrected,
+            "plain": {"loss": "ppo", "loss_temperature": "off"},
+        }
         for name, settings in runs.items():
             config = small_config(
                 server,

@@ -6,11 +6,13 @@ server (calls per episode, the first steps against the last)."""
 
 from __future__ import annotations
 
+import json
 import statistics
 from pathlib import Path
 
 import pytest
 
+from benchmarks import own_tool
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
 from examples.subtract_tool import SubtractTask, subtract
@@ -19,6 +21,10 @@ from tests.engine_support import run_engine, small_config
 
 STEPS = 12
 WINDOW = 3
+LATE = 6
+"""The late steps whose median tool calls are compared with the first window's mean: a
+median over six steps rides out the one-step dips lr 2e-3 makes now and then (seed 2 of
+``python -m benchmarks.own_tool`` dips to 0.42 calls at step 10 and is back at step 11)."""
 
 
 def test_the_unseen_tool_is_never_in_the_models_training_conversations() -> None:
@@ -29,6 +35,11 @@ def test_the_unseen_tool_is_never_in_the_models_training_conversations() -> None
 
 @pytest.mark.slow
 def test_a_users_own_tool_gets_called_more_as_it_trains(tmp_path: Path) -> None:
+    """The tool is called more, and spelled right: over 12 seeds per loss temperature
+    (``python -m benchmarks.own_tool``, benchmarks/results/own_tool.md) the late median
+    rose by 0.24-0.38 calls per episode over the first steps' mean, and at most 2.1% of a
+    run's last calls named another tool at the local server's default loss temperature
+    (``off``: one run of 12 at 44%)."""
     with LocalServer(AGENT_MODEL_DIR) as server:
         config = small_config(
             server,
@@ -46,9 +57,20 @@ def test_a_users_own_tool_gets_called_more_as_it_trains(tmp_path: Path) -> None:
     assert result.steps_completed == STEPS
     calls = [s.metrics["env/all/tool_calls"] for s in steps]
     first = statistics.mean(calls[:WINDOW])
-    last = statistics.mean(calls[-WINDOW:])
+    late = statistics.median(calls[-LATE:])
     assert first > 0, "the base model never called the tool"
-    assert last >= first + 0.3, calls
+    assert late >= first + 0.2, calls
     episodes = [e for s in steps[-WINDOW:] for g in s.groups for e in g.trajectories]
     called = [t.logs["tool_calls"] for e in episodes for t in e.turns if t.logs.get("tool_calls")]
-    assert called and all(c[0]["name"] == "subtract" for c in called)
+    misspelled = [c[0]["name"] for c in called if c[0]["name"] != subtract.name]
+    assert called and len(misspelled) <= 0.05 * len(called), misspelled
+
+
+@pytest.mark.slow
+def test_the_own_tool_benchmark_runs_quick(tmp_path: Path) -> None:
+    out = tmp_path / "own_tool.json"
+    assert own_tool.main(["--quick", "--modes", "sampling", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    (run,) = report["runs"]
+    assert run["loss_temperature"] == "sampling" and run["steps_completed"] == 2
+    assert "| `sampling` | 1 |" in out.with_suffix(".md").read_text()

@@ -133,7 +133,7 @@ def test_malformed_recommendations_are_one_clear_error(recommended: Any, message
 def test_explicit_settings_win_and_a_resume_keeps_its_stored_ones() -> None:
     local = local_server_profile(None)
     config = EngineConfig(local=True, learning_rate=1e-3, op="-", task_args={"max_operand": "20"})
-    assert config.unresolved == ("base_model", "lora_rank", "min_operand")
+    assert config.unresolved == ("base_model", "lora_rank", "loss_temperature", "min_operand")
     resolved = config.resolved(local)
     assert (resolved.training.learning_rate, resolved.model.lora_rank) == (1e-3, local.lora_rank)
     assert resolved.task.args == {"op": "-", "min_operand": "10", "max_operand": "20"}

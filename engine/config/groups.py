@@ -274,12 +274,12 @@ class TrainingSettings(_Group):
         "importance ratio is above this or below --mask-low (0: off; IcePop uses 0.5 and 2; "
         "the engine's local server only; docs/losses.md)",
     )
-    loss_temperature: LossTemperature = Field(
-        "off",
+    loss_temperature: Annotated[LossTemperature | None, Setting(recommended=True)] = Field(
+        None,
         description="sampling: the RL losses score the sampled tokens at --temperature, the "
-        "distribution they were drawn from, so an on-policy importance ratio is exactly 1 "
-        "(off: the model's own logits, the quickstart's; the engine's local server only; "
-        "docs/losses.md)",
+        "distribution they were drawn from, so an on-policy importance ratio is exactly 1; "
+        "off: at the model's own logits, the quickstart's (the engine's local server "
+        "recommends sampling, which only it takes; docs/losses.md)",
     )
     on_missing_logprobs: OnMissingLogprobs = Field(
         "error",
@@ -302,10 +302,10 @@ class TrainingSettings(_Group):
 
     @model_validator(mode="after")
     def _corrections(self) -> TrainingSettings:
-        if self.objective == "sft" and self.local_loss_options():
+        if self.objective == "sft" and (self.tis_cap or self.mask_high):
             raise ConfigError(
-                f"{', '.join(self.local_loss_options())} apply to the RL losses; --objective "
-                "sft trains cross_entropy"
+                "--tis-cap and --mask-low/--mask-high apply to the RL losses; --objective sft "
+                "trains cross_entropy"
             )
         if self.tis_cap and self.loss != "importance_sampling":
             raise ConfigError(
@@ -342,7 +342,8 @@ class TrainingSettings(_Group):
     def loss_fn_config(self, sampling_temperature: float) -> dict[str, float] | None:
         """The ``loss_fn_config`` sent with forward_backward for the chosen loss, its
         off-policy corrections and (``--loss-temperature sampling``) the temperature
-        responses are sampled at; None when there is nothing to send."""
+        responses are sampled at; None when there is nothing to send. ``--objective sft``
+        sends none of these (cross_entropy has no ratio)."""
         config: dict[str, float] = {}
         if self.loss in ("ppo", "cispo"):
             config |= {"clip_low_threshold": self.clip_low, "clip_high_threshold": self.clip_high}

@@ -1,9 +1,10 @@
 """Profiles: the defaults of the settings the server decides.
 
-The defaults of ``base_model``, ``lora_rank``, ``learning_rate`` and a task's own
-recommended settings (the arithmetic task's operation and operand range) come from what
-the server reports (:func:`server_profile`): the local server recommends settings for
-the model it serves (recorded with the model, see :mod:`engine.local.recommended`); a
+The defaults of ``base_model``, ``lora_rank``, ``learning_rate``, ``loss_temperature``
+and a task's own recommended settings (the arithmetic task's operation and operand range)
+come from what the server reports (:func:`server_profile`): the local server recommends
+settings for the model it serves (recorded with the model, see
+:mod:`engine.local.recommended`) and the loss temperature its losses take; a
 server that recommends nothing, such as hosted MinT, gets the MinT quickstart's
 (:data:`HOSTED_PROFILE`). A config with these left unset is
 :meth:`EngineConfig.resolved <engine.config.EngineConfig.resolved>` once the server is
@@ -33,6 +34,7 @@ class Profile:
     base_model: str | None = None
     lora_rank: int | None = None
     learning_rate: float | None = None
+    loss_temperature: str | None = None
     task_args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Arguments per task spec (``"arithmetic"``: its operation and operand range)."""
 
@@ -42,6 +44,7 @@ HOSTED_PROFILE: Final = Profile(
     base_model="Qwen/Qwen3-0.6B",
     lora_rank=16,
     learning_rate=2e-5,
+    loss_temperature="off",
     task_args={"arithmetic": {"op": "*", "min_operand": "10", "max_operand": "199"}},
 )
 """The MinT quickstart's defaults: what a server that recommends nothing gets."""
@@ -73,15 +76,17 @@ def server_profile(capabilities: object, source: str = "the server") -> Profile:
         ):
             raise ValueError(f"{where}: task_args must map task specs to arguments")
         try:
-            rank, lr = (_recommended(recommended, key, where) for key in _RANK_AND_LR)
+            values = {key: _recommended(recommended, key, where) for key in _RECOMMENDED_VALUES}
         except ConfigError as exc:
             raise ValueError(str(exc)) from None
         hosted = HOSTED_PROFILE
         return Profile(
             f"{name} (recommended by {source})",
             base_model=name,
-            lora_rank=rank if rank is not None else hosted.lora_rank,
-            learning_rate=lr if lr is not None else hosted.learning_rate,
+            **{
+                key: value if value is not None else getattr(hosted, key)
+                for key, value in values.items()
+            },
             task_args={
                 spec: {
                     **hosted.task_args.get(spec, {}),
@@ -93,7 +98,7 @@ def server_profile(capabilities: object, source: str = "the server") -> Profile:
     return HOSTED_PROFILE
 
 
-_RANK_AND_LR: Final = ("lora_rank", "learning_rate")
+_RECOMMENDED_VALUES: Final = ("lora_rank", "learning_rate", "loss_temperature")
 
 
 def _recommended(recommended: Mapping[str, Any], key: str, where: str) -> Any:

@@ -14,7 +14,7 @@ import argparse
 import tomllib
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, get_origin
+from typing import Any, Final, get_origin
 
 from engine.common.setting import (
     SettingField,
@@ -31,6 +31,7 @@ from engine.config.values import HOSTED_BASE_URL
 from engine.errors import ConfigError
 
 __all__ = [
+    "BEFORE_RECORDED",
     "add_setting_arguments",
     "config_from_sources",
     "default_text",
@@ -213,6 +214,12 @@ def with_stored_settings(
     return config.replace(**changes) if changes else config
 
 
+BEFORE_RECORDED: Final = {"training.loss_temperature": "off"}
+"""What a server-recommended setting was in a run dir recorded before it existed, by
+dotted key (a resume keeps it rather than take the server's recommendation, and it is
+no change of the run's settings): such a run scored its loss at the model's own logits."""
+
+
 def stored_settings(stored: Mapping[str, Any], source: str) -> Values:
     """The settings of a run directory's config.json (either layout) as groups, the
     ones a resume keeps (:func:`with_stored_settings`). Settings a resume takes from its
@@ -224,6 +231,8 @@ def stored_settings(stored: Mapping[str, Any], source: str) -> Values:
         assert field.group is not None
         group = nested.get(field.group)
         value = group.get(field.name) if isinstance(group, Mapping) else None
+        if value is None and isinstance(group, Mapping) and field.name not in group:
+            value = BEFORE_RECORDED.get(field.path)
         if value is None or field.marker.resume == "current" or field.marker.secret:
             continue
         out.setdefault(field.group, {})[field.name] = _stored_value(

@@ -50,15 +50,25 @@ def recommended_settings(model_dir: Path) -> dict[str, Any]:
 
 
 def model_entry(
-    model_dir: Path | None, *, name: str | None = None, max_context: int | None = None
+    model_dir: Path | None,
+    *,
+    name: str | None = None,
+    max_context: int | None = None,
+    tempered_logprobs: bool = True,
 ) -> dict[str, Any]:
     """The ``supported_models`` entry of a server on ``model_dir`` (None: the packaged
     model): its name, context length when known, and :data:`RECOMMENDED_FIELD`. The
     field is there even when the model records no settings, so a client can tell this
-    server from hosted MinT."""
+    server from hosted MinT. Beside the model's settings it recommends the server's own
+    ``loss_temperature``: ``sampling`` when it reports tempered sampling logprobs (its
+    losses then score at the sampling temperature and an on-policy ratio is 1), else
+    ``off`` (docs/losses.md, "Which default, and why")."""
     directory = Path(model_dir).expanduser().resolve() if model_dir else DEFAULT_MODEL_DIR
     entry: dict[str, Any] = {"model_name": name or served_model_name(directory)}
     if max_context is not None:
         entry["max_context_length"] = max_context
-    entry[RECOMMENDED_FIELD] = recommended_settings(directory)
+    entry[RECOMMENDED_FIELD] = {
+        **recommended_settings(directory),
+        "loss_temperature": "sampling" if tempered_logprobs else "off",
+    }
     return entry

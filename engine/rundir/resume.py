@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from engine.config import nest_record, resume_rule
 from engine.config.models import setting_at
+from engine.config.sources import BEFORE_RECORDED
 from engine.errors import NoCheckpointYet, ResumeError
 from engine.redact import REDACTED, redact_config
 from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
@@ -77,7 +78,10 @@ def _may_change(key: str) -> bool:
 
 
 def _default_of(key: str) -> Any:
-    """The JSON form of setting ``key``'s default (None when it has none)."""
+    """The JSON form of setting ``key``'s default (None when it has none), or what it was
+    before run dirs recorded it (:data:`~engine.config.sources.BEFORE_RECORDED`)."""
+    if key in BEFORE_RECORDED:
+        return BEFORE_RECORDED[key]
     setting = setting_at(key)
     return None if setting is None else json.loads(json.dumps(setting.default, default=str))
 

@@ -73,7 +73,9 @@ class ModelCard:
     """What ``get_info`` gives clients as the ``tokenizer_id`` to load."""
 
     @classmethod
-    def read(cls, backend: Backend, tokenizer_dir: Path | None = None) -> ModelCard:
+    def read(
+        cls, backend: Backend, tokenizer_dir: Path | None = None, *, tempered_logprobs: bool = True
+    ) -> ModelCard:
         arch: str | None = None
         vocab: int | None = None
         config_file = Path(backend.model_dir) / "config.json"
@@ -84,7 +86,10 @@ class ModelCard:
             vocab = config.get("vocab_size")
         vocab = getattr(backend, "vocab_size", None) or vocab
         entry = model_entry(
-            backend.model_dir, name=backend.model_name, max_context=backend.max_context_length
+            backend.model_dir,
+            name=backend.model_name,
+            max_context=backend.max_context_length,
+            tempered_logprobs=tempered_logprobs,
         )
         return cls(
             backend.model_name,
@@ -126,7 +131,9 @@ class Core:
         self.data_dir = data_dir
         self.now = now
         """Wall clock (epoch seconds) for TTLs, heartbeats and timestamps; injectable."""
-        self.card = ModelCard.read(backend, tokenizer_dir)
+        self.card = ModelCard.read(
+            backend, tokenizer_dir, tempered_logprobs=config.sampling_logprobs == "tempered"
+        )
         limits = config.limits
         self.futures = FutureStore(
             max_pending=limits.max_pending_futures, max_retained=limits.max_retained_results

@@ -70,6 +70,25 @@ async def test_every_forward_backward_sends_the_corrections(
     assert len(session.losses) >= 4
 
 
+async def test_the_summary_names_the_loss_with_its_corrections(tmp_path: Path) -> None:
+    settings = {
+        "loss": "importance_sampling",
+        "tis_cap": 2.0,
+        "mask_low": 0.5,
+        "mask_high": 2.0,
+        "loss_temperature": "sampling",
+    }
+    for name, extra in (("corrected", settings), ("plain", {"loss_temperature": "off"})):
+        await run(fake_config(tmp_path / name, temperature=0.7, **extra), ToyTask(), FakeSession())
+    corrected = (tmp_path / "corrected" / "summary.md").read_text()
+    plain = (tmp_path / "plain" / "summary.md").read_text()
+    assert (
+        "loss: importance_sampling (scored at temperature 0.7, TIS cap 2, mask [0.5, 2]);"
+        in corrected
+    )
+    assert "loss: ppo;" in plain
+
+
 @pytest.mark.parametrize(
     ("settings", "message"),
     [

@@ -412,7 +412,15 @@ def _loss_name(config: EngineConfig) -> str:
         return "cross_entropy"
     if objective == "dpo":
         return f"dpo (forward_backward_custom, beta {config.preference.dpo_beta})"
-    return config.training.loss
+    training = config.training
+    corrections = []
+    if training.loss_temperature == "sampling":
+        corrections.append(f"scored at temperature {config.sampling.temperature:g}")
+    if training.tis_cap:
+        corrections.append(f"TIS cap {training.tis_cap:g}")
+    if training.mask_high:
+        corrections.append(f"mask [{training.mask_low:g}, {training.mask_high:g}]")
+    return training.loss + (f" ({', '.join(corrections)})" if corrections else "")
 
 
 def _eval_records(path: Path) -> list[dict[str, Any]]:

@@ -2,7 +2,9 @@
 group, episode and turn) and the LoRA initialisation, so two runs of one config on the
 local server train the same rollouts to the same metrics; another seed differs. At
 K=0 every step samples from one known version; with K >= 1 which version a group
-sampled from depends on timing, so only K=0 repeats exactly."""
+samples from can depend on timing, and sampling overlaps training on the server's CPU,
+whose float results are not bit for bit (docs/settings.md, "Repeatable runs"), so only
+K=0 repeats exactly."""
 
 from __future__ import annotations
 

@@ -59,10 +59,9 @@ def _modes(text: str) -> list[str]:
 
 def _run(config: EngineConfig) -> tuple[list[StepResult], RunResult]:
     steps: list[StepResult] = []
-    task: Any = SubtractTask()  # an EnvTask, which Engine's ``task`` annotation does not name
 
     async def go() -> RunResult:
-        async with Engine(config, task=task, on_step=[steps.append]) as engine:
+        async with Engine(config, task=SubtractTask(), on_step=[steps.append]) as engine:
             return await engine.run()
 
     return steps, anyio.run(go)

@@ -19,7 +19,7 @@ from typing import Any
 
 from engine.config.values import Objective
 from engine.core.problems import Task
-from engine.envs.types import is_env_task
+from engine.envs.types import AnyTask, is_env_task
 from engine.errors import ConfigError
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.conversations import ConversationTask
@@ -129,7 +129,7 @@ def _import_attr(spec: str) -> Any:
     return obj
 
 
-def preferred_local_model(task: Task | None, spec: str) -> Path | None:
+def preferred_local_model(task: AnyTask | None, spec: str) -> Path | None:
     """The model directory a task asks the local server to load when none is configured:
     its ``local_model`` attribute (the shipped environments name the packaged agent
     model). Read from ``task``, else from the class or factory ``spec`` names without
@@ -151,7 +151,7 @@ def preferred_local_model(task: Task | None, spec: str) -> Path | None:
     return Path(model) if isinstance(model, str | Path) else None
 
 
-def task_spec(task: Task, spec: str, args: Mapping[str, str]) -> tuple[str, dict[str, str]]:
+def task_spec(task: AnyTask, spec: str, args: Mapping[str, str]) -> tuple[str, dict[str, str]]:
     """The ``--task`` spec and arguments that rebuild ``task``: its own ``spec``
     attribute (the built-in tasks have one), else the configured ``spec`` and ``args``
     when they name a user task, else the task's class as ``module:Class`` (the

@@ -44,6 +44,7 @@ from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig, Profile, with_stored_settings
 from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
+from engine.envs.types import AnyTask
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
 from engine.loop.dpo import check_pair_task
 from engine.loop.evaluation import eval_problems_of
@@ -60,7 +61,6 @@ from engine.session.opening import SharedLocalServer, open_session, service_guar
 from engine.session.preflight import local_server_profile
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
-from engine.tasks import Task
 
 __all__ = ["Engine", "SessionFactory", "StepHook", "load_run_task", "prepare_run"]
 
@@ -122,7 +122,7 @@ class Engine:
     def __init__(
         self,
         config: EngineConfig,
-        task: Task | None = None,
+        task: AnyTask | None = None,
         *,
         on_step: StepHook | Sequence[StepHook] = (),
         console: TextIO | None = None,
@@ -167,7 +167,7 @@ class Engine:
         return self._config
 
     @property
-    def task(self) -> Task:
+    def task(self) -> AnyTask:
         if self._task is None:
             raise RuntimeError(
                 "the task is loaded once the server's defaults are known (the engine is entered)"
@@ -510,7 +510,7 @@ class Engine:
         )
 
 
-def prepare_run(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, Task | None]:
+def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfig, AnyTask | None]:
     """What an engine does before connecting, on entering (``Engine(...)`` itself reads
     nothing): the config resolved from every profile known then (a resumed run's
     config.json, the local server's model) and the task loaded, unless its arguments are
@@ -541,7 +541,7 @@ def prepare_run(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, 
     return load_run_task(resolved, task)
 
 
-def load_run_task(config: EngineConfig, task: Task | None) -> tuple[EngineConfig, Task]:
+def load_run_task(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfig, AnyTask]:
     """The task (``task``, else loaded from the config's spec and arguments), checked
     against the config before anything is spent, and the config recording the spec and
     arguments that rebuild it."""

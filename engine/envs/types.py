@@ -33,7 +33,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
-from engine.core.problems import Problem, ProblemSource, RewardBreakdown
+from engine.core.problems import Problem, ProblemSource, RewardBreakdown, Task
 from engine.core.trajectory import (
     Action,
     EpisodeLimits,
@@ -48,6 +48,7 @@ if TYPE_CHECKING:
     from typing_extensions import TypeIs  # typing.TypeIs from Python 3.13
 
 __all__ = [
+    "AnyTask",
     "Env",
     "EnvContext",
     "EnvGroupBuilder",
@@ -149,6 +150,11 @@ class EnvTask(Protocol):
     ) -> EnvGroupBuilder:
         """The builder of ``problem``'s group of ``group_size`` episodes."""
         ...
+
+
+AnyTask = Task | EnvTask
+"""What a run trains on: a single-turn :class:`~engine.core.problems.Task` or an
+:class:`EnvTask`."""
 
 
 def is_env_task(obj: object) -> TypeIs[EnvTask]:

@@ -30,12 +30,12 @@ import anyio
 
 from engine.config import EngineConfig
 from engine.config.values import pass_k_problem
-from engine.core.problems import Problem, RewardBreakdown, Task
+from engine.core.problems import Problem, RewardBreakdown
 from engine.core.seeds import EVAL_STEP, sampling_seed
 from engine.core.trajectory import Observation, Trajectory
 from engine.envs.rollout import EpisodeRunner, SampledAction, turn_settings
 from engine.envs.scoring import RewardError
-from engine.envs.types import EnvTask
+from engine.envs.types import AnyTask
 from engine.errors import ConfigError, EngineError
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.session.api import SamplerHandle, Session
@@ -68,7 +68,7 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_problems_of(task: Task | EnvTask) -> list[Problem]:
+def eval_problems_of(task: AnyTask) -> list[Problem]:
     """The task's held-out problems (``eval_problems()``); ConfigError when it has none."""
     method = getattr(task, "eval_problems", None)
     problems = list(method()) if callable(method) else []

@@ -12,12 +12,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from engine.config import EngineConfig
-from engine.core.problems import Problem, Task
+from engine.core.problems import Problem
 from engine.core.trajectory import EpisodeLimits, Observation, StopCondition
 from engine.envs.executors import Workers, env_workers, on_workers
 from engine.envs.scoring import Scorer
 from engine.envs.single_turn import TaskGroupBuilder
-from engine.envs.types import EnvContext, EnvGroupBuilder, EnvTask, is_env_task
+from engine.envs.types import AnyTask, EnvContext, EnvGroupBuilder, EnvTask, is_env_task
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["GroupPlan", "NotSampled"]
@@ -41,7 +41,7 @@ class GroupPlan:
     def __init__(
         self,
         config: EngineConfig,
-        task: Task | EnvTask,
+        task: AnyTask,
         renderer: PromptRenderer,
         max_context: int | None,
     ) -> None:

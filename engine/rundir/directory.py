@@ -37,6 +37,7 @@ from engine.common.files import write_file_atomically
 from engine.common.steplog import read_step_lines
 from engine.config import EngineConfig
 from engine.core.state import LoopState
+from engine.envs.types import AnyTask
 from engine.errors import (
     ConfigError,
     Interrupted,
@@ -64,7 +65,6 @@ from engine.rundir.resume import (
     load_resume_state,
     read_run_config,
 )
-from engine.tasks import Task
 
 __all__ = [
     "CONFIG_FILE",
@@ -181,7 +181,7 @@ def _is_temp_file(name: str) -> bool:
 # --------------------------------------------------------------------------- one run's
 
 
-def config_record(config: EngineConfig, task: Task | None) -> dict[str, Any]:
+def config_record(config: EngineConfig, task: AnyTask | None) -> dict[str, Any]:
     """What config.json holds: the public config, the task's name and its repr (while
     the server still decides the task's arguments: its spec, and None)."""
     name = task.name if task is not None else config.task.spec
@@ -214,7 +214,7 @@ class RunDirectory:
         self._started_at = started_at
 
     @classmethod
-    def open(cls, config: EngineConfig, task: Task | None, *, started_at: float) -> RunDirectory:
+    def open(cls, config: EngineConfig, task: AnyTask | None, *, started_at: float) -> RunDirectory:
         """The run's directory: ``config.checkpoints.resume`` checked against ``config``
         (ResumeError, exit 2), else ``config.logging.run_dir`` made ready for a new run,
         else a fresh ``runs/<timestamp>-<task>`` under the working directory."""
@@ -241,7 +241,7 @@ class RunDirectory:
         """Release the run dir for another process (the process ending does too)."""
         self._lock.release()
 
-    def write_config(self, config: EngineConfig, task: Task | None) -> None:
+    def write_config(self, config: EngineConfig, task: AnyTask | None) -> None:
         write_config(self.path, config_record(config, task))
 
     def attach(self, log: RunLog, events: EventLog) -> RunRecord:

@@ -36,7 +36,7 @@ from engine.common.clock import Clock
 from engine.config import EngineConfig
 from engine.core.state import LoopState
 from engine.envs.scoring import RewardError
-from engine.envs.types import is_env_task
+from engine.envs.types import AnyTask, is_env_task
 from engine.errors import (
     ConfigError,
     RunStopped,
@@ -70,7 +70,6 @@ from engine.session.api import PendingCheckpoint, SamplerHandle, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.watchdog import Watchdog
-from engine.tasks import Task
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
@@ -104,7 +103,7 @@ class Supervisor:
     def __init__(
         self,
         config: EngineConfig,
-        task: Task,
+        task: AnyTask,
         *,
         session: Session,
         retries: RetryCounter,
@@ -525,7 +524,7 @@ def all_empty_warning(step: int) -> str:
 
 
 def _open_task_outputs(
-    config: EngineConfig, task: Task, session: Session, record: RunRecord, log: RunLog
+    config: EngineConfig, task: AnyTask, session: Session, record: RunRecord, log: RunLog
 ) -> _TaskOutputs:
     """The group plan and the evaluator; ``record`` keeps the rollouts."""
     renderer = PromptRenderer(

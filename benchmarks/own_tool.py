@@ -35,12 +35,21 @@ from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
 from examples.subtract_tool import SubtractTask, subtract
 
-__all__ = ["main", "measure"]
+__all__ = ["SETUP", "main", "measure"]
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "own_tool.json"
 WINDOW = 3
 """Steps at each end compared: the first three against the last three."""
 MODES = ("off", "sampling")
+SETUP: dict[str, Any] = {
+    "batch": 8,
+    "group": 6,
+    "max_tokens": 96,
+    "temperature": 0.8,
+    "learning_rate": 2e-3,
+    "lora_rank": 8,
+}
+"""The run's settings beside its steps and seed, ``tests/test_own_tool.py``'s too."""
 
 
 def _ints(text: str) -> list[int]:
@@ -104,13 +113,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 config = EngineConfig(
                     base_url=server.base_url,
                     api_key=API_KEY,
+                    **SETUP,
                     steps=args.steps,
-                    batch=8,
-                    group=6,
-                    max_tokens=96,
-                    temperature=0.8,
-                    learning_rate=2e-3,
-                    lora_rank=8,
                     seed=seed,
                     loss_temperature=mode,  # type: ignore[arg-type]
                     run_dir=Path(tmp) / f"{mode}-{seed}",

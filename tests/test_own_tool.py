@@ -41,18 +41,7 @@ def test_a_users_own_tool_gets_called_more_as_it_trains(tmp_path: Path) -> None:
     run's last calls named another tool at the local server's default loss temperature
     (``off``: one run of 12 at 44%)."""
     with LocalServer(AGENT_MODEL_DIR) as server:
-        config = small_config(
-            server,
-            tmp_path / "run",
-            steps=STEPS,
-            batch=8,
-            group=6,
-            max_tokens=96,
-            temperature=0.8,
-            learning_rate=2e-3,
-            lora_rank=8,
-            seed=0,
-        )
+        config = small_config(server, tmp_path / "run", **own_tool.SETUP, steps=STEPS, seed=0)
         steps, result = run_engine(config, task=SubtractTask())
     assert result.steps_completed == STEPS
     calls = [s.metrics["env/all/tool_calls"] for s in steps]

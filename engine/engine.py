@@ -147,6 +147,8 @@ class Engine:
                 "the local MinT server in this process"
             )
         self._config = config
+        self._left_to_server = config.unresolved
+        """The settings the caller left to the server, named on the console once chosen."""
         self._task = task
         self._clock = clock
         self._session_source = session
@@ -379,6 +381,9 @@ class Engine:
                     if self._task is None:
                         self._load_task()
                     files.write_config(self._config, self._task)
+                if files.resumed is None and self._left_to_server:
+                    chosen = self._config.setting_values(self._left_to_server)
+                    log.info("console", f"Recommended by the server: {', '.join(chosen)}")
             else:
                 session = await self._given_session(resources)
                 if files.resumed is not None:

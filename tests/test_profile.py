@@ -165,7 +165,7 @@ def test_the_packaged_model_records_what_its_server_recommends() -> None:
 
 
 def test_a_run_against_a_separately_started_local_server_gets_its_settings(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     small = ["--steps", "1", "--batch", "2", "--group", "2", "--max-tokens", "4"]
     local = local_server_profile(None)
@@ -174,7 +174,16 @@ def test_a_run_against_a_separately_started_local_server_gets_its_settings(
         monkeypatch.setenv("MINT_API_KEY", KEY)
         model = server.model_name
         assert main([*small, "--run-dir", str(tmp_path / "a")]) == 0
+        left = capsys.readouterr().out
         assert main([*small, "--run-dir", str(tmp_path / "b"), "--lr", "1e-3", "--op", "-"]) == 0
+        given = capsys.readouterr().out
+    # The console names what the server chose, and only what the command left to it.
+    assert (
+        f"Recommended by the server: --base-model {model}, --lora-rank {local.lora_rank}, "
+        f"--lr {local.learning_rate}, --loss-temperature sampling, --task-arg op=+," in left
+    )
+    (named,) = [line for line in given.splitlines() if line.startswith("Recommended by")]
+    assert "--lr" not in named and "op=" not in named and "--lora-rank" in named
     served = json.loads((tmp_path / "a" / "config.json").read_text())
     assert served["server"] == "remote"
     model_settings = served["model"]

@@ -14,7 +14,7 @@ the group that declares it (one rule, :func:`route_flat`).
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Final, get_args
 
 from pydantic import (
@@ -297,6 +297,21 @@ class EngineConfig(BaseModel):
         return tuple(
             f.name for f in fields if f.marker.recommended and f.name not in self.task.args
         )
+
+    def setting_values(self, flats: Sequence[str]) -> list[str]:
+        """``--flag value`` of each setting named by its flat name (as :attr:`unresolved`
+        names them; a task argument as ``--task-arg NAME=VALUE``), in the order given,
+        those that have a value."""
+        out = []
+        for flat in flats:
+            field = _FLAT.get(flat)
+            if field is None:
+                value = self.task.args.get(flat)
+                out += [f"--task-arg {flat}={value}"] if value is not None else []
+                continue
+            value = getattr(getattr(self, field.group or ""), field.name)
+            out += [f"{field.flag} {value}"] if value is not None else []
+        return out
 
     def resolved(self, *profiles: Any, **changes: Any) -> EngineConfig:
         """A copy with ``changes`` (as :meth:`replace`), the unset server-dependent

@@ -102,11 +102,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--host",
-        default="127.0.0.1",
+        default=ServerConfig.host,
         help="address to bind (default 127.0.0.1; a non-loopback address requires --api-key)",
     )
     parser.add_argument(
-        "--port", type=int, default=0, help="port to bind; 0 picks a free one (default 0)"
+        "--port",
+        type=int,
+        default=ServerConfig.port,
+        help="port to bind; 0 picks a free one (default 0)",
     )
     parser.add_argument(
         "--model",
@@ -159,7 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--long-poll",
         type=float,
-        default=20.0,
+        default=ServerConfig.long_poll_s,
         metavar="SECONDS",
         help="how long retrieve_future holds a poll before try_again (default 20)",
     )
@@ -240,7 +243,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sampling-logprobs",
         choices=SAMPLING_LOGPROBS,
-        default="tempered",
+        default=ServerConfig.sampling_logprobs,
         help="the logprob reported for each sampled token: under the distribution it was "
         "drawn from ('tempered', the default, as hosted Tinker) or under the untempered "
         "model ('untempered'); see docs/losses.md",
@@ -248,7 +251,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--session-timeout",
         type=float,
-        default=600.0,
+        default=ServerConfig.session_timeout_s,
         metavar="SECONDS",
         help="release the training clients and sampling sessions of a session that sent "
         "no heartbeat for this long (default 600; the SDK heartbeats every 10 s)",

@@ -32,7 +32,6 @@ import argparse
 import contextlib
 import re
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -41,7 +40,7 @@ from typing import Any, NamedTuple
 
 import anyio
 
-from benchmarks.report import load_average, markdown_table, run_context, write_json
+from benchmarks.report import command_line, load_average, markdown_table, run_context, write_json
 from engine import Engine, EngineConfig, StepResult
 from engine.config.values import parse_score_workers
 from engine.core.datums import Completion
@@ -229,8 +228,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         ],
         rows,
     )
-    given = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python -m benchmarks.agents", *given])
+    command = command_line("benchmarks.agents", argv)
     write_json(
         args.out / "agents.json",
         {

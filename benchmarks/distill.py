@@ -31,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.measure import positive_int
+from benchmarks.report import command_line
 
 ACCURACY = "eval/exact_bonus/rate"
 
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     totals = summary(runs, seeds, target)
     result = {
         "benchmark": "distill",
-        "command": "python -m benchmarks.distill " + " ".join(argv or sys.argv[1:]),
+        "command": command_line("benchmarks.distill", argv),
         "model": "local default (engine/local/default_model), two-digit addition",
         "metric": f"{ACCURACY} (greedy, {ns.eval_size} held-out pairs)",
         "teacher": {

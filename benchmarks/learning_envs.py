@@ -61,7 +61,14 @@ import anyio
 import mint
 from tinker import types
 
-from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
+from benchmarks.report import (
+    command_line,
+    fmt,
+    load_average,
+    markdown_table,
+    run_context,
+    write_json,
+)
 from engine import Engine, EngineConfig
 from engine.catalog import load_task
 from engine.common.extras import missing
@@ -613,8 +620,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         parser.error("--steps must be >= 1")
     if args.curve_every < 0:
         parser.error("--curve-every must be >= 0")
-    given = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python -m benchmarks.learning_envs", *given])
+    command = command_line("benchmarks.learning_envs", argv)
     context = run_context(vars(args))
     rows, commands = _resumed(parser, args, steps) if args.resume else ([], [])
     commands.append(command)

@@ -27,7 +27,6 @@ import itertools
 import json
 import math
 import statistics
-import sys
 import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -42,7 +41,7 @@ from benchmarks.learning import (
 )
 from benchmarks.measure import positive_int
 from benchmarks.plotting import plot_learning_grid
-from benchmarks.report import fmt, markdown_table, run_context, write_json
+from benchmarks.report import command_line, fmt, markdown_table, run_context, write_json
 from engine.local import LocalServer
 
 __all__ = ["CORRECTIONS", "DEFAULT_CELLS", "cell_spec", "main", "summarize"]
@@ -357,11 +356,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
-    given = sys.argv[1:] if argv is None else list(argv)
     # what repeats the grid: an interrupted one resumed ran the same runs
-    command = " ".join(
-        ["python -m benchmarks.learning_grid", *(a for a in given if a != "--resume")]
-    )
+    command = command_line("benchmarks.learning_grid", argv, leave_out=("--resume",))
     if args.replot is not None:
         report = json.loads(args.replot.read_text())
         write_report(report, args.replot, report["command"])

@@ -48,7 +48,14 @@ from typing import Any, NoReturn
 
 import anyio
 
-from benchmarks.report import fmt, load_average, markdown_table, run_context, write_json
+from benchmarks.report import (
+    command_line,
+    fmt,
+    load_average,
+    markdown_table,
+    run_context,
+    write_json,
+)
 from benchmarks.runners import TEMPERATURE, Target, bench_server
 from engine import Engine, EngineConfig, StepResult
 from engine.envs.examples import guess_sum
@@ -323,8 +330,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     out: Path = args.out
     write_json(out / "multiturn.json", {"context": context, "cycle_s": profile.cycle, "runs": rows})
-    given = argv if argv is not None else sys.argv[1:]
-    command = " ".join(["python -m benchmarks.multiturn", *given])
+    command = command_line("benchmarks.multiturn", argv)
     (out / "multiturn.md").write_text(
         f"# Multi-turn throughput\n\n`{command}`\n\n{table}\n"
         f"Load average at start {context['load_average_start']}, at end "

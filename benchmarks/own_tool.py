@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections import Counter
@@ -29,7 +28,13 @@ import anyio
 
 from benchmarks.learning import API_KEY
 from benchmarks.measure import positive_int
-from benchmarks.report import load_average, markdown_table, run_context, write_json
+from benchmarks.report import (
+    command_line,
+    load_average,
+    markdown_table,
+    run_context,
+    write_json,
+)
 from engine import Engine, EngineConfig, RunResult, StepResult
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
@@ -218,7 +223,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     text = table(report)
     print(text)
     write_json(args.out, report)
-    command = " ".join(["python -m benchmarks.own_tool", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("benchmarks.own_tool", argv)
     loads = [r["load_before"][0] for r in report["runs"] if r["load_before"]]
     args.out.with_suffix(".md").write_text(
         f"`{command}` (commit {report['context']['commit']}, 1-minute load average "

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Sequence
@@ -27,7 +26,7 @@ import anyio
 
 from benchmarks.learning import API_KEY, evaluate, held_out
 from benchmarks.measure import positive_int
-from benchmarks.report import load_average, run_context, write_json
+from benchmarks.report import command_line, load_average, run_context, write_json
 from engine import Engine, EngineConfig, RunResult
 from engine.local import LocalServer
 
@@ -185,7 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     table = markdown_table(report)
     print(table)
     write_json(args.out, report)
-    command = " ".join(["python -m benchmarks.refill", *(sys.argv[1:] if argv is None else argv)])
+    command = command_line("benchmarks.refill", argv)
     load = report["context"]["load_average_start"]
     args.out.with_suffix(".md").write_text(
         f"`{command}` (commit {report['context']['commit']}, load average {load} at the start; "

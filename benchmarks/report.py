@@ -16,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-__all__ = ["fmt", "load_average", "markdown_table", "run_context", "write_json"]
+__all__ = ["command_line", "fmt", "load_average", "markdown_table", "run_context", "write_json"]
 
 
 def load_average() -> list[float] | None:
@@ -52,6 +52,13 @@ def run_context(args: Mapping[str, Any]) -> dict[str, Any]:
         "load_average_start": load_average(),
         "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in args.items()},
     }
+
+
+def command_line(module: str, argv: Sequence[str] | None, *, leave_out: Sequence[str] = ()) -> str:
+    """The command a results page names: ``python -m MODULE`` and its arguments (``argv``,
+    else the process's), without those in ``leave_out``."""
+    given = sys.argv[1:] if argv is None else argv
+    return " ".join([f"python -m {module}", *(a for a in given if a not in leave_out)])
 
 
 def write_json(path: Path, data: Any) -> Path:

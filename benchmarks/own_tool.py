@@ -40,7 +40,7 @@ from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
 from examples.subtract_tool import SubtractTask, subtract
 
-__all__ = ["SETUP", "main", "measure"]
+__all__ = ["SETUP", "WINDOW", "main", "measure", "step_row", "window"]
 
 DEFAULT_OUT = Path(__file__).parent / "results" / "own_tool.json"
 WINDOW = 3
@@ -81,7 +81,8 @@ def _run(config: EngineConfig) -> tuple[list[StepResult], RunResult]:
     return steps, anyio.run(go)
 
 
-def _step_row(step: StepResult) -> dict[str, Any]:
+def step_row(step: StepResult) -> dict[str, Any]:
+    """A step's tool calls per episode, reward and the names its calls gave the tool."""
     names = Counter(
         calls[0]["name"]
         for group in step.groups
@@ -96,7 +97,8 @@ def _step_row(step: StepResult) -> dict[str, Any]:
     }
 
 
-def _window(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def window(steps: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Steps' rows (:func:`step_row`) summed: calls, misspelled calls, and the means."""
     called = sum(sum(s["names"].values()) for s in steps)
     misspelled = sum(n for s in steps for name, n in s["names"].items() if name != subtract.name)
     return {
@@ -128,14 +130,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 load = load_average()
                 start = time.perf_counter()
                 steps, result = _run(config)
-                rows = [_step_row(s) for s in steps]
-                misspelled = [_window([r])["misspelled"] for r in rows]
+                rows = [step_row(s) for s in steps]
+                misspelled = [window([r])["misspelled"] for r in rows]
                 run = {
                     "loss_temperature": mode,
                     "seed": seed,
                     "steps_completed": result.steps_completed,
-                    "first": _window(rows[:WINDOW]),
-                    "last": _window(rows[-WINDOW:]),
+                    "first": window(rows[:WINDOW]),
+                    "last": window(rows[-WINDOW:]),
                     "per_step": rows,
                     "wall_s": round(time.perf_counter() - start, 1),
                     "load_before": load,

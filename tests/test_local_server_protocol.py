@@ -478,6 +478,20 @@ async def test_leaving_serve_local_releases_held_long_polls() -> None:
     ]
 
 
+async def test_a_cancelled_caller_is_still_served_while_it_winds_down() -> None:
+    """An engine cancelled by its host still talks to its in-process server as it winds
+    down (its stop checkpoint, its session's close): the server runs its operations, not
+    only its HTTP front, until the block exits. A training step submitted then finishes."""
+    async with anyio.create_task_group() as host, serve_local(long_poll_s=0.2) as server:
+        host.cancel_scope.cancel()
+        with anyio.CancelScope(shield=True), anyio.fail_after(60):  # a hang guard
+            async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
+                model_id = await new_model(http, server)
+                ref = await post(http, "forward_backward", fwd_bwd(model_id, 1))
+                done = await result(http, ref["request_id"])
+    assert "loss_fn_outputs" in done, done
+
+
 async def test_in_memory_sampler_snapshots_are_bounded() -> None:
     async with (
         serve_local(limits=Limits(max_ephemeral_samplers=2)) as server,

@@ -32,6 +32,7 @@ from typing import Any, TypeVar
 import anyio
 import httpx
 import uvicorn
+from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from engine.local.app import build_app
@@ -171,7 +172,17 @@ async def serve_local(
                 service = LocalService(
                     config, backend, compute, data_path, now=now, tokenizer_dir=tokenizer_dir
                 )
-                await tg.start(service.run)
+                # Shielded like the HTTP server below: a caller cancelled mid-run (an
+                # embedding host) still talks to this server while it winds down (its
+                # stop checkpoint, its session's close), so the server's operations run
+                # on until the block exits, stopped after the HTTP server.
+                operations = anyio.CancelScope(shield=True)
+
+                async def operate(*, task_status: TaskStatus[None]) -> None:
+                    with operations:
+                        await service.run(task_status=task_status)
+
+                await tg.start(operate)
                 auth = Authenticator(config.api_key, jwt_ttl_s=config.jwt_ttl_s)
                 uv = _EmbeddedUvicorn(
                     uvicorn.Config(
@@ -214,6 +225,7 @@ async def serve_local(
                     uv.should_exit = True
                     with anyio.move_on_after(10, shield=True):
                         await stopped.wait()
+                    operations.cancel()
                     tg.cancel_scope.cancel()
         finally:
             sock.close()

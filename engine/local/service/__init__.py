@@ -113,12 +113,15 @@ class LocalService:
         outlives the server."""
         async with anyio.create_task_group() as tg:
             self.core.tg = tg
-            tg.start_soon(self.sampling.batcher.run)
-            if self.core.clock is not None:
-                tg.start_soon(self.core.clock.run)
-            tg.start_soon(self._housekeeping)
-            task_status.started()
-            await anyio.sleep_forever()
+            try:
+                tg.start_soon(self.sampling.batcher.run)
+                if self.core.clock is not None:
+                    tg.start_soon(self.core.clock.run)
+                tg.start_soon(self._housekeeping)
+                task_status.started()
+                await anyio.sleep_forever()
+            finally:
+                self.core.tg = None  # a request from now on is refused (503), not lost
 
     async def _housekeeping(self) -> None:
         while True:

@@ -63,7 +63,7 @@ def load_task(
     (:mod:`engine.tasks.pairs`). Raises ConfigError with a one-line reason."""
     args = dict(args or {})
     if spec.startswith("judge:"):
-        return judged_task(spec, args, load_task)
+        return judged_task(spec, args, _judged)
     if spec.startswith("agent-cmd:"):  # an agent process per episode (the agents extra)
         from engine.agents.process import agent_command_task
 
@@ -168,6 +168,18 @@ def task_spec(task: AnyTask, spec: str, args: Mapping[str, str]) -> tuple[str, d
         return spec, dict(args)
     cls = type(task)
     return f"{cls.__module__}:{cls.__qualname__}", {}
+
+
+def _judged(spec: str, args: Mapping[str, str]) -> Task:
+    """The task a judge scores: single-turn, not an environment (whose episodes end with
+    rewards of their own)."""
+    task = load_task(spec, args)
+    if is_env_task(task):
+        raise ConfigError(
+            f"invalid task 'judge:{spec}': a judge scores single-turn responses, and {spec} "
+            "is an environment whose episodes give their own rewards"
+        )
+    return task
 
 
 def _data_format(spec: str) -> DataFormat | None:

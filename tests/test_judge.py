@@ -216,6 +216,24 @@ def test_bad_judge_arguments_are_one_line_and_exit_2(
     assert not (tmp_path / "runs").exists()
 
 
+def test_an_environment_to_judge_is_one_line_before_the_run(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """A judge scores single-turn responses: an environment (its episodes reward
+    themselves) under ``judge:`` is refused before a server starts, not an
+    AttributeError once the run has begun."""
+    from engine.run import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--task", "judge:guess-sum", "--task-arg=judge.api=local"]) == 2
+    err = capsys.readouterr().err
+    assert err == (
+        "Error: invalid task 'judge:guess-sum': a judge scores single-turn responses, and "
+        "guess-sum is an environment whose episodes give their own rewards\n"
+    )
+    assert not (tmp_path / "runs").exists()
+
+
 @pytest.mark.slow  # ~40 s on a loaded 2-core machine
 def test_a_judge_task_from_the_command_line_trains_against_the_local_server(
     tmp_path: Path,

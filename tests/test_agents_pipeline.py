@@ -75,7 +75,7 @@ async def test_each_call_samples_the_newest_weights_and_staleness_is_the_oldest_
         if result.step == 1:
             step1_trained.set()
 
-    cfg = config(steps=2, batch=1, group=1, max_steps_off_policy=1)
+    cfg = config(steps=2, batch=1, group=2, max_steps_off_policy=1)
     _, results = await run_pipeline(
         ChatSession(), cfg, task=AgentTask(agent, Problems()), on_step=on_step
     )

@@ -158,6 +158,12 @@ BAD_INPUT = [
         "trained, got '0'",
     ),
     (
+        ["--group", "1"],
+        {},
+        "Error: --group must be at least 2 with --objective rl, got 1: an advantage is a "
+        "response's reward minus its group's mean, so a group of one never trains",
+    ),
+    (
         ["--local-model", "/no/such/model/dir"],
         {},
         "Error: --local-model must be an existing directory or one of tiny-arith, "

@@ -119,7 +119,7 @@ async def test_each_turn_samples_the_newest_weights_and_staleness_is_the_oldest_
             step1_trained.set()
 
     session = FakeSession()
-    cfg = config(steps=2, batch=1, group=1, max_steps_off_policy=1)
+    cfg = config(steps=2, batch=1, group=2, max_steps_off_policy=1)
     _, results = await run_pipeline(session, cfg, task=task, on_step=on_step)
     (first,), (second,) = (r.groups for r in results)
     assert [t.version for t in first.trajectories[0].turns] == [0, 0]

@@ -405,7 +405,9 @@ class PipelineSettings(_Group):
         8, description="problems (groups) per step"
     )
     group: Annotated[int, Setting(env=("MINT_CUSTOM_REWARD_GROUP",), check=positive)] = Field(
-        6, description="samples per problem"
+        6,
+        description="samples per problem (>= 2 with --objective rl: an advantage is relative "
+        "to its group)",
     )
     max_steps_off_policy: Annotated[int, _rule(non_negative)] = Field(
         1,

@@ -199,6 +199,12 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
+        if self.training.objective == "rl" and self.pipeline.group < 2:
+            raise ConfigError(
+                f"--group must be at least 2 with --objective rl, got {self.pipeline.group}: "
+                "an advantage is a response's reward minus its group's mean, so a group of "
+                "one never trains"
+            )
         if self.training.objective != "rl" and self.pipeline.refill_groups:
             raise ConfigError(
                 "--refill-groups samples reserves for groups whose rewards tie: it needs "

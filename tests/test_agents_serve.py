@@ -91,3 +91,16 @@ def test_a_checkpoint_that_does_not_exist_is_a_one_line_error(
 ) -> None:
     assert main([str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("port", ["99999", "-1", "http"])
+def test_a_port_out_of_range_is_a_one_line_error(
+    port: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused by the parser, not a traceback from bind() once the checkpoint is loaded."""
+    with pytest.raises(SystemExit) as exit_:
+        main([str(tmp_path), "--port", port])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == (
+        f"Error: argument --port: must be a port number in 0..65535, got '{port}' (see --help)\n"
+    )

@@ -17,6 +17,7 @@ __all__ = [
     "add_version_flag",
     "did_you_mean",
     "engine_version",
+    "port_number",
     "program_name",
 ]
 
@@ -37,6 +38,14 @@ def program_name(module: str, script: str) -> str:
 
 def add_version_flag(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--version", action="version", version=f"%(prog)s {engine_version()}")
+
+
+def port_number(text: str) -> int:
+    """argparse type: a TCP port, 0 (any free one) to 65535."""
+    port = int(text) if text.strip().isdigit() else -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {text!r}")
+    return port
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

@@ -31,7 +31,7 @@ import anyio
 
 from engine.catalog import load_task
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
-from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.common.cli import OneLineErrorParser, add_version_flag, positive_int, program_name
 from engine.common.setting import parse_text
 from engine.config import EngineConfig, parse_task_args
 from engine.config.models import setting_at
@@ -298,7 +298,7 @@ def _parser() -> OneLineErrorParser:
         help="sampled responses per problem whose text the JSON keeps (4; all keep rewards)",
     )
     parser.add_argument("--temperature", type=float, help="for the samples (default: the run's)")
-    parser.add_argument("--max-tokens", type=int, help="per response (default: the run's)")
+    parser.add_argument("--max-tokens", type=positive_int, help="per response (default: the run's)")
     parser.add_argument("--baseline", action="store_true", help="also evaluate step 0")
     parser.add_argument("--out", type=Path, help="the JSON result's file")
     parser.add_argument("--data-dir", type=Path, help="a local server's data dir")
@@ -314,6 +314,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"--samples must be >= 0, got {args.samples}")
     if args.response_texts < 0:
         parser.error(f"--response-texts must be >= 0, got {args.response_texts}")
+    if args.temperature is not None and not args.temperature > 0:
+        parser.error(
+            f"--temperature must be > 0 (the greedy responses are evaluated anyway), "
+            f"got {args.temperature}"
+        )
     try:
         request = EvalRequest(
             checkpoint=args.checkpoint,

@@ -30,7 +30,13 @@ from engine.agents.chat import Answer, ChatFormat
 from engine.agents.endpoint import serve_endpoint
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
 from engine.checkpoint_files import resolve_checkpoint
-from engine.common.cli import OneLineErrorParser, add_version_flag, port_number, program_name
+from engine.common.cli import (
+    OneLineErrorParser,
+    add_version_flag,
+    port_number,
+    positive_int,
+    program_name,
+)
 from engine.errors import EngineError, find_error
 from engine.eval import EvalRequest, _config, _sampler_path, _stage, _with_base_model_of
 from engine.session.api import SamplerHandle, SamplingParams, Session
@@ -200,7 +206,7 @@ def _parser() -> OneLineErrorParser:
     parser.add_argument("--host", default="127.0.0.1", help="default: loopback")
     parser.add_argument("--port", type=port_number, default=0, help="default: a free port")
     parser.add_argument("--api-key", help="the key callers must send (ENGINE_SERVE_API_KEY)")
-    parser.add_argument("--max-tokens", type=int, help="per reply when a call sets none")
+    parser.add_argument("--max-tokens", type=positive_int, help="per reply when a call sets none")
     parser.add_argument("--base-url", help="the server a tinker:// checkpoint lives on")
     add_version_flag(parser)
     return parser

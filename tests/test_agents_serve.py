@@ -93,14 +93,21 @@ def test_a_checkpoint_that_does_not_exist_is_a_one_line_error(
     assert "does not exist" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("port", ["99999", "-1", "http"])
-def test_a_port_out_of_range_is_a_one_line_error(
-    port: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (["--port", "99999"], "--port: must be a port number in 0..65535, got '99999'"),
+        (["--port", "-1"], "--port: must be a port number in 0..65535, got '-1'"),
+        (["--port", "http"], "--port: must be a port number in 0..65535, got 'http'"),
+        (["--max-tokens", "0"], "--max-tokens: must be an integer >= 1, got '0'"),
+    ],
+)
+def test_bad_flags_are_one_line_errors(
+    argv: list[str], error: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Refused by the parser, not a traceback from bind() once the checkpoint is loaded."""
+    """Refused by the parser, not a traceback from bind() (or the config's field name)
+    once the checkpoint is loaded."""
     with pytest.raises(SystemExit) as exit_:
-        main([str(tmp_path), "--port", port])
+        main([str(tmp_path), *argv])
     assert exit_.value.code == 2
-    assert capsys.readouterr().err == (
-        f"Error: argument --port: must be a port number in 0..65535, got '{port}' (see --help)\n"
-    )
+    assert capsys.readouterr().err == f"Error: argument {error} (see --help)\n"

@@ -366,3 +366,25 @@ def test_a_bad_list_of_k_is_a_one_line_error_before_anything_starts(
 ) -> None:
     assert eval_main([str(tmp_path / "no-such-run"), *argv]) == 2
     assert capsys.readouterr().err == f"Error: {error}\n"
+
+
+@pytest.mark.parametrize(
+    ("argv", "error"),
+    [
+        (
+            ["--temperature", "0"],
+            "--temperature must be > 0 (the greedy responses are evaluated anyway), got 0.0",
+        ),
+        (["--max-tokens", "0"], "argument --max-tokens: must be an integer >= 1, got '0'"),
+        (["--samples", "-1"], "--samples must be >= 0, got -1"),
+    ],
+)
+def test_bad_sampling_flags_are_the_parsers_one_line(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], argv: list[str], error: str
+) -> None:
+    """In the flags' own words (they were the config's field names, or its reason for
+    training), before the checkpoint is looked at."""
+    with pytest.raises(SystemExit) as exit_:
+        eval_main([str(tmp_path / "no-such-run"), *argv])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err == f"Error: {error} (see --help)\n"

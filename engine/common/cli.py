@@ -18,6 +18,7 @@ __all__ = [
     "did_you_mean",
     "engine_version",
     "port_number",
+    "positive_int",
     "program_name",
 ]
 
@@ -46,6 +47,14 @@ def port_number(text: str) -> int:
     if not 0 <= port <= 65535:
         raise argparse.ArgumentTypeError(f"must be a port number in 0..65535, got {text!r}")
     return port
+
+
+def positive_int(text: str) -> int:
+    """argparse type: an integer >= 1."""
+    value = int(text) if text.strip().lstrip("+-").isdigit() else 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
 
 
 def did_you_mean(name: str, known: Iterable[str]) -> str:

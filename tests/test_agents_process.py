@@ -5,6 +5,7 @@ episode as configured, and no process it started is left running."""
 from __future__ import annotations
 
 import os
+import shlex
 import sys
 import time
 from pathlib import Path
@@ -18,6 +19,7 @@ from engine.agents.process import AgentCommand
 from engine.agents.task import AgentTask
 from engine.catalog import load_task
 from engine.envs.rollout import EpisodeRunner
+from engine.errors import ConfigError
 from engine.tasks import ArithmeticTask, Problem
 
 pytestmark = pytest.mark.anyio
@@ -149,7 +151,22 @@ def _alive(pid: int) -> bool:
 
 
 def test_agent_cmd_is_a_task_spec_with_its_own_arguments() -> None:
-    task = load_task("agent-cmd:python agent.py --fast", {"op": "*", "timeout": "30"})
+    python = shlex.quote(sys.executable)
+    task = load_task(f"agent-cmd:{python} agent.py --fast", {"op": "*", "timeout": "30"})
     assert isinstance(task, AgentTask) and task.timeout == 30.0
-    assert task.agent.argv == ["python", "agent.py", "--fast"]  # type: ignore[attr-defined]
+    assert task.agent.argv == [sys.executable, "agent.py", "--fast"]  # type: ignore[attr-defined]
     assert task.source(0).next() is not None
+
+
+@pytest.mark.parametrize(
+    ("command", "reason"),
+    [
+        ("/no/such/agent --fast", "'/no/such/agent': not an executable file"),
+        ("engine-no-such-program", "'engine-no-such-program': not found on PATH"),
+    ],
+)
+def test_a_command_that_cannot_run_is_one_line_before_the_run(command: str, reason: str) -> None:
+    """Refused when the task is loaded, not as every episode's failure once the run began."""
+    with pytest.raises(ConfigError) as error:
+        load_task(f"agent-cmd:{command}")
+    assert str(error.value) == f"agent-cmd: cannot run {reason}"

@@ -19,6 +19,7 @@ import contextlib
 import json
 import os
 import shlex
+import shutil
 import signal
 import subprocess
 from collections.abc import Callable, Mapping
@@ -57,6 +58,10 @@ class AgentCommand:
     ) -> None:
         if not argv:
             raise ConfigError("agent-cmd: give the command to run, e.g. agent-cmd:python agent.py")
+        program = Path(cwd or ".") / argv[0] if os.sep in argv[0] else shutil.which(argv[0])
+        if program is None or not os.access(program, os.X_OK) or Path(program).is_dir():
+            where = "not an executable file" if os.sep in argv[0] else "not found on PATH"
+            raise ConfigError(f"agent-cmd: cannot run {argv[0]!r}: {where}")
         self.argv = argv
         self.scorer = scorer
         self.cwd = cwd

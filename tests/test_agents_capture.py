@@ -128,6 +128,23 @@ async def test_an_agent_that_raises_after_a_call_ends_its_episode_as_an_env_erro
     assert "agent bug" in (rollout.trajectories[0].error or "")
 
 
+@pytest.mark.parametrize("reward", [float("nan"), float("inf"), AgentResult(float("-inf"))])
+async def test_a_non_finite_agent_reward_is_its_episodes_error_never_an_advantage(
+    reward: Any,
+) -> None:
+    async def poisoned(client: openai.AsyncOpenAI, problem: Problem) -> Any:
+        await client.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": problem.question}]
+        )
+        return reward
+
+    rollout, _ = await run(poisoned, ["41"], group=2)
+    for episode in rollout.trajectories:
+        assert episode.outcome == "env_error" and episode.zeroed
+        assert episode.total_reward == 0.0
+        assert "non-finite" in (episode.error or "")
+
+
 async def test_an_agent_that_never_calls_fails_its_group_like_a_reward_error() -> None:
     async def silent(client: openai.AsyncOpenAI, problem: Problem) -> float:
         return 1.0

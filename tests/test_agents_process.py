@@ -92,6 +92,22 @@ async def test_a_process_without_a_reward_line_ends_its_episode_as_an_agent_erro
         assert '{"reward": <number>}' in (episode.error or "")
 
 
+@pytest.mark.parametrize("reward", ["NaN", "Infinity", "-Infinity"])
+async def test_a_non_finite_reward_line_ends_its_episode_as_an_agent_error(
+    tmp_path: Path, reward: str
+) -> None:
+    script = tmp_path / "poisoned.py"
+    script.write_text(
+        "import openai\n"
+        "openai.OpenAI().completions.create(model='m', prompt='x')\n"
+        f"print('{{\"reward\": {reward}}}')\n"
+    )
+    rollout = await run([sys.executable, str(script)], ["41"])
+    for episode in rollout.trajectories:
+        assert episode.outcome == "env_error" and episode.zeroed
+        assert "non-finite" in (episode.error or "")
+
+
 async def test_a_hanging_process_is_killed_with_its_children_at_the_timeout(
     tmp_path: Path,
 ) -> None:

@@ -47,6 +47,7 @@ from engine.config.values import ScoreWorkers
 from engine.envs import Env, EnvContext, Trajectory
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.executors import Workers
+from engine.envs.scoring import check_reward
 from engine.envs.tools import ToolCallParser
 from engine.errors import ConfigError, EngineError
 from engine.tasks import Problem, ProblemSource, RewardBreakdown, TaskContext
@@ -292,6 +293,8 @@ async def run_agent(
         return _result(value), None
     except TimeoutError:
         return None, f"it ran past its timeout of {limit_s:g} s"
+    except EngineError as exc:  # the engine's own reason (a bad reward, an agent process)
+        return None, str(exc) or type(exc).__name__
     except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
@@ -337,8 +340,11 @@ async def _shielded(close: Callable[[], Awaitable[None]]) -> None:
 
 
 def _result(value: object) -> AgentResult:
+    """What an agent returned, its reward checked as a task's is (finite: a NaN reward
+    never reaches the advantages)."""
     if isinstance(value, AgentResult):
+        check_reward(value.reward, "the agent")
         return value
     if isinstance(value, bool) or not isinstance(value, int | float):
         raise TypeError(f"the agent returned {type(value).__name__}, not a float or AgentResult")
-    return AgentResult(float(value))
+    return AgentResult(check_reward(value, "the agent").total)

@@ -166,26 +166,27 @@ class Scorer:
         return value
 
 
-def check_reward(reward: Any) -> RewardBreakdown:
-    """A task's reward as a RewardBreakdown (a bare number is accepted) whose total and
-    components are finite numbers, or a clear error (a reward error of the group)."""
+def check_reward(reward: Any, producer: str = "task.score") -> RewardBreakdown:
+    """A reward (what ``producer`` returned) as a RewardBreakdown (a bare number is
+    accepted) whose total and components are finite numbers, or a clear error (a reward
+    error of the group; an agent's is its episode's error)."""
     if _is_number(reward):
         reward = RewardBreakdown(float(reward))
     if not isinstance(reward, RewardBreakdown):
         raise EngineError(
-            f"task.score must return a RewardBreakdown or a number, got {type(reward).__name__}"
+            f"{producer} must return a RewardBreakdown or a number, got {type(reward).__name__}"
         )
     if not _is_number(reward.total) or not math.isfinite(reward.total):
-        raise EngineError(f"task.score returned a non-finite or non-numeric total {reward.total!r}")
+        raise EngineError(f"{producer} returned a non-finite or non-numeric total {reward.total!r}")
     if not isinstance(reward.components, Mapping):
         raise EngineError(
-            "task.score returned components that are not a mapping of names to numbers "
+            f"{producer} returned components that are not a mapping of names to numbers "
             f"({type(reward.components).__name__})"
         )
     for name, value in reward.components.items():
         if not isinstance(name, str) or not _is_number(value) or not math.isfinite(value):
             raise EngineError(
-                f"task.score returned the component {name!r}: {value!r}; components must "
+                f"{producer} returned the component {name!r}: {value!r}; components must "
                 "be finite numbers named by strings"
             )
     return RewardBreakdown(

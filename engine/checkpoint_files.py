@@ -27,6 +27,11 @@ from typing import Any
 import httpx
 
 from engine.errors import ConfigError
+from engine.rundir.checkpoint_copy import (
+    MAX_CHECKPOINT_BYTES,
+    check_checkpoint_files,
+    relative_checkpoint_path,
+)
 from engine.rundir.checkpoints import CHECKPOINTS_FILE
 from engine.rundir.directory import LOCAL_SERVER_DIR
 
@@ -34,8 +39,6 @@ __all__ = ["CheckpointRef", "checkpoint_directory", "resolve_checkpoint"]
 
 SCHEME = "tinker://"
 META_FILE = "meta.json"
-MAX_ARCHIVE_BYTES = 4 << 30
-"""The most a downloaded checkpoint archive may hold (bounded before it is spent)."""
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,8 @@ class CheckpointRef:
     tinker_path: str | None
     step: int | None = None
     run_dir: Path | None = None
+    root: Path | None = None
+    """The directory ``directory`` must lie in (a run's local-server dir, a --data-dir)."""
 
 
 def resolve_checkpoint(
@@ -56,7 +61,7 @@ def resolve_checkpoint(
     ConfigError says what is wrong with it."""
     if checkpoint.startswith(SCHEME):
         local = _under(data_dir, checkpoint) if data_dir is not None else None
-        return CheckpointRef(local, checkpoint)
+        return CheckpointRef(local, checkpoint, root=data_dir)
     path = Path(checkpoint).expanduser()
     if (path / META_FILE).is_file():
         return CheckpointRef(path, None)
@@ -64,7 +69,7 @@ def resolve_checkpoint(
         record = _record(path, step)
         state = str(record["state_path"])
         local = _under(path / LOCAL_SERVER_DIR, state)
-        return CheckpointRef(local, state, int(record["step"]), path)
+        return CheckpointRef(local, state, int(record["step"]), path, path / LOCAL_SERVER_DIR)
     if path.exists():
         raise ConfigError(
             f"{checkpoint} is neither a checkpoint directory (no {META_FILE}) nor a run "
@@ -98,12 +103,7 @@ def _record(run_dir: Path, step: int | None) -> dict[str, Any]:
 
 def _under(data_dir: Path, tinker_path: str) -> Path | None:
     """The directory a local server with ``data_dir`` keeps ``tinker_path`` in, if there."""
-    parts = tinker_path[len(SCHEME) :].split("/")
-    if len(parts) != 3 or any(p in ("", ".", "..") for p in parts):
-        raise ConfigError(
-            f"checkpoint path {tinker_path!r} must look like tinker://<run>/weights/<name>"
-        )
-    directory = data_dir.joinpath(*parts)
+    directory = data_dir / relative_checkpoint_path(tinker_path)
     return directory if (directory / META_FILE).is_file() else None
 
 
@@ -111,9 +111,11 @@ def _under(data_dir: Path, tinker_path: str) -> Path | None:
 def checkpoint_directory(
     ref: CheckpointRef, *, base_url: str | None = None, api_key: str | None = None
 ) -> Iterator[Path]:
-    """The checkpoint's files in a directory: its own, or a temporary one holding the
-    archive downloaded through the SDK (removed on exit)."""
+    """The checkpoint's files in a directory: its own (checked as
+    :func:`~engine.rundir.checkpoint_copy.check_checkpoint_files` says), or a temporary one
+    holding the archive downloaded through the SDK (removed on exit)."""
     if ref.directory is not None:
+        check_checkpoint_files(ref.directory, within=ref.root)
         yield ref.directory
         return
     if ref.tinker_path is None:  # resolve_checkpoint never builds this
@@ -148,9 +150,9 @@ def _download(url: str, dest: Path) -> None:
             with dest.open("wb") as out:
                 for chunk in response.iter_bytes():
                     written += len(chunk)
-                    if written > MAX_ARCHIVE_BYTES:
+                    if written > MAX_CHECKPOINT_BYTES:
                         raise ConfigError(
-                            f"the checkpoint archive is larger than {MAX_ARCHIVE_BYTES} bytes"
+                            f"the checkpoint archive is larger than {MAX_CHECKPOINT_BYTES} bytes"
                         )
                     out.write(chunk)
     except httpx.HTTPError as exc:
@@ -158,10 +160,16 @@ def _download(url: str, dest: Path) -> None:
 
 
 def _extract(archive: Path, dest: Path) -> None:
-    """Regular files only, flattened into ``dest`` (links and '..' paths refused)."""
+    """Regular files only, flattened into ``dest`` (links and '..' paths refused), at
+    most MAX_CHECKPOINT_BYTES of them."""
     try:
         with tarfile.open(archive, "r:*") as tar:
-            for member in tar.getmembers():
+            members = tar.getmembers()
+            if sum(m.size for m in members if m.isfile()) > MAX_CHECKPOINT_BYTES:
+                raise ConfigError(
+                    f"the checkpoint archive unpacks to more than {MAX_CHECKPOINT_BYTES} bytes"
+                )
+            for member in members:
                 if member.isdir():
                     continue
                 name = Path(member.name).name

@@ -18,7 +18,6 @@ the metrics and each problem's prompt and responses with their rewards
 from __future__ import annotations
 
 import json
-import shutil
 import sys
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -41,6 +40,7 @@ from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, EngineError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
+from engine.rundir.checkpoint_copy import copy_checkpoint_files
 from engine.rundir.resume import read_run_config
 from engine.session.opening import open_session, service_guard
 from engine.tasks.render import PromptRenderer
@@ -129,10 +129,13 @@ def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConf
     return EngineConfig.from_env(**settings, eval_every=1, steps=1, progress=False).resolved()
 
 
-def _stage(directory: Path, data_dir: Path) -> str:
-    """Copy a local checkpoint into ``data_dir``; return the tinker:// path it has there."""
-    shutil.copytree(directory, data_dir.joinpath(*_STAGED_PATH))
-    return "tinker://" + "/".join(_STAGED_PATH)
+def _stage(ref: CheckpointRef, data_dir: Path) -> tuple[str, Path]:
+    """Copy a local checkpoint into ``data_dir`` (:func:`copy_checkpoint_files`); return
+    the tinker:// path it has there and the copy's directory."""
+    assert ref.directory is not None
+    copy = data_dir.joinpath(*_STAGED_PATH)
+    copy_checkpoint_files(ref.directory, copy, within=ref.root)
+    return "tinker://" + "/".join(_STAGED_PATH), copy
 
 
 async def run_eval(request: EvalRequest) -> dict[str, Any]:
@@ -147,11 +150,10 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
     async with AsyncExitStack() as stack:
         data_dir: Path | None = None
         if local:
-            assert ref.directory is not None
             data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-eval-")))
-            path = _stage(ref.directory, data_dir)
+            path, staged = _stage(ref, data_dir)
             if config.session.local_model is None:
-                config = _with_base_model_of(config, ref.directory)
+                config = _with_base_model_of(config, staged)
         else:
             assert ref.tinker_path is not None
             path = _sampler_path(ref)

@@ -167,13 +167,12 @@ async def serve(request: ServeRequest, *, ready: anyio.Event | None = None) -> N
     async with AsyncExitStack() as stack:
         data_dir: Path | None = None
         if local:
-            assert ref.directory is not None
             data_dir = Path(
                 stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-serve-"))
             )
-            path = _stage(ref.directory, data_dir)
+            path, staged = _stage(ref, data_dir)
             if config.session.local_model is None:
-                config = _with_base_model_of(config, ref.directory)
+                config = _with_base_model_of(config, staged)
         else:
             path = _sampler_path(ref)
         session = await stack.enter_async_context(

@@ -5,10 +5,10 @@ weights are copied into the student's server directory before they are opened.""
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from engine.errors import ConfigError
+from engine.rundir.checkpoint_copy import copy_checkpoint_files, relative_checkpoint_path
 from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog
 from engine.rundir.directory import LOCAL_SERVER_DIR
 
@@ -18,7 +18,8 @@ __all__ = ["teacher_weights"]
 def teacher_weights(source: str, local_server: Path | None = None) -> str:
     """What ``--teacher source`` opens: a run directory's latest sampler weights (with
     ``local_server``, the student's local server directory: copied there from the
-    teacher run's), or ``source`` itself (``tinker://`` sampler weights, a base model)."""
+    teacher run's as :func:`copy_checkpoint_files` copies them), or ``source`` itself
+    (``tinker://`` sampler weights, a base model)."""
     run_dir = Path(source)
     if not run_dir.is_dir():
         return source
@@ -31,12 +32,12 @@ def teacher_weights(source: str, local_server: Path | None = None) -> str:
         )
     path = latest.sampler_path
     # The second stage of a --then command keeps its weights in its first stage's dir.
-    held = [
-        d / LOCAL_SERVER_DIR / path.removeprefix("tinker://") for d in (run_dir, run_dir.parent)
-    ]
-    saved = next((d for d in held if d.is_dir()), held[0])
+    relative = relative_checkpoint_path(path)
+    roots = [d / LOCAL_SERVER_DIR for d in (run_dir, run_dir.parent)]
+    root = next((r for r in roots if (r / relative).is_dir()), roots[0])
+    saved = root / relative
     if local_server is not None and saved.is_dir():
-        copy = local_server / path.removeprefix("tinker://")
+        copy = local_server / relative
         if not copy.exists():
-            shutil.copytree(saved, copy)
+            copy_checkpoint_files(saved, copy, within=root)
     return path

@@ -6,24 +6,28 @@ to "is this failure worth retrying?" and on ONE sentence to show the user, other
 is that answer; :func:`format_error` is the one line the CLI prints (``Error: ...``),
 always redacted and never a traceback.
 
-Transient (retrying may help): connection errors and timeouts, HTTP 408/409/429/5xx,
-an expired/broken future (tinker's ``RetryableException``, from HTTP 410), a
-``RequestFailedError`` of category ``server`` or ``unknown``, and the engine's own
-:class:`OpTimeout`. Permanent (fail fast): 400/401/403/404/422 and other 4xx, a
-``RequestFailedError`` of category ``user``, a bad API key, an unexpected response
-schema, and anything the engine does not recognise (a bug is not cured by retrying).
+Transient (retrying may help): connection errors and timeouts, HTTP 408/409/429/5xx but
+501 (:func:`transient_status`), an expired/broken future (tinker's
+``RetryableException``, from HTTP 410), a ``RequestFailedError`` of category ``server``
+or ``unknown``, and the engine's own :class:`OpTimeout`. Permanent (fail fast):
+400/401/403/404/422 and other 4xx, 501 Not Implemented (a server that does not have this
+API: retrying cannot add it), a ``RequestFailedError`` of category ``user``, a bad API
+key, an unexpected response schema, and anything the engine does not recognise (a bug is
+not cured by retrying).
 
 Both SDK generations (tinker 0.22 under ``mint``, tinker >= 0.38) raise the same public
 exception types, so one table serves both; they are looked up lazily and optionally (a
 core install without an SDK imports this module, and then no SDK error can occur). An
 ``httpx.HTTPStatusError`` (the engine's own plain requests) is judged like the SDK's
-``APIStatusError``.
+``APIStatusError``. A body that is not JSON (an HTML error page) is shown as a short excerpt
+(:func:`body_excerpt`), never in full.
 """
 
 from __future__ import annotations
 
 import email.utils
 import functools
+import html
 import os
 import re
 import time
@@ -53,6 +57,7 @@ __all__ = [
     "StepOutcomeUnknown",
     "StopReason",
     "StopRequested",
+    "body_excerpt",
     "classify",
     "exit_code",
     "find_error",
@@ -60,6 +65,7 @@ __all__ = [
     "os_reason",
     "primary_error",
     "retry_after",
+    "transient_status",
 ]
 
 E = TypeVar("E", bound=BaseException)
@@ -315,6 +321,26 @@ def _one_line(text: str, limit: int = 300) -> str:
     return line if len(line) <= limit else line[: limit - 3] + "..."
 
 
+# A page's head (its title repeats its heading), scripts, styles and comments.
+_HIDDEN_MARKUP = re.compile(
+    r"<(head|script|style)\b.*?</\1\s*>|<!--.*?-->", re.DOTALL | re.IGNORECASE
+)
+_TAG = re.compile(r"<[^>]*>")
+
+
+def body_excerpt(text: str, limit: int = 200) -> str:
+    """A response body as one short line: markup stripped (an HTML error page becomes its
+    text), whitespace collapsed, at most ``limit`` characters."""
+    plain = html.unescape(_TAG.sub(" ", _HIDDEN_MARKUP.sub(" ", text)))
+    return _one_line(plain, limit)
+
+
+def transient_status(code: int) -> bool:
+    """Whether an HTTP answer with status ``code`` may succeed when retried: 408, 409, 429
+    and 5xx, but not 501 Not Implemented (the server lacks the method or the API)."""
+    return code in (408, 409, 429) or (code >= 500 and code != 501)
+
+
 def _detail(err: Any) -> str:
     """The server's explanation in an SDK ``APIStatusError`` or an httpx status error."""
     if isinstance(err, httpx.HTTPStatusError):
@@ -332,7 +358,7 @@ def _detail(err: Any) -> str:
             if value:
                 return _one_line(str(value))
     if isinstance(body, str) and body.strip():
-        return _one_line(body)
+        return body_excerpt(body)
     return _one_line(str(getattr(err, "message", err)))
 
 
@@ -393,7 +419,12 @@ def _classify_status(err: Any) -> Classified:
         return Classified(False, f"the server rejected the request to {path} ({code}): {detail}")
     if code == 429:
         return Classified(True, f"the server is rate-limiting requests (429): {detail}", hint)
-    if code in (408, 409) or code >= 500:
+    if code == 501:
+        return Classified(
+            False,
+            f"the server at {where} does not implement {path} (501 Not Implemented): {detail}",
+        )
+    if transient_status(code):
         return Classified(True, f"the server answered {code} for {path}: {detail}", hint)
     return Classified(False, f"the server answered {code} for {path}: {detail}")
 

@@ -16,6 +16,7 @@ from engine.common.clock import LOOP_CLOCK, Clock
 from engine.config import EngineConfig
 from engine.errors import (
     CircuitOpen,
+    Classified,
     ConfigError,
     Interrupted,
     OpTimeout,
@@ -85,6 +86,7 @@ def flaky(
         (500, True),
         (502, True),
         (503, True),
+        (501, False),
     ],
 )
 def test_status_codes_are_classified(code: int, transient: bool) -> None:
@@ -106,6 +108,31 @@ def test_bad_request_shows_the_server_detail() -> None:
     assert classify(err).message == (
         "the server rejected the request to /api/v1/create_model (422): "
         "unknown base_model 'Qwen/Nope'"
+    )
+
+
+def test_an_html_error_page_is_a_short_tag_free_excerpt() -> None:
+    page = (
+        "<!DOCTYPE html>\n<html><head><title>502</title><script>var x = 1;</script></head>\n"
+        "<body><h1>Bad Gateway</h1>\n<p>"
+        + "the upstream is down &amp; out " * 100
+        + "</p></body></html>"
+    )
+    verdict = classify(sdk.status_error(502, page))
+    assert verdict.transient
+    assert verdict.message.startswith(
+        "the server answered 502 for /api/v1/create_model: Bad Gateway the upstream is down & out"
+    )
+    assert "<" not in verdict.message and "var x" not in verdict.message
+    assert len(verdict.message.split(": ", 1)[1]) <= 200
+
+
+def test_501_says_the_server_does_not_implement_the_call() -> None:
+    verdict = classify(sdk.status_error(501, "<html><body>Not Implemented</body></html>"))
+    assert verdict == Classified(
+        False,
+        f"the server at {sdk.BASE} does not implement /api/v1/create_model "
+        "(501 Not Implemented): Not Implemented",
     )
 
 

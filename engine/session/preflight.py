@@ -19,7 +19,15 @@ import httpx
 
 from engine.common.protocol import RECOMMENDED_FIELD
 from engine.config import HOSTED_PROFILE, EngineConfig, Profile, server_profile
-from engine.errors import ConfigError, EngineError, ServiceError, classify, os_reason
+from engine.errors import (
+    ConfigError,
+    EngineError,
+    ServiceError,
+    body_excerpt,
+    classify,
+    os_reason,
+    transient_status,
+)
 from engine.session.retry import OpKind, ServiceGuard
 
 __all__ = [
@@ -71,11 +79,8 @@ async def check_reachable(
             f"the MinT server at {base_url} rejected the API key (HTTP "
             f"{response.status_code}); check MINT_API_KEY"
         )
-    if response.status_code >= 400:
-        raise PreflightError(
-            f"the MinT server at {base_url} answered HTTP {response.status_code} to its "
-            "first request; is MINT_BASE_URL a MinT server?"
-        )
+    if response.status_code >= 400 or _json(response) is None:
+        raise _not_mint(base_url, response)
 
 
 async def read_server_profile(
@@ -134,17 +139,31 @@ async def _capabilities(base_url: str, api_key: str | None, guard: ServiceGuard)
         # (hosted MinT in JWT mode). The local server takes the plain key everywhere,
         # so this is not one that recommends settings.
         return None
-    if response.status_code >= 400:
-        raise PreflightError(
-            f"the MinT server at {base_url} answered HTTP {response.status_code} to "
-            "get_server_capabilities; is MINT_BASE_URL a MinT server?"
-        )
+    answer = _json(response) if response.status_code < 400 else None
+    if answer is None:
+        raise _not_mint(base_url, response)
+    return answer
+
+
+def _json(response: httpx.Response) -> object:
+    """The answer's JSON body; None when it has none (an HTML page, plain text)."""
     try:
         return response.json()
-    except ValueError as exc:
-        raise PreflightError(
-            f"the MinT server at {base_url} answered get_server_capabilities with no JSON"
-        ) from exc
+    except ValueError:
+        return None
+
+
+def _not_mint(base_url: str, response: httpx.Response) -> PreflightError:
+    """A server that answers, but not as a MinT server would: a plain web server (501 to
+    a POST, 404/405, an HTML page) or another service's API. One line with a short
+    excerpt of the body, never the page."""
+    request = response.request
+    excerpt = body_excerpt(response.text) or "an empty body"
+    kind = "" if _json(response) is not None else " (not JSON)"
+    return PreflightError(
+        f"{base_url} does not speak the MinT/Tinker API (check MINT_BASE_URL): {request.method} "
+        f"{request.url.path} answered HTTP {response.status_code}{kind}: {excerpt}"
+    )
 
 
 def local_server_profile(model_dir: Path | None) -> Profile:
@@ -169,10 +188,11 @@ async def _preflight_request(
     endpoint: str,
     body: object,
 ) -> httpx.Response:
-    """One plain request to ``/api/v1/<endpoint>``. A busy server (408/429/5xx) or a
-    connection dropped mid-answer is retried under the SESSION policy, honouring
-    Retry-After; no server to connect to or no answer in time fails at once with one
-    sentence; other answers are the caller's to judge."""
+    """One plain request to ``/api/v1/<endpoint>``. A busy server
+    (:func:`~engine.errors.transient_status`) or a connection dropped mid-answer is retried
+    under the SESSION policy, honouring Retry-After; no server to connect to or no answer in
+    time fails at once with one sentence; other answers (501 Not Implemented included) are
+    the caller's to judge."""
     url = base_url.rstrip("/") + "/api/v1/" + endpoint
     headers = {"X-API-Key": api_key} if api_key else {}
 
@@ -191,7 +211,7 @@ async def _preflight_request(
                 "MINT_BASE_URL, the network and the server's status"
             ) from exc
         # Other transport errors (a connection dropped mid-answer) are transient.
-        if response.status_code in (408, 429) or response.status_code >= 500:
+        if transient_status(response.status_code):
             # Transient for the retry layer, which reads the status and Retry-After.
             raise httpx.HTTPStatusError(
                 f"HTTP {response.status_code}", request=response.request, response=response

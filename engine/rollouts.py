@@ -70,7 +70,11 @@ def format_group(record: dict[str, Any]) -> str:
     if len(one_turn) == len(episodes) and len({t[0]["observation"] for t in one_turn}) <= 1:
         if one_turn:
             lines.append(f"  prompt: {one_turn[0][0]['observation']!r}")
-        responses = [_response_line(e, e["turns"][0]["action"], e["turns"][0]) for e in episodes]
+        responses = [
+            line
+            for e in episodes
+            for line in (_response_line(e, e["turns"][0]["action"], e["turns"][0]), *_failed(e))
+        ]
         return "\n".join([*lines, f"  answer: {record['answer']!r}", *_error(record), *responses])
     lines.append(f"  answer: {record['answer']!r}")
     return "\n".join([*lines, *_error(record), *_format_episodes(episodes)])
@@ -91,6 +95,11 @@ def _format_conversation(record: Mapping[str, Any]) -> list[str]:
 def _error(record: Mapping[str, Any]) -> list[str]:
     error = record.get("reward_error")
     return [f"  reward error: {error}"] if error else []
+
+
+def _failed(episode: Mapping[str, Any]) -> list[str]:
+    """What an episode's environment or agent raised, if it failed."""
+    return [f"    error: {episode['error']}"] if episode.get("error") else []
 
 
 def _response_line(
@@ -122,8 +131,7 @@ def _format_episodes(episodes: Sequence[dict[str, Any]]) -> list[str]:
             f"  episode {n}: {e['outcome']}{flags}  reward {e['reward']:+.3f}  "
             f"adv {e['advantage']:+.3f}  {len(e['turns'])} turns  {e['elapsed_s']:.2f}s"
         )
-        if e.get("error"):
-            lines.append(f"    error: {e['error']}")
+        lines += _failed(e)
         for i, t in enumerate(e["turns"]):
             where = "new context" if t["new_context"] else "appended"
             lines.append(f"    turn {i} (v{t['sampler_version']}) {where}: {t['observation']!r}")

@@ -74,7 +74,7 @@ def task(**args: str) -> AgentTask:
     products (``--task-arg`` values go to the arithmetic task: ``min_operand``...)."""
     settings = {"op": "*", "min_operand": "10", "max_operand": "99", "eval_size": "64", **args}
     problems = ArithmeticTask.from_args(settings)
-    return AgentTask(episode, problems, name="openai-calculator", local_model=AGENT_MODEL_DIR)
+    return AgentTask(episode, problems, name="openai-calculator")
 
 
 task.local_model = AGENT_MODEL_DIR  # type: ignore[attr-defined]  # read before the task is built

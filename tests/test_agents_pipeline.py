@@ -7,7 +7,11 @@ no sleeps."""
 
 from __future__ import annotations
 
+import io
+import json
+import re
 from collections.abc import Mapping
+from pathlib import Path
 from typing import Any
 
 import anyio
@@ -18,9 +22,11 @@ from env_support import ChatBytes
 from fake_session import FakeSession
 from test_pipeline_stages import config, run_pipeline
 
+from engine import Engine, rollouts
 from engine.agents import AgentTask, EndpointLimits
 from engine.core.problems import Problem, SeededSource
 from engine.loop.results import StepResult
+from engine.observe.idle import NO_TRAINING_STEPS
 
 pytestmark = pytest.mark.anyio
 
@@ -178,3 +184,66 @@ async def test_refused_requests_get_their_status_and_the_run_trains_on() -> None
         "json": [400] * 8,
         "ended": [409] * 4,
     }
+
+
+MULTIPLY: Any = {
+    "type": "function",
+    "function": {"name": "multiply", "parameters": {"type": "object", "properties": {}}},
+}
+
+
+async def run_engine_on(
+    tmp_path: Path, agent: Any, steps: int
+) -> tuple[list[StepResult], str, list[dict[str, Any]]]:
+    """``agent`` trained through the Engine on the fake session: its steps, what the
+    console said and the run's events."""
+    cfg = config(steps=steps, batch=1, group=2).replace(run_dir=tmp_path / "run", progress=False)
+    console = io.StringIO()
+    results: list[StepResult] = []
+    task = AgentTask(agent, Problems())
+    async with Engine(
+        cfg, task=task, session=ChatSession(), on_step=results.append, console=console
+    ) as engine:
+        await engine.run()
+    lines = (tmp_path / "run" / "events.jsonl").read_text().splitlines()
+    return results, console.getvalue(), [json.loads(line) for line in lines]
+
+
+async def test_a_run_whose_agent_calls_never_parse_as_tool_calls_says_so(
+    tmp_path: Path,
+) -> None:
+    """The fake sampler never writes a tool call (as a model that does not know the
+    format would not): the agent offers a tool in every call, and after
+    NO_TRAINING_STEPS steps the run says that none was read as one, and what to do."""
+
+    async def offers_a_tool(client: openai.AsyncOpenAI, problem: Problem) -> float:
+        messages: Any = [{"role": "user", "content": problem.question}]
+        await client.chat.completions.create(model="m", messages=messages, tools=[MULTIPLY])
+        return 0.0
+
+    results, said, events = await run_engine_on(tmp_path, offers_a_tool, NO_TRAINING_STEPS)
+    assert len(results) == NO_TRAINING_STEPS
+    assert said.count("no reply was read as a tool call") == 1, said
+    assert "--local-model" in said
+    assert [e["step"] for e in events if e["event"] == "run.no_tool_calls"] == [NO_TRAINING_STEPS]
+
+
+async def test_a_step_whose_episodes_all_failed_says_so_with_the_first_reason(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    async def broken(client: openai.AsyncOpenAI, problem: Problem) -> float:
+        messages: Any = [{"role": "user", "content": problem.question}]
+        await client.chat.completions.create(model="m", messages=messages)
+        raise RuntimeError("the tool server is down")
+
+    results, said, events = await run_engine_on(tmp_path, broken, 1)
+    assert all(e.error for r in results for g in r.groups for e in g.trajectories)
+    (warning,) = [line for line in said.splitlines() if "episodes failed" in line] or [said]
+    assert "step 1: all 2 episodes failed" in warning
+    assert "RuntimeError: the tool server is down" in warning
+    (event,) = [e for e in events if e["event"] == "step.episodes_failed"]
+    assert event["step"] == 1 and "the tool server is down" in event["first_error"]
+    # engine.rollouts shows each episode's error (one-turn episodes print one line each)
+    assert rollouts.main([str(tmp_path / "run")]) == 0
+    printed = capsys.readouterr().out
+    assert len(re.findall(r"\n +error: .*RuntimeError: the tool server is down", printed)) == 2

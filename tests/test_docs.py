@@ -164,6 +164,22 @@ def test_the_task_example_is_the_file_and_loads() -> None:
     assert task.score(" none", first).total == 0.0
 
 
+def test_the_agent_snippet_copied_as_written_runs_on_the_agent_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/agents.md's AgentTask snippet, saved as a module and named by ``--task``,
+    asks the local server for the packaged agent model (the one that knows the tool-call
+    format), not the server's default model."""
+    from engine.catalog import preferred_local_model
+    from engine.local.config import AGENT_MODEL_DIR
+
+    page = PAGES[ROOT / "docs" / "agents.md"]
+    snippet = next(b for b in _blocks("python", page) if "AgentTask(episode" in b)
+    (tmp_path / "my_agent_snippet.py").write_text(snippet, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert preferred_local_model(None, "my_agent_snippet:task") == AGENT_MODEL_DIR
+
+
 def _documented_metrics() -> list[re.Pattern[str]]:
     section = _section("Fields of each `metrics.jsonl` line", RUN_DIRECTORY)
     rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]

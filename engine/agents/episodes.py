@@ -226,7 +226,7 @@ class AgentEnv:
             await pending.answer.send(parsed)  # (unless the call was abandoned)
         logs: dict[str, Any] = {}
         logs["assistant"] = parsed.text
-        calls: dict[str, float] = {}
+        calls: dict[str, float] = {"agent/tool_offers": float(pending.tools)}
         if parsed.tool_calls:
             logs["tool_calls"] = _tool_calls(parsed.tool_calls, None)
             calls["tool_calls"] = float(len(parsed.tool_calls))  # (the agent runs them)
@@ -235,7 +235,10 @@ class AgentEnv:
             if self._episode._on_parse_error != "retry":
                 self._episode.close(f"its tool call could not be read ({parsed.parse_error})")
                 return EnvStepResult(
-                    done=True, logs=logs, metrics={"parse_errors": 1.0}, outcome="parse_error"
+                    done=True,
+                    logs=logs,
+                    metrics={**calls, "parse_errors": 1.0},
+                    outcome="parse_error",
                 )
         event = await self._episode.next_event()
         if isinstance(event, _Ended):

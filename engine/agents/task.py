@@ -50,6 +50,7 @@ from engine.envs.executors import Workers
 from engine.envs.scoring import check_reward
 from engine.envs.tools import ToolCallParser
 from engine.errors import ConfigError, EngineError
+from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks import Problem, ProblemSource, RewardBreakdown, TaskContext
 
 __all__ = ["AgentFunction", "AgentGroup", "AgentRuns", "AgentTask", "run_agent"]
@@ -68,8 +69,9 @@ class AgentTask:
     :class:`~engine.tasks.arithmetic.ArithmeticTask`); its ``eval_problems()`` (if any)
     are the held-out set. ``timeout`` bounds each agent run in seconds (None: the run's
     ``--episode-timeout``). ``local_model``: the model the local server loads for this
-    task unless one is given. Replies always end at the model's EOS, as a chat
-    endpoint's do.
+    task unless one is given (default: the packaged agent model, which knows the
+    tool-call format; None: the server's default model). Replies always end at the
+    model's EOS, as a chat endpoint's do.
     """
 
     def __init__(
@@ -80,7 +82,7 @@ class AgentTask:
         name: str | None = None,
         timeout: float | None = None,
         parser: ToolCallParser | None = None,
-        local_model: Path | None = None,
+        local_model: Path | None = AGENT_MODEL_DIR,
         limits: EndpointLimits | None = None,
     ) -> None:
         if importlib.util.find_spec("openai") is None:

@@ -6,14 +6,27 @@ response was empty, every reward failed (``--on-reward-error skip``), or the sam
 sent no logprobs (``--on-missing-logprobs drop``). One such step is normal; a run of
 :data:`NO_TRAINING_STEPS` in a row means the run is wasting its time, and the console
 (:func:`no_training_warning`) and the summary (:func:`no_training_summary`) say so.
+
+Two causes are named as they happen: a step whose every episode failed
+(:func:`failed_episodes_warning`, with the first reason), and an agent whose calls offer
+tools while no reply is read as a tool call (:func:`no_tool_calls_warning`: the model
+does not know the tool-call format).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Final
 
-__all__ = ["NO_TRAINING_STEPS", "no_training_summary", "no_training_warning"]
+from engine.core.trajectory import Trajectory
+
+__all__ = [
+    "NO_TRAINING_STEPS",
+    "failed_episodes_warning",
+    "no_tool_calls_warning",
+    "no_training_summary",
+    "no_training_warning",
+]
 
 NO_TRAINING_STEPS: Final = 3
 """Consecutive steps without a datum after which the run warns."""
@@ -23,11 +36,18 @@ def _untrained(m: Mapping[str, Any]) -> bool:
     return m.get("datums") == 0
 
 
-def _streaks(metrics: Sequence[Mapping[str, Any]]) -> list[list[Mapping[str, Any]]]:
+def _untooled(m: Mapping[str, Any]) -> bool:
+    """An agent's calls offered tools, and no reply was read as a tool call."""
+    return m.get("env/all/agent/tool_offers", 0) > 0 and not m.get("env/all/tool_calls")
+
+
+def _streaks(
+    metrics: Sequence[Mapping[str, Any]], test: Callable[[Mapping[str, Any]], bool] = _untrained
+) -> list[list[Mapping[str, Any]]]:
     streaks: list[list[Mapping[str, Any]]] = []
     current: list[Mapping[str, Any]] = []
     for m in metrics:
-        if _untrained(m):
+        if test(m):
             current.append(m)
         elif current:
             streaks.append(current)
@@ -69,20 +89,59 @@ def likely_cause(streak: Sequence[Mapping[str, Any]]) -> str:
     )
 
 
+def _due(
+    metrics: Sequence[Mapping[str, Any]], test: Callable[[Mapping[str, Any]], bool]
+) -> list[Mapping[str, Any]] | None:
+    """The run's latest steps that pass ``test``, once they are :data:`NO_TRAINING_STEPS`,
+    2x, 4x... steps in a row (a warning's cadence: not every step); else None."""
+    streaks = _streaks(metrics, test)
+    if not streaks or not metrics or not test(metrics[-1]):
+        return None
+    times, rest = divmod(len(streaks[-1]), NO_TRAINING_STEPS)
+    if times == 0 or rest or times & (times - 1):  # at N, 2N, 4N... steps
+        return None
+    return streaks[-1]
+
+
 def no_training_warning(metrics: Sequence[Mapping[str, Any]]) -> str | None:
     """The console warning once the run's latest steps trained nothing for
     :data:`NO_TRAINING_STEPS`, 2x, 4x... steps in a row (not every step); else None."""
-    streaks = _streaks(metrics)
-    if not streaks or not metrics or not _untrained(metrics[-1]):
-        return None
-    streak = streaks[-1]
-    n = len(streak)
-    times, rest = divmod(n, NO_TRAINING_STEPS)
-    if times == 0 or rest or times & (times - 1):  # at N, 2N, 4N... steps
+    streak = _due(metrics, _untrained)
+    if streak is None:
         return None
     return (
-        f"nothing was trained for {n} steps in a row (steps {streak[0]['step']}-"
+        f"nothing was trained for {len(streak)} steps in a row (steps {streak[0]['step']}-"
         f"{streak[-1]['step']}: 0 datums): {likely_cause(streak)}"
+    )
+
+
+def no_tool_calls_warning(metrics: Sequence[Mapping[str, Any]]) -> str | None:
+    """The console warning once an agent's calls offered tools and no reply was read as
+    a tool call for :data:`NO_TRAINING_STEPS`, 2x, 4x... steps in a row; else None."""
+    streak = _due(metrics, _untooled)
+    if streak is None:
+        return None
+    unreadable = sum(float(m.get("env/all/parse_errors", 0)) for m in streak)
+    return (
+        f"no reply was read as a tool call for {len(streak)} steps in a row (steps "
+        f"{streak[0]['step']}-{streak[-1]['step']}), though the agent offered tools"
+        + (" (some replies tried: --on-parse-error)" if unreadable else "")
+        + ": the model may not know the tool-call format. An agent task runs on the "
+        "packaged agent model on the local server unless --local-model or "
+        "AgentTask(local_model=...) names another (python -m engine.rollouts RUN_DIR "
+        "shows the replies)"
+    )
+
+
+def failed_episodes_warning(step: int, episodes: Sequence[Trajectory]) -> str | None:
+    """The console warning of a step whose every episode failed (an environment or an
+    agent raised), with the first reason; else None."""
+    if not episodes or any(e.error is None for e in episodes):
+        return None
+    return (
+        f"step {step}: all {len(episodes)} episodes failed, so the step learned nothing "
+        f"from them; the first: {episodes[0].error} (python -m engine.rollouts RUN_DIR "
+        f"--step {step} shows each)"
     )
 
 

@@ -58,7 +58,11 @@ from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan
 from engine.loop.stopping import StopGate
 from engine.loop.teacher import Teacher, open_teacher
-from engine.observe.idle import no_training_warning
+from engine.observe.idle import (
+    failed_episodes_warning,
+    no_tool_calls_warning,
+    no_training_warning,
+)
 from engine.observe.metrics import RunLog
 from engine.observe.report import finished_run_report
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
@@ -404,9 +408,19 @@ class Supervisor:
                     f"step {result.step}: {group.reward_error}; the group was left out of "
                     "the step (--on-reward-error skip)",
                 )
+        episodes = [t for g in result.groups for t in g.trajectories]
+        failed = failed_episodes_warning(result.step, episodes)
+        if failed is not None:
+            first = episodes[0].error
+            self._events.warning(
+                "step.episodes_failed", step=result.step, first_error=first, message=failed
+            )
         idle = no_training_warning(self._run_record.steps)
         if idle is not None:
             self._events.warning("run.no_training", step=result.step, message=idle)
+        untooled = no_tool_calls_warning(self._run_record.steps)
+        if untooled is not None:
+            self._events.warning("run.no_tool_calls", step=result.step, message=untooled)
         if result.checkpoint is not None:
             await self._record_saved(result.checkpoint, result.state)
         for hook in self._hooks:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -15,12 +16,16 @@ import numpy as np
 import pytest
 from fake_session import ByteTokenizer, FakeSession
 from test_pipeline_stages import config
+from transformers import AutoTokenizer
 
 from engine import Engine, EngineConfig
 from engine.catalog import load_task
 from engine.core.datums import supervised_datums
+from engine.core.problems import Problem
 from engine.core.trajectory import Trajectory
 from engine.errors import ConfigError
+from engine.local.config import DEFAULT_MODEL_DIR
+from engine.loop.groups import NotSampled
 from engine.loop.results import StepResult
 from engine.loop.sft_stage import ConversationPlan
 from engine.rollouts import main as rollouts_main
@@ -111,6 +116,78 @@ def test_a_conversation_without_an_assistant_message_is_refused_naming_its_line(
         f.write(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n")
     with pytest.raises(ConfigError, match=r"c\.jsonl:3: the conversation has no assistant"):
         load_task(f"jsonl:{data}", objective="sft")
+
+
+def test_a_conversation_that_starts_with_the_assistant_is_refused_naming_its_line(
+    tmp_path: Path,
+) -> None:
+    """Refused as the task is loaded (exit 2 before a server starts), not a ValueError
+    from the chat template ("empty conversation") once the run has begun."""
+    data = conversations(tmp_path / "c.jsonl", 2)
+    opening = [{"role": "assistant", "content": "hello"}, {"role": "user", "content": "hi"}]
+    with data.open("a") as f:
+        f.write(json.dumps({"messages": [*opening, {"role": "assistant", "content": "ok"}]}))
+    with pytest.raises(
+        ConfigError, match=r"c\.jsonl:3: the conversation starts with an assistant message"
+    ):
+        load_task(f"jsonl:{data}", objective="sft")
+    # a system message first (--task-arg system=...) gives the assistant a context
+    task = load_task(f"jsonl:{data}", {"system": "be brief"}, objective="sft")
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    plan = ConversationPlan(task, PromptRenderer(task, tokenizer), None)
+    assert all(isinstance(plan.build(p, 0), Trajectory) for p in _all_problems(task, 3))
+
+
+def _all_problems(task: Any, count: int) -> list[Problem]:
+    source = task.source(0)
+    problems = [source.next() for _ in range(count)]
+    assert all(p is not None for p in problems)
+    return problems
+
+
+class CountingTokenizer:
+    """The packaged model's tokenizer, recording the length of every text it encodes."""
+
+    def __init__(self) -> None:
+        self._tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+        self.encoded: list[int] = []
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tokenizer, name)
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.encoded.append(len(text))
+        return list(self._tokenizer.encode(text, **kwargs))
+
+
+def test_a_conversation_far_over_the_context_is_dropped_before_it_is_tokenized(
+    tmp_path: Path,
+) -> None:
+    """A 4 MB message under a 256-token context is dropped as a conversation over the
+    context is, without a token of it computed (a 50 MB line took 10 GB and minutes)."""
+    context = 256
+    huge = "1+2=3 " * 700_000
+    rows = [
+        [{"role": "user", "content": "q"}, {"role": "assistant", "content": "a"}],
+        [{"role": "user", "content": "q " * 400}, {"role": "assistant", "content": "a"}],
+        [{"role": "user", "content": huge}, {"role": "assistant", "content": "a"}],
+    ]
+    data = tmp_path / "c.jsonl"
+    data.write_text("".join(json.dumps({"messages": m}) + "\n" for m in rows))
+    task = ConversationTask(data, shuffle=False)
+    tokenizer = CountingTokenizer()
+    plan = ConversationPlan(task, PromptRenderer(task, tokenizer), context)
+    fits, over, far_over = (plan.build(p, 0) for p in _all_problems(task, 3))
+    assert isinstance(fits, Trajectory)
+    assert isinstance(over, NotSampled) and isinstance(far_over, NotSampled)
+    assert over.reason.endswith(f"exceeds the model's context of {context} tokens")
+    chars = re.fullmatch(
+        rf"conversation 2 of (\d+) characters exceeds the model's context of {context} "
+        r"tokens \(at most \d+ characters fit in it\)",
+        far_over.reason,
+    )
+    assert chars is not None and int(chars[1]) > len(huge)
+    assert max(tokenizer.encoded) < 10_000  # the small conversations only
 
 
 def test_sft_refuses_a_task_without_conversations(tmp_path: Path) -> None:

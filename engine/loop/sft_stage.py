@@ -31,7 +31,11 @@ from engine.loop.groups import NotSampled
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
 from engine.loop.reference import Reference
 from engine.loop.rollout_stage import draw_step
-from engine.tasks.conversations import render_conversation
+from engine.tasks.conversations import (
+    ConversationTooLong,
+    max_context_chars,
+    render_conversation,
+)
 from engine.tasks.render import ChatMessage, PromptRenderer
 
 __all__ = ["ConversationPlan", "ConversationSource", "SftStage", "check_conversation_task"]
@@ -67,9 +71,21 @@ class ConversationPlan:
         self._task: ConversationSource = task
         self._renderer = renderer
         self._max_context = max_context
+        self._max_chars = max_context_chars(renderer.context.tokenizer, max_context)
 
     def build(self, problem: Problem, version: int) -> Trajectory | NotSampled:
-        turns = render_conversation(self._renderer.context, self._task.conversation(problem))
+        try:
+            turns = render_conversation(
+                self._renderer.context,
+                self._task.conversation(problem),
+                max_chars=self._max_chars,
+            )
+        except ConversationTooLong as too_long:  # found before a token of it was computed
+            return NotSampled(
+                f"conversation {problem.id} of {too_long.chars} characters exceeds the "
+                f"model's context of {self._max_context} tokens (at most {self._max_chars} "
+                "characters fit in it)"
+            )
         longest = max(len(context) + len(message) for context, message in turns)
         if self._max_context is not None and longest > self._max_context:
             return NotSampled(

@@ -2,8 +2,9 @@
 (or ``hf:PATH``, a Hugging Face dataset on disk, read by :mod:`engine.tasks.hf`).
 
 Each line of the JSONL file (each row of the dataset) is one conversation,
-``{"messages": [{"role", "content"}, ...]}`` with at least one assistant message (a
-line without one is refused, naming the line). A conversation is rendered with the
+``{"messages": [{"role", "content"}, ...]}`` with at least one assistant message, and
+not an assistant message first (unless the ``system`` argument puts one before it): a
+line that breaks either is refused, naming the line. A conversation is rendered with the
 served model's chat template, one assistant message at a time
 (:func:`render_conversation`): the context before it, as the sampler would see it
 (the template with its generation prompt), and the tokens the message adds (its text
@@ -31,9 +32,12 @@ from engine.tasks.render import ChatMessage, TaskContext
 
 __all__ = [
     "CONVERSATION_ARGS",
+    "NORMALIZED_CHARS",
     "ConversationTask",
+    "ConversationTooLong",
     "check_encodable",
     "is_chat",
+    "max_context_chars",
     "render_conversation",
 ]
 
@@ -48,13 +52,40 @@ CONVERSATION_ARGS: Final[Mapping[str, str]] = {
 }
 
 
+NORMALIZED_CHARS: Final = 3
+"""The most characters a tokenizer's normalizer joins into one before it splits a text
+(NFC: a Hangul syllable of three jamo, a letter with two accents)."""
+
+
+class ConversationTooLong(ValueError):
+    """A rendered conversation has more characters (``chars``) than can fit the context."""
+
+    def __init__(self, chars: int) -> None:
+        super().__init__(f"the conversation renders to {chars} characters")
+        self.chars = chars
+
+
+def max_context_chars(tokenizer: Any, max_context: int | None) -> int | None:
+    """The most characters a text of ``max_context`` tokens can hold: each token stands
+    for at most its vocabulary entry's characters (the longest one's, special tokens
+    included) of the text its normalizer gives, which joins at most
+    :data:`NORMALIZED_CHARS` characters into one. None when the context or the
+    vocabulary is not known."""
+    vocabulary = getattr(tokenizer, "get_vocab", None)
+    if max_context is None or not callable(vocabulary):
+        return None
+    longest = max(map(len, vocabulary()), default=1)
+    return max_context * longest * NORMALIZED_CHARS
+
+
 def render_conversation(
-    context: TaskContext, messages: Sequence[ChatMessage]
+    context: TaskContext, messages: Sequence[ChatMessage], *, max_chars: int | None = None
 ) -> list[tuple[list[int], list[int]]]:
     """``(context tokens, message tokens)`` of each assistant message: the conversation
     before it rendered with the generation prompt (as a prompt is), and the tokens the
     message adds to it. ConfigError when the template does not render the conversation
-    as that prompt followed by the message."""
+    as that prompt followed by the message; :class:`ConversationTooLong` when a rendered
+    text is over ``max_chars`` (:func:`max_context_chars`), before it is tokenized."""
     tokenizer, options = context.tokenizer, dict(context.chat_template_options)
     if getattr(tokenizer, "chat_template", None) is None:
         raise ConfigError(
@@ -76,6 +107,8 @@ def render_conversation(
                 [*before, dict(message)], tokenize=False, add_generation_prompt=False, **options
             )
         )
+        if max_chars is not None and len(full) > max_chars:
+            raise ConversationTooLong(len(full))
         if not full.startswith(prompt) or len(full) == len(prompt):
             raise ConfigError(
                 f"the chat template does not render assistant message {k + 1} as the "
@@ -116,7 +149,9 @@ def check_encodable(texts: Iterable[str], where: str) -> None:
             raise ConfigError(f"{where}: a message holds a lone surrogate") from None
 
 
-def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any], ...]:
+def _conversation(
+    record: Any, field: str, where: str, *, system: bool
+) -> tuple[Mapping[str, Any], ...]:
     if not isinstance(record, dict):
         raise ConfigError(f"{where} is not a JSON object")
     messages = record.get(field)
@@ -127,14 +162,20 @@ def _conversation(record: Any, field: str, where: str) -> tuple[Mapping[str, Any
         )
     if not any(m["role"] == "assistant" for m in messages):
         raise ConfigError(f"{where}: the conversation has no assistant message to train on")
+    if messages[0]["role"] == "assistant" and not system:
+        raise ConfigError(
+            f"{where}: the conversation starts with an assistant message, and an assistant "
+            "message is trained as the reply to the messages before it: put a user (or "
+            "system) message first, or give every conversation one (--task-arg system=...)"
+        )
     check_encodable((m["content"] for m in messages), where)
     return tuple(messages)
 
 
-def _rows(records: Iterable[tuple[str, Any]], name: str, *, field: str) -> list[Row]:
+def _rows(records: Iterable[tuple[str, Any]], name: str, *, field: str, system: bool) -> list[Row]:
     rows: list[Row] = []
     for where, record in records:
-        messages = _conversation(record, field, where)
+        messages = _conversation(record, field, where, system=system)
         first = next(m["content"] for m in messages if m["role"] == "assistant")
         rows.append(Row(len(rows), messages, first))
     if not rows:
@@ -153,7 +194,10 @@ class ConversationTask(RowTask):
     def __init__(
         self, path: str | Path, *, messages_field: str = "messages", **rows: Unpack[RowArgs]
     ) -> None:
-        super().__init__(path, functools.partial(_rows, field=messages_field), **rows)
+        parse = functools.partial(
+            _rows, field=messages_field, system=rows.get("system") is not None
+        )
+        super().__init__(path, parse, **rows)
 
     @classmethod
     def from_args(

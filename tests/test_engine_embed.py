@@ -307,6 +307,8 @@ def test_the_embedding_example_runs_and_cancels_cleanly(tmp_path: Path) -> None:
     assert lines[-2] == '[service] final status: {"state": "cancelled", "after_step": 1}'
     assert lines[-1] == "[service] tasks left besides the service: 0"
     assert sum(1 for line in lines if line.startswith("[service] Step ")) == 1
+    # The cancelled run's polls end with its server: no SDK line per re-polled try_again.
+    assert "try_again" not in proc.stderr, proc.stderr
 
 
 @pytest.mark.parametrize(

@@ -264,7 +264,14 @@ async def test_future_store_close_releases_held_polls() -> None:
         tg.start_soon(poll)
         await anyio.lowlevel.checkpoint()
         store.close()
-    assert results == [None]
+    # A failure, not a try_again: the client would re-poll it at once until the port closes.
+    stopped = {
+        "error": "the local server stopped before this request finished",
+        "category": "server",
+    }
+    assert results == [stopped]
+    late = store.create("asample")  # a request that got in as the server was closing
+    assert await store.wait(late, 60) == stopped
 
 
 # ---- auth -----------------------------------------------------------------------------

@@ -20,6 +20,11 @@ import anyio
 ErrorCategory = Literal["user", "server", "unknown"]
 
 
+# Why a future fails once the server closes: its result will never come, and a try_again
+# would have the client re-poll at once, in a loop, until the port closes.
+_STOPPED = "the local server stopped before this request finished"
+
+
 class TooManyPending(Exception):
     """The server holds as many unfinished futures as it allows; the client should retry
     later (answered as 429)."""
@@ -108,9 +113,11 @@ class FutureStore:
             self._entries.pop(old, None)
 
     async def wait(self, entry: FutureEntry, hold_s: float) -> dict[str, Any] | None:
-        """The payload once finished, or None when ``hold_s`` passes first (or the
-        server is closing): the caller answers try_again."""
-        if not entry.finished and not self._closing:
+        """The payload once finished, or None when ``hold_s`` passes first: the caller
+        answers try_again. Once the server is closing, an unfinished future fails."""
+        if self._closing:
+            self.fail(entry, _STOPPED, "server")
+        elif not entry.finished:
             self.held += 1
             started, self._hold_started = self._hold_started, anyio.Event()
             started.set()
@@ -126,8 +133,8 @@ class FutureStore:
         await self._hold_started.wait()
 
     def close(self) -> None:
-        """Release every held poll (they answer try_again) so shutdown never waits on
-        a long-poll."""
+        """Fail every unfinished future, releasing the polls held on it (shutdown never
+        waits on a long-poll), and each one polled from now on."""
         self._closing = True
-        for entry in self._entries.values():
-            entry.done.set()
+        for entry in list(self._entries.values()):
+            self.fail(entry, _STOPPED, "server")

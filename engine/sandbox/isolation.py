@@ -40,7 +40,7 @@ TMP = "/tmp"
 PATH = "/usr/local/bin:/usr/bin:/bin"
 
 LAUNCHER = """\
-import json, os, resource, sys
+import json, os, resource, signal, sys
 fd, uid, limits, argv = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4:]
 os.set_inheritable(fd, False)
 pid = os.fork()
@@ -50,6 +50,8 @@ if pid == 0:
             os.setgroups([])
             os.setresgid(uid, uid, uid)
             os.setresuid(uid, uid, uid)
+        for name in ("SIGPIPE", "SIGXFSZ"):  # Python ignores them; exec would keep that
+            signal.signal(getattr(signal, name), signal.SIG_DFL)
         for name, pair in limits.items():
             resource.setrlimit(getattr(resource, name), tuple(pair))
         os.execvp(argv[0], argv)
@@ -63,8 +65,8 @@ os.write(fd, json.dumps({"exit": code, "cpu_s": usage.ru_utime + usage.ru_stime}
 
 
 def code_uid() -> int:
-    """The uid the code runs as: a random unused one when this process is root (a fresh
-    process count per run), else -1 (stay this user, inside bubblewrap's user namespace)."""
+    """The uid isolated code runs as: a random unused one when this process is root (a
+    fresh process count per run), else -1 (stay this user, in bubblewrap's user namespace)."""
     return 1_000_000 + secrets.randbelow(1 << 30) if os.geteuid() == 0 else -1
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import dataclasses
+import errno
 import signal as signals
 from dataclasses import dataclass
 from typing import Any
@@ -61,13 +62,14 @@ def limit_reached(
     limits: Limits, *, signal: str | None, cpu_s: float | None, stderr: str
 ) -> str | None:
     """The limit behind an ending the sandbox did not cause itself (it knows when it killed
-    for the wall clock or the output): SIGXCPU or SIGKILL past the CPU limit is ``cpu``,
-    SIGXFSZ ``file_size``, a Python ``MemoryError`` as the last line of stderr ``memory``."""
+    for the wall clock or the output): SIGXCPU or SIGKILL past the CPU limit is ``cpu``;
+    SIGXFSZ, or Python's ``File too large`` error (Python ignores SIGXFSZ) as the last line
+    of stderr, ``file_size``; a Python ``MemoryError`` as that line ``memory``."""
     if signal == "SIGXCPU" or (signal == "SIGKILL" and cpu_s is not None and cpu_s >= limits.cpu_s):
         return "cpu"
-    if signal == "SIGXFSZ":
-        return "file_size"
     last = stderr.rstrip().rsplit("\n", 1)[-1]
+    if signal == "SIGXFSZ" or f"[Errno {errno.EFBIG}]" in last:
+        return "file_size"
     if last.startswith("MemoryError"):
         return "memory"
     return None

@@ -211,7 +211,7 @@ class Sandbox:
         try:
             stdin_fd = _memfd("stdin", stdin)
             child_fds.append(stdin_fd)
-            uid = code_uid()
+            uid = code_uid() if isolated else -1
             inner = launcher_argv(self.python, status_w, uid, self.limits.rlimits(), argv)
             cwd: str | None = None
             if isolated:
@@ -227,8 +227,6 @@ class Sandbox:
                 cwd = scratch.enter_context(tempfile.TemporaryDirectory(prefix="sandbox-"))
                 for name, data in files.items():
                     await anyio.Path(cwd, name).write_bytes(data)
-                if uid >= 0:
-                    os.chown(cwd, uid, uid)
                 command, passed = inner, [status_w]
                 env = {"PATH": PATH, "HOME": cwd, "TMPDIR": cwd, "LANG": "C.UTF-8"}
             start = time.monotonic()

@@ -12,11 +12,11 @@ the same task from the command line.
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from engine.common.imports import import_attr
 from engine.config.values import Objective
 from engine.core.problems import Task
 from engine.envs.types import AnyTask, is_env_task
@@ -117,16 +117,7 @@ def _import_attr(spec: str) -> Any:
             f"{', '.join(repr(n) for n in SHIPPED_ENVIRONMENTS)}, 'package.module:attr' "
             "or 'judge:SPEC'"
         )
-    try:
-        module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise ConfigError(f"invalid task {spec!r}: cannot import {module_name!r} ({exc})") from exc
-    obj: Any = module
-    for part in attr.split("."):
-        if not hasattr(obj, part):
-            raise ConfigError(f"invalid task {spec!r}: {module_name!r} has no attribute {attr!r}")
-        obj = getattr(obj, part)
-    return obj
+    return import_attr(spec, "task")
 
 
 def preferred_local_model(task: AnyTask | None, spec: str) -> Path | None:

@@ -180,6 +180,31 @@ def test_the_agent_snippet_copied_as_written_runs_on_the_agent_model(
     assert preferred_local_model(None, "my_agent_snippet:task") == AGENT_MODEL_DIR
 
 
+def test_the_own_reward_example_scores_the_documented_jsonl_task(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """docs/tasks.md's ``reward=module:function`` example, saved as the file it names
+    and run with the task and arguments of its command, scores the data's rows."""
+    from engine.tasks.dataset import DatasetTask
+
+    page = PAGES[ROOT / "docs" / "tasks.md"]
+    snippet = next(b for b in _blocks("python", page) if b.startswith("# my_reward.py"))
+    command = next(b for b in _blocks("bash", page) if "reward=my_reward:reward" in b)
+    (tmp_path / "my_reward.py").write_text(snippet, encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    spec = re.search(r"--task (\S+)", command)
+    args = dict(a.split("=", 1) for a in re.findall(r"--task-arg (\S+)", command))
+    assert spec is not None and args["reward"] == "my_reward:reward"
+    monkeypatch.chdir(ROOT)
+    task = load_task(spec.group(1), args)
+    assert isinstance(task, DatasetTask)  # (its score is a plain function: my_reward's)
+    problem = task.source(0).next()
+    assert problem is not None
+    right = task.score(f" {problem.answer}", problem)
+    assert (right.total, dict(right.components)) == (1.1, {"correct": 1.0, "brief": 0.1})
+    assert task.score(" 0", problem).components == {"correct": 0.0, "brief": 0.0}
+
+
 def _documented_metrics() -> list[re.Pattern[str]]:
     section = _section("Fields of each `metrics.jsonl` line", RUN_DIRECTORY)
     rows = [line.split(" | ")[0] for line in section.splitlines() if line.startswith("| `")]

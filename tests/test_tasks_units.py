@@ -13,6 +13,8 @@ from transformers import AutoTokenizer
 
 from engine.catalog import load_task, task_spec
 from engine.config import EngineConfig, parse_task_args, read_config_file
+from engine.config.values import parse_score_workers
+from engine.envs.scoring import RewardError, Scorer
 from engine.errors import ConfigError
 from engine.run import main, parse_config
 from engine.session.preflight import local_server_profile
@@ -259,6 +261,54 @@ def test_numeric_reward_reads_the_number_at_the_chosen_position(tmp_path: Path) 
     problem = task.source(0).next()
     assert problem is not None
     assert task.score(chatty, problem).total == 1.0
+
+
+@pytest.mark.parametrize("workers", ["threads", "processes:1"])
+@pytest.mark.anyio
+async def test_a_python_reward_scores_a_jsonl_task_sync_or_async(
+    tmp_path: Path, workers: str
+) -> None:
+    """``--task-arg reward=module:function``: the function gets the response and the
+    problem; it may be ``async def``, return a bare number or a RewardBreakdown with
+    components; the engine's scorer checks what it returns as it checks any reward."""
+    rows = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "12 + 30", "answer": 42}] * 3)
+    for spec, rewards in [
+        ("tests.user_tasks:digits_and_answer", [(2.0, {"digits": 1.0, "answer": 1.0})]),
+        ("tests.user_tasks:async_answer", [(1.0, {})]),
+    ]:
+        task = load_task(f"jsonl:{rows}", {"reward": spec})
+        assert task_spec(task, f"jsonl:{rows}", {"reward": spec})[1] == {"reward": spec}
+        problem = task.source(0).next()
+        assert problem is not None
+        scorer = Scorer(task, concurrency=2, workers=parse_score_workers(workers))
+        (got,) = await scorer.score(problem, ["42"])
+        assert [(got.total, dict(got.components))] == rewards
+        (miss,) = await scorer.score(problem, ["x"])
+        assert miss.total == 0.0
+    nan = load_task(f"jsonl:{rows}", {"reward": "tests.user_tasks:not_finite"})
+    scorer = Scorer(nan, concurrency=1, workers=parse_score_workers(workers))
+    with pytest.raises(RewardError, match="non-finite"):
+        await scorer.score(Problem(0, "12 + 30", 42, {"split": "train", "row": 0}), ["42"])
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("no_such_module_xyz:reward", "cannot import 'no_such_module_xyz'"),
+        ("tests.user_tasks:no_such_reward", "has no attribute 'no_such_reward'"),
+        ("tests.user_tasks:NOT_A_FUNCTION", "is not callable"),
+    ],
+)
+def test_a_python_reward_that_cannot_be_imported_is_one_line_and_exit_2(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], spec: str, message: str
+) -> None:
+    rows = write_jsonl(tmp_path / "d.jsonl", addition_rows(4))
+    with pytest.raises(ConfigError, match=f"invalid reward '{spec}': .*{message}"):
+        load_task(f"jsonl:{rows}", {"reward": spec})
+    argv = ["--task", f"jsonl:{rows}", "--task-arg", f"reward={spec}", "--steps", "1"]
+    assert main([*argv, "--base-url", "http://127.0.0.1:9", "--api-key", "k"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("Error: ") and message in err and err.count("\n") == 1, err
 
 
 def test_boxed_reward_with_math_verify() -> None:

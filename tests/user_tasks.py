@@ -65,3 +65,24 @@ class ChatDigitCountTask(DigitCountTask):
 
     def prompt(self, problem: Problem) -> list[dict[str, str]]:  # type: ignore[override]
         return [{"role": "user", "content": problem.question}]
+
+
+def digits_and_answer(response: str, problem: Problem) -> RewardBreakdown:
+    """A reward for ``--task-arg reward=tests.user_tasks:digits_and_answer``: the share
+    of digits, plus 1 for the answer (components ``digits`` and ``answer``)."""
+    digits = sum(ch.isdigit() for ch in response) / max(1, len(response))
+    answer = float(response.strip() == str(problem.answer))
+    return RewardBreakdown(digits + answer, {"digits": digits, "answer": answer})
+
+
+async def async_answer(response: str, problem: Problem) -> float:
+    """The same as an ``async def`` returning a bare number (1 for the answer)."""
+    await anyio.lowlevel.checkpoint()
+    return float(response.strip() == str(problem.answer))
+
+
+def not_finite(response: str, problem: Problem) -> float:
+    return float("nan")
+
+
+NOT_A_FUNCTION = 3

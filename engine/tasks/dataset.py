@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import inspect
 import json
 import random
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -29,7 +30,7 @@ from typing import Any, ClassVar, Final, Literal, TypedDict, Unpack
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
 from engine.tasks.hf import read_hf_splits
-from engine.tasks.rewards import REWARD_PRESETS, RewardFn, make_reward
+from engine.tasks.rewards import REWARD_PRESETS, RewardFn, make_reward, user_reward
 
 __all__ = [
     "DATASET_ARGS",
@@ -55,7 +56,8 @@ DATASET_ARGS: Final[Mapping[str, str]] = {
     "answer_field": "field holding the answer (default: answer)",
     "system": "a system message put before a chat prompt (a string prompt becomes a user message)",
     "chat": "true: send a string prompt as a user message through the chat template",
-    "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact)",
+    "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact), or your own "
+    "module:function (response, problem) -> number or RewardBreakdown, sync or async",
     "tolerance": "numeric: relative tolerance (absolute below 1; default 1e-6)",
     "numeric_position": "numeric: which number of the response is the answer: first "
     "(default; the packaged model), last (chat models) or boxed (inside \\boxed{})",
@@ -375,11 +377,13 @@ class RowTask:
 
 
 class DatasetTask(RowTask):
-    """A dataset scored by a reward preset: a JSONL file (``jsonl``) or a Hugging Face
-    dataset on disk (``hf``, :mod:`engine.tasks.hf`). Build it with :meth:`from_args`
-    (what ``--task jsonl:PATH`` / ``hf:PATH`` with ``--task-arg KEY=VALUE`` does) or
-    directly. The held-out rows are ``eval_size`` rows of the training split, a second
-    dataset ``eval_path`` (same format) or, for ``hf``, the split ``eval_split``."""
+    """A dataset scored by a reward preset, or by the user's function ``reward=
+    "module:function"`` (:func:`~engine.tasks.rewards.user_reward`): a JSONL file
+    (``jsonl``) or a Hugging Face dataset on disk (``hf``, :mod:`engine.tasks.hf`). Build
+    it with :meth:`from_args` (what ``--task jsonl:PATH`` / ``hf:PATH`` with
+    ``--task-arg KEY=VALUE`` does) or directly. The held-out rows are ``eval_size`` rows
+    of the training split, a second dataset ``eval_path`` (same format) or, for ``hf``,
+    the split ``eval_split``."""
 
     skip_special_tokens = True
 
@@ -401,7 +405,13 @@ class DatasetTask(RowTask):
             **rows,
         )
         self._chat = chat or self._system is not None
-        self._score: RewardFn = make_reward(reward, reward_options or {})
+        self._own: Callable[..., Any] | None = None
+        if ":" in reward:
+            self._own = user_reward(reward)
+            if _is_async(self._own):  # the scorer awaits it on the event loop
+                self.score = self._score_async  # type: ignore[method-assign,assignment]
+        else:
+            self._score: RewardFn = make_reward(reward, reward_options or {})
         self.reward = reward
         self.stop = tuple(stop)
         self.data_digest = _rows_digest(self._train, self._held_out)
@@ -444,7 +454,21 @@ class DatasetTask(RowTask):
         return self._messages(problem)
 
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        if self._own is not None:
+            return self._own(response, problem)  # type: ignore[no-any-return]  # (checked by the scorer)
         return self._score(response, problem.answer)
+
+    async def _score_async(self, response: str, problem: Problem) -> RewardBreakdown:
+        assert self._own is not None
+        return await self._own(response, problem)  # type: ignore[no-any-return]
+
+
+def _is_async(fn: Callable[..., Any]) -> bool:
+    """Whether calling ``fn`` gives a coroutine (an ``async def``, or an object whose
+    ``__call__`` is one)."""
+    return inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(
+        getattr(fn, "__call__", None)  # noqa: B004
+    )
 
 
 def _read(

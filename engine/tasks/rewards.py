@@ -9,6 +9,10 @@ models that explain before they answer) or ``boxed`` (the number inside the last
 Each preset is a function ``(response, answer) -> RewardBreakdown`` with one component,
 ``correct`` (1.0 or 0.0), so ``exact_rate`` in the step line and ``eval/correct/rate``
 read as the fraction of correct responses.
+
+A reward named ``module:function`` is the user's own (:func:`user_reward`): ``(response,
+problem)``, sync or ``async def``, returning a number or a RewardBreakdown; what it
+returns is checked as any task's reward is (:func:`engine.envs.scoring.check_reward`).
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from typing import Any, Final
 
 import regex
 
+from engine.common.imports import import_attr
 from engine.core.problems import RewardBreakdown
 from engine.errors import ConfigError
 
@@ -32,6 +37,7 @@ __all__ = [
     "RewardFn",
     "make_reward",
     "normalize_text",
+    "user_reward",
 ]
 
 RewardFn = Callable[[str, Any], RewardBreakdown]
@@ -194,4 +200,16 @@ def make_reward(preset: str, options: Mapping[str, str]) -> RewardFn:
         return _Regex(pattern, timeout)
     if preset == "boxed":
         return _Boxed()
-    raise ConfigError(f"unknown reward {preset!r}; choose one of {', '.join(REWARD_PRESETS)}")
+    raise ConfigError(
+        f"unknown reward {preset!r}; choose one of {', '.join(REWARD_PRESETS)}, or name "
+        "your own function as module:function"
+    )
+
+
+def user_reward(spec: str) -> Callable[..., Any]:
+    """The reward function ``module:function`` names (it must be importable: from the
+    working directory or an installed package); a ConfigError in one line otherwise."""
+    fn = import_attr(spec, "reward")
+    if not callable(fn):
+        raise ConfigError(f"invalid reward {spec!r}: {type(fn).__name__} is not callable")
+    return fn  # type: ignore[no-any-return]

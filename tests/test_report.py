@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.observe.report import (
     REPORT_HTML,
@@ -21,6 +22,7 @@ from engine.observe.report import (
     smooth,
 )
 from engine.report import main
+from engine.rundir.directory import config_record, write_config
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -119,7 +121,12 @@ def test_several_runs_are_overlaid_one_colour_each(tmp_path: Path) -> None:
     assert lines[0].get_color() == lines[1].get_color() != lines[2].get_color()
     legend = reward_axes.get_legend()
     assert legend is not None
-    assert [t.get_text() for t in legend.get_texts()] == ["k0", "k1"]
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "k0",
+        "k1",
+        "faint: each step",
+        "bold: smoothed (weight 0.6)",
+    ]
     assert len(panels(fig)["stage_medians"].patches) == 2 * 5  # five stage bars per run
 
 
@@ -142,6 +149,7 @@ def test_a_panel_is_drawn_only_when_its_metrics_are_logged(tmp_path: Path) -> No
     lines = [json.loads(line) for line in (logged / "metrics.jsonl").read_text().splitlines()]
     for m in lines:
         m.update({"optim/entropy": 0.8, "optim/grad_norm": 1.5, "optim/loss": 0.2})
+        m.update({"optim/trained_tokens": 40})
     (logged / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
     drawn = panels(draw_report([load_run(logged)]))
     assert {"entropy", "grad_norm", "loss"} <= set(drawn)
@@ -276,3 +284,90 @@ def test_response_panels_label_what_each_run_has_and_a_run_that_trained_nothing_
     ]
     assert "idle trained nothing: every response was empty" in fig.get_suptitle()
     assert "kl" not in panels(draw_report([runs[1]]))  # no trained step: no KL panel
+
+
+def with_config(run_dir: Path, **settings: Any) -> Path:
+    """The run's config.json as the engine writes it."""
+    write_config(run_dir, config_record(EngineConfig(**settings), None))
+    return run_dir
+
+
+def test_the_title_says_what_each_run_trained_so_two_reports_differ(tmp_path: Path) -> None:
+    common = {"base_model": "Qwen/Qwen3-0.6B", "loss": "cispo", "batch": 4, "group": 3}
+    k0 = with_config(
+        make_run(tmp_path / "a" / "run", [0.5, 0.6]),
+        **common,
+        learning_rate=4e-5,
+        max_steps_off_policy=0,
+    )
+    k2 = with_config(
+        make_run(tmp_path / "b" / "run", [0.5, 0.6]),
+        **common,
+        learning_rate=1e-4,
+        max_steps_off_policy=2,
+    )
+    titles = [draw_report([load_run(d)]).get_suptitle() for d in (k0, k2)]
+    assert titles[0] == (
+        "run\nmodel Qwen/Qwen3-0.6B, task arithmetic, objective rl (loss cispo), lr 4e-05, "
+        "K=0, batch 4, group 3"
+    )
+    assert titles[1].endswith("lr 0.0001, K=2, batch 4, group 3")
+    overlaid = draw_report([load_run(k0, "k0"), load_run(k2, "k2")]).get_suptitle()
+    assert overlaid.splitlines() == [
+        "k0: " + titles[0].splitlines()[1],
+        "k2: " + titles[1].splitlines()[1],
+    ]
+
+
+def test_a_run_that_samples_nothing_shows_no_k_and_a_bad_config_shows_nothing(
+    tmp_path: Path,
+) -> None:
+    sft = with_config(make_run(tmp_path / "sft", [0.5]), objective="sft", learning_rate=1e-3)
+    title = draw_report([load_run(sft)]).get_suptitle()
+    assert title.endswith("objective sft, lr 0.001") and "K=" not in title
+    odd = make_run(tmp_path / "odd", [0.5, 0.6])
+    (odd / "config.json").write_text(
+        json.dumps(
+            {"model": {"base_model": "x\n" * 500}, "training": {"learning_rate": float("nan")}}
+        )
+    )
+    assert draw_report([load_run(odd)]).get_suptitle() == "odd\nmodel " + "x " * 29 + "x"
+    (odd / "config.json").write_text("[1, 2]")
+    assert draw_report([load_run(odd)]).get_suptitle() == "odd"
+
+
+def test_step_axes_of_a_short_run_have_whole_step_ticks(tmp_path: Path) -> None:
+    fig = draw_report([load_run(make_run(tmp_path / "short", [0.5, 0.6, 0.7]))])
+    step_axes = [ax for ax in fig.axes if ax.get_xlabel() == "step"]
+    assert len(step_axes) >= 4
+    for ax in step_axes:
+        ticks = [t for t in ax.get_xticks() if 1 <= t <= 3]
+        assert ticks == [1.0, 2.0, 3.0], (ax.get_gid(), list(ax.get_xticks()))
+
+
+def test_one_run_draws_each_line_of_a_panel_in_its_own_colour_and_keys_faint_and_bold(
+    tmp_path: Path,
+) -> None:
+    fig = draw_report([load_run(make_run(tmp_path / "one", [0.5, 0.6, 0.7]))])
+    kl = panels(fig)["kl"].get_lines()
+    colours = [line.get_color() for line in kl if line.get_label() in ("v1", "v2")]
+    assert len(colours) == 2 and colours[0] != colours[1]
+    legend = panels(fig)["reward"].get_legend()
+    assert legend is not None  # one run: the title names it, the legend the two lines
+    assert [t.get_text() for t in legend.get_texts()] == [
+        "faint: each step",
+        "bold: smoothed (weight 0.6)",
+    ]
+    faint, bold = legend.get_lines()
+    assert faint.get_linewidth() < bold.get_linewidth()
+
+
+def test_the_rl_loss_is_drawn_per_trained_token(tmp_path: Path) -> None:
+    run_dir = make_run(tmp_path / "run", [0.5, 0.6])
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for metrics, (loss, tokens) in zip(lines, [(-780.0, 1560), (120.0, 400)], strict=True):
+        metrics.update({"optim/loss": loss, "optim/trained_tokens": tokens})
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    ax = panels(draw_report([load_run(run_dir)]))["loss"]
+    assert "per trained token" in ax.get_title() and "loss:sum" in ax.get_title()
+    assert list(np.asarray(ax.get_lines()[0].get_ydata())) == pytest.approx([-0.5, 0.3])

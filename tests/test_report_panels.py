@@ -72,7 +72,12 @@ async def test_a_task_with_components_gets_their_panels_and_held_out_means(
     assert not ENVIRONMENT & set(drawn)  # no episodes: no environment panels
     assert_none_empty(fig)
     means = drawn["components"].get_legend()
-    assert means is not None and [t.get_text() for t in means.get_texts()] == ["close", "exact"]
+    assert means is not None and [t.get_text() for t in means.get_texts()] == [
+        "close",
+        "exact",
+        "faint: each step",
+        "bold: smoothed (weight 0.6)",
+    ]
     rates = drawn["component_rates"].get_legend()  # exact's rate is its mean: drawn once
     assert rates is None and len(drawn["component_rates"].get_lines()) == 1
 

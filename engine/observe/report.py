@@ -24,6 +24,7 @@ from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
 from engine.observe.headline import headline_figures
 from engine.observe.report_panels import components, draw_panels
+from engine.rundir.resume import CONFIG_FILE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
@@ -38,6 +39,7 @@ __all__ = [
     "load_run",
     "load_runs",
     "plot_report",
+    "run_settings",
     "smooth",
     "write_report",
     "write_runs",
@@ -58,6 +60,9 @@ class RunData:
     """The held-out evaluations (``eval.jsonl``), step 0 first; empty without one."""
     warnings: list[str] = field(default_factory=list)
     """One line per file whose damaged lines were skipped."""
+    settings: str = ""
+    """What the run trained and how, one line of its ``config.json`` (:func:`run_settings`);
+    "" without a readable one."""
 
     def series(self, name: str) -> tuple[list[int], list[float | None]]:
         """(step numbers, values) of one metric; None where a step lacks it."""
@@ -113,19 +118,60 @@ def load_run(run_dir: Path, label: str | None = None) -> RunData:
         warnings.append(evals.warning())
     except OSError:
         evals = StepLines(run_dir / EVAL_FILE)  # a run without --eval-every
-    summary: dict[str, Any] | None = None
-    try:
-        loaded = json.loads((run_dir / "summary.json").read_text(encoding="utf-8"))
-        summary = loaded if isinstance(loaded, dict) else None
-    except (OSError, ValueError, RecursionError):
-        pass
     return RunData(
         label or run_dir.name,
         run_dir,
         read.records,
-        summary,
+        _json_object(run_dir / "summary.json"),
         evals.records,
         [w for w in warnings if w is not None],
+        run_settings(_json_object(run_dir / CONFIG_FILE) or {}),
+    )
+
+
+def _json_object(path: Path) -> dict[str, Any] | None:
+    """The JSON object in ``path``; None when it is missing, unreadable or not one."""
+    try:
+        loaded = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return None
+    return loaded if isinstance(loaded, dict) else None
+
+
+def run_settings(config: dict[str, Any]) -> str:
+    """One line of what a run trained and how, from its ``config.json``: the model, the
+    task, the objective (and its loss), the learning rate and, for a run that samples, K
+    (``--max-steps-off-policy``), ``--batch`` and ``--group``. A value the file lacks, or
+    holds as no plain value, is left out; a text is cut to 60 characters."""
+
+    def value(group: str | None, key: str) -> str | None:
+        section = config if group is None else config.get(group)
+        raw = section.get(key) if isinstance(section, dict) else None
+        if isinstance(raw, int) and not isinstance(raw, bool):
+            return str(raw)
+        if isinstance(raw, float) and math.isfinite(raw):
+            return f"{raw:.3g}"
+        return (" ".join(raw.split())[:60].strip() or None) if isinstance(raw, str) else None
+
+    objective = value("training", "objective")
+    sampled = objective in ("rl", "distill")
+    loss = value("training", "loss") if sampled else None
+    fields = [
+        ("model", value("model", "base_model")),
+        ("task", value(None, "task_name") or value("task", "spec")),
+        ("objective", f"{objective} (loss {loss})" if loss else objective),
+        ("lr", value("training", "learning_rate")),
+    ]
+    if sampled:
+        fields += [
+            ("K=", value("pipeline", "max_steps_off_policy")),
+            ("batch", value("pipeline", "batch")),
+            ("group", value("pipeline", "group")),
+        ]
+    return ", ".join(
+        f"{name}{text}" if name.endswith("=") else f"{name} {text}"
+        for name, text in fields
+        if text is not None
     )
 
 
@@ -160,18 +206,28 @@ def plot_report(runs: Sequence[RunData], path: Path, smoothing: float = DEFAULT_
 def draw_report(runs: Sequence[RunData], smoothing: float = DEFAULT_SMOOTHING) -> Figure:
     """The figure of :func:`plot_report`: the panels of :mod:`engine.observe.report_panels`
     that the runs' metrics fill (each axes' gid names its panel, the reward first), with
-    the runs' names, and why a run trained nothing, as its title."""
-    title = ", ".join(run.label for run in runs)
+    each run's name and settings (:attr:`RunData.settings`), and why a run trained
+    nothing, as its title."""
+    if len(runs) == 1:
+        lines = [runs[0].label, runs[0].settings]
+    else:
+        lines = [f"{run.label}: {run.settings}" if run.settings else run.label for run in runs]
     for run in runs:
         reason = run.trained_nothing
         if reason is not None:
-            title += f"\n{run.label} trained nothing: {reason}"
-    return draw_panels(runs, lambda values: smooth(values, smoothing), title)
+            lines.append(f"{run.label} trained nothing: {reason}")
+    return draw_panels(
+        runs,
+        lambda values: smooth(values, smoothing),
+        "\n".join(line for line in lines if line),
+        smoothed=f"smoothed (weight {smoothing:g})",
+    )
 
 
 def _table(runs: Sequence[RunData]) -> str:
     head = (
         "run",
+        "settings",
         "status",
         "steps",
         "reward first / last / best",
@@ -189,6 +245,7 @@ def _table(runs: Sequence[RunData]) -> str:
         summary = run.summary or {}
         cells = (
             str(run.run_dir),
+            run.settings or "n/a",
             str(summary.get("status", "n/a"))
             + (f"; trained nothing: {run.trained_nothing}" if run.trained_nothing else ""),
             str(len(run.steps)),

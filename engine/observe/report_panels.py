@@ -275,8 +275,8 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
         ),
         Panel(
             "loss",
-            "training loss (the step's loss:sum)",
-            _curves(runs, [("optim/loss", "")] if sampled else []),
+            "RL loss per trained token (the step's loss:sum / its tokens)",
+            _per_token_loss(runs) if sampled else [],
         ),
         Panel(
             "kl",
@@ -328,6 +328,22 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
         ),
     ]
     return [p for p in panels if p.has_value]
+
+
+def _per_token_loss(runs: Sequence[RunData]) -> list[Curve]:
+    """The RL loss per trained token of each step: the server's ``loss:sum`` adds up
+    every trained token's term (``optim/loss``), so its size follows the step's
+    ``optim/trained_tokens``, not how well it trained."""
+    curves = []
+    for i, run in enumerate(runs):
+        steps, losses = run.series("optim/loss")
+        tokens = run.series("optim/trained_tokens")[1]
+        per_token = [
+            loss / n if loss is not None and n else None
+            for loss, n in zip(losses, tokens, strict=True)
+        ]
+        curves.append(Curve(i, "", [float(s) for s in steps], per_token))
+    return curves
 
 
 def _eval_curves(
@@ -465,9 +481,12 @@ def draw_panels(
     runs: Sequence[RunData],
     smooth: Callable[[Sequence[float | None]], list[float | None]],
     title: str,
+    smoothed: str = "smoothed",
 ) -> Figure:
-    """The figure of :func:`build_panels`, three panels a row, one colour per run; each
-    axes' gid is its panel's key."""
+    """The figure of :func:`build_panels`, three panels a row: one colour per run (one
+    run: per line of a panel), whole steps on a step axis, a panel with smoothed lines
+    says in its legend that the faint one is each step and the bold one ``smoothed``;
+    each axes' gid is its panel's key."""
     from engine.observe.plotting import new_figure
 
     panels = build_panels(runs)
@@ -476,7 +495,7 @@ def draw_panels(
     for index, panel in enumerate(panels):
         ax = fig.add_subplot(rows, COLUMNS, index + 1)
         ax.set_gid(panel.key)
-        _draw(ax, panel, runs, smooth)
+        _draw(ax, panel, runs, smooth, smoothed)
     fig.suptitle(title, fontsize=11)
     lines = title.count("\n") + 1
     fig.tight_layout(rect=(0.0, 0.0, 1.0, 1.0 - 0.22 * lines / fig.get_figheight()))
@@ -488,36 +507,49 @@ def _draw(
     panel: Panel,
     runs: Sequence[RunData],
     smooth: Callable[[Sequence[float | None]], list[float | None]],
+    smoothed: str,
 ) -> None:
+    from matplotlib.lines import Line2D
+    from matplotlib.ticker import MaxNLocator
+
     from engine.observe.plotting import color
 
     several = len(runs) > 1
+    keyed: list[Any] = []  # the legend: what a line's colour or style alone cannot say
     for curve in panel.curves:
         label = runs[curve.run].label
         if curve.what:
             label = f"{label}: {curve.what}" if several else curve.what
         line, marker = STYLES[curve.style]
         ys = _nan(curve.ys)
-        look: dict[str, Any] = {"color": color(curve.run), "ls": line, "marker": marker, "ms": 3}
+        # Several runs: a colour per run (its label in the legend); one run: per line.
+        hue = color(curve.run if several else curve.style)
+        look: dict[str, Any] = {"color": hue, "ls": line, "marker": marker, "ms": 3}
         if curve.markers and not marker:
             look["marker"] = "o"
         if curve.steps:
-            ax.step(curve.xs, ys, where="mid", lw=2, label=label, **look)
+            drawn = ax.step(curve.xs, ys, where="mid", lw=2, label=label, **look)
         elif curve.smoothed:
             ax.plot(curve.xs, ys, alpha=0.3, lw=1, **look)
-            ax.plot(curve.xs, _nan(smooth(curve.ys)), lw=2, label=label, **look)
+            drawn = ax.plot(curve.xs, _nan(smooth(curve.ys)), lw=2, label=label, **look)
         else:
-            ax.plot(curve.xs, ys, lw=1.5, label=label, **look)
+            drawn = ax.plot(curve.xs, ys, lw=1.5, label=label, **look)
+        if several or curve.what:
+            keyed += drawn
     width = 0.8 / max(1, len(panel.bars))
     for bar in panel.bars:
         offset = (bar.run - (len(panel.bars) - 1) / 2) * width
         xs = [x + offset for x in range(len(panel.categories))]
-        drawn = ax.bar(xs, bar.values, width, color=color(bar.run), label=runs[bar.run].label)
-        ax.bar_label(drawn, fmt="%.2f", fontsize=7, padding=2)
+        bars = ax.bar(xs, bar.values, width, color=color(bar.run), label=runs[bar.run].label)
+        ax.bar_label(bars, fmt="%.2f", fontsize=7, padding=2)
+        if several:
+            keyed.append(bars)
     if panel.bars:
         ax.set_xticks(range(len(panel.categories)), list(panel.categories))
     if panel.percent:
         ax.set_ylim(-5.0, 105.0)
+    if panel.xlabel == "step":
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if panel.key == "staleness":
         ax.yaxis.get_major_locator().set_params(integer=True)
     if panel.key == "kl":
@@ -525,8 +557,13 @@ def _draw(
     ax.set_title(panel.title, fontsize=10)
     ax.set_xlabel(panel.xlabel)
     ax.grid(alpha=0.3)
-    if len(ax.get_legend_handles_labels()[0]) > 1:
-        ax.legend(fontsize=7)
+    if any(curve.smoothed for curve in panel.curves):
+        keyed += [
+            Line2D([], [], color="0.3", lw=1, alpha=0.4, label="faint: each step"),
+            Line2D([], [], color="0.3", lw=2, label=f"bold: {smoothed}"),
+        ]
+    if len(keyed) > 1:
+        ax.legend(handles=keyed, fontsize=7)
 
 
 def _nan(values: Sequence[float | None]) -> list[float]:

@@ -18,6 +18,7 @@ import anyio.to_thread
 import pytest
 
 import engine.sandbox.isolation as isolation
+from benchmarks import sandbox as sandbox_benchmark
 from engine.sandbox import (
     Limits,
     Sandbox,
@@ -254,3 +255,15 @@ def test_the_documented_example_runs_as_written(isolated: None) -> None:
     exec(compile(example, str(DOCS), "exec"), namespace)
     result = anyio.run(namespace["main"])
     assert result.ok and result.stdout == "3\n"
+
+
+def test_the_benchmark_writes_both_workloads_at_each_concurrency(
+    isolated: None, tmp_path: Path
+) -> None:
+    assert sandbox_benchmark.main(["--runs", "1", "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "sandbox.json").read_text())["rows"]
+    assert {r["workload"] for r in rows} == set(sandbox_benchmark.WORKLOADS)
+    for row in rows:
+        assert row["bare"]["runs_per_s"] > 0 and row["sandbox"]["runs_per_s"] > 0
+    table_lines = (tmp_path / "sandbox.md").read_text().count("\n| ")
+    assert table_lines == len(rows) + 2  # the header, its rule, the rows

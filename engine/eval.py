@@ -31,16 +31,19 @@ import anyio
 from engine.catalog import load_task
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, positive_int, program_name
+from engine.common.files import unwritable_reason, write_file_atomically
 from engine.common.setting import parse_text
 from engine.config import EngineConfig, parse_task_args
 from engine.config.models import setting_at
 from engine.config.records import flat_settings
 from engine.config.values import pass_k_problem
 from engine.envs.scoring import check_score_workers
-from engine.errors import ConfigError, EngineError, find_error
+from engine.errors import ConfigError, EngineError, RunFileError, find_error
+from engine.local.config import Limits
 from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
 from engine.rundir.checkpoint_copy import copy_checkpoint_files
+from engine.rundir.checkpoints import CHECKPOINTS_FILE
 from engine.rundir.resume import read_run_config
 from engine.session.opening import open_session, service_guard
 from engine.tasks.render import PromptRenderer
@@ -49,6 +52,9 @@ __all__ = ["DEFAULT_SAMPLES", "EvalRequest", "format_table", "main", "run_eval"]
 
 DEFAULT_SAMPLES = 4
 """Sampled responses per problem when neither ``--samples`` nor ``--k`` says."""
+MAX_LOCAL_SAMPLES = Limits.max_num_samples
+"""The most sampled responses per problem on the local server: a problem's samples are one
+request, and the server draws at most this many per request (its ``max_num_samples``)."""
 
 _FROM_RUN = (
     "task",
@@ -146,6 +152,11 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         raise ConfigError(f"--k {problem} (--samples {samples})")
     ref = resolve_checkpoint(request.checkpoint, step=request.step, data_dir=request.data_dir)
     local = ref.directory is not None
+    if local and samples > MAX_LOCAL_SAMPLES:
+        raise ConfigError(
+            f"{samples} samples per problem (--samples, or the largest --k) are more than "
+            f"the {MAX_LOCAL_SAMPLES} the local server draws per request"
+        )
     config = _config(request, ref, local)
     async with AsyncExitStack() as stack:
         data_dir: Path | None = None
@@ -160,14 +171,14 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
         session = await stack.enter_async_context(
             open_session(config, guard=service_guard(config), local_data_dir=data_dir)
         )
-        config = session.config
+        config = session.config  # the task's arguments completed by what the server says
         task = load_task(config.task.spec, config.task.args)
         check_score_workers(task, config.scoring.score_workers)
+        problems = eval_problems_of(task, "engine.eval evaluates a task's held-out problems")
         plan_renderer = PromptRenderer(
             task, session.tokenizer, keep_stop_text=config.sampling.keep_stop_text, session=session
         )
         plan = GroupPlan(config, task, plan_renderer, session.info.max_context)
-        problems = eval_problems_of(task)
 
         async def measure(sampler: Any) -> tuple[dict[str, float], list[dict[str, Any]]]:
             evaluation = await evaluate_problems(
@@ -224,8 +235,6 @@ def _with_base_model_of(config: EngineConfig, directory: Path) -> EngineConfig:
 def _sampler_path(ref: CheckpointRef) -> str:
     """A run's checkpoint is sampled from its sampler snapshot, when it recorded one."""
     if ref.run_dir is not None and ref.step is not None:
-        from engine.rundir.checkpoints import CHECKPOINTS_FILE
-
         for line in (ref.run_dir / CHECKPOINTS_FILE).read_text().splitlines():
             try:
                 record = json.loads(line)
@@ -322,6 +331,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"got {args.temperature}"
         )
     try:
+        _check_out(args.out, args.checkpoint)
         request = EvalRequest(
             checkpoint=args.checkpoint,
             step=args.step,
@@ -343,16 +353,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print(f"Error: {error}", file=sys.stderr)
         return 2
+    print(format_table(result))
     out = args.out
     if out is None and result["step"] is not None:  # a run dir's checkpoint
         out = Path(args.checkpoint) / f"eval-step{result['step']}.json"
     if out is not None:
-        text = json.dumps(result, indent=2, sort_keys=True, default=str)
-        out.write_text(text + "\n", encoding="utf-8")
-    print(format_table(result))
-    if out is not None:
+        text = json.dumps(result, indent=2, sort_keys=True, default=str) + "\n"
+        try:
+            write_file_atomically(out, text.encode())
+        except RunFileError as exc:  # checked up front, so the disk filled or it changed
+            print(f"Error: {exc}", file=sys.stderr)
+            return 1
         print(out)
     return 0
+
+
+def _check_out(out: Path | None, checkpoint: str) -> None:
+    """ConfigError unless the JSON result can be written where it goes (``--out``, else a
+    run dir's ``eval-step<N>.json``), so nothing is evaluated in vain."""
+    if out is None:
+        run_dir = Path(checkpoint).expanduser()
+        if not (run_dir / CHECKPOINTS_FILE).is_file():
+            return  # not a run dir: the result is only printed
+        reason = unwritable_reason(run_dir)
+        if reason is not None:
+            raise ConfigError(
+                f"cannot write the result in the run directory {run_dir} ({reason}): "
+                "give --out FILE"
+            )
+        return
+    if out.is_dir():
+        raise ConfigError(f"--out {out} is a directory: give the result file's path")
+    if not out.parent.is_dir():
+        raise ConfigError(f"--out {out}: directory {out.parent} does not exist")
+    reason = unwritable_reason(out.parent)
+    if reason is not None:
+        raise ConfigError(f"cannot write --out {out} ({reason}): give another --out")
 
 
 def _ks(text: str) -> tuple[int, ...]:

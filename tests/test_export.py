@@ -7,7 +7,9 @@ float32 with a different summation order, and the merged weights round W + BA on
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -102,6 +104,29 @@ def test_merged_export_matches_the_servers_forward(trained: Trained, tmp_path: P
     model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
     for seq, want in zip(seqs, served, strict=True):
         assert torch.allclose(_target_logprobs(model, seq), want, atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_the_docs_load_both_exports_from_any_directory(
+    trained: Trained, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loading snippet of docs/export-and-eval.md, run where the exports are and not
+    in the repository: the base model comes from the adapter's own base id, not from a
+    path relative to a checkout (``engine/local/default_model``)."""
+    ckpt, seqs, served = trained
+    assert main([str(ckpt), "--format", "peft", "--out", str(tmp_path / "adapter")]) == 0
+    export_checkpoint(ckpt, tmp_path / "merged", "merged")
+    page = (Path(__file__).resolve().parents[1] / "docs" / "export-and-eval.md").read_text()
+    blocks = re.findall(r"^```python\n(.*?)^```", page, flags=re.DOTALL | re.MULTILINE)
+    snippet = next(b for b in blocks if "PeftModel.from_pretrained" in b)
+    monkeypatch.chdir(tmp_path)
+    namespace: dict[str, Any] = {}
+    exec(snippet, namespace)
+    assert Path(namespace["BASE"]) == Path(MODEL_DIR)
+    for name in ("adapter", "model"):
+        model = namespace[name].float().eval()
+        for seq, want in zip(seqs, served, strict=True):
+            got = _target_logprobs(model, seq)
+            assert torch.allclose(got, want, atol=LOGPROB_TOLERANCE, rtol=0)
 
 
 def test_a_run_dir_names_its_checkpoints_in_its_local_server_dir(tmp_path: Path) -> None:

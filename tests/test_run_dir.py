@@ -122,7 +122,7 @@ def test_a_read_only_run_dir_is_one_line_before_anything_starts(
         raise PermissionError(errno.EACCES, "Permission denied")
 
     # chmod does not stop root; the OS answer a non-root user gets is injected instead
-    monkeypatch.setattr("engine.rundir.directory.tempfile.TemporaryFile", refuse)
+    monkeypatch.setattr("engine.common.files.tempfile.TemporaryFile", refuse)
     code, err = cli(["--run-dir", str(locked)], capsys)
     assert (code, err) == (
         2,

@@ -13,7 +13,7 @@ import structlog
 
 from engine.errors import RunFileError
 
-__all__ = ["fsync_dir", "truncate_metrics", "write_file_atomically"]
+__all__ = ["fsync_dir", "truncate_metrics", "unwritable_reason", "write_file_atomically"]
 
 _log = structlog.get_logger("engine.common.files")
 
@@ -29,6 +29,16 @@ def fsync_dir(path: Path) -> None:
         pass
     finally:
         os.close(fd)
+
+
+def unwritable_reason(directory: Path) -> str | None:
+    """Why no file can be created in ``directory`` (tried with a temporary file), or None
+    when one can."""
+    try:
+        with tempfile.TemporaryFile(dir=directory):
+            return None
+    except OSError as exc:
+        return (exc.strerror or str(exc)).lower()
 
 
 def write_file_atomically(path: Path, data: bytes) -> None:

@@ -68,13 +68,16 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def eval_problems_of(task: AnyTask) -> list[Problem]:
-    """The task's held-out problems (``eval_problems()``); ConfigError when it has none."""
+def eval_problems_of(
+    task: AnyTask, needs: str = "--eval-every needs held-out problems"
+) -> list[Problem]:
+    """The task's held-out problems (``eval_problems()``); ConfigError when it has none,
+    saying what ``needs`` them."""
     method = getattr(task, "eval_problems", None)
     problems = list(method()) if callable(method) else []
     if not problems:
         raise ConfigError(
-            f"--eval-every needs held-out problems, and task {task.name!r} has none "
+            f"{needs}, and task {task.name!r} has none "
             "(jsonl tasks: --task-arg eval_size=N or eval_path=FILE; your own task: an "
             "eval_problems() method)"
         )

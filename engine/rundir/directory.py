@@ -26,14 +26,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-from engine.common.files import write_file_atomically
+from engine.common.files import unwritable_reason, write_file_atomically
 from engine.common.steplog import read_step_lines
 from engine.config import EngineConfig
 from engine.core.state import LoopState
@@ -106,15 +105,12 @@ def write_config(run_dir: str | os.PathLike[str], config: Mapping[str, Any]) -> 
 def check_writable(directory: Path) -> None:
     """ConfigError (one line, before anything starts) when files cannot be created in
     ``directory``: a read-only run dir would otherwise fail at its first write."""
-    try:
-        with tempfile.TemporaryFile(dir=directory):
-            pass
-    except OSError as exc:
-        reason = (exc.strerror or str(exc)).lower()
+    reason = unwritable_reason(directory)
+    if reason is not None:
         raise ConfigError(
             f"run directory {directory} is not writable ({reason}); fix its permissions "
             "or choose another --run-dir"
-        ) from None
+        )
 
 
 def _engine_config(directory: Path) -> dict[str, Any] | None:

@@ -24,6 +24,18 @@ def test_a_run_whose_responses_are_all_empty_names_the_likely_cause(tmp_path: Pa
     output = done.stdout + done.stderr
     assert output.count("every response was empty") == 1
     assert "the model likely cannot answer this prompt format" in output
+    # The prompts are plain strings sent raw, and the served model has a chat template:
+    # the run says so before its first step, and the empty-responses warning names the
+    # fix (docs/tasks.md: raw unless chat=true).
+    said = [line for line in output.splitlines() if "--task-arg chat=true" in line]
+    assert len(said) == 2, output
+    assert "plain strings, sent raw" in said[0] and "Step 1:" not in output.split(said[0])[0]
+    assert "every response was empty" in said[1]
+    quiet = run_cli(
+        [*args, "--task-arg", "chat=false", "--run-dir", str(tmp_path / "r2")], tmp_path
+    )
+    assert quiet.returncode == 0, quiet.stderr
+    assert "sent raw" not in quiet.stdout + quiet.stderr
     for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
         metrics = json.loads(line)
         assert metrics["response_len/empty_frac"] == 1.0 and metrics["groups/trained_frac"] == 0.0

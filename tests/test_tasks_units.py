@@ -19,7 +19,7 @@ from engine.errors import ConfigError
 from engine.run import main, parse_config
 from engine.session.preflight import local_server_profile
 from engine.tasks import ArithmeticTask, Problem
-from engine.tasks.dataset import DatasetTask
+from engine.tasks.dataset import DatasetTask, raw_prompts_warning
 from engine.tasks.judge import Judge, JudgedTask, OpenAIJudgeModel
 from engine.tasks.render import PromptRenderer, render_prompt
 from engine.tasks.rewards import make_reward
@@ -196,6 +196,29 @@ def test_dataset_field_mapping_system_prompt_and_string_prompts(tmp_path: Path) 
         {"role": "user", "content": p.question},
     ]
     assert chat.score(f" {p.answer} ", p).total == 1.0
+
+
+def test_string_prompts_sent_raw_to_a_chat_model_are_named_with_the_fix(
+    tmp_path: Path, tokenizer: Any
+) -> None:
+    """Plain-string prompts are sent raw unless chat=true; when the served model has a
+    chat template and chat was not set, the run is told so (chat=false: raw, quietly)."""
+    strings = write_jsonl(tmp_path / "s.jsonl", [{"prompt": "What is 2 + 3?", "answer": 5}] * 3)
+    chats = write_jsonl(tmp_path / "c.jsonl", addition_rows(3))
+
+    def warning(path: Path, args: dict[str, str], tok: Any = tokenizer) -> str | None:
+        return raw_prompts_warning(load_task(f"jsonl:{path}", args), tok)
+
+    said = warning(strings, {})
+    assert said is not None and "plain strings, sent raw" in said
+    assert "--task-arg chat=true" in said and "chat=false" in said
+    assert warning(strings, {"chat": "false"}) is None
+    assert warning(strings, {"chat": "true"}) is None
+    assert warning(strings, {"system": "Be brief."}) is None  # (a system message: chat)
+    assert warning(chats, {}) is None
+    no_template = type("Plain", (), {"chat_template": None})()
+    assert warning(strings, {}, no_template) is None
+    assert raw_prompts_warning(ArithmeticTask(), tokenizer) is None
 
 
 @pytest.mark.parametrize(

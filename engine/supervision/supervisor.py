@@ -74,6 +74,7 @@ from engine.session.api import PendingCheckpoint, SamplerHandle, Session
 from engine.session.retry import RetryCounter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.watchdog import Watchdog
+from engine.tasks.dataset import raw_prompts_warning
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
@@ -152,6 +153,9 @@ class Supervisor:
                 f"(--env-max-tokens {config.environment.env_max_tokens} is larger): "
                 "outcome max_tokens",
             )
+        self._raw_prompts = raw_prompts_warning(task, session.tokenizer)
+        if self._raw_prompts is not None:
+            log.warning("raw_prompts", self._raw_prompts)
         self._supervising = False
         self._said_all_empty = False
         self._initial: tuple[PendingCheckpoint, LoopState] | None = None
@@ -395,7 +399,8 @@ class Supervisor:
             )
         if result.metrics.get("response_len/empty_frac") == 1.0 and not self._said_all_empty:
             self._said_all_empty = True
-            self._log.warning("empty_responses", all_empty_warning(result.step))
+            raw = self._raw_prompts is not None
+            self._log.warning("empty_responses", all_empty_warning(result.step, raw))
         for group in result.groups:
             if group.too_long is not None:
                 self._log.warning(
@@ -527,13 +532,20 @@ class Supervisor:
         return latest
 
 
-def all_empty_warning(step: int) -> str:
-    """What a step whose responses were all empty says (once per run)."""
+def all_empty_warning(step: int, raw_prompts: bool = False) -> str:
+    """What a step whose responses were all empty says (once per run); ``raw_prompts``:
+    a dataset's string prompts went raw to a model with a chat template."""
     return (
         f"step {step}: every response was empty: the model likely cannot answer this "
         "prompt format (the packaged model answers only the quickstart's 'Question: What "
         "is A + B?\\nAnswer:' prompts; docs/export-and-eval.md says which model suits "
         "which task)"
+        + (
+            "; the string prompts were sent raw: --task-arg chat=true sends them through "
+            "the model's chat template"
+            if raw_prompts
+            else ""
+        )
     )
 
 

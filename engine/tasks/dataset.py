@@ -44,6 +44,7 @@ __all__ = [
     "RowTask",
     "int_arg",
     "known_args",
+    "raw_prompts_warning",
     "read_records",
     "row_args",
     "rows_of",
@@ -55,7 +56,8 @@ DATASET_ARGS: Final[Mapping[str, str]] = {
     "(default: messages, else prompt, else question)",
     "answer_field": "field holding the answer (default: answer)",
     "system": "a system message put before a chat prompt (a string prompt becomes a user message)",
-    "chat": "true: send a string prompt as a user message through the chat template",
+    "chat": "true: send a string prompt as a user message through the chat template "
+    "(default: raw; the run warns when the served model has a chat template)",
     "reward": f"reward preset: {', '.join(REWARD_PRESETS)} (default: exact), or your own "
     "module:function (response, problem) -> number or RewardBreakdown, sync or async",
     "tolerance": "numeric: relative tolerance (absolute below 1; default 1e-6)",
@@ -393,7 +395,7 @@ class DatasetTask(RowTask):
         *,
         prompt_field: str | None = None,
         answer_field: str = "answer",
-        chat: bool = False,
+        chat: bool | None = None,
         reward: str = "exact",
         reward_options: Mapping[str, str] | None = None,
         stop: Sequence[str] = (),
@@ -404,7 +406,13 @@ class DatasetTask(RowTask):
             functools.partial(_dataset_rows, prompt_field=prompt_field, answer_field=answer_field),
             **rows,
         )
-        self._chat = chat or self._system is not None
+        self._chat = bool(chat) or self._system is not None
+        self.raw_unasked = (
+            chat is None
+            and not self._chat
+            and any(isinstance(r.prompt, str) for r in (*self._train, *self._held_out))
+        )
+        """String prompts go raw (tokenizer.encode) and ``chat`` was not set either way."""
         self._own: Callable[..., Any] | None = None
         if ":" in reward:
             self._own = user_reward(reward)
@@ -434,7 +442,7 @@ class DatasetTask(RowTask):
             path,
             prompt_field=args.get("prompt_field"),
             answer_field=args.get("answer_field", "answer"),
-            chat=flag_arg(args, "chat") if "chat" in args else False,
+            chat=flag_arg(args, "chat") if "chat" in args else None,
             reward=args.get("reward", "exact"),
             reward_options=options,
             stop=tuple(s for s in args.get("stop", "").split("|") if s),
@@ -461,6 +469,21 @@ class DatasetTask(RowTask):
     async def _score_async(self, response: str, problem: Problem) -> RewardBreakdown:
         assert self._own is not None
         return await self._own(response, problem)  # type: ignore[no-any-return]
+
+
+def raw_prompts_warning(task: object, tokenizer: Any) -> str | None:
+    """What a run says before its first step when a dataset's plain-string prompts go
+    to a model with a chat template raw, ``chat`` unset (a chat model then answers
+    nothing useful): the fix, and how to keep them raw quietly. None otherwise."""
+    if not (isinstance(task, DatasetTask) and task.raw_unasked):
+        return None
+    if getattr(tokenizer, "chat_template", None) is None:
+        return None
+    return (
+        f"the prompts of {task.name} are plain strings, sent raw to a model that has a "
+        "chat template: for a chat model, --task-arg chat=true sends each as a user "
+        "message through it (--task-arg chat=false keeps them raw and silences this)"
+    )
 
 
 def _is_async(fn: Callable[..., Any]) -> bool:

@@ -5,6 +5,7 @@ the synchronous wrapper in a worker thread and a worker process."""
 from __future__ import annotations
 
 import json
+import os
 import pickle
 import re
 from collections.abc import Iterator
@@ -19,6 +20,8 @@ import pytest
 
 import engine.sandbox.isolation as isolation
 from benchmarks import sandbox as sandbox_benchmark
+from engine.common import extras
+from engine.envs.executors import ProcessWorkers
 from engine.sandbox import (
     Limits,
     Sandbox,
@@ -29,7 +32,8 @@ from engine.sandbox import (
 from engine.sandbox.__main__ import main as sandbox_main
 from tests.sandbox_support import GUARD_S, new_token, processes_with, require_isolation, survivors
 
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "sandbox.md"
+TESTS = Path(__file__).resolve().parent
+DOCS = TESTS.parent / "docs" / "sandbox.md"
 
 
 @pytest.fixture
@@ -239,6 +243,42 @@ async def test_the_sync_wrapper_runs_in_a_worker_thread_and_a_worker_process(
 
 def _sync_in_worker(limits: Limits) -> SandboxResult:
     return run_python_sync("print(6 * 7)", limits=limits)
+
+
+class CodeEnv:
+    """An environment's shape: it holds a sandbox and runs code in a step."""
+
+    def __init__(self) -> None:
+        self.sandbox = Sandbox(Limits(wall_s=60), max_concurrent=1)
+
+    async def step(self, code: str) -> tuple[str, int]:
+        result = await self.sandbox.run_python(code)
+        return result.stdout, os.getpid()
+
+
+@pytest.mark.anyio
+async def test_an_environment_holding_a_sandbox_steps_in_the_process_pool(
+    isolated: None,
+) -> None:
+    async with ProcessWorkers(1) as workers:
+        _, (stdout, pid) = await workers.call(CodeEnv(), "step", "print(5)")
+    assert stdout == "5\n" and pid != os.getpid()
+
+
+@pytest.mark.skipif(bool(extras.missing("ray")), reason="ray is not installed")
+@pytest.mark.slow
+@pytest.mark.anyio
+async def test_an_environment_holding_a_sandbox_steps_on_ray(
+    isolated: None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from engine.envs.ray_workers import RayWorkers
+
+    here = TESTS
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(here), str(here.parent)]))
+    async with RayWorkers(1) as workers:
+        _, (stdout, pid) = await workers.call(CodeEnv(), "step", "print(5)")
+    assert stdout == "5\n" and pid != os.getpid()
 
 
 @pytest.mark.anyio

@@ -27,7 +27,6 @@ from pathlib import Path
 import anyio
 
 from engine.agents.chat import Answer, ChatFormat
-from engine.agents.endpoint import serve_endpoint
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
 from engine.checkpoint_files import resolve_checkpoint
 from engine.common.cli import (
@@ -154,6 +153,8 @@ class SessionBackend:
 
 async def serve(request: ServeRequest, *, ready: anyio.Event | None = None) -> None:
     """Serve ``request.checkpoint`` until cancelled; ``ready`` is set once it answers."""
+    from engine.agents.endpoint import serve_endpoint  # the HTTP server stack: not for --help
+
     ref = resolve_checkpoint(request.checkpoint, step=request.step)
     local = ref.directory is not None
     eval_request = EvalRequest(

@@ -9,6 +9,8 @@ import subprocess
 import sys
 from collections import defaultdict
 
+import pytest
+
 from tests.hosted_env import REPO
 
 CHECK = """
@@ -56,3 +58,45 @@ def test_no_class_name_is_defined_twice_in_the_engine_package() -> None:
                 defined[node.name].append(f"{path.relative_to(REPO)}:{node.lineno}")
     twice = {name: places for name, places in defined.items() if len(places) > 1}
     assert twice == {}, f"class names defined more than once: {twice}"
+
+
+HELP = """
+import contextlib, io, runpy, sys
+sys.argv = [sys.argv[1], "--help"]
+with contextlib.redirect_stdout(io.StringIO()) as page:
+    try:
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
+    except SystemExit as exc:
+        assert exc.code in (0, None), exc.code
+assert "usage:" in page.getvalue()
+heavy = ("torch", "transformers", "tokenizers", "safetensors", "peft", "accelerate", "tinker",
+         "mint", "fastapi", "starlette", "uvicorn", "matplotlib", "datasets", "pyarrow", "ray",
+         "wandb", "openai")
+server = ("engine.local.app", "engine.local.backend", "engine.local.launch",
+          "engine.local.service")
+print(",".join(sorted(
+    m for m in sys.modules if m.partition(".")[0] in heavy or m.startswith(server)
+)))
+"""
+
+
+@pytest.mark.parametrize(
+    "module",
+    [
+        "engine.run",
+        "engine.eval",
+        "engine.serve",
+        "engine.report",
+        "engine.rollouts",
+        "engine.export",
+        "engine.local",
+    ],
+)
+def test_a_help_page_imports_no_model_stack_sdk_or_server(module: str) -> None:
+    """``--help`` builds the parser only: torch, transformers, the SDK, the HTTP server
+    stack and the local server load when a command runs (each takes seconds cold)."""
+    done = subprocess.run(
+        [sys.executable, "-c", HELP, module], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "", f"{module} --help imports {done.stdout.strip()}"

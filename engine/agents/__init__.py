@@ -7,11 +7,17 @@ agent into an episode (docs/agents.md).
 same endpoint.
 """
 
-from engine.agents.chat import Answer, ChatFormat, Choice, Conversation
-from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
-from engine.agents.episodes import AgentEnv, AgentError, AgentResult, Episode
-from engine.agents.task import AgentGroup, AgentTask
-from engine.agents.wire import EndpointError
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from engine.agents.chat import Answer, ChatFormat, Choice, Conversation
+    from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
+    from engine.agents.episodes import AgentEnv, AgentError, AgentResult, Episode
+    from engine.agents.task import AgentGroup, AgentTask
+    from engine.agents.wire import EndpointError
 
 __all__ = [
     "AgentEnv",
@@ -29,3 +35,21 @@ __all__ = [
     "Episode",
     "serve_endpoint",
 ]
+
+# Each name's module, imported on first use: a light part (the wire format, the chat
+# format: what engine.serve's parser needs) must not load the endpoint's HTTP server.
+_HOMES = {
+    "engine.agents.chat": ("Answer", "ChatFormat", "Choice", "Conversation"),
+    "engine.agents.endpoint": ("Endpoint", "EndpointLimits", "serve_endpoint"),
+    "engine.agents.episodes": ("AgentEnv", "AgentError", "AgentResult", "Episode"),
+    "engine.agents.task": ("AgentGroup", "AgentTask"),
+    "engine.agents.wire": ("EndpointError",),
+}
+_HOME = {name: module for module, names in _HOMES.items() for name in names}
+
+
+def __getattr__(name: str) -> Any:
+    module = _HOME.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module), name)

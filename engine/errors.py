@@ -70,7 +70,9 @@ __all__ = [
 
 E = TypeVar("E", bound=BaseException)
 
-StopReason = Literal["interrupt", "breaker", "watchdog"]
+StopReason = Literal["interrupt", "stop", "breaker", "watchdog"]
+"""Why a run stopped, as its stop checkpoint is named (``<reason>-step-N``): ``interrupt``
+a signal or a cancelled host task, ``stop`` the embedding code's own request."""
 
 
 class EngineError(Exception):
@@ -169,9 +171,10 @@ class Interrupted(RunStopped):
 class StopRequested(RunStopped):
     """The embedding code asked the run to stop (``Engine.request_stop()``, or leaving
     ``steps()`` early): after the step in flight and a stop checkpoint, the run ends
-    normally with a :class:`~engine.loop.results.RunResult` (``stopped`` True)."""
+    normally with a :class:`~engine.loop.results.RunResult` (``stopped`` True). Its
+    checkpoint is a ``stop`` one (``stop-step-N``), not a signal's ``interrupt``."""
 
-    reason: StopReason = "interrupt"
+    reason: StopReason = "stop"
 
     def __init__(self, by: str) -> None:
         super().__init__(f"stop requested by {by}")

@@ -361,7 +361,7 @@ def test_a_stop_during_the_step_0_checkpoint_still_checkpoints_at_once(
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     # Step 0 had begun when the stop came: it finishes, and the stop checkpoints after it.
     assert summary["stopped"] == {
-        "reason": "interrupt",
+        "reason": "stop",
         "checkpoint_step": 1,
         "checkpoint_written": True,
     }

@@ -247,7 +247,10 @@ async def test_a_stop_with_a_checkpoint_in_flight_records_it_once_saved(tmp_path
             result = await engine.run()
     assert result.stopped and result.steps_completed == 3
     saved = checkpoint_steps(tmp_path / "run")
-    assert saved == [(0, "periodic"), (2, "periodic"), (3, "interrupt")]
+    # the caller's stop is named as one (stop-step-3), not as a signal's interrupt
+    assert saved == [(0, "periodic"), (2, "periodic"), (3, "stop")]
+    last = jsonl(tmp_path / "run" / "checkpoints.jsonl")[-1]
+    assert last["state_path"].endswith("/stop-step-3")
     await run(cfg.replace(resume=tmp_path / "run"), ToyTask(), session)
     assert trained_ids(tmp_path / "run") == list(range(8))  # each problem once
 
@@ -381,7 +384,7 @@ async def test_a_break_out_of_steps_returns_what_was_trained_and_nothing_is_hidd
     assert trained[:2] == [1, 2] and trained == list(range(1, result.steps_completed + 1))
     assert result.steps_completed < 6
     saved = checkpoint_steps(tmp_path / "run")
-    assert saved[-1] == (result.steps_completed, "interrupt")
+    assert saved[-1] == (result.steps_completed, "stop")
     assert result.final_path is not None
     summary = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert summary["status"] == "stopped" and summary["steps_completed"] == len(trained)

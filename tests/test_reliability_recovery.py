@@ -237,7 +237,7 @@ def test_k1_resume_trains_the_checkpointed_groups_without_sampling_them_again(
 
         anyio.run(stop_after_step_2)
         stop = checkpoints(run_dir)[-1]
-        assert (stop["reason"], stop["step"]) == ("interrupt", 2)
+        assert (stop["reason"], stop["step"]) == ("stop", 2)
         pending = sorted(stop["loop_state"]["pending_groups"], key=lambda g: g["index"])
         assert [(g["step"], g["index"]) for g in pending] == [(2, i) for i in range(BATCH)]
 

@@ -430,12 +430,12 @@ def test_leaving_steps_early_checkpoints_what_was_trained(
 
     assert anyio.run(go) == 2
     latest = checkpoints(run_dir)[-1]
-    assert latest["reason"] == "interrupt" and latest["step"] >= 2
+    assert latest["reason"] == "stop" and latest["step"] >= 2
     assert len(metrics(run_dir)) == latest["step"]  # every trained step is in the checkpoint
     summary = read_json(run_dir / "summary.json")
     # the caller's stop is no error: the run stopped, and says who stopped it
     assert summary["status"] == "stopped" and summary["error"] is None
-    assert summary["stopped"]["reason"] == "interrupt"
+    assert summary["stopped"]["reason"] == "stop"
     assert "embedding code leaving steps()" in console.getvalue()
     assert "SIGINT" not in console.getvalue()
 

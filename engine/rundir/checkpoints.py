@@ -47,7 +47,7 @@ __all__ = [
 
 CHECKPOINTS_FILE = "checkpoints.jsonl"
 
-CheckpointReason = Literal["periodic", "interrupt", "final", "breaker", "watchdog", "error"]
+CheckpointReason = Literal["periodic", "interrupt", "stop", "final", "breaker", "watchdog", "error"]
 _REASONS: tuple[str, ...] = get_args(CheckpointReason)
 
 _log = structlog.get_logger("engine.rundir.checkpoints")

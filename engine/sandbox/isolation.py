@@ -20,10 +20,12 @@ import json
 import os
 import secrets
 import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import anyio
+import anyio.to_thread
 
 __all__ = [
     "LAUNCHER",
@@ -32,6 +34,7 @@ __all__ = [
     "bwrap_argv",
     "code_uid",
     "isolation_problem",
+    "isolation_problem_now",
     "launcher_argv",
 ]
 
@@ -140,21 +143,32 @@ def bwrap_argv(
 _probed: dict[str, str | None] = {}
 
 
-async def isolation_problem() -> str | None:
+def isolation_problem_now() -> str | None:
     """Why bubblewrap cannot isolate here (one sentence), or None when it can: it is
-    installed and a trial sandbox runs. Probed once per process."""
+    installed and a trial sandbox runs (a few milliseconds). Probed once per process;
+    this call waits for the probe (a task's loading does); :func:`isolation_problem`
+    runs it off the event loop."""
     if "bwrap" not in _probed:
-        _probed["bwrap"] = await _probe()
+        _probed["bwrap"] = _probe()
     return _probed["bwrap"]
 
 
-async def _probe() -> str | None:
+async def isolation_problem() -> str | None:
+    """:func:`isolation_problem_now` from async code: the probe runs in a worker thread."""
+    if "bwrap" in _probed:
+        return _probed["bwrap"]
+    return await anyio.to_thread.run_sync(isolation_problem_now)
+
+
+def _probe() -> str | None:
     bwrap = shutil.which("bwrap")
     if bwrap is None:
         return "bubblewrap (bwrap) is not installed (Debian/Ubuntu: apt-get install bubblewrap)"
     argv = [*bwrap_argv(bwrap, ro_paths=[], files={}, tmp_bytes=1 << 20), "--", "true"]
-    with anyio.fail_after(60):  # a hang guard: a working bwrap answers in milliseconds
-        done = await anyio.run_process(argv, check=False, env={})
+    try:  # the timeout is a hang guard: a working bwrap answers in milliseconds
+        done = subprocess.run(argv, capture_output=True, env={}, timeout=60, check=False)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return f"bubblewrap cannot create a sandbox here ({exc})"
     if done.returncode != 0:
         said = done.stderr.decode(errors="replace").strip().splitlines()
         why = said[-1] if said else f"exit {done.returncode}"

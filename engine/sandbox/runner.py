@@ -17,7 +17,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path, PurePosixPath
 from types import TracebackType
 from typing import Any
@@ -85,7 +85,9 @@ class _Output:
         self.seen = {"stdout": 0, "stderr": 0}
         self.over = False
 
-    async def drain(self, stream: anyio.abc.ByteReceiveStream, name: str, on_over: Any) -> None:
+    async def drain(
+        self, stream: anyio.abc.ByteReceiveStream, name: str, on_over: Callable[[], None]
+    ) -> None:
         async for chunk in stream:
             self.seen[name] += len(chunk)
             room = self.budget - len(self.kept["stdout"]) - len(self.kept["stderr"])
@@ -224,7 +226,7 @@ class Sandbox:
                 command, passed = [*sandbox, "--", *inner], [status_w, *file_fds.values()]
                 env: dict[str, str] = {}
             else:
-                cwd = scratch.enter_context(tempfile.TemporaryDirectory(prefix="sandbox-"))
+                cwd = scratch.enter_context(tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True))
                 for name, data in files.items():
                     await anyio.Path(cwd, name).write_bytes(data)
                 command, passed = inner, [status_w]

@@ -276,3 +276,18 @@ def test_extreme_loss_inputs_fail_clearly_and_leave_the_weights_intact(
     after = tc.forward([rl_datum(-2.0)], "importance_sampling").result()
     assert all(math.isfinite(x) for out in after.loss_fn_outputs for x in out["logprobs"].tolist())
     assert math.isfinite(after.metrics["loss:sum"])
+
+
+def test_a_client_loads_the_tokenizer_by_an_alias_offline_as_by_the_served_name() -> None:
+    """tinker-cookbook loads its tokenizer with ``AutoTokenizer.from_pretrained(model
+    name)``, offline from the hub cache: ``--model-alias NAME`` files the tokenizer under
+    NAME too, as ``--model-name`` does."""
+    from transformers import AutoTokenizer
+
+    alias = "someone-hosted/alias-of-tiny-arith"
+    with LocalServer(model_aliases=[alias]):
+        loaded = AutoTokenizer.from_pretrained(alias)
+        served = AutoTokenizer.from_pretrained("engine-local/tiny-arith")
+    text = "Question: What is 12 + 30?\nAnswer: 42"
+    assert loaded.encode(text) == served.encode(text)
+    assert loaded.eos_token_id == served.eos_token_id

@@ -407,6 +407,23 @@ def test_the_tokenizer_is_filed_under_the_model_name_and_never_shadows_a_real_en
     assert register_tokenizer("../x", DEFAULT_MODEL_DIR, cache) is None
 
 
+def test_a_real_download_over_a_filed_name_is_never_shadowed_afterwards(tmp_path: Path) -> None:
+    """An alias names a hosted model: once the real one is downloaded into the cache
+    over the entry a server filed (a snapshot of its own, refs/main to it), the next
+    server leaves the entry alone."""
+    cache = tmp_path / "hub"
+    ours = register_tokenizer("Qwen/Qwen3-0.6B", DEFAULT_MODEL_DIR, cache)
+    assert ours is not None
+    repo = cache / "models--Qwen--Qwen3-0.6B"
+    real = repo / "snapshots" / ("f" * 40)  # what huggingface_hub downloads
+    real.mkdir()
+    (real / "tokenizer.json").write_text("{}")
+    (repo / "refs" / "main").write_text("f" * 40)
+    assert register_tokenizer("Qwen/Qwen3-0.6B", DEFAULT_MODEL_DIR, cache) is None
+    assert (repo / "refs" / "main").read_text() == "f" * 40
+    assert register_tokenizer("engine-local/tiny-arith", DEFAULT_MODEL_DIR, cache) is not None
+
+
 @pytest.mark.parametrize("model_dir", [DEFAULT_MODEL_DIR, AGENT_MODEL_DIR])
 def test_an_engine_models_filed_tokenizer_loads_as_its_own_without_the_model_classes(
     model_dir: Path, tmp_path: Path

@@ -166,6 +166,8 @@ async def serve_local(
         tokenizer_dir = await anyio.to_thread.run_sync(
             register_tokenizer, backend.model_name, backend.model_dir
         )
+        for alias in config.model_aliases:  # loadable by any name the server accepts
+            await anyio.to_thread.run_sync(register_tokenizer, alias, backend.model_dir)
         sock = _bind(config.host, config.port)
         try:
             async with anyio.create_task_group() as tg:

@@ -6,9 +6,13 @@ only works if the local Hugging Face hub cache holds that name. The server there
 files its tokenizer files in the hub cache under the served model's name, in the
 cache's own layout (``models--org--name/refs/main`` -> ``snapshots/<hash>/``).
 
+The served model's aliases (``--model-alias``, e.g. a hosted model's name) are filed the
+same way, so a client that loads its tokenizer by the name it asks for (tinker-cookbook)
+works offline with an alias as with ``--model-name``.
+
 It never shadows a real model: an entry is written only where the cache has none of
-that name or where an earlier server wrote it (marked by ``MARKER``). Aliases
-(``--model-alias``, e.g. a hosted model's name) are never registered.
+that name or where servers wrote all of it (``MARKER`` names the snapshots they wrote;
+a real download beside them makes the entry the user's from then on).
 
 ``TrainingClient.get_tokenizer()`` loads the ``tokenizer_id`` that ``get_info`` gives: the
 filed snapshot directory when there is one (its ``config.json`` may be lighter than the
@@ -43,6 +47,8 @@ TOKENIZER_FILES = (
 MODEL_CONFIG = "config.json"
 """Filed beside the tokenizer: ``AutoTokenizer`` reads it (see :func:`filed_config`)."""
 GENERIC_TOKENIZER = "TokenizersBackend"
+_REVISION = "revision "
+"""How ``MARKER`` names a snapshot a server wrote (one line each)."""
 _HUB_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*/[A-Za-z0-9][A-Za-z0-9._-]*")
 
 
@@ -56,8 +62,14 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
 
         cache_dir = Path(constants.HF_HUB_CACHE)
     repo = cache_dir / f"models--{name.replace('/', '--')}"
-    if repo.exists() and not (repo / MARKER).is_file():
-        return None  # a real cached model of that name: leave it alone
+    written = _written(repo)
+    if repo.exists() and written is None:
+        log.warning(
+            "the hub cache holds a model named %s: a client that loads its tokenizer by "
+            "that name gets that model's, not the served one's",
+            name,
+        )
+        return None
     files = {f: (model_dir / f).read_bytes() for f in TOKENIZER_FILES if (model_dir / f).is_file()}
     config = filed_config(model_dir, files.get(TOKENIZER_CONFIG))
     if config is not None:
@@ -70,7 +82,8 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
     snapshot = repo / "snapshots" / revision
     try:
         repo.mkdir(parents=True, exist_ok=True)
-        (repo / MARKER).write_text(f"written by engine.local for {model_dir}\n")
+        revisions = "".join(f"{_REVISION}{r}\n" for r in sorted({*(written or ()), revision}))
+        (repo / MARKER).write_text(f"written by engine.local for {model_dir}\n{revisions}")
         if not snapshot.is_dir():
             # A private temporary dir: servers starting at once (test workers) may file
             # the same tokenizer; the first rename wins and the others drop their copy.
@@ -91,6 +104,29 @@ def register_tokenizer(name: str, model_dir: Path, cache_dir: Path | None = None
         log.warning("cannot file the tokenizer in the hub cache %s: %s", cache_dir, exc)
         return None
     return snapshot
+
+
+def _written(repo: Path) -> set[str] | None:
+    """The snapshots of ``repo`` that servers wrote, when they wrote all of it (an
+    entry that is not there: none); None when it is (also) the user's: no ``MARKER``,
+    or a snapshot the marker does not name (a real download since). A marker of an
+    older server names none: its snapshots are all its own."""
+    marker = repo / MARKER
+    if not repo.exists():
+        return set()
+    if not marker.is_file():
+        return None
+    snapshots = repo / "snapshots"
+    present = (
+        {p.name for p in snapshots.iterdir() if not p.name.startswith(".")}
+        if snapshots.is_dir()
+        else set()
+    )
+    lines = marker.read_text(errors="replace").splitlines()
+    named = {line.removeprefix(_REVISION) for line in lines if line.startswith(_REVISION)}
+    if not named:
+        return present
+    return named if present <= named else None
 
 
 def filed_config(model_dir: Path, tokenizer_config: bytes | None) -> bytes | None:

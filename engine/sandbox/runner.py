@@ -226,7 +226,10 @@ class Sandbox:
                 command, passed = [*sandbox, "--", *inner], [status_w, *file_fds.values()]
                 env: dict[str, str] = {}
             else:
-                cwd = scratch.enter_context(tempfile.TemporaryDirectory(prefix="sandbox-", ignore_cleanup_errors=True))
+                scratch_dir = tempfile.TemporaryDirectory(
+                    prefix="sandbox-", ignore_cleanup_errors=True
+                )
+                cwd = scratch.enter_context(scratch_dir)
                 for name, data in files.items():
                     await anyio.Path(cwd, name).write_bytes(data)
                 command, passed = inner, [status_w]

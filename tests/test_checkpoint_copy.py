@@ -177,3 +177,21 @@ def test_a_teacher_sampler_path_cannot_leave_the_server_dirs(tmp_path: Path) -> 
     (run / "checkpoints.jsonl").write_text(json.dumps(record) + "\n")
     with pytest.raises(ConfigError, match="must look like tinker://<run>/weights/<name>"):
         teacher_weights(str(run), tmp_path / "student")
+
+
+@pytest.mark.parametrize("kind", ["dev-zero", "fifo"])
+def test_a_checkpoints_log_that_is_not_a_regular_file_is_refused_not_read(
+    kind: str, tmp_path: Path
+) -> None:
+    """``--teacher RUN`` reads RUN/checkpoints.jsonl: a link to /dev/zero filled memory,
+    a FIFO hung the run; both are one line now."""
+    run = _run_dir(tmp_path)
+    log = run / "checkpoints.jsonl"
+    log.unlink()
+    if kind == "fifo":
+        os.mkfifo(log)
+    else:
+        log.symlink_to("/dev/zero")
+    what = "a FIFO" if kind == "fifo" else "a symbolic link"
+    with pytest.raises(ConfigError, match=f"^{re.escape(str(log))} is {what}: "):
+        teacher_weights(str(run), tmp_path / "student")

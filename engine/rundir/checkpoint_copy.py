@@ -3,14 +3,18 @@ a run directory trusts"): its files are read and copied as regular files only, n
 through a symbolic link and never from a device, FIFO or socket, and together they hold
 at most :data:`MAX_CHECKPOINT_BYTES`. Anything else is refused with one line naming the
 path, before a byte is copied. ``engine.eval``, ``engine.serve``, ``engine.export`` and a
-distillation ``--teacher`` given as a run directory all read checkpoints through here."""
+distillation ``--teacher`` given as a run directory all read checkpoints through here;
+``checkpoints.jsonl`` is read as a regular file by the same rule
+(:func:`read_regular_file`)."""
 
 from __future__ import annotations
 
+import errno
 import os
 import shutil
 import stat
 from pathlib import Path
+from typing import BinaryIO
 
 from engine.errors import ConfigError
 
@@ -18,6 +22,7 @@ __all__ = [
     "MAX_CHECKPOINT_BYTES",
     "check_checkpoint_files",
     "copy_checkpoint_files",
+    "read_regular_file",
     "relative_checkpoint_path",
 ]
 
@@ -107,23 +112,45 @@ def copy_checkpoint_files(directory: Path, dest: Path, *, within: Path | None = 
         raise
 
 
-def _copy_file(source: Path, dest: Path, size: int) -> None:
+def read_regular_file(path: Path) -> bytes:
+    """The bytes of ``path``, read as a regular file of the run directory: opened without
+    following a link, and refused (ConfigError naming it) when it is not a regular file,
+    so a ``checkpoints.jsonl`` that is a FIFO or a link to ``/dev/zero`` cannot hang or
+    fill memory. FileNotFoundError when it does not exist."""
+    with _open_regular(path) as file:
+        return file.read()
+
+
+def _open_regular(path: Path) -> BinaryIO:
     flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
     try:
-        fd = os.open(source, flags)
-    except OSError as exc:  # ELOOP: it became a link since it was checked
-        raise ConfigError(f"cannot read {source} as a regular file: {exc}") from exc
-    with os.fdopen(fd, "rb") as src:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
-            raise _refuse(source, info.st_mode)
-        with dest.open("xb") as out:
-            left = size
-            while left > 0:
-                chunk = src.read(min(_CHUNK, left))
-                if not chunk:
-                    break
-                out.write(chunk)
-                left -= len(chunk)
+        fd = os.open(path, flags)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:  # O_NOFOLLOW met a link
+            raise _refuse(path, path.lstat().st_mode) from None
+        if isinstance(exc, FileNotFoundError):
+            raise
+        raise ConfigError(f"cannot read {path}: {exc}") from exc
+    file = os.fdopen(fd, "rb")
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        file.close()
+        raise _refuse(path, mode)
+    return file
+
+
+def _copy_file(source: Path, dest: Path, size: int) -> None:
+    try:
+        opened = _open_regular(source)
+    except FileNotFoundError:
+        raise ConfigError(f"{source} was removed while the checkpoint was copied") from None
+    with opened as src, dest.open("xb") as out:
+        left = size
+        while left > 0:
+            chunk = src.read(min(_CHUNK, left))
+            if not chunk:
+                break
+            out.write(chunk)
+            left -= len(chunk)
         if left != 0 or src.read(1):
             raise ConfigError(f"{source} changed while it was copied ({size} bytes were checked)")

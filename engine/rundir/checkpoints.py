@@ -37,6 +37,7 @@ import structlog
 
 from engine.common.files import fsync_dir
 from engine.errors import ResumeError, RunFileError
+from engine.rundir.checkpoint_copy import read_regular_file
 
 __all__ = [
     "CHECKPOINTS_FILE",
@@ -147,7 +148,7 @@ class CheckpointLog:
 
     def _records(self) -> Iterator[CheckpointRecord]:
         try:
-            raw = self.path.read_bytes()
+            raw = read_regular_file(self.path)
         except FileNotFoundError:
             return
         lines = raw.split(b"\n")

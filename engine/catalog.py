@@ -1,7 +1,8 @@
 """Turn ``--task`` (and its ``--task-arg`` values) into a Task: the built-in arithmetic
 task, a JSONL dataset (``jsonl:PATH``), a Hugging Face dataset on disk (``hf:PATH``),
-``package.module:attr``, any of these scored by a judge (``judge:SPEC``), or an agent
-process per episode (``agent-cmd:COMMAND``).
+problems with tests run in the sandbox (``code:PATH``), ``package.module:attr``, any
+of these scored by a judge (``judge:SPEC``), or an agent process per episode
+(``agent-cmd:COMMAND``).
 
 Why strict: a typo in a task path should stop the run before any server work, with one
 sentence naming what is wrong, not an ImportError traceback halfway through step 1.
@@ -39,6 +40,7 @@ BUILTIN_TASKS = (
     "arithmetic",
     "jsonl:PATH",
     "hf:PATH",
+    "code:PATH",
     "judge:SPEC",
     "agent-cmd:COMMAND",
     *SHIPPED_ENVIRONMENTS,
@@ -68,6 +70,12 @@ def load_task(
         from engine.agents.process import agent_command_task
 
         return agent_command_task(spec.removeprefix("agent-cmd:"), args, load_task)  # type: ignore[return-value]
+    if spec.startswith("code:"):  # problems with tests, run in the sandbox
+        from engine.tasks.code import CodeTask
+
+        if not spec.removeprefix("code:"):
+            raise ConfigError("invalid task 'code:': name the problems, e.g. code:problems.jsonl")
+        return CodeTask.from_args(spec.removeprefix("code:"), args)
     spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
     if spec == "arithmetic":
         try:
@@ -132,7 +140,7 @@ def preferred_local_model(task: AnyTask | None, spec: str) -> Path | None:
         return AGENT_PROCESS_MODEL
     if source is None:
         spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
-        if spec == "arithmetic" or _data_format(spec) is not None:
+        if spec == "arithmetic" or spec.startswith("code:") or _data_format(spec) is not None:
             return None
         try:
             source = _import_attr(spec)

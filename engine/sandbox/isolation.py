@@ -132,7 +132,7 @@ def bwrap_argv(
                 args += ["--perms", "0755", "--dir", parent]
         args += ["--ro-bind", str(path), str(path)]
     args += ["--proc", "/proc", "--dev", "/dev"]
-    args += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", TMP]
+    args += ["--perms", "0777", "--size", str(tmp_bytes), "--tmpfs", TMP]
     for name, fd in files.items():
         args += ["--perms", "0666", "--file", str(fd), f"{TMP}/{name}"]
     args += ["--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", TMP]

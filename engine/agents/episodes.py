@@ -30,7 +30,7 @@ from engine.envs import Action, EnvContext, EnvStepResult, Observation, StopCond
 from engine.envs.tools import ToolCall
 from engine.errors import EngineError
 
-__all__ = ["AgentEnv", "AgentError", "AgentResult", "Episode"]
+__all__ = ["AgentEnv", "AgentError", "AgentOutcome", "AgentResult", "Episode"]
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,16 @@ class AgentResult:
 
 
 class AgentError(EngineError):
-    """The agent raised, timed out or ended before its first call."""
+    """The agent raised, timed out or ended before its first call; ``logs``: what its
+    episode keeps with its last turn (an agent process's last output lines)."""
+
+    def __init__(self, message: str, logs: Mapping[str, Any] | None = None) -> None:
+        super().__init__(message)
+        self.logs: Mapping[str, Any] = dict(logs or {})
+
+
+AgentOutcome = tuple[AgentResult | None, str | None, Mapping[str, Any]]
+"""How an agent run ended: its result, or how it failed and the logs its episode keeps."""
 
 
 @dataclass(frozen=True)
@@ -59,6 +68,7 @@ class _Pending:
 class _Ended:
     result: AgentResult | None
     error: str | None = None
+    logs: Mapping[str, Any] = field(default_factory=dict)
 
 
 class Episode:
@@ -115,12 +125,17 @@ class Episode:
             reply = await self._hand_over(Observation(prompt, stop), False, {}, {})
             return Answer(len(prompt), (reply,))
 
-    async def finish(self, result: AgentResult | None, error: str | None = None) -> None:
-        """The agent ended (``error``: how it failed)."""
+    async def finish(
+        self,
+        result: AgentResult | None,
+        error: str | None = None,
+        logs: Mapping[str, Any] | None = None,
+    ) -> None:
+        """The agent ended (``error``: how it failed; ``logs``: kept with the last turn)."""
         if self.ended is None:
             self.ended = "the agent finished" if error is None else f"the agent failed: {error}"
         with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError):
-            await self._events_send.send(_Ended(result, error))
+            await self._events_send.send(_Ended(result, error, dict(logs or {})))
 
     def close(self, why: str) -> None:
         """End the episode (the runner is done with it): calls from now on are 409s."""
@@ -243,7 +258,8 @@ class AgentEnv:
         event = await self._episode.next_event()
         if isinstance(event, _Ended):
             if event.result is None:
-                raise AgentError(event.error or "the agent ended without a result")
+                error = event.error or "the agent ended without a result"
+                raise AgentError(error, {**logs, **event.logs})
             metrics = {**calls, **event.result.metrics}
             return EnvStepResult(reward=event.result.reward, done=True, metrics=metrics, logs=logs)
         self._pending = event

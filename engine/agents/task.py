@@ -40,7 +40,7 @@ from anyio.abc import TaskGroup
 
 from engine.agents.chat import ChatFormat
 from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
-from engine.agents.episodes import AgentResult, Episode
+from engine.agents.episodes import AgentOutcome, AgentResult, Episode
 from engine.agents.wire import EndpointError
 from engine.agents.workers import AgentWorkers
 from engine.config.values import ScoreWorkers
@@ -245,9 +245,9 @@ class AgentGroup:
             _, outcomes = await workers.call(runs, "run")
         except Exception as exc:
             error = f"its worker failed: {type(exc).__name__}: {exc}"
-            outcomes = [(None, error)] * len(self.episodes)
-        for episode, (result, error) in zip(self.episodes, outcomes, strict=True):
-            await episode.finish(result, error)
+            outcomes = [(None, error, {})] * len(self.episodes)
+        for episode, outcome in zip(self.episodes, outcomes, strict=True):
+            await episode.finish(*outcome)
 
 
 @dataclass(frozen=True)
@@ -263,7 +263,7 @@ class AgentRuns:
     route: str
     """The endpoint's base URL: what an agent worker process's pipe names it by."""
 
-    async def run(self) -> list[tuple[AgentResult | None, str | None]]:
+    async def run(self) -> list[AgentOutcome]:
         import openai
 
         from engine.agents.transport import DispatchTransport
@@ -271,7 +271,7 @@ class AgentRuns:
 
         dispatch = worker_dispatch(self.route)  # None: over loopback HTTP (Ray, a pool)
         transport = DispatchTransport(dispatch) if dispatch is not None else None
-        outcomes: list[tuple[AgentResult | None, str | None]] = [(None, "not run")] * len(self.urls)
+        outcomes: list[AgentOutcome] = [(None, "not run", {})] * len(self.urls)
         limit = None if math.isinf(self.timeout) else self.timeout
         async with openai.DefaultAsyncHttpxClient(timeout=limit, transport=transport) as http:
 
@@ -287,18 +287,19 @@ class AgentRuns:
 
 async def run_agent(
     agent: AgentFunction, client: Any, problem: Problem, limit_s: float
-) -> tuple[AgentResult | None, str | None]:
-    """One agent run: its result, or how it failed (a raise, a timeout, a bad return)."""
+) -> AgentOutcome:
+    """One agent run: its result, or how it failed (a raise, a timeout, a bad return)
+    with the logs its error keeps (an agent process's output)."""
     try:
         with anyio.fail_after(limit_s):
             value = await agent(client, problem)
-        return _result(value), None
+        return _result(value), None, {}
     except TimeoutError:
-        return None, f"it ran past its timeout of {limit_s:g} s"
+        return None, f"it ran past its timeout of {limit_s:g} s", {}
     except EngineError as exc:  # the engine's own reason (a bad reward, an agent process)
-        return None, str(exc) or type(exc).__name__
+        return None, str(exc) or type(exc).__name__, getattr(exc, "logs", {})
     except Exception as exc:
-        return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return None, f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__, {}
 
 
 def _in_process_client(endpoint: Endpoint, timeout: float) -> Any:

@@ -34,7 +34,7 @@ import contextlib
 import dataclasses
 import math
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
@@ -281,7 +281,9 @@ class EpisodeRunner:
                 raise
             except Exception as exc:
                 error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                result = EnvStepResult(done=True, logs={"error": error}, outcome="env_error")
+                kept = getattr(exc, "logs", None)  # (an agent error's: its process's output)
+                logs = {**(kept if isinstance(kept, Mapping) else {}), "error": error}
+                result = EnvStepResult(done=True, logs=logs, outcome="env_error")
             turns.append(
                 Turn(
                     observation=observation.tokens,

@@ -69,9 +69,9 @@ class RewardError(EngineError):
             detail = classify(cause).message
         else:
             detail = str(cause) or type(cause).__name__
-        super().__init__(
-            f"the reward function failed on problem {problem.id} ({problem.question!r}): {detail}"
-        )
+        question = problem.question  # (its start: a huge one would push out the cause)
+        quoted = repr(question if len(question) <= 80 else question[:80] + "...")
+        super().__init__(f"the reward function failed on problem {problem.id} ({quoted}): {detail}")
         self.problem = problem
         self.trace: str = getattr(cause, _TRACE, None) or "".join(traceback.format_exception(cause))
         """The traceback of what the reward raised (from its worker, when it ran in one)."""

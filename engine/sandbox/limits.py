@@ -24,8 +24,9 @@ class Limits:
     """CPU seconds per process (RLIMIT_CPU: SIGXCPU, then SIGKILL a second later)."""
     memory_bytes: int = 512 << 20
     """Address space per process (RLIMIT_AS): an allocation past it fails."""
-    processes: int = 64
-    """Processes and threads of the code's user at once (RLIMIT_NPROC): fork fails past it."""
+    processes: int = 16
+    """Processes and threads of the code's user at once (RLIMIT_NPROC): fork fails past it.
+    With ``memory_bytes`` it bounds a run's memory: at most their product (8 GiB)."""
     open_files: int = 256
     """File descriptors per process (RLIMIT_NOFILE)."""
     file_bytes: int = 16 << 20

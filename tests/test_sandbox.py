@@ -82,6 +82,18 @@ async def test_any_command_line_runs_with_the_limits(isolated: None) -> None:
     assert missing.exit_code == 127 and "cannot start /no/such/program" in missing.stderr
 
 
+@pytest.mark.anyio
+async def test_multiprocessing_works_inside(isolated: None) -> None:
+    code = (
+        "import multiprocessing as mp\n"
+        "if __name__ == '__main__':\n"
+        "    with mp.Pool(2) as pool:\n"
+        "        print(pool.map(abs, [-1, -2]))"
+    )
+    result = await Sandbox(Limits(wall_s=60)).run_python(code)
+    assert result.ok and result.stdout == "[1, 2]\n", result
+
+
 @pytest.mark.parametrize(
     "kwargs",
     [

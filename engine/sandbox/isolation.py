@@ -97,7 +97,8 @@ def bwrap_argv(
 ) -> list[str]:
     """bubblewrap's arguments up to ``--``: fresh namespaces (no network), ``/usr`` and
     ``ro_paths`` read-only, ``/proc``, a minimal ``/dev``, a private ``/tmp`` of
-    ``tmp_bytes`` holding ``files`` (name -> readable fd), and an empty environment."""
+    ``tmp_bytes`` holding ``files`` (name -> readable fd), a ``/dev/shm`` of as much, and
+    an empty environment."""
     args = [
         bwrap,
         "--unshare-pid",
@@ -133,6 +134,8 @@ def bwrap_argv(
         args += ["--ro-bind", str(path), str(path)]
     args += ["--proc", "/proc", "--dev", "/dev"]
     args += ["--perms", "0777", "--size", str(tmp_bytes), "--tmpfs", TMP]
+    # POSIX semaphores and shared memory (multiprocessing) live in /dev/shm.
+    args += ["--perms", "1777", "--size", str(tmp_bytes), "--tmpfs", "/dev/shm"]
     for name, fd in files.items():
         args += ["--perms", "0666", "--file", str(fd), f"{TMP}/{name}"]
     args += ["--clearenv", "--setenv", "PATH", PATH, "--setenv", "HOME", TMP]

@@ -32,7 +32,8 @@ class Limits:
     file_bytes: int = 16 << 20
     """Largest file the code may write (RLIMIT_FSIZE: SIGXFSZ past it)."""
     tmp_bytes: int = 64 << 20
-    """Size of the private writable ``/tmp`` (a tmpfs: a full one is ENOSPC)."""
+    """Size of the private writable ``/tmp``, and of ``/dev/shm`` (tmpfs: a full one is
+    ENOSPC)."""
     output_bytes: int = 1 << 20
     """stdout and stderr together: past it the tree is killed and the output truncated."""
 

@@ -483,6 +483,8 @@ def test_a_model_not_made_by_the_engine_files_its_own_config(tmp_path: Path) -> 
         ({"sampling_params": {"max_tokens": 4, "top_p": 0.0}}, "top_p must be in (0, 1]"),
         ({"sampling_params": {"max_tokens": 4, "top_k": -2}}, "top_k must be -1"),
         ({"sampling_params": {"max_tokens": 4, "stop": [""]}}, "stop strings must be non-empty"),
+        ({"sampling_params": {"max_tokens": 4, "seed": 2**64}}, "seed must be in 0..2^63-1"),
+        ({"sampling_params": {"max_tokens": 4, "seed": -1}}, "seed must be in 0..2^63-1"),
         ({"topk_prompt_logprobs": 21}, "topk_prompt_logprobs must be in 0..20"),
     ],
 )

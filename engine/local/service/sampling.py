@@ -11,6 +11,7 @@ from typing import Any
 
 import anyio
 
+from engine.common.setting import MAX_SEED
 from engine.local.batcher import (
     PendingSample,
     SampleBatcher,
@@ -396,6 +397,8 @@ def sample_job_of(
         raise WireError(f"sampling_params.top_p must be in (0, 1], got {params.top_p}")
     if params.top_k < -1:
         raise WireError(f"sampling_params.top_k must be -1 (off) or positive, got {params.top_k}")
+    if params.seed is not None and not 0 <= params.seed <= MAX_SEED:
+        raise WireError(f"sampling_params.seed must be in 0..2^63-1, got {params.seed}")
     stop = params.stop
     stop_strings = [stop] if isinstance(stop, str) else []
     stop_ids: list[int] = []

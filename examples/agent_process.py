@@ -1,6 +1,7 @@
 """An agent process: any program that talks to ``$OPENAI_BASE_URL`` with
 ``$OPENAI_API_KEY`` and ends its output with ``{"reward": R}``. The engine runs it once
-per episode (``--task agent-cmd:COMMAND``), with the problem in ``$ENGINE_PROBLEM``::
+per episode (``--task agent-cmd:COMMAND``), with the problem in the file
+``$ENGINE_PROBLEM_FILE`` names (small ones are in ``$ENGINE_PROBLEM`` too)::
 
     python -m engine.run --local --task "agent-cmd:python examples/agent_process.py" \\
         --task-arg op=* --task-arg min_operand=10 --task-arg max_operand=99 --steps 20
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from pathlib import Path
 from typing import Any
 
 import openai
@@ -31,7 +33,7 @@ MULTIPLY: Any = {  # a program of its own: it shares nothing with the engine
 
 
 def main() -> None:
-    problem = json.loads(os.environ["ENGINE_PROBLEM"])
+    problem = json.loads(Path(os.environ["ENGINE_PROBLEM_FILE"]).read_text())
     client = openai.OpenAI()  # reads OPENAI_BASE_URL and OPENAI_API_KEY
     messages: list[Any] = [{"role": "user", "content": problem["question"]}]
     answer = ""

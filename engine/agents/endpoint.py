@@ -5,14 +5,18 @@ Routes: ``POST /v1/chat/completions`` (``stream: true`` answers as server-sent e
 in one piece once the reply is sampled), ``POST /v1/completions``, ``GET /v1/models``,
 each also under ``/e/{episode}/v1/...`` (the path that names a training episode). A
 :class:`EndpointBackend` says who may call (``Authorization: Bearer KEY``) and samples. Errors
-come in OpenAI's format: 400 bad body, 401 bad key, 404 unknown episode or route, 409 a
-call after its episode ended, 413 a body over ``max_body_bytes``, 429 over
-``max_concurrency`` calls in flight (or a second concurrent call of one episode), 503
-once the endpoint is stopping.
+come in OpenAI's format: 400 bad body, 401 bad key, 404 unknown episode or route, 408 a
+body not sent within ``body_timeout_s``, 409 a call after its episode ended, 413 a body
+over ``max_body_bytes``, 429 over ``max_concurrency`` calls in flight (or a second
+concurrent call of one episode), 503 once the endpoint is stopping.
+
+A call is checked (key, episode) before its body is read, and counts in flight only once
+its whole body has arrived and parsed: a slow client holds a connection, never a slot.
+A connection whose request headers are not in within ``header_timeout_s`` is closed.
 
 Shutdown never hangs: leaving :func:`serve_endpoint` refuses new calls (503), closes
-the listener and the connections, and waits at most :data:`SHUTDOWN_GRACE_S` for the
-calls in flight.
+the listener and the connections, waits at most ``shutdown_grace_s`` for the calls in
+flight, then answers those still running with a 503.
 """
 
 from __future__ import annotations
@@ -33,12 +37,13 @@ import anyio
 import pydantic
 import uvicorn
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.agents.chat import Answer, Choice
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError, error_body
+from engine.local.http11 import with_header_timeout
 
 __all__ = [
     "Caller",
@@ -51,7 +56,6 @@ __all__ = [
     "serve_endpoint",
 ]
 
-SHUTDOWN_GRACE_S = 5.0
 M = TypeVar("M", bound=pydantic.BaseModel)
 
 
@@ -77,8 +81,28 @@ class EndpointBackend(Protocol):
 
 @dataclass(frozen=True)
 class EndpointLimits:
+    """The endpoint's bounds (docs/reliability.md, "The endpoint's limits")."""
+
     max_body_bytes: int = 8 * 1024 * 1024
+    """A request body's bytes (413 beyond)."""
     max_concurrency: int = 256
+    """Calls in flight, counted from a whole body to the answer (429 beyond)."""
+    header_timeout_s: float = 10.0
+    """From a connection's opening (or a request's first byte) to its whole headers."""
+    body_timeout_s: float = 60.0
+    """From a request's headers to its whole body (408 after)."""
+    shutdown_grace_s: float = 5.0
+    """How long a stopping endpoint waits for the calls in flight (then 503s them)."""
+
+    def __post_init__(self) -> None:
+        for name in ("max_body_bytes", "max_concurrency"):
+            if not getattr(self, name) >= 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("header_timeout_s", "body_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if not self.shutdown_grace_s >= 0:
+            raise ValueError(f"shutdown_grace_s must be >= 0, got {self.shutdown_grace_s!r}")
 
 
 @dataclass(frozen=True)
@@ -104,6 +128,8 @@ class Endpoint:
     base_url: str
     in_flight: int = 0
     stopping: bool = False
+    calls: set[anyio.CancelScope] = field(default_factory=set, repr=False)
+    """The calls in flight (cancelled, and answered 503, when the grace period ends)."""
     app: Starlette = field(init=False, repr=False)
     dispatch: Dispatch = field(init=False, repr=False)
 
@@ -134,9 +160,9 @@ class _Handlers:
 
     async def chat(self, episode: str | None, api_key: str | None, read: BodyReader) -> Reply:
         model = self._backend.model
+        caller = self._caller(episode, api_key)
+        body = _parse(ChatRequest, await read())
         with _admitted(self._endpoint, self._limits):
-            caller = self._backend.caller(episode, api_key)
-            body = _parse(ChatRequest, await read())
             answer = await caller.chat(body)
         if body.stream:
             include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -146,12 +172,18 @@ class _Handlers:
     async def completions(
         self, episode: str | None, api_key: str | None, read: BodyReader
     ) -> Reply:
+        caller = self._caller(episode, api_key)
+        body = _parse(CompletionRequest, await read())
         with _admitted(self._endpoint, self._limits):
-            caller = self._backend.caller(episode, api_key)
-            body = _parse(CompletionRequest, await read())
             answer = await caller.complete(body)
         response = _completion_response(answer, self._backend.model, body)
         return _sse(iter([response])) if body.stream else _json(response)
+
+    def _caller(self, episode: str | None, api_key: str | None) -> Caller:
+        """Who calls (401, 404), decided before the body is read."""
+        if self._endpoint.stopping:
+            raise EndpointError(503, "the endpoint is stopping")
+        return self._backend.caller(episode, api_key)
 
     async def dispatch(self, method: str, path: str, api_key: str | None, body: bytes) -> Reply:
         limit = self._limits.max_body_bytes
@@ -197,7 +229,9 @@ def build_app(backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimi
 
     async def endpoint_error(_: Request, exc: Exception) -> Response:
         assert isinstance(exc, EndpointError)
-        return JSONResponse(exc.body(), status_code=exc.status)
+        # A body left unread (408, 413) ends the connection with the answer.
+        close = {"Connection": "close"} if exc.status in (408, 413) else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=close)
 
     async def not_found(request: Request, _: Exception) -> Response:
         body = error_body(f"no route {request.method} {request.url.path}", "not_found_error")
@@ -211,12 +245,12 @@ def build_app(backend: EndpointBackend, endpoint: Endpoint, limits: EndpointLimi
         return _response(handlers.models())
 
     async def chat(request: Request) -> Response:
-        read = functools.partial(_body, request, limits.max_body_bytes)
+        read = functools.partial(_body, request, limits)
         episode = request.path_params.get("episode")
         return _response(await handlers.chat(episode, _bearer(request), read))
 
     async def completions(request: Request) -> Response:
-        read = functools.partial(_body, request, limits.max_body_bytes)
+        read = functools.partial(_body, request, limits)
         episode = request.path_params.get("episode")
         return _response(await handlers.completions(episode, _bearer(request), read))
 
@@ -253,6 +287,7 @@ async def serve_endpoint(
             log_config=None,
             access_log=False,
             timeout_keep_alive=75,
+            http=with_header_timeout(limits.header_timeout_s),
         )
     )
     server.config.load()
@@ -262,24 +297,33 @@ async def serve_endpoint(
         yield endpoint
     finally:
         endpoint.stopping = True
-        with anyio.move_on_after(SHUTDOWN_GRACE_S + 1, shield=True):
-            await _shutdown(server)
+        with anyio.move_on_after(limits.shutdown_grace_s + 2 * _ANSWER_S, shield=True):
+            await _shutdown(server, endpoint, limits.shutdown_grace_s)
         sock.close()
 
 
-async def _shutdown(server: uvicorn.Server) -> None:
+_ANSWER_S = 1.0
+"""How long a cancelled call has to send its 503 before its task is cancelled."""
+
+
+async def _shutdown(server: uvicorn.Server, endpoint: Endpoint, grace_s: float) -> None:
     """uvicorn's shutdown without its fixed sleeps: stop accepting, end the connections,
-    give the calls in flight the grace period, then cancel them."""
+    give the calls in flight the grace period, then cancel them: each answers a 503
+    (cancelling uvicorn's tasks instead would log a traceback per call)."""
     for listener in getattr(server, "servers", []):
         listener.close()
     for connection in list(server.server_state.connections):
         connection.shutdown()
-    tasks = list(server.server_state.tasks)
+    tasks = server.server_state.tasks
     try:
         if tasks:
-            await asyncio.wait(tasks, timeout=SHUTDOWN_GRACE_S)
+            await asyncio.wait(list(tasks), timeout=grace_s)
+        for scope in list(endpoint.calls):
+            scope.cancel()
+        if tasks:
+            await asyncio.wait(list(tasks), timeout=_ANSWER_S)
     finally:
-        for task in server.server_state.tasks:
+        for task in tasks:
             task.cancel()
 
 
@@ -298,15 +342,23 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @contextlib.contextmanager
 def _admitted(endpoint: Endpoint, limits: EndpointLimits) -> Iterator[None]:
+    """A call in flight: counted, and cancelled with a 503 when a stopping endpoint's
+    grace period ends."""
     if endpoint.stopping:
         raise EndpointError(503, "the endpoint is stopping")
     if endpoint.in_flight >= limits.max_concurrency:
         raise EndpointError(429, f"over {limits.max_concurrency} calls in flight; retry later")
     endpoint.in_flight += 1
+    scope = anyio.CancelScope()
+    endpoint.calls.add(scope)
     try:
-        yield
+        with scope:
+            yield
     finally:
         endpoint.in_flight -= 1
+        endpoint.calls.discard(scope)
+    if scope.cancelled_caught:
+        raise EndpointError(503, "the endpoint stopped before the call was answered")
 
 
 def _bearer(request: Request) -> str | None:
@@ -319,16 +371,26 @@ def bearer_key(header: str) -> str | None:
     return key.strip() or None if scheme.lower() == "bearer" else None
 
 
-async def _body(request: Request, limit: int) -> bytes:
+async def _body(request: Request, limits: EndpointLimits) -> bytes:
+    """The whole body within ``max_body_bytes`` (413) and ``body_timeout_s`` (408)."""
+    limit = limits.max_body_bytes
     declared = request.headers.get("content-length")
     if declared is not None and declared.isdigit() and int(declared) > limit:
         raise EndpointError(413, f"the request body is over {limit} bytes")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise EndpointError(413, f"the request body is over {limit} bytes")
-        chunks.append(chunk)
+    try:
+        with anyio.fail_after(limits.body_timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise EndpointError(413, f"the request body is over {limit} bytes")
+                chunks.append(chunk)
+    except ClientDisconnect:  # nobody reads the answer; a plain error logs nothing
+        raise EndpointError(400, "the client disconnected before sending the whole body") from None
+    except TimeoutError:
+        raise EndpointError(
+            408, f"the request body did not arrive within {limits.body_timeout_s:g} s"
+        ) from None
     return b"".join(chunks)
 
 

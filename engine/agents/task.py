@@ -146,7 +146,9 @@ class AgentGroup:
         chat = task.chat_format(context.task)
         token = secrets.token_hex(4)
         self.episodes = [Episode(f"{token}-{i}", chat, context) for i in range(group_size)]
-        self._secret = "sk-engine-" + secrets.token_hex(16)
+        # A key per episode: an agent cannot call its siblings' episodes (their URLs
+        # differ only in the index).
+        self._keys = {e.id: "sk-engine-" + secrets.token_hex(16) for e in self.episodes}
         self._stack = contextlib.AsyncExitStack()
         self._workers: Workers | None = None
         self.endpoint: Endpoint | None = None
@@ -156,15 +158,10 @@ class AgentGroup:
         self._workers = workers
         return self
 
-    @property
-    def api_key(self) -> str:
-        """The key the group's agents are given (its endpoint takes no other)."""
-        return self._secret
-
     async def __aenter__(self) -> AgentGroup:
         stack = self._stack
         try:
-            backend = _GroupBackend(self._secret, {e.id: e for e in self.episodes})
+            backend = _GroupBackend({e.id: e for e in self.episodes}, self._keys)
             endpoint = await stack.enter_async_context(
                 serve_endpoint(backend, limits=self._task.endpoint_limits)
             )
@@ -179,7 +176,8 @@ class AgentGroup:
             if self._workers is not None:
                 urls = tuple(endpoint.episode_url(e.id) for e in self.episodes)
                 agent, problem = self._task.agent, self._problem
-                runs = AgentRuns(agent, problem, urls, self._secret, timeout, endpoint.base_url)
+                keys = tuple(self._keys[e.id] for e in self.episodes)
+                runs = AgentRuns(agent, problem, urls, keys, timeout, endpoint.base_url)
                 if isinstance(self._workers, AgentWorkers):
                     stack.enter_context(self._workers.route(endpoint.base_url, endpoint.dispatch))
                 tg.start_soon(self._run_on_workers, self._workers, runs)
@@ -189,7 +187,7 @@ class AgentGroup:
                 for episode in self.episodes:
                     client = openai.AsyncOpenAI(
                         base_url=endpoint.episode_url(episode.id),
-                        api_key=self._secret,
+                        api_key=self._keys[episode.id],
                         http_client=http,
                     )
                     tg.start_soon(self._run_agent, episode, client, timeout)
@@ -258,7 +256,8 @@ class AgentRuns:
     agent: AgentFunction
     problem: Problem
     urls: tuple[str, ...]
-    api_key: str
+    keys: tuple[str, ...]
+    """Each episode's key (as ``urls``)."""
     timeout: float
     route: str
     """The endpoint's base URL: what an agent worker process's pipe names it by."""
@@ -276,7 +275,7 @@ class AgentRuns:
         async with openai.DefaultAsyncHttpxClient(timeout=limit, transport=transport) as http:
 
             async def one(i: int, url: str) -> None:
-                client = openai.AsyncOpenAI(base_url=url, api_key=self.api_key, http_client=http)
+                client = openai.AsyncOpenAI(base_url=url, api_key=self.keys[i], http_client=http)
                 outcomes[i] = await run_agent(self.agent, client, self.problem, self.timeout)
 
             async with anyio.create_task_group() as tg:
@@ -316,24 +315,31 @@ def _in_process_client(endpoint: Endpoint, timeout: float) -> Any:
 
 
 class _GroupBackend:
-    """A group's callers: its episodes, by the path's episode id, for its key."""
+    """A group's callers: its episodes, by the path's episode id, each for its own key."""
 
     model = SERVED_MODEL
 
-    def __init__(self, secret: str, episodes: Mapping[str, Episode]) -> None:
-        self._secret = secret
+    def __init__(self, episodes: Mapping[str, Episode], keys: Mapping[str, str]) -> None:
         self._episodes = episodes
+        self._keys = {episode: key.encode() for episode, key in keys.items()}
 
     def caller(self, episode: str | None, api_key: str | None) -> Episode:
-        if api_key is None or not hmac.compare_digest(api_key, self._secret):
+        given = (api_key or "").encode()
+        if not any(hmac.compare_digest(given, key) for key in self._keys.values()):
             raise EndpointError(401, "invalid API key: use the key the agent was given")
         if episode is None:
             raise EndpointError(
                 404, "no episode in the path: use the base URL the agent was given (/e/ID/v1)"
             )
-        found = self._episodes.get(episode)
-        if found is None:
+        found, key = self._episodes.get(episode), self._keys.get(episode)
+        if found is None or key is None:
             raise EndpointError(404, f"unknown episode {episode!r}")
+        if not hmac.compare_digest(given, key):
+            raise EndpointError(
+                401,
+                f"this key is not episode {episode!r}'s: use the base URL and key the "
+                "agent was given",
+            )
         return found
 
 

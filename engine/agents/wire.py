@@ -12,7 +12,9 @@ from __future__ import annotations
 
 from typing import Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from engine.common.setting import MAX_SEED
 
 __all__ = [
     "ChatRequest",
@@ -24,6 +26,11 @@ __all__ = [
     "ToolWire",
     "error_body",
 ]
+
+MAX_STOP = 4
+"""Stop strings a request may give (OpenAI's bound)."""
+MAX_STOP_CHARS = 1024
+"""The longest stop string a request may give, in characters."""
 
 
 class _Lenient(BaseModel):
@@ -76,9 +83,19 @@ class _Sampling(_Lenient):
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=64)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, le=MAX_SEED)
     stream: bool = False
     stream_options: StreamOptions | None = None
+
+    @field_validator("stop")
+    @classmethod
+    def _bounded(cls, stop: str | list[str] | None) -> str | list[str] | None:
+        stops = [stop] if isinstance(stop, str) else stop or []
+        if len(stops) > MAX_STOP:
+            raise ValueError(f"at most {MAX_STOP} stop strings, got {len(stops)}")
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(f"a stop string must be at most {MAX_STOP_CHARS} characters")
+        return stop
 
     def stop_strings(self) -> tuple[str, ...]:
         if self.stop is None:
@@ -118,6 +135,7 @@ class EndpointError(Exception):
         400: "invalid_request_error",
         401: "authentication_error",
         404: "not_found_error",
+        408: "timeout_error",
         409: "conflict_error",
         405: "invalid_request_error",
         413: "invalid_request_error",

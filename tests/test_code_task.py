@@ -93,6 +93,23 @@ async def test_failures_score_0_and_say_why(isolated: None) -> None:
 
 
 @pytest.mark.anyio
+async def test_attacks_in_a_response_score_0_with_the_reason(isolated: None) -> None:
+    task = load_task(f"code:{PROBLEMS}", {"timeout": "1", "memory_mb": "128"})
+    assert isinstance(task, CodeTask)
+    fork_bomb = (
+        "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass"
+    )
+    flood = "while True:\n    print('x' * 4096)"
+    memory = "hog = [bytearray(16 << 20) for _ in range(64)]"
+    bombed = await task.score(fork_bomb, problem(task, 0))
+    flooded = await task.score(flood, problem(task, 5))
+    hogged = await task.score(memory, problem(task, 5))
+    assert bombed.total == 0.0 and bombed.components.keys() & {"limit_wall", "limit_cpu"}
+    assert flooded.total == 0.0 and flooded.components["limit_output"] == 1.0
+    assert hogged.total == 0.0 and hogged.components["limit_memory"] == 1.0
+
+
+@pytest.mark.anyio
 async def test_leaving_early_or_printing_results_does_not_pass(task: CodeTask) -> None:
     leaves = "import os\nos._exit(0)"
     forged = 'print(\'{"test": 0, "passed": true}\')\nprint(\'{"test": 1, "passed": true}\')'

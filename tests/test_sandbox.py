@@ -8,6 +8,10 @@ import json
 import os
 import pickle
 import re
+import shutil
+import subprocess
+import sys
+import sysconfig
 from collections.abc import Iterator
 from functools import partial
 from pathlib import Path
@@ -298,6 +302,63 @@ async def test_a_sandbox_pickles_for_worker_processes(isolated: None) -> None:
     sandbox = pickle.loads(pickle.dumps(Sandbox(Limits(wall_s=60), max_concurrent=3)))
     assert sandbox.max_concurrent == 3
     assert (await sandbox.run_python("print('again')")).stdout == "again\n"
+
+
+UNPRIVILEGED_SCRIPT = r"""
+import json, anyio
+from engine.sandbox import Limits, Sandbox
+FORKS = '''
+import os, time
+n = 0
+while n < 100:
+    try:
+        if os.fork() == 0:
+            time.sleep(5)
+            os._exit(0)
+    except OSError:
+        break
+    n += 1
+print(n)
+'''
+async def main():
+    async with Sandbox(Limits(wall_s=60, processes=8)) as sandbox:
+        forks = await sandbox.run_python(FORKS)
+        env = await sandbox.run_python("import os\nprint(sorted(os.environ))")
+    print(json.dumps({"forks": forks.stdout, "env": env.stdout, "isolated": env.isolated}))
+anyio.run(main)
+"""
+
+
+def test_an_unprivileged_user_gets_the_same_isolation_and_process_limit(isolated: None) -> None:
+    """Run as root (CI), the suite checks the root path (a random uid per run); this runs
+    the sandbox as ``nobody`` (bubblewrap's user namespace, the process limit counted in
+    it) with the system interpreter and this checkout's packages."""
+    system_python = Path("/usr/bin/python3")
+    if os.geteuid() != 0 or shutil.which("setpriv") is None or not system_python.exists():
+        pytest.skip(
+            "needs root, setpriv and /usr/bin/python3 (as another user every test does this)"
+        )
+    packages = sysconfig.get_paths()["purelib"]
+    command = [
+        "setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+        "env", "-i", f"PYTHONPATH={TESTS.parent}{os.pathsep}{packages}", str(system_python),
+    ]  # fmt: skip
+    probe = subprocess.run(
+        [*command, "-c", "import sys, engine.sandbox; print(tuple(sys.version_info[:2]))"],
+        capture_output=True, text=True, timeout=GUARD_S, check=False,
+    )  # fmt: skip
+    if probe.stdout.strip() != str(tuple(sys.version_info[:2])):
+        pytest.skip(
+            f"nobody cannot import this checkout with {system_python}: {probe.stderr[-200:]}"
+        )
+    done = subprocess.run(
+        [*command, "-c", UNPRIVILEGED_SCRIPT], capture_output=True, text=True, timeout=GUARD_S,
+        check=False,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    outcome = json.loads(done.stdout)
+    assert outcome["isolated"] and outcome["env"] == "['HOME', 'LANG', 'PATH', 'PWD', 'TMPDIR']\n"
+    assert 0 < int(outcome["forks"]) < 8
 
 
 def test_the_documented_example_runs_as_written(isolated: None) -> None:

@@ -220,3 +220,27 @@ def test_every_task_argument_is_documented() -> None:
     section = page.split("## Code tasks", 1)[1].split("\n## ", 1)[0]
     missing = [name for name in CODE_ARGS if f"`{name}`" not in section]
     assert not missing, f"docs/sandbox.md's code task arguments lack {missing}"
+
+
+@pytest.mark.anyio
+async def test_a_saved_hugging_face_dataset_of_mixed_shapes_loads_with_format_hf(
+    isolated: None, tmp_path: Path
+) -> None:
+    datasets = pytest.importorskip("datasets")
+    rows = [json.loads(line) for line in PROBLEMS.read_text().splitlines()]
+    # One column set for every row (None where a row has no value), as datasets stores it;
+    # a column holds one type (row 5's list of pairs would clash with row 0's list of str).
+    splits = {"train": rows[:5], "test": rows[6:]}
+    columns = {key for row in rows for key in row}
+    datasets.DatasetDict(
+        {
+            name: datasets.Dataset.from_dict({k: [r.get(k) for r in part] for k in columns})
+            for name, part in splits.items()
+        }
+    ).save_to_disk(str(tmp_path / "saved"))
+    task = load_task(f"code:{tmp_path / 'saved'}", {"format": "hf", "eval_split": "test"})
+    assert isinstance(task, CodeTask) and len(task._train) == 5
+    assert [p.answer["kind"] for p in task.eval_problems()] == ["stdio", "asserts"]
+    assert task.spec[1] == {"format": "hf", "eval_split": "test"}
+    fenced = "```python\ndef add(a, b):\n    return a + b\n```"
+    assert (await task.score(fenced, problem(task, 0))).total == 1.0

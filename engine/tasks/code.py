@@ -165,8 +165,11 @@ def code_spec(record: Mapping[str, Any], where: str, tests_field: str | None) ->
     "setup": ..., "prefix": ..., "entry_point": ...}`` or ``{"kind": "stdio", "tests":
     [{"input", "output"}...]}``; a ConfigError names ``where`` when they are not one of
     the shapes in the module docstring."""
-    field = tests_field or next((f for f in _TESTS_FIELDS if f in record), _TESTS_FIELDS[0])
-    if field not in record:
+    # (a Hugging Face dataset's rows hold every column: None where a row has no value)
+    field = tests_field or next(
+        (f for f in _TESTS_FIELDS if record.get(f) is not None), _TESTS_FIELDS[0]
+    )
+    if record.get(field) is None:
         raise ConfigError(f"{where} has no tests field {field!r}")
     raw = record[field]
     stdio = _stdio_pairs(_json_or(raw))
@@ -229,9 +232,12 @@ def _code_rows(
             if isinstance(record, dict):
                 record = {**record, _SPEC: code_spec(record, where, tests_field)}
                 if prompt_field is None:
-                    field = next((f for f in _PROMPT_FIELDS if f in record), _PROMPT_FIELDS[0])
+                    field = next(
+                        (f for f in _PROMPT_FIELDS if record.get(f) is not None),
+                        _PROMPT_FIELDS[0],
+                    )
                     record[_SPEC + "_prompt"] = record.get(field)
-                    if field not in record:
+                    if record.get(field) is None:
                         raise ConfigError(f"{where} has no prompt field {field!r}")
             yield where, record
 

@@ -20,6 +20,7 @@ from engine.catalog import load_task
 from engine.core.problems import Problem
 from engine.errors import ConfigError
 from engine.tasks.code import CODE_ARGS, CodeTask, extract_code, program_of
+from engine.tasks.dataset import raw_prompts_warning
 from tests.sandbox_support import require_isolation
 
 PROBLEMS = Path(__file__).resolve().parents[1] / "examples" / "code_problems.jsonl"
@@ -47,6 +48,7 @@ def problem(task: CodeTask, index: int) -> Problem:
     return Problem(id=index, question="", answer=task._train[index].answer, data={"row": index})
 
 
+PROMPT_0 = "Write a Python function add(a, b) that returns the sum of a and b."
 FENCED_ADD = "Here it is:\n```python\ndef add(a, b):\n    return a + b\n```\nDone."
 
 
@@ -159,8 +161,8 @@ def test_a_bad_row_is_one_line_naming_it(
     ("args", "message"),
     [
         ({"timout": "3"}, "unknown task argument 'timout'"),
-        ({"timeout": "0"}, "timeout must be a positive number"),
-        ({"memory_mb": "lots"}, "memory_mb must be a positive number"),
+        ({"timeout": "0"}, "timeout must be > 0"),
+        ({"memory_mb": "lots"}, "memory_mb must be a number"),
         ({"max_concurrent": "0"}, "max_concurrent must be >= 1"),
         ({"format": "csv"}, "format must be jsonl or hf"),
         ({"split": "train"}, "unknown task argument 'split'"),
@@ -244,3 +246,16 @@ async def test_a_saved_hugging_face_dataset_of_mixed_shapes_loads_with_format_hf
     assert task.spec[1] == {"format": "hf", "eval_split": "test"}
     fenced = "```python\ndef add(a, b):\n    return a + b\n```"
     assert (await task.score(fenced, problem(task, 0))).total == 1.0
+
+
+def test_plain_prompts_to_a_chat_model_get_the_datasets_warning(isolated: None) -> None:
+    class ChatTokenizer:
+        chat_template = "{{ messages }}"
+
+    raw = load_task(f"code:{PROBLEMS}")
+    chat = load_task(f"code:{PROBLEMS}", {"chat": "true"})
+    warning = raw_prompts_warning(raw, ChatTokenizer())
+    assert warning is not None and "--task-arg chat=true" in warning
+    assert raw_prompts_warning(chat, ChatTokenizer()) is None
+    assert isinstance(chat, CodeTask)
+    assert chat.prompt(problem(chat, 0)) == [{"role": "user", "content": PROMPT_0}]

@@ -41,7 +41,7 @@ import re
 import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Final
+from typing import Any, Final, Unpack
 
 import anyio
 
@@ -53,6 +53,7 @@ from engine.tasks.dataset import (
     DATASET_ARGS,
     DataFormat,
     Row,
+    RowArgs,
     RowTask,
     _rows_digest,
     flag_arg,
@@ -61,6 +62,7 @@ from engine.tasks.dataset import (
     row_args,
     rows_of,
 )
+from engine.tasks.rewards import _positive
 
 __all__ = ["CODE_ARGS", "CodeTask", "code_spec", "extract_code", "program_of"]
 
@@ -263,7 +265,7 @@ class CodeTask(RowTask):
         max_concurrent: int | None = None,
         allow_unisolated: bool = False,
         stop: Sequence[str] = (),
-        **rows: Any,
+        **rows: Unpack[RowArgs],
     ) -> None:
         if max_concurrent is not None and max_concurrent < 1:
             raise ConfigError(f"task argument max_concurrent must be >= 1, got {max_concurrent}")
@@ -276,12 +278,7 @@ class CodeTask(RowTask):
         parse = functools.partial(_code_rows, prompt_field=prompt_field, tests_field=tests_field)
         super().__init__(path, parse, **rows)
         self.spec = (f"code:{self.path.resolve()}", self.spec[1])
-        self._chat = bool(chat) or self._system is not None
-        self.raw_unasked = (
-            chat is None
-            and not self._chat
-            and any(isinstance(r.prompt, str) for r in (*self._train, *self._held_out))
-        )
+        self._chat_or_raw(chat)
         self.stop = tuple(stop)
         self.sandbox = Sandbox(
             limits or Limits(wall_s=10.0),
@@ -306,8 +303,8 @@ class CodeTask(RowTask):
             tests_field=args.get("tests_field"),
             chat=flag_arg(args, "chat") if "chat" in args else None,
             limits=Limits(
-                wall_s=_positive(args, "timeout", 10.0),
-                memory_bytes=int(_positive(args, "memory_mb", 512)) << 20,
+                wall_s=_positive(args, "timeout", "10", allow_zero=False),
+                memory_bytes=int(_positive(args, "memory_mb", "512", allow_zero=False)) << 20,
             ),
             max_concurrent=int_arg(args, "max_concurrent") if "max_concurrent" in args else None,
             allow_unisolated=flag_arg(args, "unsafe_no_isolation")
@@ -324,10 +321,7 @@ class CodeTask(RowTask):
         )
 
     def prompt(self, problem: Problem) -> str | list[Mapping[str, Any]]:
-        row = self._row(problem)
-        if isinstance(row.prompt, str) and not self._chat:
-            return row.prompt
-        return self._messages(problem)
+        return self._prompt_of(problem)
 
     async def score(self, response: str, problem: Problem) -> RewardBreakdown:
         spec = problem.answer
@@ -353,7 +347,12 @@ class CodeTask(RowTask):
         for line in result.stdout.splitlines():
             if not line.startswith(nonce):
                 continue
-            item = json.loads(line[len(nonce) :])
+            try:  # a line the output limit cut short is no report
+                item = json.loads(line[len(nonce) :])
+            except ValueError:
+                continue
+            if not isinstance(item, dict):
+                continue
             if "load_error" in item:
                 reasons.add("error")
             elif 0 <= item.get("test", -1) < len(outcomes):
@@ -384,15 +383,3 @@ def _reasons(result: SandboxResult) -> set[str]:
     if result.limit is not None:
         return {f"limit_{result.limit}"}
     return {"error"} if result.exit_code != 0 else set()
-
-
-def _positive(args: Mapping[str, str], key: str, default: float) -> float:
-    if key not in args:
-        return default
-    try:
-        value = float(args[key])
-    except ValueError:
-        value = -1.0
-    if not value > 0 or value == float("inf"):
-        raise ConfigError(f"task argument {key} must be a positive number, got {args[key]!r}")
-    return value

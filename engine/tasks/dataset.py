@@ -366,6 +366,24 @@ class RowTask:
         split = str(problem.data.get("split", "train"))
         return self._rows[split][int(problem.data["row"])]
 
+    def _chat_or_raw(self, chat: bool | None) -> None:
+        """The rule for string prompts of the tasks that take ``chat`` (DatasetTask,
+        CodeTask): raw unless ``chat`` or a ``system`` message says chat."""
+        self._chat = bool(chat) or self._system is not None
+        self.raw_unasked = (
+            chat is None
+            and not self._chat
+            and any(isinstance(r.prompt, str) for r in (*self._train, *self._held_out))
+        )
+        """String prompts go raw (tokenizer.encode) and ``chat`` was not set either way."""
+
+    def _prompt_of(self, problem: Problem) -> str | list[Mapping[str, Any]]:
+        """The prompt by :meth:`_chat_or_raw`'s rule."""
+        row = self._row(problem)
+        if isinstance(row.prompt, str) and not self._chat:
+            return row.prompt
+        return self._messages(problem)
+
     def _messages(self, problem: Problem) -> list[Mapping[str, Any]]:
         """The problem's chat messages (a string prompt: one user message), with the
         ``system`` message first when set and the messages have none."""
@@ -406,13 +424,7 @@ class DatasetTask(RowTask):
             functools.partial(_dataset_rows, prompt_field=prompt_field, answer_field=answer_field),
             **rows,
         )
-        self._chat = bool(chat) or self._system is not None
-        self.raw_unasked = (
-            chat is None
-            and not self._chat
-            and any(isinstance(r.prompt, str) for r in (*self._train, *self._held_out))
-        )
-        """String prompts go raw (tokenizer.encode) and ``chat`` was not set either way."""
+        self._chat_or_raw(chat)
         self._own: Callable[..., Any] | None = None
         if ":" in reward:
             self._own = user_reward(reward)
@@ -456,10 +468,7 @@ class DatasetTask(RowTask):
         )
 
     def prompt(self, problem: Problem) -> str | list[Mapping[str, Any]]:
-        row = self._row(problem)
-        if isinstance(row.prompt, str) and not self._chat:
-            return row.prompt
-        return self._messages(problem)
+        return self._prompt_of(problem)
 
     def score(self, response: str, problem: Problem) -> RewardBreakdown:
         if self._own is not None:
@@ -475,7 +484,7 @@ def raw_prompts_warning(task: object, tokenizer: Any) -> str | None:
     """What a run says before its first step when a dataset's plain-string prompts go
     to a model with a chat template raw, ``chat`` unset (a chat model then answers
     nothing useful): the fix, and how to keep them raw quietly. None otherwise."""
-    if not (isinstance(task, DatasetTask) and task.raw_unasked):
+    if not (isinstance(task, RowTask) and getattr(task, "raw_unasked", False)):
         return None
     if getattr(tokenizer, "chat_template", None) is None:
         return None

@@ -166,9 +166,10 @@ class AgentCommand:
                 tg.start_soon(_drain, process.stdout, out)
                 tg.start_soon(_drain, process.stderr, err)
                 code = await process.wait()
+                _kill_group(process.pid)  # (the fallback's: what stayed in its group)
                 tg.cancel_scope.deadline = anyio.current_time() + _DRAIN_S
         finally:
-            with anyio.move_on_after(_KILL_WAIT_S, shield=True):
+            with anyio.move_on_after(2 * _KILL_WAIT_S, shield=True):
                 if process.returncode is None:  # the supervisor ends the tree, then itself
                     with contextlib.suppress(ProcessLookupError):
                         process.terminate()

@@ -36,7 +36,7 @@ from benchmarks.report import (
     write_json,
 )
 from engine.common.cli import OneLineErrorParser, positive_int
-from engine.sandbox import Limits, Sandbox, default_python
+from engine.sandbox import Sandbox, SandboxLimits, default_python
 
 __all__ = ["WORKLOADS", "main", "measure"]
 
@@ -48,7 +48,7 @@ WORKLOADS = {
         "while time.process_time() - start < 0.1:\n    pass\nprint(1)"
     ),
 }
-LIMITS = Limits(wall_s=60, cpu_s=10)
+LIMITS = SandboxLimits(wall_s=60, cpu_s=10)
 
 
 async def _round(code: str, size: int, sandbox: Sandbox | None, walls: list[float]) -> float:

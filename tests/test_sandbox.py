@@ -27,8 +27,8 @@ from benchmarks import sandbox as sandbox_benchmark
 from engine.common import extras
 from engine.envs.executors import ProcessWorkers
 from engine.sandbox import (
-    Limits,
     Sandbox,
+    SandboxLimits,
     SandboxResult,
     SandboxUnavailable,
     run_python_sync,
@@ -63,7 +63,7 @@ async def test_a_run_gets_its_stdin_files_and_arguments_and_reports_its_exit(
     isolated: None,
 ) -> None:
     code = "import sys\nprint(sys.stdin.read().upper(), open('data.txt').read(), sys.argv[1:])\n"
-    async with Sandbox(Limits(wall_s=60)) as sandbox:
+    async with Sandbox(SandboxLimits(wall_s=60)) as sandbox:
         result = await sandbox.run_python(code, stdin="hello", files={"data.txt": "42"}, args=["a"])
         failed = await sandbox.run_python("import sys\nprint('bye', file=sys.stderr)\nsys.exit(3)")
         crashed = await sandbox.run_python(
@@ -79,7 +79,7 @@ async def test_a_run_gets_its_stdin_files_and_arguments_and_reports_its_exit(
 
 @pytest.mark.anyio
 async def test_any_command_line_runs_with_the_limits(isolated: None) -> None:
-    async with Sandbox(Limits(wall_s=60, file_bytes=4096)) as sandbox:
+    async with Sandbox(SandboxLimits(wall_s=60, file_bytes=4096)) as sandbox:
         result = await sandbox.run(["/bin/sh", "-c", "ulimit -f; echo $HOME; pwd"])
         missing = await sandbox.run(["/no/such/program"])
     assert result.ok and result.stdout.split() == ["8", "/tmp", "/tmp"], result
@@ -94,7 +94,7 @@ async def test_multiprocessing_works_inside(isolated: None) -> None:
         "    with mp.Pool(2) as pool:\n"
         "        print(pool.map(abs, [-1, -2]))"
     )
-    result = await Sandbox(Limits(wall_s=60)).run_python(code)
+    result = await Sandbox(SandboxLimits(wall_s=60)).run_python(code)
     assert result.ok and result.stdout == "[1, 2]\n", result
 
 
@@ -111,7 +111,7 @@ async def test_multiprocessing_works_inside(isolated: None) -> None:
 def test_limits_are_checked_when_made(kwargs: dict[str, Any]) -> None:
     name = next(iter(kwargs))
     with pytest.raises(ValueError, match=f"sandbox limit {name} must be"):
-        Limits(**kwargs)
+        SandboxLimits(**kwargs)
 
 
 @pytest.mark.parametrize("name", ["../up.txt", "/abs.txt", "dir/file.txt", ""])
@@ -142,7 +142,7 @@ async def test_without_bubblewrap_it_refuses_in_one_line_unless_told_to_go_uniso
     assert "allow_unisolated=True" in message
     with pytest.raises(SandboxUnavailable):
         await Sandbox().run_python("print('never')")
-    result = await Sandbox(Limits(wall_s=60), allow_unisolated=True).run_python(
+    result = await Sandbox(SandboxLimits(wall_s=60), allow_unisolated=True).run_python(
         "import os\nprint(sorted(os.environ))"
     )
     assert result.ok and not result.isolated
@@ -190,7 +190,7 @@ def test_cli_refuses_in_one_line_without_isolation_and_runs_when_told(
 async def test_at_most_max_concurrent_runs_at_once(
     isolated: None, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    sandbox = Sandbox(Limits(wall_s=60), max_concurrent=2)
+    sandbox = Sandbox(SandboxLimits(wall_s=60), max_concurrent=2)
     real_run = sandbox._run
     running: list[int] = [0]
     peak: list[int] = [0]
@@ -220,7 +220,7 @@ async def test_at_most_max_concurrent_runs_at_once(
 async def test_cancelling_a_run_kills_its_whole_tree(isolated: None) -> None:
     token = new_token()
     code = "import os, time\nos.fork()\ntime.sleep(600)"
-    sandbox = Sandbox(Limits(wall_s=600))
+    sandbox = Sandbox(SandboxLimits(wall_s=600))
 
     async def started() -> None:  # the code and its child are up (not just bubblewrap)
         while len([p for p in processes_with(token) if _runs_code(p)]) < 2:  # noqa: ASYNC110
@@ -248,7 +248,7 @@ def _runs_code(pid: int) -> bool:
 async def test_the_sync_wrapper_runs_in_a_worker_thread_and_a_worker_process(
     isolated: None,
 ) -> None:
-    limits = Limits(wall_s=60)
+    limits = SandboxLimits(wall_s=60)
     in_thread = await anyio.to_thread.run_sync(
         lambda: run_python_sync("print(6 * 7)", limits=limits)
     )
@@ -257,7 +257,7 @@ async def test_the_sync_wrapper_runs_in_a_worker_thread_and_a_worker_process(
     assert in_process.ok and in_process.stdout == "42\n"
 
 
-def _sync_in_worker(limits: Limits) -> SandboxResult:
+def _sync_in_worker(limits: SandboxLimits) -> SandboxResult:
     return run_python_sync("print(6 * 7)", limits=limits)
 
 
@@ -265,7 +265,7 @@ class CodeEnv:
     """An environment's shape: it holds a sandbox and runs code in a step."""
 
     def __init__(self) -> None:
-        self.sandbox = Sandbox(Limits(wall_s=60), max_concurrent=1)
+        self.sandbox = Sandbox(SandboxLimits(wall_s=60), max_concurrent=1)
 
     async def step(self, code: str) -> tuple[str, int]:
         result = await self.sandbox.run_python(code)
@@ -299,14 +299,14 @@ async def test_an_environment_holding_a_sandbox_steps_on_ray(
 
 @pytest.mark.anyio
 async def test_a_sandbox_pickles_for_worker_processes(isolated: None) -> None:
-    sandbox = pickle.loads(pickle.dumps(Sandbox(Limits(wall_s=60), max_concurrent=3)))
+    sandbox = pickle.loads(pickle.dumps(Sandbox(SandboxLimits(wall_s=60), max_concurrent=3)))
     assert sandbox.max_concurrent == 3
     assert (await sandbox.run_python("print('again')")).stdout == "again\n"
 
 
 UNPRIVILEGED_SCRIPT = r"""
 import json, anyio
-from engine.sandbox import Limits, Sandbox
+from engine.sandbox import SandboxLimits, Sandbox
 FORKS = '''
 import os, time
 n = 0
@@ -321,7 +321,7 @@ while n < 100:
 print(n)
 '''
 async def main():
-    async with Sandbox(Limits(wall_s=60, processes=8)) as sandbox:
+    async with Sandbox(SandboxLimits(wall_s=60, processes=8)) as sandbox:
         forks = await sandbox.run_python(FORKS)
         env = await sandbox.run_python("import os\nprint(sorted(os.environ))")
     print(json.dumps({"forks": forks.stdout, "env": env.stdout, "isolated": env.isolated}))

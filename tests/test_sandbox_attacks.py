@@ -1,6 +1,6 @@
 """Attacks on engine.sandbox: each is contained, the result names the limit or the code
 saw a refusal, nothing it started outlives the run, and the same sandbox runs the next
-code normally. Limits are small so the file stays fast; time limits that are expected
+code normally. SandboxLimits are small so the file stays fast; time limits that are expected
 to stop the code are short, the others generous."""
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from engine.sandbox import Limits, Sandbox, SandboxResult
+from engine.sandbox import Sandbox, SandboxLimits, SandboxResult
 from tests.sandbox_support import new_token, require_isolation, survivors
 
 pytestmark = pytest.mark.anyio
 
 CHECKOUT_FILE = Path(__file__).resolve().parents[1] / "pyproject.toml"
-ROOMY = Limits(wall_s=60, cpu_s=30, memory_bytes=256 << 20, processes=32, output_bytes=1 << 20)
+ROOMY = SandboxLimits(wall_s=60, cpu_s=30, memory_bytes=256 << 20, processes=32)
 """Limits none of these attacks should reach unless they aim at that one."""
 
 
@@ -41,7 +41,7 @@ async def contained(sandbox: Sandbox, result: SandboxResult, token: str) -> None
 
 async def test_fork_bomb_is_capped_by_the_process_limit_and_dies_with_the_run() -> None:
     token = new_token()
-    sandbox = Sandbox(Limits(wall_s=2, cpu_s=30, processes=16))
+    sandbox = Sandbox(SandboxLimits(wall_s=2, cpu_s=30, processes=16))
     code = """
 import os
 forked = failed = 0
@@ -58,7 +58,7 @@ while True:
 
 
 async def test_memory_bomb_fails_its_allocation_and_names_memory() -> None:
-    sandbox = Sandbox(Limits(wall_s=60, cpu_s=30, memory_bytes=128 << 20))
+    sandbox = Sandbox(SandboxLimits(wall_s=60, cpu_s=30, memory_bytes=128 << 20))
     result = await sandbox.run_python("hog = [bytearray(16 << 20) for _ in range(64)]")
     assert result.limit == "memory" and result.exit_code == 1, result
     await contained(sandbox, result, new_token())
@@ -66,7 +66,7 @@ async def test_memory_bomb_fails_its_allocation_and_names_memory() -> None:
 
 async def test_cpu_spin_is_stopped_by_the_cpu_limit() -> None:
     token = new_token()
-    sandbox = Sandbox(Limits(wall_s=60, cpu_s=1))
+    sandbox = Sandbox(SandboxLimits(wall_s=60, cpu_s=1))
     result = await sandbox.run_python("while True:\n    pass", args=[token])
     assert result.limit == "cpu" and result.signal in ("SIGXCPU", "SIGKILL"), result
     assert result.cpu_s is not None and result.cpu_s > 0.5
@@ -75,7 +75,7 @@ async def test_cpu_spin_is_stopped_by_the_cpu_limit() -> None:
 
 async def test_sleeping_past_the_deadline_is_killed_at_the_wall_clock_limit() -> None:
     token = new_token()
-    sandbox = Sandbox(Limits(wall_s=1))
+    sandbox = Sandbox(SandboxLimits(wall_s=1))
     result = await sandbox.run_python("import time\ntime.sleep(600)", args=[token])
     assert result.limit == "wall" and result.signal == "SIGKILL", result
     assert result.wall_s < 60
@@ -84,7 +84,7 @@ async def test_sleeping_past_the_deadline_is_killed_at_the_wall_clock_limit() ->
 
 async def test_a_process_that_ignores_sigterm_is_still_killed_with_its_children() -> None:
     token = new_token()
-    sandbox = Sandbox(Limits(wall_s=1))
+    sandbox = Sandbox(SandboxLimits(wall_s=1))
     code = """
 import os, signal, time
 signal.signal(signal.SIGTERM, signal.SIG_IGN)
@@ -189,7 +189,7 @@ print("pids", len([p for p in os.listdir("/proc") if p.isdigit()]))
 
 async def test_huge_output_is_cut_at_the_output_limit() -> None:
     token = new_token()
-    sandbox = Sandbox(Limits(wall_s=60, output_bytes=64 << 10))
+    sandbox = Sandbox(SandboxLimits(wall_s=60, output_bytes=64 << 10))
     result = await sandbox.run_python(
         "import sys\nwhile True:\n    sys.stdout.write('x' * 4096)", args=[token]
     )
@@ -222,7 +222,7 @@ print("parent leaves")
 
 
 async def test_a_file_past_the_file_size_limit_is_stopped() -> None:
-    sandbox = Sandbox(Limits(wall_s=60, file_bytes=1 << 20))
+    sandbox = Sandbox(SandboxLimits(wall_s=60, file_bytes=1 << 20))
     result = await sandbox.run_python(
         "with open('/tmp/big', 'wb') as f:\n    f.write(b'x' * (4 << 20))"
     )

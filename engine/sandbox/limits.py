@@ -7,14 +7,14 @@ import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["DEFAULT_LIMITS", "LIMIT_NAMES", "Limits"]
+__all__ = ["DEFAULT_LIMITS", "LIMIT_NAMES", "SandboxLimits"]
 
 LIMIT_NAMES = ("wall", "cpu", "memory", "output", "file_size")
 """The ``limit`` a result can name: the one that stopped the code."""
 
 
 @dataclass(frozen=True)
-class Limits:
+class SandboxLimits:
     """Bounds on one run. Each must be positive; ``cpu_s`` and ``wall_s`` are seconds
     (``cpu_s`` rounds up to whole seconds: the kernel counts in seconds)."""
 
@@ -63,4 +63,4 @@ class Limits:
         return dataclasses.asdict(self)
 
 
-DEFAULT_LIMITS = Limits()
+DEFAULT_LIMITS = SandboxLimits()

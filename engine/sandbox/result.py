@@ -9,7 +9,7 @@ import signal as signals
 from dataclasses import dataclass
 from typing import Any
 
-from engine.sandbox.limits import Limits
+from engine.sandbox.limits import SandboxLimits
 
 __all__ = ["SandboxResult", "limit_reached", "signal_name"]
 
@@ -59,7 +59,7 @@ def signal_name(number: int) -> str:
 
 
 def limit_reached(
-    limits: Limits, *, signal: str | None, cpu_s: float | None, stderr: str
+    limits: SandboxLimits, *, signal: str | None, cpu_s: float | None, stderr: str
 ) -> str | None:
     """The limit behind an ending the sandbox did not cause itself (it knows when it killed
     for the wall clock or the output): SIGXCPU or SIGKILL past the CPU limit is ``cpu``;

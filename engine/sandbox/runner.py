@@ -27,7 +27,7 @@ import anyio.abc
 
 from engine.errors import EngineError
 from engine.sandbox.isolation import PATH, bwrap_argv, code_uid, isolation_problem, launcher_argv
-from engine.sandbox.limits import DEFAULT_LIMITS, Limits
+from engine.sandbox.limits import DEFAULT_LIMITS, SandboxLimits
 from engine.sandbox.result import SandboxResult, limit_reached, signal_name
 
 __all__ = ["Sandbox", "SandboxUnavailable", "default_python", "run_python_sync"]
@@ -112,7 +112,7 @@ class Sandbox:
 
     def __init__(
         self,
-        limits: Limits = DEFAULT_LIMITS,
+        limits: SandboxLimits = DEFAULT_LIMITS,
         *,
         max_concurrent: int | None = None,
         python: str | None = None,
@@ -309,7 +309,7 @@ class Sandbox:
 def run_python_sync(
     code: str,
     *,
-    limits: Limits = DEFAULT_LIMITS,
+    limits: SandboxLimits = DEFAULT_LIMITS,
     stdin: str | bytes | None = None,
     files: Mapping[str, str | bytes] | None = None,
     allow_unisolated: bool = False,

@@ -47,7 +47,7 @@ import anyio
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.errors import ConfigError
-from engine.sandbox import Limits, Sandbox, SandboxResult
+from engine.sandbox import Sandbox, SandboxLimits, SandboxResult
 from engine.sandbox.isolation import isolation_problem_now
 from engine.tasks.dataset import (
     DATASET_ARGS,
@@ -261,7 +261,7 @@ class CodeTask(RowTask):
         prompt_field: str | None = None,
         tests_field: str | None = None,
         chat: bool | None = None,
-        limits: Limits | None = None,
+        limits: SandboxLimits | None = None,
         max_concurrent: int | None = None,
         allow_unisolated: bool = False,
         stop: Sequence[str] = (),
@@ -281,7 +281,7 @@ class CodeTask(RowTask):
         self._chat_or_raw(chat)
         self.stop = tuple(stop)
         self.sandbox = Sandbox(
-            limits or Limits(wall_s=10.0),
+            limits or SandboxLimits(wall_s=10.0),
             max_concurrent=max_concurrent,
             allow_unisolated=allow_unisolated,
         )
@@ -302,7 +302,7 @@ class CodeTask(RowTask):
             prompt_field=args.get("prompt_field"),
             tests_field=args.get("tests_field"),
             chat=flag_arg(args, "chat") if "chat" in args else None,
-            limits=Limits(
+            limits=SandboxLimits(
                 wall_s=_positive(args, "timeout", "10", allow_zero=False),
                 memory_bytes=int(_positive(args, "memory_mb", "512", allow_zero=False)) << 20,
             ),

@@ -5,10 +5,12 @@ to stop the code are short, the others generous."""
 
 from __future__ import annotations
 
+import os
 import socket
 from collections.abc import Iterator
 from pathlib import Path
 
+import anyio
 import pytest
 
 from engine.sandbox import Sandbox, SandboxLimits, SandboxResult
@@ -103,6 +105,7 @@ async def test_no_network_not_even_a_listener_on_the_hosts_loopback() -> None:
         listener.setblocking(False)
         port = listener.getsockname()[1]
         code = f"""
+import os
 import socket
 try:
     socket.create_connection(("127.0.0.1", {port}), timeout=5)
@@ -185,6 +188,27 @@ print("pids", len([p for p in os.listdir("/proc") if p.isdigit()]))
     assert "read" not in result.stdout and "host secret" not in result.stdout
     pids = int(result.stdout.rsplit("pids ", 1)[1])
     assert pids <= 4, f"the sandbox sees the host's processes: {result.stdout}"
+
+
+async def test_signals_reach_no_process_outside() -> None:
+    # a host process the code could aim at, and this test's own
+    async with await anyio.open_process(["sleep", "600"]) as bystander:
+        code = f"""
+import os, signal
+for pid in (-1, 1, {os.getpid()}, {bystander.pid}):
+    try:
+        os.kill(pid, signal.SIGKILL)
+        print("sent", pid)
+    except OSError as exc:
+        print("denied", pid, type(exc).__name__)
+"""
+        result = await Sandbox(ROOMY).run_python(code)
+        stat = await anyio.Path(f"/proc/{bystander.pid}/stat").read_text()
+        state = stat.rsplit(")", 1)[1].split()[0]
+        assert state != "Z", "the code killed a host process"
+        bystander.kill()
+    # kill(-1) may end the code itself: what matters is that everything outside lives.
+    assert result.limit is None, result
 
 
 async def test_huge_output_is_cut_at_the_output_limit() -> None:

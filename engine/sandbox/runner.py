@@ -255,6 +255,8 @@ class Sandbox:
         killed: list[str] = []
 
         def kill(why: str) -> None:
+            if process.returncode is not None:
+                return  # reaped: its pid (and group id) may already be another's
             if not killed:
                 killed.append(why)
             with contextlib.suppress(ProcessLookupError):

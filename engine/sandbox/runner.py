@@ -217,8 +217,10 @@ class Sandbox:
             inner = launcher_argv(self.python, status_w, uid, self.limits.rlimits(), argv)
             cwd: str | None = None
             if isolated:
-                file_fds = {name: _memfd(name, data) for name, data in files.items()}
-                child_fds += file_fds.values()
+                file_fds: dict[str, int] = {}
+                for name, data in files.items():
+                    file_fds[name] = _memfd(name, data)
+                    child_fds.append(file_fds[name])
                 bwrap = shutil.which("bwrap") or "bwrap"
                 sandbox = bwrap_argv(
                     bwrap, ro_paths=self.ro_paths, files=file_fds, tmp_bytes=self.limits.tmp_bytes

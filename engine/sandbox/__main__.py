@@ -13,7 +13,7 @@ from pathlib import Path
 
 import anyio
 
-from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
+from engine.common.cli import OneLineErrorParser, add_version_flag
 from engine.sandbox.limits import DEFAULT_LIMITS
 from engine.sandbox.result import SandboxResult
 from engine.sandbox.runner import Sandbox, SandboxUnavailable
@@ -21,7 +21,7 @@ from engine.sandbox.runner import Sandbox, SandboxUnavailable
 
 def build_parser() -> argparse.ArgumentParser:
     parser = OneLineErrorParser(
-        prog=program_name("engine.sandbox", "engine-sandbox"),
+        prog="python -m engine.sandbox",
         description="Run a Python file in the sandbox (no network, a private /tmp, the "
         "interpreter read-only, a clean environment, default limits) and print the "
         "outcome as one JSON object.",

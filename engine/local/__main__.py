@@ -40,6 +40,7 @@ from engine.local.config import (
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
 from engine.local.pretrained import PACKAGED, PRETRAINED
+from engine.local.services import HOSTED_SAMPLING_SLOTS, SERVICES
 
 GIL_SWITCH_INTERVAL_S = 0.001
 """The server's event loop shares the GIL with its compute and sampler threads, whose
@@ -72,6 +73,28 @@ def _positive_int(text: str) -> int:
         value = 0
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return value
+
+
+def _slots(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 4096:
+        raise argparse.ArgumentTypeError(f"must be an integer in 0..4096, got {text!r}")
+    return value
+
+
+def _positive_rate(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of requests per second > 0, got {text!r}"
+        )
     return value
 
 
@@ -249,6 +272,41 @@ def build_parser() -> argparse.ArgumentParser:
         "model ('untempered'); see docs/losses.md",
     )
     parser.add_argument(
+        "--service",
+        choices=SERVICES,
+        default=ServerConfig.service,
+        help="behave as this hosted service in what changes a client's results or control "
+        "flow: accepted losses and loss_fn_config keys, MinT's rollout_correction_config, "
+        "the sampling queue; see docs/local-server.md, 'Service profiles' (default local: "
+        "every option of this server)",
+    )
+    parser.add_argument(
+        "--sampling-slots",
+        type=_slots,
+        default=None,
+        metavar="N",
+        help="sample requests run at a time; the rest wait in a FIFO queue, and a request "
+        "sent with X-Tinker-Sampling-Backpressure: 1 gets 408 with its place in it while it "
+        f"waits; 0: no limit (default: no limit for local, {HOSTED_SAMPLING_SLOTS} for mint "
+        "and tinker)",
+    )
+    parser.add_argument(
+        "--sampling-queue",
+        type=_positive_int,
+        default=limits.max_queued_samples,
+        metavar="N",
+        help="sample requests that may wait for a slot; beyond it a new one gets 429 "
+        f"(default {limits.max_queued_samples})",
+    )
+    parser.add_argument(
+        "--rate-limit",
+        type=_positive_rate,
+        default=None,
+        metavar="PER_SECOND",
+        help="requests per second per API key (token bucket, bursts of max(1, rate)); past it "
+        "429 with Retry-After; polls and heartbeats are not counted (default: no limit)",
+    )
+    parser.add_argument(
         "--session-timeout",
         type=float,
         default=ServerConfig.session_timeout_s,
@@ -319,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
             max_named_samplers=args.max_samplers,
             max_ephemeral_samplers=args.max_samplers,
             max_adapter_bytes=args.max_adapter_memory << 20,
+            max_queued_samples=args.sampling_queue,
         )
         config = make_config(
             args.model,
@@ -338,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
             sampling_logprobs=args.sampling_logprobs,
             num_threads=args.threads,
             limits=limits,
+            service=args.service,
+            sampling_slots=args.sampling_slots,
+            rate_limit=args.rate_limit,
         )
     except (ValueError, FaultSpecError, LatencyProfileError) as exc:
         parser.error(str(exc))

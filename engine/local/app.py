@@ -27,6 +27,8 @@ from engine.local.auth import Authenticator
 from engine.local.bodies import receive_body
 from engine.local.management_routes import add_management_routes
 from engine.local.middleware import AuthMiddleware, FaultMiddleware, hide_injected_drop_tracebacks
+from engine.local.rate_limit import RateLimitMiddleware, TokenBuckets
+from engine.local.sampling_gate import BACKPRESSURE_HEADER
 from engine.local.service import HttpError, LocalService
 from engine.local.service.resume import is_resume
 from engine.local.storage import hide_data_dir
@@ -118,11 +120,17 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
         digest: bool = False,
         proto: ProtoDecoder | None = None,
         respond: Responder | None = None,
+        header: str | None = None,
     ) -> None:
+        """``header``: the handler also gets that request header's value (or None)."""
+
         async def route(request: Request) -> Response:
             try:
                 body, body_digest = await body_of(request, proto)
-                result = handler(body, body_digest) if digest else handler(body)
+                args = (body, body_digest) if digest else (body,)
+                if header is not None:
+                    args = (*args, request.headers.get(header))
+                result = handler(*args)
                 if isinstance(result, Awaitable):
                     result = await result
                 custom = respond(request, body, result) if respond is not None else None
@@ -171,7 +179,7 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     )
     post("weights_info", service.weights_info)
     post("create_sampling_session", service.sampling.create_session)
-    post("asample", service.sampling.asample, digest=True)
+    post("asample", service.sampling.asample, digest=True, header=BACKPRESSURE_HEADER)
 
     def proto_result(request: Request, body: Any, result: Any) -> Response | None:
         """A finished forward/sample result as protobuf for a poll that accepts it."""
@@ -229,7 +237,7 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
     @app.exception_handler(HttpError)
     async def http_error(request: Request, exc: HttpError) -> JSONResponse:
         return JSONResponse(
-            {"error": public(exc.message), "category": exc.category},
+            {**exc.body, "error": public(exc.message), "category": exc.category},
             status_code=exc.status,
             headers=exc.headers,
         )
@@ -240,7 +248,9 @@ def build_app(service: LocalService, auth: Authenticator) -> ASGIApp:
         return _internal_error(exc, public)
 
     hide_injected_drop_tracebacks()
-    return FaultMiddleware(AuthMiddleware(app, auth), service.faults, service.stats)
+    rate = service.config.rate_limit
+    limited: ASGIApp = app if rate is None else RateLimitMiddleware(app, TokenBuckets(rate))
+    return FaultMiddleware(AuthMiddleware(limited, auth), service.faults, service.stats)
 
 
 def _internal_error(exc: Exception, public: Callable[[str], str]) -> JSONResponse:

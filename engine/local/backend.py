@@ -14,6 +14,7 @@ import copy
 import itertools
 import math
 import secrets
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -230,9 +231,11 @@ class Backend:
         loss_fn_config: dict[str, float] | None,
         *,
         backward: bool,
+        formula: Callable[[torch.Tensor, Mapping[str, torch.Tensor]], torch.Tensor] | None = None,
     ) -> ForwardResult:
         """Loss is a SUM over tokens and datums; with backward=True gradients accumulate
-        into the model's LoRA parameters until ``optim_step``."""
+        into the model's LoRA parameters until ``optim_step``. ``formula`` replaces
+        that of ``loss_fn`` (same inputs and checks), e.g. a rollout correction's."""
         client = self._client(model_id)
         try:
             spec, cfg = losses.resolve(loss_fn, loss_fn_config)
@@ -264,7 +267,11 @@ class Backend:
                 logp = self._logprobs(rows, padded, cfg.get("temperature", 1.0))
                 # zero logp and inputs on the padding: every loss term there is then 0
                 logp = torch.where(padded.mask, logp, 0.0)
-                datum_losses = spec.fn(logp, padded.inputs, cfg)
+                datum_losses = (
+                    spec.fn(logp, padded.inputs, cfg)
+                    if formula is None
+                    else formula(logp, padded.inputs)
+                )
                 finite = torch.isfinite(datum_losses.detach())
                 if not bool(finite.all()):
                     row = int((~finite).int().argmax())

@@ -7,6 +7,7 @@ defaults and one set of error messages.
 from __future__ import annotations
 
 import ipaddress
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -15,6 +16,7 @@ from pathlib import Path
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
 from engine.local.pretrained import PACKAGED, resolve_model
+from engine.local.services import SERVICES, ServiceProfile, profile_of
 
 DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
 """The small model packaged with the engine (created by ``scripts.make_model``)."""
@@ -100,6 +102,9 @@ class Limits:
     """Snapshots from save_weights_and_get_sampling_client kept in memory, bounded as
     ``max_named_samplers`` is (sampling from a released one fails with a clear error).
     Named snapshots (save_weights_for_sampler) are not counted: they live on disk."""
+    max_queued_samples: int = 1024
+    """Sample requests waiting for a sampling slot (``--sampling-slots``); beyond it a new
+    one is refused (429)."""
     max_stability_records: int = 65536
     """Sampled sequences kept for ``stable_reinforce`` (``record_stability_info``); beyond
     it the least recently used are forgotten first (training on one then fails clearly)."""
@@ -153,6 +158,24 @@ class ServerConfig:
     """torch intra-op threads of the compute thread; None: one for small models, torch's
     default less one core otherwise (see ``backend._auto_threads``)."""
     limits: Limits = field(default_factory=Limits)
+    service: str = "local"
+    """The hosted service this server behaves as (``engine.local.services``)."""
+    sampling_slots: int | None = None
+    """Sample requests run at a time, the rest queue (``engine.local.sampling_gate``);
+    0: no limit; None: the service's default."""
+    rate_limit: float | None = None
+    """Requests per second per credential (``engine.local.rate_limit``); None: no limit."""
+
+    @property
+    def profile(self) -> ServiceProfile:
+        return profile_of(self.service)
+
+    @property
+    def slots(self) -> int | None:
+        """The sampling slots in force (None: no limit)."""
+        if self.sampling_slots is None:
+            return self.profile.sampling_slots
+        return self.sampling_slots or None
 
     def __post_init__(self) -> None:
         if not isinstance(self.port, int) or not 0 <= self.port <= 65535:
@@ -179,6 +202,20 @@ class ServerConfig:
             raise ServerConfigError(
                 f"sampling_logprobs must be one of {', '.join(SAMPLING_LOGPROBS)}, "
                 f"got {self.sampling_logprobs!r}"
+            )
+        if self.service not in SERVICES:
+            raise ServerConfigError(
+                f"service must be one of {', '.join(SERVICES)}, got {self.service!r}"
+            )
+        if self.sampling_slots is not None and not 0 <= self.sampling_slots <= 4096:
+            raise ServerConfigError(
+                f"sampling_slots must be in 0..4096 (0: no limit), got {self.sampling_slots!r}"
+            )
+        if self.rate_limit is not None and not (
+            math.isfinite(self.rate_limit) and self.rate_limit > 0
+        ):
+            raise ServerConfigError(
+                f"rate_limit must be > 0 requests per second, got {self.rate_limit!r}"
             )
         if self.num_threads is not None and not 1 <= self.num_threads <= 1024:
             raise ServerConfigError(f"num_threads must be in 1..1024, got {self.num_threads!r}")
@@ -221,6 +258,9 @@ def make_config(
     sampling_logprobs: str = ServerConfig.sampling_logprobs,
     num_threads: int | None = None,
     limits: Limits | None = None,
+    service: str = ServerConfig.service,
+    sampling_slots: int | None = None,
+    rate_limit: float | None = None,
 ) -> ServerConfig:
     """A validated ``ServerConfig`` from user-level arguments (strings are parsed with
     the ``--faults`` / ``--latency`` grammars). Raises ``ValueError`` subclasses with a
@@ -253,4 +293,7 @@ def make_config(
         sampling_logprobs=sampling_logprobs,
         num_threads=num_threads,
         limits=limits or Limits(),
+        service=service,
+        sampling_slots=sampling_slots,
+        rate_limit=rate_limit,
     )

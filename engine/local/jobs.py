@@ -8,6 +8,7 @@ the JSON answer; it is where loop-owned bookkeeping happens.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -19,6 +20,8 @@ import torch
 from engine.local.backend import Backend
 from engine.local.compute_types import AdamConfig
 from engine.local.losses import LOSSES
+from engine.local.rollout_correction import RolloutCorrection
+from engine.local.rollout_correction import loss as correction_loss
 from engine.local.storage import TinkerPath, check_name
 from engine.local.wire import (
     ForwardBackwardInputW,
@@ -56,9 +59,12 @@ def forward_job(
     *,
     backward: bool,
     server_inputs: list[dict[str, torch.Tensor]] | None = None,
+    corrected: RolloutCorrection | None = None,
 ) -> Job:
     """``server_inputs``: per datum, loss inputs the server supplies (they replace the
-    client's of the same name), e.g. ``engine.local.stability.stability_inputs``."""
+    client's of the same name), e.g. ``engine.local.stability.stability_inputs``;
+    ``corrected``: the model's rollout correction, which replaces importance_sampling's
+    formula (``engine.local.rollout_correction``)."""
     what = "forward_backward" if backward else "forward"
     if not inp.data:
         raise WireError(f"{what} needs at least one datum")
@@ -85,7 +91,12 @@ def forward_job(
         for datum, extra in zip(data, server_inputs or (), strict=False):
             datum.inputs.update(extra)
         result = backend.forward_backward(
-            model_id, data, inp.loss_fn, inp.loss_fn_config, backward=backward
+            model_id,
+            data,
+            inp.loss_fn,
+            inp.loss_fn_config,
+            backward=backward,
+            formula=None if corrected is None else functools.partial(correction_loss, rc=corrected),
         )
         return forward_json(result)
 

@@ -55,6 +55,7 @@ def model_entry(
     name: str | None = None,
     max_context: int | None = None,
     tempered_logprobs: bool = True,
+    service: str = "local",
 ) -> dict[str, Any]:
     """The ``supported_models`` entry of a server on ``model_dir`` (None: the packaged
     model): its name, context length when known, and :data:`RECOMMENDED_FIELD`. The
@@ -62,13 +63,17 @@ def model_entry(
     server from hosted MinT. Beside the model's settings it recommends the server's own
     ``loss_temperature``: ``sampling`` when it reports tempered sampling logprobs (its
     losses then score at the sampling temperature and an on-policy ratio is 1), else
-    ``off`` (docs/losses.md, "Which default, and why")."""
+    ``off`` (docs/losses.md, "Which default, and why"). A hosted profile (``service``
+    other than ``local``, docs/local-server.md "Service profiles") refuses that loss
+    option, so it recommends ``off``; ``service`` names the profile."""
     directory = Path(model_dir).expanduser().resolve() if model_dir else DEFAULT_MODEL_DIR
     entry: dict[str, Any] = {"model_name": name or served_model_name(directory)}
     if max_context is not None:
         entry["max_context_length"] = max_context
+    local_options = tempered_logprobs and service == "local"
     entry[RECOMMENDED_FIELD] = {
         **recommended_settings(directory),
-        "loss_temperature": "sampling" if tempered_logprobs else "off",
+        "loss_temperature": "sampling" if local_options else "off",
+        "service": service,
     }
     return entry

@@ -63,6 +63,9 @@ class StatsSnapshot:
     held: dict[str, Any] = field(default_factory=dict)
     """What the server holds in memory (sessions, model ids, snapshots) and how much it
     released (evictions, silent sessions)."""
+    sampling_queue: dict[str, int] = field(default_factory=dict)
+    """The sampling slots (``engine.local.sampling_gate``): slots (0: no limit), requests
+    running and waiting now, how many ever waited, 408s answered while they did."""
 
     def to_json(self) -> dict[str, Any]:
         data = dict(vars(self))

@@ -95,6 +95,8 @@ class CreateModelW(_Wire):
     user_metadata: dict[str, Any] | None = None
     optimizer_config: dict[str, Any] | None = None
     """tinker >= 0.38: {"type": "adamw"} (the default) or another optimizer."""
+    rollout_correction_config: dict[str, Any] | None = None
+    """MinT: the session-level rollout correction (``engine.local.rollout_correction``)."""
 
 
 class ModelRefW(_Wire):

@@ -32,6 +32,7 @@ from engine.local.compute_types import BackendError
 from engine.local.config import ServerConfig
 from engine.local.faults import FaultInjector
 from engine.local.futures import FutureStore
+from engine.local.sampling_gate import POLL_HOLD_S
 from engine.local.service.checkpoints import CheckpointStore
 from engine.local.service.core import Core, HttpError, ModelCard, sync_parse
 from engine.local.service.management import ManagementApi
@@ -205,7 +206,25 @@ class LocalService:
             # A future expires after its result existed: the operation is applied, and
             # only then is the answer lost (never 410 while it may still not run).
             entry.expires = True
-        payload = await core.futures.wait(entry, self.config.long_poll_s)
+        hold = self.config.long_poll_s
+        gate = self.sampling.gate
+        if gate.backpressured(entry.request_id):
+            # Held a moment (an SDK re-polls a 408 at once), then a 408 with the
+            # request's place in the queue unless it started meanwhile.
+            began = anyio.current_time()
+            await gate.wait_left(entry.request_id, min(hold, POLL_HOLD_S))
+            status = gate.status(entry.request_id)
+            if status is not None:
+                gate.told_to_wait += 1
+                raise HttpError(
+                    408,
+                    f"request {entry.request_id} waits for a sampling slot",
+                    category="server",
+                    headers=status.headers(),
+                    body=status.body(entry.request_id),
+                )
+            hold = max(0.0, hold - (anyio.current_time() - began))
+        payload = await core.futures.wait(entry, hold)
         if payload is None:
             return {"type": "try_again", "request_id": entry.request_id, "queue_state": "active"}
         if entry.expires:
@@ -242,6 +261,7 @@ class LocalService:
             models=len(core.registry.models),
             sampling_sessions=len(core.registry.samplers),
             held=self.resources.held(),
+            sampling_queue=self.sampling.gate.stats(),
         )
 
 

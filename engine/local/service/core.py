@@ -50,12 +50,15 @@ class HttpError(Exception):
         *,
         category: str = "user",
         headers: dict[str, str] | None = None,
+        body: dict[str, Any] | None = None,
     ) -> None:
+        """``body``: more fields of the JSON answer besides "error" and "category"."""
         super().__init__(message)
         self.status = status
         self.message = message
         self.category = category
         self.headers = headers or {}
+        self.body = body or {}
 
 
 @dataclass(frozen=True)
@@ -74,7 +77,12 @@ class ModelCard:
 
     @classmethod
     def read(
-        cls, backend: Backend, tokenizer_dir: Path | None = None, *, tempered_logprobs: bool = True
+        cls,
+        backend: Backend,
+        tokenizer_dir: Path | None = None,
+        *,
+        tempered_logprobs: bool = True,
+        service: str = "local",
     ) -> ModelCard:
         arch: str | None = None
         vocab: int | None = None
@@ -90,6 +98,7 @@ class ModelCard:
             name=backend.model_name,
             max_context=backend.max_context_length,
             tempered_logprobs=tempered_logprobs,
+            service=service,
         )
         return cls(
             backend.model_name,
@@ -132,7 +141,10 @@ class Core:
         self.now = now
         """Wall clock (epoch seconds) for TTLs, heartbeats and timestamps; injectable."""
         self.card = ModelCard.read(
-            backend, tokenizer_dir, tempered_logprobs=config.sampling_logprobs == "tempered"
+            backend,
+            tokenizer_dir,
+            tempered_logprobs=config.sampling_logprobs == "tempered",
+            service=config.service,
         )
         limits = config.limits
         self.futures = FutureStore(

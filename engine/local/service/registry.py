@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from engine.local.compute_types import AdapterSpec
+from engine.local.rollout_correction import RolloutCorrection
 from engine.local.sequencer import ModelSequencer
 
 RELEASED_KEPT = 16384
@@ -31,6 +32,9 @@ class ModelState:
     base_model: str
     """The base_model name the client asked for."""
     last_used: float
+    rollout_correction: RolloutCorrection | None = None
+    """MinT's session-level correction from create_model, applied in every later
+    importance_sampling forward_backward of this model."""
 
 
 @dataclass

@@ -23,6 +23,7 @@ from engine.local.compute import ComputeThreadClosed
 from engine.local.compute_types import BackendError, SampledSequences, SampleJob
 from engine.local.config import Limits
 from engine.local.futures import FutureEntry
+from engine.local.sampling_gate import QueueFull, SamplingGate
 from engine.local.service.checkpoints import CheckpointStore
 from engine.local.service.core import (
     INJECTED_FAIL,
@@ -55,13 +56,19 @@ class SamplingOps:
         self.core = core
         self.checkpoints = checkpoints
         self.resources = resources
+        config = core.config
+        slots = config.slots
         self.batcher = SampleBatcher(
             core.compute,
             core.backend.sample,
-            max_batch=core.config.limits.max_sample_batch,
-            max_queued=core.config.limits.max_pending_futures,
-            window_s=core.config.sample_batch_window_s,
+            max_batch=config.limits.max_sample_batch,
+            # with slots, only the requests holding one reach the batcher
+            max_queued=config.limits.max_pending_futures if slots is None else slots,
+            window_s=config.sample_batch_window_s,
             apart=core.backend.samples_apart,
+        )
+        self.gate = SamplingGate(
+            slots, config.limits.max_queued_samples, max_retry_after_s=config.long_poll_s
         )
         self._sessions_by_seq = BoundedMap()
         self._sample_requests = BoundedMap()
@@ -178,10 +185,14 @@ class SamplingOps:
 
     # ---- asample --------------------------------------------------------------------------
 
-    def asample(self, body: Any, digest: str = "") -> dict[str, Any]:
-        """Queue one sample request for the batcher. A resubmission (same session,
-        seq_id and body) gets the original future; a different body under the same
-        seq_id (another client object on the same session) is a new request."""
+    def asample(
+        self, body: Any, digest: str = "", backpressure: str | None = None
+    ) -> dict[str, Any]:
+        """Queue one sample request for the batcher, through the sampling slots
+        (``engine.local.sampling_gate``; ``backpressure``: the value of the request's
+        X-Tinker-Sampling-Backpressure header). A resubmission (same session, seq_id and
+        body) gets the original future; a different body under the same seq_id (another
+        client object on the same session) is a new request."""
         core = self.core
         session_id = raw_field(body, "sampling_session_id", str)
         seq_id = raw_field(body, "seq_id", int)
@@ -211,14 +222,17 @@ class SamplingOps:
         deliver = functools.partial(
             self._deliver,
             entry,
-            anyio.current_time(),
             req.prompt_logprobs_last_n,
             job.sampler,
             recorder,
         )
         try:
-            self.batcher.submit(PendingSample(job, deliver))
-        except SamplerQueueFull as exc:
+            self.gate.admit(
+                entry.request_id,
+                functools.partial(self.batcher.submit, PendingSample(job, deliver)),
+                backpressure=backpressure == "1",
+            )
+        except (SamplerQueueFull, QueueFull) as exc:
             core.futures.discard(entry)
             raise busy(str(exc)) from None
         if job.sampler is not None:
@@ -252,7 +266,6 @@ class SamplingOps:
     def _deliver(
         self,
         entry: FutureEntry,
-        submitted: float,
         last_n: int | None,
         sampler: str | None,
         recorder: Callable[[SampledSequences], None] | None,
@@ -262,6 +275,7 @@ class SamplingOps:
         if sampler is not None:
             self.resources.sampling_ended(sampler)
         if isinstance(outcome, Exception):
+            self.gate.release(entry.request_id)
             if isinstance(outcome, USER_ERRORS):
                 core.futures.fail(entry, str(outcome), "user")
             else:
@@ -277,16 +291,20 @@ class SamplingOps:
         try:
             payload = keep_last_prompt_logprobs(sample_json(outcome), last_n)
         except ValueError as exc:
+            self.gate.release(entry.request_id)
             core.futures.fail(entry, f"sampling produced an invalid result: {exc}", "server")
             return
         if recorder is not None:
             recorder(outcome)
         core.stats.applied["asample"] += 1
-        if core.latency is not None:
-            due = submitted + core.latency.sample_time(generated_tokens(outcome))
+        started = self.gate.started_at(entry.request_id)
+        if core.latency is not None and started is not None:
+            # simulated from when it got its sampling slot
+            due = started + core.latency.sample_time(generated_tokens(outcome))
             if due > anyio.current_time():
                 core.spawn(self._resolve_at, entry, payload, due)
                 return
+        self.gate.release(entry.request_id)
         core.futures.resolve(entry, payload)
 
     def _recorder(self, entry: FutureEntry, req: SampleW) -> Callable[[SampledSequences], None]:
@@ -306,6 +324,7 @@ class SamplingOps:
 
     async def _resolve_at(self, entry: FutureEntry, payload: dict[str, Any], due: float) -> None:
         await anyio.sleep_until(due)
+        self.gate.release(entry.request_id)
         self.core.futures.resolve(entry, payload)
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import anyio
 
+from engine.local import rollout_correction
 from engine.local.compute_types import AdapterSpec
 from engine.local.futures import FutureEntry
 from engine.local.jobs import (
@@ -39,6 +40,7 @@ from engine.local.service.core import (
 )
 from engine.local.service.registry import ModelState
 from engine.local.service.resources import Resources
+from engine.local.services import ServiceRefusal
 from engine.local.stability import stability_inputs
 from engine.local.stats import OpCycle
 from engine.local.storage import TinkerPath
@@ -109,25 +111,50 @@ class TrainingOps:
                 train_attn=lora.train_attn,
                 train_unembed=lora.train_unembed,
             )
+            correction = self._rollout_correction(req.rollout_correction_config)
         except USER_ERRORS as exc:
             core.futures.fail(entry, str(exc))
             return core.ref(entry)
         if core.faults.submit_fault("create_model"):
             core.futures.fail(entry, INJECTED_FAIL, "server")
             return core.ref(entry)
-        core.spawn(self._run_create_model, entry, spec, req)
+        core.spawn(self._run_create_model, entry, spec, req, correction)
         self.resources.creating_models += 1
         return core.ref(entry)
 
+    def _rollout_correction(self, config: Any) -> rollout_correction.RolloutCorrection | None:
+        if config is None:
+            return None
+        profile = self.core.config.profile
+        if not profile.rollout_correction:
+            raise WireError(
+                "create_model: rollout_correction_config (MinT's session-level rollout "
+                f"correction) is not supported by this server (--service {profile.name})"
+            )
+        try:
+            return rollout_correction.parse(config)
+        except rollout_correction.RolloutCorrectionError as exc:
+            raise WireError(f"create_model: {exc}") from None
+
     async def _run_create_model(
-        self, entry: FutureEntry, spec: AdapterSpec, req: CreateModelW
+        self,
+        entry: FutureEntry,
+        spec: AdapterSpec,
+        req: CreateModelW,
+        correction: rollout_correction.RolloutCorrection | None,
     ) -> None:
         try:
-            await self._create_model(entry, spec, req)
+            await self._create_model(entry, spec, req, correction)
         finally:
             self.resources.creating_models -= 1
 
-    async def _create_model(self, entry: FutureEntry, spec: AdapterSpec, req: CreateModelW) -> None:
+    async def _create_model(
+        self,
+        entry: FutureEntry,
+        spec: AdapterSpec,
+        req: CreateModelW,
+        correction: rollout_correction.RolloutCorrection | None,
+    ) -> None:
         core = self.core
         model_id = f"model-{uuid.uuid4().hex}"
 
@@ -142,7 +169,9 @@ class TrainingOps:
                 max_seq_gap=core.config.limits.max_seq_gap,
             )
             core.registry.add_model(
-                ModelState(model_id, spec, seq, req.session_id, req.base_model, core.now())
+                ModelState(
+                    model_id, spec, seq, req.session_id, req.base_model, core.now(), correction
+                )
             )
             return {"model_id": model_id, "type": "create_model"}
 
@@ -239,16 +268,22 @@ class TrainingOps:
             core.futures.fail(entry, str(exc))
             return core.ref(entry)
         job: Job | None
+        refusal: ServiceRefusal | None = None
         try:
             job = self._build_job(endpoint, model, body)
-        except USER_ERRORS as exc:
+        except (*USER_ERRORS, ServiceRefusal) as exc:
             core.futures.fail(entry, str(exc))
+            refusal = exc if isinstance(exc, ServiceRefusal) else None
             job = None
         if job is not None and core.faults.submit_fault(endpoint):
             core.futures.fail(entry, INJECTED_FAIL, "server")
             job = None
         cycle = core.clock.assign() if (core.clock is not None and job is not None) else None
         core.spawn(self._run, model, seq_id, entry, job, cycle, time.monotonic())
+        if refusal is not None:
+            # As the hosted service refuses it: at once, naming the key (the seq_id still
+            # takes its turn, so the model's later operations are not held up).
+            raise HttpError(400, str(refusal))
         return core.ref(entry)
 
     def _build_job(self, endpoint: str, model: ModelState, body: Any) -> Job:
@@ -264,9 +299,11 @@ class TrainingOps:
                 inp = parse(ForwardBackwardW, body, endpoint).forward_backward_input
             else:
                 inp = parse(ForwardW, body, endpoint).forward_input
+            core.config.profile.check_loss(inp.loss_fn, inp.loss_fn_config)
             server_inputs = None
             if inp.loss_fn in STABILITY_LOSSES:
                 server_inputs = stability_inputs(core.stability, model.session_id, inp)
+            correction = model.rollout_correction
             return forward_job(
                 backend,
                 mid,
@@ -274,6 +311,7 @@ class TrainingOps:
                 limits,
                 backward=endpoint == "forward_backward",
                 server_inputs=server_inputs,
+                corrected=correction if inp.loss_fn == "importance_sampling" else None,
             )
         if endpoint == "optim_step":
             opt = parse(OptimStepW, body, endpoint)

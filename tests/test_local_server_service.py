@@ -20,6 +20,7 @@ import pytest
 import torch
 from mint import types
 
+from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer, RunningServer, serve_local
 from engine.local.__main__ import main as local_main
 from engine.local.config import Limits, make_config
@@ -27,6 +28,7 @@ from engine.local.losses import LOSSES
 from engine.local.rollout_correction import RolloutCorrectionError, loss, parse
 from engine.local.sampling_gate import QueueFull, SamplingGate
 from engine.local.services import SERVICES, profile_of
+from tests.engine_support import API_KEY, quickstart_task_knobs
 
 BACKPRESSURE = {"X-Tinker-Sampling-Backpressure": "1"}
 MIS = {
@@ -535,3 +537,70 @@ def test_bad_service_options_are_one_line_and_exit_2(
         local_main(argv)
     assert exit_info.value.code == 2
     assert len(capsys.readouterr().err.strip().splitlines()) == 1
+
+
+# ---- upstream MinT clients ------------------------------------------------------------
+
+
+def validation_datum() -> dict[str, Any]:
+    """The datum MinT's advanced/validate_mis_rollout_correction.py trains on."""
+    tokens = [10, 11, 12, 13, 14, 15]
+
+    def tensor(values: list[float], dtype: str = "float32") -> dict[str, Any]:
+        return {"data": values, "shape": [len(values)], "dtype": dtype}
+
+    return {
+        "model_input": {"chunks": [{"type": "encoded_text", "tokens": tokens[:-1]}]},
+        "loss_fn_inputs": {
+            "target_tokens": tensor(tokens[1:], "int64"),
+            "weights": tensor([0.0, 1.0, 1.0, 1.0, 1.0]),
+            "logprobs": tensor([0.0] * 5),
+            "advantages": tensor([0.0, 1.0, -1.5, 0.7, -0.2]),
+        },
+    }
+
+
+@pytest.mark.anyio
+async def test_mints_rollout_correction_validation_flow_passes_on_the_mint_profile() -> None:
+    """Its wire calls: create_model with the session config and only a LoRA rank, then a
+    forward_backward without a seq_id (MinT takes the model's next one); the local
+    profile keeps requiring seq_ids."""
+    for service in ("mint", "local"):
+        async with serving(service) as (server, http):
+            created = await create_model(
+                http, server, lora_config={"rank": 8}, rollout_correction_config=MIS
+            )
+            body = {
+                "model_id": created["model_id"],
+                "forward_backward_input": {
+                    "data": [validation_datum()],
+                    "loss_fn": "importance_sampling",
+                },
+            }
+            answer = await result(http, (await post(http, "forward_backward", body))["request_id"])
+            if service == "mint":
+                assert "error" not in answer and len(answer["loss_fn_outputs"]) == 1
+            else:
+                assert "seq_id (an integer >= 1) is required" in answer["error"]
+
+
+def test_the_quickstart_loop_runs_unchanged_on_the_mint_profile() -> None:
+    """The MinT quickstart's custom_reward loop, call for call (benchmarks/quickstart_loop),
+    against the hosted profile with its latency and sampling slots."""
+    config = make_config(service="mint", latency="mint:scale=0.01")
+    with LocalServer(config=config) as server:
+        run = run_quickstart_loop(
+            base_url=server.base_url,
+            api_key=API_KEY,
+            base_model=server.model_name,
+            rank=8,
+            steps=2,
+            batch=3,
+            group=4,
+            lr=3e-3,
+            max_tokens=6,
+            **quickstart_task_knobs(server),
+        )
+        assert len(run.lines) == 2 and all(line.startswith("Step ") for line in run.lines)
+        assert run.saved_path.startswith("tinker://")
+        assert server.stats.sampling_queue["slots"] == 8

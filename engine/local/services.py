@@ -32,6 +32,9 @@ class ServiceProfile:
     correction, ``engine.local.rollout_correction``)."""
     sampling_slots: int | None
     """Default of ``--sampling-slots``: sample requests run at a time (None: no limit)."""
+    seq_id_optional: bool = False
+    """A training operation without a seq_id takes its model's next one (MinT's own
+    validate_mis_rollout_correction.py sends none); otherwise it is refused."""
 
     def check_loss(self, loss_fn: str, config: Mapping[str, object] | None) -> None:
         """ServiceRefusal unless this service accepts ``loss_fn`` with ``config``."""
@@ -73,6 +76,7 @@ _PROFILES: Final = {
         },
         rollout_correction=True,
         sampling_slots=HOSTED_SAMPLING_SLOTS,
+        seq_id_optional=True,
     ),
     # tinker 0.38's LossFnType and the hosted docs (tinker-docs.thinkingmachines.ai, "Loss
     # functions"): gspo and stable_reinforce too; stable_reinforce takes kl_coeff.

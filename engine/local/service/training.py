@@ -232,6 +232,8 @@ class TrainingOps:
         if model is None:
             return core.failed_future(endpoint, self.unknown_model(model_id))
         core.registry.touch(model)
+        if seq_id is None and core.config.profile.seq_id_optional:
+            seq_id = model.seq.first_missing()  # no resubmission can be recognised then
         if seq_id is None or seq_id < 1:
             return core.failed_future(
                 endpoint,

@@ -666,6 +666,19 @@ class LoggingSettings(_Group):
         description="also log each step's metrics to these experiment trackers, "
         f"comma-separated: {', '.join(TRACKERS)} (installed by the extras of the same names)",
     )
+    price_prefill: Annotated[
+        float | None, _rule(finite_non_negative, resume="current", unset="none")
+    ] = Field(
+        None,
+        description="USD per million prompt (prefill) tokens, for the estimated cost in "
+        "the metrics, the console and summary.md (docs/settings.md#tokens-and-cost)",
+    )
+    price_sample: Annotated[
+        float | None, _rule(finite_non_negative, resume="current", unset="none")
+    ] = Field(None, description="USD per million sampled tokens (as --price-prefill)")
+    price_train: Annotated[
+        float | None, _rule(finite_non_negative, resume="current", unset="none")
+    ] = Field(None, description="USD per million trained tokens (as --price-prefill)")
 
 
 class ThenSettings(_Group):

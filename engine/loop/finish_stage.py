@@ -41,6 +41,7 @@ from engine.loop.step_metrics import (
 from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle, Session, TrainResult
 from engine.session.retry import tally_retries
+from engine.session.usage import spending_for
 
 __all__ = ["FinishStage"]
 
@@ -127,7 +128,8 @@ class FinishStage:
                 )
                 if self.evaluates(done):
                     assert self._evaluate is not None
-                    step_result.metrics.update(await self._evaluate(done, handle))
+                    with spending_for(done):
+                        step_result.metrics.update(await self._evaluate(done, handle))
                 await self._on_step(step_result)
                 self._gate.end_step(done)
                 with contextlib.suppress(anyio.BrokenResourceError):

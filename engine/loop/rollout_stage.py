@@ -43,6 +43,7 @@ from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
 from engine.loop.teacher import Teacher, TeacherScores
 from engine.session.api import Session
+from engine.session.usage import spending_for
 
 __all__ = ["RolloutStage", "draw_step"]
 
@@ -168,31 +169,32 @@ class RolloutStage:
     ) -> None:
         step, problem = opened.step, opened.problems[index]
         async with send:
-            try:
-                sample = functools.partial(self._sample_turn, step, index)
-                runner = EpisodeRunner(sample, self._plan.limits, clock=self._clock)
-                rollout = await runner.run_group(builder, problem)
-                scores = None
-                if self._teacher is not None and rollout.error is None:
-                    scores = await self._teacher.score(
-                        rollout.trajectories, self._slots, self._clock
-                    )
-            except Exception as exc:
-                # Sampling (or teacher) retries are spent, or the breaker is open: stop
-                # after the steps in flight instead of cancelling them half-way.
-                self._gate.request(exc)
-                return
-            if rollout.error is not None:
-                self._on_reward_error(rollout.error)
-                if self._config.scoring.on_reward_error == "fail":
-                    # Stop after the steps in flight; until then keep the streams open
-                    # (closing them would break the other rollout tasks mid-send).
-                    self._gate.request(rollout.error)
-                    await anyio.sleep_forever()
-            self._progress(f"step {steps_done(step)} group {index} rolled out")
-            group = _scored(step, index, problem, admitted, rollout, scores, self._length)
-            await send.send(group)
-            await self._start(opened, opened.refill.finished(group), send)
+            with spending_for(steps_done(step)):  # its samples, teacher and judge calls
+                try:
+                    sample = functools.partial(self._sample_turn, step, index)
+                    runner = EpisodeRunner(sample, self._plan.limits, clock=self._clock)
+                    rollout = await runner.run_group(builder, problem)
+                    scores = None
+                    if self._teacher is not None and rollout.error is None:
+                        scores = await self._teacher.score(
+                            rollout.trajectories, self._slots, self._clock
+                        )
+                except Exception as exc:
+                    # Sampling (or teacher) retries are spent, or the breaker is open: stop
+                    # after the steps in flight instead of cancelling them half-way.
+                    self._gate.request(exc)
+                    return
+                if rollout.error is not None:
+                    self._on_reward_error(rollout.error)
+                    if self._config.scoring.on_reward_error == "fail":
+                        # Stop after the steps in flight; until then keep the streams open
+                        # (closing them would break the other rollout tasks mid-send).
+                        self._gate.request(rollout.error)
+                        await anyio.sleep_forever()
+                self._progress(f"step {steps_done(step)} group {index} rolled out")
+                group = _scored(step, index, problem, admitted, rollout, scores, self._length)
+                await send.send(group)
+                await self._start(opened, opened.refill.finished(group), send)
 
     async def _sample_turn(
         self,

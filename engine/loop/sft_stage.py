@@ -31,6 +31,7 @@ from engine.loop.groups import NotSampled
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
 from engine.loop.reference import Reference
 from engine.loop.rollout_stage import draw_step
+from engine.session.usage import spending_for
 from engine.tasks.conversations import (
     ConversationTooLong,
     max_context_chars,
@@ -154,7 +155,8 @@ class SftStage:
         built: tuple[Trajectory, ...] | NotSampled
         if isinstance(self._plan, PairPlan):
             assert self._reference is not None
-            built = await self._reference.score(problem, self._plan.group(problem, step))
+            with spending_for(steps_done(step)):
+                built = await self._reference.score(problem, self._plan.group(problem, step))
         else:
             conversation = self._plan.build(problem, step)
             built = conversation if isinstance(conversation, NotSampled) else (conversation,)

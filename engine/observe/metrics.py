@@ -25,6 +25,7 @@ import structlog
 
 from engine.common.files import truncate_metrics
 from engine.errors import RunFileError
+from engine.observe.tokens import tokens_text
 from engine.observe.trackers import MetricSink
 from engine.redact import redact_processor
 
@@ -40,7 +41,13 @@ def _fmt(value: Any, spec: str) -> str:
 def detail_line(m: Mapping[str, Any]) -> str:
     """The readable second line of a step: staleness, groups trained of sampled (and the
     reserves dynamic sampling added), KL, loss, time split, idleness (a supervised
-    step's: its groups, summed loss, train time and idleness)."""
+    step's: its groups, summed loss, train time and idleness), then the tokens billed
+    (and their estimated cost)."""
+    tokens = tokens_text(m)
+    return _detail(m) + ("" if tokens is None else f" | {tokens}")
+
+
+def _detail(m: Mapping[str, Any]) -> str:
     if "dpo/pairs" in m:
         return (
             f"  chosen_reward={_fmt(m.get('dpo/chosen_reward'), '+.4f')} "

@@ -50,6 +50,7 @@ from engine.observe.headline import headline_figures
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
 from engine.observe.report import REPORT_PNG
+from engine.observe.tokens import Prices, tokens_summary, tokens_summary_line
 from engine.redact import redact_config
 from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog
 from engine.rundir.events import QUIET, EventLog, HeldEvents
@@ -291,13 +292,14 @@ class RunDirectory:
             "final_path": final_path,
             "no_training": no_training_summary(metrics),
             "held_out": held_out_summary(evals),
+            "tokens": tokens_summary(last),
             "headlines": [f.to_dict() for f in headline_figures(metrics, evals)],
         }
         summary = redact_config(summary)
         text = json.dumps(summary, indent=2, sort_keys=True, default=str) + "\n"
         write_file_atomically(self.path / SUMMARY_JSON, text.encode())
         summary.update(report=(self.path / REPORT_PNG).exists(), run_dir=self.path)
-        markdown = _summary_markdown(summary, metrics, evals)
+        markdown = _summary_markdown(summary, metrics, evals, Prices.of(config))
         write_file_atomically(self.path / SUMMARY_MD, markdown.encode())
 
     def write_failure_summary(
@@ -466,6 +468,7 @@ def _summary_markdown(
     s: dict[str, Any],
     metrics: Sequence[Mapping[str, Any]],
     evals: Sequence[Mapping[str, Any]],
+    prices: Prices,
 ) -> str:
     num = _num
 
@@ -486,6 +489,7 @@ def _summary_markdown(
             else []
         ),
         f"- max staleness: {s['max_staleness']}",
+        *([tokens_summary_line(tokens, prices)] if (tokens := s["tokens"]) else []),
         *([_held_out_line(held, s["objective"])] if (held := s["held_out"]) else []),
         *(
             [

@@ -65,6 +65,7 @@ from engine.observe.idle import (
 )
 from engine.observe.metrics import RunLog
 from engine.observe.report import finished_run_report
+from engine.observe.tokens import Prices, cumulative_counts, token_metrics
 from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
@@ -72,6 +73,7 @@ from engine.rundir.rollouts import RolloutLog
 from engine.rundir.teacher import teacher_weights
 from engine.session.api import PendingCheckpoint, SamplerHandle, Session
 from engine.session.retry import RetryCounter
+from engine.session.usage import MeteredSession, TokenMeter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.watchdog import Watchdog
 from engine.tasks.dataset import raw_prompts_warning
@@ -128,6 +130,10 @@ class Supervisor:
         before the first)."""
         self._config = config
         self._task = task
+        kept = record.steps[-1] if record.steps else {}
+        self._tokens = TokenMeter(cumulative_counts(kept))  # a resumed run's total goes on
+        self._prices = Prices.of(config)
+        session = MeteredSession(session, self._tokens)  # every billed call of the run
         self._session = session
         self._retries = retries
         self._run_record = record
@@ -385,6 +391,7 @@ class Supervisor:
         self.state = result.state
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
+        result.metrics.update(token_metrics(*self._tokens.take(result.step), self._prices))
         task_metrics = getattr(self._task, "metrics", None)  # e.g. a judge's cost so far
         if callable(task_metrics):
             for key, value in task_metrics().items():

@@ -9,7 +9,7 @@ from __future__ import annotations
 import itertools
 import math
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -546,7 +546,7 @@ def validation_datum() -> dict[str, Any]:
     """The datum MinT's advanced/validate_mis_rollout_correction.py trains on."""
     tokens = [10, 11, 12, 13, 14, 15]
 
-    def tensor(values: list[float], dtype: str = "float32") -> dict[str, Any]:
+    def tensor(values: Sequence[float], dtype: str = "float32") -> dict[str, Any]:
         return {"data": values, "shape": [len(values)], "dtype": dtype}
 
     return {

@@ -27,6 +27,7 @@ import zstandard
 from mint import types
 
 from engine.local import LocalServer
+from engine.local.config import make_config
 from engine.local.tinker_proto import PROTO_CONTENT_TYPE, encode_result, sample_response
 from engine.local.tinker_proto import tinker_public_pb2 as pb
 from tests import tinker_env
@@ -135,6 +136,24 @@ def test_stable_reinforce_trains_on_recorded_samples(
     assert min(up) > 0 and min(up) > max(down), report
     assert "has no provenance" in report["messages"]["no_provenance"]
     assert "has no stability record" in report["messages"]["unrecorded"]
+
+
+def test_the_tinker_profile_queues_samples_and_refuses_local_keys(tinker_python: Path) -> None:
+    """``--service tinker`` with one sampling slot and simulated sampling time: the 0.38
+    SDK's concurrent samples all complete through the queue's 408s, and a local-only
+    loss_fn_config key fails at once, naming it (docs/local-server.md, "Service profiles")."""
+    config = make_config(
+        api_key=TML_KEY,
+        service="tinker",
+        sampling_slots=1,
+        latency="sample_request_s=0.4,sample_token_s=0",
+    )
+    with LocalServer(config=config) as hosted:
+        report = run_client(tinker_python, hosted, "hosted")
+        queue = hosted.stats.sampling_queue
+    assert report["samples"] == 8
+    assert "BadRequestError" in report["refused"] and "'tis_cap'" in report["refused"]
+    assert queue["waited_total"] >= 1 and queue["told_to_wait"] >= 1 and queue["waiting"] == 0
 
 
 def test_a_022_and_a_038_client_share_one_server_at_once(

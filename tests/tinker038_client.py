@@ -2,7 +2,7 @@
 interpreter by tests/test_local_server_tinker038.py (it cannot import the engine, whose
 environment pins tinker 0.22). Asserts as it goes and prints one JSON report line last.
 
-    python tests/tinker038_client.py BASE_URL {sync|async|errors|stable_reinforce}
+    python tests/tinker038_client.py BASE_URL {sync|async|errors|stable_reinforce|hosted}
 """
 
 from __future__ import annotations
@@ -285,6 +285,37 @@ def error_flow(base_url: str) -> dict[str, Any]:
     return {"messages": messages}
 
 
+def hosted_flow(base_url: str) -> dict[str, Any]:
+    """Against ``--service tinker`` with one sampling slot: concurrent samples all complete
+    (their polls get 408s while queued, which the SDK re-polls), and a loss_fn_config key
+    hosted Tinker does not take fails at once, naming it."""
+    service = tinker.ServiceClient(base_url=base_url)
+    base = model_name(base_url)
+    sampler = service.create_sampling_client(base_model=base)
+    prompt = types.ModelInput.from_ints([1, 60, 70, 80])
+    params = types.SamplingParams(max_tokens=2, seed=0)
+    futures = [sampler.sample(prompt, 1, params) for _ in range(8)]
+    assert all(len(f.result().sequences) == 1 for f in futures)
+    tc = service.create_lora_training_client(base_model=base, rank=4).result()
+    targets = [61, 62]
+    datum = types.Datum(
+        model_input=types.ModelInput.from_ints([60, 61]),
+        loss_fn_inputs={
+            "target_tokens": types.TensorData(data=targets, dtype="int64", shape=[2]),
+            "logprobs": types.TensorData(data=[-1.0, -1.0], dtype="float32", shape=[2]),
+            "advantages": types.TensorData(data=[1.0, 1.0], dtype="float32", shape=[2]),
+        },
+    )
+    try:
+        tc.forward_backward([datum], "importance_sampling", {"tis_cap": 2.0}).result()
+    except Exception as exc:
+        refused = f"{type(exc).__name__}: {exc}"
+    else:
+        raise AssertionError("tis_cap should have been refused")
+    service.close("success").result()
+    return {"samples": len(futures), "refused": refused}
+
+
 def main() -> None:
     base_url, scenario = sys.argv[1], sys.argv[2]
     if scenario == "sync":
@@ -295,6 +326,8 @@ def main() -> None:
         report = error_flow(base_url)
     elif scenario == "stable_reinforce":
         report = stable_reinforce_flow(base_url)
+    elif scenario == "hosted":
+        report = hosted_flow(base_url)
     else:
         raise SystemExit(f"unknown scenario {scenario!r}")
     report["tinker_version"] = tinker.__version__

@@ -261,3 +261,21 @@ def test_token_settings_are_refused_in_one_line(tmp_path: Path) -> None:
 
     with pytest.raises(ConfigError, match=r"^price_train must be a number >= 0, got -1.0$"):
         EngineConfig(price_train=-1)
+
+
+async def test_the_report_draws_the_runs_tokens_and_its_cost_only_when_priced(
+    tmp_path: Path,
+) -> None:
+    from engine.observe.report import load_run
+    from engine.observe.report_panels import build_panels
+
+    await run(fake_config(tmp_path / "free", steps=2), ToyTask(), CountingSession())
+    await run(fake_config(tmp_path / "priced", steps=2, price_train=3.0), ToyTask(), FakeSession())
+    free = {p.key: p for p in build_panels([load_run(tmp_path / "free")])}
+    priced = {p.key: p for p in build_panels([load_run(tmp_path / "priced")])}
+    assert "cost" not in free and "cost" in priced
+    tokens = free["tokens"]
+    assert [c.what for c in tokens.curves] == list(KINDS)
+    assert [list(c.ys) for c in tokens.curves] == [[4, 8], [12, 24], [16, 32]]
+    assert list(priced["cost"].curves[0].ys) == pytest.approx([16 * 3e-6, 32 * 3e-6])
+    assert (tmp_path / "priced" / "report.png").is_file()

@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from engine.observe.tokens import COST_CUMULATIVE, CUMULATIVE, KINDS
+
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
@@ -325,6 +327,16 @@ def build_panels(runs: Sequence[RunData]) -> list[Panel]:
                 runs,
                 [("throughput/samples_per_s" if sampled else "throughput/tokens_per_s", "")],
             ),
+        ),
+        Panel(
+            "tokens",
+            "tokens billed over the run (cumulative)",
+            _curves(runs, [(f"{CUMULATIVE}{k}", k) for k in KINDS]),
+        ),
+        Panel(
+            "cost",
+            "estimated cost over the run, USD (cumulative)",
+            _curves(runs, [(COST_CUMULATIVE, "")]),
         ),
     ]
     return [p for p in panels if p.has_value]

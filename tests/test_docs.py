@@ -251,6 +251,9 @@ def test_the_documented_task_command_trains_and_the_run_dir_is_as_documented(
         key for key in line if key not in structlog_keys and not any(p.match(key) for p in patterns)
     ]
     assert not undocumented, f"metrics.jsonl fields missing from run-directory.md: {undocumented}"
+    # The real server's calls were billed (docs/settings.md#tokens-and-cost).
+    assert all(line[f"tokens/{kind}"] > 0 for kind in ("prefill", "sampled", "trained"))
+    assert "- tokens billed: prefill " in (run_dir / "summary.md").read_text()
 
 
 def test_every_module_the_architecture_page_names_exists() -> None:

@@ -9,12 +9,13 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
+import anyio
 import pytest
 from fake_session import FakeSession
 from test_dpo import PairSession, dpo_config, pairs
 from test_engine_fake_session import fake_config, run
 from test_envs_pipeline import CountdownTask
-from test_pipeline_stages import ToyTask
+from test_pipeline_stages import ToyTask, until
 from test_sft import ChatSession, conversations, sft_config
 
 from engine.core.datums import Datum
@@ -279,3 +280,30 @@ async def test_the_report_draws_the_runs_tokens_and_its_cost_only_when_priced(
     assert [list(c.ys) for c in tokens.curves] == [[4, 8], [12, 24], [16, 32]]
     assert list(priced["cost"].curves[0].ys) == pytest.approx([16 * 3e-6, 32 * 3e-6])
     assert (tmp_path / "priced" / "report.png").is_file()
+
+
+async def test_a_stop_keeps_what_the_groups_sampled_ahead_spent_in_events(
+    tmp_path: Path,
+) -> None:
+    """Stopped while step 1 trains, after step 2's groups were sampled ahead (K=1): their
+    tokens are in no step's metrics, so events.jsonl keeps them (a resumed run trains
+    those groups without sampling them again)."""
+    from engine import Engine
+
+    session = CountingSession()
+    release = session.hold(1)
+    cfg = fake_config(tmp_path / "run", steps=3, submit_ahead=0)
+    async with (
+        Engine(cfg, task=ToyTask(), session=session) as engine,
+        anyio.create_task_group() as tg,
+    ):
+        tg.start_soon(engine.run)
+        await until(lambda: session.log.count(("sample", 0)) == 4)  # steps 1 and 2
+        engine.request_stop()
+        release.set()
+    result = engine.result
+    assert result is not None and result.stopped and result.steps_completed == 1
+    events = [json.loads(line) for line in (tmp_path / "run" / "events.jsonl").open()]
+    left = [e for e in events if e["event"] == "tokens.unrecorded"]
+    assert [(e["prefill"], e["sampled"], e["trained"]) for e in left] == [(4, 12, 0)]
+    assert result.metrics[-1]["tokens/cumulative/prefill"] + 4 == session.counted["prefill"]

@@ -100,6 +100,11 @@ class TokenMeter:
         self._total += spent
         return spent, self._total
 
+    def unrecorded(self) -> TokenCounts:
+        """What the calls of steps not recorded (yet) spent: at a stop, the groups
+        sampled ahead (a resume trains them without sampling them again)."""
+        return sum(self._by_step.values(), TokenCounts())
+
 
 class MeteredSession:
     """``session`` with every billed call counted in ``meter`` (see the module doc);

@@ -24,6 +24,7 @@ its end and is the one place that decides what happens when something goes wrong
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
@@ -73,7 +74,7 @@ from engine.rundir.rollouts import RolloutLog
 from engine.rundir.teacher import teacher_weights
 from engine.session.api import PendingCheckpoint, SamplerHandle, Session
 from engine.session.retry import RetryCounter
-from engine.session.usage import MeteredSession, TokenMeter
+from engine.session.usage import MeteredSession, TokenCounts, TokenMeter
 from engine.supervision.recovery import plan_recovery
 from engine.supervision.watchdog import Watchdog
 from engine.tasks.dataset import raw_prompts_warning
@@ -241,6 +242,13 @@ class Supervisor:
             return outcome
         stop = gate.reason if gate.reason is not None else failure
         assert stop is not None
+        left = self._tokens.unrecorded()
+        if left != TokenCounts():  # in no step's metrics: kept here, not lost
+            self._events.info(
+                "tokens.unrecorded",
+                **dataclasses.asdict(left),
+                message="tokens billed by steps not recorded before the stop",
+            )
         latest = await self._stop_checkpoint(stop)
         if isinstance(stop, StopRequested):
             return latest

@@ -307,3 +307,20 @@ async def test_a_stop_keeps_what_the_groups_sampled_ahead_spent_in_events(
     left = [e for e in events if e["event"] == "tokens.unrecorded"]
     assert [(e["prefill"], e["sampled"], e["trained"]) for e in left] == [(4, 12, 0)]
     assert result.metrics[-1]["tokens/cumulative/prefill"] + 4 == session.counted["prefill"]
+
+
+async def test_a_judge_on_the_runs_session_is_billed_in_the_step_it_scores(
+    tmp_path: Path,
+) -> None:
+    """Each response ("<v> <j>", 3 tokens) is judged by the run's own sampler: one request
+    of the 3-token rubric "{response}" answered with 3 tokens, 4 a step."""
+    from engine.tasks.judge import Judge, JudgedTask
+    from engine.tasks.judge_task import SessionJudgeModel
+
+    judge = Judge(SessionJudgeModel(None, chat=False), "{response}", cache_size=0)
+    session = CountingSession()
+    steps = await run(fake_config(tmp_path / "run", steps=2), JudgedTask(ToyTask(), judge), session)
+    assert per_step(steps, "prefill") == [4 + 4 * 3] * 2
+    assert per_step(steps, "sampled") == [12 + 4 * 3] * 2
+    assert steps[-1].metrics["judge/prompt_tokens"] == 24  # the judge's own count, run-wide
+    assert_totals(steps, session.counted)

@@ -280,6 +280,8 @@ async def test_the_report_draws_the_runs_tokens_and_its_cost_only_when_priced(
     assert [list(c.ys) for c in tokens.curves] == [[4, 8], [12, 24], [16, 32]]
     assert list(priced["cost"].curves[0].ys) == pytest.approx([16 * 3e-6, 32 * 3e-6])
     assert (tmp_path / "priced" / "report.png").is_file()
+    page = (tmp_path / "priced" / "report.html").read_text()
+    assert "<td>prefill 8, sampled 24, trained 32; estimated cost $9.6e-05</td>" in page
 
 
 async def test_a_stop_keeps_what_the_groups_sampled_ahead_spent_in_events(

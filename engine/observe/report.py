@@ -24,6 +24,7 @@ from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
 from engine.observe.headline import headline_figures
 from engine.observe.report_panels import components, draw_panels
+from engine.observe.tokens import tokens_summary, totals_text
 from engine.rundir.resume import CONFIG_FILE
 
 if TYPE_CHECKING:
@@ -235,6 +236,7 @@ def _table(runs: Sequence[RunData]) -> str:
         "components, mean of the last 5 steps",
         "held-out reward first / last",
         "median step (s)",
+        "tokens billed",
         "final sampler",
     )
     rows = []
@@ -254,6 +256,9 @@ def _table(runs: Sequence[RunData]) -> str:
             _component_means(run),
             f"{held_out[0]:.3f} / {held_out[-1]:.3f}" if held_out else "n/a",
             f"{statistics.median(times):.2f}" if times else "n/a",
+            totals_text(tokens)
+            if (tokens := tokens_summary(run.steps[-1] if run.steps else {}))
+            else "n/a",
             str(summary.get("final_path") or "not saved"),
         )
         rows.append("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in cells) + "</tr>")

@@ -24,7 +24,10 @@ __all__ = [
     "Prices",
     "cumulative_counts",
     "token_metrics",
+    "tokens_summary",
+    "tokens_summary_line",
     "tokens_text",
+    "totals_text",
 ]
 
 KINDS = tuple(f.name for f in fields(TokenCounts))
@@ -107,11 +110,17 @@ def tokens_summary(metrics: Mapping[str, Any]) -> dict[str, Any] | None:
 
 
 def tokens_summary_line(tokens: Mapping[str, Any], prices: Prices) -> str:
-    """summary.md's line of the run's tokens (and estimated cost)."""
-    line = "- tokens billed: " + ", ".join(f"{k} {tokens[k]:,}" for k in KINDS)
+    """summary.md's line of the run's tokens (and estimated cost, with its prices)."""
+    line = "- tokens billed: " + totals_text(tokens)
     if tokens["cost_usd"] is not None:
         rates = "/".join("-" if (p := getattr(prices, k)) is None else f"${p:g}" for k in KINDS)
-        line += (
-            f"; estimated cost {_usd(tokens['cost_usd'])} ({rates} per million {'/'.join(KINDS)})"
-        )
+        line += f" ({rates} per million {'/'.join(KINDS)})"
     return line
+
+
+def totals_text(tokens: Mapping[str, Any]) -> str:
+    """The run's tokens by kind (a :func:`tokens_summary`), and the estimated cost."""
+    text = ", ".join(f"{k} {tokens[k]:,}" for k in KINDS)
+    if tokens["cost_usd"] is not None:
+        text += f"; estimated cost {_usd(tokens['cost_usd'])}"
+    return text

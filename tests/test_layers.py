@@ -19,6 +19,7 @@ ENGINE = Path(__file__).resolve().parents[1] / "engine"
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.errors", "engine.redact", "engine.common"),  # foundation
     ("engine.core",),  # value types: problems, trajectories, datums, loop state
+    ("engine.sandbox",),  # untrusted code, isolated
     ("engine.config",),  # settings
     ("engine.session",),  # the MinT session seam and its adapters
     ("engine.tasks",),  # single-turn tasks and rewards

@@ -9,13 +9,16 @@ written before the groups holds flat keys (``{"batch": 8, "op": null, ...}``), w
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Final
 
 from engine.common.setting import Resume, setting_fields
 from engine.config.models import GROUPS, all_settings, setting_at
 from engine.config.registry import task_settings_models
 
-__all__ = ["flat_settings", "nest_record", "resume_rule"]
+__all__ = ["CONFIG_FILE", "flat_settings", "nest_record", "resume_rule"]
+
+# The file a run dir records its settings in.
+CONFIG_FILE: Final = "config.json"
 
 
 def nest_record(stored: Mapping[str, Any]) -> dict[str, Any]:

@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING, Any
 
 from engine.common.extras import require
 from engine.common.steplog import StepLines, read_step_lines
+from engine.config.records import CONFIG_FILE
 from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
 from engine.observe.headline import headline_figures
 from engine.observe.report_panels import components, draw_panels
 from engine.observe.tokens import tokens_summary, totals_text
-from engine.rundir.resume import CONFIG_FILE
 
 if TYPE_CHECKING:
     from matplotlib.figure import Figure

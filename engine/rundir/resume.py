@@ -14,6 +14,7 @@ from typing import Any, Final
 
 from engine.config import nest_record, resume_rule
 from engine.config.models import setting_at
+from engine.config.records import CONFIG_FILE
 from engine.config.sources import BEFORE_RECORDED
 from engine.errors import NoCheckpointYet, ResumeError
 from engine.redact import REDACTED, redact_config
@@ -29,7 +30,6 @@ __all__ = [
     "read_run_config",
 ]
 
-CONFIG_FILE: Final = "config.json"
 METRICS_FILE: Final = "metrics.jsonl"
 DATA_DIGEST: Final = "task_data_digest"
 

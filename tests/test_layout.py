@@ -75,7 +75,8 @@ heavy = ("torch", "transformers", "tokenizers", "safetensors", "peft", "accelera
 server = ("engine.local.app", "engine.local.backend", "engine.local.launch",
           "engine.local.service")
 print(",".join(sorted(
-    m for m in sys.modules if m.partition(".")[0] in heavy or m.startswith(server)
+    m for m in sys.modules
+    if m.partition(".")[0] in heavy or m in server or m.startswith(tuple(s + "." for s in server))
 )))
 """
 

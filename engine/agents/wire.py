@@ -14,7 +14,7 @@ from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from engine.common.setting import MAX_SEED
+from engine.common.protocol import MAX_SEED
 
 __all__ = [
     "ChatRequest",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["LOCAL_PLACEHOLDER_KEY", "RECOMMENDED_FIELD"]
+__all__ = ["LOCAL_PLACEHOLDER_KEY", "MAX_SEED", "RECOMMENDED_FIELD"]
 
 RECOMMENDED_FIELD: Final = "engine_recommended"
 """The extra field of a model entry in ``get_server_capabilities`` with the RL settings
@@ -14,3 +14,6 @@ the local server recommends for that model (the SDK ignores it; hosted MinT omit
 LOCAL_PLACEHOLDER_KEY: Final = "tml-engine-local"
 """The API key a client sends to a local server started without one (the SDK refuses
 to connect without a key; such a server accepts any)."""
+
+MAX_SEED: Final = 2**63 - 1
+"""Seeds are sent to the server as signed 64-bit integers: 0..MAX_SEED."""

@@ -22,6 +22,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.fields import FieldInfo
 
 from engine.common.cli import did_you_mean
+from engine.common.protocol import MAX_SEED
 from engine.errors import ConfigError
 
 __all__ = [
@@ -58,9 +59,6 @@ reports)."""
 ENV_PREFIX: Final = "ENGINE_"
 """Every setting's own environment variable is this prefix and its flat name in capitals
 (``ENGINE_BATCH``, ``ENGINE_LEARNING_RATE``); ``Setting.env`` adds aliases."""
-
-MAX_SEED: Final = 2**63 - 1
-"""Seeds are sent to the server as signed 64-bit integers: 0..MAX_SEED."""
 
 
 @dataclass(frozen=True)

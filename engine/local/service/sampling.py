@@ -11,7 +11,7 @@ from typing import Any
 
 import anyio
 
-from engine.common.setting import MAX_SEED
+from engine.common.protocol import MAX_SEED
 from engine.local.batcher import (
     PendingSample,
     SampleBatcher,

@@ -36,8 +36,9 @@ from engine.common.cli import (
     positive_int,
     program_name,
 )
-from engine.errors import EngineError, find_error
+from engine.errors import ConfigError, EngineError, find_error
 from engine.eval import EvalRequest, _config, _sampler_path, _stage, _with_base_model_of
+from engine.local.config import is_loopback_host
 from engine.session.api import SamplerHandle, SamplingParams, Session
 from engine.session.opening import open_session, service_guard
 from engine.tasks import TaskContext
@@ -153,6 +154,11 @@ class SessionBackend:
 
 async def serve(request: ServeRequest, *, ready: anyio.Event | None = None) -> None:
     """Serve ``request.checkpoint`` until cancelled; ``ready`` is set once it answers."""
+    if not is_loopback_host(request.host) and request.api_key is None:
+        raise ConfigError(  # the local server's rule (engine.local.config)
+            f"refusing to bind non-loopback host {request.host!r} without an API key "
+            "(pass --api-key or set ENGINE_SERVE_API_KEY, or bind 127.0.0.1)"
+        )
     from engine.agents.endpoint import serve_endpoint  # the HTTP server stack: not for --help
 
     ref = resolve_checkpoint(request.checkpoint, step=request.step)
@@ -203,7 +209,9 @@ def _parser() -> OneLineErrorParser:
     )
     parser.add_argument("checkpoint", help="run dir, checkpoint dir or tinker:// path")
     parser.add_argument("--step", type=int, help="a run dir's checkpoint of this step")
-    parser.add_argument("--host", default="127.0.0.1", help="default: loopback")
+    parser.add_argument(
+        "--host", default="127.0.0.1", help="default: loopback (another address needs a key)"
+    )
     parser.add_argument("--port", type=port_number, default=0, help="default: a free port")
     parser.add_argument("--api-key", help="the key callers must send (ENGINE_SERVE_API_KEY)")
     parser.add_argument("--max-tokens", type=positive_int, help="per reply when a call sets none")

@@ -111,3 +111,13 @@ def test_bad_flags_are_one_line_errors(
         main([str(tmp_path), *argv])
     assert exit_.value.code == 2
     assert capsys.readouterr().err == f"Error: argument {error} (see --help)\n"
+
+
+def test_a_non_loopback_host_without_a_key_is_refused_before_loading(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As engine.local refuses it: the model is never served to every interface keyless."""
+    monkeypatch.delenv("ENGINE_SERVE_API_KEY", raising=False)
+    assert main([str(tmp_path / "missing"), "--host", "0.0.0.0"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "refusing to bind non-loopback host '0.0.0.0'" in err

@@ -25,9 +25,9 @@ from engine.local import LocalServer, RunningServer, serve_local
 from engine.local.__main__ import main as local_main
 from engine.local.config import Limits, make_config
 from engine.local.losses import LOSSES
+from engine.local.profiles import SERVICES, profile_of
 from engine.local.rollout_correction import RolloutCorrectionError, loss, parse
 from engine.local.sampling_gate import QueueFull, SamplingGate
-from engine.local.services import SERVICES, profile_of
 from tests.engine_support import API_KEY, quickstart_task_knobs
 
 BACKPRESSURE = {"X-Tinker-Sampling-Backpressure": "1"}

@@ -40,7 +40,7 @@ from engine.local.config import (
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
 from engine.local.pretrained import PACKAGED, PRETRAINED
-from engine.local.services import HOSTED_SAMPLING_SLOTS, SERVICES
+from engine.local.profiles import HOSTED_SAMPLING_SLOTS, SERVICES
 
 GIL_SWITCH_INTERVAL_S = 0.001
 """The server's event loop shares the GIL with its compute and sampler threads, whose

@@ -16,7 +16,7 @@ from pathlib import Path
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
 from engine.local.pretrained import PACKAGED, resolve_model
-from engine.local.services import SERVICES, ServiceProfile, profile_of
+from engine.local.profiles import SERVICES, ServiceProfile, profile_of
 
 DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
 """The small model packaged with the engine (created by ``scripts.make_model``)."""
@@ -159,7 +159,7 @@ class ServerConfig:
     default less one core otherwise (see ``backend._auto_threads``)."""
     limits: Limits = field(default_factory=Limits)
     service: str = "local"
-    """The hosted service this server behaves as (``engine.local.services``)."""
+    """The hosted service this server behaves as (``engine.local.profiles``)."""
     sampling_slots: int | None = None
     """Sample requests run at a time, the rest queue (``engine.local.sampling_gate``);
     0: no limit; None: the service's default."""

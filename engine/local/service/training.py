@@ -27,6 +27,7 @@ from engine.local.jobs import (
     save_state_job,
 )
 from engine.local.losses import STABILITY_LOSSES
+from engine.local.profiles import ServiceRefusal
 from engine.local.sequencer import ModelSequencer, SeqRejected
 from engine.local.service.checkpoints import CheckpointStore
 from engine.local.service.core import (
@@ -40,7 +41,6 @@ from engine.local.service.core import (
 )
 from engine.local.service.registry import ModelState
 from engine.local.service.resources import Resources
-from engine.local.services import ServiceRefusal
 from engine.local.stability import stability_inputs
 from engine.local.stats import OpCycle
 from engine.local.storage import TinkerPath

@@ -14,6 +14,7 @@ SIGTERM; the first line printed is the base URL.
 
 from __future__ import annotations
 
+import functools
 import hmac
 import os
 import signal
@@ -42,6 +43,7 @@ from engine.local.config import is_loopback_host
 from engine.session.api import SamplerHandle, SamplingParams, Session
 from engine.session.opening import open_session, service_guard
 from engine.tasks import TaskContext
+from engine.tasks.conversations import max_context_chars
 
 __all__ = ["ServeRequest", "SessionBackend", "main", "serve"]
 
@@ -75,10 +77,11 @@ class SessionBackend:
         self._max_tokens = max_tokens
         self._api_key = api_key
         self.model = model
+        self._max_chars = max_context_chars(session.tokenizer, session.info.max_context)
 
     def caller(self, episode: str | None, api_key: str | None) -> SessionBackend:
         if self._api_key is not None and (
-            api_key is None or not hmac.compare_digest(api_key, self._api_key)
+            api_key is None or not hmac.compare_digest(api_key.encode(), self._api_key.encode())
         ):
             raise EndpointError(401, "invalid API key")
         if episode is not None:
@@ -96,7 +99,10 @@ class SessionBackend:
             raise EndpointError(400, "top_logprobs is not supported", param="top_logprobs")
         tools = self._chat.tools(request.tools) if request.tool_choice != "none" else []
         messages = self._chat.messages(request.messages)
-        prompt = self._chat.encode(self._chat.render_text(messages, tools, generation=True))
+        text = await anyio.to_thread.run_sync(
+            functools.partial(self._chat.render_text, messages, tools, generation=True)
+        )
+        prompt = await self._encode(text)
         return await self._sample(
             prompt, request, request.token_limit(), bool(request.logprobs), bool(tools)
         )
@@ -104,10 +110,24 @@ class SessionBackend:
     async def complete(self, request: CompletionRequest) -> Answer:
         if request.echo:
             raise EndpointError(400, "echo is not supported", param="echo")
-        prompt = self._chat.prompt_tokens(request.prompt)
+        given = request.prompt
+        prompt = self._chat.prompt_tokens(
+            await self._encode(given) if isinstance(given, str) else given
+        )
         return await self._sample(
             prompt, request, request.max_tokens, request.logprobs is not None, False
         )
+
+    async def _encode(self, text: str) -> tuple[int, ...]:
+        """``text``'s tokens, tokenized off the event loop; a 400 without tokenizing when
+        it has more characters than the context can hold."""
+        if self._max_chars is not None and len(text) > self._max_chars:
+            raise EndpointError(
+                400,
+                f"the prompt ({len(text)} characters) is over the model's context of "
+                f"{self._session.info.max_context} tokens",
+            )
+        return await anyio.to_thread.run_sync(self._chat.encode, text)
 
     async def _sample(
         self,

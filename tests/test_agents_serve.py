@@ -121,3 +121,40 @@ def test_a_non_loopback_host_without_a_key_is_refused_before_loading(
     assert main([str(tmp_path / "missing"), "--host", "0.0.0.0"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "refusing to bind non-loopback host '0.0.0.0'" in err
+
+
+def test_a_prompt_over_the_context_is_refused_before_it_is_tokenized() -> None:
+    """An 8 MiB prompt was rendered and tokenized on the event loop (12-17 s) before the
+    context check; its characters alone now show it cannot fit."""
+    from types import SimpleNamespace
+
+    from transformers import AutoTokenizer
+
+    from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
+    from engine.local.config import DEFAULT_MODEL_DIR
+    from engine.serve import SessionBackend
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    encoded: list[int] = []
+    encode = tokenizer.encode
+
+    def counted(text: str, **kwargs: object) -> list[int]:
+        encoded.append(len(text))
+        return encode(text, **kwargs)  # type: ignore[no-any-return]
+
+    tokenizer.encode = counted
+    session = SimpleNamespace(tokenizer=tokenizer, info=SimpleNamespace(max_context=256))
+    backend = SessionBackend(session, None, model="m", max_tokens=8)  # type: ignore[arg-type]
+    huge = "1 + 2 = ? " * 200_000
+
+    async def go() -> None:
+        with pytest.raises(EndpointError, match="over the model's context of 256 tokens"):
+            await backend.complete(CompletionRequest(model="m", prompt=huge))
+        chat = ChatRequest.model_validate(
+            {"model": "m", "messages": [{"role": "user", "content": huge}]}
+        )
+        with pytest.raises(EndpointError, match="over the model's context of 256 tokens"):
+            await backend.chat(chat)
+
+    anyio.run(go)
+    assert all(n < len(huge) for n in encoded)  # only ChatFormat's probe was tokenized

@@ -294,3 +294,21 @@ async def test_calls_in_flight_when_it_stops_get_a_503_and_log_no_traceback(
     assert replies[0].status_code == 503
     assert "stopped before the call was answered" in replies[0].json()["error"]["message"]
     assert [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_a_chat_reply_leaves_out_what_the_template_writes_before_it() -> None:
+    """The packaged model's template writes an assistant turn as ``Answer: {content}``
+    but prompts with ``Answer:``: the model samples the space, and replies read ' 58'.
+    The sampled tokens keep it; the message's content does not (a text completion,
+    which has no template, keeps what the model wrote)."""
+    from transformers import AutoTokenizer
+
+    from engine.local.config import DEFAULT_MODEL_DIR
+    from engine.tasks import TaskContext
+
+    tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)
+    chat = ChatFormat(TaskContext(tokenizer))
+    tokens = (*tokenizer.encode(" 58", add_special_tokens=False), tokenizer.eos_token_id)
+    reply = chat.choice(tokens, "stop", (), tools=False)
+    assert reply.content == "58" and reply.text == " 58" and reply.tokens == tokens
+    assert reply.message()["content"] == "58"

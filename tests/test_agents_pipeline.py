@@ -182,7 +182,7 @@ async def test_refused_requests_get_their_status_and_the_run_trains_on() -> None
         "n": [400] * 8,
         "size": [413] * 8,
         "json": [400] * 8,
-        "ended": [409] * 4,
+        "ended": [401] * 4,  # the sibling episode's URL with this episode's key (#45 finding 13)
     }
 
 

@@ -71,8 +71,13 @@ class ChatFormat:
             [],
             generation=False,
         )
-        self.closing = probe.partition(_PROBE)[2]
+        head, _, self.closing = probe.partition(_PROBE)
         """What the template writes after an assistant message's content."""
+        prompt = self.render_text([{"role": "user", "content": "?"}], [], generation=True)
+        self.opening = head[len(prompt) :] if head.startswith(prompt) else ""
+        """What the template writes between the generation prompt and an assistant
+        message's content (``Answer:`` then `` {content}``): the model samples it, the
+        message's content leaves it out."""
 
     def messages(self, wire: Sequence[MessageWire]) -> list[dict[str, Any]]:
         """OpenAI messages in the form chat templates take (text content, tool-call
@@ -151,11 +156,12 @@ class ChatFormat:
         cuts = [text.find(s) for s in (*stop_strings, *([eos] if isinstance(eos, str) else ()))]
         found = [c for c in cuts if c >= 0]
         text = text[: min(found)] if found else text
+        body = text.removeprefix(self.opening)
         calls: tuple[ToolCall, ...] = ()
-        content: str | None = text
+        content: str | None = body
         error = None
         if tools:
-            parsed = self._parser.parse(text)
+            parsed = self._parser.parse(body)
             if parsed.error is None:
                 calls = tuple(
                     ToolCall(c.name, c.arguments, f"call_{i}")

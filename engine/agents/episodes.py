@@ -103,7 +103,10 @@ class Episode:
         tools = self._chat.tools(request.tools) if request.tool_choice != "none" else []
         messages = self._chat.messages(request.messages)
         with self._call():
-            prompt, rewrote = self._conversation.prompt(messages, tools)
+            # Off the event loop: a long prompt takes seconds to render and tokenize.
+            prompt, rewrote = await anyio.to_thread.run_sync(
+                self._conversation.prompt, messages, tools
+            )
             logs: dict[str, Any] = {"messages": _new_messages(messages)}
             stop = self._stop_of(request.stop_strings(), request.token_limit())
             reply = await self._hand_over(
@@ -119,7 +122,7 @@ class Episode:
         _refuse_in_training(request.n, bool(request.logprobs), request.top_p)
         if request.echo:
             raise EndpointError(400, "echo is not supported", param="echo")
-        prompt = self._chat.prompt_tokens(request.prompt)
+        prompt = await anyio.to_thread.run_sync(self._chat.prompt_tokens, request.prompt)
         with self._call():
             stop = self._stop_of(request.stop_strings(), request.max_tokens)
             reply = await self._hand_over(Observation(prompt, stop), False, {}, {})

@@ -59,6 +59,7 @@ from engine.rundir.resume import CONFIG_FILE, read_run_config
 from engine.session.api import Session
 from engine.session.opening import SharedLocalServer, open_session, service_guard
 from engine.session.preflight import local_server_profile
+from engine.session.queue_watch import QueueObserver
 from engine.session.retry import RetryCounter
 from engine.supervision.supervisor import StepHook, Supervisor
 
@@ -335,6 +336,7 @@ class Engine:
         record: RunRecord | None = None
         session: Session | None = None
         retries = RetryCounter()
+        queue = QueueObserver()
         try:
             cfg = self._config
             files.write_config(cfg, self._task)
@@ -375,7 +377,7 @@ class Engine:
                         local_server=self._local_server,
                     )
                 )
-                session, retries = opened, opened.retries
+                session, retries, queue = opened, opened.retries, opened.queue
                 if opened.config != self._config:  # the server decided what was left unset
                     self._config = opened.config
                     if self._task is None:
@@ -400,6 +402,7 @@ class Engine:
                 self.task,
                 session=session,
                 retries=retries,
+                queue=queue,
                 record=record,
                 log=log,
                 events=events,

@@ -42,9 +42,28 @@ def detail_line(m: Mapping[str, Any]) -> str:
     """The readable second line of a step: staleness, groups trained of sampled (and the
     reserves dynamic sampling added), KL, loss, time split, idleness (a supervised
     step's: its groups, summed loss, train time and idleness), then the tokens billed
-    (and their estimated cost)."""
+    (and their estimated cost), and the server's sampling queue when it made the step's
+    samples wait."""
     tokens = tokens_text(m)
-    return _detail(m) + ("" if tokens is None else f" | {tokens}")
+    queued = _queue_text(m)
+    return (
+        _detail(m)
+        + ("" if tokens is None else f" | {tokens}")
+        + ("" if queued is None else f" | {queued}")
+    )
+
+
+def _queue_text(m: Mapping[str, Any]) -> str | None:
+    """``queued 3x pos<=5 eta<=2.0s`` (the queue's 408s of the step), None when none."""
+    waits = m.get("queue/waits")
+    if not waits:
+        return None
+    parts = [f"queued {waits}x"]
+    if m.get("queue/position_max") is not None:
+        parts.append(f"pos<={m['queue/position_max']}")
+    if m.get("queue/eta_s_max") is not None:
+        parts.append(f"eta<={m['queue/eta_s_max']:.1f}s")
+    return " ".join(parts)
 
 
 def _detail(m: Mapping[str, Any]) -> str:

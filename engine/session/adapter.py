@@ -47,6 +47,7 @@ from engine.session.preflight import (
     setup_call,
 )
 from engine.session.preflight import recommended_profile as read_recommended_profile
+from engine.session.queue_watch import QueueObserver
 from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retries
 from engine.session.sdk_calls import (
     LoraSpec,
@@ -104,6 +105,11 @@ class SdkSession:
         return self.guard.counter
 
     @property
+    def queue(self) -> QueueObserver:
+        """The server's sampling-queue answers; step metrics read them as ``queue/*``."""
+        return self.guard.queue
+
+    @property
     def model_id(self) -> str | None:
         """The server's id of the current training client (changes on restore)."""
         return self._training.model_id  # type: ignore[no-any-return]
@@ -111,8 +117,9 @@ class SdkSession:
     # -- what a subclass provides ------------------------------------------------------
 
     @staticmethod
-    def _sdk_service(base_url: str, api_key: str | None) -> Any:
-        """A ServiceClient (runs in a worker thread: it may block)."""
+    def _sdk_service(base_url: str, api_key: str | None, queue: QueueObserver | None = None) -> Any:
+        """A ServiceClient (runs in a worker thread: it may block) whose sampling queue
+        answers ``queue`` sees."""
         raise NotImplementedError
 
     async def _sdk_supported_models(
@@ -584,7 +591,7 @@ class SdkSession:
             base_url,
             "connect",
             lambda: anyio.to_thread.run_sync(
-                cls._sdk_service, base_url, api_key, abandon_on_cancel=True
+                cls._sdk_service, base_url, api_key, guard.queue, abandon_on_cancel=True
             ),
         )
         lora = LoraSpec(

@@ -32,6 +32,7 @@ from engine.config import HOSTED_BASE_URL
 from engine.local.config import is_loopback_host
 from engine.session.adapter import SNAPSHOT_TTL_S, SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
+from engine.session.queue_watch import QueueObserver
 from engine.session.retry import SDK_MAX_RETRIES
 from engine.session.sdk_calls import (
     LoraSpec,
@@ -58,8 +59,10 @@ class MintSession(SdkSession):
     default_base_url = HOSTED_BASE_URL
 
     @staticmethod
-    def _sdk_service(base_url: str, api_key: str | None) -> tinker.ServiceClient:
-        return service_client(base_url, api_key, max_retries=SDK_MAX_RETRIES)
+    def _sdk_service(
+        base_url: str, api_key: str | None, queue: QueueObserver | None = None
+    ) -> tinker.ServiceClient:
+        return service_client(base_url, api_key, queue, max_retries=SDK_MAX_RETRIES)
 
     async def _sdk_supported_models(
         self, base_url: str, api_key: str | None
@@ -171,7 +174,9 @@ and their answers, so a step's requests reuse connections instead of each openin
 closing one (which costs both processes CPU; docs/performance.md, item 12)."""
 
 
-def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
+def loopback_http_client(
+    base_url: str, queue: QueueObserver | None = None
+) -> httpx.AsyncClient | None:
     """For a server on this machine, the HTTP client tinker 0.22 would build itself (same
     class and timeout), shared by all of the SDK's internal clients, on pyqwest (the
     SDK's own default transport: far less CPU per request than httpx's pool) with
@@ -179,7 +184,7 @@ def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
     server. The transport follows no redirects itself: httpx follows them as each
     request asks, so ``get_checkpoint_archive_url`` still sees its 302 (the SDK's own
     pyqwest transport follows them, which is why the local server keeps tinker 0.22 on
-    httpx)."""
+    httpx). ``queue`` sees every response (:func:`queue_hooks`)."""
     if not is_loopback_host(httpx.URL(base_url).host):
         return None
     transport = AsyncPyqwestTransport(
@@ -187,13 +192,35 @@ def loopback_http_client(base_url: str) -> httpx.AsyncClient | None:
             follow_redirects=False, pool_max_idle_per_host=LOOPBACK_IDLE_CONNECTIONS
         )
     )
-    return AsyncHttpxClientWrapper(base_url=base_url, timeout=DEFAULT_TIMEOUT, transport=transport)
+    return AsyncHttpxClientWrapper(
+        base_url=base_url,
+        timeout=DEFAULT_TIMEOUT,
+        transport=transport,
+        event_hooks=queue_hooks(queue),
+    )
 
 
-def service_client(base_url: str, api_key: str | None, **options: Any) -> tinker.ServiceClient:
+def queue_hooks(queue: QueueObserver | None) -> dict[str, list[Any]]:
+    """httpx ``event_hooks`` that show ``queue`` each response (none without one)."""
+    return {} if queue is None else {"response": [queue.hook]}
+
+
+def service_client(
+    base_url: str, api_key: str | None, queue: QueueObserver | None = None, **options: Any
+) -> tinker.ServiceClient:
     """``mint.ServiceClient(base_url, api_key, **options)`` (it may block), with
-    :func:`loopback_http_client`'s HTTP client for a server on this machine."""
-    pool = loopback_http_client(base_url)
+    :func:`loopback_http_client`'s HTTP client for a server on this machine. With
+    ``queue``, a remote server gets the HTTP client the SDK builds itself (HTTP/2 on
+    its pyqwest transport), shared and with ``queue``'s hook."""
+    pool = loopback_http_client(base_url, queue)
+    if pool is None and queue is not None:
+        pool = AsyncHttpxClientWrapper(
+            base_url=base_url,
+            timeout=DEFAULT_TIMEOUT,
+            http2=True,
+            transport=AsyncPyqwestTransport(transport=pyqwest.HTTPTransport()),
+            event_hooks=queue_hooks(queue),
+        )
     if pool is not None:
         options["http_client"] = pool
     return mint.ServiceClient(base_url=base_url, api_key=api_key, **options)

@@ -34,6 +34,7 @@ from engine.errors import (
 )
 from engine.session.breaker import CircuitBreaker, deadline
 from engine.session.liveness import ServerLiveness
+from engine.session.queue_watch import QueueObserver
 from engine.session.train_step import run_train_step
 
 __all__ = [
@@ -349,6 +350,8 @@ class ServiceGuard:
     clock: Clock = LOOP_CLOCK
     unreachable_after: float = UNREACHABLE_AFTER_S
     liveness: ServerLiveness | None = None
+    queue: QueueObserver = field(default_factory=QueueObserver)
+    """The sampling queue's 408s: the SDK re-polls them, so they spend no retry."""
 
     def watch_server(self, base_url: str) -> None:
         """Probe ``base_url`` while calls wait on it (see :mod:`engine.session.liveness`)."""

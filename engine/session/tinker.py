@@ -38,6 +38,7 @@ from tinker.lib.base_url import DEFAULT_BASE_URL
 from engine.session.adapter import SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.provenance import SampledIndex, Span, datum_provenance
+from engine.session.queue_watch import QueueObserver
 from engine.session.sdk_calls import LoraSpec, settled
 
 __all__ = ["CLOSE_TIMEOUT_S", "STABILITY_LOSSES", "TinkerSession"]
@@ -76,7 +77,10 @@ class TinkerSession(SdkSession):
         return SampledIndex()
 
     @staticmethod
-    def _sdk_service(base_url: str, api_key: str | None) -> tinker.ServiceClient:
+    def _sdk_service(
+        base_url: str, api_key: str | None, queue: QueueObserver | None = None
+    ) -> tinker.ServiceClient:
+        # The SDK builds its own HTTP clients: ``queue`` is not shown its answers here.
         return tinker.ServiceClient(base_url=base_url, api_key=api_key)
 
     async def _sdk_supported_models(

@@ -73,6 +73,7 @@ from engine.rundir.record import RunRecord
 from engine.rundir.rollouts import RolloutLog
 from engine.rundir.teacher import teacher_weights
 from engine.session.api import PendingCheckpoint, SamplerHandle, Session
+from engine.session.queue_watch import QueueObserver
 from engine.session.retry import RetryCounter
 from engine.session.usage import MeteredSession, TokenCounts, TokenMeter
 from engine.supervision.recovery import plan_recovery
@@ -115,6 +116,7 @@ class Supervisor:
         *,
         session: Session,
         retries: RetryCounter,
+        queue: QueueObserver,
         record: RunRecord,
         log: RunLog,
         events: EventLog,
@@ -137,6 +139,7 @@ class Supervisor:
         session = MeteredSession(session, self._tokens)  # every billed call of the run
         self._session = session
         self._retries = retries
+        self._queue = queue
         self._run_record = record
         self._log = log
         self._events = events
@@ -400,6 +403,7 @@ class Supervisor:
         for key, count in self._retries.take().items():
             result.metrics.setdefault(key, count)  # the run's own calls: restores, checkpoints
         result.metrics.update(token_metrics(*self._tokens.take(result.step), self._prices))
+        result.metrics.update(self._queue.take())  # the server's sampling queue (408s)
         task_metrics = getattr(self._task, "metrics", None)  # e.g. a judge's cost so far
         if callable(task_metrics):
             for key, value in task_metrics().items():

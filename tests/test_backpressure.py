@@ -1,0 +1,98 @@
+"""The engine under a busy hosted server's sampling queue (#41 item 3): a run through the
+unmodified SDK against the local server's ``mint`` profile with one sampling slot
+finishes every step, sees the queue's 408s in its metrics and console line, and spends
+no retry on them (docs/reliability.md, "A busy hosted server: the sampling queue")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+
+from engine.local import LocalServer
+from engine.local.config import make_config
+from engine.observe.metrics import detail_line
+from engine.session.queue_watch import QueueObserver
+from tests.engine_support import API_KEY, run_engine, small_config
+
+QUEUED = {
+    "Retry-After": "2",
+    "X-Queue-Depth": "7",
+    "X-Queue-Position": "5",
+    "X-Queue-ETA-S": "2.500",
+    "X-Queue-Status": "queued",
+}
+
+
+def response(status: int, headers: dict[str, str]) -> httpx.Response:
+    return httpx.Response(status, headers=headers)
+
+
+def test_the_observer_counts_queue_answers_only_and_resets_on_take() -> None:
+    queue = QueueObserver()
+    queue.observe(response(408, QUEUED))
+    queue.observe(response(408, {**QUEUED, "X-Queue-Position": "2", "X-Queue-ETA-S": "9"}))
+    queue.observe(response(408, {}))  # a proxy's timeout: not the queue's
+    queue.observe(response(200, QUEUED))
+    queue.observe(response(408, {"X-Queue-Status": "queued", "X-Queue-Position": "bad"}))
+    assert queue.take() == {
+        "queue/waits": 3,
+        "queue/position_max": 5,
+        "queue/depth_max": 7,
+        "queue/eta_s_max": 9.0,
+    }
+    assert queue.take() == {
+        "queue/waits": 0,
+        "queue/position_max": None,
+        "queue/depth_max": None,
+        "queue/eta_s_max": None,
+    }
+
+
+def test_a_saturated_queue_costs_no_failed_request_and_shows_in_the_metrics(
+    tmp_path: Path,
+) -> None:
+    """One sampling slot, a sample taking longer than the server holds a poll of a
+    waiting request (1 s), a batch of groups sampled at once: most requests wait and
+    their polls get 408s. One retry attempt and a breaker
+    that opens at the first failure: a 408 taken for a failure would end the run."""
+    service = make_config(
+        service="mint",
+        sampling_slots=1,
+        latency="sample_request_s=1.2,sample_token_s=0",
+        api_key=API_KEY,
+    )
+    with LocalServer(config=service) as server:
+        config = small_config(
+            server,
+            tmp_path / "run",
+            steps=3,
+            batch=4,
+            group=2,
+            max_steps_off_policy=1,
+            retry_attempts=1,
+            max_consecutive_failures=1,
+        )
+        steps, result = run_engine(config)
+        told_to_wait = server.stats.sampling_queue["told_to_wait"]
+    assert [s.step for s in steps] == [1, 2, 3]
+    assert told_to_wait >= 1
+    metrics = [s.metrics for s in steps]
+    assert sum(m["queue/waits"] for m in metrics) >= 1
+    assert all(m["off_policy/staleness"] <= 1 for m in metrics)  # the K bound held
+    assert all(m["groups/total"] == 4 for m in metrics)  # no group lost
+    assert result.steps_completed == 3 and not result.stopped
+    retries = [v for m in metrics for k, v in m.items() if k.startswith("retries/")]
+    assert retries and not any(retries)
+    waited = next(m for m in metrics if m["queue/waits"])
+    assert waited["queue/position_max"] >= 1
+    assert f"queued {waited['queue/waits']}x pos<=" in detail_line(waited)
+    recorded = [
+        json.loads(line)
+        for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+        if '"event": "step"' in line
+    ]
+    assert [r["queue/waits"] for r in recorded] == [m["queue/waits"] for m in metrics]
+    events = (tmp_path / "run" / "events.jsonl").read_text()
+    assert '"retry"' not in events and "breaker" not in events

@@ -209,18 +209,11 @@ def service_client(
     base_url: str, api_key: str | None, queue: QueueObserver | None = None, **options: Any
 ) -> tinker.ServiceClient:
     """``mint.ServiceClient(base_url, api_key, **options)`` (it may block), with
-    :func:`loopback_http_client`'s HTTP client for a server on this machine. With
-    ``queue``, a remote server gets the HTTP client the SDK builds itself (HTTP/2 on
-    its pyqwest transport), shared and with ``queue``'s hook."""
+    :func:`loopback_http_client`'s HTTP client (and ``queue``'s hook) for a server on
+    this machine. A remote server keeps the HTTP clients the SDK builds itself: they
+    follow the server's transport switch (``use_pyqwest_transport``), which a client
+    passed in would override, so ``queue`` sees nothing there."""
     pool = loopback_http_client(base_url, queue)
-    if pool is None and queue is not None:
-        pool = AsyncHttpxClientWrapper(
-            base_url=base_url,
-            timeout=DEFAULT_TIMEOUT,
-            http2=True,
-            transport=AsyncPyqwestTransport(transport=pyqwest.HTTPTransport()),
-            event_hooks=queue_hooks(queue),
-        )
     if pool is not None:
         options["http_client"] = pool
     return mint.ServiceClient(base_url=base_url, api_key=api_key, **options)

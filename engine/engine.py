@@ -57,6 +57,7 @@ from engine.rundir.events import EventLog, describe
 from engine.rundir.record import RunRecord
 from engine.rundir.resume import CONFIG_FILE, read_run_config
 from engine.session.api import Session
+from engine.session.capabilities import check_run_capabilities
 from engine.session.opening import SharedLocalServer, open_session, service_guard
 from engine.session.preflight import local_server_profile
 from engine.session.queue_watch import QueueObserver
@@ -378,6 +379,8 @@ class Engine:
                     )
                 )
                 session, retries, queue = opened, opened.retries, opened.queue
+                # Before the first sample: refuse what the server lacks of the settings.
+                await check_run_capabilities(opened, say=lambda line: log.info("console", line))
                 if opened.config != self._config:  # the server decided what was left unset
                     self._config = opened.config
                     if self._task is None:

@@ -38,7 +38,8 @@ from engine.loop.messages import RolledOut, StepClosed, StepOpened, SubmittedSte
 from engine.loop.policy import Watermark
 from engine.loop.step_metrics import Assembled
 from engine.loop.stopping import StopGate
-from engine.session.api import LossSpec, PendingCheckpoint, PendingSnapshot, Session, StepTicket
+from engine.session.api import PendingCheckpoint, PendingSnapshot, Session, StepTicket
+from engine.session.capabilities import run_loss
 
 __all__ = ["SubmitStage", "checkpoint_name"]
 
@@ -97,14 +98,7 @@ class SubmitStage:
         self._lr: float = config.training.learning_rate
         self._supervised = config.training.objective in ("sft", "dpo")
         self._preference = config.training.objective == "dpo"
-        self._loss = (
-            LossSpec("cross_entropy")
-            if self._supervised
-            else LossSpec(
-                config.training.loss,
-                config.training.loss_fn_config(config.sampling.temperature),
-            )
-        )
+        self._loss = run_loss(config)
         distill = config.distillation
         self._distill = (
             DistillSignal(distill.distill_coef, distill.distill_reward_weight)

@@ -89,6 +89,22 @@ def test_the_doctor_reports_the_local_server_on_each_sdk(server: LocalServer, sd
     assert set(found.values()) <= {"supported", "refused", "error", "skipped"}
 
 
+@pytest.mark.parametrize("service", ["mint", "tinker"])
+@pytest.mark.parametrize("sdk", ["mint", "tinker"])
+def test_the_doctor_reports_the_hosted_profiles_refusals(service: str, sdk: str) -> None:
+    python = Path(sys.executable) if sdk == "mint" else tinker_python()
+    with LocalServer(api_key=KEY, service=service) as hosted:
+        done = command(python, "engine.doctor", hosted.base_url, "--json", url=hosted.base_url)
+    assert done.returncode == 0, done.stderr
+    found = statuses(done.stdout)
+    assert found["loss ppo"] == found["checkpoint with optimizer"] == "supported"
+    # A hosted service refuses the keys only the engine's local server takes.
+    for flag in ("--tis-cap", "--mask-low --mask-high", "--loss-temperature sampling"):
+        assert found[f"loss config {flag}"] == "refused"
+    details = {f["capability"]: f["detail"] for f in json.loads(done.stdout)["findings"]}
+    assert "'temperature'" in details["loss config --loss-temperature sampling"]
+
+
 def test_the_table_is_one_aligned_line_per_capability(server: LocalServer) -> None:
     done = command(Path(sys.executable), "engine.doctor", server.base_url, url=server.base_url)
     assert done.returncode == 0, done.stderr

@@ -361,7 +361,7 @@ class _Raw:
         return str(answer.json()["session_id"])
 
 
-class _Refused(Exception):
+class _Refused(EngineError):
     """A future that failed: ``category`` says whose fault (``user``: a refusal)."""
 
     def __init__(self, payload: dict[str, Any]) -> None:

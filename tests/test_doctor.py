@@ -57,6 +57,7 @@ def statuses(stdout: str) -> dict[str, str]:
     return {f["capability"]: f["status"] for f in report["findings"]}
 
 
+@pytest.mark.slow  # the SDK matrix: CI runs it (-m slow)
 @pytest.mark.parametrize("sdk", ["mint", "tinker"])
 def test_the_doctor_reports_the_local_server_on_each_sdk(server: LocalServer, sdk: str) -> None:
     python = Path(sys.executable) if sdk == "mint" else tinker_python()
@@ -89,6 +90,7 @@ def test_the_doctor_reports_the_local_server_on_each_sdk(server: LocalServer, sd
     assert set(found.values()) <= {"supported", "refused", "error", "skipped"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("service", ["mint", "tinker"])
 @pytest.mark.parametrize("sdk", ["mint", "tinker"])
 def test_the_doctor_reports_the_hosted_profiles_refusals(service: str, sdk: str) -> None:

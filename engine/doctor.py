@@ -21,7 +21,7 @@ from engine.common.sdks import choose_sdk
 from engine.config import EngineConfig
 from engine.errors import ConfigError, EngineError
 from engine.redact import register_secret
-from engine.session.capabilities import PROBE_TIMEOUT_S, Finding, ServerUnreachable, probe_server
+from engine.session.capabilities import PROBE_TIMEOUT_S, Finding, NoServerAnswers, probe_server
 
 
 def _parser() -> OneLineErrorParser:
@@ -91,7 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 within=args.probe_timeout,
             )
         )
-    except ServerUnreachable as exc:
+    except NoServerAnswers as exc:
         print(f"Error: {exc}", file=sys.stderr)
         return 1
     except (ConfigError, ValueError) as exc:

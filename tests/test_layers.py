@@ -31,6 +31,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
         "engine.engine",
         "engine.run",
         "engine.eval",
+        "engine.doctor",
         "engine.export",
         "engine.report",
         "engine.rollouts",

@@ -38,6 +38,7 @@ from engine.core.datums import Completion, Datum, supervised_datums, trajectory_
 from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError, EngineError, body_excerpt, classify
 from engine.session.api import CustomLossValue, LossSpec, SamplingParams, StepTicket
+from engine.session.preflight import local_service
 
 if TYPE_CHECKING:
     from engine.session.adapter import SdkSession
@@ -45,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = [
     "CapabilityMissing",
     "Finding",
-    "ServerUnreachable",
+    "NoServerAnswers",
     "check_run_capabilities",
     "probe_server",
     "run_loss",
@@ -80,11 +81,11 @@ class CapabilityMissing(ConfigError):
     """The server refuses something the run's settings need (exit 2, before sampling)."""
 
 
-class ServerUnreachable(EngineError):
+class NoServerAnswers(EngineError):
     """No server answers at the URL (the doctor's exit 1)."""
 
 
-class _Quiet:
+class _SilentRetryLog:
     """The probes' retry log: a probe's outcome is its finding, not its retries."""
 
     def warning(self, event: str, **fields: Any) -> None:
@@ -165,7 +166,7 @@ async def probe_session(
         api_key,
         local=False,
         say=lambda line: None,
-        guard=service_guard(config, log=_Quiet()),
+        guard=service_guard(config, log=_SilentRetryLog()),
         restore_from=None,
     ) as session:
         yield session
@@ -288,13 +289,14 @@ async def check_run_capabilities(
 ) -> None:
     """Refuse (:class:`CapabilityMissing`, one line naming the capability and the setting
     that needs it) when the server ``session`` talks to refuses what the run's settings
-    need, before the run samples. The engine's own local server is not asked (it takes
-    everything a run sends). A check that fails otherwise is said through ``say`` and
-    the run goes on."""
-    if session.info.local:
-        return
+    need, before the run samples. The engine's local server on its ``local`` service is
+    not asked (it takes everything a run sends); on ``mint`` or ``tinker`` it is. A check
+    that fails otherwise is said through ``say`` and the run goes on."""
     config = session.config
     base_url = session.info.base_url
+    api_key = config.session.api_key_value
+    if session.info.local or await local_service(base_url, api_key, session.guard) == "local":
+        return
     async with probe_session(
         type(session), config, base_url, config.session.api_key_value
     ) as probing:
@@ -529,7 +531,7 @@ async def probe_server(
     *,
     within: float = PROBE_TIMEOUT_S,
 ) -> list[Finding]:
-    """Every probe, in order. Raises :class:`ServerUnreachable` when nothing answers at
+    """Every probe, in order. Raises :class:`NoServerAnswers` when nothing answers at
     ``base_url``; anything else ends as a finding."""
     from engine.session.preflight import PreflightError
 
@@ -545,7 +547,7 @@ async def probe_server(
         try:
             await http.post("client/config", json={"sdk_version": raw.sdk_version})
         except (httpx.TransportError, ValueError) as exc:
-            raise ServerUnreachable(f"cannot reach {base_url}: {classify(exc).message}") from exc
+            raise NoServerAnswers(f"cannot reach {base_url}: {classify(exc).message}") from exc
         findings.append(await probe("auth", lambda: probe_auth(raw, api_key), within=within))
         if findings[-1].status == "refused":
             return [*findings, Finding("everything else", "skipped", "the API key is refused")]

@@ -35,6 +35,7 @@ __all__ = [
     "check_local_loss_options",
     "check_reachable",
     "local_server_profile",
+    "local_service",
     "read_server_profile",
     "recommended_profile",
     "setup_call",
@@ -116,16 +117,26 @@ async def check_local_loss_options(
     capabilities carry :data:`RECOMMENDED_FIELD`), whose losses take ``options`` (the
     flags of :meth:`~engine.config.groups.TrainingSettings.local_loss_options`): a hosted
     server refuses loss_fn_config keys it does not know, which would fail the first step."""
-    capabilities = await _capabilities(base_url, api_key, guard)
-    models = capabilities.get("supported_models") if isinstance(capabilities, Mapping) else None
-    if isinstance(models, list) and any(
-        isinstance(m, Mapping) and RECOMMENDED_FIELD in m for m in models
-    ):
+    if await local_service(base_url, api_key, guard) is not None:
         return
     raise ConfigError(
         f"{', '.join(options)}: loss options of the engine's local server, and {base_url} is "
         "not one (a hosted server refuses loss_fn_config keys it does not know; docs/losses.md)"
     )
+
+
+async def local_service(base_url: str, api_key: str | None, guard: ServiceGuard) -> str | None:
+    """The service profile of the engine's local server at ``base_url`` (``local``,
+    ``mint``, ``tinker``: its capabilities carry :data:`RECOMMENDED_FIELD`; a server from
+    before the profiles is ``local``); None for any other server."""
+    capabilities = await _capabilities(base_url, api_key, guard)
+    models = capabilities.get("supported_models") if isinstance(capabilities, Mapping) else None
+    for model in models if isinstance(models, list) else ():
+        recommended = model.get(RECOMMENDED_FIELD) if isinstance(model, Mapping) else None
+        if isinstance(recommended, Mapping):
+            service = recommended.get("service", "local")
+            return service if isinstance(service, str) else "local"
+    return None
 
 
 async def _capabilities(base_url: str, api_key: str | None, guard: ServiceGuard) -> object:

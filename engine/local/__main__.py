@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+from collections.abc import Callable
 from typing import NoReturn
 
 import anyio
@@ -86,26 +87,23 @@ def _slots(text: str) -> int:
     return value
 
 
-def _positive_rate(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(
-            f"must be a number of requests per second > 0, got {text!r}"
-        )
-    return value
+def _positive(unit: str) -> Callable[[str], float]:
+    """An argparse type: a finite number > 0 of ``unit``."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value > 0):
+            raise argparse.ArgumentTypeError(f"must be a number of {unit} > 0, got {text!r}")
+        return value
+
+    return parse
 
 
-def _positive_seconds(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
-    if not (math.isfinite(value) and value > 0):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds > 0, got {text!r}")
-    return value
+_positive_rate = _positive("requests per second")
+_positive_seconds = _positive("seconds")
 
 
 class _Parser(argparse.ArgumentParser):

@@ -281,7 +281,8 @@ def _train(
             run.step_ends,
             config["training"]["learning_rate"],
             config["model"]["lora_rank"],
-            None,
+            # tinker://MODEL_ID/sampler_weights/NAME: the run's snapshots live beside it
+            run.final_path.removeprefix("tinker://").split("/", 1)[0],
         )
     engine_config = EngineConfig(
         base_url=server.base_url,

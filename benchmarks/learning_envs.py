@@ -77,6 +77,7 @@ from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCon
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
 from engine.local.config import AGENT_MODEL_DIR
+from engine.local.profiles import SERVICES
 from engine.session.sdk_calls import snapshot_name
 from engine.tasks.render import TaskContext
 
@@ -111,11 +112,19 @@ CONFIGS: dict[str, Mapping[str, Any]] = {
         "mask_high": 2.0,
         "loss_temperature": "sampling",
     },
+    "is-rc": {
+        "loss": "importance_sampling",
+        "loss_temperature": "off",
+        "rollout_correction": "mis",
+    },
+    "ppo-t1": {"loss": "ppo", "loss_temperature": "off", "temperature": 1.0},
 }
 """Loss configurations of the grid: ``--configs`` key -> engine settings by
 ``EngineConfig`` field name (K comes from ``--ks``; docs/losses.md): the engine's default
 ``ppo``, plain ``importance_sampling`` (``is``), and with the loss scored at the sampling
-temperature (``-t``: on-policy ratio 1): ppo, TIS (cap 2), IcePop (mask [0.5, 2])."""
+temperature (``-t``: on-policy ratio 1): ppo, TIS (cap 2), IcePop (mask [0.5, 2]); what a
+hosted service takes (``--service mint``): importance sampling with MinT's session-level
+rollout correction (``is-rc``), ppo sampled at temperature 1 (``ppo-t1``)."""
 MAX_TOKENS = 16
 CONTEXT = 256
 """Episodes stop before it (``--env-max-tokens 256``): the first agent model's context
@@ -446,7 +455,8 @@ def report(
         )
     )
     parts.append(
-        f"{rows[0]['steps']} steps per run, latency profile {context['args'].get('latency')}; "
+        f"{rows[0]['steps']} steps per run, latency profile {context['args'].get('latency')}, "
+        f"service {context['args'].get('service', 'local')}; "
         f"load average at start {context['load_average_start']}, at end "
         f"{context.get('load_average_end')}; commit {context['commit']}.\n"
     )
@@ -552,6 +562,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="the server's latency profile, as `python -m engine.local --latency` takes it "
         "(default off; mint: wall-clock on the hosted-like clock)",
     )
+    p.add_argument(
+        "--service",
+        choices=SERVICES,
+        default="local",
+        help="the local server's service profile (mint, tinker: what a hosted one takes)",
+    )
     p.add_argument("--quick", action="store_true", help="2 steps, seed 1")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="results directory")
     p.add_argument(
@@ -626,7 +642,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     commands.append(command)
     done = {(r["env"], r["config"], r["k"], r["seed"]) for r in rows}
     with (
-        LocalServer(AGENT_MODEL_DIR, api_key=API_KEY, latency=args.latency) as server,
+        LocalServer(
+            AGENT_MODEL_DIR, api_key=API_KEY, latency=args.latency, service=args.service
+        ) as server,
         tempfile.TemporaryDirectory() as tmp,
     ):
         service = mint.ServiceClient(base_url=server.base_url, api_key=API_KEY)

@@ -32,6 +32,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from benchmarks.engine_cli import TINKER_PYTHON
 from benchmarks.learning import (
     API_KEY,
     RunSpec,
@@ -43,6 +44,7 @@ from benchmarks.measure import positive_int
 from benchmarks.plotting import plot_learning_grid
 from benchmarks.report import command_line, fmt, markdown_table, run_context, write_json
 from engine.local import LocalServer
+from engine.local.profiles import SERVICES
 
 __all__ = ["CORRECTIONS", "DEFAULT_CELLS", "cell_spec", "main", "summarize"]
 
@@ -60,12 +62,25 @@ CORRECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
         "importance_sampling",
         {"mask_low": 0.5, "mask_high": 2.0, "loss_temperature": "sampling"},
     ),
+    # what a hosted service takes (--service mint / tinker)
+    "is-rc": ("importance_sampling", {"loss_temperature": "off", "rollout_correction": "mis"}),
+    "ppo-t1": ("ppo", {"loss_temperature": "off", "temperature": 1.0}),
+    "is-t1": ("importance_sampling", {"loss_temperature": "off", "temperature": 1.0}),
+    "is-rc-t1": (
+        "importance_sampling",
+        {"loss_temperature": "off", "rollout_correction": "mis", "temperature": 1.0},
+    ),
+    "sr": ("stable_reinforce", {"loss_temperature": "off"}),
 }
 """The corrections a cell names: its loss and the engine settings that correct it
 (docs/losses.md: TIS cap 2, IcePop's mask [0.5, 2], the loss at the sampling
 temperature; ``off`` spelled out, as the local server recommends ``sampling``).
 ``ppo-lr625`` is ``ppo`` at 1.25x the packaged model's learning rate (5e-4): the ``1/T``
-scale the tempered gradient carries at temperature 0.8, without the temperature."""
+scale the tempered gradient carries at temperature 0.8, without the temperature. The
+hosted ones: ``is-rc`` is importance sampling with MinT's session-level rollout correction
+(``--rollout-correction mis``), ``*-t1`` samples at temperature 1 (where the sampler's
+tempered logprobs are the model's own), ``sr`` is Tinker's ``stable_reinforce`` (``--sdk
+tinker``)."""
 BASELINE = "is@0"
 """The reference every cell is compared with: K=0 importance sampling, the quickstart."""
 DEFAULT_CELLS = (
@@ -127,6 +142,8 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "steps": args.steps,
         "heldout": args.heldout,
         "latency": args.latency,
+        "service": args.service,
+        "sdk": args.sdk,
         "cells": args.cells,
         "seeds": args.seeds,
         "runs": [],
@@ -140,7 +157,7 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
         ]
     done = {(r["config"], r["seed"]) for r in report["runs"]}
     with (
-        LocalServer(api_key=API_KEY, latency=args.latency) as server,
+        LocalServer(api_key=API_KEY, latency=args.latency, service=args.service) as server,
         tempfile.TemporaryDirectory() as tmp,
     ):
         base = held_out(server, args.heldout, args.seeds, args.steps, args.batch)
@@ -319,7 +336,8 @@ def write_report(report: dict[str, Any], out: Path, command: str) -> None:
         f"{earlier}`{command}` (commit {context['commit']}, {context['date']}, "
         f"{context['cpus']} CPUs; "
         f"1-minute load average {load} at the runs' starts, each run's in the JSON; "
-        f"latency {report['latency']}, {report['steps']} steps, {report['heldout']} held-out)\n\n"
+        f"latency {report['latency']}, service {report.get('service', 'local')}, SDK "
+        f"{report.get('sdk', 'mint')}, {report['steps']} steps, {report['heldout']} held-out)\n\n"
         + table(report["summary"])
         + f"\n![held-out accuracy against steps and seconds]({out.with_suffix('.png').name})\n"
     )
@@ -342,6 +360,18 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--curve-every", type=positive_int, default=5, help="evaluate every N")
     parser.add_argument("--latency", default="mint", help="the server's latency profile")
+    parser.add_argument(
+        "--service",
+        choices=SERVICES,
+        default="local",
+        help="the local server's service profile (mint, tinker: what a hosted one takes)",
+    )
+    parser.add_argument(
+        "--sdk",
+        choices=("mint", "tinker"),
+        default="mint",
+        help="the engine's SDK (tinker: engine.run in .venv-tinker, for gspo/stable_reinforce)",
+    )
     parser.add_argument("--resume", action="store_true", help="skip the runs --out holds")
     parser.add_argument("--replot", type=Path, help="rewrite the report of this JSON, no runs")
     parser.add_argument("--quick", action="store_true", help="2 steps, 20 held-out, 2 cells")
@@ -350,7 +380,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.steps, args.heldout, args.curve_every = 2, 20, 1
         args.seeds, args.cells = args.seeds[:1], [BASELINE, "is-tis-temp@1"]
-    args.sdk = "mint"  # what benchmarks.learning's runs read
+    args.tinker_python = TINKER_PYTHON  # what benchmarks.learning's tinker runs read
     return args
 
 

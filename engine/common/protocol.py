@@ -3,9 +3,9 @@ protocol itself."""
 
 from __future__ import annotations
 
-from typing import Final
+from typing import Any, Final
 
-__all__ = ["LOCAL_PLACEHOLDER_KEY", "MAX_SEED", "RECOMMENDED_FIELD"]
+__all__ = ["LOCAL_PLACEHOLDER_KEY", "MAX_SEED", "RECOMMENDED_FIELD", "ROLLOUT_CORRECTIONS"]
 
 RECOMMENDED_FIELD: Final = "engine_recommended"
 """The extra field of a model entry in ``get_server_capabilities`` with the RL settings
@@ -17,3 +17,20 @@ to connect without a key; such a server accepts any)."""
 
 MAX_SEED: Final = 2**63 - 1
 """Seeds are sent to the server as signed 64-bit integers: 0..MAX_SEED."""
+
+ROLLOUT_CORRECTIONS: Final[dict[str, dict[str, Any]]] = {
+    "mis": {
+        "rollout_is": "sequence",
+        "rollout_is_threshold": 1.1,
+        "rollout_rs": "seq_sum_k1",
+        "rollout_rs_threshold": "0.5_2.0",
+        "bypass_mode": True,
+        "loss_type": "reinforce",
+    },
+}
+"""MinT's session-level rollout corrections by the name ``--rollout-correction`` gives
+them: the ``rollout_correction_config`` ``create_model`` carries. ``mis``: the one MinT's
+quickstart sends (MindLab-Research/mint-quickstart, docs/mis_rollout_correction.md and
+advanced/validate_mis_rollout_correction.py): sequence-level importance weights truncated
+at 1.1, sequences whose summed log ratio leaves [log 0.5, log 2] rejected, REINFORCE on
+the sampled tokens (verl's bypass mode)."""

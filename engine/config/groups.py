@@ -48,6 +48,7 @@ from engine.config.values import (
     LossTemperature,
     Objective,
     OnRewardError,
+    RolloutCorrectionName,
     ScoreWorkers,
     SdkChoice,
     Tracker,
@@ -281,6 +282,14 @@ class TrainingSettings(_Group):
         "off: at the model's own logits, the quickstart's (the engine's local server "
         "recommends sampling, which only it takes; docs/losses.md)",
     )
+    rollout_correction: RolloutCorrectionName = Field(
+        "off",
+        description="MinT's session-level rollout correction, sent with create_model and applied "
+        "by the server inside every importance_sampling forward_backward: mis (its quickstart's: "
+        "sequence importance weights truncated at 1.1, sequences whose summed log ratio leaves "
+        "[log 0.5, log 2] rejected, REINFORCE; docs/losses.md); off: none. Needs --loss "
+        "importance_sampling and the mint SDK; hosted MinT and the engine's local server take it",
+    )
     on_missing_logprobs: OnMissingLogprobs = Field(
         "error",
         description="a response without sampler logprobs: stop the run, or drop it and count it",
@@ -319,6 +328,18 @@ class TrainingSettings(_Group):
                 f"--mask-low/--mask-high are for --loss {' or '.join(_MASKED_LOSSES)}, "
                 f"not {self.loss}"
             )
+        if self.rollout_correction != "off":
+            if self.objective not in ("rl", "distill") or self.loss != "importance_sampling":
+                raise ConfigError(
+                    f"--rollout-correction {self.rollout_correction} is applied by the server "
+                    "inside importance_sampling: it needs --loss importance_sampling (and "
+                    "--objective rl or distill)"
+                )
+            if self.tis_cap or self.mask_high:
+                raise ConfigError(
+                    f"--rollout-correction {self.rollout_correction} corrects on the server; "
+                    "--tis-cap and --mask-low/--mask-high would correct a second time"
+                )
         if self.mask_high and self.mask_low >= self.mask_high:
             raise ConfigError(
                 f"--mask-low ({self.mask_low}) must be below --mask-high ({self.mask_high})"

@@ -251,6 +251,11 @@ class EngineConfig(BaseModel):
                 "environment has mint (tinker 0.22): pip install 'engine[tinker]' in an "
                 "environment of its own"
             )
+        if self.training.rollout_correction != "off" and sdk != "mint":
+            raise ConfigError(
+                f"--rollout-correction {self.training.rollout_correction} is MinT's and only "
+                "the mint SDK sends it (tinker 0.38 has no way to add it to create_model)"
+            )
         return self
 
     def replace(self, **changes: Any) -> EngineConfig:

@@ -22,6 +22,7 @@ __all__ = [
     "LossTemperature",
     "Objective",
     "OnRewardError",
+    "RolloutCorrectionName",
     "ScoreWorkers",
     "SdkChoice",
     "Tracker",
@@ -39,6 +40,9 @@ LossTemperature = Literal["off", "sampling"]
 the quickstart's) or the logits divided by the sampling temperature (``sampling``: the
 policy the sampler drew from, so an on-policy ratio is 1; the engine's local server only,
 docs/losses.md)."""
+RolloutCorrectionName = Literal["off", "mis"]
+"""MinT's session-level rollout correction a run asks ``create_model`` for (``off``: none;
+the configurations: :data:`engine.common.protocol.ROLLOUT_CORRECTIONS`)."""
 Objective = Literal["rl", "sft", "distill", "dpo"]
 """What a run trains for: rewards (``rl``), the assistant turns of conversations
 (``sft``, the ``cross_entropy`` loss: docs/sft.md), a teacher's logprobs of the

@@ -24,6 +24,7 @@ import anyio
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
+from engine.common.protocol import ROLLOUT_CORRECTIONS
 from engine.common.sdks import SdkName
 from engine.config import EngineConfig
 from engine.core.datums import Completion, Datum, with_loss_inputs
@@ -600,6 +601,7 @@ class SdkSession:
             config.model.lora_seed if config.model.lora_seed is not None else config.task.seed,
             config.model.init_from,
             config.model.init_from_optimizer,
+            ROLLOUT_CORRECTIONS.get(config.training.rollout_correction),
         )
         info = ServerInfo(base_url, base_model, local, ())
         session = cls(service, None, None, info, guard, lora, config)
@@ -613,10 +615,16 @@ class SdkSession:
             supported = tuple(models)
             if restore_from is None:
                 try:
+                    correction = config.training.rollout_correction
                     training = await setup_call(
                         guard,
                         base_url,
-                        "create the training client",
+                        "create the training client"
+                        + (
+                            f" (--rollout-correction {correction})"
+                            if lora.rollout_correction
+                            else ""
+                        ),
                         lambda: session._sdk_new_training(lora),
                     )
                 except PreflightError as exc:

@@ -30,7 +30,7 @@ import anyio
 import httpx
 import numpy as np
 
-from engine.common.protocol import RECOMMENDED_FIELD
+from engine.common.protocol import RECOMMENDED_FIELD, ROLLOUT_CORRECTIONS
 from engine.config import EngineConfig
 from engine.config.groups import TrainingSettings
 from engine.config.values import LOSSES, TINKER_ONLY_LOSSES
@@ -59,16 +59,6 @@ PROBE_TIMEOUT_S: Final = 60.0
 PROBE_PROMPT: Final = (1, 2, 3, 4)
 """Token ids every vocabulary has: no probe needs a tokenizer."""
 PROBE_SAMPLING: Final = SamplingParams(max_tokens=2, temperature=1.0, seed=0)
-ROLLOUT_CORRECTION: Final = {
-    "rollout_is": "sequence",
-    "rollout_is_threshold": 1.1,
-    "rollout_rs": "seq_sum_k1",
-    "rollout_rs_threshold": "0.5_2.0",
-    "bypass_mode": True,
-    "loss_type": "reinforce",
-}
-"""MinT's session-level rollout correction, as its quickstart sends it
-(MindLab-Research/mint-quickstart, docs/mis_rollout_correction.md)."""
 BACKPRESSURE_HEADER: Final = "X-Tinker-Sampling-Backpressure"
 QUEUE_HEADERS: Final = ("X-Queue-Depth", "X-Queue-Position", "X-Queue-ETA-S", "X-Queue-Status")
 MAX_ARCHIVE_BYTES: Final = 64 << 20
@@ -427,7 +417,7 @@ async def probe_rollout_correction(raw: _Raw, base_model: str) -> str:
         "model_seq_id": 0,
         "base_model": base_model,
         "lora_config": {"rank": 1},
-        "rollout_correction_config": ROLLOUT_CORRECTION,
+        "rollout_correction_config": ROLLOUT_CORRECTIONS["mis"],
         "type": "create_model",
     }
     created = await raw.future("create_model", body)

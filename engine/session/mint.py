@@ -17,6 +17,8 @@ Two tinker 0.22 facts shape it (docs/architecture.md, "Wire facts"):
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from typing import Any
 
 import httpx
@@ -27,6 +29,9 @@ from pyqwest.httpx import AsyncPyqwestTransport
 from tinker import types
 from tinker._base_client import AsyncHttpxClientWrapper
 from tinker._constants import DEFAULT_TIMEOUT
+from tinker.lib.api_future_impl import _APIFuture
+from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+from tinker.lib.queue_state_logger import QueueStateLogger
 
 from engine.config import HOSTED_BASE_URL
 from engine.local.config import is_loopback_host
@@ -142,6 +147,8 @@ class MintSession(SdkSession):
         """A new training client: a fresh LoRA, or one loaded from ``--init-from`` (its
         weights, and with ``--init-from-optimizer`` its optimizer state)."""
         service = self._service
+        if lora.rollout_correction is not None:
+            return await self._corrected_training(lora)
         if lora.init_from is not None:
             if lora.init_with_optimizer:
                 return await service.create_training_client_from_state_with_optimizer_async(
@@ -158,9 +165,64 @@ class MintSession(SdkSession):
         )
 
     async def _sdk_load_training(self, state_path: str) -> tinker.TrainingClient:
+        if self._lora.rollout_correction is not None:
+            restored = dataclasses.replace(
+                self._lora, init_from=state_path, init_with_optimizer=True
+            )
+            return await self._corrected_training(restored)
         return await self._service.create_training_client_from_state_with_optimizer_async(
             state_path
         )
+
+    async def _corrected_training(self, lora: LoraSpec) -> tinker.TrainingClient:
+        """A training client whose ``create_model`` carries ``lora.rollout_correction``
+        (MinT's session-level correction, which the SDK has no parameter for): the SDK's
+        own create_model request with the field added to its body, then (``init_from``)
+        the saved state loaded into it, as the SDK's ``create_training_client_from_state``
+        does. A correction applies to the model it was created with, so a restored run
+        sends it again."""
+        service = self._service
+        holder = service.holder
+        base_model, rank = lora.base_model, lora.rank
+        if lora.init_from is not None:
+            info = await service.create_rest_client().get_weights_info_by_tinker_path(
+                lora.init_from
+            )
+            base_model, rank = info.base_model, info.lora_rank or rank
+        model_seq_id = holder.get_training_client_id()
+        request = types.CreateModelRequest(
+            session_id=holder.get_session_id(),
+            model_seq_id=model_seq_id,
+            base_model=base_model,
+            lora_config=types.LoraConfig(rank=rank, seed=lora.seed),
+        )
+        correction = {"rollout_correction_config": dict(lora.rollout_correction or {})}
+
+        async def create() -> types.CreateModelResponse:  # on the SDK's own event loop
+            start = time.time()
+            with holder.aclient(ClientConnectionPoolType.TRAIN) as client:
+                future = await client.models.create(request=request, extra_body=correction)
+            return await _APIFuture(
+                types.CreateModelResponse,
+                holder,
+                future,
+                request_start_time=start,
+                request_type="CreateModel",
+                queue_state_observer=QueueStateLogger(base_model, "Model creation"),
+            ).result_async()
+
+        created = await holder.run_coroutine_threadsafe(create()).result_async()
+        training = tinker.TrainingClient(
+            holder, model_seq_id=model_seq_id, model_id=created.model_id
+        )
+        if lora.init_from is not None:
+            load = (
+                training.load_state_with_optimizer_async
+                if lora.init_with_optimizer
+                else training.load_state_async
+            )
+            await (await load(lora.init_from)).result_async()
+        return training
 
     async def _sdk_close(self, failed: bool) -> None:
         # Stops the SDK's session heartbeat (it would outlive a local server). tinker

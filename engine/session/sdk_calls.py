@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -42,6 +42,8 @@ class LoraSpec:
     seed: int | None
     init_from: str | None = None  # saved weights the fresh client starts from
     init_with_optimizer: bool = False
+    rollout_correction: Mapping[str, Any] | None = None
+    """MinT's ``rollout_correction_config`` sent with ``create_model`` (None: none)."""
 
 
 async def import_tokenizer_library() -> None:

@@ -29,6 +29,8 @@ class CliRun:
     metrics: list[dict[str, Any]]
     step_ends: list[float]
     config: dict[str, Any]
+    checkpoints: list[dict[str, Any]]
+    """The rows of the run's checkpoints.jsonl (each with its ``step`` and ``sampler_path``)."""
 
 
 def run_engine_cli(
@@ -68,6 +70,7 @@ def run_engine_cli(
         metrics=steps,
         step_ends=_step_ends(steps),
         config=json.loads((run_dir / "config.json").read_text()),
+        checkpoints=checkpoints,
     )
 
 

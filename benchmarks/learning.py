@@ -250,8 +250,8 @@ class Trained:
     step_ends: list[float]
     learning_rate: float | None
     lora_rank: int | None
-    model_id: str | None
-    """Where the per-version sampler snapshots live (None: no curve)."""
+    snapshots: Mapping[int, str]
+    """Sampler weights by the step they were saved after (the curve's points)."""
 
 
 def _train(
@@ -270,6 +270,8 @@ def _train(
             f"--seed={seed}",
             f"--loss={spec.loss}",
             f"--max-steps-off-policy={spec.max_steps_off_policy}",
+            # tinker 0.38's snapshots are unnamed: the curve reads checkpoints' weights
+            f"--checkpoint-every={args.curve_every}",
             *(f"--{key.replace('_', '-')}={value}" for key, value in spec.settings.items()),
         ]
         run = run_engine_cli(args.tinker_python, server.base_url, API_KEY, run_dir, cli)
@@ -281,8 +283,7 @@ def _train(
             run.step_ends,
             config["training"]["learning_rate"],
             config["model"]["lora_rank"],
-            # tinker://MODEL_ID/sampler_weights/NAME: the run's snapshots live beside it
-            run.final_path.removeprefix("tinker://").split("/", 1)[0],
+            {int(c["step"]): str(c["sampler_path"]) for c in run.checkpoints},
         )
     engine_config = EngineConfig(
         base_url=server.base_url,
@@ -307,7 +308,12 @@ def _train(
         ends,
         resolved.training.learning_rate,
         resolved.model.lora_rank,
-        model_id,
+        {
+            step: f"tinker://{model_id}/sampler_weights/{snapshot_name(step)}"
+            for step in range(1, result.steps_completed + 1)
+        }
+        if model_id is not None
+        else {},
     )
 
 
@@ -367,19 +373,19 @@ def _curve(
     tokenizer: Any,
     problems: Sequence[Problem2],
     stop: list[int] | None,
-    model_id: str | None,
+    snapshots: Mapping[int, str],
     steps: int,
     every: int,
 ) -> dict[int, float]:
     """Held-out greedy exact rate after every ``every``-th step (from the run's sampler
-    snapshots); empty without a model id or with ``every`` 0."""
-    if model_id is None or not every:
+    weights of that step); empty with ``every`` 0."""
+    if not every:
         return {}
     out: dict[int, float] = {}
     for step in range(every, steps, every):
-        path = f"tinker://{model_id}/sampler_weights/{snapshot_name(step)}"
-        sampler = service.create_sampling_client(model_path=path)
-        out[step] = evaluate(sampler, tokenizer, problems, stop)
+        if step in snapshots:
+            sampler = service.create_sampling_client(model_path=snapshots[step])
+            out[step] = evaluate(sampler, tokenizer, problems, stop)
     return out
 
 
@@ -400,7 +406,7 @@ def measure_run(
     wall_s = time.perf_counter() - start
     service, tokenizer, problems, stop = base.service, base.tokenizer, base.problems, base.stop
     curve = _curve(
-        service, tokenizer, problems, stop, trained.model_id, args.steps, args.curve_every
+        service, tokenizer, problems, stop, trained.snapshots, args.steps, args.curve_every
     )
     sampler = service.create_sampling_client(model_path=trained.final_path)
     after = evaluate(sampler, tokenizer, problems, stop)

@@ -297,7 +297,7 @@ def _train(
         progress=False,
         **spec.settings,
     )
-    result, model_id, resolved, ends = _run_engine(
+    result, model_id, resolved, ends = run_engine(
         engine_config, _RandomRewardTask(task, seed) if spec.random_rewards else task
     )
     assert result.final_path is not None
@@ -317,8 +317,8 @@ def _train(
     )
 
 
-def _run_engine(
-    config: EngineConfig, task: Task | None
+def run_engine(
+    config: EngineConfig, task: Task | None = None
 ) -> tuple[RunResult, str | None, EngineConfig, list[float]]:
     """The run's result, its training client's model id (the per-version sampler
     snapshots live under it, named by ``engine.session.mint.snapshot_name``), its resolved

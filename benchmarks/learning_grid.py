@@ -46,7 +46,17 @@ from benchmarks.report import command_line, fmt, markdown_table, run_context, wr
 from engine.local import LocalServer
 from engine.local.profiles import SERVICES
 
-__all__ = ["CORRECTIONS", "DEFAULT_CELLS", "cell_spec", "main", "summarize"]
+__all__ = [
+    "CORRECTIONS",
+    "DEFAULT_CELLS",
+    "cell_list",
+    "cell_spec",
+    "crossing",
+    "main",
+    "seed_list",
+    "standard_error",
+    "summarize",
+]
 
 CORRECTIONS: dict[str, tuple[str, dict[str, Any]]] = {
     "is": ("importance_sampling", {"loss_temperature": "off"}),
@@ -112,7 +122,7 @@ def cell_spec(cell: str) -> RunSpec:
     return RunSpec(cell, loss, int(k), settings=settings)
 
 
-def _cells(text: str) -> list[str]:
+def cell_list(text: str) -> list[str]:
     cells = [c.strip() for c in text.split(",") if c.strip()]
     try:
         for cell in cells:
@@ -124,7 +134,7 @@ def _cells(text: str) -> list[str]:
     return cells
 
 
-def _seeds(text: str) -> list[int]:
+def seed_list(text: str) -> list[int]:
     try:
         return [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
@@ -178,11 +188,11 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------- the summary
 
 
-def _se(values: Sequence[float]) -> float:
+def standard_error(values: Sequence[float]) -> float:
     return statistics.stdev(values) / math.sqrt(len(values)) if len(values) > 1 else 0.0
 
 
-def _crossing(points: Sequence[tuple[float, float]], target: float) -> float | None:
+def crossing(points: Sequence[tuple[float, float]], target: float) -> float | None:
     """The first x where the polyline through ``(x, y)`` points reaches ``target``."""
     for (x0, y0), (x1, y1) in itertools.pairwise(points):
         if y0 >= target:
@@ -205,7 +215,7 @@ def _curve(rows: Sequence[Mapping[str, Any]]) -> list[dict[str, float]]:
             {
                 "step": step,
                 "exact_mean": statistics.fmean(rates),
-                "exact_se": _se(rates),
+                "exact_se": standard_error(rates),
                 "wall_s_mean": statistics.fmean(ends),
             }
         )
@@ -230,7 +240,7 @@ def summarize(runs: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
                 "settings": rows[0].get("settings", {}),
                 "seeds": sorted(r["seed"] for r in rows),
                 "final_mean": statistics.fmean(finals),
-                "final_se": _se(finals),
+                "final_se": standard_error(finals),
                 "gain_mean": statistics.fmean(r["delta"] for r in rows),
                 "wall_s_mean": statistics.fmean(r["step_end_s"][-1] for r in rows),
                 "kl_sample_train_v2": statistics.fmean(
@@ -263,9 +273,9 @@ def _against(cell: Mapping[str, Any], baseline: Mapping[str, Any] | None) -> dic
     base_gains = [
         p["exact_mean"] - baseline["curve"][0]["exact_mean"] for p in baseline["curve"][1:]
     ]
-    time_to = _crossing([(p["wall_s_mean"], p["exact_mean"]) for p in cell["curve"]], target)
-    base_time = _crossing([(p["wall_s_mean"], p["exact_mean"]) for p in baseline["curve"]], target)
-    step_to = _crossing([(p["step"], p["exact_mean"]) for p in cell["curve"]], target)
+    time_to = crossing([(p["wall_s_mean"], p["exact_mean"]) for p in cell["curve"]], target)
+    base_time = crossing([(p["wall_s_mean"], p["exact_mean"]) for p in baseline["curve"]], target)
+    step_to = crossing([(p["step"], p["exact_mean"]) for p in cell["curve"]], target)
     diff_se = math.hypot(cell["final_se"], baseline["final_se"])
     return {
         "gain_ratio": cell["gain_mean"] / base_gain if base_gain > 0 else None,
@@ -349,11 +359,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--steps", type=positive_int, default=30)
     parser.add_argument("--heldout", type=positive_int, default=200, help="held-out problems")
-    parser.add_argument("--seeds", type=_seeds, default=[1, 2, 3, 4, 5], help="training seeds")
+    parser.add_argument("--seeds", type=seed_list, default=[1, 2, 3, 4, 5], help="training seeds")
     parser.add_argument("--batch", type=positive_int, default=8, help="problems per step")
     parser.add_argument(
         "--cells",
-        type=_cells,
+        type=cell_list,
         default=list(DEFAULT_CELLS),
         help=f"CORRECTION@K, comma-separated (corrections: {', '.join(CORRECTIONS)}; "
         f"default {','.join(DEFAULT_CELLS)})",

@@ -93,3 +93,39 @@ def test_a_quick_grid_writes_its_report_and_resumes(tmp_path: Path) -> None:
     assert learning_grid.main([*argv, "--resume"]) == 0
     again = json.loads(out.read_text())
     assert [r["final_path"] for r in again["runs"]] == [r["final_path"] for r in report["runs"]]
+
+
+def test_hosted_cells_take_only_what_a_hosted_service_does() -> None:
+    """The cells the hosted grid runs send nothing the mint (or tinker) profile refuses:
+    no local-only loss option, and the rollout correction only with importance_sampling."""
+    for cell in ("is-rc@1", "ppo-t1@1", "is-t1@1", "is-rc-t1@2", "sr@1"):
+        spec = cell_spec(cell)
+        assert spec.settings["loss_temperature"] == "off"
+        assert not {"tis_cap", "mask_low", "mask_high"} & set(spec.settings)
+        if "rollout_correction" in spec.settings:
+            assert spec.loss == "importance_sampling"
+
+
+def test_the_chat_confirmation_summarizes_curves_and_time_to_the_baselines_final() -> None:
+    from benchmarks.learning_chat import summarize as chat_summary
+
+    def row(cell: str, seed: int, curve: dict[int, float], ends: list[float]) -> dict[str, Any]:
+        return {
+            "config": cell,
+            "seed": seed,
+            "curve": {str(k): v for k, v in curve.items()},
+            "before": curve[0],
+            "after": curve[max(curve)],
+            "step_end_s": ends,
+        }
+
+    runs = [
+        row(BASELINE, 1, {0: 0.1, 2: 0.3, 4: 0.5}, [10, 20, 30, 40]),
+        row(BASELINE, 2, {0: 0.1, 2: 0.3, 4: 0.3}, [10, 20, 30, 40]),
+        row("ppo-t1@1", 1, {0: 0.1, 2: 0.5, 4: 0.6}, [5, 10, 15, 20]),
+    ]
+    base, fast = chat_summary(runs)
+    assert base["after_mean"] == pytest.approx(0.4) and base["after_se"] == pytest.approx(0.1)
+    assert base["wall_s_to_target"] == pytest.approx(40.0)  # its mean reaches 0.4 at step 4
+    assert fast["wall_s_to_target"] == pytest.approx(7.5)  # 0.1 at 0 s, 0.5 at 10 s
+    assert fast["time_ratio_to_baseline"] == pytest.approx(7.5 / 40.0)

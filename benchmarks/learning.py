@@ -60,6 +60,7 @@ from engine.catalog import load_task
 from engine.config import Profile
 from engine.core.problems import Task
 from engine.local import LocalServer
+from engine.local.recommended import LOCAL_TEMPERATURE
 from engine.session.preflight import read_server_profile
 from engine.session.sdk_calls import snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown
@@ -487,7 +488,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "batch": args.batch,
             "group": DEFAULTS.pipeline.group,
             "max_tokens": DEFAULTS.sampling.max_tokens,
-            "temperature": DEFAULTS.sampling.temperature,
+            "temperature": LOCAL_TEMPERATURE,  # what the local service recommends
             "seeds": list(args.seeds),
         },
         "latency": args.latency,

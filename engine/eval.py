@@ -190,7 +190,7 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
                 concurrency=config.pipeline.concurrency,
                 samples=samples,
                 ks=request.ks,
-                temperature=config.sampling.temperature,
+                temperature=config.sampling.resolved_temperature,
             )
             metrics = {k.removeprefix("eval/"): v for k, v in evaluation.metrics.items()}
             return metrics, problem_records(evaluation, plan_renderer, texts=request.texts)

@@ -133,7 +133,13 @@ def test_malformed_recommendations_are_one_clear_error(recommended: Any, message
 def test_explicit_settings_win_and_a_resume_keeps_its_stored_ones() -> None:
     local = local_server_profile(None)
     config = EngineConfig(local=True, learning_rate=1e-3, op="-", task_args={"max_operand": "20"})
-    assert config.unresolved == ("base_model", "lora_rank", "loss_temperature", "min_operand")
+    assert config.unresolved == (
+        "base_model",
+        "lora_rank",
+        "temperature",
+        "loss_temperature",
+        "min_operand",
+    )
     resolved = config.resolved(local)
     assert (resolved.training.learning_rate, resolved.model.lora_rank) == (1e-3, local.lora_rank)
     assert resolved.task.args == {"op": "-", "min_operand": "10", "max_operand": "20"}
@@ -180,7 +186,8 @@ def test_a_run_against_a_separately_started_local_server_gets_its_settings(
     # The console names what the server chose, and only what the command left to it.
     assert (
         f"Recommended by the server: --base-model {model}, --lora-rank {local.lora_rank}, "
-        f"--lr {local.learning_rate}, --loss-temperature sampling, --task-arg op=+," in left
+        f"--temperature 0.8, --lr {local.learning_rate}, --loss-temperature sampling, "
+        "--task-arg op=+," in left
     )
     (named,) = [line for line in given.splitlines() if line.startswith("Recommended by")]
     assert "--lr" not in named and "op=" not in named and "--lora-rank" in named
@@ -196,3 +203,22 @@ def test_a_run_against_a_separately_started_local_server_gets_its_settings(
         local.lora_rank,
     )
     assert explicit["task"]["args"] == {**served["task"]["args"], "op": "-"}
+
+
+@pytest.mark.parametrize(
+    ("service", "temperature"), [("local", 0.8), ("mint", 1.0), ("tinker", 1.0)]
+)
+def test_the_sampling_temperature_follows_what_the_service_scores(
+    service: str, temperature: float
+) -> None:
+    """The local service scores the loss at the sampling temperature and recommends the
+    quickstart's 0.8; a hosted profile recommends none, so a run samples at the hosted
+    default, 1, where the sampler's tempered logprobs are the model's own."""
+    from engine.local.recommended import model_entry
+
+    profile = server_profile({"supported_models": [model_entry(None, service=service)]}, "srv")
+    assert profile.temperature == temperature
+    assert HOSTED_PROFILE.temperature == 1.0
+    resolved = EngineConfig(local=True).resolved(profile)
+    assert resolved.sampling.temperature == temperature
+    assert EngineConfig(local=True, temperature=0.6).resolved(profile).sampling.temperature == 0.6

@@ -204,11 +204,28 @@ class SamplingSettings(_Group):
         Field(16, description="max tokens per sampled response")
     )
     temperature: Annotated[
-        float, Setting(env=("MINT_CUSTOM_REWARD_TEMPERATURE",), check=_sampling_temperature)
+        float | None,
+        Setting(
+            env=("MINT_CUSTOM_REWARD_TEMPERATURE",),
+            check=_sampling_temperature,
+            recommended=True,
+        ),
     ] = Field(
-        0.8,
-        description="sampling temperature (> 0: a group needs different responses to learn from)",
+        None,
+        description="sampling temperature (> 0: a group needs different responses to learn "
+        "from); unset: the server's recommendation (the engine's local server: 0.8, with the "
+        "loss scored at it), else 1, where a hosted sampler's tempered logprobs are the "
+        "model's own (docs/losses.md, 'Which default, and why')",
     )
+
+    @property
+    def resolved_temperature(self) -> float:
+        """The temperature a resolved config samples at (unset only until the server's
+        recommendation is known)."""
+        if self.temperature is None:
+            raise ConfigError("temperature is unset: the config is not resolved against a server")
+        return self.temperature
+
     stop_at_eos: bool = Field(
         False,
         description="stop sampling at the tokenizer's EOS (off, like the quickstart: "

@@ -1,10 +1,10 @@
 """Profiles: the defaults of the settings the server decides.
 
-The defaults of ``base_model``, ``lora_rank``, ``learning_rate``, ``loss_temperature``
-and a task's own recommended settings (the arithmetic task's operation and operand range)
-come from what the server reports (:func:`server_profile`): the local server recommends
-settings for the model it serves (recorded with the model, see
-:mod:`engine.local.recommended`) and the loss temperature its losses take; a
+The defaults of ``base_model``, ``lora_rank``, ``learning_rate``, ``loss_temperature``,
+``temperature`` and a task's own recommended settings (the arithmetic task's operation and
+operand range) come from what the server reports (:func:`server_profile`): the local
+server recommends settings for the model it serves (recorded with the model, see
+:mod:`engine.local.recommended`) and the loss and sampling temperatures; a
 server that recommends nothing, such as hosted MinT, gets the MinT quickstart's
 (:data:`HOSTED_PROFILE`). A config with these left unset is
 :meth:`EngineConfig.resolved <engine.config.EngineConfig.resolved>` once the server is
@@ -22,7 +22,14 @@ from engine.common.setting import parse_text
 from engine.config.models import all_settings
 from engine.errors import ConfigError
 
-__all__ = ["HOSTED_PROFILE", "Profile", "server_profile", "toml_text"]
+__all__ = ["HOSTED_PROFILE", "HOSTED_TEMPERATURE", "Profile", "server_profile", "toml_text"]
+
+
+HOSTED_TEMPERATURE: Final = 1.0
+"""The sampling temperature on a server that recommends none (hosted MinT or Tinker): their
+samplers report tempered logprobs and take no loss temperature, so at 1 an on-policy
+ratio is 1; measured on the hosted-MinT profile (docs/losses.md, "Which default, and
+why"). The quickstart samples at 0.8: ``--temperature 0.8`` repeats it."""
 
 
 @dataclass(frozen=True)
@@ -35,6 +42,7 @@ class Profile:
     lora_rank: int | None = None
     learning_rate: float | None = None
     loss_temperature: str | None = None
+    temperature: float | None = None
     task_args: Mapping[str, Mapping[str, str]] = field(default_factory=dict)
     """Arguments per task spec (``"arithmetic"``: its operation and operand range)."""
 
@@ -45,9 +53,11 @@ HOSTED_PROFILE: Final = Profile(
     lora_rank=16,
     learning_rate=2e-5,
     loss_temperature="off",
+    temperature=HOSTED_TEMPERATURE,
     task_args={"arithmetic": {"op": "*", "min_operand": "10", "max_operand": "199"}},
 )
-"""The MinT quickstart's defaults: what a server that recommends nothing gets."""
+"""The MinT quickstart's defaults, but for the sampling temperature: what a server that
+recommends nothing gets."""
 
 
 def toml_text(value: Any) -> str:
@@ -98,7 +108,7 @@ def server_profile(capabilities: object, source: str = "the server") -> Profile:
     return HOSTED_PROFILE
 
 
-_RECOMMENDED_VALUES: Final = ("lora_rank", "learning_rate", "loss_temperature")
+_RECOMMENDED_VALUES: Final = ("lora_rank", "learning_rate", "loss_temperature", "temperature")
 
 
 def _recommended(recommended: Mapping[str, Any], key: str, where: str) -> Any:

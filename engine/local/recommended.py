@@ -23,6 +23,10 @@ from engine.local.pretrained import METADATA_FILE
 
 __all__ = ["RECOMMENDED_KEY", "model_entry", "recommended_settings", "served_model_name"]
 
+LOCAL_TEMPERATURE = 0.8
+"""The sampling temperature the ``local`` service recommends (the quickstart's; with the
+loss scored at it, the learning grid's winner: docs/losses.md). A hosted profile
+recommends none, so a client takes the hosted default (``engine.config.profile``)."""
 RECOMMENDED_KEY = "recommended_rl"
 """The key of a model's recommended RL settings in its ``engine_model.json``."""
 
@@ -65,7 +69,8 @@ def model_entry(
     losses then score at the sampling temperature and an on-policy ratio is 1), else
     ``off`` (docs/losses.md, "Which default, and why"). A hosted profile (``service``
     other than ``local``, docs/local-server.md "Service profiles") refuses that loss
-    option, so it recommends ``off``; ``service`` names the profile."""
+    option, so it recommends ``off`` and no sampling temperature (a client then takes the
+    hosted default); ``service`` names the profile."""
     directory = Path(model_dir).expanduser().resolve() if model_dir else DEFAULT_MODEL_DIR
     entry: dict[str, Any] = {"model_name": name or served_model_name(directory)}
     if max_context is not None:
@@ -76,4 +81,6 @@ def model_entry(
         "loss_temperature": "sampling" if local_options else "off",
         "service": service,
     }
+    if service == "local":
+        entry[RECOMMENDED_FIELD]["temperature"] = LOCAL_TEMPERATURE
     return entry

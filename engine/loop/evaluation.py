@@ -388,7 +388,7 @@ class Evaluator:
         self._concurrency = config.pipeline.concurrency
         self._samples = config.evaluation.samples_drawn
         self._ks = config.evaluation.eval_k
-        self._temperature = config.sampling.temperature
+        self._temperature = config.sampling.resolved_temperature
         self._skip_reward_errors = config.scoring.on_reward_error == "skip"
         self._seed = config.task.seed
         self._say = say

@@ -215,7 +215,11 @@ class RolloutStage:
         if seed is None:
             seed = sampling_seed(self._config.task.seed, step, group, episode, turn)
         settings = turn_settings(
-            observation, room, max_tokens=cfg.max_tokens, temperature=cfg.temperature, seed=seed
+            observation,
+            room,
+            max_tokens=cfg.max_tokens,
+            temperature=cfg.resolved_temperature,
+            seed=seed,
         )
         async with self._slots:
             sampler = self._versions.current

@@ -413,7 +413,11 @@ def _loss_name(config: EngineConfig) -> str:
     training = config.training
     corrections = []
     if training.loss_temperature == "sampling":
-        corrections.append(f"scored at temperature {config.sampling.temperature:g}")
+        temperature = config.sampling.temperature  # unset in a run that failed before it
+        at = "the sampling temperature" if temperature is None else f"temperature {temperature:g}"
+        corrections.append(f"scored at {at}")
+    if training.rollout_correction != "off":
+        corrections.append(f"MinT's rollout correction {training.rollout_correction}")
     if training.tis_cap:
         corrections.append(f"TIS cap {training.tis_cap:g}")
     if training.mask_high:

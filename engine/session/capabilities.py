@@ -189,7 +189,7 @@ def run_loss(config: EngineConfig) -> LossSpec:
     training = config.training
     if training.objective in ("sft", "dpo"):
         return LossSpec("cross_entropy")
-    return LossSpec(training.loss, training.loss_fn_config(config.sampling.temperature))
+    return LossSpec(training.loss, training.loss_fn_config(config.sampling.resolved_temperature))
 
 
 async def probe_loss(session: SdkSession, loss: LossSpec, completion: Completion) -> str:

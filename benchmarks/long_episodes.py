@@ -73,7 +73,7 @@ from benchmarks.report import (
     run_context,
     write_json,
 )
-from benchmarks.runners import Target, bench_server
+from benchmarks.runners import Target, bench_server, server_counters
 from engine import StepResult
 from engine.common.extras import missing
 from engine.envs.examples import guess_sum
@@ -280,6 +280,7 @@ def run_config(
         task, log = native, native.log
     else:
         task, log = _agent_task(cycle_s)
+    before, cpu = server_counters(target), time.process_time()
     results = run_engine(
         target,
         task,
@@ -291,6 +292,8 @@ def run_config(
         max_turns=MAX_TURNS,
         max_tokens=MAX_TOKENS,
     )
+    cpu = time.process_time() - cpu
+    after = server_counters(target)
     summary = summarize_run(results, log, cycle_s)
     row: dict[str, Any] = {
         "config": key,
@@ -300,6 +303,11 @@ def run_config(
         "straggler_share": summary["straggler_wait"],
         **summary,
         **volumes(results, len(log)),
+        # Where the time went besides the clock: the local server's compute (sampling
+        # and training; it can outgrow the clock on a loaded machine) and this process's
+        # CPU (the engine and, for the openai agent, the agents), per step.
+        "server_compute_s_per_step": (after["compute_busy_s"] - before["compute_busy_s"]) / steps,
+        "client_cpu_s_per_step": cpu / steps,
         "staleness": staleness(results),
         "workload": workload(log, results, cycle_s),
     }
@@ -382,6 +390,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             "per trajectory",
             "sampled/trained tokens",
             "discarded",
+            "server compute s/step",
+            "client CPU s/step",
         ],
         [
             [
@@ -396,6 +406,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 _histogram(r["staleness"]["per_trajectory"]),
                 fmt(r["sampled_per_trained_token"], ".2f"),
                 f"{r['discarded']} of {r['episodes_started']}",
+                fmt(r["server_compute_s_per_step"], ".2f"),
+                fmt(r["client_cpu_s_per_step"], ".2f"),
             ]
             for r in rows
         ],

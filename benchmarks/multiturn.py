@@ -19,16 +19,8 @@ Configurations, each a full engine run on the same server, problems and seed:
 * ``k1`` / ``k2``: the engine's default (off-by-1) and off-by-2: episodes of the next
   steps start while this step's slowest episode and its training run.
 
-Reported per configuration, over the steady steps (step 2 to the last):
-
-* steps/s as a pace: (n - 1) / (t_last - t_first) over the step end instants;
-* cycles per step: the pace in latency clock cycles (1.0 is the clock's limit: one
-  forward_backward + optim_step per cycle);
-* server idle: the share of that window with no sample request and no training in
-  flight (the time the model is asked nothing);
-* straggler wait: the share of that window with no training in flight and at most a
-  quarter of a step's episodes running (the rest of the step waits for its slowest
-  episodes).
+Reported per configuration over the steady steps (defined in
+:mod:`benchmarks.episode_runs`): steps/s, cycles per step, server idle, straggler wait.
 
 Writes ``multiturn.json`` and ``multiturn.md`` to ``--out`` and prints the table.
 """
@@ -36,18 +28,20 @@ Writes ``multiturn.json`` and ``multiturn.md`` to ``--out`` and prints the table
 from __future__ import annotations
 
 import argparse
-import math
 import random
 import sys
-import tempfile
-import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import Any
 
-import anyio
-
+from benchmarks.episode_runs import (
+    BenchParser,
+    EpisodeLog,
+    ScriptedEnv,
+    run_engine,
+    speedups,
+    summarize_run,
+)
 from benchmarks.report import (
     command_line,
     fmt,
@@ -56,17 +50,13 @@ from benchmarks.report import (
     run_context,
     write_json,
 )
-from benchmarks.runners import TEMPERATURE, Target, bench_server
-from engine import Engine, EngineConfig, StepResult
-from engine.envs.examples import guess_sum
-from engine.envs.messages import ChatGroup, MessageStep
+from benchmarks.runners import Target, bench_server
+from engine.envs.messages import ChatGroup
 from engine.envs.types import EnvContext, EnvGroupBuilder
 from engine.local.latency import LatencyProfile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource
-from engine.tasks.arithmetic import score_arithmetic
-from engine.tasks.render import ChatMessage
 
-__all__ = ["CONFIGS", "UnevenTask", "busy_share", "main", "summarize_run"]
+__all__ = ["CONFIGS", "UnevenTask", "main"]
 
 CONFIGS: Mapping[str, tuple[str, int]] = {
     "sync": ("batch-synchronous (cookbook sync)", 0),
@@ -79,61 +69,10 @@ DEFAULT_LATENCY = "mint"
 MAX_TOKENS = 8
 
 
-@dataclass
-class EpisodeLog:
-    """When an episode ran, and when it waited for the model (sample requests)."""
-
-    start: float
-    end: float | None = None
-    sampling: list[tuple[float, float]] = field(default_factory=list)
-
-
-class UnevenEnv:
-    """An episode of ``length`` turns; a hint follows each reply but the last, after a
-    ``tool_s`` wait on the ``slow`` turns. Times itself into ``log``."""
-
-    def __init__(
-        self, problem: Problem, length: int, slow: set[int], tool_s: float, log: list[EpisodeLog]
-    ) -> None:
-        self.problem = problem
-        self.length = length
-        self.slow = slow
-        self.tool_s = tool_s
-        self._log = log
-        self._turns = 0
-        self._reward = 0.0
-        self._record: EpisodeLog | None = None
-        self._asked = 0.0
-
-    async def initial_messages(self) -> Sequence[ChatMessage]:
-        now = time.perf_counter()
-        self._record = EpisodeLog(now)
-        self._log.append(self._record)
-        self._asked = now
-        return [{"role": "user", "content": self.problem.question}]
-
-    async def respond(self, messages: Sequence[ChatMessage]) -> MessageStep:
-        assert self._record is not None
-        self._record.sampling.append((self._asked, time.perf_counter()))
-        self._turns += 1
-        reply = str(messages[-1].get("content", ""))
-        if self._turns == 1:
-            self._reward = score_arithmetic(reply, int(self.problem.answer)).total
-        if self._turns in self.slow:
-            await anyio.sleep(self.tool_s)
-        if self._turns >= self.length:
-            self._record.end = time.perf_counter()
-            return MessageStep(reward=self._reward, done=True, metrics={"turns": self._turns})
-        guess = guess_sum.parse_guess(reply)
-        hint = guess_sum.feedback(guess, int(self.problem.answer)) if guess is not None else None
-        self._asked = time.perf_counter()
-        return MessageStep(messages=[{"role": "user", "content": hint or guess_sum.TOO_LOW}])
-
-
 class UnevenTask:
-    """Two-digit additions as :class:`UnevenEnv` episodes: lengths uniform in
-    1..``max_turns`` per episode, a third of the turns slow (seeded by problem and
-    episode, so every configuration plays the same episodes)."""
+    """Two-digit additions as :class:`~benchmarks.episode_runs.ScriptedEnv` episodes:
+    lengths uniform in 1..``max_turns`` per episode, a third of the turns slow (seeded by
+    problem and episode, so every configuration plays the same episodes)."""
 
     def __init__(self, tool_s: float, max_turns: int = 6) -> None:
         self.name = "uneven-episodes"
@@ -152,73 +91,9 @@ class UnevenTask:
         for index in range(group_size):
             rng = random.Random(f"{problem.id}:{index}")
             length = rng.randint(1, self.max_turns)
-            slow = {t for t in range(1, length + 1) if rng.random() < 1 / 3}
-            envs.append(UnevenEnv(problem, length, slow, self.tool_s, self.log))
+            waits = {t: self.tool_s for t in range(1, length + 1) if rng.random() < 1 / 3}
+            envs.append(ScriptedEnv(problem, length, waits, self.log))
         return ChatGroup(envs, context)
-
-
-def busy_share(
-    intervals: Sequence[tuple[float, float]], lo: float, hi: float, *, at_least: int = 1
-) -> float:
-    """The share of [lo, hi] during which at least ``at_least`` of ``intervals`` are open."""
-    events = sorted(
-        [(max(a, lo), 1) for a, b in intervals if b > lo and a < hi]
-        + [(min(b, hi), -1) for a, b in intervals if b > lo and a < hi]
-    )
-    open_now, last, covered = 0, lo, 0.0
-    for instant, delta in events:
-        if open_now >= at_least:
-            covered += instant - last
-        open_now += delta
-        last = instant
-    return covered / (hi - lo) if hi > lo else 0.0
-
-
-def summarize_run(
-    results: Sequence[StepResult], log: Sequence[EpisodeLog], cycle_s: float
-) -> dict[str, Any]:
-    """Steps/s (pace over steps 2..n), cycles per step, server idle and straggler wait
-    shares over the same window."""
-    ends = [r.timeline.train_end for r in results]
-    first, last = ends[1], ends[-1]
-    pace = (last - first) / (len(ends) - 2)
-    train = [(r.timeline.train_start, r.timeline.train_end) for r in results]
-    sampling = [s for e in log for s in e.sampling]
-    episodes = [(e.start, e.end) for e in log if e.end is not None]
-    asked = busy_share([*sampling, *train], first, last)
-    training = busy_share(train, first, last)
-    # Waiting for stragglers: no training, and at most a quarter of a step's episodes
-    # still running (the rest of the step is done and waits for them).
-    crowd = math.ceil(len(episodes) / len(results) / 4) + 1
-    working = busy_share([*train, *_overlapping(episodes, crowd)], first, last)
-    return {
-        "steps": len(results),
-        "steady_steps": len(ends) - 1,
-        "pace_s": pace,
-        "steps_per_s": 1 / pace,
-        "cycles_per_step": pace / cycle_s,
-        "server_idle": 1 - asked,
-        "straggler_wait": 1 - working,
-        "training_share": training,
-        "episodes": len(episodes),
-        "turns": sum(len(e.sampling) for e in log),
-        "mean_reward": sum(float(r.metrics.get("avg_reward", 0.0)) for r in results) / len(results),
-    }
-
-
-def _overlapping(intervals: Sequence[tuple[float, float]], k: int) -> list[tuple[float, float]]:
-    """The periods during which at least ``k`` of ``intervals`` are open."""
-    events = sorted([(a, 1) for a, _ in intervals] + [(b, -1) for _, b in intervals])
-    out: list[tuple[float, float]] = []
-    open_now, since = 0, 0.0
-    for instant, delta in events:
-        before = open_now
-        open_now += delta
-        if before < k <= open_now:
-            since = instant
-        elif before >= k > open_now:
-            out.append((since, instant))
-    return out
 
 
 def run_config(
@@ -227,43 +102,24 @@ def run_config(
     """One engine run of the uneven workload in configuration ``key``."""
     _, k = CONFIGS[key]
     task = UnevenTask(tool_s)
-    results: list[StepResult] = []
-
-    async def go() -> None:
-        with tempfile.TemporaryDirectory(prefix="engine-bench-multiturn-") as tmp:
-            config = EngineConfig(
-                base_url=target.base_url,
-                api_key=target.api_key,
-                steps=steps,
-                batch=batch,
-                group=group,
-                max_tokens=MAX_TOKENS,
-                temperature=TEMPERATURE,
-                seed=seed,
-                max_steps_off_policy=k,
-                loss="importance_sampling" if k == 0 else "ppo",
-                run_dir=Path(tmp) / "run",
-                progress=False,
-                env_max_turns=task.max_turns,
-            )
-            # Engine's task parameter is typed for single-turn tasks; it runs an EnvTask.
-            engine_task: Any = task
-            async with Engine(config, task=engine_task, on_step=results.append) as engine:
-                await engine.run()
-
-    anyio.run(go)
+    results = run_engine(
+        target,
+        task,
+        k=k,
+        steps=steps,
+        batch=batch,
+        group=group,
+        seed=seed,
+        max_turns=task.max_turns,
+        max_tokens=MAX_TOKENS,
+    )
     profile = LatencyProfile.parse(target.latency)
     assert profile is not None
     return summarize_run(results, task.log, profile.cycle)
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = BenchParser(
         prog="python -m benchmarks.multiturn",
         description="Steps/s of the engine vs a batch-synchronous loop on multi-turn episodes "
         "of uneven length (1-6 turns, a slow tool on some turns), hosted-like latency.",
@@ -311,9 +167,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 seed=args.seed,
             )
     context["load_average_end"] = load_average()
-    base = rows.get("sync")
-    for row in rows.values():
-        row["speedup_vs_sync"] = row["steps_per_s"] / base["steps_per_s"] if base else None
+    speedups(rows, "sync")
     table = markdown_table(
         ["config", "steps/s", "vs sync", "cycles/step", "server idle", "straggler wait"],
         [

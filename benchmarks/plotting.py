@@ -14,6 +14,7 @@ from typing import Any
 from engine.observe.plotting import color, new_figure, save
 
 __all__ = [
+    "plot_episode_timeline",
     "plot_learning_curves",
     "plot_learning_grid",
     "plot_scaling",
@@ -89,6 +90,27 @@ def plot_timeline(panels: Sequence[tuple[str, Sequence[Mapping[str, Any]]]], pat
         ax.set_title(title, fontsize=10, loc="left")
         ax.grid(axis="x", alpha=0.3)
     axes[-1, 0].set_xlabel("seconds since the run started (bars numbered by step)")
+    fig.tight_layout()
+    return save(fig, path)
+
+
+def plot_episode_timeline(panels: Sequence[tuple[str, Mapping[str, Any]]], path: Path) -> Path:
+    """One lane per episode (by start), a bar from its start to its end coloured by the
+    step that trained it, and each step's training as a shaded band numbered by step.
+    ``panels`` are ``(title, timeline)`` with ``episodes`` ``[step, start, end]`` and
+    ``train`` ``[step, start, end]`` (seconds); panels share the time axis."""
+    fig = new_figure(11, 3.2 * len(panels) + 0.8)
+    axes = fig.subplots(len(panels), 1, squeeze=False, sharex=True)
+    for ax, (title, data) in zip(axes[:, 0], panels, strict=True):
+        for lane, (step, start, end) in enumerate(data["episodes"]):
+            ax.broken_barh([(start, max(end - start, 1e-3))], (lane, 0.8), color=color(step - 1))
+        for step, start, end in data["train"]:
+            ax.axvspan(start, end, color=color(step - 1), alpha=0.25)
+            ax.text(end, 0, f"train {step}", fontsize=7, rotation=90, va="bottom", ha="right")
+        ax.set_ylabel("episodes")
+        ax.set_title(title, fontsize=10, loc="left")
+        ax.grid(axis="x", alpha=0.3)
+    axes[-1, 0].set_xlabel("seconds (episodes coloured by the step that trained them)")
     fig.tight_layout()
     return save(fig, path)
 

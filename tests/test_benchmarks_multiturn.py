@@ -10,16 +10,16 @@ from typing import Any
 
 import pytest
 
-from benchmarks import learning_envs, multiturn
+from benchmarks import episode_runs, learning_envs, multiturn
 
 
 def test_busy_share_counts_the_union_or_the_overlap_inside_the_window() -> None:
     intervals = [(0.0, 2.0), (1.0, 3.0), (5.0, 6.0), (9.0, 20.0)]
-    assert multiturn.busy_share(intervals, 0.0, 10.0) == pytest.approx(0.5)
-    assert multiturn.busy_share(intervals, 0.0, 10.0, at_least=2) == pytest.approx(0.1)
-    assert multiturn.busy_share([], 0.0, 10.0) == 0.0
-    assert multiturn._overlapping(intervals, 2) == [(1.0, 2.0)]
-    assert multiturn._overlapping(intervals, 1) == [(0.0, 3.0), (5.0, 6.0), (9.0, 20.0)]
+    assert episode_runs.busy_share(intervals, 0.0, 10.0) == pytest.approx(0.5)
+    assert episode_runs.busy_share(intervals, 0.0, 10.0, at_least=2) == pytest.approx(0.1)
+    assert episode_runs.busy_share([], 0.0, 10.0) == 0.0
+    assert episode_runs.overlapping(intervals, 2) == [(1.0, 2.0)]
+    assert episode_runs.overlapping(intervals, 1) == [(0.0, 3.0), (5.0, 6.0), (9.0, 20.0)]
 
 
 def test_uneven_episodes_are_seeded_per_problem_and_episode() -> None:

@@ -13,10 +13,10 @@ and never test its name.
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from engine.config import EngineConfig
 from engine.core.problems import Task
@@ -27,7 +27,12 @@ from engine.session.api import SamplerHandle, Session
 from engine.tasks.dataset import DataFormat
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["Objective", "ObjectiveRun", "RunContext", "no_teacher"]
+__all__ = ["Objective", "ObjectiveRun", "RunContext", "figure", "no_teacher"]
+
+
+def figure(value: float | None) -> str:
+    """A figure of a run's summary: three decimals, or n/a."""
+    return "n/a" if value is None else f"{value:.3f}"
 
 
 async def no_teacher() -> Teacher:
@@ -76,7 +81,9 @@ class Objective(Protocol):
     sample the policy (a run's loss, K, batch and group describe it);
     ``logs_conversations``: rollouts.jsonl keeps the prompts of conversations as they
     are; ``held_out``: how its held-out evaluation is made, and of what (its summary's
-    line)."""
+    line). Its steps' metrics and their report panels are its recipe's
+    (:mod:`engine.loop.step_metrics`; the report draws the panels of the metrics a run
+    has, :mod:`engine.observe.report_panels`)."""
 
     name: str
     samples: bool
@@ -97,4 +104,8 @@ class Objective(Protocol):
 
     def loss_name(self, config: EngineConfig) -> str:
         """The loss a run trains with, as its summary names it."""
+        ...
+
+    def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+        """summary.md's table of the steps ``metrics`` (metrics.jsonl's events)."""
         ...

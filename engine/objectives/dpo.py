@@ -28,7 +28,7 @@ from engine.loop.messages import steps_done
 from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.reference import Reference
 from engine.loop.step_metrics import preference_line, preference_step_metrics
-from engine.objectives.base import RunContext
+from engine.objectives.base import RunContext, figure
 from engine.objectives.sft import ReadySteps
 from engine.session.api import SamplerHandle, Session, StepTicket
 from engine.session.usage import spending_for
@@ -129,6 +129,17 @@ class DpoObjective:
 
     def loss_name(self, config: EngineConfig) -> str:
         return f"dpo (forward_backward_custom, beta {config.preference.dpo_beta})"
+
+    def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+        return [
+            "| step | dpo/loss | dpo/accuracy | dpo/margin | pairs | time/step (s) |",
+            "|---:|---:|---:|---:|---:|---:|",
+            *(
+                f"| {m['step']} | {figure(m.get('dpo/loss'))} | {figure(m.get('dpo/accuracy'))} | "
+                f"{figure(m.get('dpo/margin'))} | {m['dpo/pairs']} | {m['time/step']:.2f} |"
+                for m in metrics
+            ),
+        ]
 
 
 DPO = DpoObjective()

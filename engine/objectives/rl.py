@@ -169,5 +169,19 @@ class RlObjective:
             corrections.append(f"mask [{training.mask_low:g}, {training.mask_high:g}]")
         return training.loss + (f" ({', '.join(corrections)})" if corrections else "")
 
+    def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+        lines = [
+            "| step | avg_reward | datums | staleness | kl_v1 | time/step (s) |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for m in metrics:
+            kl = m.get("optim/kl_sample_train_v1")
+            lines.append(
+                f"| {m['step']} | {m['avg_reward']:.3f} | {m['datums']} | "
+                f"{m['off_policy/staleness']} | {'n/a' if kl is None else f'{kl:+.4f}'} | "
+                f"{m['time/step']:.2f} |"
+            )
+        return lines
+
 
 RL = RlObjective()

@@ -23,7 +23,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan, SftStage, check_conversation_task
 from engine.loop.step_metrics import supervised_line, supervised_step_metrics
-from engine.objectives.base import RunContext
+from engine.objectives.base import RunContext, figure
 from engine.session.api import SamplerHandle, Session, StepTicket
 from engine.session.capabilities import run_loss
 from engine.tasks.conversations import ConversationTask
@@ -139,6 +139,17 @@ class SftObjective:
 
     def loss_name(self, config: EngineConfig) -> str:
         return "cross_entropy"
+
+    def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
+        return [
+            "| step | sft/loss | tokens | datums | time/step (s) |",
+            "|---:|---:|---:|---:|---:|",
+            *(
+                f"| {m['step']} | {figure(m['sft/loss'])} | {m['sft/tokens']} | "
+                f"{m['datums']} | {m['time/step']:.2f} |"
+                for m in metrics
+            ),
+        ]
 
 
 SFT = SftObjective()

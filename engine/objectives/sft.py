@@ -8,6 +8,7 @@ tokens; the held-out evaluation is the held-out conversations' loss
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -32,9 +33,9 @@ from engine.tasks.dataset import DataFormat
 __all__ = ["SFT", "ReadySteps", "SftObjective", "SftRun", "SftSteps"]
 
 
-class ReadySteps:
-    """A recipe for steps of ready groups (nothing sampled: the SFT stage builds each
-    group with :meth:`group`), trained on weights 1 on the assistant's tokens."""
+class ReadySteps(ABC):
+    """A recipe's part for steps of ready groups (nothing sampled: the SFT stage builds
+    each group with :meth:`group`), each datum weighted 1 on the assistant's tokens."""
 
     samples = False
     episodic = False
@@ -43,9 +44,9 @@ class ReadySteps:
     def __init__(self, config: EngineConfig) -> None:
         self._config = config
 
+    @abstractmethod
     async def group(self, problem: Problem, step: int) -> tuple[Trajectory, ...] | NotSampled:
         """The ready group of ``problem`` for 0-based step ``step``."""
-        raise NotImplementedError
 
     def first_stage(self, context: StageContext) -> FirstStage:
         return SftStage(

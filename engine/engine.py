@@ -379,7 +379,11 @@ class Engine:
                 )
                 session, retries, queue = opened, opened.retries, opened.queue
                 # Before the first sample: refuse what the server lacks of the settings.
-                await check_run_capabilities(opened, say=lambda line: log.info("console", line))
+                await check_run_capabilities(
+                    opened,
+                    objective_named(opened.config.training.objective).needs(opened.config),
+                    say=lambda line: log.info("console", line),
+                )
                 if opened.config != self._config:  # the server decided what was left unset
                     self._config = opened.config
                     if self._task is None:

@@ -36,6 +36,7 @@ from engine.loop.stopping import StopGate
 from engine.objectives import OBJECTIVES, RunContext, objective_named
 from engine.objectives.sft import ReadySteps
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
+from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
 
 pytestmark = pytest.mark.anyio
@@ -59,7 +60,7 @@ class EchoSteps(ReadySteps):
         groups: Sequence[ScoredGroup],
         datums: Sequence[Datum],
     ) -> None:
-        await session.submit_forward_backward(ticket, datums, LossSpec("cross_entropy"))
+        await session.submit_forward_backward(ticket, datums, ECHO.loss(self._config))
 
     def step_metrics(self, step: FinishedStep) -> tuple[dict[str, Any], str]:
         tokens = sum(len(t.turns[0].action) for g in step.groups for t in g.trajectories)
@@ -94,6 +95,12 @@ class EchoObjective:
 
     def open(self, context: RunContext) -> EchoRun:
         return EchoRun(context)
+
+    def loss(self, config: EngineConfig) -> LossSpec:
+        return LossSpec("cross_entropy")
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        return [loss_need(self.loss(config), "--objective echo")]
 
     def loss_name(self, config: EngineConfig) -> str:
         return "cross_entropy (echo)"

@@ -23,7 +23,8 @@ from engine.core.problems import Task
 from engine.envs.types import AnyTask
 from engine.loop.recipe import HeldOut, StepRecipe
 from engine.loop.teacher import Teacher
-from engine.session.api import SamplerHandle, Session
+from engine.session.api import LossSpec, SamplerHandle, Session
+from engine.session.capabilities import Need
 from engine.tasks.dataset import DataFormat
 from engine.tasks.render import PromptRenderer
 
@@ -100,6 +101,15 @@ class Objective(Protocol):
 
     def open(self, context: RunContext) -> ObjectiveRun:
         """The run's objective (its checks that need the session run now)."""
+        ...
+
+    def loss(self, config: EngineConfig) -> LossSpec:
+        """The loss and ``loss_fn_config`` its forward_backward sends."""
+        ...
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        """What a run asks of a server beyond sampling, checked before its first sample
+        on a server the engine did not start (:mod:`engine.session.capabilities`)."""
         ...
 
     def loss_name(self, config: EngineConfig) -> str:

@@ -5,8 +5,10 @@ the teacher's per-token signal (docs/distillation.md).
 
 from __future__ import annotations
 
+from engine.config import EngineConfig
 from engine.objectives.base import RunContext
 from engine.objectives.rl import RlObjective, RlRun
+from engine.session.capabilities import Need, prompt_logprobs_need
 
 __all__ = ["DISTILL", "DistillObjective"]
 
@@ -16,6 +18,9 @@ class DistillObjective(RlObjective):
 
     def open(self, context: RunContext) -> RlRun:
         return RlRun(context, distill=True)
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        return [*super().needs(config), prompt_logprobs_need(self.loss_setting(config))]
 
 
 DISTILL = DistillObjective()

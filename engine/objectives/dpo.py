@@ -29,8 +29,9 @@ from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.reference import Reference
 from engine.loop.step_metrics import preference_line, preference_step_metrics
 from engine.objectives.base import RunContext, figure
-from engine.objectives.sft import ReadySteps
-from engine.session.api import SamplerHandle, Session, StepTicket
+from engine.objectives.sft import CROSS_ENTROPY, ReadySteps
+from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
+from engine.session.capabilities import Need, custom_loss_need, loss_need
 from engine.session.usage import spending_for
 from engine.tasks.dataset import DataFormat
 from engine.tasks.pairs import PairTask
@@ -126,6 +127,13 @@ class DpoObjective:
 
     def open(self, context: RunContext) -> DpoRun:
         return DpoRun(context)
+
+    def loss(self, config: EngineConfig) -> LossSpec:
+        return CROSS_ENTROPY
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        setting = f"--objective {self.name}"
+        return [loss_need(CROSS_ENTROPY, setting), custom_loss_need(setting)]
 
     def loss_name(self, config: EngineConfig) -> str:
         return f"dpo (forward_backward_custom, beta {config.preference.dpo_beta})"

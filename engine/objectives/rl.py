@@ -23,11 +23,18 @@ from engine.loop.rollout_stage import RolloutStage
 from engine.loop.step_metrics import quickstart_line, step_metrics
 from engine.loop.teacher import Teacher
 from engine.objectives.base import RunContext
-from engine.session.api import SamplerHandle, Session, StepTicket
-from engine.session.capabilities import run_loss
+from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
+from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
 
-__all__ = ["RL", "RlObjective", "RlRun", "RlSteps"]
+__all__ = ["RL", "RlObjective", "RlRun", "RlSteps", "rl_loss"]
+
+
+def rl_loss(config: EngineConfig) -> LossSpec:
+    """``--loss`` with the ``loss_fn_config`` its settings give."""
+    return LossSpec(
+        config.training.loss, config.training.loss_fn_config(config.sampling.temperature)
+    )
 
 
 class RlSteps:
@@ -43,7 +50,7 @@ class RlSteps:
         self._config = config
         self._plan = plan
         self._teacher = teacher
-        self._loss = run_loss(config)
+        self._loss = rl_loss(config)
         distill = config.distillation
         self._distill = (
             None
@@ -157,6 +164,17 @@ class RlObjective:
 
     def open(self, context: RunContext) -> RlRun:
         return RlRun(context)
+
+    def loss(self, config: EngineConfig) -> LossSpec:
+        return rl_loss(config)
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        return [loss_need(self.loss(config), self.loss_setting(config))]
+
+    def loss_setting(self, config: EngineConfig) -> str:
+        """The settings that choose its loss, as a refusal names them."""
+        training = config.training
+        return " ".join([f"--loss {training.loss}", *training.local_loss_options()])
 
     def loss_name(self, config: EngineConfig) -> str:
         training = config.training

@@ -25,12 +25,15 @@ from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan, SftStage, check_conversation_task
 from engine.loop.step_metrics import supervised_line, supervised_step_metrics
 from engine.objectives.base import RunContext, figure
-from engine.session.api import SamplerHandle, Session, StepTicket
-from engine.session.capabilities import run_loss
+from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
+from engine.session.capabilities import Need, loss_need
 from engine.tasks.conversations import ConversationTask
 from engine.tasks.dataset import DataFormat
 
-__all__ = ["SFT", "ReadySteps", "SftObjective", "SftRun", "SftSteps"]
+__all__ = ["CROSS_ENTROPY", "SFT", "ReadySteps", "SftObjective", "SftRun", "SftSteps"]
+
+CROSS_ENTROPY = LossSpec("cross_entropy")
+"""SFT's loss; DPO's custom loss trains through it too."""
 
 
 class ReadySteps(ABC):
@@ -69,7 +72,6 @@ class SftSteps(ReadySteps):
     def __init__(self, config: EngineConfig, plan: ConversationPlan) -> None:
         super().__init__(config)
         self._plan = plan
-        self._loss = run_loss(config)
 
     async def group(self, problem: Problem, step: int) -> tuple[Trajectory, ...] | NotSampled:
         conversation = self._plan.build(problem, step)
@@ -82,7 +84,7 @@ class SftSteps(ReadySteps):
         groups: Sequence[ScoredGroup],
         datums: Sequence[Datum],
     ) -> None:
-        await session.submit_forward_backward(ticket, datums, self._loss)
+        await session.submit_forward_backward(ticket, datums, CROSS_ENTROPY)
 
     def step_metrics(self, step: FinishedStep) -> tuple[dict[str, Any], str]:
         cfg = self._config
@@ -137,6 +139,12 @@ class SftObjective:
 
     def open(self, context: RunContext) -> SftRun:
         return SftRun(context)
+
+    def loss(self, config: EngineConfig) -> LossSpec:
+        return CROSS_ENTROPY
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        return [loss_need(CROSS_ENTROPY, f"--objective {self.name}")]
 
     def loss_name(self, config: EngineConfig) -> str:
         return "cross_entropy"

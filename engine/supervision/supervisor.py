@@ -350,8 +350,7 @@ class Supervisor:
     async def _open_teacher(self) -> Teacher:
         """``--teacher``'s sampler (``--objective distill``), checked once per run."""
         source = self._config.distillation.teacher
-        if source is None:
-            raise ConfigError("--objective distill needs --teacher")
+        assert source is not None, "the settings pair --objective distill with --teacher"
         weights = teacher_weights(source, self._local_server_dir)
         teacher = await open_teacher(self._session, source, weights)
         self._log.info("teacher", f"Teacher: {weights} (the student's tokenizer)")

@@ -18,15 +18,13 @@ from pathlib import Path
 from typing import Any
 
 from engine.common.imports import import_attr
-from engine.config.values import Objective
 from engine.core.problems import Task
 from engine.envs.types import AnyTask, is_env_task
 from engine.errors import ConfigError
+from engine.objectives import objective_named
 from engine.tasks.arithmetic import ArithmeticTask
-from engine.tasks.conversations import ConversationTask
-from engine.tasks.dataset import DataFormat, DatasetTask
+from engine.tasks.dataset import DataFormat
 from engine.tasks.judge_task import judged_task
-from engine.tasks.pairs import PairTask
 
 __all__ = ["BUILTIN_TASKS", "load_task", "preferred_local_model", "task_spec"]
 
@@ -51,9 +49,7 @@ _DATA_FORMATS: tuple[DataFormat, ...] = ("jsonl", "hf")
 _REQUIRED = ("name", "source", "prompt", "score")
 
 
-def load_task(
-    spec: str, args: Mapping[str, str] | None = None, *, objective: Objective = "rl"
-) -> Task:
+def load_task(spec: str, args: Mapping[str, str] | None = None, *, objective: str = "rl") -> Task:
     """``"arithmetic"``, ``"jsonl:PATH"``, ``"hf:PATH"``, a shipped environment
     (``"guess-sum"``, ``"calculator"``) or a user task at ``package.module:attr``,
     where ``attr`` is a Task or a callable (a class or factory) returning one; ``args``
@@ -90,11 +86,7 @@ def load_task(
                 f"invalid task '{data_format}:': name the data, e.g. {data_format}:data/train"
                 + (".jsonl" if data_format == "jsonl" else ".parquet")
             )
-        if objective == "sft":
-            return ConversationTask.from_args(path, args, data_format)
-        if objective == "dpo":
-            return PairTask.from_args(path, args, data_format)
-        return DatasetTask.from_args(path, args, data_format)
+        return objective_named(objective).data_task(path, args, data_format)
     obj = _import_attr(spec)
     attr = spec.partition(":")[2]
     if not _is_task(obj) and callable(obj):

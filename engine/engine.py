@@ -46,10 +46,9 @@ from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
-from engine.loop.dpo import check_pair_task
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
-from engine.loop.sft_stage import check_conversation_task
+from engine.objectives import objective_named
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
@@ -380,7 +379,11 @@ class Engine:
                 )
                 session, retries, queue = opened, opened.retries, opened.queue
                 # Before the first sample: refuse what the server lacks of the settings.
-                await check_run_capabilities(opened, say=lambda line: log.info("console", line))
+                await check_run_capabilities(
+                    opened,
+                    objective_named(opened.config.training.objective).needs(opened.config),
+                    say=lambda line: log.info("console", line),
+                )
                 if opened.config != self._config:  # the server decided what was left unset
                     self._config = opened.config
                     if self._task is None:
@@ -563,10 +566,7 @@ def load_run_task(config: EngineConfig, task: AnyTask | None) -> tuple[EngineCon
     )
     spec, args = task_spec(task, config.task.spec, config.task.args)
     check_score_workers(task, config.scoring.score_workers)
-    if config.training.objective == "sft":
-        check_conversation_task(task)
-    if config.training.objective == "dpo":
-        check_pair_task(task)
+    objective_named(config.training.objective).check_task(task)
     if config.evaluation.eval_every:
         eval_problems_of(task)  # a task without held-out problems: ConfigError now
     return config.replace(task={"spec": spec, "args": args}), task

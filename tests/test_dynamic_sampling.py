@@ -17,7 +17,7 @@ import pytest
 from fake_session import FakeSession
 from test_engine_fake_session import fake_config
 from test_engine_fake_session import run as run_engine
-from test_pipeline_stages import ToyProblems, config, plan
+from test_pipeline_stages import ToyProblems, config, rl_steps
 
 from engine import Engine
 from engine.core.problems import Problem, RewardBreakdown
@@ -81,7 +81,7 @@ async def run(
     gate = StopGate()
     pipeline = Pipeline(
         cfg,
-        plan(cfg, task, session),
+        rl_steps(cfg, task, session),
         session,
         source,
         state,

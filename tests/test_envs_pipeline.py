@@ -15,7 +15,7 @@ import anyio
 import pytest
 from env_support import CountdownEnv, RankedGroup
 from fake_session import FakeSession
-from test_pipeline_stages import config, plan, run_pipeline, until
+from test_pipeline_stages import config, rl_steps, run_pipeline, until
 
 from engine.config.values import parse_score_workers
 from engine.core.problems import Problem, SeededSource
@@ -171,7 +171,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     first_run: list[StepResult] = []
     pipeline = Pipeline(
         cfg,
-        plan(cfg, task, session),
+        rl_steps(cfg, task, session),
         session,
         source,
         LoopState(0, source.state(), 0),
@@ -201,7 +201,7 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     second_run: list[StepResult] = []
     resumed = Pipeline(
         cfg,
-        plan(cfg, task, session),
+        rl_steps(cfg, task, session),
         session,
         task.source(cfg.task.seed, state.source_state),
         state,

@@ -25,6 +25,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("engine.tasks",),  # single-turn tasks and rewards
     ("engine.envs", "engine.agents"),  # environments, scoring; agents as environments
     ("engine.loop",),  # the pipeline
+    ("engine.objectives",),  # what a run trains for: RL, SFT, DPO, distillation
     ("engine.observe", "engine.rundir", "engine.supervision"),  # around the pipeline
     (  # the facade and the command lines
         "engine",

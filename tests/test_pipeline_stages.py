@@ -23,6 +23,7 @@ from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome
 from engine.loop.results import StepResult
 from engine.loop.stopping import StopGate
+from engine.objectives.rl import RlSteps
 from engine.session.api import SamplerHandle
 from engine.session.preflight import local_server_profile
 from engine.tasks.render import PromptRenderer
@@ -64,10 +65,11 @@ def config(**changes: Any) -> EngineConfig:
     return EngineConfig(**{**base, **changes}).resolved(local_server_profile(None))
 
 
-def plan(cfg: EngineConfig, task: Any, session: FakeSession) -> GroupPlan:
-    """How the pipeline builds ``task``'s groups (as the supervisor makes it)."""
+def rl_steps(cfg: EngineConfig, task: Any, session: FakeSession) -> RlSteps:
+    """How the pipeline builds and trains ``task``'s groups (as ``--objective rl``'s run
+    makes it)."""
     renderer = PromptRenderer(task, session.tokenizer)
-    return GroupPlan(cfg, task, renderer, session.info.max_context)
+    return RlSteps(cfg, GroupPlan(cfg, task, renderer, session.info.max_context))
 
 
 async def run_pipeline(
@@ -91,7 +93,7 @@ async def run_pipeline(
     gate = gate or StopGate()
     pipeline = Pipeline(
         cfg,
-        plan(cfg, task, session),
+        rl_steps(cfg, task, session),
         session,
         source,
         state,

@@ -22,22 +22,11 @@ from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
-from engine.loop.dpo_eval import PreferenceEvaluator
-from engine.loop.evaluation import Evaluator
 from engine.loop.messages import SubmittedStep, steps_done
 from engine.loop.policy import PolicyVersions
+from engine.loop.recipe import FinishedStep, HeldOut, StepRecipe
 from engine.loop.results import StepResult, StepTimeline
-from engine.loop.sft_eval import SupervisedEvaluator
-from engine.loop.step_metrics import (
-    ActivityMeter,
-    StepTiming,
-    preference_line,
-    preference_step_metrics,
-    quickstart_line,
-    step_metrics,
-    supervised_line,
-    supervised_step_metrics,
-)
+from engine.loop.step_metrics import ActivityMeter, StepTiming
 from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle, Session, TrainResult
 from engine.session.retry import tally_retries
@@ -61,12 +50,12 @@ class FinishStage:
         versions: PolicyVersions,
         meter: ActivityMeter,
         on_step: Callable[[StepResult], Awaitable[None]],
+        recipe: StepRecipe,
         *,
         gate: StopGate,
         clock: Stopwatch,
         progress: Callable[[str], None],
-        evaluate: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None,
-        episodic: bool,
+        evaluate: HeldOut | None,
     ) -> None:
         self._config = config
         self._session = session
@@ -78,7 +67,7 @@ class FinishStage:
         self._clock = clock
         self._progress = progress
         self._evaluate = evaluate
-        self._episodic = episodic
+        self._recipe = recipe
 
     def evaluates(self, completed_steps: int) -> bool:
         """Whether the weights after ``completed_steps`` are evaluated."""
@@ -155,34 +144,18 @@ class FinishStage:
                 f"internal error: step {done} trained on data {staleness} versions old "
                 f"(bound {bound})"
             )
-        objective = self._config.training.objective
-        ready = (done, self._config.pipeline.steps, groups, submitted.assembled, result, timing)
-        if objective == "sft":
-            metrics = supervised_step_metrics(*ready, lr=self._config.training.learning_rate or 0.0)
-            line = supervised_line(done, metrics)
-        elif objective == "dpo":
-            beta = self._config.preference.dpo_beta
-            lr = self._config.training.learning_rate or 0.0
-            metrics = preference_step_metrics(*ready, lr=lr, beta=beta)
-            line = preference_line(done, metrics)
-        else:
-            metrics = step_metrics(
+        metrics, line = self._recipe.step_metrics(
+            FinishedStep(
                 done,
-                self._config.pipeline.steps,
                 groups,
                 submitted.assembled,
                 result,
                 timing,
-                self._meter.take(),
-                lr=self._config.training.learning_rate or 0.0,
-                staleness=staleness,
-                episodic=self._episodic,
-                snapshot_retries=snapshot_retries,
-                distill=self._config.training.objective == "distill",
-                batch=self._config.pipeline.batch,
-                reserves=self._config.pipeline.refill_groups,
+                self._meter,
+                staleness,
+                snapshot_retries,
             )
-            line = quickstart_line(done, metrics)
+        )
         return StepResult(
             step=done,
             metrics=metrics,

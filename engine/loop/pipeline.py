@@ -1,4 +1,5 @@
-"""The pipelined loop: rollout -> submitter -> finisher, in one anyio task group (with
+"""The pipelined loop: rollout -> submitter -> finisher, in one anyio task group (the
+run's objective says which stage makes the groups: :mod:`~engine.loop.recipe`; with
 ``--objective sft`` or ``dpo`` the SFT stage, :mod:`~engine.loop.sft_stage`, in place of
 the rollout).
 
@@ -25,22 +26,14 @@ from engine.config import EngineConfig
 from engine.core.problems import ProblemSource
 from engine.core.state import LoopState, ScoredGroup
 from engine.envs.scoring import RewardError
-from engine.loop.dpo import PairPlan
-from engine.loop.dpo_eval import PreferenceEvaluator
-from engine.loop.evaluation import Evaluator
 from engine.loop.finish_stage import FinishStage
-from engine.loop.groups import GroupPlan
 from engine.loop.messages import RolledOut, SubmittedStep
 from engine.loop.policy import PolicyVersions, Watermark
-from engine.loop.reference import Reference
+from engine.loop.recipe import HeldOut, StageContext, StepRecipe
 from engine.loop.results import StepResult
-from engine.loop.rollout_stage import RolloutStage
-from engine.loop.sft_eval import SupervisedEvaluator
-from engine.loop.sft_stage import ConversationPlan, SftStage
 from engine.loop.step_metrics import ActivityMeter
 from engine.loop.stopping import StopGate
 from engine.loop.submit_stage import SubmitStage, checkpoint_name
-from engine.loop.teacher import Teacher
 from engine.session.api import SamplerHandle, Session
 
 __all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
@@ -55,15 +48,13 @@ class PipelineOutcome:
 
 class Pipeline:
     """One run of the loop from ``state`` to ``config.pipeline.steps``, on the groups
-    ``plan`` builds (a :class:`ConversationPlan`: supervised fine-tuning, the SFT stage
-    in place of the rollout stage; a :class:`PairPlan`: preference pairs, the same, with
-    ``reference``'s logprobs). ``before_training`` is awaited once, right before the first
-    call that trains; ``teacher`` scores every rolled-out group (``--objective distill``)."""
+    and the training ``recipe`` makes (the run's objective, :mod:`engine.objectives`).
+    ``before_training`` is awaited once, right before the first call that trains."""
 
     def __init__(
         self,
         config: EngineConfig,
-        plan: GroupPlan | ConversationPlan | PairPlan,
+        recipe: StepRecipe,
         session: Session,
         source: ProblemSource,
         state: LoopState,
@@ -73,38 +64,30 @@ class Pipeline:
         gate: StopGate,
         progress: Callable[[str], None] = lambda what: None,
         clock: Stopwatch = time.perf_counter,
-        evaluate: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None = None,
+        evaluate: HeldOut | None = None,
         on_reward_error: Callable[[RewardError], None] = lambda error: None,
         before_training: Callable[[], Awaitable[None]] | None = None,
-        teacher: Teacher | None = None,
-        reference: Reference | None = None,
     ) -> None:
         self._config = config
-        self._plan = plan
+        self._recipe = recipe
         versions = PolicyVersions(sampler)
         submitted = Watermark(state.next_step)
         meter = ActivityMeter(clock)
-        self._rollout: RolloutStage | SftStage
-        if isinstance(plan, ConversationPlan | PairPlan):
-            self._rollout = SftStage(
-                config, plan, source, state, clock=clock, progress=progress, reference=reference
-            )
-        else:
-            self._rollout = RolloutStage(
+        self._first = recipe.first_stage(
+            StageContext(
                 config,
-                plan,
                 session,
                 source,
                 state,
                 versions,
                 submitted,
                 meter,
-                gate=gate,
+                gate,
                 clock=clock,
                 progress=progress,
                 on_reward_error=on_reward_error,
-                teacher=teacher,
             )
+        )
         self._finish = FinishStage(
             config,
             session,
@@ -112,21 +95,22 @@ class Pipeline:
             versions,
             meter,
             on_step,
+            recipe,
             gate=gate,
             clock=clock,
             progress=progress,
             evaluate=evaluate,
-            episodic=self._plan.episodic,
         )
         self._submit = SubmitStage(
             config,
             session,
             state,
             submitted,
+            recipe,
             gate=gate,
             clock=clock,
-            sample_ahead=not isinstance(plan, ConversationPlan | PairPlan)
-            and (config.pipeline.sample_ahead is not None or not plan.episodic),
+            sample_ahead=recipe.samples
+            and (config.pipeline.sample_ahead is not None or not recipe.episodic),
             evaluates=self._finish.evaluates,
             before_training=before_training,
         )
@@ -146,15 +130,12 @@ class Pipeline:
         for _ in range(cfg.submit_ahead + 1):  # the steps that may be in flight at once
             credit_send.send_nowait(None)
         async with contextlib.AsyncExitStack() as workers:
-            if self._plan.workers is not None:  # a pool or a Ray cluster, for this run
-                await workers.enter_async_context(self._plan.workers)
+            if self._recipe.workers is not None:  # a pool or a Ray cluster, for this run
+                await workers.enter_async_context(self._recipe.workers)
             async with anyio.create_task_group() as tg:
-                if isinstance(self._rollout, SftStage):
-                    tg.start_soon(self._rollout.run, rolled_send)
-                else:
-                    tg.start_soon(self._rollout.run, tg, rolled_send)
+                tg.start_soon(self._first.run, tg, rolled_send)
                 tg.start_soon(
                     self._submit.run, rolled_recv, submitted_send, filed_send, credit_recv
                 )
                 completed, state = await self._finish.run(submitted_recv, filed_recv, credit_send)
-        return PipelineOutcome(completed, self._rollout.exhausted, state)
+        return PipelineOutcome(completed, self._first.exhausted, state)

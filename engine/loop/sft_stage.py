@@ -14,10 +14,11 @@ turns a group into its datums (:func:`~engine.core.datums.supervised_datums`) an
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import anyio
+from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.common.clock import Stopwatch
@@ -26,12 +27,9 @@ from engine.core.problems import Problem, ProblemSource
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError
-from engine.loop.dpo import PairPlan
 from engine.loop.groups import NotSampled
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
-from engine.loop.reference import Reference
 from engine.loop.rollout_stage import draw_step
-from engine.session.usage import spending_for
 from engine.tasks.conversations import (
     ConversationTooLong,
     max_context_chars,
@@ -39,7 +37,16 @@ from engine.tasks.conversations import (
 )
 from engine.tasks.render import ChatMessage, PromptRenderer
 
-__all__ = ["ConversationPlan", "ConversationSource", "SftStage", "check_conversation_task"]
+__all__ = [
+    "BuildGroup",
+    "ConversationPlan",
+    "ConversationSource",
+    "SftStage",
+    "check_conversation_task",
+]
+
+BuildGroup = Callable[[Problem, int], Awaitable["tuple[Trajectory, ...] | NotSampled"]]
+"""A ready group's trajectories of a problem for 0-based step ``step``, or why it has none."""
 
 
 class ConversationSource(Protocol):
@@ -103,30 +110,31 @@ class ConversationPlan:
 
 class SftStage:
     """Sends the groups of steps ``state.next_step`` to ``config.pipeline.steps`` (those
-    a checkpoint kept are not sent again); ``exhausted`` is set when the source ran out
-    first (``--task-arg epochs=N``). A :class:`PairPlan` needs ``reference``."""
+    a checkpoint kept are not sent again), each built by ``build`` (a conversation, or a
+    pair with its reference logprobs); ``exhausted`` is set when the source ran out first
+    (``--task-arg epochs=N``)."""
 
     def __init__(
         self,
         config: EngineConfig,
-        plan: ConversationPlan | PairPlan,
+        build: BuildGroup,
         source: ProblemSource,
         state: LoopState,
         *,
         clock: Stopwatch,
         progress: Callable[[str], None],
-        reference: Reference | None = None,
     ) -> None:
         self._config = config
-        self._plan = plan
+        self._build = build
         self._source = source
         self._state = state
         self._clock = clock
         self._progress = progress
-        self._reference = reference
         self.exhausted = False
 
-    async def run(self, send: MemoryObjectSendStream[RolledOut]) -> None:
+    async def run(self, tg: TaskGroup, send: MemoryObjectSendStream[RolledOut]) -> None:
+        # Each step's groups are built in a task group of their own: ``tg`` is the
+        # pipeline's, which the rollout stage uses.
         cfg = self._config.pipeline
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
@@ -138,10 +146,10 @@ class SftStage:
                 await send.send(StepOpened(step, self._source.state()))
                 await send.send(StepClosed(step, cfg.batch))
                 groups: dict[int, ScoredGroup] = {}
-                async with anyio.create_task_group() as tg:
+                async with anyio.create_task_group() as builds:
                     for index, problem in enumerate(problems):
                         if (step, index) not in pending:  # else sent before a resume
-                            tg.start_soon(self._ready, step, index, problem, groups)
+                            builds.start_soon(self._ready, step, index, problem, groups)
                 for index in sorted(groups):
                     await send.send(groups[index])
                     await anyio.lowlevel.checkpoint()
@@ -152,14 +160,7 @@ class SftStage:
     ) -> None:
         """The group of ``problem``, in ``groups[index]``."""
         now = self._clock()
-        built: tuple[Trajectory, ...] | NotSampled
-        if isinstance(self._plan, PairPlan):
-            assert self._reference is not None
-            with spending_for(steps_done(step)):
-                built = await self._reference.score(problem, self._plan.group(problem, step))
-        else:
-            conversation = self._plan.build(problem, step)
-            built = conversation if isinstance(conversation, NotSampled) else (conversation,)
+        built = await self._build(problem, step)
         if isinstance(built, NotSampled):
             groups[index] = ScoredGroup(
                 step, index, problem, step, (), now, now, now, now, too_long=built.reason

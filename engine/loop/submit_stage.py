@@ -20,26 +20,18 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
 import anyio
-import numpy as np
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
 from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
-from engine.core.datums import (
-    Datum,
-    DistillSignal,
-    GroupDatums,
-    group_datums,
-    supervised_datums,
-)
+from engine.core.datums import Datum, GroupDatums
 from engine.core.state import LoopState, ScoredGroup
-from engine.loop.dpo import DpoLoss, response_sums
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
+from engine.loop.recipe import StepRecipe
 from engine.loop.step_metrics import Assembled
 from engine.loop.stopping import StopGate
 from engine.session.api import PendingCheckpoint, PendingSnapshot, Session, StepTicket
-from engine.session.capabilities import run_loss
 
 __all__ = ["SubmitStage", "checkpoint_name"]
 
@@ -85,6 +77,7 @@ class SubmitStage:
         session: Session,
         state: LoopState,
         submitted: Watermark,
+        recipe: StepRecipe,
         *,
         gate: StopGate,
         clock: Stopwatch,
@@ -96,15 +89,7 @@ class SubmitStage:
             raise ValueError("the config must be resolved before it runs")
         self._config = config
         self._lr: float = config.training.learning_rate
-        self._supervised = config.training.objective in ("sft", "dpo")
-        self._preference = config.training.objective == "dpo"
-        self._loss = run_loss(config)
-        distill = config.distillation
-        self._distill = (
-            DistillSignal(distill.distill_coef, distill.distill_reward_weight)
-            if config.training.objective == "distill"
-            else None
-        )
+        self._recipe = recipe
         self._session = session
         self._state = state
         self._submitted = submitted
@@ -166,8 +151,8 @@ class SubmitStage:
                 snapshot: PendingSnapshot | None = None
                 if assembly.datums:
                     await self._session.submit_optim_step(assembly.ticket, self._lr)
-                    # Supervised steps sample nothing: a snapshot only for an eval.
-                    samples_next = done < cfg.steps and not self._supervised
+                    # Steps that sample nothing (SFT, DPO) snapshot only for an eval.
+                    samples_next = done < cfg.steps and self._recipe.samples
                     if samples_next or self._evaluates(done):
                         # Right behind the optim step: it snapshots the new weights.
                         snapshot = await self._session.submit_snapshot(done)
@@ -226,13 +211,9 @@ class SubmitStage:
             if datums:
                 if not await self._open(assembly, credits):
                     return False
-                if self._preference:
-                    loss = self._dpo_loss([arrived[i] for i in chunk], datums)
-                    await self._session.submit_forward_backward_custom(
-                        assembly.ticket, datums, loss
-                    )
-                else:
-                    await self._session.submit_forward_backward(assembly.ticket, datums, self._loss)
+                await self._recipe.forward_backward(
+                    self._session, assembly.ticket, [arrived[i] for i in chunk], datums
+                )
                 assembly.datums.extend(datums)
         return True
 
@@ -254,26 +235,8 @@ class SubmitStage:
         assembly.train_start = self._clock()
         return True
 
-    def _dpo_loss(self, groups: Sequence[ScoredGroup], datums: Sequence[Datum]) -> DpoLoss:
-        """The DPO loss of ``groups`` (pairs), whose datums are ``datums``: chosen then
-        rejected of each trainable pair, in order; scaled by the step's pairs."""
-        return DpoLoss(
-            tuple(np.asarray(d.loss_fn_inputs["weights"], dtype=np.float64) for d in datums),
-            tuple(s for g in groups if g.trainable for s in response_sums(g)),
-            self._config.preference.dpo_beta,
-            1.0 / self._config.pipeline.batch,
-        )
-
     def _datums(self, group: ScoredGroup) -> GroupDatums:
-        """The group's datums: RL's (advantages; per token with a teacher), or a
-        conversation's or a pair's (weights 1 on the assistant's tokens)."""
+        """The group's datums (the objective's; none of an untrainable group)."""
         if not group.trainable:
             return GroupDatums([], [0.0] * len(group.trajectories), 0, 0, 0)
-        if self._supervised:
-            datums = [d for t in group.trajectories for d in supervised_datums(t)]
-            return GroupDatums(datums, [0.0] * len(group.trajectories), 0, 0, 0)
-        return group_datums(
-            group.trajectories,
-            on_missing_logprobs=self._config.training.on_missing_logprobs,
-            distill=self._distill,
-        )
+        return self._recipe.datums(group)

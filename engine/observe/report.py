@@ -23,6 +23,7 @@ from engine.common.steplog import StepLines, read_step_lines
 from engine.config.records import CONFIG_FILE
 from engine.errors import ConfigError
 from engine.loop.evaluation import EVAL_FILE
+from engine.objectives import OBJECTIVES
 from engine.observe.headline import headline_figures
 from engine.observe.report_panels import components, draw_panels
 from engine.observe.tokens import tokens_summary, totals_text
@@ -155,7 +156,8 @@ def run_settings(config: dict[str, Any]) -> str:
         return (" ".join(raw.split())[:60].strip() or None) if isinstance(raw, str) else None
 
     objective = value("training", "objective")
-    sampled = objective in ("rl", "distill")
+    known = OBJECTIVES.get(objective) if objective is not None else None
+    sampled = known is not None and known.samples
     loss = value("training", "loss") if sampled else None
     fields = [
         ("model", value("model", "base_model")),

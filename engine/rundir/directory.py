@@ -46,6 +46,7 @@ from engine.errors import (
     RunStopped,
 )
 from engine.loop.evaluation import EVAL_FILE
+from engine.objectives import Objective, figure, objective_named
 from engine.observe.headline import headline_figures
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
@@ -275,7 +276,7 @@ class RunDirectory:
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
             "max_steps_off_policy": config.pipeline.max_steps_off_policy,
-            "loss": _loss_name(config),
+            "loss": objective_named(config.training.objective).loss_name(config),
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max(
@@ -403,28 +404,6 @@ _HELD_OUT_VALUES = ("eval/sft/loss", "eval/dpo/accuracy", "eval/dpo/prefers_chos
 """Held-out values a summary shows besides the rates."""
 
 
-def _loss_name(config: EngineConfig) -> str:
-    """The loss a run trained with, as its summary names it."""
-    objective = config.training.objective
-    if objective == "sft":
-        return "cross_entropy"
-    if objective == "dpo":
-        return f"dpo (forward_backward_custom, beta {config.preference.dpo_beta})"
-    training = config.training
-    corrections = []
-    if training.loss_temperature == "sampling":
-        temperature = config.sampling.temperature  # unset in a run that failed before it
-        at = "the sampling temperature" if temperature is None else f"temperature {temperature:g}"
-        corrections.append(f"scored at {at}")
-    if training.rollout_correction != "off":
-        corrections.append(f"MinT's rollout correction {training.rollout_correction}")
-    if training.tis_cap:
-        corrections.append(f"TIS cap {training.tis_cap:g}")
-    if training.mask_high:
-        corrections.append(f"mask [{training.mask_low:g}, {training.mask_high:g}]")
-    return training.loss + (f" ({', '.join(corrections)})" if corrections else "")
-
-
 def _eval_records(path: Path) -> list[dict[str, Any]]:
     """The held-out evaluations of ``eval.jsonl``, step 0 first (none without one)."""
     try:
@@ -451,7 +430,7 @@ def held_out_summary(evals: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
     return {"first": figures(evals[0]), "last": figures(evals[-1])}
 
 
-def _held_out_line(held: Mapping[str, Any], objective: str) -> str:
+def _held_out_line(held: Mapping[str, Any], objective: Objective) -> str:
     first, last = held["first"], held["last"]
     names = [k for k in first if k not in ("step", "problems") and k in last]
     changes = ", ".join(
@@ -459,13 +438,9 @@ def _held_out_line(held: Mapping[str, Any], objective: str) -> str:
         for name in names
         if isinstance(first[name], int | float) and isinstance(last[name], int | float)
     )
-    how, rows = ("scored", "pairs") if objective == "dpo" else ("greedy", "problems")
+    how, rows = objective.held_out
     problems = f", {first['problems']:g} {rows}" if first.get("problems") else ""
     return f"- held-out ({how}{problems}), step {first['step']} -> {last['step']}: {changes}"
-
-
-def _num(v: Any) -> str:
-    return "n/a" if v is None else f"{v:.3f}"
 
 
 def _summary_markdown(
@@ -474,8 +449,8 @@ def _summary_markdown(
     evals: Sequence[Mapping[str, Any]],
     prices: Prices,
 ) -> str:
-    num = _num
-
+    num = figure
+    objective = objective_named(s["objective"])
     lines = [
         f"# Run summary: {s['task']} on {s['base_model']}",
         "",
@@ -483,18 +458,18 @@ def _summary_markdown(
         f"- server: {s['server']}; loss: {s['loss']}; "
         f"max steps off-policy: {s['max_steps_off_policy']}",
         f"- steps: {s['steps_completed']} of {s['steps_planned']} in {s['seconds']:.1f}s",
-        *(f"- {figure.line}" for figure in headline_figures(metrics, evals)),
+        *(f"- {headline.line}" for headline in headline_figures(metrics, evals)),
         *(
             [
                 f"- avg reward: first {num(s['first_avg_reward'])}, last "
                 f"{num(s['last_avg_reward'])}, best {num(s['best_avg_reward'])}"
             ]
-            if s["objective"] in ("rl", "distill")
+            if objective.samples
             else []
         ),
         f"- max staleness: {s['max_staleness']}",
         *([tokens_summary_line(tokens, prices)] if (tokens := s["tokens"]) else []),
-        *([_held_out_line(held, s["objective"])] if (held := s["held_out"]) else []),
+        *([_held_out_line(held, objective)] if (held := s["held_out"]) else []),
         *(
             [
                 f"- **trained nothing** for {idle['untrained_steps']} steps (longest run: "
@@ -510,37 +485,5 @@ def _summary_markdown(
         else f"- report: `python -m engine.report {s['run_dir']}` draws it",
         "",
     ]
-    if s["objective"] == "sft":
-        lines += [
-            "| step | sft/loss | tokens | datums | time/step (s) |",
-            "|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {m['step']} | {num(m['sft/loss'])} | {m['sft/tokens']} | {m['datums']} | "
-            f"{m['time/step']:.2f} |"
-            for m in metrics
-        ]
-        return "\n".join(lines) + "\n"
-    if s["objective"] == "dpo":
-        lines += [
-            "| step | dpo/loss | dpo/accuracy | dpo/margin | pairs | time/step (s) |",
-            "|---:|---:|---:|---:|---:|---:|",
-        ]
-        lines += [
-            f"| {m['step']} | {num(m.get('dpo/loss'))} | {num(m.get('dpo/accuracy'))} | "
-            f"{num(m.get('dpo/margin'))} | {m['dpo/pairs']} | {m['time/step']:.2f} |"
-            for m in metrics
-        ]
-        return "\n".join(lines) + "\n"
-    lines += [
-        "| step | avg_reward | datums | staleness | kl_v1 | time/step (s) |",
-        "|---:|---:|---:|---:|---:|---:|",
-    ]
-    for m in metrics:
-        kl = m.get("optim/kl_sample_train_v1")
-        lines.append(
-            f"| {m['step']} | {m['avg_reward']:.3f} | {m['datums']} | "
-            f"{m['off_policy/staleness']} | {'n/a' if kl is None else f'{kl:+.4f}'} | "
-            f"{m['time/step']:.2f} |"
-        )
+    lines += objective.summary_table(metrics)
     return "\n".join(lines) + "\n"

@@ -46,10 +46,13 @@ if TYPE_CHECKING:
 __all__ = [
     "CapabilityMissing",
     "Finding",
+    "Need",
     "NoServerAnswers",
     "check_run_capabilities",
+    "custom_loss_need",
+    "loss_need",
     "probe_server",
-    "run_loss",
+    "prompt_logprobs_need",
 ]
 
 Status = Literal["supported", "refused", "error", "skipped"]
@@ -183,15 +186,6 @@ def probe_datums(loss: str, completion: Completion) -> list[Datum]:
     return trajectory_datums(trajectory, 1.0)
 
 
-def run_loss(config: EngineConfig) -> LossSpec:
-    """The loss and ``loss_fn_config`` a run's forward_backward sends (``--objective
-    sft``: cross_entropy; dpo's custom loss trains through cross_entropy too)."""
-    training = config.training
-    if training.objective in ("sft", "dpo"):
-        return LossSpec("cross_entropy")
-    return LossSpec(training.loss, training.loss_fn_config(config.sampling.resolved_temperature))
-
-
 async def probe_loss(session: SdkSession, loss: LossSpec, completion: Completion) -> str:
     """One forward_backward of ``loss`` on the probe's training client."""
     if loss.name in TINKER_ONLY_LOSSES and session.sdk != "tinker":
@@ -244,42 +238,39 @@ async def probe_checkpoint(session: SdkSession) -> str:
 
 
 @dataclass(frozen=True)
-class _Need:
+class Need:
+    """What a run asks of a server beyond sampling (which every run does, and whose
+    failure says so at once), with the setting that asks it (its objective's
+    :meth:`~engine.objectives.base.Objective.needs`)."""
+
     capability: str
     setting: str
     check: Callable[[SdkSession, Completion], Awaitable[str]]
 
 
-def run_needs(config: EngineConfig) -> list[_Need]:
-    """What a run with ``config`` asks of a server beyond sampling (which every run
-    does, and whose failure says so at once), with the setting that asks it."""
-    training = config.training
-    loss = run_loss(config)
+def loss_need(loss: LossSpec, setting: str) -> Need:
+    """Training with ``loss`` (its ``loss_fn_config`` keys named)."""
     keys = sorted(loss.config or {})
-    setting = f"--objective {training.objective}"
-    if training.objective in ("rl", "distill"):
-        setting = " ".join([f"--loss {training.loss}", *training.local_loss_options()])
     what = f"train with loss {loss.name}" + (f" (loss_fn_config {', '.join(keys)})" if keys else "")
-    needs = [_Need(what, setting, lambda s, c: probe_loss(s, loss, c))]
-    if training.objective == "dpo":
-        needs.append(
-            _Need("run a custom loss (forward_backward_custom)", setting, probe_custom_loss)
-        )
-    if training.objective == "distill":
-        needs.append(
-            _Need(
-                "score prompts (compute_logprobs)", setting, lambda s, c: probe_prompt_logprobs(s)
-            )
-        )
-    return needs
+    return Need(what, setting, lambda s, c: probe_loss(s, loss, c))
+
+
+def custom_loss_need(setting: str) -> Need:
+    """A custom loss (``forward_backward_custom``)."""
+    return Need("run a custom loss (forward_backward_custom)", setting, probe_custom_loss)
+
+
+def prompt_logprobs_need(setting: str) -> Need:
+    """Scoring prompts (``compute_logprobs``)."""
+    return Need("score prompts (compute_logprobs)", setting, lambda s, c: probe_prompt_logprobs(s))
 
 
 async def check_run_capabilities(
-    session: SdkSession, say: Callable[[str], None] = lambda line: None
+    session: SdkSession, needs: Sequence[Need], say: Callable[[str], None] = lambda line: None
 ) -> None:
     """Refuse (:class:`CapabilityMissing`, one line naming the capability and the setting
     that needs it) when the server ``session`` talks to refuses what the run's settings
-    need, before the run samples. The engine's local server on its ``local`` service is
+    ``needs``, before the run samples. The engine's local server on its ``local`` service is
     not asked (it takes everything a run sends); on ``mint`` or ``tinker`` it is. A check
     that fails otherwise is said through ``say`` and the run goes on."""
     config = session.config
@@ -291,7 +282,7 @@ async def check_run_capabilities(
         type(session), config, base_url, config.session.api_key_value
     ) as probing:
         completion = await probe_sample(probing)
-        for need in run_needs(config):
+        for need in needs:
             found = await probe(need.capability, functools.partial(need.check, probing, completion))
             if found.status == "refused":
                 raise CapabilityMissing(

@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import inspect
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 
 import anyio
@@ -48,17 +47,11 @@ from engine.errors import (
     format_error,
     primary_error,
 )
-from engine.loop.dpo import PairPlan
-from engine.loop.dpo_eval import PreferenceEvaluator
-from engine.loop.evaluation import Evaluator, eval_problems_of
-from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
-from engine.loop.reference import Reference
 from engine.loop.results import RunResult, StepResult
-from engine.loop.sft_eval import SupervisedEvaluator
-from engine.loop.sft_stage import ConversationPlan
 from engine.loop.stopping import StopGate
 from engine.loop.teacher import Teacher, open_teacher
+from engine.objectives import ObjectiveRun, RunContext, objective_named
 from engine.observe.idle import (
     failed_episodes_warning,
     no_tool_calls_warning,
@@ -92,17 +85,6 @@ STOP_GRACE_S = 30.0
 state is then untrusted: no stop checkpoint, the previous one stands)."""
 
 _STOP_CHECKPOINT_MAX_S = 120.0
-
-
-@dataclass(frozen=True)
-class _TaskOutputs:
-    """How the task's problems become groups (its renderer sees the served tokenizer;
-    built once per run: its checks run once), the held-out evaluator (with
-    ``--eval-every``) and, for ``--objective dpo``, the reference policy."""
-
-    plan: GroupPlan | ConversationPlan | PairPlan
-    evaluator: Evaluator | SupervisedEvaluator | PreferenceEvaluator | None
-    reference: Reference | None = None
 
 
 class Supervisor:
@@ -150,7 +132,7 @@ class Supervisor:
         """The data dir of the local server the run trains on (a teacher run's weights
         are copied there); None: not a local server."""
         self._failed_saves = 0  # reserved checkpoint saves failed in a row
-        self._outputs = _open_task_outputs(config, task, session, record, log)
+        self._objective = self._open_objective(task)
         context = session.info.max_context
         if (
             is_env_task(task)
@@ -280,9 +262,9 @@ class Supervisor:
         else:
             state, checkpoint = self._initial_state(), None
         self.state = state
-        baseline = self._outputs.evaluator if resumed is None else None
+        baseline = self._objective.evaluator if resumed is None else None
         fresh = resumed is None and cfg.model.init_from is None  # a new LoRA: its base's weights
-        teacher = await self._open_teacher()
+        await self._objective.start()
         while True:
             before_training: Callable[[], Awaitable[None]] | None = None
             if checkpoint is None and fresh:
@@ -299,9 +281,7 @@ class Supervisor:
                 sampler = await session.open_sampler(state.next_step, checkpoint.sampler_path)
             fresh = False
             watchdog.progress(f"sampler {state.next_step} ready")
-            reference = self._outputs.reference
-            if reference is not None and reference.sampler is None:
-                reference.sampler = sampler if resumed is None else await self._initial_sampler()
+            recipe = await self._objective.recipe(sampler, resumed is not None)
             if baseline is not None:
                 await baseline(0, sampler)
                 baseline = None
@@ -310,7 +290,7 @@ class Supervisor:
             )
             pipeline = Pipeline(
                 cfg,
-                self._outputs.plan,
+                recipe,
                 session,
                 source,
                 state,
@@ -318,11 +298,9 @@ class Supervisor:
                 self._on_step,
                 gate=gate,
                 progress=watchdog.progress,
-                evaluate=self._outputs.evaluator,
+                evaluate=self._objective.evaluator,
                 on_reward_error=self._reward_failed,
                 before_training=before_training,
-                teacher=teacher,
-                reference=self._outputs.reference,
             )
             try:
                 return await pipeline.run()
@@ -334,11 +312,45 @@ class Supervisor:
             state, checkpoint = await self._recover()
             watchdog.progress(f"restored step {state.next_step}")
 
-    async def _open_teacher(self) -> Teacher | None:
+    def _open_objective(self, task: AnyTask) -> ObjectiveRun:
+        """The run's objective (its plan and evaluator); the run record keeps the
+        rollouts."""
+        config, session, record, log = self._config, self._session, self._run_record, self._log
+        objective = objective_named(config.training.objective)
+        renderer = PromptRenderer(
+            task,
+            session.tokenizer,
+            keep_stop_text=config.sampling.keep_stop_text,
+            run_dir=record.path,
+            session=session,
+        )
+        record.keep_rollouts(
+            RolloutLog(
+                record.path,
+                config.logging.log_rollouts,
+                renderer,
+                supervised=objective.logs_conversations,
+            )
+        )
+        return objective.open(
+            RunContext(
+                config,
+                task,
+                session,
+                renderer,
+                record.path,
+                say=lambda line: log.info("eval", line),
+                warn=lambda line: log.warning("reward_error", line),
+                track=log.track,
+                initial_sampler=self._initial_sampler,
+                teacher=self._open_teacher,
+            )
+        )
+
+    async def _open_teacher(self) -> Teacher:
         """``--teacher``'s sampler (``--objective distill``), checked once per run."""
         source = self._config.distillation.teacher
-        if source is None:
-            return None
+        assert source is not None, "the settings pair --objective distill with --teacher"
         weights = teacher_weights(source, self._local_server_dir)
         teacher = await open_teacher(self._session, source, weights)
         self._log.info("teacher", f"Teacher: {weights} (the student's tokenizer)")
@@ -566,72 +578,3 @@ def all_empty_warning(step: int, raw_prompts: bool = False) -> str:
             else ""
         )
     )
-
-
-def _open_task_outputs(
-    config: EngineConfig, task: AnyTask, session: Session, record: RunRecord, log: RunLog
-) -> _TaskOutputs:
-    """The group plan and the evaluator; ``record`` keeps the rollouts."""
-    renderer = PromptRenderer(
-        task,
-        session.tokenizer,
-        keep_stop_text=config.sampling.keep_stop_text,
-        run_dir=record.path,
-        session=session,
-    )
-    record.keep_rollouts(
-        RolloutLog(
-            record.path,
-            config.logging.log_rollouts,
-            renderer,
-            supervised=config.training.objective == "sft",
-        )
-    )
-    if config.training.objective == "dpo":
-        refusal = session.custom_loss_refusal
-        if refusal is not None:
-            raise ConfigError(f"--objective dpo cannot run: {refusal}")
-        pairs = PairPlan(task, renderer, session.info.max_context)
-        reference = Reference(session, config.pipeline.concurrency)
-        preference = None
-        if config.evaluation.eval_every:
-            preference = PreferenceEvaluator(
-                session,
-                pairs,
-                reference,
-                eval_problems_of(task),
-                config,
-                record.path,
-                say=lambda line: log.info("eval", line),
-                track=log.track,
-            )
-        return _TaskOutputs(pairs, preference, reference)
-    if config.training.objective == "sft":
-        conversations = ConversationPlan(task, renderer, session.info.max_context)
-        supervised = None
-        if config.evaluation.eval_every:
-            supervised = SupervisedEvaluator(
-                session,
-                conversations,
-                GroupPlan(config, task, renderer, session.info.max_context),
-                eval_problems_of(task),
-                config,
-                record.path,
-                say=lambda line: log.info("eval", line),
-                track=log.track,
-            )
-        return _TaskOutputs(conversations, supervised)
-    plan = GroupPlan(config, task, renderer, session.info.max_context)
-    evaluator = None
-    if config.evaluation.eval_every:
-        evaluator = Evaluator(
-            session,
-            plan,
-            eval_problems_of(task),
-            config,
-            record.path,
-            say=lambda line: log.info("eval", line),
-            warn=lambda line: log.warning("reward_error", line),
-            track=log.track,
-        )
-    return _TaskOutputs(plan, evaluator)

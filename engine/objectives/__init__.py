@@ -1,0 +1,7 @@
+"""What a run trains for (``--objective``): one module per objective behind one seam
+(:mod:`engine.objectives.base`), found by name in :mod:`engine.objectives.registry`."""
+
+from engine.objectives.base import Objective, ObjectiveRun, RunContext, figure
+from engine.objectives.registry import OBJECTIVES, objective_named
+
+__all__ = ["OBJECTIVES", "Objective", "ObjectiveRun", "RunContext", "figure", "objective_named"]

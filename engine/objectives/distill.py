@@ -1,0 +1,26 @@
+"""``--objective distill``: on-policy distillation from ``--teacher``. RL's steps
+(:mod:`engine.objectives.rl`) whose groups the teacher scores too: each datum carries
+the teacher's per-token signal (docs/distillation.md).
+"""
+
+from __future__ import annotations
+
+from engine.config import EngineConfig
+from engine.objectives.base import RunContext
+from engine.objectives.rl import RlObjective, RlRun
+from engine.session.capabilities import Need, prompt_logprobs_need
+
+__all__ = ["DISTILL", "DistillObjective"]
+
+
+class DistillObjective(RlObjective):
+    name = "distill"
+
+    def open(self, context: RunContext) -> RlRun:
+        return RlRun(context, distill=True)
+
+    def needs(self, config: EngineConfig) -> list[Need]:
+        return [*super().needs(config), prompt_logprobs_need(self.loss_setting(config))]
+
+
+DISTILL = DistillObjective()

@@ -61,6 +61,7 @@ import anyio
 import mint
 from tinker import types
 
+from benchmarks.learning import QUICKSTART_TEMPERATURE
 from benchmarks.report import (
     command_line,
     fmt,
@@ -661,7 +662,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                         if (name, config, k, seed) in done:
                             continue
                         run_dir = Path(tmp) / f"{name}-{config}-k{k}-s{seed}-{len(rows)}"
-                        settings = {**CONFIGS[config], "max_steps_off_policy": k}
+                        settings = {
+                            "temperature": QUICKSTART_TEMPERATURE,
+                            **CONFIGS[config],
+                            "max_steps_off_policy": k,
+                        }
                         load = load_average()
                         start = time.perf_counter()
                         trained = _run(server, name, seed, steps, run_dir, settings)

@@ -35,6 +35,7 @@ from typing import Any
 from benchmarks.engine_cli import TINKER_PYTHON
 from benchmarks.learning import (
     API_KEY,
+    QUICKSTART_TEMPERATURE,
     RunSpec,
     evaluate,
     held_out,
@@ -119,7 +120,7 @@ def cell_spec(cell: str) -> RunSpec:
             f"not a cell: {cell!r} (CORRECTION@K, CORRECTION one of {', '.join(CORRECTIONS)})"
         )
     loss, settings = CORRECTIONS[correction]
-    return RunSpec(cell, loss, int(k), settings=settings)
+    return RunSpec(cell, loss, int(k), settings={"temperature": QUICKSTART_TEMPERATURE, **settings})
 
 
 def cell_list(text: str) -> list[str]:

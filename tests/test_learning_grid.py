@@ -17,7 +17,7 @@ from benchmarks.learning_grid import BASELINE, cell_spec, summarize
 def test_a_cell_is_a_correction_at_a_k(capsys: pytest.CaptureFixture[str]) -> None:
     spec = cell_spec("is-tis-temp@2")
     assert (spec.loss, spec.max_steps_off_policy) == ("importance_sampling", 2)
-    assert spec.settings == {"tis_cap": 2.0, "loss_temperature": "sampling"}
+    assert spec.settings == {"temperature": 0.8, "tis_cap": 2.0, "loss_temperature": "sampling"}
     for bad in ("tis@1", "ppo", "ppo@x"):
         with pytest.raises(ValueError, match="not a cell"):
             cell_spec(bad)

@@ -19,8 +19,9 @@ import pytest
 
 from engine import EngineConfig
 from engine import eval as eval_cli
-from engine.local.config import DEFAULT_MODEL_DIR, Limits
-from engine.local.recommended import served_model_name
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
+from engine.basemodels.recommended import served_model_name
+from engine.local.config import Limits
 from engine.rundir.directory import LOCAL_SERVER_DIR
 
 STATE = "tinker://m/weights/final"

@@ -20,7 +20,7 @@ for info in pkgutil.walk_packages(engine.local.__path__, "engine.local."):
     if not info.name.endswith("__main__"):
         importlib.import_module(info.name)
 import engine.local.__main__
-allowed = ("engine.local", "engine.common")
+allowed = ("engine.local", "engine.common", "engine.basemodels")
 loaded = sorted(
     m for m in sys.modules
     if m.startswith("engine.") and not m.startswith(allowed)
@@ -39,9 +39,10 @@ def test_the_local_server_imports_nothing_of_the_client() -> None:
 
 def test_the_shared_basics_import_neither_side() -> None:
     code = (
-        "import sys, engine.common.cli, engine.common.extras, engine.common.protocol;"
+        "import sys, engine.common.cli, engine.common.extras, engine.common.protocol,"
+        " engine.common.net, engine.basemodels.catalogue, engine.basemodels.recommended;"
         "print(','.join(m for m in sys.modules if m.startswith('engine.')"
-        " and not m.startswith('engine.common')))"
+        " and not m.startswith(('engine.common', 'engine.basemodels'))))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600

@@ -20,20 +20,15 @@ import anyio.lowlevel
 import jwt
 import pytest
 
+from engine.basemodels.catalogue import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
+from engine.common.net import is_loopback_host
 from engine.local import launch
 from engine.local.__main__ import GIL_SWITCH_INTERVAL_S
 from engine.local.__main__ import main as cli_main
 from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
 from engine.local.compute import ComputeThread
 from engine.local.compute_types import BackendError
-from engine.local.config import (
-    AGENT_MODEL_DIR,
-    DEFAULT_MODEL_DIR,
-    Limits,
-    ServerConfig,
-    ServerConfigError,
-    is_loopback_host,
-)
+from engine.local.config import Limits, ServerConfig, ServerConfigError
 from engine.local.faults import FaultInjector, FaultSpec, FaultSpecError
 from engine.local.futures import FutureStore, TooManyPending
 from engine.local.latency import LatencyProfile, LatencyProfileError, TrainingClock
@@ -537,7 +532,7 @@ async def test_a_response_written_in_parts_leaves_in_one_write_after_the_loop_tu
     send gives the GIL away; the server's transport passes a turn's writes on as one."""
     import asyncio
 
-    from engine.local.http11 import GatheredWrites
+    from engine.common.http11 import GatheredWrites
 
     class Recording:
         def __init__(self) -> None:

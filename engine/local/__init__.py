@@ -19,8 +19,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
 from engine.local.config import (
-    DEFAULT_MODEL_DIR,
     Limits,
     ServerConfig,
     ServerConfigError,

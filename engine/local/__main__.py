@@ -26,11 +26,11 @@ from typing import NoReturn
 
 import anyio
 
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR, PACKAGED, PRETRAINED
 from engine.common.cli import add_version_flag, program_name
 from engine.common.extras import missing_message
 from engine.local.config import (
     DEFAULT_DATA_DIR_TEXT,
-    DEFAULT_MODEL_DIR,
     READY_PREFIX,
     SAMPLING_LOGPROBS,
     Limits,
@@ -40,7 +40,6 @@ from engine.local.config import (
 )
 from engine.local.faults import FaultSpecError
 from engine.local.latency import LatencyProfileError
-from engine.local.pretrained import PACKAGED, PRETRAINED
 from engine.local.profiles import HOSTED_SAMPLING_SLOTS, SERVICES
 
 GIL_SWITCH_INTERVAL_S = 0.001

@@ -22,6 +22,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
+from engine.basemodels.recommended import served_model_name
 from engine.local import checkpoint, losses
 from engine.local.compute_types import (
     AdamConfig,
@@ -45,7 +46,6 @@ from engine.local.datums import (
 )
 from engine.local.lora import AdapterHost, BaseWeights, TargetSet
 from engine.local.prefix import plan_prefixes, shared_prefix_logprobs
-from engine.local.recommended import served_model_name
 from engine.local.sampling import Sampler, cache_keyword
 from engine.local.training_state import (
     Client,

@@ -6,29 +6,22 @@ defaults and one set of error messages.
 
 from __future__ import annotations
 
-import ipaddress
 import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR, resolve_model
+from engine.common.net import is_loopback_host
+from engine.common.protocol import LOCAL_MAX_NUM_SAMPLES
 from engine.local.faults import FaultSpec
 from engine.local.latency import LatencyProfile
-from engine.local.pretrained import PACKAGED, resolve_model
 from engine.local.profiles import SERVICES, ServiceProfile, profile_of
-
-DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
-"""The small model packaged with the engine (created by ``scripts.make_model``)."""
-
-AGENT_MODEL_DIR = PACKAGED["tiny-agent-2"]
-"""The packaged model that also knows the shipped environments' formats (created by
-``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
 
 READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 
-LOOPBACK_NAMES = frozenset({"localhost"})
 SAMPLING_LOGPROBS = ("tempered", "untempered")
 """What a sampled token's reported logprob is taken under (``ServerConfig.sampling_logprobs``)."""
 DEFAULT_DATA_DIR_TEXT = (
@@ -65,7 +58,7 @@ class Limits:
     max_seq_gap: int = 16
     """How far a model's new seq_id may run past the first missing one; this also bounds
     the operations that wait for a missing seq_id."""
-    max_num_samples: int = 128
+    max_num_samples: int = LOCAL_MAX_NUM_SAMPLES
     """num_samples per asample request."""
     max_topk_prompt_logprobs: int = 20
     max_lora_rank: int = 256
@@ -227,16 +220,6 @@ class ServerConfig:
             raise ServerConfigError(
                 f"jwt_ttl_s must be >= 600 (the client refreshes 5 min early), got {self.jwt_ttl_s}"
             )
-
-
-def is_loopback_host(host: str) -> bool:
-    """True for names/addresses that only this machine can reach."""
-    if host in LOOPBACK_NAMES:
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:
-        return False
 
 
 def make_config(

@@ -35,13 +35,13 @@ import uvicorn
 from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
+from engine.common.http11 import with_header_timeout
 from engine.local.app import build_app
 from engine.local.auth import Authenticator
 from engine.local.backend import Backend
 from engine.local.compute import ComputeThread
 from engine.local.config import READY_PREFIX, Limits, ServerConfig, ServerConfigError, make_config
 from engine.local.faults import FaultSpec
-from engine.local.http11 import with_header_timeout
 from engine.local.latency import LatencyProfile
 from engine.local.service import LocalService
 from engine.local.stats import StatsSnapshot

@@ -30,7 +30,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from engine.local.pretrained import METADATA_FILE
+from engine.basemodels.catalogue import METADATA_FILE
 
 log = logging.getLogger("engine.local")
 

@@ -28,8 +28,8 @@ from tinker import types
 from tinker._base_client import AsyncHttpxClientWrapper
 from tinker._constants import DEFAULT_TIMEOUT
 
+from engine.common.net import is_loopback_host
 from engine.config import HOSTED_BASE_URL
-from engine.local.config import is_loopback_host
 from engine.session.adapter import SNAPSHOT_TTL_S, SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.queue_watch import QueueObserver

@@ -18,6 +18,7 @@ from typing import Any
 
 from anyio.abc import TaskGroup
 
+from engine.basemodels.recommended import model_entry
 from engine.local.backend import Backend
 from engine.local.compute import ComputeThread, ComputeThreadClosed
 from engine.local.compute_types import BackendError
@@ -26,7 +27,6 @@ from engine.local.faults import FaultInjector
 from engine.local.futures import FutureEntry, FutureStore, TooManyPending
 from engine.local.jobs import Job
 from engine.local.latency import TrainingClock
-from engine.local.recommended import model_entry
 from engine.local.sequencer import SeqRejected
 from engine.local.service.registry import Registry
 from engine.local.stability import StabilityRecords

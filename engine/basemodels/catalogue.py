@@ -1,4 +1,10 @@
-"""Opt-in real pretrained models, installed from the package index (no hub at run time).
+"""The base models a local server can serve: the ones packaged with the engine, and
+opt-in real pretrained models installed from the package index (no hub at run time).
+
+Why here, below both the client and the server: the engine names, checks and records a
+model (``--local-model``, a run dir's config.json, what the server will recommend for
+it) before any server runs, and the server loads it; neither imports the other for it.
+Importing this module reads nothing and downloads nothing (the standard library only).
 
 ``--model smollm2-135m`` (``python -m engine.run --local-model smollm2-135m``) serves
 SmolLM2-135M-Instruct (a Llama-architecture instruct model with a chat template). The
@@ -51,6 +57,15 @@ class Pretrained:
     recommended_rl: dict[str, Any]
     """Recorded in its metadata: the RL settings the server recommends for it."""
 
+    @property
+    def metadata(self) -> dict[str, Any]:
+        """The ``engine_model.json`` its converted directory gets."""
+        return {
+            "model_name": self.model_name,
+            "source": f"{self.package}/{self.gguf_file}",
+            "recommended_rl": self.recommended_rl,
+        }
+
 
 PRETRAINED = {
     "smollm2-135m": Pretrained(
@@ -81,7 +96,8 @@ def cache_root() -> Path:
     return Path(base) / "engine-local"
 
 
-PACKAGED_DIR = Path(__file__).resolve().parent
+PACKAGED_DIR = Path(__file__).resolve().parents[1] / "local"
+"""Where the packaged models' directories are (beside the server that serves them)."""
 PACKAGED = {
     "tiny-arith": PACKAGED_DIR / "default_model",
     "tiny-agent-2": PACKAGED_DIR / "agent_model",
@@ -89,6 +105,13 @@ PACKAGED = {
 """The models packaged with the engine (made by ``scripts.make_model``), by the name a
 setting or a run dir's config.json gives them, so a run dir names no path of this
 checkout and resumes from another one."""
+
+DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
+"""The small model packaged with the engine (created by ``scripts.make_model``)."""
+
+AGENT_MODEL_DIR = PACKAGED["tiny-agent-2"]
+"""The packaged model that also knows the shipped environments' formats (created by
+``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
 
 
 def packaged_name(model: str | Path) -> str | None:
@@ -124,6 +147,30 @@ def resolve_model(model: str | Path | None) -> Path | None:
     if model is not None and str(model) in PRETRAINED:
         return model_directory(str(model))
     return None if model is None else Path(model)
+
+
+def model_metadata(model: str | Path | None) -> dict[str, Any]:
+    """The ``engine_model.json`` of ``model`` (a directory, a packaged or a pretrained
+    model's name; None: the packaged default), read without converting anything: a
+    pretrained model's is known before its first use. Empty when there is none."""
+    if model is not None and str(model) in PRETRAINED:
+        return PRETRAINED[str(model)].metadata
+    directory = resolve_packaged(model)
+    try:
+        data = json.loads((directory / METADATA_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def resolve_packaged(model: str | Path | None) -> Path:
+    """A model directory without converting anything: a packaged model's name (None: the
+    default) becomes its directory; a path stays as it is (expanded and resolved)."""
+    if model is None:
+        return DEFAULT_MODEL_DIR
+    if str(model) in PACKAGED:
+        return PACKAGED[str(model)]
+    return Path(model).expanduser().resolve()
 
 
 def model_directory(name: str, cache_dir: Path | None = None) -> Path:
@@ -217,13 +264,4 @@ def _convert(source: Path, dest: Path, spec: Pretrained) -> None:
     config.save_pretrained(dest)
     model.generation_config.save_pretrained(dest)
     tokenizer.save_pretrained(dest)
-    (dest / METADATA_FILE).write_text(
-        json.dumps(
-            {
-                "model_name": spec.model_name,
-                "source": f"{spec.package}/{spec.gguf_file}",
-                "recommended_rl": spec.recommended_rl,
-            },
-            indent=2,
-        )
-    )
+    (dest / METADATA_FILE).write_text(json.dumps(spec.metadata, indent=2))

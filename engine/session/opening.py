@@ -121,13 +121,12 @@ async def _start_local_server(
     """A local server on ``model_dir``, living as long as ``stack``. Its settings are
     resolved on a worker thread: a pretrained model is converted there on first use
     (a download and a minute of dequantizing), never on the event loop."""
-    from engine.local import serve_local
-    from engine.local.config import make_config
+    from engine.local import ServerConfig, serve_local
 
     config = await anyio.to_thread.run_sync(
-        functools.partial(make_config, model_dir, data_dir=data_dir)
+        functools.partial(ServerConfig, model_dir=model_dir, data_dir=data_dir)
     )
-    return await stack.enter_async_context(serve_local(config=config))
+    return await stack.enter_async_context(serve_local(config))
 
 
 @contextlib.asynccontextmanager

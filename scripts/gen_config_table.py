@@ -2,10 +2,11 @@
 
 Why generated: ``python -m engine.run`` builds its flags from the settings models in
 :mod:`engine.config` and ``python -m engine.local`` from its ``ServerConfig``
-(:mod:`engine.local.config`); the docs show both as tables (``docs/settings.md``, ``docs/local-server.md``). This script renders
-those tables from the same sources and either rewrites the sections between the
-``<!-- BEGIN ... -->`` / ``<!-- END ... -->`` markers (``--write``) or fails when they
-differ (``--check``; tests/test_docs.py runs the same comparison).
+(:mod:`engine.local.config`); the docs show both as tables (``docs/settings.md``,
+``docs/local-server.md``). This script renders those tables from the same sources and
+either rewrites the sections between the ``<!-- BEGIN ... -->`` / ``<!-- END ... -->``
+markers (``--write``) or fails when they differ (``--check``; tests/test_docs.py runs the
+same comparison).
 
     python -m scripts.gen_config_table --write    # after changing a flag
     python -m scripts.gen_config_table --check    # exit 1 if a page is stale
@@ -29,6 +30,7 @@ from engine.run import build_parser as build_run_parser
 __all__ = ["GENERATED", "local_table", "main", "run_table", "update_sections"]
 
 _ROOT = Path(__file__).resolve().parent.parent
+
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")

@@ -79,8 +79,8 @@ assert "usage:" in page.getvalue()
 heavy = ("torch", "transformers", "tokenizers", "safetensors", "peft", "accelerate", "tinker",
          "mint", "fastapi", "starlette", "uvicorn", "matplotlib", "datasets", "pyarrow", "ray",
          "wandb", "openai")
-server = ("engine.local.app", "engine.local.backend", "engine.local.launch",
-          "engine.local.service")
+server = ("engine.local.http.app", "engine.local.compute.backend", "engine.local.launch",
+          "engine.local.operations")
 print(",".join(sorted(
     m for m in sys.modules
     if m.partition(".")[0] in heavy or m in server or m.startswith(tuple(s + "." for s in server))

@@ -22,7 +22,7 @@ from safetensors.torch import load, save
 
 from engine.local import Limits, RunningServer, serve_local
 from engine.local.config import ServerConfig
-from engine.local.service.checkpoints import ACCESS_FILE, MAX_ARCHIVE_ENTRIES, unpack_archive
+from engine.local.operations.checkpoints import ACCESS_FILE, MAX_ARCHIVE_ENTRIES, unpack_archive
 from tests.clock import SetTime
 from tests.raw_client import RawClient
 
@@ -162,7 +162,7 @@ def _unpack(archive: bytes, tmp_path: Path, max_bytes: int = 1 << 20) -> None:
 
 
 def _error(call: Callable[[], None]) -> tuple[int, str]:
-    from engine.local.service import HttpError
+    from engine.local.operations import HttpError
 
     with pytest.raises(HttpError) as caught:
         call()

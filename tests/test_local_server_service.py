@@ -23,11 +23,11 @@ from mint import types
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer, RunningServer, serve_local
 from engine.local.__main__ import main as local_main
+from engine.local.compute.losses import LOSSES
+from engine.local.compute.rollout_correction import RolloutCorrectionError, loss, parse
 from engine.local.config import Limits, ServerConfig
-from engine.local.losses import LOSSES
+from engine.local.operations.sampling_gate import QueueFull, SamplingGate
 from engine.local.profiles import SERVICES, profile_of
-from engine.local.rollout_correction import RolloutCorrectionError, loss, parse
-from engine.local.sampling_gate import QueueFull, SamplingGate
 from tests.engine_support import API_KEY, quickstart_task_knobs
 
 BACKPRESSURE = {"X-Tinker-Sampling-Backpressure": "1"}

@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from engine.local import Limits, RunningServer, serve_local
-from engine.local.compute_types import SampledSequences, SampleJob
+from engine.local.compute.backend_types import SampledSequences, SampleJob
 from engine.local.config import ServerConfig
-from engine.local.service.registry import ModelState, Registry
+from engine.local.operations.registry import ModelState, Registry
 from tests.clock import SetTime
 from tests.raw_client import RawClient
 

@@ -28,8 +28,8 @@ from mint import types
 
 from engine.local import LocalServer
 from engine.local.config import ServerConfig
-from engine.local.tinker_proto import PROTO_CONTENT_TYPE, encode_result, sample_response
-from engine.local.tinker_proto import tinker_public_pb2 as pb
+from engine.local.http.tinker_proto import PROTO_CONTENT_TYPE, encode_result, sample_response
+from engine.local.http.tinker_proto import tinker_public_pb2 as pb
 from tests import tinker_env
 
 CLIENT = Path(__file__).resolve().parent / "tinker038_client.py"

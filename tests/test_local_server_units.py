@@ -26,9 +26,8 @@ from engine.local import launch
 from engine.local.__main__ import GIL_SWITCH_INTERVAL_S
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.local.__main__ import main as cli_main
-from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
-from engine.local.compute import ComputeThread
-from engine.local.compute_types import BackendError
+from engine.local.compute.backend_types import BackendError
+from engine.local.compute.thread import ComputeThread
 from engine.local.config import (
     Limits,
     ServerConfig,
@@ -37,15 +36,16 @@ from engine.local.config import (
     server_flags,
 )
 from engine.local.faults import FaultInjector, FaultSpec, FaultSpecError
-from engine.local.futures import FutureStore, TooManyPending
+from engine.local.http.auth import VERIFIED_TOKENS_KEPT, Authenticator
+from engine.local.http.middleware import endpoint_name
+from engine.local.http.wire import SampleW, WireError, parse
 from engine.local.latency import LatencyProfile, LatencyProfileError, TrainingClock
-from engine.local.middleware import endpoint_name
-from engine.local.sequencer import ModelSequencer, SeqRejected
-from engine.local.service.core import ModelCard
-from engine.local.service.sampling import sample_job_of
-from engine.local.storage import BadPath, TinkerPath, check_name
-from engine.local.tokenizer_cache import register_tokenizer
-from engine.local.wire import SampleW, WireError, parse
+from engine.local.models.storage import BadPath, TinkerPath, check_name
+from engine.local.models.tokenizer_cache import register_tokenizer
+from engine.local.operations.core import ModelCard
+from engine.local.operations.futures import FutureStore, TooManyPending
+from engine.local.operations.sampling import sample_job_of
+from engine.local.operations.sequencer import ModelSequencer, SeqRejected
 
 
 @pytest.fixture

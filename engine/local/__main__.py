@@ -120,7 +120,7 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--data-dir {config.data_dir}: cannot create it ({exc.strerror})")
 
     # Imported only now: torch and transformers take seconds, --help and bad options don't.
-    from engine.local.compute_types import BackendError
+    from engine.local.compute.backend_types import BackendError
     from engine.local.launch import serve_local
 
     async def run() -> None:

@@ -36,14 +36,14 @@ from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
 from engine.common.http11 import with_header_timeout
-from engine.local.app import build_app
-from engine.local.auth import Authenticator
-from engine.local.backend import Backend
-from engine.local.compute import ComputeThread
+from engine.local.compute.backend import Backend
+from engine.local.compute.thread import ComputeThread
 from engine.local.config import READY_PREFIX, ServerConfig, ServerConfigError
-from engine.local.service import LocalService
+from engine.local.http.app import build_app
+from engine.local.http.auth import Authenticator
+from engine.local.models.tokenizer_cache import register_tokenizer
+from engine.local.operations import LocalService
 from engine.local.stats import StatsSnapshot
-from engine.local.tokenizer_cache import register_tokenizer
 
 T = TypeVar("T")
 log = logging.getLogger("engine.local")

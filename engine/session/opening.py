@@ -154,7 +154,7 @@ async def open_session(
     session_class = adapter_class(choose_sdk(config.session.sdk))
     if config.uses_local_server:
         from engine.local import ServerConfigError
-        from engine.local.compute_types import BackendError
+        from engine.local.compute.backend_types import BackendError
 
         kept = local_server is not None and local_server.started
         if not kept:

@@ -42,6 +42,7 @@ import anyio
 
 from benchmarks.report import command_line, load_average, markdown_table, run_context, write_json
 from engine import Engine, EngineConfig, StepResult
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.config.values import parse_score_workers
 from engine.core.datums import Completion
 from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
@@ -49,7 +50,6 @@ from engine.envs.examples.calculator import CalculatorTask, tool_call_text
 from engine.envs.executors import Workers, env_workers, on_workers
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
-from engine.local.config import AGENT_MODEL_DIR
 from engine.local.launch import SpawnedServer, spawn_local_server
 from engine.tasks import TaskContext
 from examples.openai_calculator_agent import task as agent_task

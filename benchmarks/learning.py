@@ -56,11 +56,11 @@ from benchmarks.measure import positive_int
 from benchmarks.quickstart_loop import run_quickstart_loop
 from benchmarks.report import load_average
 from engine import Engine, EngineConfig, RunResult
+from engine.basemodels.recommended import LOCAL_TEMPERATURE
 from engine.catalog import load_task
 from engine.config import Profile
 from engine.core.problems import Task
 from engine.local import LocalServer
-from engine.local.recommended import LOCAL_TEMPERATURE
 from engine.session.preflight import read_server_profile
 from engine.session.sdk_calls import snapshot_name
 from engine.tasks import ArithmeticTask, Problem, ProblemSource, RewardBreakdown

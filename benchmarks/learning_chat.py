@@ -49,8 +49,8 @@ from benchmarks.report import (
     write_json,
 )
 from engine import EngineConfig
+from engine.basemodels.catalogue import resolve_model
 from engine.local import LocalServer
-from engine.local.pretrained import resolve_model
 from engine.local.profiles import SERVICES
 from engine.observe.report import load_run
 

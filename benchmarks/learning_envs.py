@@ -71,13 +71,13 @@ from benchmarks.report import (
     write_json,
 )
 from engine import Engine, EngineConfig
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.catalog import load_task
 from engine.common.extras import missing
 from engine.core.datums import Completion
 from engine.envs import EnvContext, EnvTask, EpisodeLimits, Observation, StopCondition
 from engine.envs.rollout import EpisodeRunner, SampledAction
 from engine.local import LocalServer
-from engine.local.config import AGENT_MODEL_DIR
 from engine.local.profiles import SERVICES
 from engine.session.sdk_calls import snapshot_name
 from engine.tasks.render import TaskContext

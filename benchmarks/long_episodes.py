@@ -75,11 +75,11 @@ from benchmarks.report import (
 )
 from benchmarks.runners import Target, bench_server, server_counters
 from engine import StepResult
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.common.extras import missing
 from engine.envs.examples import guess_sum
 from engine.envs.messages import ChatGroup
 from engine.envs.types import EnvContext, EnvGroupBuilder
-from engine.local.config import AGENT_MODEL_DIR
 from engine.local.latency import LatencyProfile
 from engine.tasks import ArithmeticTask, Problem, ProblemSource
 from engine.tasks.arithmetic import score_arithmetic

@@ -36,8 +36,8 @@ from benchmarks.report import (
     write_json,
 )
 from engine import Engine, EngineConfig, RunResult, StepResult
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.local import LocalServer
-from engine.local.config import AGENT_MODEL_DIR
 from examples.subtract_tool import SubtractTask, subtract
 
 __all__ = ["SETUP", "WINDOW", "main", "measure", "step_row", "window"]

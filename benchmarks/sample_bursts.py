@@ -28,9 +28,9 @@ import tinker
 from tinker import types
 
 from benchmarks.measure import pid_cpu_seconds, positive_int, process_cpu_seconds
-from engine.local.config import DEFAULT_MODEL_DIR
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
+from engine.basemodels.recommended import served_model_name
 from engine.local.launch import spawn_local_server
-from engine.local.recommended import served_model_name
 from engine.session.mint import service_client
 
 CLIENTS: dict[str, Callable[[str, str], tinker.ServiceClient]] = {

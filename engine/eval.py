@@ -32,6 +32,7 @@ from engine.catalog import load_task
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, positive_int, program_name
 from engine.common.files import unwritable_reason, write_file_atomically
+from engine.common.protocol import LOCAL_MAX_NUM_SAMPLES
 from engine.common.setting import parse_text
 from engine.config import EngineConfig, parse_task_args
 from engine.config.models import setting_at
@@ -39,7 +40,6 @@ from engine.config.records import flat_settings
 from engine.config.values import pass_k_problem
 from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, EngineError, RunFileError, find_error
-from engine.local.config import Limits
 from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
 from engine.rundir.checkpoint_copy import copy_checkpoint_files
@@ -52,7 +52,7 @@ __all__ = ["DEFAULT_SAMPLES", "EvalRequest", "format_table", "main", "run_eval"]
 
 DEFAULT_SAMPLES = 4
 """Sampled responses per problem when neither ``--samples`` nor ``--k`` says."""
-MAX_LOCAL_SAMPLES = Limits.max_num_samples
+MAX_LOCAL_SAMPLES = LOCAL_MAX_NUM_SAMPLES
 """The most sampled responses per problem on the local server: a problem's samples are one
 request, and the server draws at most this many per request (its ``max_num_samples``)."""
 

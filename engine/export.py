@@ -25,6 +25,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from engine.basemodels.catalogue import (
+    AGENT_MODEL_DIR,
+    DEFAULT_MODEL_DIR,
+    PRETRAINED,
+    model_directory,
+)
+from engine.basemodels.recommended import served_model_name
 from engine.checkpoint_files import checkpoint_directory, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.common.extras import require
@@ -42,10 +49,6 @@ def base_model_source(name: str) -> str:
     """Where the base model ``name`` (a checkpoint's ``base_model``) loads from: the
     packaged model's directory, a converted local-server model's, else ``name`` itself
     (a Hugging Face id)."""
-    from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
-    from engine.local.pretrained import PRETRAINED, model_directory
-    from engine.local.recommended import served_model_name
-
     for packaged in (DEFAULT_MODEL_DIR, AGENT_MODEL_DIR):
         if name == served_model_name(packaged):
             return str(packaged)

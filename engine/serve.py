@@ -37,9 +37,9 @@ from engine.common.cli import (
     positive_int,
     program_name,
 )
+from engine.common.net import is_loopback_host
 from engine.errors import ConfigError, EngineError, find_error
 from engine.eval import EvalRequest, _config, _sampler_path, _stage, _with_base_model_of
-from engine.local.config import is_loopback_host
 from engine.session.api import SamplerHandle, SamplingParams, Session
 from engine.session.opening import open_session, service_guard
 from engine.tasks import TaskContext
@@ -175,7 +175,7 @@ class SessionBackend:
 async def serve(request: ServeRequest, *, ready: anyio.Event | None = None) -> None:
     """Serve ``request.checkpoint`` until cancelled; ``ready`` is set once it answers."""
     if not is_loopback_host(request.host) and request.api_key is None:
-        raise ConfigError(  # the local server's rule (engine.local.config)
+        raise ConfigError(  # the local server's rule (engine.local.config too)
             f"refusing to bind non-loopback host {request.host!r} without an API key "
             "(pass --api-key or set ENGINE_SERVE_API_KEY, or bind 127.0.0.1)"
         )

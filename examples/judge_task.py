@@ -20,14 +20,14 @@ import mint
 from transformers import AutoTokenizer
 
 from engine import Engine, EngineConfig
-from engine.local import serve_local
+from engine.local import ServerConfig, serve_local
 from engine.tasks import ArithmeticTask
 from engine.tasks.judge import Judge, JudgedTask, MintJudgeModel
 from engine.tasks.judge_task import ANSWER_THE_QUESTION, same_number
 
 
 async def main(steps: int) -> None:
-    async with serve_local() as server:
+    async with serve_local(ServerConfig()) as server:
         # The constructor blocks on the server, which answers on this event loop.
         service = await asyncio.to_thread(
             mint.ServiceClient, api_key="tml-example", base_url=server.base_url

@@ -24,7 +24,7 @@ import openai
 from openai.types.chat import ChatCompletionFunctionToolParam
 
 from engine.agents import AgentTask
-from engine.local.config import AGENT_MODEL_DIR
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.tasks import ArithmeticTask
 
 MULTIPLY: ChatCompletionFunctionToolParam = {

@@ -14,9 +14,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar
 
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.envs import ChatGroup, EnvContext, MessageStep, tool
 from engine.envs.examples.stops import stop_at_eos
-from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks import ArithmeticTask, Problem, SeededSource
 from engine.tasks.render import ChatMessage
 

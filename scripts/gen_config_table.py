@@ -1,11 +1,12 @@
 """Generate the docs' option tables from the code, so the docs cannot drift.
 
 Why generated: ``python -m engine.run`` builds its flags from the settings models in
-:mod:`engine.config` and ``python -m engine.local`` from its argparse parser; the docs
-show both as tables (``docs/settings.md``, ``docs/local-server.md``). This script renders
-those tables from the same sources and either rewrites the sections between the
-``<!-- BEGIN ... -->`` / ``<!-- END ... -->`` markers (``--write``) or fails when they
-differ (``--check``; tests/test_docs.py runs the same comparison).
+:mod:`engine.config` and ``python -m engine.local`` from its ``ServerConfig``
+(:mod:`engine.local.config`); the docs show both as tables (``docs/settings.md``,
+``docs/local-server.md``). This script renders those tables from the same sources and
+either rewrites the sections between the ``<!-- BEGIN ... -->`` / ``<!-- END ... -->``
+markers (``--write``) or fails when they differ (``--check``; tests/test_docs.py runs the
+same comparison).
 
     python -m scripts.gen_config_table --write    # after changing a flag
     python -m scripts.gen_config_table --check    # exit 1 if a page is stale
@@ -22,15 +23,13 @@ from pathlib import Path
 from engine.common.setting import SettingField, setting_fields
 from engine.config import GROUPS
 from engine.config.sources import default_text, task_own_settings
+from engine.local import config as local_config
 from engine.local.__main__ import build_parser as build_local_parser
 from engine.run import build_parser as build_run_parser
 
 __all__ = ["GENERATED", "local_table", "main", "run_table", "update_sections"]
 
 _ROOT = Path(__file__).resolve().parent.parent
-
-_LOCAL_ENV = {"--api-key": "ENGINE_LOCAL_API_KEY"}
-"""Environment variables ``python -m engine.local`` reads (named in its --help epilog)."""
 
 
 def _cell(text: str) -> str:
@@ -51,14 +50,6 @@ def _options(parser: argparse.ArgumentParser) -> Iterable[argparse.Action]:
 
 def _long_flag(action: argparse.Action) -> str:
     return max(action.option_strings, key=len)
-
-
-def _strip_default(help_text: str) -> tuple[str, str]:
-    """Split a help text ending in ``(default: X)`` / ``(default X)`` into (meaning, X)."""
-    match = re.search(r"\s*[(;]?\s*\(?default:? ([^()]*(?:\([^()]*\)[^()]*)*)\)\s*$", help_text)
-    if match is None:
-        return help_text, ""
-    return help_text[: match.start()].rstrip(" ;("), match.group(1).strip()
 
 
 def run_table() -> str:
@@ -87,21 +78,24 @@ def run_table() -> str:
 
 
 def local_table() -> str:
-    """Markdown table of every ``python -m engine.local`` option."""
+    """Markdown table of every ``python -m engine.local`` option: its settings, then the
+    command's own flags."""
     rows = ["| flag | environment | default | meaning |", "|---|---|---|---|"]
+    flags = set()
+    for _, field in local_config.server_flags():
+        flags.add(field.flag)
+        env = ", ".join(_code(name) for name in field.marker.env)
+        meaning = field.description.replace("see below", "see --help")
+        if local_config.choices(field):
+            meaning = f"{meaning}: {', '.join(local_config.choices(field))}"
+        default = _code(local_config.default_text(field))
+        rows.append(f"| `{field.flag}` | {env} | {_cell(default)} | {_cell(meaning)} |")
     for action in _options(build_local_parser()):
-        flag = _long_flag(action)
-        meaning, default = _strip_default((action.help or "").replace("see below", "see --help"))
-        default, _, note = default.partition("; ")
-        if note:
-            meaning = f"{meaning} ({note})"
-        if not default and action.default not in (None, [], False):
-            default = str(action.default)
-        default = default.replace(str(_ROOT) + "/", "")
-        if action.choices:
-            meaning = f"{meaning}: {', '.join(map(str, action.choices))}"
-        env = _code(_LOCAL_ENV.get(flag, ""))
-        rows.append(f"| `{flag}` | {env} | {_cell(_code(default))} | {_cell(meaning)} |")
+        if _long_flag(action) not in flags:
+            meaning = action.help or ""
+            if action.choices:
+                meaning = f"{meaning}: {', '.join(map(str, action.choices))}"
+            rows.append(f"| `{_long_flag(action)}` |  |  | {_cell(meaning)} |")
     return "\n".join(rows)
 
 

@@ -47,10 +47,10 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 from transformers.utils import logging as hf_logging
 
+from engine.basemodels.catalogue import METADATA_FILE
 from engine.envs import HermesToolCalls
 from engine.envs.examples import calculator, guess_sum
 from engine.envs.tools import Tool, tool_schema
-from engine.local.pretrained import METADATA_FILE
 from scripts.tool_data import call_text, make_tool, tool_transcript
 
 MODEL_NAME = "engine-local/tiny-arith"

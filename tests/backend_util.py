@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from engine.local.backend import Backend
-from engine.local.compute_types import DatumIn, SampleJob
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import DatumIn, SampleJob
 from scripts.make_model import DEFAULT_OUT, parse_int, prompt_text
 
 MODEL_DIR = DEFAULT_OUT

@@ -12,7 +12,7 @@ import pytest
 from tinker.lib.internal_client_holder import InternalClientHolder
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
-# The local server files its tokenizer in the hub cache (engine/local/tokenizer_cache.py):
+# The local server files its tokenizer in the hub cache (engine/local/models/tokenizer_cache.py):
 # tests use a private cache so they never write into the user's.
 if "ENGINE_TEST_HUB_CACHE" not in os.environ:
     _hub_cache = tempfile.mkdtemp(prefix="engine-test-hub-")

@@ -303,7 +303,7 @@ def test_a_chat_reply_leaves_out_what_the_template_writes_before_it() -> None:
     which has no template, keeps what the model wrote)."""
     from transformers import AutoTokenizer
 
-    from engine.local.config import DEFAULT_MODEL_DIR
+    from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
     from engine.tasks import TaskContext
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)

@@ -131,7 +131,7 @@ def test_a_prompt_over_the_context_is_refused_before_it_is_tokenized() -> None:
     from transformers import AutoTokenizer
 
     from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
-    from engine.local.config import DEFAULT_MODEL_DIR
+    from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
     from engine.serve import SessionBackend
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)

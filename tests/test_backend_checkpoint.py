@@ -11,8 +11,8 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums
 
-from engine.local.backend import Backend
-from engine.local.compute_types import AdamConfig, AdapterSpec, BackendError, DatumIn
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import AdamConfig, AdapterSpec, BackendError, DatumIn
 
 ADAM = AdamConfig(learning_rate=5e-3, weight_decay=0.01, grad_clip_norm=1.0)
 SPEC = AdapterSpec(rank=4, seed=9, train_unembed=False)

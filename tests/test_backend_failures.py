@@ -8,8 +8,8 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums, rl_datum
 
-from engine.local.backend import Backend
-from engine.local.compute_types import AdamConfig, AdapterSpec, BackendError, DatumIn
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import AdamConfig, AdapterSpec, BackendError, DatumIn
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import pytest
 import torch
 from backend_util import assert_close_rel, lora_params, new_backend, random_datums
 
-from engine.local.backend import Backend
-from engine.local.compute_types import AdapterSpec, BackendError, DatumIn
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import AdapterSpec, BackendError, DatumIn
 
 Tensor = torch.Tensor
 

@@ -7,8 +7,14 @@ import pytest
 import torch
 from backend_util import lora_params, new_backend, random_datums
 
-from engine.local.backend import Backend
-from engine.local.compute_types import AdamConfig, AdapterSpec, BackendError, DatumIn, SampleJob
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import (
+    AdamConfig,
+    AdapterSpec,
+    BackendError,
+    DatumIn,
+    SampleJob,
+)
 
 
 @pytest.fixture(scope="module")

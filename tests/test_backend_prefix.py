@@ -9,11 +9,11 @@ import pytest
 import torch
 from backend_util import assert_close_rel, lora_params, new_backend
 
-from engine.local import prefix
-from engine.local.backend import Backend
-from engine.local.compute_types import AdapterSpec, DatumIn
-from engine.local.datums import CheckedDatum, check_data
-from engine.local.prefix import plan_prefixes
+from engine.local.compute import prefix
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import AdapterSpec, DatumIn
+from engine.local.compute.datums import CheckedDatum, check_data
+from engine.local.compute.prefix import plan_prefixes
 
 
 def _group_batch(vocab: int, seed: int) -> list[DatumIn]:

@@ -11,8 +11,8 @@ import pytest
 import torch
 from backend_util import decode_text, greedy_exact_rate, new_backend, prompt_ids, rl_datum
 
-from engine.local.backend import Backend
-from engine.local.compute_types import AdamConfig, AdapterSpec, SampleJob
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import AdamConfig, AdapterSpec, SampleJob
 from scripts.make_model import quickstart_reward
 
 # the local default the engine uses for this model (see the backend report)

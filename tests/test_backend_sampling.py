@@ -19,10 +19,8 @@ from backend_util import (
     rl_datum,
 )
 
-from engine.local.backend import Backend
-from engine.local.batcher import PendingSample, SampleBatcher, SampleOutcome
-from engine.local.compute import ComputeThread
-from engine.local.compute_types import (
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import (
     AdamConfig,
     AdapterSpec,
     BackendError,
@@ -30,6 +28,8 @@ from engine.local.compute_types import (
     SampledSequences,
     SampleJob,
 )
+from engine.local.compute.thread import ComputeThread
+from engine.local.operations.batcher import PendingSample, SampleBatcher, SampleOutcome
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,14 @@ import pytest
 import torch
 from backend_util import new_backend, prompt_ids, random_datums
 
-from engine.local.backend import Backend
-from engine.local.compute_types import AdamConfig, AdapterSpec, DatumIn, SampledSequences, SampleJob
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import (
+    AdamConfig,
+    AdapterSpec,
+    DatumIn,
+    SampledSequences,
+    SampleJob,
+)
 
 STEPS = 6
 

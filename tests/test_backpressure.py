@@ -11,7 +11,7 @@ from pathlib import Path
 import httpx
 
 from engine.local import LocalServer
-from engine.local.config import make_config
+from engine.local.config import ServerConfig
 from engine.observe.metrics import detail_line
 from engine.session.queue_watch import QueueObserver
 from tests.engine_support import API_KEY, run_engine, small_config
@@ -57,7 +57,7 @@ def test_a_saturated_queue_costs_no_failed_request_and_shows_in_the_metrics(
     waiting request (1 s), a batch of groups sampled at once: most requests wait and
     their polls get 408s. One retry attempt and a breaker
     that opens at the first failure: a 408 taken for a failure would end the run."""
-    service = make_config(
+    service = ServerConfig(
         service="mint",
         sampling_slots=1,
         latency="sample_request_s=1.2,sample_token_s=0",

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from engine.local.datums import DatumError, check_data
+from engine.local.compute.datums import DatumError, check_data
 
 VOCAB = 50
 NEEDS = ("target_tokens", "weights", "advantages")

@@ -170,8 +170,8 @@ def test_the_agent_snippet_copied_as_written_runs_on_the_agent_model(
     """docs/agents.md's AgentTask snippet, saved as a module and named by ``--task``,
     asks the local server for the packaged agent model (the one that knows the tool-call
     format), not the server's default model."""
+    from engine.basemodels.catalogue import AGENT_MODEL_DIR
     from engine.catalog import preferred_local_model
-    from engine.local.config import AGENT_MODEL_DIR
 
     page = PAGES[ROOT / "docs" / "agents.md"]
     snippet = next(b for b in _blocks("python", page) if "AgentTask(episode" in b)

@@ -17,13 +17,13 @@ import anyio
 import pytest
 
 from engine import EngineConfig
+from engine.basemodels.catalogue import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
 from engine.catalog import load_task, preferred_local_model
 from engine.core.problems import Problem
 from engine.engine import prepare_run
 from engine.envs import Action, ChatEnv, EnvContext, EnvStepResult, StopCondition, is_env_task
 from engine.envs.examples import calculator, guess_sum
 from engine.export import base_model_source
-from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.render import TaskContext
 from scripts import make_model, tool_data

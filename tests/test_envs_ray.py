@@ -107,8 +107,8 @@ def test_a_shipped_environment_trains_through_a_ray_cluster(cluster: None, tmp_p
     import ray
     from engine_support import run_engine, small_config
 
+    from engine.basemodels.catalogue import AGENT_MODEL_DIR
     from engine.local import LocalServer
-    from engine.local.config import AGENT_MODEL_DIR
 
     with LocalServer(AGENT_MODEL_DIR) as server:
         cfg = small_config(

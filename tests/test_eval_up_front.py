@@ -19,8 +19,9 @@ import pytest
 
 from engine import EngineConfig
 from engine import eval as eval_cli
-from engine.local.config import DEFAULT_MODEL_DIR, Limits
-from engine.local.recommended import served_model_name
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
+from engine.basemodels.recommended import served_model_name
+from engine.common.protocol import LOCAL_MAX_NUM_SAMPLES
 from engine.rundir.directory import LOCAL_SERVER_DIR
 
 STATE = "tinker://m/weights/final"
@@ -111,7 +112,7 @@ def test_more_samples_than_the_local_server_draws_per_request_are_refused(
     flag: list[str], tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run = _run_dir(tmp_path)
-    limit = Limits.max_num_samples
+    limit = LOCAL_MAX_NUM_SAMPLES
     drawn = flag[1].split(",")[-1]
     assert _refused([str(run), *flag], capsys) == (
         f"{drawn} samples per problem (--samples, or the largest --k) are more than the "

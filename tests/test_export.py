@@ -16,12 +16,12 @@ import torch
 from peft import PeftModel
 from transformers import AutoModelForCausalLM
 
+from engine.basemodels.recommended import served_model_name
 from engine.checkpoint_files import resolve_checkpoint
 from engine.errors import ConfigError
 from engine.export import export_checkpoint, main
-from engine.local.backend import Backend
-from engine.local.compute_types import AdamConfig, AdapterSpec, DatumIn
-from engine.local.recommended import served_model_name
+from engine.local.compute.backend import Backend
+from engine.local.compute.backend_types import AdamConfig, AdapterSpec, DatumIn
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from tests.backend_util import MODEL_DIR, random_datums
 

@@ -3,9 +3,11 @@
 The layer order is written once, here (docs/architecture.md draws it): a module may
 import modules of its own layer or of a layer below it, never above. Within a layer the
 packages may import each other only without a circle. The local server (``engine.local``)
-stands beside the client: it imports nothing of it but the foundation, and any client
-layer may launch it. Every import counts, also one inside a function or under
-``TYPE_CHECKING``: a lazy import is still a dependency.
+stands beside the client, walled on both sides: it imports nothing of the client but the
+foundation (where the model catalogue it shares with the client lives,
+``engine.basemodels``), and one client module launches it (``LAUNCHER``). Every import
+counts, also one inside a function or under ``TYPE_CHECKING``: a lazy import is still a
+dependency.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from pathlib import Path
 ENGINE = Path(__file__).resolve().parents[1] / "engine"
 
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("engine.errors", "engine.redact", "engine.common"),  # foundation
+    ("engine.errors", "engine.redact", "engine.common", "engine.basemodels"),  # foundation
     ("engine.core",),  # value types: problems, trajectories, datums, loop state
     ("engine.sandbox",),  # untrusted code, isolated
     ("engine.config",),  # settings
@@ -43,6 +45,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ),
 )
 BESIDE = "engine.local"
+LAUNCHER = "engine.session.opening"
+"""The one client module that imports the local server: it starts it for a session."""
 FOUNDATION = LAYERS[0]
 
 
@@ -111,6 +115,15 @@ def test_no_package_imports_a_layer_above_it() -> None:
 
 def test_the_local_server_imports_nothing_of_the_client_but_the_foundation() -> None:
     assert _arrows()[BESIDE] <= set(FOUNDATION)
+
+
+def test_only_the_launcher_imports_the_local_server() -> None:
+    importers = sorted(
+        module
+        for module, path in _modules().items()
+        if _unit(module) != BESIDE and any(_unit(name) == BESIDE for name in _imports(path))
+    )
+    assert importers == [LAUNCHER]
 
 
 def test_no_import_circles_between_packages() -> None:

@@ -1,5 +1,6 @@
-"""The package layout keeps its layers: the local server imports nothing of the client,
-and the shared basics (``engine.common``) import neither side; and each class name is
+"""The package layout keeps its layers: the local server loads nothing of the client but
+the foundation (tests/test_layers.py), and the shared basics (``engine.common``,
+``engine.basemodels``) import neither side; and each class name is
 defined once in the engine package, so a name says which type it is."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from collections import defaultdict
 import pytest
 
 from tests.hosted_env import REPO
+from tests.test_layers import BESIDE, FOUNDATION
 
 CHECK = """
 import importlib, pkgutil, sys
@@ -20,7 +22,7 @@ for info in pkgutil.walk_packages(engine.local.__path__, "engine.local."):
     if not info.name.endswith("__main__"):
         importlib.import_module(info.name)
 import engine.local.__main__
-allowed = ("engine.local", "engine.common")
+allowed = tuple(sys.argv[1:])
 loaded = sorted(
     m for m in sys.modules
     if m.startswith("engine.") and not m.startswith(allowed)
@@ -31,7 +33,11 @@ print(",".join(loaded))
 
 def test_the_local_server_imports_nothing_of_the_client() -> None:
     done = subprocess.run(
-        [sys.executable, "-c", CHECK], cwd=REPO, capture_output=True, text=True, timeout=600
+        [sys.executable, "-c", CHECK, BESIDE, *FOUNDATION],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
     )
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == "", f"engine.local loads client modules: {done.stdout}"
@@ -39,9 +45,10 @@ def test_the_local_server_imports_nothing_of_the_client() -> None:
 
 def test_the_shared_basics_import_neither_side() -> None:
     code = (
-        "import sys, engine.common.cli, engine.common.extras, engine.common.protocol;"
+        "import sys, engine.common.cli, engine.common.extras, engine.common.protocol,"
+        " engine.common.net, engine.basemodels.catalogue, engine.basemodels.recommended;"
         "print(','.join(m for m in sys.modules if m.startswith('engine.')"
-        " and not m.startswith('engine.common')))"
+        " and not m.startswith(('engine.common', 'engine.basemodels'))))"
     )
     done = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=600
@@ -72,8 +79,8 @@ assert "usage:" in page.getvalue()
 heavy = ("torch", "transformers", "tokenizers", "safetensors", "peft", "accelerate", "tinker",
          "mint", "fastapi", "starlette", "uvicorn", "matplotlib", "datasets", "pyarrow", "ray",
          "wandb", "openai")
-server = ("engine.local.app", "engine.local.backend", "engine.local.launch",
-          "engine.local.service")
+server = ("engine.local.http.app", "engine.local.compute.backend", "engine.local.launch",
+          "engine.local.operations")
 print(",".join(sorted(
     m for m in sys.modules
     if m.partition(".")[0] in heavy or m in server or m.startswith(tuple(s + "." for s in server))

@@ -21,8 +21,8 @@ import pytest
 from safetensors.torch import load, save
 
 from engine.local import Limits, RunningServer, serve_local
-from engine.local.config import make_config
-from engine.local.service.checkpoints import ACCESS_FILE, MAX_ARCHIVE_ENTRIES, unpack_archive
+from engine.local.config import ServerConfig
+from engine.local.operations.checkpoints import ACCESS_FILE, MAX_ARCHIVE_ENTRIES, unpack_archive
 from tests.clock import SetTime
 from tests.raw_client import RawClient
 
@@ -61,10 +61,10 @@ async def clock() -> SetTime:
 
 @pytest.fixture
 async def server(clock: SetTime) -> AsyncIterator[RunningServer]:
-    config = make_config(
+    config = ServerConfig(
         api_key=KEY, long_poll_s=1, limits=Limits(max_models=2, max_named_samplers=2)
     )
-    async with serve_local(config=config, now=clock) as running:
+    async with serve_local(config, now=clock) as running:
         yield running
 
 
@@ -162,7 +162,7 @@ def _unpack(archive: bytes, tmp_path: Path, max_bytes: int = 1 << 20) -> None:
 
 
 def _error(call: Callable[[], None]) -> tuple[int, str]:
-    from engine.local.service import HttpError
+    from engine.local.operations import HttpError
 
     with pytest.raises(HttpError) as caught:
         call()
@@ -241,9 +241,9 @@ async def test_malformed_checkpoint_uploads_get_400_with_a_reason(client: Client
 
 
 async def test_uploads_are_capped_by_their_own_limit() -> None:
-    config = make_config(limits=Limits(max_body_bytes=1000, max_upload_bytes=200_000))
+    config = ServerConfig(limits=Limits(max_body_bytes=1000, max_upload_bytes=200_000))
     async with (
-        serve_local(config=config) as running,
+        serve_local(config) as running,
         httpx.AsyncClient(base_url=running.base_url, timeout=60) as http,
     ):
         client = Client(running, http)
@@ -298,7 +298,7 @@ async def _read_until_closed(stream: anyio.abc.ByteStream, limit_s: float = 30) 
 
 
 async def test_a_half_sent_upload_gets_408_and_leaves_no_temp_dir() -> None:
-    async with serve_local(config=make_config(body_timeout_s=1)) as running:
+    async with serve_local(ServerConfig(body_timeout_s=1)) as running:
         async with await _half_sent_upload(running) as half:
             status, error = _answer(await _read_until_closed(half))
         assert status == 408 and "did not arrive within 1 s" in error
@@ -306,9 +306,9 @@ async def test_a_half_sent_upload_gets_408_and_leaves_no_temp_dir() -> None:
 
 
 async def test_concurrent_uploads_are_bounded_with_a_retry_after() -> None:
-    config = make_config(body_timeout_s=60, limits=Limits(max_concurrent_uploads=1))
+    config = ServerConfig(body_timeout_s=60, limits=Limits(max_concurrent_uploads=1))
     async with (
-        serve_local(config=config) as running,
+        serve_local(config) as running,
         httpx.AsyncClient(base_url=running.base_url, timeout=60) as http,
     ):
         async with await _half_sent_upload(running):

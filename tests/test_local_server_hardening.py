@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from engine.local import RunningServer, serve_local
-from engine.local.config import make_config
+from engine.local.config import ServerConfig
 
 pytestmark = pytest.mark.anyio
 
@@ -27,8 +27,8 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 async def server() -> AsyncIterator[RunningServer]:
-    config = make_config(long_poll_s=1, header_timeout_s=0.3, body_timeout_s=0.3)
-    async with serve_local(config=config) as running:
+    config = ServerConfig(long_poll_s=1, header_timeout_s=0.3, body_timeout_s=0.3)
+    async with serve_local(config) as running:
         yield running
 
 
@@ -147,7 +147,7 @@ async def _result(http: httpx.AsyncClient, request_id: str) -> dict[str, Any]:
 
 
 async def test_the_key_is_checked_before_a_body_is_read() -> None:
-    async with serve_local(api_key="tml-hardening") as server:
+    async with serve_local(ServerConfig(api_key="tml-hardening")) as server:
         host, port = _address(server)
         async with await anyio.connect_tcp(host, port) as stranger:
             await stranger.send(

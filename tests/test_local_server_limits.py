@@ -10,8 +10,8 @@ import anyio
 import pytest
 
 from engine.local.config import Limits
-from engine.local.sequencer import ModelSequencer, SeqRejected
-from engine.local.wire import DatumW, WireError, datums_of
+from engine.local.http.wire import DatumW, WireError, datums_of
+from engine.local.operations.sequencer import ModelSequencer, SeqRejected
 from tests.clock import ManualClock
 
 

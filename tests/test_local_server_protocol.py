@@ -13,7 +13,7 @@ import anyio
 import httpx
 import pytest
 
-from engine.local import Limits, RunningServer, serve_local
+from engine.local import Limits, RunningServer, ServerConfig, serve_local
 
 pytestmark = pytest.mark.anyio
 
@@ -27,7 +27,9 @@ def anyio_backend() -> str:
 
 @pytest.fixture
 async def server() -> AsyncIterator[RunningServer]:
-    async with serve_local(api_key=KEY, long_poll_s=0.2, seq_gap_timeout_s=60) as running:
+    async with serve_local(
+        ServerConfig(api_key=KEY, long_poll_s=0.2, seq_gap_timeout_s=60)
+    ) as running:
         yield running
 
 
@@ -311,7 +313,7 @@ async def test_checkpoint_names_and_paths_are_sanitised(
 
 async def test_a_gap_is_never_skipped_and_far_future_seq_ids_are_refused() -> None:
     async with (
-        serve_local(long_poll_s=5, seq_gap_timeout_s=0.2) as server,
+        serve_local(ServerConfig(long_poll_s=5, seq_gap_timeout_s=0.2)) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
         model_id = await new_model(http, server)
@@ -331,7 +333,7 @@ async def test_a_gap_is_never_skipped_and_far_future_seq_ids_are_refused() -> No
 async def test_request_size_limits() -> None:
     async with (
         serve_local(
-            limits=Limits(max_body_bytes=2000, max_datums=2, max_request_tokens=10)
+            ServerConfig(limits=Limits(max_body_bytes=2000, max_datums=2, max_request_tokens=10))
         ) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
@@ -464,7 +466,7 @@ async def test_leaving_serve_local_releases_held_long_polls() -> None:
     # The poll task outlives the server: contexts close right to left, server first.
     async with (
         anyio.create_task_group() as tg,
-        serve_local(long_poll_s=600, seq_gap_timeout_s=600) as server,
+        serve_local(ServerConfig(long_poll_s=600, seq_gap_timeout_s=600)) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
         model_id = await new_model(http, server)
@@ -484,7 +486,10 @@ async def test_a_cancelled_caller_is_still_served_while_it_winds_down() -> None:
     """An engine cancelled by its host still talks to its in-process server as it winds
     down (its stop checkpoint, its session's close): the server runs its operations, not
     only its HTTP front, until the block exits. A training step submitted then finishes."""
-    async with anyio.create_task_group() as host, serve_local(long_poll_s=0.2) as server:
+    async with (
+        anyio.create_task_group() as host,
+        serve_local(ServerConfig(long_poll_s=0.2)) as server,
+    ):
         host.cancel_scope.cancel()
         with anyio.CancelScope(shield=True), anyio.fail_after(60):  # a hang guard
             async with httpx.AsyncClient(base_url=server.base_url, timeout=60) as http:
@@ -496,7 +501,7 @@ async def test_a_cancelled_caller_is_still_served_while_it_winds_down() -> None:
 
 async def test_in_memory_sampler_snapshots_are_bounded() -> None:
     async with (
-        serve_local(limits=Limits(max_ephemeral_samplers=2)) as server,
+        serve_local(ServerConfig(limits=Limits(max_ephemeral_samplers=2))) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
         model_id = await new_model(http, server)

@@ -10,7 +10,7 @@ import mint
 from mint import types
 
 from engine.local import LocalServer
-from engine.local.backend import Backend
+from engine.local.compute.backend import Backend
 
 KEY = "tml-apart"
 

@@ -49,7 +49,7 @@ def test_sync_flow_with_a_tml_key(server: LocalServer, service: mint.ServiceClie
     tc = service.create_lora_training_client(base_model=server.model_name, rank=8, seed=1)
     info = tc.get_info()
     assert info.lora_rank == 8
-    # The tokenizer as filed in the hub cache (engine.local.tokenizer_cache), by its path.
+    # The tokenizer as filed in the hub cache (engine.local.models.tokenizer_cache), by its path.
     filed = Path(info.model_data.tokenizer_id)
     assert filed.parent.name == "snapshots" and (filed / "tokenizer.json").is_file()
     tokenizer = tc.get_tokenizer()

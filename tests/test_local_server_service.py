@@ -23,11 +23,11 @@ from mint import types
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer, RunningServer, serve_local
 from engine.local.__main__ import main as local_main
-from engine.local.config import Limits, make_config
-from engine.local.losses import LOSSES
+from engine.local.compute.losses import LOSSES
+from engine.local.compute.rollout_correction import RolloutCorrectionError, loss, parse
+from engine.local.config import Limits, ServerConfig
+from engine.local.operations.sampling_gate import QueueFull, SamplingGate
 from engine.local.profiles import SERVICES, profile_of
-from engine.local.rollout_correction import RolloutCorrectionError, loss, parse
-from engine.local.sampling_gate import QueueFull, SamplingGate
 from tests.engine_support import API_KEY, quickstart_task_knobs
 
 BACKPRESSURE = {"X-Tinker-Sampling-Backpressure": "1"}
@@ -177,9 +177,9 @@ def test_every_profile_accepts_only_losses_and_keys_the_local_server_has() -> No
 
 @asynccontextmanager
 async def serving(service: str, **settings: Any) -> AsyncIterator[tuple[RunningServer, Any]]:
-    config = make_config(service=service, long_poll_s=0.2, seq_gap_timeout_s=60, **settings)
+    config = ServerConfig(service=service, long_poll_s=0.2, seq_gap_timeout_s=60, **settings)
     async with (
-        serve_local(config=config) as server,
+        serve_local(config) as server,
         httpx.AsyncClient(base_url=server.base_url, timeout=60) as http,
     ):
         yield server, http
@@ -510,7 +510,7 @@ def test_sampling_gate_eta_progress_and_bound() -> None:
 def test_the_unmodified_sdk_completes_every_sample_under_a_saturated_queue() -> None:
     """One slot and simulated sampling time: most requests wait, their polls get 408s
     (the SDK re-polls them), and every sample completes."""
-    config = make_config(
+    config = ServerConfig(
         service="mint", sampling_slots=1, latency="sample_request_s=0.4,sample_token_s=0"
     )
     with LocalServer(config=config) as server:
@@ -587,7 +587,7 @@ async def test_mints_rollout_correction_validation_flow_passes_on_the_mint_profi
 def test_the_quickstart_loop_runs_unchanged_on_the_mint_profile() -> None:
     """The MinT quickstart's custom_reward loop, call for call (benchmarks/quickstart_loop),
     against the hosted profile with its latency and sampling slots."""
-    config = make_config(service="mint", latency="mint:scale=0.01")
+    config = ServerConfig(service="mint", latency="mint:scale=0.01")
     with LocalServer(config=config) as server:
         run = run_quickstart_loop(
             base_url=server.base_url,

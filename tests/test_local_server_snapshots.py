@@ -15,9 +15,9 @@ import httpx
 import pytest
 
 from engine.local import Limits, RunningServer, serve_local
-from engine.local.compute_types import SampledSequences, SampleJob
-from engine.local.config import make_config
-from engine.local.service.registry import ModelState, Registry
+from engine.local.compute.backend_types import SampledSequences, SampleJob
+from engine.local.config import ServerConfig
+from engine.local.operations.registry import ModelState, Registry
 from tests.clock import SetTime
 from tests.raw_client import RawClient
 
@@ -89,8 +89,8 @@ async def clock() -> SetTime:
 @pytest.fixture
 async def server(clock: SetTime) -> AsyncIterator[RunningServer]:
     limits = Limits(max_models=4, max_named_samplers=2, max_ephemeral_samplers=2)
-    config = make_config(long_poll_s=1, limits=limits)
-    async with serve_local(config=config, now=clock) as running:
+    config = ServerConfig(long_poll_s=1, limits=limits)
+    async with serve_local(config, now=clock) as running:
         yield running
 
 

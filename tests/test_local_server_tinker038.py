@@ -27,9 +27,9 @@ import zstandard
 from mint import types
 
 from engine.local import LocalServer
-from engine.local.config import make_config
-from engine.local.tinker_proto import PROTO_CONTENT_TYPE, encode_result, sample_response
-from engine.local.tinker_proto import tinker_public_pb2 as pb
+from engine.local.config import ServerConfig
+from engine.local.http.tinker_proto import PROTO_CONTENT_TYPE, encode_result, sample_response
+from engine.local.http.tinker_proto import tinker_public_pb2 as pb
 from tests import tinker_env
 
 CLIENT = Path(__file__).resolve().parent / "tinker038_client.py"
@@ -142,7 +142,7 @@ def test_the_tinker_profile_queues_samples_and_refuses_local_keys(tinker_python:
     """``--service tinker`` with one sampling slot and simulated sampling time: the 0.38
     SDK's concurrent samples all complete through the queue's 408s, and a local-only
     loss_fn_config key fails at once, naming it (docs/local-server.md, "Service profiles")."""
-    config = make_config(
+    config = ServerConfig(
         api_key=TML_KEY,
         service="tinker",
         sampling_slots=1,

@@ -20,30 +20,32 @@ import anyio.lowlevel
 import jwt
 import pytest
 
+from engine.basemodels.catalogue import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
+from engine.common.net import is_loopback_host
 from engine.local import launch
 from engine.local.__main__ import GIL_SWITCH_INTERVAL_S
+from engine.local.__main__ import build_parser as build_local_parser
 from engine.local.__main__ import main as cli_main
-from engine.local.auth import VERIFIED_TOKENS_KEPT, Authenticator
-from engine.local.compute import ComputeThread
-from engine.local.compute_types import BackendError
+from engine.local.compute.backend_types import BackendError
+from engine.local.compute.thread import ComputeThread
 from engine.local.config import (
-    AGENT_MODEL_DIR,
-    DEFAULT_MODEL_DIR,
     Limits,
     ServerConfig,
     ServerConfigError,
-    is_loopback_host,
+    flag_values,
+    server_flags,
 )
 from engine.local.faults import FaultInjector, FaultSpec, FaultSpecError
-from engine.local.futures import FutureStore, TooManyPending
+from engine.local.http.auth import VERIFIED_TOKENS_KEPT, Authenticator
+from engine.local.http.middleware import endpoint_name
+from engine.local.http.wire import SampleW, WireError, parse
 from engine.local.latency import LatencyProfile, LatencyProfileError, TrainingClock
-from engine.local.middleware import endpoint_name
-from engine.local.sequencer import ModelSequencer, SeqRejected
-from engine.local.service.core import ModelCard
-from engine.local.service.sampling import sample_job_of
-from engine.local.storage import BadPath, TinkerPath, check_name
-from engine.local.tokenizer_cache import register_tokenizer
-from engine.local.wire import SampleW, WireError, parse
+from engine.local.models.storage import BadPath, TinkerPath, check_name
+from engine.local.models.tokenizer_cache import register_tokenizer
+from engine.local.operations.core import ModelCard
+from engine.local.operations.futures import FutureStore, TooManyPending
+from engine.local.operations.sampling import sample_job_of
+from engine.local.operations.sequencer import ModelSequencer, SeqRejected
 
 
 @pytest.fixture
@@ -350,6 +352,38 @@ def test_config_validation() -> None:
         ServerConfig(port=70000)
     with pytest.raises(ServerConfigError, match="max_datums"):
         Limits(max_datums=0)
+    with pytest.raises(ServerConfigError, match="long_poll_s must be a number of seconds > 0"):
+        ServerConfig(long_poll_s=0)
+    with pytest.raises(ServerConfigError, match="long_pol is not a setting of the local server"):
+        ServerConfig(**{"long_pol": 1})
+    with pytest.raises(ServerConfigError, match="service must be one of local, mint, tinker"):
+        ServerConfig(service="hosted")
+    with pytest.raises(FaultSpecError, match="rate must be in"):
+        ServerConfig(faults="500:7")
+
+
+def test_every_flag_is_one_declared_setting_and_sets_it() -> None:
+    """A setting declared on ServerConfig or Limits (with a description) is a flag of
+    python -m engine.local, and the flag sets that field: nothing else to edit."""
+    parser = build_local_parser()
+    declared = {field.flag for _, field in server_flags()}
+    flags = {max(a.option_strings, key=len) for a in parser._actions if a.option_strings}
+    assert flags - declared == {"--help", "--version", "--ephemeral", "--log-level"}
+    assert declared <= flags
+    argv = ["--max-samplers", "3", "--max-adapter-memory", "2", "--long-poll", "1.5"]
+    argv += ["--model-alias", "a", "--model-alias", "b", "--sampling-slots", "0"]
+    argv += ["--model", "tiny-agent-2", "--sampling-queue", "7"]
+    config = ServerConfig(**flag_values(parser.parse_args(argv), {}))
+    assert config.limits.max_named_samplers == config.limits.max_ephemeral_samplers == 3
+    assert config.limits.max_adapter_bytes == 2 << 20 and config.limits.max_queued_samples == 7
+    assert config.long_poll_s == 1.5 and config.model_aliases == ("a", "b")
+    assert config.sampling_slots == 0 and config.slots is None
+    assert config.model_dir == AGENT_MODEL_DIR
+    assert config.limits.max_datums == Limits().max_datums  # not given: the default
+    environ = {"ENGINE_LOCAL_API_KEY": "tml-env"}
+    assert flag_values(parser.parse_args([]), environ) == {"api_key": "tml-env"}
+    with_flag = flag_values(parser.parse_args(["--api-key", "tml-flag"]), environ)
+    assert with_flag == {"api_key": "tml-flag"}
 
 
 def test_endpoint_names_drop_ids() -> None:
@@ -537,7 +571,7 @@ async def test_a_response_written_in_parts_leaves_in_one_write_after_the_loop_tu
     send gives the GIL away; the server's transport passes a turn's writes on as one."""
     import asyncio
 
-    from engine.local.http11 import GatheredWrites
+    from engine.common.http11 import GatheredWrites
 
     class Recording:
         def __init__(self) -> None:

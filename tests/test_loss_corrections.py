@@ -17,10 +17,10 @@ from test_pipeline_stages import ToyTask
 from test_profile import hosted_like_server
 
 from engine import EngineConfig
+from engine.basemodels.recommended import model_entry
 from engine.config import HOSTED_PROFILE, server_profile, with_stored_settings
 from engine.errors import ConfigError
 from engine.local import LocalServer
-from engine.local.recommended import model_entry
 from engine.run import main
 from engine.session.api import LossSpec
 from engine.session.preflight import local_server_profile

@@ -1,4 +1,4 @@
-"""GSPO's math on small hand-made tensors (``engine.local.losses.gspo``): one importance
+"""GSPO's math on small hand-made tensors (``engine.local.compute.losses.gspo``): one importance
 ratio per sequence over the tokens ``sequence_ratio_mask`` marks, PPO clipping of that
 ratio for the whole sequence, masked and padded tokens ignored, and a gradient that
 moves each token's logprob the way its advantage says. The model-level check (values
@@ -11,7 +11,7 @@ import math
 import pytest
 import torch
 
-from engine.local.losses import LossConfigError, resolve
+from engine.local.compute.losses import LossConfigError, resolve
 
 Tensor = torch.Tensor
 

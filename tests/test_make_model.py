@@ -17,7 +17,7 @@ import torch
 from backend_util import greedy_exact_rate, new_backend, prompt_ids
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaForCausalLM
 
-from engine.local.compute_types import SampleJob
+from engine.local.compute.backend_types import SampleJob
 from scripts import make_model
 
 # A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).

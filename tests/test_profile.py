@@ -214,7 +214,7 @@ def test_the_sampling_temperature_follows_what_the_service_scores(
     """The local service scores the loss at the sampling temperature and recommends the
     quickstart's 0.8; a hosted profile recommends none, so a run samples at the hosted
     default, 1, where the sampler's tempered logprobs are the model's own."""
-    from engine.local.recommended import model_entry
+    from engine.basemodels.recommended import model_entry
 
     profile = server_profile({"supported_models": [model_entry(None, service=service)]}, "srv")
     assert profile.temperature == temperature

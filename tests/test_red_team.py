@@ -135,7 +135,7 @@ def _serve_backend() -> Any:
     sampled here)."""
     from transformers import AutoTokenizer
 
-    from engine.local.config import DEFAULT_MODEL_DIR
+    from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
     from engine.serve import SessionBackend
 
     tokenizer = AutoTokenizer.from_pretrained(DEFAULT_MODEL_DIR)

@@ -10,7 +10,7 @@ import pytest
 from engine import Engine, EngineConfig
 from engine.common.protocol import ROLLOUT_CORRECTIONS
 from engine.errors import ConfigError, EngineError
-from engine.local.rollout_correction import parse
+from engine.local.compute.rollout_correction import parse
 from tests.engine_support import API_KEY
 from tests.test_local_server_service import serving
 

@@ -20,8 +20,8 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.local import LocalServer
-from engine.local.config import AGENT_MODEL_DIR
 from engine.rundir.rollouts import ROLLOUTS_FILE
 from tests.tinker_env import REPO, tinker_python
 

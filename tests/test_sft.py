@@ -19,12 +19,12 @@ from test_pipeline_stages import config
 from transformers import AutoTokenizer
 
 from engine import Engine, EngineConfig
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
 from engine.catalog import load_task
 from engine.core.datums import supervised_datums
 from engine.core.problems import Problem
 from engine.core.trajectory import Trajectory
 from engine.errors import ConfigError
-from engine.local.config import DEFAULT_MODEL_DIR
 from engine.loop.groups import NotSampled
 from engine.loop.results import StepResult
 from engine.loop.sft_stage import ConversationPlan

@@ -1,4 +1,4 @@
-"""The server's stability records (``engine.local.stability``): behaviour logprobs taken
+"""The server's stability records (``engine.local.compute.stability``): behaviour logprobs taken
 from what was sampled, attributed by provenance spans, scoped to the sampling session,
 bounded in number and expiring after their last use."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.local.stability import StabilityRecords
-from engine.local.wire import ProvenanceSpanW, WireError
+from engine.local.compute.stability import StabilityRecords
+from engine.local.http.wire import ProvenanceSpanW, WireError
 
 
 class Clock:

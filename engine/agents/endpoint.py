@@ -43,7 +43,7 @@ from starlette.routing import Route
 
 from engine.agents.chat import Answer, Choice
 from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError, error_body
-from engine.local.http11 import with_header_timeout
+from engine.common.http11 import with_header_timeout
 
 __all__ = [
     "Caller",

@@ -41,9 +41,9 @@ from anyio.abc import ByteReceiveStream
 
 from engine.agents.episodes import AgentError, AgentResult
 from engine.agents.task import AgentTask
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.common.setting import finite_non_negative
 from engine.errors import ConfigError
-from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks import Problem
 
 __all__ = [

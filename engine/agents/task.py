@@ -43,6 +43,7 @@ from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
 from engine.agents.episodes import AgentOutcome, AgentResult, Episode
 from engine.agents.wire import EndpointError
 from engine.agents.workers import AgentWorkers
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.config.values import ScoreWorkers
 from engine.envs import Env, EnvContext, Trajectory
 from engine.envs.examples.stops import stop_at_eos
@@ -50,7 +51,6 @@ from engine.envs.executors import Workers
 from engine.envs.scoring import check_reward
 from engine.envs.tools import ToolCallParser
 from engine.errors import ConfigError, EngineError
-from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks import Problem, ProblemSource, RewardBreakdown, TaskContext
 
 __all__ = ["AgentFunction", "AgentGroup", "AgentRuns", "AgentTask", "run_agent"]

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 from typing import Any, Final
 
-__all__ = ["LOCAL_PLACEHOLDER_KEY", "MAX_SEED", "RECOMMENDED_FIELD", "ROLLOUT_CORRECTIONS"]
+__all__ = [
+    "LOCAL_MAX_NUM_SAMPLES",
+    "LOCAL_PLACEHOLDER_KEY",
+    "MAX_SEED",
+    "RECOMMENDED_FIELD",
+    "ROLLOUT_CORRECTIONS",
+]
 
 RECOMMENDED_FIELD: Final = "engine_recommended"
 """The extra field of a model entry in ``get_server_capabilities`` with the RL settings
@@ -34,3 +40,7 @@ quickstart sends (MindLab-Research/mint-quickstart, docs/mis_rollout_correction.
 advanced/validate_mis_rollout_correction.py): sequence-level importance weights truncated
 at 1.1, sequences whose summed log ratio leaves [log 0.5, log 2] rejected, REINFORCE on
 the sampled tokens (verl's bypass mode)."""
+
+LOCAL_MAX_NUM_SAMPLES: Final = 128
+"""The most samples of one prompt the local server draws per asample request (its
+``Limits.max_num_samples`` default)."""

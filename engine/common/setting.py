@@ -72,7 +72,8 @@ class Setting:
     ``None`` means, for the docs and ``--help``; ``recommended``: the server recommends
     its value when unset (:class:`engine.config.Profile`); ``flat``: its name as a keyword of
     ``EngineConfig(...)``, in a flat TOML file and in a run dir's config.json from
-    before the groups (default the field name); ``secret``: never written anywhere."""
+    before the groups (default the field name); ``secret``: never written anywhere;
+    ``metavar``: what ``--help`` shows as its value (default: from its type)."""
 
     flag: str | None = None
     env: tuple[str, ...] = ()
@@ -82,6 +83,7 @@ class Setting:
     recommended: bool = False
     flat: str | None = None
     secret: bool = False
+    metavar: str | None = None
 
 
 @dataclass(frozen=True)
@@ -114,7 +116,10 @@ class SettingField:
 
     @property
     def metavar(self) -> str:
-        """What ``--help`` shows as its value: the choices, or the kind of value."""
+        """What ``--help`` shows as its value: the marker's, the choices, or the kind of
+        value."""
+        if self.marker.metavar is not None:
+            return self.marker.metavar
         kind = self.value_type
         check = self.marker.check
         choices = check.choices if isinstance(check, _OneOf) else _choices(kind)

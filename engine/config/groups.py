@@ -92,7 +92,7 @@ def _score_workers(v: Any) -> Any:
 
 
 def _model_dir_or_pretrained(v: Any) -> str | None:
-    from engine.local.pretrained import PACKAGED, PRETRAINED  # the standard library only
+    from engine.basemodels.catalogue import PACKAGED, PRETRAINED  # the standard library only
 
     if str(v) in PACKAGED or str(v) in PRETRAINED or Path(v).is_dir():
         return None
@@ -101,7 +101,7 @@ def _model_dir_or_pretrained(v: Any) -> str | None:
 
 def _packaged_by_name(v: Any) -> Any:
     """A packaged model's directory becomes its name, the form a run dir records."""
-    from engine.local.pretrained import packaged_name  # the standard library only
+    from engine.basemodels.catalogue import packaged_name  # the standard library only
 
     if isinstance(v, str | Path) and (name := packaged_name(v)) is not None:
         return Path(name)

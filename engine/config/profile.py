@@ -4,7 +4,7 @@ The defaults of ``base_model``, ``lora_rank``, ``learning_rate``, ``loss_tempera
 ``temperature`` and a task's own recommended settings (the arithmetic task's operation and
 operand range) come from what the server reports (:func:`server_profile`): the local
 server recommends settings for the model it serves (recorded with the model, see
-:mod:`engine.local.recommended`) and the loss and sampling temperatures; a
+:mod:`engine.basemodels.recommended`) and the loss and sampling temperatures; a
 server that recommends nothing, such as hosted MinT, gets the MinT quickstart's
 (:data:`HOSTED_PROFILE`). A config with these left unset is
 :meth:`EngineConfig.resolved <engine.config.EngineConfig.resolved>` once the server is

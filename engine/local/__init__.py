@@ -3,12 +3,13 @@
 
 Start it with ``python -m engine.local`` or from Python::
 
-    async with serve_local() as server: ...          # in this event loop
-    with LocalServer() as server: ...                # background thread (sync code, SDK tests)
-    spawned = spawn_local_server(data_dir=...)       # child process (kill -9 / restart tests)
+    async with serve_local(ServerConfig(...)) as server: ...  # in this event loop
+    with LocalServer(config=ServerConfig(...)) as server: ...  # background thread (sync code)
+    spawned = spawn_local_server(data_dir=...)  # child process (kill -9 / restart tests)
 
-``--faults`` / ``faults=`` and ``--latency`` / ``latency=`` take the grammars documented
-in ``engine.local.faults`` and ``engine.local.latency``.
+``ServerConfig`` declares every setting once (``engine.local.config``); ``faults=`` and
+``latency=`` take the ``--faults`` / ``--latency`` grammars documented in
+``engine.local.faults`` and ``engine.local.latency``.
 
 The launchers import torch; they are loaded on first use so that importing this package
 (e.g. for ``python -m engine.local --help``) stays fast.
@@ -19,12 +20,11 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
 from engine.local.config import (
-    DEFAULT_MODEL_DIR,
     Limits,
     ServerConfig,
     ServerConfigError,
-    make_config,
 )
 from engine.local.faults import FaultSpec, FaultSpecError
 from engine.local.latency import LatencyProfile, LatencyProfileError
@@ -62,7 +62,6 @@ __all__ = [
     "ServerConfigError",
     "SpawnedServer",
     "StatsSnapshot",
-    "make_config",
     "serve_local",
     "spawn_local_server",
 ]

@@ -28,7 +28,7 @@ the following cycle starts. Computing ahead is what keeps the simulation honest 
 compute thread: the hosted trainer and sampler are separate machines, so a cycle's
 training never delays the sampling that runs right after the tick; here it would, by its
 real (unscaled) compute time, if the cycle's training computed at the tick. (With the
-small model, sampling also runs on a thread of its own: ``engine.local.batcher``.)
+small model, sampling also runs on a thread of its own: ``engine.local.operations.batcher``.)
 
 The hosted clock ticks on whether or not a model has work; this one pauses when idle:
 when a second cycle in a row starts with no work assigned to it or to the next one, the

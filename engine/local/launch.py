@@ -35,17 +35,15 @@ import uvicorn
 from anyio.abc import TaskStatus
 from anyio.from_thread import BlockingPortal, start_blocking_portal
 
-from engine.local.app import build_app
-from engine.local.auth import Authenticator
-from engine.local.backend import Backend
-from engine.local.compute import ComputeThread
-from engine.local.config import READY_PREFIX, Limits, ServerConfig, ServerConfigError, make_config
-from engine.local.faults import FaultSpec
-from engine.local.http11 import with_header_timeout
-from engine.local.latency import LatencyProfile
-from engine.local.service import LocalService
+from engine.common.http11 import with_header_timeout
+from engine.local.compute.backend import Backend
+from engine.local.compute.thread import ComputeThread
+from engine.local.config import READY_PREFIX, ServerConfig, ServerConfigError
+from engine.local.http.app import build_app
+from engine.local.http.auth import Authenticator
+from engine.local.models.tokenizer_cache import register_tokenizer
+from engine.local.operations import LocalService
 from engine.local.stats import StatsSnapshot
-from engine.local.tokenizer_cache import register_tokenizer
 
 T = TypeVar("T")
 log = logging.getLogger("engine.local")
@@ -110,48 +108,17 @@ def _bind(host: str, port: int) -> socket.socket:
 
 @asynccontextmanager
 async def serve_local(
-    model_dir: str | Path | None = None,
-    *,
-    api_key: str | None = None,
-    data_dir: str | Path | None = None,
-    host: str = "127.0.0.1",
-    port: int = 0,
-    faults: str | FaultSpec | None = None,
-    latency: str | LatencyProfile | None = None,
-    model_name: str | None = None,
-    model_aliases: Sequence[str] = (),
-    long_poll_s: float = 20.0,
-    seq_gap_timeout_s: float = 300.0,
-    limits: Limits | None = None,
-    config: ServerConfig | None = None,
-    now: Callable[[], float] = time.time,
+    config: ServerConfig | None = None, *, now: Callable[[], float] = time.time
 ) -> AsyncIterator[RunningServer]:
-    """Serve the MinT-compatible API from this event loop until the block exits.
-
-    Defaults: the packaged model (``engine/local/default_model``), no API key (any key
-    is accepted), a fresh temporary data dir removed on exit, loopback on a free port,
-    no faults, no latency profile, 20 s long-polls. ``faults``/``latency`` take the
-    ``--faults``/``--latency`` grammars (see ``engine.local.faults`` / ``.latency``).
-    Pass ``config`` to use a prepared ``ServerConfig`` instead of the other arguments;
-    ``now`` is the wall clock of TTLs and heartbeats (tests inject a fake one).
+    """Serve the MinT-compatible API as ``config`` says (None: ``ServerConfig()``, the
+    packaged model, no API key, a fresh temporary data dir removed on exit, loopback on
+    a free port) from this event loop until the block exits. Build a config naming a
+    pretrained model off the event loop: it converts the model on first use. ``now`` is
+    the wall clock of TTLs and heartbeats (tests inject a fake one).
     The server is reachable as soon as this yields; leaving the block stops it without
     waiting for held long-polls.
     """
-    if config is None:
-        config = make_config(
-            model_dir,
-            api_key=api_key,
-            data_dir=data_dir,
-            host=host,
-            port=port,
-            faults=faults,
-            latency=latency,
-            model_name=model_name,
-            model_aliases=model_aliases,
-            long_poll_s=long_poll_s,
-            seq_gap_timeout_s=seq_gap_timeout_s,
-            limits=limits,
-        )
+    config = config or ServerConfig()
     temp_dir = config.data_dir is None
     data_path = Path(tempfile.mkdtemp(prefix="engine-local-")) if temp_dir else config.data_dir
     assert data_path is not None
@@ -244,12 +211,19 @@ class LocalServer(AbstractContextManager["LocalServer"]):
         with LocalServer(api_key="tml-test") as server:
             client = mint.ServiceClient(base_url=server.base_url, api_key=server.api_key)
 
-    Takes the same keyword arguments as ``serve_local``.
+    Serves ``config``, else ``ServerConfig(model_dir=model_dir, **settings)``.
     """
 
-    def __init__(self, model_dir: str | Path | None = None, **kwargs: Any) -> None:
-        self._now: Callable[[], float] = kwargs.pop("now", time.time)
-        self._config = kwargs.pop("config", None) or make_config(model_dir, **kwargs)
+    def __init__(
+        self,
+        model_dir: str | Path | None = None,
+        *,
+        config: ServerConfig | None = None,
+        now: Callable[[], float] = time.time,
+        **settings: Any,
+    ) -> None:
+        self._now = now
+        self._config = config or ServerConfig(model_dir=model_dir, **settings)
         self._portal_cm: AbstractContextManager[BlockingPortal] | None = None
         self._portal: BlockingPortal | None = None
         self._server_cm: AbstractContextManager[RunningServer] | None = None
@@ -262,7 +236,7 @@ class LocalServer(AbstractContextManager["LocalServer"]):
         self._portal = self._portal_cm.__enter__()
         try:
             self._server_cm = self._portal.wrap_async_context_manager(
-                serve_local(config=self._config, now=self._now)
+                serve_local(self._config, now=self._now)
             )
             self._server = self._server_cm.__enter__()
         except BaseException:

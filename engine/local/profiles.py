@@ -3,8 +3,8 @@
 A profile changes only what changes a client's results or its control flow: which losses
 and ``loss_fn_config`` keys are accepted (the rest refused with a 400 naming them), whether
 ``create_model`` takes MinT's ``rollout_correction_config``, and the default number of
-sampling slots (``engine.local.sampling_gate``). ``local`` is the engine's own server:
-every loss and option of ``engine.local.losses``, no sampling limit. Sources of each
+sampling slots (``engine.local.operations.sampling_gate``). ``local`` is the engine's own server:
+every loss and option of ``engine.local.compute.losses``, no sampling limit. Sources of each
 behaviour: docs/local-server.md, "Service profiles". Metadata only (no torch): the CLI
 reads it before loading anything.
 """
@@ -29,7 +29,7 @@ class ServiceProfile:
     """Accepted loss_fn -> accepted loss_fn_config keys; None: every local loss and key."""
     rollout_correction: bool
     """Whether create_model takes ``rollout_correction_config`` (MinT's session-level
-    correction, ``engine.local.rollout_correction``)."""
+    correction, ``engine.local.compute.rollout_correction``)."""
     sampling_slots: int | None
     """Default of ``--sampling-slots``: sample requests run at a time (None: no limit)."""
     seq_id_optional: bool = False

@@ -64,7 +64,7 @@ class StatsSnapshot:
     """What the server holds in memory (sessions, model ids, snapshots) and how much it
     released (evictions, silent sessions)."""
     sampling_queue: dict[str, int] = field(default_factory=dict)
-    """The sampling slots (``engine.local.sampling_gate``): slots (0: no limit), requests
+    """The sampling slots (``engine.local.operations.sampling_gate``): slots (0: no limit), requests
     running and waiting now, how many ever waited, 408s answered while they did."""
 
     def to_json(self) -> dict[str, Any]:

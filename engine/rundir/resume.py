@@ -132,7 +132,7 @@ def read_run_config(directory: Path) -> dict[str, Any]:
 def _packaged_model_by_name(stored: dict[str, Any]) -> dict[str, Any]:
     """A run dir written before packaged models were recorded by name names one by its
     directory (maybe of another checkout): read it as the name the engine records now."""
-    from engine.local.pretrained import recorded_packaged_name  # the standard library only
+    from engine.basemodels.catalogue import recorded_packaged_name  # the standard library only
 
     session = stored.get("session")
     model = session.get("local_model") if isinstance(session, dict) else None

@@ -33,8 +33,8 @@ from tinker.lib.api_future_impl import _APIFuture
 from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
 from tinker.lib.queue_state_logger import QueueStateLogger
 
+from engine.common.net import is_loopback_host
 from engine.config import HOSTED_BASE_URL
-from engine.local.config import is_loopback_host
 from engine.session.adapter import SNAPSHOT_TTL_S, SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.queue_watch import QueueObserver

@@ -11,11 +11,15 @@ other SDK generation installed.
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
+import anyio
+
+from engine.basemodels.catalogue import PretrainedUnavailable
 from engine.common.clock import LOOP_CLOCK, Clock
 from engine.common.protocol import LOCAL_PLACEHOLDER_KEY
 from engine.common.sdks import SdkName, choose_sdk
@@ -99,10 +103,8 @@ class SharedLocalServer:
         if self._stack is None:
             raise RuntimeError("SharedLocalServer.serve() outside 'async with shared.kept()'")
         if self._server is None:
-            from engine.local import serve_local
-
-            self._server = await self._stack.enter_async_context(
-                serve_local(model_dir=model_dir, data_dir=self._data_dir or data_dir)
+            self._server = await _start_local_server(
+                self._stack, model_dir, self._data_dir or data_dir
             )
             self._model_dir = model_dir
         elif model_dir != self._model_dir:
@@ -111,6 +113,20 @@ class SharedLocalServer:
                 f", not {model_dir}: every stage trains the same model"
             )
         return self._server
+
+
+async def _start_local_server(
+    stack: contextlib.AsyncExitStack, model_dir: Path | None, data_dir: Path | None
+) -> RunningServer:
+    """A local server on ``model_dir``, living as long as ``stack``. Its settings are
+    resolved on a worker thread: a pretrained model is converted there on first use
+    (a download and a minute of dequantizing), never on the event loop."""
+    from engine.local import ServerConfig, serve_local
+
+    config = await anyio.to_thread.run_sync(
+        functools.partial(ServerConfig, model_dir=model_dir, data_dir=data_dir)
+    )
+    return await stack.enter_async_context(serve_local(config))
 
 
 @contextlib.asynccontextmanager
@@ -137,8 +153,8 @@ async def open_session(
     sequence, used (and started on first use) instead of one of this session's own."""
     session_class = adapter_class(choose_sdk(config.session.sdk))
     if config.uses_local_server:
-        from engine.local import ServerConfigError, serve_local
-        from engine.local.compute_types import BackendError
+        from engine.local import ServerConfigError
+        from engine.local.compute.backend_types import BackendError
 
         kept = local_server is not None and local_server.started
         if not kept:
@@ -149,10 +165,8 @@ async def open_session(
                 if local_server is not None:
                     server = await local_server.serve(model_dir, local_data_dir)
                 else:
-                    server = await stack.enter_async_context(
-                        serve_local(model_dir=model_dir, data_dir=local_data_dir)
-                    )
-            except (ServerConfigError, BackendError) as exc:
+                    server = await _start_local_server(stack, model_dir, local_data_dir)
+            except (ServerConfigError, PretrainedUnavailable, BackendError) as exc:
                 raise ConfigError(f"cannot start the local server: {exc}") from exc
             again = " (the same server)" if kept else ""
             say(f"Local server: {server.base_url} serving {server.model_name}{again}")

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import httpx
 
+from engine.basemodels.recommended import model_entry
 from engine.common.protocol import RECOMMENDED_FIELD
 from engine.config import HOSTED_PROFILE, EngineConfig, Profile, server_profile
 from engine.errors import (
@@ -178,14 +179,12 @@ def _not_mint(base_url: str, response: httpx.Response) -> PreflightError:
 
 
 def local_server_profile(model_dir: Path | None) -> Profile:
-    """The defaults the local server would report for ``model_dir`` (None: the packaged
-    model), read before the engine starts it: the same entry its
-    ``get_server_capabilities`` answer carries."""
-    from engine.local.pretrained import resolve_model
-    from engine.local.recommended import model_entry
-
+    """The defaults the local server would report for ``model_dir`` (a directory, a
+    packaged or pretrained model's name; None: the packaged model), read before the engine
+    starts it, from the model's metadata (a pretrained model is not converted for it): the
+    same entry its ``get_server_capabilities`` answer carries."""
     try:
-        entry = model_entry(resolve_model(model_dir))
+        entry = model_entry(model_dir)
         return server_profile({"supported_models": [entry]}, "the local server")
     except ValueError as exc:
         raise ConfigError(str(exc)) from exc

@@ -20,12 +20,12 @@ from typing import Any, ClassVar, Final
 
 import anyio
 
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.core.problems import Problem, SeededSource
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
 from engine.envs.tools import FunctionTool, tool
 from engine.envs.types import EnvContext, EnvGroupBuilder
-from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.render import ChatMessage
 

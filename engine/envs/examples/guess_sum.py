@@ -18,11 +18,11 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, ClassVar, Final
 
+from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.core.problems import Problem, SeededSource
 from engine.envs.examples.stops import stop_at_eos
 from engine.envs.messages import ChatGroup, MessageStep
 from engine.envs.types import EnvContext, EnvGroupBuilder
-from engine.local.config import AGENT_MODEL_DIR
 from engine.tasks.arithmetic import ArithmeticTask
 from engine.tasks.render import ChatMessage
 

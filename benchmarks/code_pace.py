@@ -22,7 +22,7 @@ times heavier) serves two runs of the engine's default configuration (K=1, submi
 
 Each run's pace is (t_last - t_first) / (n - 1) over the step ends after the warm-up
 (:mod:`benchmarks.measure`), in seconds and clock cycles; ``time/score`` is each step's
-scoring time. Writes ``code_pace.json`` and ``code_pace.md`` to ``--out``.
+scoring time. Writes ``code_pace_<workload>.json`` and ``.md`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -223,11 +223,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         + markdown_table(headers, rows)
         + f"\ncode / arithmetic pace: {ratio:.2f}\n"
     )
+    stem = f"code_pace_{args.workload.name}"
     write_json(
-        args.out / "code_pace.json",
+        args.out / f"{stem}.json",
         {"context": context, "cycle_s": cycle, "ratio": ratio, "runs": runs},
     )
-    (args.out / "code_pace.md").write_text(text)
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

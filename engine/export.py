@@ -42,11 +42,11 @@ def base_model_source(name: str) -> str:
     """Where the base model ``name`` (a checkpoint's ``base_model``) loads from: the
     packaged model's directory, a converted local-server model's, else ``name`` itself
     (a Hugging Face id)."""
-    from engine.local.config import AGENT_MODEL_DIR, DEFAULT_MODEL_DIR
+    from engine.local.config import AGENT_MODEL_DIR, CODE_MODEL_DIR, DEFAULT_MODEL_DIR
     from engine.local.pretrained import PRETRAINED, model_directory
     from engine.local.recommended import served_model_name
 
-    for packaged in (DEFAULT_MODEL_DIR, AGENT_MODEL_DIR):
+    for packaged in (DEFAULT_MODEL_DIR, AGENT_MODEL_DIR, CODE_MODEL_DIR):
         if name == served_model_name(packaged):
             return str(packaged)
     for short, spec in PRETRAINED.items():

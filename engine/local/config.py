@@ -25,6 +25,10 @@ AGENT_MODEL_DIR = PACKAGED["tiny-agent-2"]
 """The packaged model that also knows the shipped environments' formats (created by
 ``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
 
+CODE_MODEL_DIR = PACKAGED["tiny-code"]
+"""The packaged model that writes one-line Python functions from examples (created by
+``scripts.make_model --code``; RL on ``examples/tiny_code.jsonl``, docs/sandbox.md)."""
+
 READY_PREFIX = "engine.local: serving "
 """The line ``python -m engine.local`` prints on stdout once it accepts requests."""
 

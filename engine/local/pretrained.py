@@ -85,6 +85,7 @@ PACKAGED_DIR = Path(__file__).resolve().parent
 PACKAGED = {
     "tiny-arith": PACKAGED_DIR / "default_model",
     "tiny-agent-2": PACKAGED_DIR / "agent_model",
+    "tiny-code": PACKAGED_DIR / "code_model",
 }
 """The models packaged with the engine (made by ``scripts.make_model``), by the name a
 setting or a run dir's config.json gives them, so a run dir names no path of this

@@ -1,15 +1,15 @@
 """Does the packaged code model learn from the sandbox's reward? Held-out share of tests
 passed before, during and after RL runs on the local server, over seeds.
 
-    python -m benchmarks.code_learning                  # 20 steps, seeds 1,2,3
+    python -m benchmarks.code_learning                  # 30 steps, seeds 1,2,3
     python -m benchmarks.code_learning --quick          # 2 steps, 1 seed (smoke test)
 
 Each seed is one run of the documented command (docs/sandbox.md, "A model that learns
 it"): ``python -m engine.run --local --local-model tiny-code --task
-code:examples/tiny_code.jsonl --task-arg eval_size=64 --stop-at-eos --eval-every 5``
+code:examples/tiny_code.jsonl --task-arg eval_size=128 --stop-at-eos --eval-every 10``
 with the engine's defaults otherwise (8 problems x 6 samples, temperature 0.8, K=1, the
 learning rate and LoRA rank the model recommends). Its held-out evaluation (the task's
-64 held-out problems, one greedy answer each, run in the sandbox: the mean share of
+128 held-out problems, one greedy answer each, run in the sandbox: the mean share of
 tests passed) comes from the run's ``eval.jsonl``: step 0 is the model before training.
 Reported: each seed's curve, the gain (last - first) per seed and its mean and sample
 standard deviation over the seeds. Writes ``code_learning.json``, ``code_learning.md``
@@ -40,7 +40,7 @@ __all__ = ["main", "run_seed"]
 ROOT = Path(__file__).resolve().parents[1]
 PROBLEMS = ROOT / "examples" / "tiny_code.jsonl"
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-EVAL_SIZE = 64
+EVAL_SIZE = 128
 
 
 def run_seed(seed: int, *, steps: int, eval_every: int, run_dir: Path) -> dict[str, Any]:
@@ -110,8 +110,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m benchmarks.code_learning",
         description="Held-out tests passed by the packaged code model before/after RL.",
     )
-    p.add_argument("--steps", type=positive_int, default=20, help="steps per run (default 20)")
-    p.add_argument("--eval-every", type=positive_int, default=5, help="default 5")
+    p.add_argument("--steps", type=positive_int, default=30, help="steps per run (default 30)")
+    p.add_argument("--eval-every", type=positive_int, default=10, help="default 10")
     p.add_argument("--seeds", type=_seeds, default=[1, 2, 3], help="default 1,2,3")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
     p.add_argument("--quick", action="store_true", help="2 steps, 1 seed")

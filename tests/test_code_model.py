@@ -11,6 +11,7 @@ import random
 from pathlib import Path
 
 import anyio
+import pytest
 
 from engine.catalog import load_task
 from engine.core.problems import Problem
@@ -68,3 +69,28 @@ def test_the_packaged_code_model_is_small_named_and_in_band() -> None:
     assert 0.2 <= meta["greedy_pass_rate"] <= 0.6
     assert packaged_name(CODE_MODEL) == "tiny-code"
     assert meta["made_by"].startswith("python -m scripts.make_model --code")
+
+
+def test_the_code_build_is_its_own_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    from scripts import make_model
+
+    args = make_model._parse_args(["--code"])
+    assert (args.out, args.name) == (CODE_MODEL, "engine-local/tiny-code")
+    with pytest.raises(SystemExit) as stop:
+        make_model._parse_args(["--code", "--environments"])
+    assert stop.value.code == 2
+    assert "--code and --environments build different models" in capsys.readouterr().err
+
+
+def test_the_build_never_trains_on_the_shipped_problems() -> None:
+    from scripts import make_model
+
+    shipped = [json.loads(line) for line in code_data.PROBLEMS_FILE.read_text().splitlines()]
+    avoid = frozenset(str(row["prompt"]) for row in shipped[:200])
+    tokenizer = make_model.build_tokenizer()
+    rng = random.Random(0)
+    ids, _ = make_model._code_batch(tokenizer, rng, 256, avoid)
+    texts = tokenizer.batch_decode(ids, skip_special_tokens=True)
+    assert not any(text.split("\n    return")[0] + "\n    return" in avoid for text in texts)
+    held = make_model.code_eval_problems(1, 256, avoid)
+    assert not any(p.prompt in avoid for p in held)

@@ -172,3 +172,10 @@ async def test_a_pipeline_run_trains_whole_episodes_of_failed_submissions(
     assert all(t.group_reward.components["error"] == 1.0 for t in episodes)
     assert results[-1].metrics["env/all/attempts"] == 2.0
     assert results[-1].metrics["env/all/solved"] == 0.0
+
+
+def test_replies_are_read_as_the_single_turn_task_reads_them(isolated: None) -> None:
+    task = load_task(f"code-env:{PROBLEMS}", {"stop": "###", "enable_thinking": "false"})
+    assert isinstance(task, CodeEnvTask)
+    assert task.stop == ("###",) and task.skip_special_tokens
+    assert task.chat_template_options == {"enable_thinking": False}

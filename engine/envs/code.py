@@ -106,6 +106,8 @@ class CodeEnvTask:
     :meth:`from_args` (what ``--task code-env:PATH`` with ``--task-arg KEY=VALUE``
     does) or from a :class:`~engine.tasks.code.CodeTask`."""
 
+    skip_special_tokens = True
+
     def __init__(self, problems: CodeTask, max_attempts: int = DEFAULT_MAX_ATTEMPTS) -> None:
         if max_attempts < 1:
             raise ConfigError(f"task argument max_attempts must be >= 1, got {max_attempts}")
@@ -113,6 +115,7 @@ class CodeEnvTask:
         self.max_attempts = max_attempts
         self.name = problems.name.replace("code-", "code-env-", 1)
         self.stop = problems.stop
+        self.chat_template_options = problems.chat_template_options
         self.data_digest = problems.data_digest
         spec, args = problems.spec
         self.spec = (

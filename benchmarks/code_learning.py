@@ -43,7 +43,9 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 EVAL_SIZE = 128
 
 
-def run_seed(seed: int, *, steps: int, eval_every: int, run_dir: Path) -> dict[str, Any]:
+def run_seed(
+    seed: int, *, steps: int, eval_every: int, learning_rate: float | None, run_dir: Path
+) -> dict[str, Any]:
     """One RL run: its held-out curve (step, mean share of tests passed) and wall time."""
     config = EngineConfig(
         local=True,
@@ -54,6 +56,7 @@ def run_seed(seed: int, *, steps: int, eval_every: int, run_dir: Path) -> dict[s
         steps=steps,
         eval_every=eval_every,
         seed=seed,
+        **({"learning_rate": learning_rate} if learning_rate is not None else {}),
         run_dir=run_dir,
         progress=False,
     )
@@ -113,6 +116,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=positive_int, default=30, help="steps per run (default 30)")
     p.add_argument("--eval-every", type=positive_int, default=10, help="default 10")
     p.add_argument("--seeds", type=_seeds, default=[1, 2, 3], help="default 1,2,3")
+    p.add_argument(
+        "--learning-rate",
+        type=float,
+        default=None,
+        help="RL learning rate (default: the one the model recommends)",
+    )
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"default {DEFAULT_OUT}")
     p.add_argument("--quick", action="store_true", help="2 steps, 1 seed")
     return p
@@ -125,7 +134,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     context = run_context(vars(args))
     with tempfile.TemporaryDirectory() as tmp:
         runs = [
-            run_seed(s, steps=args.steps, eval_every=args.eval_every, run_dir=Path(tmp) / str(s))
+            run_seed(
+                s,
+                steps=args.steps,
+                eval_every=args.eval_every,
+                learning_rate=args.learning_rate,
+                run_dir=Path(tmp) / str(s),
+            )
             for s in args.seeds
         ]
     gains = [r["gain"] for r in runs]

@@ -1,6 +1,7 @@
 """Turn ``--task`` (and its ``--task-arg`` values) into a Task: the built-in arithmetic
 task, a JSONL dataset (``jsonl:PATH``), a Hugging Face dataset on disk (``hf:PATH``),
-problems with tests run in the sandbox (``code:PATH``), ``package.module:attr``, any
+problems with tests run in the sandbox (``code:PATH``; over several submissions with the
+failing tests' output between them: ``code-env:PATH``), ``package.module:attr``, any
 of these scored by a judge (``judge:SPEC``), or an agent process per episode
 (``agent-cmd:COMMAND``).
 
@@ -39,6 +40,7 @@ BUILTIN_TASKS = (
     "jsonl:PATH",
     "hf:PATH",
     "code:PATH",
+    "code-env:PATH",
     "judge:SPEC",
     "agent-cmd:COMMAND",
     *SHIPPED_ENVIRONMENTS,
@@ -72,6 +74,14 @@ def load_task(spec: str, args: Mapping[str, str] | None = None, *, objective: st
         if not spec.removeprefix("code:"):
             raise ConfigError("invalid task 'code:': name the problems, e.g. code:problems.jsonl")
         return CodeTask.from_args(spec.removeprefix("code:"), args)
+    if spec.startswith("code-env:"):  # the same, over several submissions with feedback
+        from engine.envs.code import CodeEnvTask
+
+        if not spec.removeprefix("code-env:"):
+            raise ConfigError(
+                "invalid task 'code-env:': name the problems, e.g. code-env:problems.jsonl"
+            )
+        return CodeEnvTask.from_args(spec.removeprefix("code-env:"), args)  # type: ignore[return-value]
     spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
     if spec == "arithmetic":
         try:
@@ -132,7 +142,11 @@ def preferred_local_model(task: AnyTask | None, spec: str) -> Path | None:
         return AGENT_PROCESS_MODEL
     if source is None:
         spec = SHIPPED_ENVIRONMENTS.get(spec, spec)
-        if spec == "arithmetic" or spec.startswith("code:") or _data_format(spec) is not None:
+        if (
+            spec == "arithmetic"
+            or spec.startswith(("code:", "code-env:"))
+            or _data_format(spec) is not None
+        ):
             return None
         try:
             source = _import_attr(spec)

@@ -27,6 +27,7 @@ from typing import Any, Literal
 
 from engine.basemodels.catalogue import (
     AGENT_MODEL_DIR,
+    CODE_MODEL_DIR,
     DEFAULT_MODEL_DIR,
     PRETRAINED,
     model_directory,
@@ -49,7 +50,7 @@ def base_model_source(name: str) -> str:
     """Where the base model ``name`` (a checkpoint's ``base_model``) loads from: the
     packaged model's directory, a converted local-server model's, else ``name`` itself
     (a Hugging Face id)."""
-    for packaged in (DEFAULT_MODEL_DIR, AGENT_MODEL_DIR):
+    for packaged in (DEFAULT_MODEL_DIR, AGENT_MODEL_DIR, CODE_MODEL_DIR):
         if name == served_model_name(packaged):
             return str(packaged)
     for short, spec in PRETRAINED.items():

@@ -51,6 +51,7 @@ from engine.basemodels.catalogue import METADATA_FILE
 from engine.envs import HermesToolCalls
 from engine.envs.examples import calculator, guess_sum
 from engine.envs.tools import Tool, tool_schema
+from scripts import code_data
 from scripts.tool_data import call_text, make_tool, tool_transcript
 
 MODEL_NAME = "engine-local/tiny-arith"
@@ -60,7 +61,22 @@ refuses one trained on another (the first agent model, without tool schemas, was
 ``engine-local/tiny-agent``; tests/fixtures/rundir_v1 keeps it for the run trained on it)."""
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "engine" / "local" / "default_model"
 AGENT_OUT = DEFAULT_OUT.parent / "agent_model"
+CODE_MODEL_NAME = "engine-local/tiny-code"
+CODE_OUT = DEFAULT_OUT.parent / "code_model"
+"""``--code`` builds the packaged code model here."""
+CODE_MAX_TOKENS = 16
+"""Tokens a code answer needs at most (`` x * x + 9`` and EOS: 11)."""
 """``--environments`` builds the packaged agent model here (tasks that name it use it)."""
+
+CODE_RL_DEFAULTS = {
+    "learning_rate": 1e-3,
+    "lora_rank": 16,
+    "task_args": {},
+}
+"""The RL settings the server recommends for the code model. None measured so far gives a
+held-out gain within 30 steps (8x6, ppo, temperature 0.8): lr 5e-4 and 1e-3 left the
+greedy share of tests passed within noise on one seed, 2e-3 lowered it on 3
+(benchmarks/results/code_learning.md)."""
 
 RL_DEFAULTS = {
     "learning_rate": 5e-4,
@@ -397,6 +413,52 @@ def _batch(
     return batches
 
 
+def _code_batch(
+    tokenizer: PreTrainedTokenizerFast, rng: random.Random, size: int, avoid: frozenset[str]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The ``--code`` build's batch: synthetic code problems (none whose prompt is in
+    ``avoid``), right-padded, the answer and its EOS scored."""
+    rows: list[tuple[list[int], int]] = []
+    while len(rows) < size:
+        problem = code_data.draw(rng)
+        if problem.prompt in avoid:
+            continue
+        p_ids = tokenizer.encode(problem.prompt)
+        a_ids = [*tokenizer.encode(problem.answer, add_special_tokens=False)]
+        rows.append(([*p_ids, *a_ids, tokenizer.eos_token_id], len(p_ids)))
+    width = max(len(ids) for ids, _ in rows)
+    input_ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
+    labels = torch.full((size, width), -100, dtype=torch.long)
+    for i, (ids, n_prompt) in enumerate(rows):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, n_prompt : len(ids)] = torch.tensor(ids[n_prompt:])
+    return input_ids, labels
+
+
+def code_eval_problems(seed: int, n: int, avoid: frozenset[str]) -> list[code_data.CodeProblem]:
+    """``n`` synthetic code problems, none whose prompt is in ``avoid``."""
+    rng = random.Random(seed)
+    problems: list[code_data.CodeProblem] = []
+    while len(problems) < n:
+        problem = code_data.draw(rng)
+        if problem.prompt not in avoid:
+            problems.append(problem)
+    return problems
+
+
+def code_pass_rate(
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    problems: list[code_data.CodeProblem],
+) -> float:
+    """The mean share of tests the greedy answers pass (the RL reward, computed by
+    :func:`scripts.code_data.pass_share` without running the answers)."""
+    prompts = [tokenizer.encode(p.prompt) for p in problems]
+    texts = generate(model, tokenizer, prompts, max_new_tokens=CODE_MAX_TOKENS)
+    shares = [code_data.pass_share(t[0], p) for t, p in zip(texts, problems, strict=True)]
+    return sum(shares) / len(shares)
+
+
 def _arithmetic_loss(
     model: LlamaForCausalLM, batch: tuple[torch.Tensor, torch.Tensor]
 ) -> torch.Tensor:
@@ -704,10 +766,16 @@ def _log(msg: str) -> None:
 
 
 def train(
-    model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, cfg: SftConfig
+    model: LlamaForCausalLM,
+    tokenizer: PreTrainedTokenizerFast,
+    cfg: SftConfig,
+    code: frozenset[str] | None = None,
 ) -> tuple[int, float]:
-    """SFT until the greedy exact rate first reaches ``target_rate``, then keep the
-    evaluated checkpoint in the band closest to the target; returns (steps, rate).
+    """SFT until the held-out rate first reaches ``target_rate``, then keep the
+    evaluated checkpoint in the band closest to the target; returns (steps, rate). The
+    rate is the greedy exact rate on addition, or with ``code`` (the prompts of the
+    shipped code problems, never trained on) the greedy share of tests passed on
+    synthetic code problems (:mod:`scripts.code_data`).
 
     Selecting among in-band evaluations (rather than stopping at a fixed step count) is
     what keeps the shipped model in the 20-60% band whatever the
@@ -716,7 +784,17 @@ def train(
     more frequent once it passes half the band's lower edge.
     """
     rng = random.Random(cfg.seed)
-    held_out = eval_problems(cfg.seed + 1, cfg.eval_problems)
+    if code is not None:
+        held_code = code_eval_problems(cfg.seed + 1, cfg.eval_problems, code)
+
+        def rate_of() -> float:
+            return code_pass_rate(model, tokenizer, held_code)
+    else:
+        held_out = eval_problems(cfg.seed + 1, cfg.eval_problems)
+
+        def rate_of() -> float:
+            return greedy_exact_rate(model, tokenizer, held_out)
+
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.learning_rate, weight_decay=0.0)
     best: tuple[float, int, float, dict[str, torch.Tensor]] | None = None
     every = cfg.eval_every
@@ -724,7 +802,10 @@ def train(
     mix = cfg.environments
     format_steps = _learn_env_formats(model, tokenizer, cfg, mix, rng, opt) if mix else 0
     for step in range(1, cfg.max_steps + 1):
-        if mix is None:
+        if code is not None:
+            batch = _code_batch(tokenizer, rng, cfg.batch_size, code)
+            loss = _sft_step(model, opt, partial(_arithmetic_loss, batch=batch), cfg, step)
+        elif mix is None:
             batch = _arithmetic_batch(tokenizer, rng, cfg.batch_size)
             loss = _sft_step(model, opt, partial(_arithmetic_loss, batch=batch), cfg, step)
         else:
@@ -732,14 +813,14 @@ def train(
             loss = _sft_step(model, opt, partial(_loss, batches=batches), cfg, step)
         if step % every:
             continue
-        rate = greedy_exact_rate(model, tokenizer, held_out)
+        rate = rate_of()
         elapsed = time.perf_counter() - start
-        _log(f"step {step:5d}  loss {loss.item():.4f}  greedy exact {rate:6.1%}  ({elapsed:.0f} s)")
+        _log(f"step {step:5d}  loss {loss.item():.4f}  held-out {rate:6.1%}  ({elapsed:.0f} s)")
         if rate >= cfg.min_rate / 2:
             every = min(every, cfg.fine_eval_every)
         if rate > cfg.max_rate and best is None:
             raise SystemExit(
-                f"greedy exact rate jumped past {cfg.max_rate:.0%} at step {step} without an "
+                f"the held-out rate jumped past {cfg.max_rate:.0%} at step {step} without an "
                 "evaluation inside the band; lower --lr or --fine-eval-every"
             )
         if cfg.min_rate <= rate <= cfg.max_rate:
@@ -751,7 +832,7 @@ def train(
             break
     if best is None:
         raise SystemExit(
-            f"no checkpoint reached a greedy exact rate in [{cfg.min_rate:.0%}, "
+            f"no checkpoint reached a held-out rate in [{cfg.min_rate:.0%}, "
             f"{cfg.max_rate:.0%}] within {cfg.max_steps} steps; raise --steps"
         )
     _, step, rate, state = best
@@ -879,7 +960,8 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--out",
         type=Path,
         default=None,
-        help=f"output directory (default {DEFAULT_OUT}; with --environments {AGENT_OUT})",
+        help=f"output directory (default {DEFAULT_OUT}; with --environments {AGENT_OUT}; "
+        f"with --code {CODE_OUT})",
     )
     p.add_argument("--steps", type=int, default=d.max_steps, help="max SFT steps")
     p.add_argument("--seed", type=int, default=d.seed, help="seed for init and data")
@@ -925,12 +1007,18 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="max SFT steps of the first phase (environment transcripts only)",
     )
+    p.add_argument(
+        "--code",
+        action="store_true",
+        help="build the code model: SFT on synthetic one-line functions from examples "
+        "(scripts.code_data), the shipped problems (examples/tiny_code.jsonl) held out",
+    )
     p.add_argument("--threads", type=int, default=1, help="torch threads (the bits depend on it)")
     p.add_argument(
         "--name",
         default=None,
         help=f"model name reported to clients (default {MODEL_NAME}; with --environments "
-        f"{AGENT_MODEL_NAME})",
+        f"{AGENT_MODEL_NAME}; with --code {CODE_MODEL_NAME})",
     )
     args = p.parse_args(argv)
     mix = {"guess_share": "--guess-share", "tool_share": "--tool-share"}
@@ -957,8 +1045,17 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
         )
     if not 0.2 <= args.target_rate <= 0.6:
         p.error("--target-rate must lie in [0.2, 0.6]")
-    args.out = args.out or (AGENT_OUT if args.environments else DEFAULT_OUT)
-    args.name = args.name or (AGENT_MODEL_NAME if args.environments else MODEL_NAME)
+    if args.code and args.environments:
+        p.error("--code and --environments build different models: give one")
+    out, name = (
+        (CODE_OUT, CODE_MODEL_NAME)
+        if args.code
+        else (AGENT_OUT, AGENT_MODEL_NAME)
+        if args.environments
+        else (DEFAULT_OUT, MODEL_NAME)
+    )
+    args.out = args.out or out
+    args.name = args.name or name
     return args
 
 
@@ -994,6 +1091,9 @@ def main(argv: list[str] | None = None) -> None:
         f"model: {n_params / 1e6:.2f}M parameters, vocab {len(tokenizer)}; "
         f"SFT up to {cfg.max_steps} steps"
     )
+    if args.code:
+        _main_code(args, argv, cfg, tokenizer, model)
+        return
     start = time.perf_counter()
     steps, rate = train(model, tokenizer, cfg)
     train_s = time.perf_counter() - start
@@ -1012,12 +1112,7 @@ def main(argv: list[str] | None = None) -> None:
             f"({', '.join(f'{k} {v}' for k, v in short.items())}); raise --guess-share or "
             "--tool-share"
         )
-    out: Path = args.out
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tokenizer.save_pretrained(out, save_jinja_files=False)  # the template in tokenizer_config
-    for f in out.iterdir():
-        f.chmod(0o644)  # safetensors writes 0600; the shipped files are world-readable
+    _save(args.out, model, tokenizer)
     meta = {
         "model_name": args.name,
         "made_by": " ".join(
@@ -1038,9 +1133,74 @@ def main(argv: list[str] | None = None) -> None:
         **({"environments": env_stats} if env_stats else {}),
         "recommended_rl": RL_DEFAULTS,
     }
-    (out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-    (out / "README.md").write_text(_readme(meta))
-    _log(f"saved {out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats} {env_stats}")
+    (args.out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (args.out / "README.md").write_text(_readme(meta))
+    _log(f"saved {args.out}: {steps} SFT steps, greedy exact {rate:.1%}, T=0.8 {stats} {env_stats}")
+
+
+def _save(out: Path, model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast) -> None:
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out, save_jinja_files=False)  # the template in tokenizer_config
+    for f in out.iterdir():
+        f.chmod(0o644)  # safetensors writes 0600; the shipped files are world-readable
+
+
+def _main_code(
+    args: argparse.Namespace,
+    argv: list[str] | None,
+    cfg: SftConfig,
+    tokenizer: PreTrainedTokenizerFast,
+    model: LlamaForCausalLM,
+) -> None:
+    """The ``--code`` build: SFT on synthetic code problems, the shipped ones never
+    trained on, to a held-out share of tests passed in the band."""
+    shipped = [json.loads(line) for line in code_data.PROBLEMS_FILE.read_text().splitlines()]
+    avoid = frozenset(str(row["prompt"]) for row in shipped)
+    start = time.perf_counter()
+    steps, rate = train(model, tokenizer, cfg, code=avoid)
+    train_s = time.perf_counter() - start
+    _save(args.out, model, tokenizer)
+    n_params = sum(p.numel() for p in model.parameters())
+    made_by = " ".join(
+        ["python -m scripts.make_model", *(argv if argv is not None else sys.argv[1:])]
+    )
+    meta = {
+        "model_name": args.name,
+        "made_by": made_by,
+        "architecture": "LlamaForCausalLM",
+        "parameters": n_params,
+        "shape": asdict(ModelShape()),
+        "sft": {**sft_record(cfg), "steps_done": steps, "seconds": round(train_s, 1)},
+        "torch": torch.__version__,
+        "threads": args.threads,
+        "built_on": build_machine(),
+        "task": "one-line functions f(x) from three examples (scripts/code_data.py), the "
+        "prompt's function head completed by the return expression, up to "
+        f"{CODE_MAX_TOKENS} new tokens; reward: the share of 4 tests passed",
+        "greedy_pass_rate": rate,
+        "greedy_eval_problems": cfg.eval_problems,
+        "recommended_rl": CODE_RL_DEFAULTS,
+    }
+    (args.out / METADATA_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (args.out / "README.md").write_text(
+        f"""# {args.name}
+
+The packaged code model: a {n_params / 1e6:.2f}M-parameter `LlamaForCausalLM` (the
+default model's shape and byte-level tokenizer) that writes one-line Python functions
+from examples, made by `{made_by}` (torch {torch.__version__}, {args.threads} threads):
+random init, then {steps} supervised steps on synthetic problems of `scripts/code_data.py`
+(`# f(2) == 5` ... `def f(x):\\n    return` completed by ` x + 3</s>`; the shipped
+problems of `examples/tiny_code.jsonl` never among them), stopping at the first
+evaluation whose greedy share of tests passed reached the target, so RL has room to
+improve it. Greedy share of tests passed: {rate:.1%} on {cfg.eval_problems} held-out
+problems (computed without running the answers: `scripts.code_data.evaluate`).
+
+RL on it: `--task code:examples/tiny_code.jsonl` (docs/sandbox.md). Metadata:
+`{METADATA_FILE}`.
+"""
+    )
+    _log(f"saved {args.out}: {steps} SFT steps, greedy share of tests passed {rate:.1%}")
 
 
 if __name__ == "__main__":

@@ -18,10 +18,20 @@ from typing import Any
 
 import pytest
 
-from benchmarks import scaling, scoring, sft_pace, startup, throughput, train_stage
+from benchmarks import (
+    code_learning,
+    code_pace,
+    scaling,
+    scoring,
+    sft_pace,
+    startup,
+    throughput,
+    train_stage,
+)
 from benchmarks.quickstart_loop import run_quickstart_loop
 from engine.local import LocalServer
 from tests.engine_support import quickstart_task_knobs
+from tests.sandbox_support import require_isolation
 
 # A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).
 pytestmark = pytest.mark.slow
@@ -243,6 +253,27 @@ def test_sft_pace_quick_run_measures_each_submit_ahead_in_cycles(tmp_path: Path)
         assert _finite(run["pace_s"]) and _finite(run["cycles_per_step"])
         assert run["pace_s"] >= run["clock_floor_s"]
     assert (tmp_path / "sft_pace.md").read_text().count("\n") == 4
+
+
+def test_code_pace_quick_run_paces_both_tasks_in_cycles(tmp_path: Path) -> None:
+    require_isolation()
+    assert code_pace.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "code_pace_2x2x8.json").read_text())
+    assert [r["task"] for r in data["runs"]] == ["arithmetic", "code"]
+    for run in data["runs"]:
+        assert run["steps"] == 4 and _finite(run["pace_s"]) and _finite(run["cycles_per_step"])
+        assert 0.0 <= run["reward_mean"] <= 1.0
+    assert _finite(data["ratio"])
+
+
+def test_code_learning_quick_run_records_a_held_out_curve(tmp_path: Path) -> None:
+    require_isolation()
+    assert code_learning.main(["--quick", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "code_learning.json").read_text())
+    (run,) = data["runs"]
+    assert [step for step, _ in run["curve"]] == [0, 2]
+    assert all(0.0 <= share <= 1.0 for _, share in run["curve"])
+    assert (tmp_path / "code_learning.png").stat().st_size > 0
 
 
 def test_scoring_quick_run_reports_each_reward_against_its_ideal(tmp_path: Path) -> None:

@@ -167,7 +167,7 @@ BAD_INPUT = [
         ["--local-model", "/no/such/model/dir"],
         {},
         "Error: --local-model must be an existing directory or one of tiny-arith, "
-        "tiny-agent-2, smollm2-135m, got '/no/such/model/dir'",
+        "tiny-agent-2, tiny-code, smollm2-135m, got '/no/such/model/dir'",
     ),
 ]
 

@@ -95,7 +95,8 @@ def test_the_engine_accepts_a_pretrained_model_name_as_its_local_model() -> None
     config = config_from_sources({"local_model": "smollm2-135m"}, {})
     assert config.uses_local_server and str(config.session.local_model) == "smollm2-135m"
     with pytest.raises(
-        ConfigError, match="existing directory or one of tiny-arith, tiny-agent-2, smollm2-135m"
+        ConfigError,
+        match="existing directory or one of tiny-arith, tiny-agent-2, tiny-code, smollm2-135m",
     ):
         config_from_sources({"local_model": "no-such-model"}, {})
 

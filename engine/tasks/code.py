@@ -40,6 +40,7 @@ import json
 import re
 import secrets
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, Unpack
 
@@ -64,7 +65,15 @@ from engine.tasks.dataset import (
 )
 from engine.tasks.rewards import _positive
 
-__all__ = ["CODE_ARGS", "CodeTask", "code_spec", "extract_code", "program_of"]
+__all__ = [
+    "CODE_ARGS",
+    "FEEDBACK_CHARS",
+    "CodeCheck",
+    "CodeTask",
+    "code_spec",
+    "extract_code",
+    "program_of",
+]
 
 CODE_ARGS: Final[Mapping[str, str]] = {
     "prompt_field": "field holding the prompt: a string or chat messages (default: messages, "
@@ -95,6 +104,8 @@ CODE_ARGS: Final[Mapping[str, str]] = {
 _PROMPT_FIELDS: Final = ("messages", "prompt", "question", "text")
 _TESTS_FIELDS: Final = ("tests", "test_list", "test", "input_output")
 _SPEC: Final = "__engine_code_tests"
+FEEDBACK_CHARS: Final = 2000
+"""The most characters of failing tests' output a revision prompt holds."""
 _FENCE = re.compile(r"```[ \t]*(?:python3?|py)?[ \t]*\n(.*?)```", re.S | re.I)
 
 HARNESS: Final = """\
@@ -324,17 +335,18 @@ class CodeTask(RowTask):
         return self._prompt_of(problem)
 
     async def score(self, response: str, problem: Problem) -> RewardBreakdown:
+        return (await self.check(response, problem)).breakdown()
+
+    async def check(self, response: str, problem: Problem) -> CodeCheck:
+        """Run ``response``'s program against ``problem``'s tests: each test's outcome,
+        why runs failed, and what each failing test said."""
         spec = problem.answer
         program = program_of(response, spec)
         if spec["kind"] == "stdio":
-            outcomes, reasons = await self._stdio(program, spec["tests"])
-        else:
-            outcomes, reasons = await self._asserts(program, spec)
-        components = {f"test_{i}": 1.0 if passed else 0.0 for i, passed in enumerate(outcomes)}
-        components.update({reason: 1.0 for reason in reasons})
-        return RewardBreakdown(sum(outcomes) / len(outcomes), components)
+            return await self._stdio(program, spec["tests"])
+        return await self._asserts(program, spec)
 
-    async def _asserts(self, program: str, spec: Mapping[str, Any]) -> tuple[list[bool], set[str]]:
+    async def _asserts(self, program: str, spec: Mapping[str, Any]) -> CodeCheck:
         nonce = secrets.token_hex(16)
         tests = {"tests": spec["tests"], "setup": spec["setup"]}
         result = await self.sandbox.run_python(
@@ -342,8 +354,7 @@ class CodeTask(RowTask):
             stdin=nonce,
             files={"solution.py": program, "tests.json": json.dumps(tests)},
         )
-        outcomes = [False] * len(spec["tests"])
-        reasons = _reasons(result)
+        check = CodeCheck([False] * len(spec["tests"]), _reasons(result))
         for line in result.stdout.splitlines():
             if not line.startswith(nonce):
                 continue
@@ -354,14 +365,17 @@ class CodeTask(RowTask):
             if not isinstance(item, dict):
                 continue
             if "load_error" in item:
-                reasons.add("error")
-            elif 0 <= item.get("test", -1) < len(outcomes):
-                outcomes[item["test"]] = item.get("passed") is True
-        return outcomes, reasons
+                check.reasons.add("error")
+                check.failures[-1] = f"the program failed to load: {item['load_error']}"
+            elif isinstance(i := item.get("test"), int) and 0 <= i < len(check.outcomes):
+                check.outcomes[i] = item.get("passed") is True
+                if not check.outcomes[i]:
+                    check.failures[i] = f"{spec['tests'][i].strip()}\n-> {item.get('error')}"
+        if result.limit is not None:
+            check.failures[-1] = f"stopped by the sandbox's {result.limit} limit"
+        return check
 
-    async def _stdio(
-        self, program: str, tests: Sequence[Mapping[str, str]]
-    ) -> tuple[list[bool], set[str]]:
+    async def _stdio(self, program: str, tests: Sequence[Mapping[str, str]]) -> CodeCheck:
         results: list[SandboxResult | None] = [None] * len(tests)
 
         async def one(i: int) -> None:
@@ -370,13 +384,58 @@ class CodeTask(RowTask):
         async with anyio.create_task_group() as tg:
             for i in range(len(tests)):
                 tg.start_soon(one, i)
-        outcomes: list[bool] = []
-        reasons: set[str] = set()
-        for test, result in zip(tests, results, strict=True):
+        check = CodeCheck([], set())
+        for i, (test, result) in enumerate(zip(tests, results, strict=True)):
             assert result is not None
-            outcomes.append(result.ok and result.stdout.split() == test["output"].split())
-            reasons |= _reasons(result)
-        return outcomes, reasons
+            passed = result.ok and result.stdout.split() == test["output"].split()
+            check.outcomes.append(passed)
+            check.reasons |= _reasons(result)
+            if not passed:
+                why = (
+                    f"stopped by the sandbox's {result.limit} limit"
+                    if result.limit is not None
+                    else f"exit status {result.exit_code}: {result.stderr.strip()}"
+                    if not result.ok
+                    else f"expected {test['output'].strip()!r}, got {result.stdout.strip()!r}"
+                )
+                check.failures[i] = f"input {test['input'].strip()!r}\n-> {why}"
+        return check
+
+
+@dataclass
+class CodeCheck:
+    """One program against a problem's tests: each test's outcome, the reasons runs
+    failed (``error``, ``limit_<name>``) and what each failing test said (test index ->
+    text; -1: the program as a whole, e.g. it failed to load)."""
+
+    outcomes: list[bool]
+    reasons: set[str]
+    failures: dict[int, str] = field(default_factory=dict)
+
+    @property
+    def share(self) -> float:
+        return sum(self.outcomes) / len(self.outcomes)
+
+    def breakdown(self) -> RewardBreakdown:
+        """The reward: the share of tests passed; each test's outcome and each reason a
+        component."""
+        components = {f"test_{i}": 1.0 if ok else 0.0 for i, ok in enumerate(self.outcomes)}
+        components.update({reason: 1.0 for reason in self.reasons})
+        return RewardBreakdown(self.share, components)
+
+    def feedback(self, max_chars: int = FEEDBACK_CHARS) -> str:
+        """The failing tests' output for the model to read: each failure, at most
+        ``max_chars`` characters in all (each failure a fair share of them)."""
+        failed = len(self.outcomes) - sum(self.outcomes)
+        head = f"{failed} of {len(self.outcomes)} tests failed."
+        if not self.failures:
+            return head
+        each = max(80, (max_chars - len(head)) // len(self.failures) - 16)
+        parts = [head]
+        for i, text in sorted(self.failures.items()):
+            text = text if len(text) <= each else text[: each - 3] + "..."
+            parts.append(text if i < 0 else f"test {i}: {text}")
+        return "\n".join(parts)[:max_chars]
 
 
 def _reasons(result: SandboxResult) -> set[str]:

@@ -1,0 +1,156 @@
+"""Synthetic code problems for the packaged code model (``make_model --code``) and its
+problem set (``examples/tiny_code.jsonl``): a one-line function ``f(x)`` of a small
+language, shown by three examples, to be written as its ``return`` expression.
+
+A problem's prompt is the examples as comments, then the function's head::
+
+    # f(2) == 5
+    # f(7) == 10
+    # f(4) == 7
+    def f(x):
+        return
+
+and its answer the expression, `` x + 3``. The problems are in the code task's
+HumanEval-like shape (:mod:`engine.tasks.code`): ``entry_point`` ``f`` and the prompt
+ending in a function head, so the program is the prompt followed by the response; the
+tests are :data:`TESTS` asserts of ``f`` on other inputs, each one test (the reward is
+the share passed, so a near miss such as ``x * 2`` for ``x + 2`` earns part).
+
+The language (:data:`FORMS`): ``x + k``, ``x - k``, ``x * k``, ``k - x``, ``x // k``,
+``x % k``, ``x * x + k``, constants 1..9 (2..9 where 1 would make two forms alike).
+:func:`evaluate` computes an answer on an input without running it (the build scores
+its model with it; the sandbox is for the RL run).
+
+    python -m scripts.code_data                 # writes examples/tiny_code.jsonl
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import re
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = [
+    "FORMS",
+    "PROBLEMS_FILE",
+    "TESTS",
+    "CodeProblem",
+    "draw",
+    "evaluate",
+    "main",
+    "pass_share",
+]
+
+PROBLEMS_FILE = Path(__file__).resolve().parents[1] / "examples" / "tiny_code.jsonl"
+EXAMPLES = 3
+"""Examples in a prompt."""
+TESTS = 4
+"""Tests of a problem (inputs other than the examples')."""
+INPUTS = range(0, 10)
+"""Example inputs."""
+TEST_INPUTS = range(0, 20)
+
+FORMS: dict[str, tuple[Callable[[int, int], int], range]] = {
+    "x + {k}": (lambda x, k: x + k, range(1, 10)),
+    "x - {k}": (lambda x, k: x - k, range(1, 10)),
+    "x * {k}": (lambda x, k: x * k, range(2, 10)),
+    "{k} - x": (lambda x, k: k - x, range(1, 10)),
+    "x // {k}": (lambda x, k: x // k, range(2, 10)),
+    "x % {k}": (lambda x, k: x % k, range(2, 10)),
+    "x * x + {k}": (lambda x, k: x * x + k, range(1, 10)),
+}
+"""Each form: its function of (x, k) and its constants."""
+
+_ANSWER = re.compile(r"\s*(.+?)\s*$")
+
+
+@dataclass(frozen=True)
+class CodeProblem:
+    form: str
+    k: int
+    examples: tuple[int, ...]
+    tests: tuple[int, ...]
+
+    def f(self, x: int) -> int:
+        return FORMS[self.form][0](x, self.k)
+
+    @property
+    def answer(self) -> str:
+        """The expression, as the model writes it (after ``return``)."""
+        return " " + self.form.format(k=self.k)
+
+    @property
+    def prompt(self) -> str:
+        lines = [f"# f({x}) == {self.f(x)}\n" for x in self.examples]
+        return "".join(lines) + "def f(x):\n    return"
+
+    def row(self) -> dict[str, object]:
+        """The problem as a code task's row (:mod:`engine.tasks.code`)."""
+        return {
+            "prompt": self.prompt,
+            "entry_point": "f",
+            "tests": [f"assert f({x}) == {self.f(x)}" for x in self.tests],
+        }
+
+
+def draw(rng: random.Random) -> CodeProblem:
+    form = rng.choice(sorted(FORMS))
+    k = rng.choice(FORMS[form][1])
+    examples = tuple(rng.sample(INPUTS, EXAMPLES))
+    rest = [x for x in TEST_INPUTS if x not in examples]
+    return CodeProblem(form, k, examples, tuple(rng.sample(rest, TESTS)))
+
+
+def evaluate(expression: str, x: int) -> int | None:
+    """``expression`` (a response: an expression of the language, in any spacing) on
+    ``x``; None when it is not one."""
+    text = _ANSWER.match(expression)
+    if text is None:
+        return None
+    compact = text.group(1).replace(" ", "")
+    for form, (function, constants) in FORMS.items():
+        pattern = re.escape(form.replace(" ", "")).replace(r"\{k\}", r"(\d)")
+        found = re.fullmatch(pattern, compact)
+        if found and int(found.group(1)) in constants:
+            return function(x, int(found.group(1)))
+    return None
+
+
+def pass_share(expression: str, problem: CodeProblem) -> float:
+    """The share of ``problem``'s tests that ``expression`` passes (the RL reward)."""
+    hits = sum(evaluate(expression, x) == problem.f(x) for x in problem.tests)
+    return hits / len(problem.tests)
+
+
+def write(path: Path, count: int, seed: int) -> Path:
+    """``count`` distinct problems (by prompt) drawn with ``seed``, one JSON row a line."""
+    rng = random.Random(seed)
+    rows: dict[str, dict[str, object]] = {}
+    while len(rows) < count:
+        problem = draw(rng)
+        rows.setdefault(problem.prompt, problem.row())
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows.values()))
+    return path
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m scripts.code_data", description="Write the tiny code problem set."
+    )
+    p.add_argument("--out", type=Path, default=PROBLEMS_FILE, help=f"default {PROBLEMS_FILE}")
+    p.add_argument("--count", type=int, default=512, help="problems (default 512)")
+    p.add_argument("--seed", type=int, default=2024, help="default 2024")
+    args = p.parse_args(argv)
+    if args.count < 1:
+        p.error("--count must be >= 1")
+    print(write(args.out, args.count, args.seed))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

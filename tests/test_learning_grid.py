@@ -83,7 +83,7 @@ def test_a_quick_grid_writes_its_report_and_resumes(tmp_path: Path) -> None:
     assert [r["config"] for r in report["runs"]] == [BASELINE, "is-tis-temp@1"]
     assert report["command"] == "python -m benchmarks.learning_grid " + " ".join(argv)
     tis = report["runs"][1]
-    assert tis["settings"] == {"tis_cap": 2.0, "loss_temperature": "sampling"}
+    assert tis["settings"] == {"temperature": 0.8, "tis_cap": 2.0, "loss_temperature": "sampling"}
     assert set(tis["curve"]) == {"1", "2"} and len(tis["step_end_s"]) == 2
     assert tis["load_before"] is not None
     assert [c["cell"] for c in report["summary"]] == [BASELINE, "is-tis-temp@1"]

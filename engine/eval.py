@@ -28,6 +28,7 @@ from typing import Any
 
 import anyio
 
+from engine.basemodels.recommended import LOCAL_TEMPERATURE
 from engine.catalog import load_task
 from engine.checkpoint_files import CheckpointRef, resolve_checkpoint
 from engine.common.cli import OneLineErrorParser, add_version_flag, positive_int, program_name
@@ -36,6 +37,7 @@ from engine.common.protocol import LOCAL_MAX_NUM_SAMPLES
 from engine.common.setting import parse_text
 from engine.config import EngineConfig, parse_task_args
 from engine.config.models import setting_at
+from engine.config.profile import HOSTED_TEMPERATURE
 from engine.config.records import flat_settings
 from engine.config.values import pass_k_problem
 from engine.envs.scoring import check_score_workers
@@ -120,6 +122,9 @@ def _config(request: EvalRequest, ref: CheckpointRef, local: bool) -> EngineConf
         settings["task_args"] = {**settings.get("task_args", {}), **request.task_args}
     if request.temperature is not None:
         settings["temperature"] = request.temperature
+    elif "temperature" not in settings:
+        # no run recorded one: the temperature that server recommends for runs
+        settings["temperature"] = LOCAL_TEMPERATURE if local else HOSTED_TEMPERATURE
     if request.max_tokens is not None:
         settings["max_tokens"] = request.max_tokens
     if "task" not in settings:

@@ -139,3 +139,25 @@ def test_a_task_without_held_out_problems_is_said_in_evals_words(
         "engine.eval evaluates a task's held-out problems, and task 'jsonl-rl_repeat' has none"
     )
     assert "--eval-every" not in error
+
+
+def test_a_checkpoint_without_a_run_samples_at_its_servers_recommended_temperature(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """No run dir recorded a temperature: the local server's (0.8) or a hosted one's (1);
+    --temperature wins."""
+    from engine.basemodels.recommended import LOCAL_TEMPERATURE
+    from engine.checkpoint_files import CheckpointRef
+    from engine.config.profile import HOSTED_TEMPERATURE
+    from engine.eval import EvalRequest, _config
+
+    ref = CheckpointRef(None, "tinker://m/sampler_weights/final")
+    request = EvalRequest(checkpoint=ref.tinker_path or "", task="arithmetic")
+    assert _config(request, ref, local=True).sampling.temperature == LOCAL_TEMPERATURE
+    monkeypatch.setenv("MINT_API_KEY", "sk-abcdefghijkl")
+    hosted = EvalRequest(
+        checkpoint=ref.tinker_path or "", task="arithmetic", base_url="http://example.invalid"
+    )
+    assert _config(hosted, ref, local=False).sampling.temperature == HOSTED_TEMPERATURE
+    given = EvalRequest(checkpoint=ref.tinker_path or "", task="arithmetic", temperature=0.5)
+    assert _config(given, ref, local=True).sampling.temperature == 0.5

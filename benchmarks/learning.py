@@ -106,10 +106,10 @@ class RunSpec:
     ``mask_low``/``mask_high``, ``loss_temperature``)."""
 
 
-QUICKSTART_TEMPERATURE: Final = 0.8
-"""The sampling temperature of a configuration that names none (the quickstart's):
-pinned, as the engine's own default depends on the server (docs/losses.md, "Against a
-hosted service")."""
+QUICKSTART_TEMPERATURE: Final = LOCAL_TEMPERATURE
+"""The sampling temperature of a configuration that names none (the quickstart's, which
+the local service recommends): pinned, as the engine's own default depends on the server
+(docs/losses.md, "Against a hosted service")."""
 _QUICKSTART: Final = {"loss_temperature": "off"}
 """K=0 importance sampling as the quickstart trains it: the loss at the model's logits
 (the local server recommends the sampling temperature)."""

@@ -23,7 +23,6 @@ final mean (the first crossing of the interpolated mean curve).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import tempfile
 from collections.abc import Mapping, Sequence
@@ -36,6 +35,7 @@ from benchmarks.learning_grid import (
     cell_list,
     cell_spec,
     crossing,
+    resume_report,
     seed_list,
     standard_error,
 )
@@ -68,9 +68,7 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "runs": [],
     }
     if args.resume and args.out.is_file():
-        earlier = json.loads(args.out.read_text())
-        report["runs"] = earlier["runs"]
-        report["earlier_commands"] = [*earlier.get("earlier_commands", []), earlier["command"]]
+        resume_report(report, args.out)
     done = {(r["config"], r["seed"]) for r in report["runs"]}
     model_dir = resolve_model(args.model)
     with (

@@ -54,6 +54,7 @@ __all__ = [
     "cell_spec",
     "crossing",
     "main",
+    "resume_report",
     "seed_list",
     "standard_error",
     "summarize",
@@ -145,6 +146,17 @@ def seed_list(text: str) -> list[int]:
 # --------------------------------------------------------------------------- measuring
 
 
+def resume_report(report: dict[str, Any], out: Path) -> None:
+    """Take into ``report`` the runs an earlier, interrupted report at ``out`` wrote, and
+    the commands that wrote them (the page lists them before its own)."""
+    earlier = json.loads(out.read_text())
+    report["runs"] = earlier["runs"]
+    report["earlier_commands"] = [
+        *earlier.get("earlier_commands", []),
+        earlier.get("command", "?"),
+    ]
+
+
 def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
     report: dict[str, Any] = {
         "benchmark": "learning_grid",
@@ -160,12 +172,7 @@ def measure(args: argparse.Namespace, command: str) -> dict[str, Any]:
         "runs": [],
     }
     if args.resume and args.out.is_file():
-        earlier = json.loads(args.out.read_text())
-        report["runs"] = earlier["runs"]
-        report["earlier_commands"] = [
-            *earlier.get("earlier_commands", []),
-            earlier.get("command", "?"),
-        ]
+        resume_report(report, args.out)
     done = {(r["config"], r["seed"]) for r in report["runs"]}
     with (
         LocalServer(api_key=API_KEY, latency=args.latency, service=args.service) as server,

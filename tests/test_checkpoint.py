@@ -30,6 +30,7 @@ def record(step: int, reason: str = "periodic", **loop: object) -> CheckpointRec
         sampler_path=f"tinker://model-1/sampler_weights/step-{step}",
         reason=reason,  # type: ignore[arg-type]
         loop_state={"cursor": step * 8, **loop},
+        time="2026-01-01T00:00:00+00:00",  # fixed, so two builds of one record compare equal
     )
 
 

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import httpx
+import pytest
 
 from engine.local import LocalServer
 from engine.local.config import ServerConfig
 from engine.observe.metrics import detail_line
-from engine.session.queue_watch import QueueObserver
+from engine.session import mint as mint_session
+from engine.session.queue_watch import QueueObserver, follow_queue_states
 from tests.engine_support import API_KEY, run_engine, small_config
 
 QUEUED = {
@@ -50,6 +53,45 @@ def test_the_observer_counts_queue_answers_only_and_resets_on_take() -> None:
     }
 
 
+class SdkSamplingClient:
+    """What the SDK's sampling client offers here: the method its futures call."""
+
+    def __init__(self) -> None:
+        self.reported: list[tuple[Any, str | None]] = []
+
+    def on_queue_state_change(self, state: Any, reason: str | None) -> None:
+        self.reported.append((state, reason))
+
+
+def test_queue_states_the_sdk_reports_count_as_waits_without_place() -> None:
+    from tinker.lib.api_future_impl import QueueState
+
+    queue, client = QueueObserver(), SdkSamplingClient()
+    follow_queue_states(client, queue)
+    client.on_queue_state_change(QueueState.PAUSED_CAPACITY, "waiting for a slot")
+    client.on_queue_state_change(QueueState.PAUSED_RATE_LIMIT, None)
+    client.on_queue_state_change(QueueState.ACTIVE, None)  # no longer waiting
+    assert len(client.reported) == 3  # the SDK's own method still runs (it logs the wait)
+    assert queue.take() == {
+        "queue/waits": 2,
+        "queue/position_max": None,
+        "queue/depth_max": None,
+        "queue/eta_s_max": None,
+    }
+    assert type(client).on_queue_state_change is SdkSamplingClient.on_queue_state_change
+
+
+def saturated_server() -> LocalServer:
+    return LocalServer(
+        config=ServerConfig(
+            service="mint",
+            sampling_slots=1,
+            latency="sample_request_s=1.2,sample_token_s=0",
+            api_key=API_KEY,
+        )
+    )
+
+
 def test_a_saturated_queue_costs_no_failed_request_and_shows_in_the_metrics(
     tmp_path: Path,
 ) -> None:
@@ -57,13 +99,7 @@ def test_a_saturated_queue_costs_no_failed_request_and_shows_in_the_metrics(
     waiting request (1 s), a batch of groups sampled at once: most requests wait and
     their polls get 408s. One retry attempt and a breaker
     that opens at the first failure: a 408 taken for a failure would end the run."""
-    service = ServerConfig(
-        service="mint",
-        sampling_slots=1,
-        latency="sample_request_s=1.2,sample_token_s=0",
-        api_key=API_KEY,
-    )
-    with LocalServer(config=service) as server:
+    with saturated_server() as server:
         config = small_config(
             server,
             tmp_path / "run",
@@ -96,3 +132,21 @@ def test_a_saturated_queue_costs_no_failed_request_and_shows_in_the_metrics(
     assert [r["queue/waits"] for r in recorded] == [m["queue/waits"] for m in metrics]
     events = (tmp_path / "run" / "events.jsonl").read_text()
     assert '"retry"' not in events and "breaker" not in events
+
+
+@pytest.mark.slow
+def test_without_a_hook_on_the_http_client_the_queue_still_shows(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """As against a remote server: the SDK builds its own HTTP clients (no response
+    hook), and the waits it reports to its sampling clients are what the metrics count."""
+    monkeypatch.setattr(mint_session, "loopback_http_client", lambda *_args: None)
+    monkeypatch.setattr(mint_session, "is_loopback_host", lambda _host: False)
+    with saturated_server() as server:
+        config = small_config(server, tmp_path / "run", steps=2, batch=4, group=2, retry_attempts=1)
+        steps, result = run_engine(config)
+        told_to_wait = server.stats.sampling_queue["told_to_wait"]
+    assert result.steps_completed == 2 and told_to_wait >= 1
+    metrics = [s.metrics for s in steps]
+    assert sum(m["queue/waits"] for m in metrics) >= 1
+    assert all(m["queue/position_max"] is None for m in metrics)  # no headers read

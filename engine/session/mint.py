@@ -37,7 +37,7 @@ from engine.common.net import is_loopback_host
 from engine.config import HOSTED_BASE_URL
 from engine.session.adapter import SNAPSHOT_TTL_S, SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
-from engine.session.queue_watch import QueueObserver
+from engine.session.queue_watch import QueueObserver, follow_queue_states
 from engine.session.retry import SDK_MAX_RETRIES
 from engine.session.sdk_calls import (
     LoraSpec,
@@ -139,9 +139,14 @@ class MintSession(SdkSession):
     async def _sdk_sampling_client(
         self, path: str | None, base_model: str | None = None
     ) -> tinker.SamplingClient:
-        return await self._service.create_sampling_client_async(
+        client = await self._service.create_sampling_client_async(
             model_path=path, base_model=base_model, retry_config=self._sampling_retry_config()
         )
+        if not is_loopback_host(httpx.URL(self.info.base_url).host):
+            # No hook on the SDK's own HTTP client there (service_client): the queue's
+            # answers are followed as the SDK reports them, without place or ETA.
+            follow_queue_states(client, self.queue)
+        return client
 
     async def _sdk_new_training(self, lora: LoraSpec) -> tinker.TrainingClient:
         """A new training client: a fresh LoRA, or one loaded from ``--init-from`` (its

@@ -6,17 +6,23 @@ answered 408 by ``retrieve_future`` while it waits in the server's queue, with i
 in the headers (``X-Queue-Position``, ``X-Queue-Depth``, ``X-Queue-ETA-S``,
 ``X-Queue-Status``). The SDK re-polls those 408s itself, so no engine retry sees them;
 :class:`QueueObserver` reads them on the SDK's HTTP client (an httpx response hook) so
-the step metrics and the console can show the queue.
+the step metrics and the console can show the queue. Where the engine cannot hook the
+SDK's HTTP client (a remote server, the tinker SDK), :func:`follow_queue_states` counts
+the queue answers the SDK reports to its sampling client instead (no place or ETA then).
 """
 
 from __future__ import annotations
 
 import math
 import threading
+from typing import Any
 
 import httpx
 
-__all__ = ["QueueObserver"]
+__all__ = ["QueueObserver", "follow_queue_states"]
+
+ACTIVE = "active"
+"""The queue state (``QueueState.value``) of a request that is no longer waiting."""
 
 
 def _number(headers: httpx.Headers, name: str) -> float | None:
@@ -57,6 +63,14 @@ class QueueObserver:
             if eta is not None:
                 self._eta_max = max(self._eta_max or 0.0, eta)
 
+    def observe_state(self, state: object) -> None:
+        """Count a queue state the SDK reports (a ``QueueState``); an active one is not
+        a wait."""
+        if getattr(state, "value", state) == ACTIVE:
+            return
+        with self._lock:
+            self._waits += 1
+
     async def hook(self, response: httpx.Response) -> None:
         """The httpx ``event_hooks["response"]`` entry (reads headers only)."""
         self.observe(response)
@@ -75,3 +89,17 @@ class QueueObserver:
             self._position_max = self._depth_max = None
             self._eta_max = None
         return taken
+
+
+def follow_queue_states(sampling_client: Any, queue: QueueObserver) -> None:
+    """Show ``queue`` every queue state the SDK reports to ``sampling_client`` (both SDK
+    generations call its ``on_queue_state_change(state, reason)`` on each queue answer,
+    whatever the transport), then let the SDK's own method run (it logs the wait). Only
+    this client's method is wrapped, nothing process-wide."""
+    report = sampling_client.on_queue_state_change
+
+    def on_queue_state_change(state: Any, reason: str | None) -> None:
+        queue.observe_state(state)
+        report(state, reason)
+
+    sampling_client.on_queue_state_change = on_queue_state_change

@@ -38,7 +38,7 @@ from tinker.lib.base_url import DEFAULT_BASE_URL
 from engine.session.adapter import SdkSession
 from engine.session.api import LossSpec, SamplerHandle, SamplingParams
 from engine.session.provenance import SampledIndex, Span, datum_provenance
-from engine.session.queue_watch import QueueObserver
+from engine.session.queue_watch import QueueObserver, follow_queue_states
 from engine.session.sdk_calls import LoraSpec, settled
 
 __all__ = ["CLOSE_TIMEOUT_S", "STABILITY_LOSSES", "TinkerSession"]
@@ -80,7 +80,8 @@ class TinkerSession(SdkSession):
     def _sdk_service(
         base_url: str, api_key: str | None, queue: QueueObserver | None = None
     ) -> tinker.ServiceClient:
-        # The SDK builds its own HTTP clients: ``queue`` is not shown its answers here.
+        # The SDK builds its own HTTP clients: the queue's answers are followed on each
+        # sampling client instead (follow_queue_states).
         return tinker.ServiceClient(base_url=base_url, api_key=api_key)
 
     async def _sdk_supported_models(
@@ -174,6 +175,7 @@ class TinkerSession(SdkSession):
         """The snapshot's sampling client, under the step's deadline (the snapshot and
         its sampling session are one call: not retried)."""
         client = await self._step_call(version, lambda: settled(reserved), completes=False)
+        follow_queue_states(client, self.queue)
         return SamplerHandle(version, client)
 
     async def _sdk_sampling_client(
@@ -186,7 +188,9 @@ class TinkerSession(SdkSession):
             retry_config=self._sampling_retry_config(),
             record_stability_info=self._records_stability,
         )
-        return await future  # type: ignore[no-any-return]
+        client = await future
+        follow_queue_states(client, self.queue)
+        return client  # type: ignore[no-any-return]
 
     async def _sdk_new_training(self, lora: LoraSpec) -> tinker.TrainingClient:
         """A new training client: a fresh LoRA, or one loaded from ``--init-from`` (its

@@ -10,7 +10,7 @@ task's own held-out evaluation every ``--eval-every`` steps (the run's eval reco
 before training included). Each run is the engine in this process with its defaults but
 for the cell's loss, K and corrections.
 
-    python -m benchmarks.learning_chat --service mint --cells is@0,ppo-t1@1 --seeds 1,2,3
+    python -m benchmarks.learning_chat --service mint --cells is@0,is-t1@0,ppo-t1@1 --seeds 1,2,3
     python -m benchmarks.learning_chat --steps 2 --eval-every 1 --seeds 1 --cells is@0 \\
         --model tiny-agent-2 --eval-size 8   # a smoke test on a packaged model
 

@@ -57,10 +57,10 @@ from engine.rundir.record import RunRecord
 from engine.rundir.resume import CONFIG_FILE, read_run_config
 from engine.session.api import Session
 from engine.session.capabilities import check_run_capabilities
-from engine.session.opening import SharedLocalServer, open_session, service_guard
+from engine.session.opening import SharedLocalServer, open_session
 from engine.session.preflight import local_server_profile
 from engine.session.queue_watch import QueueObserver
-from engine.session.retry import RetryCounter
+from engine.session.retry import RetryCounter, service_guard
 from engine.supervision.supervisor import StepHook, Supervisor
 
 __all__ = ["Engine", "SessionFactory", "StepHook", "load_run_task", "prepare_run"]

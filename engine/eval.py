@@ -47,7 +47,8 @@ from engine.loop.groups import GroupPlan
 from engine.rundir.checkpoint_copy import copy_checkpoint_files
 from engine.rundir.checkpoints import CHECKPOINTS_FILE
 from engine.rundir.resume import read_run_config
-from engine.session.opening import open_session, service_guard
+from engine.session.opening import open_session
+from engine.session.retry import service_guard
 from engine.tasks.render import PromptRenderer
 
 __all__ = ["DEFAULT_SAMPLES", "EvalRequest", "format_table", "main", "run_eval"]

@@ -18,9 +18,9 @@ from engine.observe.report import (
     REPORT_PNG,
     draw_report,
     finished_run_report,
-    load_run,
     smooth,
 )
+from engine.observe.run_data import load_run
 from engine.report import main
 from engine.rundir.directory import config_record, write_config
 

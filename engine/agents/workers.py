@@ -47,7 +47,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from engine.agents.endpoint import Dispatch, Reply
-from engine.envs.executors import outcome_of
+from engine.envs.worker_calls import outcome_of
 from engine.errors import EngineError
 
 __all__ = ["AgentWorkers", "worker_dispatch"]

@@ -26,7 +26,7 @@ from engine.observe.tokens import COST_CUMULATIVE, CUMULATIVE, KINDS
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from engine.observe.report import RunData
+    from engine.observe.run_data import RunData
 
 __all__ = ["Panel", "build_panels", "components", "draw_panels"]
 

@@ -39,6 +39,7 @@ from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError, EngineError, body_excerpt, classify
 from engine.session.api import CustomLossValue, LossSpec, SamplingParams, StepTicket
 from engine.session.preflight import local_service
+from engine.session.retry import service_guard
 
 if TYPE_CHECKING:
     from engine.session.adapter import SdkSession
@@ -149,8 +150,6 @@ async def probe_session(
 ) -> AsyncIterator[SdkSession]:
     """A session of its own on a fresh throwaway LoRA (``config``'s base model and rank,
     never ``--init-from``), its calls guarded as ``config`` says; closed on exit."""
-    from engine.session.opening import service_guard
-
     if config.model.init_from is not None:
         config = config.replace(init_from=None, init_from_optimizer=False)
     async with session_class.connect(

@@ -45,7 +45,7 @@ from engine.errors import ConfigError, EngineError, RunFileError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
 from engine.rundir.checkpoint_copy import copy_checkpoint_files
-from engine.rundir.checkpoints import CHECKPOINTS_FILE
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE
 from engine.rundir.resume import read_run_config
 from engine.session.api import SamplerHandle
 from engine.session.opening import open_session

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import anyio
 
 from engine.agents.chat import Answer, ChatFormat
-from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
+from engine.agents.openai_wire import ChatRequest, CompletionRequest, EndpointError
 from engine.checkpoint_files import resolve_checkpoint
 from engine.common.cli import (
     OneLineErrorParser,

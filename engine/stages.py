@@ -28,7 +28,7 @@ from engine.config.groups import ThenSettings
 from engine.engine import Engine, SessionFactory, StepHook, prepare_run
 from engine.errors import ConfigError, ResumeError, StopRequested
 from engine.loop.results import RunResult
-from engine.rundir.checkpoints import CheckpointLog
+from engine.rundir.checkpoint_log import CheckpointLog
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import QUIET
 from engine.rundir.resume import CONFIG_FILE, read_run_config, resumed_config

@@ -13,14 +13,14 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.observe.report import (
+from engine.observe.run_data import load_run
+from engine.observe.run_report import (
     REPORT_HTML,
     REPORT_PNG,
     draw_report,
     finished_run_report,
     smooth,
 )
-from engine.observe.run_data import load_run
 from engine.report import main
 from engine.rundir.directory import config_record, write_config
 

@@ -19,7 +19,7 @@ from engine.config.records import CONFIG_FILE
 from engine.config.sources import BEFORE_RECORDED
 from engine.errors import NoCheckpointYet, ResumeError
 from engine.redact import REDACTED, redact_config
-from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
 
 __all__ = [
     "CONFIG_FILE",

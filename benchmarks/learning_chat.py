@@ -52,7 +52,7 @@ from engine import EngineConfig
 from engine.basemodels.catalogue import resolve_model
 from engine.local import LocalServer
 from engine.local.profiles import SERVICES
-from engine.observe.report import load_run
+from engine.observe.run_data import load_run
 
 __all__ = ["main", "summarize"]
 

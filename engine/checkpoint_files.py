@@ -32,7 +32,7 @@ from engine.rundir.checkpoint_copy import (
     check_checkpoint_files,
     relative_checkpoint_path,
 )
-from engine.rundir.checkpoints import CHECKPOINTS_FILE
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE
 from engine.rundir.directory import LOCAL_SERVER_DIR
 
 __all__ = ["CheckpointRef", "checkpoint_directory", "resolve_checkpoint"]

@@ -21,7 +21,8 @@ from engine.common.sdks import choose_sdk
 from engine.config import EngineConfig
 from engine.errors import ConfigError, EngineError
 from engine.redact import register_secret
-from engine.session.capabilities import PROBE_TIMEOUT_S, Finding, NoServerAnswers, probe_server
+from engine.session.capabilities import PROBE_TIMEOUT_S, Finding
+from engine.session.doctor_probes import NoServerAnswers, probe_server
 
 
 def _parser() -> OneLineErrorParser:

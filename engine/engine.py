@@ -41,7 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.catalog import load_task, preferred_local_model, task_spec
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.config import EngineConfig, Profile, with_stored_settings
+from engine.config import EngineConfig, Profile
 from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
 from engine.envs.types import AnyTask
@@ -54,13 +54,13 @@ from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
 from engine.rundir.events import EventLog, describe
 from engine.rundir.record import RunRecord
-from engine.rundir.resume import CONFIG_FILE, read_run_config
+from engine.rundir.resume import resumed_config
 from engine.session.api import Session
 from engine.session.capabilities import check_run_capabilities
-from engine.session.opening import SharedLocalServer, open_session, service_guard
+from engine.session.opening import SharedLocalServer, open_session
 from engine.session.preflight import local_server_profile
 from engine.session.queue_watch import QueueObserver
-from engine.session.retry import RetryCounter
+from engine.session.retry import RetryCounter, service_guard
 from engine.supervision.supervisor import StepHook, Supervisor
 
 __all__ = ["Engine", "SessionFactory", "StepHook", "load_run_task", "prepare_run"]
@@ -536,10 +536,7 @@ def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfi
         # passed as an object), so --resume works alike from the CLI and embedded.
         spec, args = task_spec(task, config.task.spec, config.task.args)
         changes["task"] = {"spec": spec, "args": args}
-    resume = config.checkpoints.resume
-    if resume is not None:
-        # A resumed run keeps the settings it was started with unless given anew.
-        config = with_stored_settings(config, read_run_config(resume), str(resume / CONFIG_FILE))
+    config = resumed_config(config)  # a resumed run keeps its settings unless given anew
     if config.uses_local_server:
         # A task may name the model it runs on (the shipped environments do); what
         # the server started here will recommend is known before it starts.

@@ -20,11 +20,11 @@ from __future__ import annotations
 import json
 import sys
 import tempfile
-from collections.abc import Mapping, Sequence
-from contextlib import AsyncExitStack
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 
@@ -45,10 +45,15 @@ from engine.errors import ConfigError, EngineError, RunFileError, find_error
 from engine.loop.evaluation import eval_problems_of, evaluate_problems, problem_records
 from engine.loop.groups import GroupPlan
 from engine.rundir.checkpoint_copy import copy_checkpoint_files
-from engine.rundir.checkpoints import CHECKPOINTS_FILE
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE
 from engine.rundir.resume import read_run_config
-from engine.session.opening import open_session, service_guard
+from engine.session.api import SamplerHandle
+from engine.session.opening import open_session
+from engine.session.retry import service_guard
 from engine.tasks.render import PromptRenderer
+
+if TYPE_CHECKING:
+    from engine.session.adapter import SdkSession  # imports the SDK: not for --help
 
 __all__ = ["DEFAULT_SAMPLES", "EvalRequest", "format_table", "main", "run_eval"]
 
@@ -149,6 +154,45 @@ def _stage(ref: CheckpointRef, data_dir: Path) -> tuple[str, Path]:
     return "tinker://" + "/".join(_STAGED_PATH), copy
 
 
+@dataclass(frozen=True)
+class CheckpointSession:
+    """A session open on a checkpoint's service, and where its weights are sampled."""
+
+    session: SdkSession
+    sampler_path: str
+    step: int
+
+    async def open_sampler(self) -> SamplerHandle:
+        return await self.session.open_sampler(self.step, self.sampler_path)
+
+
+@asynccontextmanager
+async def open_checkpoint_session(
+    request: EvalRequest, ref: CheckpointRef, *, prefix: str
+) -> AsyncIterator[CheckpointSession]:
+    """Open a session where ``ref`` (``request.checkpoint`` resolved) can be sampled, with
+    the settings its run dir recorded and ``request``'s overrides: a checkpoint whose files
+    are here is copied into a temporary data dir (its name starts with ``prefix``) and
+    served by a local server there; any other is sampled where it lives. The session's
+    ``config`` has the task's arguments completed by what the server says. Shared by
+    ``engine.eval`` and ``engine.serve``."""
+    local = ref.directory is not None
+    config = _config(request, ref, local)
+    async with AsyncExitStack() as stack:
+        data_dir: Path | None = None
+        if local:
+            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix=prefix)))
+            path, staged = _stage(ref, data_dir)
+            if config.session.local_model is None:
+                config = _with_base_model_of(config, staged)
+        else:
+            path = _sampler_path(ref)
+        session = await stack.enter_async_context(
+            open_session(config, guard=service_guard(config), local_data_dir=data_dir)
+        )
+        yield CheckpointSession(session, path, ref.step if ref.step is not None else 1)
+
+
 async def run_eval(request: EvalRequest) -> dict[str, Any]:
     """Evaluate as ``request`` says; return the JSON-able result."""
     samples = request.samples_drawn
@@ -162,20 +206,8 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
             f"{samples} samples per problem (--samples, or the largest --k) are more than "
             f"the {MAX_LOCAL_SAMPLES} the local server draws per request"
         )
-    config = _config(request, ref, local)
-    async with AsyncExitStack() as stack:
-        data_dir: Path | None = None
-        if local:
-            data_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-eval-")))
-            path, staged = _stage(ref, data_dir)
-            if config.session.local_model is None:
-                config = _with_base_model_of(config, staged)
-        else:
-            assert ref.tinker_path is not None
-            path = _sampler_path(ref)
-        session = await stack.enter_async_context(
-            open_session(config, guard=service_guard(config), local_data_dir=data_dir)
-        )
+    async with open_checkpoint_session(request, ref, prefix="engine-eval-") as opened:
+        session = opened.session
         config = session.config  # the task's arguments completed by what the server says
         task = load_task(config.task.spec, config.task.args)
         check_score_workers(task, config.scoring.score_workers)
@@ -200,8 +232,7 @@ async def run_eval(request: EvalRequest) -> dict[str, Any]:
             metrics = {k.removeprefix("eval/"): v for k, v in evaluation.metrics.items()}
             return metrics, problem_records(evaluation, plan_renderer, texts=request.texts)
 
-        step = ref.step if ref.step is not None else 1
-        metrics, records = await measure(await session.open_sampler(step, path))
+        metrics, records = await measure(await opened.open_sampler())
         result: dict[str, Any] = {
             "checkpoint": request.checkpoint,
             "tinker_path": ref.tinker_path,

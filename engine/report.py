@@ -32,7 +32,7 @@ from pathlib import Path
 
 from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.errors import ConfigError
-from engine.observe.report import DEFAULT_SMOOTHING, load_runs, write_runs
+from engine.observe.run_report import DEFAULT_SMOOTHING, load_runs, write_runs
 
 __all__ = ["build_parser", "main"]
 

@@ -1,5 +1,5 @@
 """``python -m engine.rollouts RUN``: print the rollouts a run logged (``rollouts.jsonl``,
-written by :mod:`engine.rundir.rollouts`), whatever the task's kind.
+written by :mod:`engine.rundir.rollout_log`), whatever the task's kind.
 
 Why: a run whose every response scored -0.1 cannot be explained from averages.
 
@@ -20,7 +20,7 @@ from typing import Any
 
 from engine.common.cli import OneLineErrorParser
 from engine.common.steplog import read_step_lines
-from engine.rundir.rollouts import ROLLOUTS_FILE
+from engine.rundir.rollout_log import ROLLOUTS_FILE
 
 __all__ = ["format_group", "main"]
 

@@ -37,7 +37,6 @@ from engine.config import (
     add_setting_arguments,
     config_from_sources,
     read_config_file,
-    with_stored_settings,
 )
 from engine.config.models import setting_at
 from engine.config.sources import env_text
@@ -45,8 +44,8 @@ from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.loop.results import RunResult, StepResult
 from engine.redact import install_stdlib_redaction, redact_text
-from engine.rundir.directory import CONFIG_FILE, read_run_config
 from engine.rundir.events import QUIET
+from engine.rundir.resume import resumed_config
 from engine.stages import Stages, check_not_a_second_stage, check_stages
 from engine.supervision.loop_monitor import LoopMonitor
 from engine.supervision.watchdog import SignalInterrupt
@@ -94,8 +93,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         # exit 2.
         run_dir = Path(resume).expanduser()
         check_not_a_second_stage(run_dir)
-        stored = read_run_config(run_dir)
-        config = with_stored_settings(config, stored, str(run_dir / CONFIG_FILE))
+        config = resumed_config(config, run_dir)
     check_stages(config)  # after the stored settings: --resume RUN --then-steps N
     return config
 

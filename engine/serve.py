@@ -19,16 +19,14 @@ import hmac
 import os
 import signal
 import sys
-import tempfile
 from collections.abc import Sequence
 from contextlib import AsyncExitStack
 from dataclasses import dataclass
-from pathlib import Path
 
 import anyio
 
 from engine.agents.chat import Answer, ChatFormat
-from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
+from engine.agents.openai_wire import ChatRequest, CompletionRequest, EndpointError
 from engine.checkpoint_files import resolve_checkpoint
 from engine.common.cli import (
     OneLineErrorParser,
@@ -39,9 +37,8 @@ from engine.common.cli import (
 )
 from engine.common.net import is_loopback_host
 from engine.errors import ConfigError, EngineError, find_error
-from engine.eval import EvalRequest, _config, _sampler_path, _stage, _with_base_model_of
+from engine.eval import EvalRequest, open_checkpoint_session
 from engine.session.api import SamplerHandle, SamplingParams, Session
-from engine.session.opening import open_session, service_guard
 from engine.tasks import TaskContext
 from engine.tasks.conversations import max_context_chars
 
@@ -182,7 +179,6 @@ async def serve(request: ServeRequest, *, ready: anyio.Event | None = None) -> N
     from engine.agents.endpoint import serve_endpoint  # the HTTP server stack: not for --help
 
     ref = resolve_checkpoint(request.checkpoint, step=request.step)
-    local = ref.directory is not None
     eval_request = EvalRequest(
         request.checkpoint,
         step=request.step,
@@ -190,25 +186,14 @@ async def serve(request: ServeRequest, *, ready: anyio.Event | None = None) -> N
         max_tokens=request.max_tokens,
         base_url=request.base_url,
     )
-    config = _config(eval_request, ref, local)
     async with AsyncExitStack() as stack:
-        data_dir: Path | None = None
-        if local:
-            data_dir = Path(
-                stack.enter_context(tempfile.TemporaryDirectory(prefix="engine-serve-"))
-            )
-            path, staged = _stage(ref, data_dir)
-            if config.session.local_model is None:
-                config = _with_base_model_of(config, staged)
-        else:
-            path = _sampler_path(ref)
-        session = await stack.enter_async_context(
-            open_session(config, guard=service_guard(config), local_data_dir=data_dir)
+        opened = await stack.enter_async_context(
+            open_checkpoint_session(eval_request, ref, prefix="engine-serve-")
         )
-        sampler = await session.open_sampler(ref.step if ref.step is not None else 1, path)
+        session = opened.session
         backend = SessionBackend(
             session,
-            sampler,
+            await opened.open_sampler(),
             model=ref.tinker_path or request.checkpoint,
             max_tokens=session.config.sampling.max_tokens,
             api_key=request.api_key,

@@ -23,15 +23,15 @@ from typing import Any, Final, TextIO
 
 from engine.common.clock import LOOP_CLOCK, Clock
 from engine.common.setting import setting_fields
-from engine.config import EngineConfig, stored_settings, with_stored_settings
+from engine.config import EngineConfig, stored_settings
 from engine.config.groups import ThenSettings
 from engine.engine import Engine, SessionFactory, StepHook, prepare_run
 from engine.errors import ConfigError, ResumeError, StopRequested
 from engine.loop.results import RunResult
-from engine.rundir.checkpoints import CheckpointLog
+from engine.rundir.checkpoint_log import CheckpointLog
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import QUIET
-from engine.rundir.resume import CONFIG_FILE, read_run_config
+from engine.rundir.resume import CONFIG_FILE, read_run_config, resumed_config
 from engine.session.api import Session
 from engine.session.opening import SharedLocalServer
 
@@ -123,11 +123,7 @@ class Stages:
         clock: Clock = LOOP_CLOCK,
         session: Session | SessionFactory | None = None,
     ) -> None:
-        resume = config.checkpoints.resume
-        if resume is not None:
-            config = with_stored_settings(
-                config, read_run_config(resume), str(resume / CONFIG_FILE)
-            )
+        config = resumed_config(config)
         check_stages(config)
         if config.then.objective is None:
             raise ConfigError("Stages runs a config with a second stage: set then (rl or distill)")

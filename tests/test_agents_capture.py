@@ -200,7 +200,7 @@ def test_the_responses_are_the_openai_packages_types() -> None:
 
     from engine.agents.chat import Answer, Choice
     from engine.agents.endpoint import _chat_response
-    from engine.agents.wire import ChatRequest
+    from engine.agents.openai_wire import ChatRequest
     from engine.envs.tools import ToolCall
 
     choice = Choice((1, 2), "x", None, (ToolCall("f", {"a": 1}, "call_0"),), "tool_calls")
@@ -218,7 +218,7 @@ def test_the_request_fields_are_named_as_in_the_openai_package() -> None:
     from openai.types import completion_create_params as text_params
     from openai.types.chat import completion_create_params as chat_params
 
-    from engine.agents.wire import ChatRequest, CompletionRequest
+    from engine.agents.openai_wire import ChatRequest, CompletionRequest
 
     chat = chat_params.CompletionCreateParamsBase.__annotations__
     text = text_params.CompletionCreateParamsBase.__annotations__

@@ -17,7 +17,7 @@ from engine import rollouts
 from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.core.datums import trajectory_datums
 from engine.local import LocalServer
-from engine.rundir.rollouts import ROLLOUTS_FILE
+from engine.rundir.rollout_log import ROLLOUTS_FILE
 from examples.openai_calculator_agent import task
 from tests.engine_support import run_engine, small_config
 

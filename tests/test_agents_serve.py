@@ -130,7 +130,7 @@ def test_a_prompt_over_the_context_is_refused_before_it_is_tokenized() -> None:
 
     from transformers import AutoTokenizer
 
-    from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
+    from engine.agents.openai_wire import ChatRequest, CompletionRequest, EndpointError
     from engine.basemodels.catalogue import DEFAULT_MODEL_DIR
     from engine.serve import SessionBackend
 

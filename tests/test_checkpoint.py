@@ -15,7 +15,7 @@ from structlog.testing import capture_logs
 
 from engine.common.files import truncate_metrics
 from engine.errors import ResumeError
-from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
 from engine.rundir.directory import CONFIG_FILE, load_resume_state, write_config
 
 pytestmark = pytest.mark.anyio
@@ -83,7 +83,7 @@ def test_kill_9_during_appends_leaves_a_readable_log(tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
         import sys
-        from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+        from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
         from engine.rundir.events import QUIET
         log = CheckpointLog({str(tmp_path)!r}, log=QUIET)  # "ready" is its only output
         step = 0

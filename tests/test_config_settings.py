@@ -24,7 +24,7 @@ from engine.config import (
 from engine.config.sources import default_text, help_text, task_own_settings
 from engine.errors import ConfigError, ResumeError
 from engine.run import build_parser, parse_config
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import CONFIG_FILE, config_record, load_resume_state, write_config
 from scripts.gen_config_table import run_table
 

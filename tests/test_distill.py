@@ -19,8 +19,8 @@ from test_pipeline_stages import ToyTask
 from engine import Engine, EngineConfig
 from engine.core.datums import DistillSignal, group_datums, reverse_kl
 from engine.core.problems import RewardBreakdown
-from engine.core.records import trajectory_from_dict, trajectory_to_dict
 from engine.core.trajectory import Trajectory, Turn
+from engine.core.trajectory_json import trajectory_from_dict, trajectory_to_dict
 from engine.errors import (
     ConfigError,
     EngineError,
@@ -32,7 +32,7 @@ from engine.errors import (
 from engine.loop.results import StepResult
 from engine.loop.teacher import TeacherFailed, tokenizer_mismatch
 from engine.rollouts import main as rollouts_main
-from engine.rundir.teacher import teacher_weights
+from engine.rundir.teacher_weights import teacher_weights
 
 pytestmark = pytest.mark.anyio
 

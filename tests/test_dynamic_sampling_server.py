@@ -14,7 +14,7 @@ import pytest
 from benchmarks import refill
 from engine.core.problems import Problem, RewardBreakdown
 from engine.local import LocalServer
-from engine.rundir.rollouts import ROLLOUTS_FILE
+from engine.rundir.rollout_log import ROLLOUTS_FILE
 from engine.tasks.arithmetic import ArithmeticTask
 from tests.engine_support import run_engine, small_config
 

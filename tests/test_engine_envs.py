@@ -12,7 +12,7 @@ import pytest
 
 from engine.core.datums import trajectory_datums
 from engine.local import LocalServer
-from engine.rundir.rollouts import ROLLOUTS_FILE
+from engine.rundir.rollout_log import ROLLOUTS_FILE
 from examples.retry_addition import RetryAdditionTask
 from tests.engine_support import run_engine, small_config
 

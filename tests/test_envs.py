@@ -23,7 +23,7 @@ from env_support import (
 
 from engine.core.datums import group_datums, trajectory_datums
 from engine.core.problems import Problem
-from engine.core.records import episode_record, trajectory_from_dict, trajectory_to_dict
+from engine.core.trajectory_json import episode_record, trajectory_from_dict, trajectory_to_dict
 from engine.envs import ChatGroup, EpisodeLimits, HermesToolCalls, Trajectory, Turn
 from engine.envs.rollout import EpisodeRunner
 from tests.datums import datum_to_dict

@@ -229,7 +229,7 @@ async def test_rollouts_show_each_episode_turn_by_turn() -> None:
     from fake_session import ByteTokenizer
 
     from engine.rollouts import format_group
-    from engine.rundir.rollouts import group_record
+    from engine.rundir.rollout_log import group_record
     from engine.tasks.render import PromptRenderer
 
     task = CountdownTask()

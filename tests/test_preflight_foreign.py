@@ -18,8 +18,8 @@ import pytest
 from structlog.testing import capture_logs
 
 from engine.config import EngineConfig
-from engine.session.opening import service_guard
 from engine.session.preflight import PreflightError, read_server_profile
+from engine.session.retry import service_guard
 
 REPO = Path(__file__).resolve().parents[1]
 NOT_MINT = "does not speak the MinT/Tinker API"

@@ -8,7 +8,7 @@ import anyio
 import pytest
 
 from engine.errors import CircuitOpen, OpTimeout, PermanentServiceError, StepOutcomeUnknown
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.session.breaker import CircuitBreaker
 from engine.session.train_step import StepOutcome, run_train_step, step_outcome
 from engine.supervision.recovery import plan_recovery

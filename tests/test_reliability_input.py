@@ -23,7 +23,7 @@ from engine.core.state import LoopState
 from engine.errors import PermanentServiceError
 from engine.local import LocalServer
 from engine.run import main
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import write_config
 from engine.session.adapter import SdkSession
 from engine.session.api import SamplingParams

@@ -32,7 +32,7 @@ from engine.observe.idle import NO_TRAINING_STEPS, no_training_summary, no_train
 from engine.report import main as report_main
 from engine.rollouts import main as rollouts_main
 from engine.run import main
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import config_record, write_config
 from engine.rundir.lock import RunDirLock
 from engine.session.api import ServerInfo

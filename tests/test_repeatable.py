@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from engine.local import LocalServer
-from engine.rundir.rollouts import ROLLOUTS_FILE
+from engine.rundir.rollout_log import ROLLOUTS_FILE
 from tests.engine_support import run_engine, small_config
 
 

@@ -13,12 +13,12 @@ import pytest
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.observe.report import (
+from engine.observe.run_data import load_run
+from engine.observe.run_report import (
     REPORT_HTML,
     REPORT_PNG,
     draw_report,
     finished_run_report,
-    load_run,
     smooth,
 )
 from engine.report import main

@@ -24,7 +24,8 @@ from test_sft import ChatSession, conversations, sft_config
 
 from engine.core.problems import Problem, RewardBreakdown
 from engine.observe.headline import headline_figures
-from engine.observe.report import REPORT_PNG, draw_report, load_run, plot_report, write_html
+from engine.observe.run_data import load_run
+from engine.observe.run_report import REPORT_PNG, draw_report, plot_report, write_html
 
 pytestmark = pytest.mark.anyio
 

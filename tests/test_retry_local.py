@@ -21,7 +21,7 @@ from tinker import types
 from engine.common.clock import LOOP_CLOCK, Clock
 from engine.errors import CircuitOpen, PermanentServiceError, StepOutcomeUnknown
 from engine.local import LocalServer
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.session.breaker import CircuitBreaker
 from engine.session.retry import SDK_MAX_RETRIES, OpKind, RetryPolicy, ServiceGuard
 from engine.session.sdk_calls import sdk_sampling_retry_config

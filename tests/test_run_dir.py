@@ -20,7 +20,7 @@ from engine.errors import ConfigError, RunFileError, exit_code, format_error
 from engine.local import LocalServer
 from engine.observe.metrics import RunLog
 from engine.run import main
-from engine.rundir.checkpoints import CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import prepare_run_dir, write_config
 from engine.rundir.events import EventLog
 from tests.engine_support import run_engine
@@ -153,7 +153,7 @@ def test_a_full_disk_names_the_file_and_keeps_its_previous_version(
     def disk_full(fd: int) -> None:
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr("engine.rundir.checkpoints.os.fsync", disk_full)
+    monkeypatch.setattr("engine.rundir.checkpoint_log.os.fsync", disk_full)
     with pytest.raises(RunFileError) as info:
         write_file_atomically(summary, b'{"status": "failed"}\n')
     assert str(info.value) == f"cannot write {summary}: no space left on device"

@@ -15,7 +15,7 @@ import pytest
 from engine.core.state import LoopState
 from engine.loop.results import StepResult, StepTimeline
 from engine.observe.metrics import RunLog
-from engine.rundir.checkpoints import CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointRecord
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
 

@@ -22,7 +22,7 @@ from safetensors.torch import load_file
 
 from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.local import LocalServer
-from engine.rundir.rollouts import ROLLOUTS_FILE
+from engine.rundir.rollout_log import ROLLOUTS_FILE
 from tests.tinker_env import REPO, tinker_python
 
 # A real-server end-to-end set: deselected by default, run with -m slow (CI runs both).

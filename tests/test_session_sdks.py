@@ -26,7 +26,8 @@ from engine.session.mint import (
     loopback_http_client,
     reserve_sampler_snapshot,
 )
-from engine.session.opening import adapter_class, open_session, service_guard
+from engine.session.opening import adapter_class, open_session
+from engine.session.retry import service_guard
 from engine.session.sdk_calls import settled
 from tests.hosted_env import run_without
 from tests.test_install import clean_env, one_error_line

@@ -21,7 +21,7 @@ from engine import EngineConfig, Stages
 from engine.errors import ConfigError, ResumeError
 from engine.loop.results import RunResult, StepResult
 from engine.run import main, parse_config
-from engine.rundir.teacher import teacher_weights
+from engine.rundir.teacher_weights import teacher_weights
 from engine.stages import second_stage_config
 
 pytestmark = pytest.mark.anyio

@@ -267,8 +267,8 @@ def test_token_settings_are_refused_in_one_line(tmp_path: Path) -> None:
 async def test_the_report_draws_the_runs_tokens_and_its_cost_only_when_priced(
     tmp_path: Path,
 ) -> None:
-    from engine.observe.report import load_run
     from engine.observe.report_panels import build_panels
+    from engine.observe.run_data import load_run
 
     await run(fake_config(tmp_path / "free", steps=2), ToyTask(), CountingSession())
     await run(fake_config(tmp_path / "priced", steps=2, price_train=3.0), ToyTask(), FakeSession())

@@ -16,7 +16,7 @@ from engine.config import EngineConfig, config_from_sources, stored_settings
 from engine.errors import ConfigError
 from engine.local import LocalServer
 from engine.observe.metrics import RunLog
-from engine.observe.report import REPORT_PNG
+from engine.observe.run_report import REPORT_PNG
 from engine.observe.trackers import TensorBoardSink, WandbSink, scalar_metrics
 from tests.engine_support import API_KEY, run_engine, small_config
 

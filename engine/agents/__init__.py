@@ -16,8 +16,8 @@ if TYPE_CHECKING:
     from engine.agents.chat import Answer, ChatFormat, Choice, Conversation
     from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
     from engine.agents.episodes import AgentEnv, AgentError, AgentResult, Episode
+    from engine.agents.openai_wire import EndpointError
     from engine.agents.task import AgentGroup, AgentTask
-    from engine.agents.wire import EndpointError
 
 __all__ = [
     "AgentEnv",
@@ -43,7 +43,7 @@ _HOMES = {
     "engine.agents.endpoint": ("Endpoint", "EndpointLimits", "serve_endpoint"),
     "engine.agents.episodes": ("AgentEnv", "AgentError", "AgentResult", "Episode"),
     "engine.agents.task": ("AgentGroup", "AgentTask"),
-    "engine.agents.wire": ("EndpointError",),
+    "engine.agents.openai_wire": ("EndpointError",),
 }
 _HOME = {name: module for module, names in _HOMES.items() for name in names}
 

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.agents.wire import EndpointError, MessageWire, ToolWire
+from engine.agents.openai_wire import EndpointError, MessageWire, ToolWire
 from engine.envs.tools import HermesToolCalls, ToolCall, ToolCallParser
 from engine.tasks import TaskContext
 

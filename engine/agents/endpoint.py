@@ -42,7 +42,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from engine.agents.chat import Answer, Choice
-from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError, error_body
+from engine.agents.openai_wire import ChatRequest, CompletionRequest, EndpointError, error_body
 from engine.common.http11 import with_header_timeout
 
 __all__ = [

@@ -25,7 +25,7 @@ import anyio
 from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.agents.chat import Answer, ChatFormat, Choice, Conversation
-from engine.agents.wire import ChatRequest, CompletionRequest, EndpointError
+from engine.agents.openai_wire import ChatRequest, CompletionRequest, EndpointError
 from engine.envs import Action, EnvContext, EnvStepResult, Observation, StopCondition
 from engine.envs.tools import ToolCall
 from engine.errors import EngineError

@@ -8,7 +8,7 @@ engine's keys never reach it.
 
 Its reward is its output's last line, a JSON object ``{"reward": R}`` (other numbers in
 it are logged as ``env/all/<name>`` metrics), or what ``scorer(problem, output)`` says
-when one is given. It runs under a supervisor (:mod:`engine.agents.supervisor`) that
+when one is given. It runs under a supervisor (:mod:`engine.agents.process_supervisor`) that
 ends every process it started -- in a session of their own too -- when it exits, times
 out, the run stops or the engine dies. A non-zero exit, a missing reward line or a
 timeout ends the episode as an agent error (``--on-limit``: zero or mask), with the last
@@ -75,7 +75,7 @@ PASSED_ENVIRONMENT = (
 """The engine's variables an agent process gets (with ``LC_*``) when they are set: what
 programs need to run, never a key."""
 _SET_BY_ENGINE = ("OPENAI_BASE_URL", "OPENAI_API_KEY", "ENGINE_PROBLEM", "ENGINE_PROBLEM_FILE")
-_SUPERVISOR = Path(__file__).with_name("supervisor.py")
+_SUPERVISOR = Path(__file__).with_name("process_supervisor.py")
 _KILL_WAIT_S = 5.0
 _DRAIN_S = 5.0
 """How long output is read after the process ended (a pipe a stray process keeps open

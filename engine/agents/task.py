@@ -41,7 +41,7 @@ from anyio.abc import TaskGroup
 from engine.agents.chat import ChatFormat
 from engine.agents.endpoint import Endpoint, EndpointLimits, serve_endpoint
 from engine.agents.episodes import AgentOutcome, AgentResult, Episode
-from engine.agents.wire import EndpointError
+from engine.agents.openai_wire import EndpointError
 from engine.agents.workers import AgentWorkers
 from engine.basemodels.catalogue import AGENT_MODEL_DIR
 from engine.config.values import ScoreWorkers

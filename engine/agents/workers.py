@@ -47,7 +47,7 @@ import anyio.abc
 from anyio.streams.buffered import BufferedByteReceiveStream
 
 from engine.agents.endpoint import Dispatch, Reply
-from engine.envs.executors import outcome_of
+from engine.envs.worker_calls import outcome_of
 from engine.errors import EngineError
 
 __all__ = ["AgentWorkers", "worker_dispatch"]
@@ -249,7 +249,7 @@ class _PendingCall:
 
 
 def _gone(route: str) -> Reply:
-    from engine.agents.wire import error_body
+    from engine.agents.openai_wire import error_body
 
     body = error_body(f"the endpoint {route} has closed", "conflict_error")
     return Reply(409, "application/json", json.dumps(body).encode())

@@ -15,8 +15,8 @@ from typing import Any
 
 from engine.core.datums import carries_signal, trajectory_advantages
 from engine.core.problems import Problem, RewardBreakdown
-from engine.core.records import trajectory_from_dict, trajectory_to_dict
 from engine.core.trajectory import Trajectory, Turn
+from engine.core.trajectory_json import trajectory_from_dict, trajectory_to_dict
 
 __all__ = ["GROUP_FORMAT", "LoopState", "ScoredGroup"]
 

@@ -27,17 +27,17 @@ import anyio.to_process
 from engine.config.values import ScoreWorkers
 from engine.core.problems import RewardBreakdown
 from engine.core.trajectory import Action, Observation, Trajectory
+from engine.envs.ray_workers import RayWorkers
 from engine.envs.types import Env, EnvGroupBuilder, EnvStepResult
+from engine.envs.worker_calls import call_in_worker, outcome_of
 
 __all__ = [
     "ProcessWorkers",
     "RemoteEnv",
     "RemoteGroup",
     "Workers",
-    "call_in_worker",
     "env_workers",
     "on_workers",
-    "outcome_of",
 ]
 
 
@@ -92,8 +92,6 @@ def env_workers(spec: ScoreWorkers, task: object = None) -> Workers | None:
     if spec.kind == "processes":
         return ProcessWorkers(spec.count)
     if spec.kind == "ray":
-        from engine.envs.ray_workers import RayWorkers
-
         return RayWorkers(spec.count)
     return None
 
@@ -146,24 +144,3 @@ class RemoteGroup:
 
     async def cleanup(self) -> None:
         await self.builder.cleanup()
-
-
-def outcome_of(outcome: tuple[Any, Any, BaseException | None]) -> tuple[Any, Any]:
-    """What :func:`call_in_worker` answered: the target and the value, or its error raised."""
-    target_after, value, error = outcome
-    if error is not None:
-        raise error
-    return target_after, value
-
-
-def call_in_worker(target: Any, method: str, *args: Any) -> tuple[Any, Any, BaseException | None]:
-    """In the worker: run ``target.method(*args)`` on a fresh event loop; what it raises
-    comes back as a value."""
-
-    async def run() -> Any:
-        return await getattr(target, method)(*args)
-
-    try:
-        return target, anyio.run(run), None
-    except Exception as exc:
-        return target, None, exc

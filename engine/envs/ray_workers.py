@@ -3,7 +3,7 @@
 For environments that need more CPU than one machine (code execution, simulators): each
 ``initial_observation``, ``step`` and ``compute_group_rewards`` is one Ray task that
 runs the pickled environment (or builder) on a fresh event loop in a Ray worker and
-returns it with its new state (:func:`~engine.envs.executors.call_in_worker`, the same
+returns it with its new state (:func:`~engine.envs.worker_calls.call_in_worker`, the same
 call the worker processes make). At most ``N`` calls of a run are in flight.
 
 Which cluster: the one this process already joined (``ray.init(...)`` before the run:
@@ -28,7 +28,7 @@ import anyio
 
 from engine.common.extras import require
 from engine.common.threads import in_daemon_thread
-from engine.envs.executors import call_in_worker, outcome_of
+from engine.envs.worker_calls import call_in_worker, outcome_of
 from engine.errors import EngineError
 
 __all__ = ["RAY_FEATURE", "SHUTDOWN_TIMEOUT_S", "RayWorkers", "ray_dumps"]

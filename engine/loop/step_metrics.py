@@ -20,7 +20,7 @@ import numpy as np
 from engine.common.clock import Stopwatch
 from engine.core.datums import Datum, kl_sample_train, reverse_kl
 from engine.core.state import ScoredGroup
-from engine.envs.metrics import episode_metrics
+from engine.envs.episode_metrics import episode_metrics
 from engine.loop.dpo import pair_rewards, preference_metrics, response_sums
 from engine.loop.length_control import is_overlong
 from engine.session.api import TrainResult

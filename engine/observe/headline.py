@@ -5,7 +5,7 @@ the reverse KL to the teacher, preference pairs' the held-out preference accurac
 the training accuracy and margin); a reward's (``avg_reward``) is the summary's own
 line. A headline is given for each of these metrics the run logged, whatever its
 objective: ``summary.md`` (:mod:`engine.rundir.directory`) and the report's page
-(:mod:`engine.observe.report`) lead with them.
+(:mod:`engine.observe.run_report`) lead with them.
 """
 
 from __future__ import annotations

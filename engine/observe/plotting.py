@@ -1,6 +1,6 @@
 """Figures through matplotlib's object API (``Figure``), never pyplot: no global backend,
 no figure registry, so a library may draw in any thread and leave the process as it was.
-Shared by the run report (:mod:`engine.observe.report`) and the benchmarks' pictures. Needs the
+Shared by the run report (:mod:`engine.observe.run_report`) and the benchmarks' pictures. Needs the
 ``report`` extra (matplotlib); import it only after :func:`engine.common.extras.require`."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The panels of the run report (:mod:`engine.observe.report`), chosen from the metrics the runs
+"""The panels of the run report (:mod:`engine.observe.run_report`), chosen from the metrics the runs
 logged: each panel is built as data first (:class:`Panel`) and drawn only when it holds a
 value, so a task gets the panels of what it measures and never an empty one.
 
@@ -26,7 +26,7 @@ from engine.observe.tokens import COST_CUMULATIVE, CUMULATIVE, KINDS
 if TYPE_CHECKING:
     from matplotlib.figure import Figure
 
-    from engine.observe.report import RunData
+    from engine.observe.run_data import RunData
 
 __all__ = ["Panel", "build_panels", "components", "draw_panels"]
 

@@ -5,7 +5,7 @@ A run dir holds (docs/run-directory.md has the full table):
 
 * ``config.json`` -- the run's redacted config with the task's spec and arguments, so
   ``--resume`` rebuilds the same run (:meth:`RunDirectory.write_config`);
-* ``checkpoints.jsonl`` (:mod:`engine.rundir.checkpoints`), ``metrics.jsonl``
+* ``checkpoints.jsonl`` (:mod:`engine.rundir.checkpoint_log`), ``metrics.jsonl``
   (:mod:`engine.observe.metrics`), ``events.jsonl`` (:mod:`engine.rundir.events`),
   ``rollouts.jsonl`` and ``eval.jsonl``;
 * ``summary.json`` / ``summary.md`` -- how the run ended, written whatever the ending
@@ -50,10 +50,10 @@ from engine.objectives import Objective, figure, objective_named
 from engine.observe.headline import headline_figures
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
-from engine.observe.report import REPORT_PNG
+from engine.observe.run_report import REPORT_PNG
 from engine.observe.tokens import Prices, tokens_summary, tokens_summary_line
 from engine.redact import redact_config
-from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE, CheckpointLog
 from engine.rundir.events import QUIET, EventLog, HeldEvents
 from engine.rundir.lock import LOCK_FILE, RunDirLock
 from engine.rundir.record import RunRecord

@@ -10,7 +10,7 @@ configuration), so two engines in one process keep separate logs.
 
 :class:`EventLog` has the ``info/warning/error(event, **fields)`` shape of a structlog
 logger, which is what the reliability modules (:mod:`engine.session.retry`,
-:mod:`engine.supervision.watchdog`, :mod:`engine.rundir.checkpoints`,
+:mod:`engine.supervision.watchdog`, :mod:`engine.rundir.checkpoint_log`,
 :mod:`engine.supervision.recovery`) accept as their ``log``.
 """
 

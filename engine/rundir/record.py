@@ -7,7 +7,7 @@ a recovery must take ALL of them back to the same checkpoint, or a redone step w
 appear twice in one and not at all in another. :class:`RunRecord` is the only writer of
 a trained step (:meth:`RunRecord.append`, exactly once, in order) and the only thing
 that takes the run back (:meth:`RunRecord.rewind`). The file formats are those of
-:mod:`engine.rundir.checkpoints` (checkpoints, the truncation of per-step logs),
+:mod:`engine.rundir.checkpoint_log` (checkpoints, the truncation of per-step logs),
 :mod:`engine.observe.metrics`, :mod:`engine.rollouts` and :mod:`engine.loop.evaluation`
 (which appends each held-out result itself; the record takes it back with the rest).
 """
@@ -22,9 +22,9 @@ from engine.common.files import truncate_metrics
 from engine.loop.evaluation import EVAL_FILE
 from engine.loop.results import StepResult
 from engine.observe.metrics import RunLog
-from engine.rundir.checkpoints import CheckpointLog, CheckpointReason, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointLog, CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
-from engine.rundir.rollouts import ROLLOUTS_FILE, RolloutLog
+from engine.rundir.rollout_log import ROLLOUTS_FILE, RolloutLog
 
 __all__ = ["RunRecord"]
 

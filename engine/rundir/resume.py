@@ -1,5 +1,6 @@
 """Resuming a run directory: its stored config, read strictly (one reader: a missing or
-unreadable ``config.json`` is a one-line :class:`~engine.errors.ResumeError`), compared
+unreadable ``config.json`` is a one-line :class:`~engine.errors.ResumeError`) and merged
+into the config given now in one place (:func:`resumed_config`), compared
 with the config given now (settings that change what is trained must not change), and
 its latest checkpoint."""
 
@@ -12,13 +13,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final
 
-from engine.config import nest_record, resume_rule
+from engine.config import EngineConfig, nest_record, resume_rule, with_stored_settings
 from engine.config.models import setting_at
 from engine.config.records import CONFIG_FILE
 from engine.config.sources import BEFORE_RECORDED
 from engine.errors import NoCheckpointYet, ResumeError
 from engine.redact import REDACTED, redact_config
-from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE, CheckpointLog, CheckpointRecord
 
 __all__ = [
     "CONFIG_FILE",
@@ -28,6 +29,7 @@ __all__ = [
     "has_trained_steps",
     "load_resume_state",
     "read_run_config",
+    "resumed_config",
 ]
 
 METRICS_FILE: Final = "metrics.jsonl"
@@ -127,6 +129,18 @@ def read_run_config(directory: Path) -> dict[str, Any]:
     if not isinstance(stored, dict):
         raise ResumeError(f"cannot resume: {config_path} does not hold a JSON object")
     return _packaged_model_by_name(stored)
+
+
+def resumed_config(config: EngineConfig, run_dir: Path | None = None) -> EngineConfig:
+    """``config`` resuming ``run_dir`` (default: its ``checkpoints.resume``; none: ``config``
+    as it is): it keeps the settings stored in the run dir's config.json unless ``config``
+    sets them anew (:func:`~engine.config.with_stored_settings`, the one rule). The command
+    line, :class:`~engine.stages.Stages` and :class:`~engine.Engine` all merge through
+    here; ResumeError (exit 2) when the run dir cannot be read."""
+    run_dir = run_dir if run_dir is not None else config.checkpoints.resume
+    if run_dir is None:
+        return config
+    return with_stored_settings(config, read_run_config(run_dir), str(run_dir / CONFIG_FILE))
 
 
 def _packaged_model_by_name(stored: dict[str, Any]) -> dict[str, Any]:

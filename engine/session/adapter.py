@@ -18,14 +18,13 @@ import contextlib
 import dataclasses
 import functools
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Any, ClassVar, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import anyio
 from tinker import types
 from tinker.lib.retry_handler import RetryConfig
 
 from engine.common.protocol import ROLLOUT_CORRECTIONS
-from engine.common.sdks import SdkName
 from engine.config import EngineConfig
 from engine.core.datums import Completion, Datum, with_loss_inputs
 from engine.errors import EngineError, primary_error
@@ -52,6 +51,7 @@ from engine.session.queue_watch import QueueObserver
 from engine.session.retry import OpKind, RetryCounter, ServiceGuard, tally_retries
 from engine.session.sdk_calls import (
     LoraSpec,
+    SdkCalls,
     custom_loss_refusal,
     import_tokenizer_library,
     sampler_tokenizer,
@@ -70,16 +70,9 @@ SNAPSHOT_TTL_S = 24 * 3600
 from for at most K+1 steps; the TTL keeps a long run from piling them up."""
 
 
-class SdkSession:
+class SdkSession(SdkCalls):
     """A connected training session: one training client and its tokenizer. Subclasses
-    make the SDK calls (the ``_sdk_*`` methods)."""
-
-    sdk: ClassVar[SdkName]
-    """The adapter's name (``mint`` or ``tinker``)."""
-    sdk_version: ClassVar[str]
-    """The SDK's version, as its ``client/config`` request announces it."""
-    default_base_url: ClassVar[str]
-    """Where the session connects when an API key but no base URL is given."""
+    make the SDK calls (the ``_sdk_*`` methods of :class:`SdkCalls`)."""
 
     def __init__(
         self,
@@ -114,85 +107,6 @@ class SdkSession:
     def model_id(self) -> str | None:
         """The server's id of the current training client (changes on restore)."""
         return self._training.model_id  # type: ignore[no-any-return]
-
-    # -- what a subclass provides ------------------------------------------------------
-
-    @staticmethod
-    def _sdk_service(base_url: str, api_key: str | None, queue: QueueObserver | None = None) -> Any:
-        """A ServiceClient (runs in a worker thread: it may block) whose sampling queue
-        answers ``queue`` sees."""
-        raise NotImplementedError
-
-    async def _sdk_supported_models(
-        self, base_url: str, api_key: str | None
-    ) -> dict[str, int | None]:
-        """The server's models (its capabilities): name -> context length, if said."""
-        raise NotImplementedError
-
-    async def _sdk_sample(
-        self, client: Any, prompt: types.ModelInput, num_samples: int, settings: SamplingParams
-    ) -> types.SampleResponse:
-        raise NotImplementedError
-
-    async def _sdk_forward_backward(
-        self, training: Any, batch: list[types.Datum], loss: LossSpec
-    ) -> Any:
-        """Submit; returns the SDK future of the result."""
-        raise NotImplementedError
-
-    async def _sdk_forward_backward_custom(
-        self, training: Any, batch: list[types.Datum], loss_fn: Any
-    ) -> Any:
-        """Submit ``forward_backward_custom``; returns once the backward is submitted,
-        with an SDK future of its result (one that :func:`settled` can await)."""
-        raise NotImplementedError
-
-    async def _sdk_prompt_logprobs(self, client: Any, prompt: types.ModelInput) -> list[Any]:
-        """The sampler's logprob of each prompt token (the first: None)."""
-        raise NotImplementedError
-
-    async def _sdk_optim_step(self, training: Any, params: types.AdamParams) -> Any:
-        raise NotImplementedError
-
-    async def _sdk_save_state(self, training: Any, name: str) -> Any:
-        """Submit ``save_state(name, overwrite=True)``; returns its SDK future."""
-        raise NotImplementedError
-
-    async def _sdk_save_sampler(self, training: Any, name: str) -> Any:
-        """Submit ``save_weights_for_sampler(name)``; returns its SDK future."""
-        raise NotImplementedError
-
-    def _sdk_reserve_snapshot(self, training: Any, version: int) -> Any:
-        """Take the place, in the model's sequence, of a sampler snapshot of the
-        weights after everything submitted so far, NOW; returns what
-        :meth:`_sdk_finish_snapshot` awaits."""
-        raise NotImplementedError
-
-    def _sdk_reserve_sampler_save(self, training: Any, name: str) -> Any:
-        """``save_weights_for_sampler(name)`` (kept) with its place in the model's
-        sequence taken NOW; returns its SDK future."""
-        raise NotImplementedError
-
-    async def _sdk_finish_snapshot(self, version: int, reserved: Any) -> Any:
-        """A sampling client on a reserved snapshot (run under the step's deadline)."""
-        raise NotImplementedError
-
-    async def _sdk_sampling_client(self, path: str | None, base_model: str | None = None) -> Any:
-        """A sampling client on saved sampler weights, or (``path`` None) on the base
-        model."""
-        raise NotImplementedError
-
-    async def _sdk_new_training(self, lora: LoraSpec) -> Any:
-        """A fresh LoRA training client (or one from ``--init-from``)."""
-        raise NotImplementedError
-
-    async def _sdk_load_training(self, state_path: str) -> Any:
-        """A training client loaded from a saved state, with its optimizer."""
-        raise NotImplementedError
-
-    async def _sdk_close(self, failed: bool) -> None:
-        """End the SDK's session (its heartbeat would outlive a local server)."""
-        raise NotImplementedError
 
     # -- the seam ----------------------------------------------------------------------
 

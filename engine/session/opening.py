@@ -15,25 +15,23 @@ import functools
 import importlib
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 import anyio
 
 from engine.basemodels.catalogue import PretrainedUnavailable
-from engine.common.clock import LOOP_CLOCK, Clock
 from engine.common.protocol import LOCAL_PLACEHOLDER_KEY
 from engine.common.sdks import SdkName, choose_sdk
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.redact import register_secret
-from engine.session.breaker import CircuitBreaker
-from engine.session.retry import RetryCounter, ServiceGuard, retry_policies
+from engine.session.retry import ServiceGuard
 
 if TYPE_CHECKING:
     from engine.local.launch import RunningServer
     from engine.session.adapter import SdkSession
 
-__all__ = ["SharedLocalServer", "adapter_class", "open_session", "service_guard"]
+__all__ = ["SharedLocalServer", "adapter_class", "open_session"]
 
 _ADAPTERS: dict[SdkName, tuple[str, str]] = {
     "mint": ("engine.session.mint", "MintSession"),
@@ -45,26 +43,6 @@ def adapter_class(sdk: SdkName) -> type[SdkSession]:
     """The session class of ``sdk`` (imports its SDK)."""
     module, name = _ADAPTERS[sdk]
     return cast("type[SdkSession]", getattr(importlib.import_module(module), name))
-
-
-def service_guard(
-    config: EngineConfig, *, log: Any = None, clock: Clock = LOOP_CLOCK
-) -> ServiceGuard:
-    """The retries, deadlines and breaker of every service call of a run with
-    ``config`` (``--retry-attempts``, ``--retry-backoff``, ``--request-timeout``,
-    ``--max-consecutive-failures``, ``--unreachable-timeout``), timed by ``clock``."""
-    return ServiceGuard(
-        policies=retry_policies(
-            attempts=config.session.retry_attempts,
-            backoff=config.session.retry_backoff,
-            request_timeout=config.session.request_timeout,
-        ),
-        breaker=CircuitBreaker(config.session.max_consecutive_failures, log=log),
-        counter=RetryCounter(),
-        log=log,
-        clock=clock,
-        unreachable_after=config.session.unreachable_timeout,
-    )
 
 
 class SharedLocalServer:

@@ -29,7 +29,7 @@ from engine.errors import (
     os_reason,
     transient_status,
 )
-from engine.session.retry import OpKind, ServiceGuard
+from engine.session.retry import OpKind, ServiceGuard, service_guard
 
 __all__ = [
     "PreflightError",
@@ -93,7 +93,6 @@ async def read_server_profile(
     recommended settings). Fails like the preflight (:class:`PreflightError`); calls
     are guarded as in a run with the default settings unless ``guard`` is given."""
     from engine.common.sdks import installed_tinker_version
-    from engine.session.opening import service_guard
 
     guard = guard or service_guard(EngineConfig())
     await check_reachable(base_url, api_key, guard, installed_tinker_version() or "0.22.0")

@@ -21,6 +21,7 @@ import structlog
 import tenacity
 
 from engine.common.clock import LOOP_CLOCK, Clock
+from engine.config import EngineConfig
 from engine.config.values import UNREACHABLE_AFTER_S
 from engine.errors import (
     EngineError,
@@ -418,3 +419,23 @@ class ServiceGuard:
             if isinstance(exc, StepOutcomeUnknown):
                 self.counter.increment(OpKind.TRAIN_STEP)
             raise
+
+
+def service_guard(
+    config: EngineConfig, *, log: Any = None, clock: Clock = LOOP_CLOCK
+) -> ServiceGuard:
+    """The retries, deadlines and breaker of every service call of a run with
+    ``config`` (``--retry-attempts``, ``--retry-backoff``, ``--request-timeout``,
+    ``--max-consecutive-failures``, ``--unreachable-timeout``), timed by ``clock``."""
+    return ServiceGuard(
+        policies=retry_policies(
+            attempts=config.session.retry_attempts,
+            backoff=config.session.retry_backoff,
+            request_timeout=config.session.request_timeout,
+        ),
+        breaker=CircuitBreaker(config.session.max_consecutive_failures, log=log),
+        counter=RetryCounter(),
+        log=log,
+        clock=clock,
+        unreachable_after=config.session.unreachable_timeout,
+    )

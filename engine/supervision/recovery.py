@@ -40,7 +40,7 @@ from typing import Any
 
 import structlog
 
-from engine.rundir.checkpoints import CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointRecord
 
 __all__ = ["RecoveryPlan", "plan_recovery"]
 

@@ -58,13 +58,13 @@ from engine.observe.idle import (
     no_training_warning,
 )
 from engine.observe.metrics import RunLog
-from engine.observe.report import finished_run_report
+from engine.observe.run_report import finished_run_report
 from engine.observe.tokens import Prices, cumulative_counts, token_metrics
-from engine.rundir.checkpoints import CheckpointReason, CheckpointRecord
+from engine.rundir.checkpoint_log import CheckpointReason, CheckpointRecord
 from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
-from engine.rundir.rollouts import RolloutLog
-from engine.rundir.teacher import teacher_weights
+from engine.rundir.rollout_log import RolloutLog
+from engine.rundir.teacher_weights import teacher_weights
 from engine.session.api import PendingCheckpoint, SamplerHandle, Session
 from engine.session.queue_watch import QueueObserver
 from engine.session.retry import RetryCounter

@@ -19,8 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
-from transformers.utils import logging as hf_logging
 
 from engine.basemodels.recommended import served_model_name
 from engine.local.compute import losses
@@ -36,6 +34,7 @@ from engine.local.compute.backend_types import (
     SamplerSnapshot,
     request_of,
 )
+from engine.local.compute.base_model import load_base_model
 from engine.local.compute.datums import (
     CheckedDatum,
     DatumError,
@@ -61,21 +60,6 @@ from engine.local.models.training_state import (
 )
 
 _DEFAULT_LOGITS_BUDGET = 1 << 25  # logits elements per forward micro-batch (128 MiB fp32)
-
-
-_SMALL_MODEL_PARAMS = 20_000_000
-
-
-def _auto_threads(model: torch.nn.Module) -> int:
-    """One thread for small models: their matmuls are too small to gain from intra-op
-    parallelism, and when the CPUs are shared (engine, server and scoring on 2 cores)
-    OpenMP barriers stall on descheduled threads: one RL step of the default model took
-    ~130 ms with 1 thread but up to ~2 s with 2 threads on a loaded 2-core machine.
-    Larger models leave one core to the engine and the HTTP server in the same process:
-    SmolLM2-135M sampled 8 responses in 7.5 s with 1 thread and 294 s with 2 on that
-    machine (``engine.run --local-model smollm2-135m``, load average 6-9)."""
-    n_params = sum(p.numel() for p in model.parameters())
-    return 1 if n_params < _SMALL_MODEL_PARAMS else max(1, torch.get_num_threads() - 1)
 
 
 class Backend:
@@ -104,42 +88,18 @@ class Backend:
         """``lora_alpha`` fixes the LoRA scale at alpha/rank (Tinker uses a constant alpha
         of 32, which makes good learning rates roughly rank-independent).
         ``num_threads`` sets torch's (process-wide) intra-op threads; None picks one
-        thread for small models and torch's default otherwise (see ``_auto_threads``)."""
-        model_dir = Path(model_dir).expanduser().resolve()
-        if not (model_dir / "config.json").is_file():
-            raise BackendError(
-                f"{model_dir} is not a Hugging Face model directory (no config.json)"
-            )
-        torch.use_deterministic_algorithms(True)
-        bars = hf_logging.is_progress_bar_enabled()
-        hf_logging.disable_progress_bar()
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(model_dir)
-            model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        except (OSError, ValueError) as e:
-            raise BackendError(f"cannot load model from {model_dir}: {e}") from e
-        finally:
-            if bars:
-                hf_logging.enable_progress_bar()
-        model.eval()
-        model.requires_grad_(False)
-        torch.set_num_threads(num_threads or _auto_threads(model))
-        self.model_dir = model_dir
-        self.model_name = model_name or served_model_name(model_dir)
+        thread for small models and torch's default otherwise (see
+        :func:`~engine.local.compute.base_model.auto_threads`)."""
+        loaded = load_base_model(model_dir, num_threads)
+        model, tokenizer = loaded.model, loaded.tokenizer
+        self.model_dir = loaded.model_dir
+        self.model_name = model_name or served_model_name(loaded.model_dir)
         self.tokenizer = tokenizer
         self._model = model
-        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
-        cfg = model.config
-        self.max_context_length = int(
-            getattr(cfg, "max_position_embeddings", None) or tokenizer.model_max_length
-        )
-        pad = tokenizer.pad_token_id
-        self._pad_id = int(pad if pad is not None else tokenizer.eos_token_id or 0)
-        eos = model.generation_config.eos_token_id
-        eos_ids = set(eos if isinstance(eos, list) else [] if eos is None else [eos])
-        if tokenizer.eos_token_id is not None:
-            eos_ids.add(int(tokenizer.eos_token_id))
-        self._eos_ids = frozenset(int(e) for e in eos_ids)
+        self.vocab_size = loaded.vocab_size
+        self.max_context_length = loaded.max_context_length
+        self._pad_id = loaded.pad_id
+        self._eos_ids = loaded.eos_ids
         self._host = AdapterHost(model, lora_alpha)
         self._base = BaseWeights.of(model, self._host.groups, lora_alpha)
         self._logits_budget = logits_budget
@@ -165,7 +125,7 @@ class Backend:
         self._sampler = sampler(model)
         # Small models also sample from a plain copy with the snapshot's LoRA folded into
         # its weights: a forward without peft's per-layer detours costs far less.
-        small = sum(p.numel() for p in model.parameters()) < _SMALL_MODEL_PARAMS
+        small = loaded.small
         self._folded = sampler(copy.deepcopy(model)) if small else None
         self._folded_holds: tuple[str | None] | None = None  # (key,) folded in, if any
         self.fold_sampling_weights = small

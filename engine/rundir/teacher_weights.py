@@ -9,7 +9,7 @@ from pathlib import Path
 
 from engine.errors import ConfigError
 from engine.rundir.checkpoint_copy import copy_checkpoint_files, relative_checkpoint_path
-from engine.rundir.checkpoints import CHECKPOINTS_FILE, CheckpointLog
+from engine.rundir.checkpoint_log import CHECKPOINTS_FILE, CheckpointLog
 from engine.rundir.directory import LOCAL_SERVER_DIR
 
 __all__ = ["teacher_weights"]

@@ -1,4 +1,4 @@
-"""The supervisor of one agent process: ``python -I -S supervisor.py ARGV...`` runs ``ARGV``
+"""The supervisor of one agent process: ``python -I -S process_supervisor.py ARGV...`` runs ``ARGV``
 and, however it ends, ends every process it started (stdlib only: it starts fast).
 
 On Linux it is a child subreaper (``PR_SET_CHILD_SUBREAPER``): a descendant whose parent

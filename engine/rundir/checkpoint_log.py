@@ -51,7 +51,7 @@ CHECKPOINTS_FILE = "checkpoints.jsonl"
 CheckpointReason = Literal["periodic", "interrupt", "stop", "final", "breaker", "watchdog", "error"]
 _REASONS: tuple[str, ...] = get_args(CheckpointReason)
 
-_log = structlog.get_logger("engine.rundir.checkpoints")
+_log = structlog.get_logger("engine.rundir.checkpoint_log")
 
 
 @dataclass(frozen=True)

@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from engine.core.records import episode_record
 from engine.core.state import GROUP_FORMAT, ScoredGroup
+from engine.core.trajectory_json import episode_record
 from engine.loop.results import StepResult
 from engine.tasks.render import PromptRenderer
 

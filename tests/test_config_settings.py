@@ -76,6 +76,29 @@ def test_flags_and_env_names_are_kept() -> None:
     assert {"MINT_CUSTOM_REWARD_STEPS", "MINT_API_KEY", "TINKER_BASE_URL", "ENGINE_SDK"} <= env
 
 
+def test_the_second_stages_settings_are_the_first_stages_under_then() -> None:
+    """Each ``--then-*`` setting is built from the setting it stands for: its type, check
+    and resume rule, its flag and flat name under ``then``; its own aliases are not."""
+    by_flat = {f.flat: f for f in all_settings()}
+    then = [f for f in all_settings() if f.group == "then" and f.name != "objective"]
+    assert [f.flag for f in then] == [
+        *("--then-task", "--then-task-arg", "--then-steps", "--then-batch", "--then-lr"),
+        *("--then-eval-every", "--then-teacher"),
+    ]
+    for field in then:
+        first = by_flat[field.name]
+        assert field.flag == "--then-" + first.flag.removeprefix("--")
+        assert field.flat == "then_" + first.flat
+        assert (field.value_type, field.marker.check) == (first.value_type, first.marker.check)
+        assert field.marker.resume == first.marker.resume
+        assert field.env == ("ENGINE_" + field.flat.upper(),)
+        assert not field.marker.recommended and field.default in (None, {})
+    with pytest.raises(ConfigError, match=r"^then_steps must be positive, got 0$"):
+        EngineConfig(then_steps=0)
+    assert by_flat["then_learning_rate"].marker.unset == "the server's recommendation"
+    assert by_flat["then_steps"].marker.unset == str(by_flat["steps"].default)
+
+
 def test_every_setting_has_an_engine_variable() -> None:
     """One prefix for all: ENGINE_<flat name>, read before the quickstart's aliases."""
     fields = [*all_settings(), *(f for _, f in task_own_settings())]

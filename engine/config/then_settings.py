@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field
+from pydantic.fields import FieldInfo
 
 from engine.common.setting import Setting, SettingField, setting_fields
 from engine.config.loop_settings import EvaluationSettings, PipelineSettings
@@ -27,22 +28,23 @@ def _second(group: type[BaseModel], name: str) -> Any:
     flag ``--then-<its flag>``, the flat name ``then_<its flat name>``, its check and
     resume rule; unset (None, or no task arguments) it is what a run of its own has."""
     of = stage_setting(group, name)
+    unset: str | None = None
     if of.marker.recommended:
         unset = "the server's recommendation"
-    else:
+    elif not isinstance(of.default, dict):
         unset = of.marker.unset or (None if of.default is None else str(of.default))
     marker = Setting(
         flag="--then-" + of.flag.removeprefix("--"),
         flat="then_" + of.flat,
         check=of.marker.check,
         resume=of.marker.resume,
-        unset=None if isinstance(of.default, dict) else unset,
+        unset=unset,
     )
     description = f"as {of.flag}, for the second stage"
     if isinstance(of.default, dict):
-        info = Field(default_factory=dict, description=description)
+        info = FieldInfo(default_factory=dict, description=description)
     else:
-        info = Field(None, description=description)
+        info = FieldInfo(default=None, description=description)
     info.metadata.append(marker)
     return info
 

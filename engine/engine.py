@@ -41,7 +41,7 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.catalog import load_task, preferred_local_model, task_spec
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.config import EngineConfig, Profile, with_stored_settings
+from engine.config import EngineConfig, Profile, check_installed, with_stored_settings
 from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
 from engine.envs.types import AnyTask
@@ -540,6 +540,7 @@ def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfi
     if resume is not None:
         # A resumed run keeps the settings it was started with unless given anew.
         config = with_stored_settings(config, read_run_config(resume), str(resume / CONFIG_FILE))
+    check_installed(config)
     if config.uses_local_server:
         # A task may name the model it runs on (the shipped environments do); what
         # the server started here will recommend is known before it starts.

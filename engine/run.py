@@ -35,6 +35,7 @@ from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import (
     EngineConfig,
     add_setting_arguments,
+    check_installed,
     config_from_sources,
     read_config_file,
     with_stored_settings,
@@ -97,6 +98,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         stored = read_run_config(run_dir)
         config = with_stored_settings(config, stored, str(run_dir / CONFIG_FILE))
     check_stages(config)  # after the stored settings: --resume RUN --then-steps N
+    check_installed(config)
     return config
 
 

@@ -24,7 +24,6 @@ from pydantic import (
     model_validator,
 )
 
-from engine.common.extras import require
 from engine.common.setting import (
     SettingField,
     TaskSettings,
@@ -237,24 +236,6 @@ class EngineConfig(BaseModel):
             raise ConfigError(
                 "MINT_BASE_URL is set but MINT_API_KEY is not: set both to use that server, "
                 "or neither to start the local server"
-            )
-        if session.local:
-            require("local", "the local server (no MINT_API_KEY set, or --local)")
-        for tracker in self.logging.log_to:
-            require(tracker, f"--log-to {tracker}")
-        from engine.common.sdks import choose_sdk  # no SDK import; config stays light
-
-        sdk = choose_sdk(session.sdk)
-        if self.training.loss in TINKER_ONLY_LOSSES and sdk != "tinker":
-            raise ConfigError(
-                f"--loss {self.training.loss} needs the tinker SDK (>= 0.38) and this "
-                "environment has mint (tinker 0.22): pip install 'engine[tinker]' in an "
-                "environment of its own"
-            )
-        if self.training.rollout_correction != "off" and sdk != "mint":
-            raise ConfigError(
-                f"--rollout-correction {self.training.rollout_correction} is MinT's and only "
-                "the mint SDK sends it (tinker 0.38 has no way to add it to create_model)"
             )
         return self
 

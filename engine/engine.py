@@ -48,7 +48,7 @@ from engine.envs.types import AnyTask
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
-from engine.objectives import objective_named
+from engine.objectives import checked_objective, objective_named
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
@@ -526,9 +526,10 @@ class Engine:
 
 def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfig, AnyTask | None]:
     """What an engine does before connecting, on entering (``Engine(...)`` itself reads
-    nothing): the config resolved from every profile known then (a resumed run's
-    config.json, the local server's model) and the task loaded, unless its arguments are
-    still the server's to decide (then None)."""
+    nothing): the config checked against its objective and what is installed, resolved
+    from every profile known then (a resumed run's config.json, the local server's
+    model), and the task loaded, unless its arguments are still the server's to decide
+    (then None)."""
     changes: dict[str, Any] = {}
     profiles: list[Profile] = []
     if task is not None:
@@ -540,6 +541,7 @@ def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfi
     if resume is not None:
         # A resumed run keeps the settings it was started with unless given anew.
         config = with_stored_settings(config, read_run_config(resume), str(resume / CONFIG_FILE))
+    checked_objective(config)
     check_installed(config)
     if config.uses_local_server:
         # A task may name the model it runs on (the shipped environments do); what

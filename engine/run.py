@@ -45,6 +45,7 @@ from engine.config.sources import env_text
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.loop.results import RunResult, StepResult
+from engine.objectives import checked_objective
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.rundir.directory import CONFIG_FILE, read_run_config
 from engine.rundir.events import QUIET
@@ -98,6 +99,7 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         stored = read_run_config(run_dir)
         config = with_stored_settings(config, stored, str(run_dir / CONFIG_FILE))
     check_stages(config)  # after the stored settings: --resume RUN --then-steps N
+    checked_objective(config)
     check_installed(config)
     return config
 

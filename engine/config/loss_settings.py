@@ -14,7 +14,6 @@ from engine.config.values import (
     LOSSES,
     LossName,
     LossTemperature,
-    Objective,
     RolloutCorrectionName,
 )
 from engine.core.datums import OnMissingLogprobs
@@ -32,9 +31,10 @@ class TrainingSettings(SettingsGroup):
             flag="--lr", env=("MINT_CUSTOM_REWARD_LR",), check=finite_positive, recommended=True
         ),
     ] = Field(None, description="Adam learning rate")
-    objective: Objective = Field(
+    objective: Annotated[str, Setting(check=non_empty, metavar="NAME")] = Field(
         "rl",
-        description="rl: train on rewards; sft: supervised fine-tuning on the assistant turns of "
+        description="what the run trains for, an objective of engine/objectives/registry.py: "
+        "rl: train on rewards; sft: supervised fine-tuning on the assistant turns of "
         "a jsonl task's conversations (the cross_entropy loss; --loss is not used; docs/sft.md); "
         "distill: on-policy distillation from --teacher (docs/distillation.md); dpo: preference "
         "pairs of a jsonl task (prompt, chosen, rejected) through the SDK's custom loss "
@@ -107,11 +107,6 @@ class TrainingSettings(SettingsGroup):
 
     @model_validator(mode="after")
     def _corrections(self) -> TrainingSettings:
-        if self.objective == "sft" and (self.tis_cap or self.mask_high):
-            raise ConfigError(
-                "--tis-cap and --mask-low/--mask-high apply to the RL losses; --objective sft "
-                "trains cross_entropy"
-            )
         if self.tis_cap and self.loss != "importance_sampling":
             raise ConfigError(
                 f"--tis-cap is for --loss importance_sampling, not {self.loss} (ppo bounds "
@@ -125,11 +120,10 @@ class TrainingSettings(SettingsGroup):
                 f"not {self.loss}"
             )
         if self.rollout_correction != "off":
-            if self.objective not in ("rl", "distill") or self.loss != "importance_sampling":
+            if self.loss != "importance_sampling":
                 raise ConfigError(
                     f"--rollout-correction {self.rollout_correction} is applied by the server "
-                    "inside importance_sampling: it needs --loss importance_sampling (and "
-                    "--objective rl or distill)"
+                    "inside importance_sampling: it needs --loss importance_sampling"
                 )
             if self.tis_cap or self.mask_high:
                 raise ConfigError(

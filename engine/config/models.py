@@ -198,22 +198,6 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
-        if self.training.objective == "rl" and self.pipeline.group < 2:
-            raise ConfigError(
-                f"--group must be at least 2 with --objective rl, got {self.pipeline.group}: "
-                "an advantage is a response's reward minus its group's mean, so a group of "
-                "one never trains"
-            )
-        if self.training.objective != "rl" and self.pipeline.refill_groups:
-            raise ConfigError(
-                "--refill-groups samples reserves for groups whose rewards tie: it needs "
-                f"--objective rl (not {self.training.objective})"
-            )
-        if self.training.objective == "dpo" and self.pipeline.stream_minibatches:
-            raise ConfigError(
-                "--stream-minibatches splits a step's forward_backward, and --objective dpo "
-                "sends a step's pairs in one forward_backward_custom (its loss is over them all)"
-            )
         if self.scoring.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(
                 f"--overlong-buffer {self.scoring.overlong_buffer} must not exceed "
@@ -221,11 +205,6 @@ class EngineConfig(BaseModel):
             )
         if self.model.init_from_optimizer and self.model.init_from is None:
             raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
-        if (self.training.objective == "distill") != (self.distillation.teacher is not None):
-            raise ConfigError(
-                "--objective distill needs --teacher (a tinker:// sampler path, a run "
-                "directory or a base model name), and --teacher needs --objective distill"
-            )
         run_dir = self.logging.run_dir
         if checkpoints.resume is not None and run_dir is not None and run_dir != checkpoints.resume:
             raise ConfigError(

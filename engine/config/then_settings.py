@@ -15,10 +15,10 @@ from engine.config.loss_settings import DistillationSettings, TrainingSettings
 from engine.config.model_settings import TaskSettingsGroup
 from engine.config.settings_group import SettingsGroup
 
-__all__ = ["ThenSettings", "stage_setting"]
+__all__ = ["ThenSettings"]
 
 
-def stage_setting(group: type[BaseModel], name: str) -> SettingField:
+def _setting_of(group: type[BaseModel], name: str) -> SettingField:
     """The setting ``name`` of ``group`` (a first-stage setting a second stage sets)."""
     return next(f for f in setting_fields(group) if f.name == name)
 
@@ -27,7 +27,7 @@ def _second(group: type[BaseModel], name: str) -> Any:
     """The field of the second stage's own value of ``group``'s setting ``name``: the
     flag ``--then-<its flag>``, the flat name ``then_<its flat name>``, its check and
     resume rule; unset (None, or no task arguments) it is what a run of its own has."""
-    of = stage_setting(group, name)
+    of = _setting_of(group, name)
     unset: str | None = None
     if of.marker.recommended:
         unset = "the server's recommendation"

@@ -41,14 +41,14 @@ from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStre
 
 from engine.catalog import load_task, preferred_local_model, task_spec
 from engine.common.clock import LOOP_CLOCK, Clock
-from engine.config import EngineConfig, Profile
+from engine.config import EngineConfig, Profile, check_installed
 from engine.core.state import LoopState
 from engine.envs.scoring import check_score_workers
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError, Interrupted, StopRequested, primary_error
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.results import RunResult, StepResult
-from engine.objectives import objective_named
+from engine.objectives import checked_objective, objective_named
 from engine.observe.metrics import RunLog
 from engine.observe.trackers import open_trackers
 from engine.rundir.directory import LOCAL_SERVER_DIR, RunDirectory, config_record
@@ -526,9 +526,10 @@ class Engine:
 
 def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfig, AnyTask | None]:
     """What an engine does before connecting, on entering (``Engine(...)`` itself reads
-    nothing): the config resolved from every profile known then (a resumed run's
-    config.json, the local server's model) and the task loaded, unless its arguments are
-    still the server's to decide (then None)."""
+    nothing): the config checked against its objective and what is installed, resolved
+    from every profile known then (a resumed run's config.json, the local server's
+    model), and the task loaded, unless its arguments are still the server's to decide
+    (then None)."""
     changes: dict[str, Any] = {}
     profiles: list[Profile] = []
     if task is not None:
@@ -537,6 +538,8 @@ def prepare_run(config: EngineConfig, task: AnyTask | None) -> tuple[EngineConfi
         spec, args = task_spec(task, config.task.spec, config.task.args)
         changes["task"] = {"spec": spec, "args": args}
     config = resumed_config(config)  # a resumed run keeps its settings unless given anew
+    checked_objective(config)
+    check_installed(config)
     if config.uses_local_server:
         # A task may name the model it runs on (the shipped environments do); what
         # the server started here will recommend is known before it starts.

@@ -35,6 +35,7 @@ from engine.common.cli import OneLineErrorParser, add_version_flag, program_name
 from engine.config import (
     EngineConfig,
     add_setting_arguments,
+    check_installed,
     config_from_sources,
     read_config_file,
 )
@@ -43,6 +44,7 @@ from engine.config.sources import env_text
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.loop.results import RunResult, StepResult
+from engine.objectives import checked_objective
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.rundir.events import QUIET
 from engine.rundir.resume import resumed_config
@@ -95,6 +97,8 @@ def parse_config(argv: Sequence[str] | None, environ: Mapping[str, str]) -> Engi
         check_not_a_second_stage(run_dir)
         config = resumed_config(config, run_dir)
     check_stages(config)  # after the stored settings: --resume RUN --then-steps N
+    checked_objective(config)
+    check_installed(config)
     return config
 
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 import re
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +29,7 @@ from engine.run import build_parser, parse_config
 from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
 from engine.rundir.directory import CONFIG_FILE, config_record, load_resume_state, write_config
 from scripts.gen_config_table import run_table
+from tests.hosted_env import REPO
 
 SOURCES = Path(__file__).resolve().parent.parent / "engine" / "config"
 
@@ -74,6 +77,47 @@ def test_flags_and_env_names_are_kept() -> None:
     assert {"--lr", "--task", "--task-arg", "--no-progress", "--seed", "--local"} <= flags
     env = {name for f in all_settings() for name in f.env}
     assert {"MINT_CUSTOM_REWARD_STEPS", "MINT_API_KEY", "TINKER_BASE_URL", "ENGINE_SDK"} <= env
+
+
+def test_the_second_stages_settings_are_the_first_stages_under_then() -> None:
+    """Each ``--then-*`` setting is built from the setting it stands for: its type, check
+    and resume rule, its flag and flat name under ``then``; its own aliases are not."""
+    by_flat = {f.flat: f for f in all_settings()}
+    then = [f for f in all_settings() if f.group == "then" and f.name != "objective"]
+    assert [f.flag for f in then] == [
+        *("--then-task", "--then-task-arg", "--then-steps", "--then-batch", "--then-lr"),
+        *("--then-eval-every", "--then-teacher"),
+    ]
+    for field in then:
+        first = by_flat[field.name]
+        assert field.flag == "--then-" + first.flag.removeprefix("--")
+        assert field.flat == "then_" + first.flat
+        assert (field.value_type, field.marker.check) == (first.value_type, first.marker.check)
+        assert field.marker.resume == first.marker.resume
+        assert field.env == ("ENGINE_" + field.flat.upper(),)
+        assert not field.marker.recommended and field.default in (None, {})
+    with pytest.raises(ConfigError, match=r"^then_steps must be positive, got 0$"):
+        EngineConfig(then_steps=0)
+    assert by_flat["then_learning_rate"].marker.unset == "the server's recommendation"
+    assert by_flat["then_steps"].marker.unset == str(by_flat["steps"].default)
+
+
+FRESH = """
+import sys
+from engine.config import EngineConfig
+config = EngineConfig(op="+", min_operand=1)
+print(sorted(config.task.args.items()), [m for m in sys.modules if m.startswith("engine.tasks")])
+"""
+
+
+def test_a_built_in_tasks_settings_need_no_task_imported() -> None:
+    """The config knows the arithmetic task's ``--op`` in a fresh interpreter that has
+    imported nothing of the tasks (no registration as an import's side effect)."""
+    done = subprocess.run(
+        [sys.executable, "-c", FRESH], cwd=REPO, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[('min_operand', '1'), ('op', '+')] []"
 
 
 def test_every_setting_has_an_engine_variable() -> None:

@@ -31,6 +31,7 @@ from engine.errors import (
 )
 from engine.loop.results import StepResult
 from engine.loop.teacher import TeacherFailed, tokenizer_mismatch
+from engine.objectives import checked_objective
 from engine.rollouts import main as rollouts_main
 from engine.rundir.teacher_weights import teacher_weights
 
@@ -99,9 +100,9 @@ def test_checkpoints_keep_the_teacher_logprobs() -> None:
 
 def test_distill_and_teacher_come_together() -> None:
     with pytest.raises(ConfigError, match="--objective distill needs --teacher"):
-        EngineConfig(objective="distill")
+        checked_objective(EngineConfig(objective="distill"))
     with pytest.raises(ConfigError, match="--teacher needs --objective distill"):
-        EngineConfig(teacher="tinker://x/sampler_weights/y")
+        checked_objective(EngineConfig(teacher="tinker://x/sampler_weights/y"))
 
 
 def test_a_run_directory_teacher_is_its_latest_sampler_weights(tmp_path: Path) -> None:

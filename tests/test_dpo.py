@@ -24,6 +24,7 @@ from engine.core.datums import supervised_datums
 from engine.errors import ConfigError
 from engine.loop.dpo import DpoLoss, PairPlan
 from engine.loop.results import StepResult
+from engine.objectives import checked_objective
 from engine.run import main
 from engine.tasks.pairs import PairTask
 from engine.tasks.render import PromptRenderer
@@ -162,7 +163,7 @@ def test_dpo_refuses_a_task_without_pairs_and_streamed_minibatches(tmp_path: Pat
     with pytest.raises(ConfigError, match="--objective dpo trains on preference pairs"):
         prepare_run(config(objective="dpo", run_dir=tmp_path / "run"), None)
     with pytest.raises(ConfigError, match="--stream-minibatches splits"):
-        config(objective="dpo", stream_minibatches=1)
+        checked_objective(config(objective="dpo", stream_minibatches=1))
 
 
 async def test_a_session_without_a_custom_loss_refuses_dpo_in_one_line(tmp_path: Path) -> None:

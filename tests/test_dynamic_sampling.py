@@ -30,6 +30,7 @@ from engine.loop.pipeline import Pipeline
 from engine.loop.refill import StepRefill
 from engine.loop.results import StepResult
 from engine.loop.stopping import StopGate
+from engine.objectives import checked_objective
 from engine.observe.metrics import detail_line
 from engine.session.api import SampleResult, SamplerHandle, SamplingParams
 
@@ -298,7 +299,7 @@ def test_an_overlong_buffer_above_max_tokens_is_a_config_error() -> None:
 
 def test_refill_with_supervised_fine_tuning_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match=r"--refill-groups .* needs --objective rl"):
-        config(refill_groups=2, objective="sft")
+        checked_objective(config(refill_groups=2, objective="sft"))
 
 
 async def test_overlong_filtering_masks_cut_responses_and_refill_replaces_their_groups() -> None:

@@ -70,7 +70,7 @@ def test_no_class_name_is_defined_twice_in_the_engine_package() -> None:
 
 MAX_MODULE_LINES = 600
 """A module longer than this is split by job (issue 42)."""
-LONG_LEFT = ("engine/config/",)
+LONG_LEFT: tuple[str, ...] = ()
 """Folders whose split is still under way (issue 42's config work)."""
 
 

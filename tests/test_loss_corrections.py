@@ -21,6 +21,7 @@ from engine.basemodels.recommended import model_entry
 from engine.config import HOSTED_PROFILE, server_profile, with_stored_settings
 from engine.errors import ConfigError
 from engine.local import LocalServer
+from engine.objectives import checked_objective
 from engine.run import main
 from engine.session.api import LossSpec
 from engine.session.preflight import local_server_profile
@@ -97,14 +98,18 @@ async def test_the_summary_names_the_loss_with_its_corrections(tmp_path: Path) -
         ({"loss": "ppo", "mask_low": 0.5}, "--mask-low needs --mask-high"),
         ({"loss": "ppo", "mask_low": 2.0, "mask_high": 0.5}, r"--mask-low \(2.0\) must be below"),
         ({"loss": "ppo", "mask_low": 1.0, "mask_high": 1.0}, "must be below"),
-        ({"objective": "sft", "tis_cap": 2.0}, "apply to the RL losses; --objective sft"),
+        (
+            {"objective": "sft", "loss": "importance_sampling", "tis_cap": 2.0},
+            "apply to the RL losses; --objective sft",
+        ),
     ],
 )
 def test_invalid_combinations_are_refused_in_one_line(
     settings: dict[str, Any], message: str
 ) -> None:
+    """The loss's own rules on construction, the objective's before a run."""
     with pytest.raises(ConfigError, match=message) as caught:
-        EngineConfig(**settings)
+        checked_objective(EngineConfig(**settings))
     assert "\n" not in str(caught.value)
 
 

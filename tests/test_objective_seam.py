@@ -1,12 +1,13 @@
 """A new objective is its module, its tests and one registry line (issue 42).
 
 ``Echo`` below is a whole objective written outside the engine: it trains each problem's
-prompt to echo itself with ``cross_entropy``, samples nothing, and reports its own
-metrics. Registered with one line (``OBJECTIVES["echo"] = ECHO``, here through
-``monkeypatch``), it is found by name, loads its data task, and trains through the real
-pipeline (the SFT stage, the submitter, the finisher) on a fake session, resuming from a
-step's loop state as a checkpoint keeps it; no engine file knows its name.
-"""
+prompt to echo itself with ``cross_entropy``, samples nothing, checks its own settings
+and reports its own metrics. Registered with one line (``OBJECTIVES["echo"] = ECHO``,
+here through ``monkeypatch``), it is found by name, loads its data task, and trains
+through the real pipeline (the SFT stage, the submitter, the finisher) on a fake
+session, and as ``--objective echo`` through the engine itself (the config holds the
+name; its checks run before the run), resuming from a checkpoint; no engine file knows
+its name."""
 
 from __future__ import annotations
 
@@ -18,6 +19,8 @@ from typing import Any
 import anyio
 import pytest
 from fake_session import FakeSession
+from test_engine_fake_session import fake_config
+from test_engine_fake_session import run as run_engine
 from test_pipeline_stages import ToyTask, config
 
 from engine.catalog import load_task
@@ -26,15 +29,18 @@ from engine.core.datums import Datum
 from engine.core.problems import Problem, Task
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
+from engine.engine import prepare_run
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
 from engine.loop.pipeline import Pipeline
 from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.results import StepResult
+from engine.loop.step_metrics import supervised_step_metrics
 from engine.loop.stopping import StopGate
-from engine.objectives import OBJECTIVES, RunContext, objective_named
+from engine.objectives import OBJECTIVES, RunContext, checked_objective, objective_named
 from engine.objectives.sft import ReadySteps
+from engine.run import main
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
@@ -63,8 +69,16 @@ class EchoSteps(ReadySteps):
         await session.submit_forward_backward(ticket, datums, ECHO.loss(self._config))
 
     def step_metrics(self, step: FinishedStep) -> tuple[dict[str, Any], str]:
+        # A step's own values on top of those every step of ready groups has (what the
+        # run dir's summary and report read: time/step, off_policy/staleness...).
         tokens = sum(len(t.turns[0].action) for g in step.groups for t in g.trajectories)
-        metrics = {"step": step.done, "echo/tokens": tokens, "echo/groups": len(step.groups)}
+        cfg = self._config
+        common = supervised_step_metrics(
+            *(step.done, cfg.pipeline.steps, step.groups, step.assembled, step.result),
+            step.timing,
+            lr=cfg.training.learning_rate or 0.0,
+        )
+        metrics = {**common, "echo/tokens": tokens, "echo/groups": len(step.groups)}
         return metrics, f"Step {step.done}: echo/tokens={tokens}"
 
 
@@ -92,6 +106,10 @@ class EchoObjective:
 
     def check_task(self, task: AnyTask) -> None:
         """Any task's prompts echo."""
+
+    def check_config(self, config: EngineConfig, chosen: bool) -> None:
+        if chosen and config.pipeline.batch > 8:
+            raise ConfigError("--objective echo echoes at most 8 prompts a step")
 
     def open(self, context: RunContext) -> EchoRun:
         return EchoRun(context)
@@ -174,7 +192,8 @@ async def test_a_registered_objective_trains_through_the_pipeline_and_resumes(
     first = await _train(cfg, session, tmp_path)
     assert [s.step for s in first] == [1, 2]
     assert [s.line for s in first] == ["Step 1: echo/tokens=4", "Step 2: echo/tokens=4"]
-    assert first[1].metrics == {"step": 2, "echo/tokens": 4, "echo/groups": 2}
+    echoed = {k: v for k, v in first[1].metrics.items() if k == "step" or k.startswith("echo/")}
+    assert echoed == {"step": 2, "echo/tokens": 4, "echo/groups": 2}
     assert {loss.name for loss in session.losses} == {"cross_entropy"}
     assert [e for e in session.log if e[0] in ("sample", "snapshot")] == []  # samples nothing
     assert [g.problem.id for s in first for g in s.groups] == [0, 1, 2, 3]
@@ -203,3 +222,45 @@ def test_an_unknown_objective_is_one_line_naming_the_registered_ones() -> None:
         ConfigError, match=r"^unknown objective 'kto': one of rl, sft, distill, dpo$"
     ):
         objective_named("kto")
+    # The config holds the name; the check is the run's, before anything starts.
+    for check in (checked_objective, lambda c: prepare_run(c, None)):
+        with pytest.raises(ConfigError, match=r"^unknown objective 'kto': one of rl, sft,"):
+            check(EngineConfig(objective="kto"))
+    assert main(["--objective", "kto"]) == 2
+
+
+async def test_a_registered_objective_runs_through_the_engine_by_its_name(
+    echo: EchoObjective, tmp_path: Path
+) -> None:
+    """``--objective echo`` through the facade: the config takes its name, its checks run
+    before the run, the run dir records and summarises it, and the run resumes."""
+    with pytest.raises(ConfigError, match=r"^--objective echo echoes at most 8 prompts a step$"):
+        checked_objective(fake_config(tmp_path / "big", objective="echo", batch=9))
+    with pytest.raises(ConfigError, match=r"--refill-groups .* needs --objective rl \(not echo\)"):
+        checked_objective(fake_config(tmp_path / "r", objective="echo", refill_groups=1))
+    cfg = fake_config(tmp_path / "run", objective="echo", steps=2, group=1)
+    assert checked_objective(cfg) is echo
+    session = FakeSession()
+    steps = await run_engine(cfg, ToyTask(), session)
+    assert [s.line for s in steps] == ["Step 1: echo/tokens=4", "Step 2: echo/tokens=4"]
+    assert {loss.name for loss in session.losses} == {"cross_entropy"}
+    recorded = json.loads((tmp_path / "run" / "config.json").read_text())
+    assert recorded["training"]["objective"] == "echo"
+    summary = (tmp_path / "run" / "summary.md").read_text()
+    assert "cross_entropy (echo)" in summary and "| 2 | 4 |" in summary
+    metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
+    assert [m["echo/groups"] for m in metrics if "echo/groups" in m] == [2, 2]
+
+    more = await run_engine(
+        EngineConfig(resume=tmp_path / "run", steps=3, progress=False, local=True),
+        ToyTask(),
+        session,
+    )
+    assert [s.step for s in more] == [3]
+    assert [g.problem.id for g in more[0].groups] == [4, 5]
+
+
+def test_a_rollout_correction_needs_an_objective_that_samples() -> None:
+    cfg = EngineConfig(objective="sft", loss="importance_sampling", rollout_correction="mis")
+    with pytest.raises(ConfigError, match=r"needs --objective rl or distill \(not sft\)$"):
+        checked_objective(cfg)

@@ -17,7 +17,8 @@ from tinker import types
 from tinker.lib.internal_client_holder import InternalClientHolder
 
 from engine.common import sdks
-from engine.config import EngineConfig
+from engine.config import EngineConfig, check_installed
+from engine.engine import prepare_run
 from engine.errors import ConfigError, classify, retry_after
 from engine.local import LocalServer
 from engine.session.mint import (
@@ -65,12 +66,14 @@ def test_a_generation_that_is_not_installed_is_one_line(monkeypatch: pytest.Monk
 
 
 def test_a_tinker_only_loss_is_refused_with_the_mint_sdk() -> None:
-    with pytest.raises(ConfigError) as info:
-        EngineConfig(loss="gspo")
-    assert str(info.value) == (
-        "--loss gspo needs the tinker SDK (>= 0.38) and this environment has mint (tinker "
-        "0.22): pip install 'engine[tinker]' in an environment of its own"
-    )
+    config = EngineConfig(loss="gspo")  # a value: what is installed is the run's check
+    for check in (check_installed, lambda c: prepare_run(c, None)):
+        with pytest.raises(ConfigError) as info:
+            check(config)
+        assert str(info.value) == (
+            "--loss gspo needs the tinker SDK (>= 0.38) and this environment has mint (tinker "
+            "0.22): pip install 'engine[tinker]' in an environment of its own"
+        )
 
 
 def test_this_environment_runs_the_mint_adapter() -> None:

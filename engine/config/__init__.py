@@ -1,10 +1,12 @@
 """Every setting of a run, declared once as nested pydantic models
 (:mod:`engine.config.models`), and everything generated from them: flags, environment
 variables, TOML files, resume rules (:mod:`engine.config.sources`,
-:mod:`engine.config.records`) and the server's recommended defaults
-(:mod:`engine.config.profile`)."""
+:mod:`engine.config.records`), the server's recommended defaults
+(:mod:`engine.config.profile`) and what a run needs installed
+(:mod:`engine.config.installed`)."""
 
 from engine.common.setting import MAX_SEED, Setting
+from engine.config.installed import check_installed
 from engine.config.models import GROUPS, EngineConfig, all_settings
 from engine.config.profile import HOSTED_PROFILE, Profile, server_profile
 from engine.config.records import nest_record, resume_rule
@@ -44,6 +46,7 @@ __all__ = [
     "Setting",
     "add_setting_arguments",
     "all_settings",
+    "check_installed",
     "config_from_sources",
     "nest_record",
     "parse_task_args",

@@ -24,7 +24,6 @@ from pydantic import (
     model_validator,
 )
 
-from engine.common.extras import require
 from engine.common.setting import (
     SettingField,
     TaskSettings,
@@ -199,22 +198,6 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
-        if self.training.objective == "rl" and self.pipeline.group < 2:
-            raise ConfigError(
-                f"--group must be at least 2 with --objective rl, got {self.pipeline.group}: "
-                "an advantage is a response's reward minus its group's mean, so a group of "
-                "one never trains"
-            )
-        if self.training.objective != "rl" and self.pipeline.refill_groups:
-            raise ConfigError(
-                "--refill-groups samples reserves for groups whose rewards tie: it needs "
-                f"--objective rl (not {self.training.objective})"
-            )
-        if self.training.objective == "dpo" and self.pipeline.stream_minibatches:
-            raise ConfigError(
-                "--stream-minibatches splits a step's forward_backward, and --objective dpo "
-                "sends a step's pairs in one forward_backward_custom (its loss is over them all)"
-            )
         if self.scoring.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(
                 f"--overlong-buffer {self.scoring.overlong_buffer} must not exceed "
@@ -222,11 +205,6 @@ class EngineConfig(BaseModel):
             )
         if self.model.init_from_optimizer and self.model.init_from is None:
             raise ConfigError("init_from_optimizer needs init_from (a tinker://.../weights/ path)")
-        if (self.training.objective == "distill") != (self.distillation.teacher is not None):
-            raise ConfigError(
-                "--objective distill needs --teacher (a tinker:// sampler path, a run "
-                "directory or a base model name), and --teacher needs --objective distill"
-            )
         run_dir = self.logging.run_dir
         if checkpoints.resume is not None and run_dir is not None and run_dir != checkpoints.resume:
             raise ConfigError(
@@ -237,24 +215,6 @@ class EngineConfig(BaseModel):
             raise ConfigError(
                 "MINT_BASE_URL is set but MINT_API_KEY is not: set both to use that server, "
                 "or neither to start the local server"
-            )
-        if session.local:
-            require("local", "the local server (no MINT_API_KEY set, or --local)")
-        for tracker in self.logging.log_to:
-            require(tracker, f"--log-to {tracker}")
-        from engine.common.sdks import choose_sdk  # no SDK import; config stays light
-
-        sdk = choose_sdk(session.sdk)
-        if self.training.loss in TINKER_ONLY_LOSSES and sdk != "tinker":
-            raise ConfigError(
-                f"--loss {self.training.loss} needs the tinker SDK (>= 0.38) and this "
-                "environment has mint (tinker 0.22): pip install 'engine[tinker]' in an "
-                "environment of its own"
-            )
-        if self.training.rollout_correction != "off" and sdk != "mint":
-            raise ConfigError(
-                f"--rollout-correction {self.training.rollout_correction} is MinT's and only "
-                "the mint SDK sends it (tinker 0.38 has no way to add it to create_model)"
             )
         return self
 

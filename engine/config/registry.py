@@ -1,10 +1,9 @@
 """The settings tasks declare of their own (the arithmetic task's ``--op``, ...).
 
-A task's settings model registers itself here when its module is imported
-(:func:`register_task_settings`, a class decorator), so the config reads them without
-importing any task: the CLI, the environment variables and flat keywords of
-``EngineConfig`` see every registered model (``import engine`` registers the built-in
-tasks').
+The built-in tasks' are declared with the config (:mod:`engine.config.task_settings`),
+so a fresh ``EngineConfig(op="+")`` knows them; a user task's settings model registers
+itself (:func:`register_task_settings`, a class decorator). The CLI, the environment
+variables and flat keywords of ``EngineConfig`` see every model.
 """
 
 from __future__ import annotations
@@ -12,6 +11,7 @@ from __future__ import annotations
 from typing import TypeVar
 
 from engine.common.setting import TaskSettings
+from engine.config.task_settings import BUILT_IN_TASK_SETTINGS
 
 __all__ = ["register_task_settings", "settings_spec", "task_settings_models"]
 
@@ -21,16 +21,16 @@ _REGISTERED: list[type[TaskSettings]] = []
 
 def register_task_settings(model: _T) -> _T:
     """Register ``model`` (once; its ``spec`` names the task it belongs to)."""
-    if any(m.spec == model.spec and m is not model for m in _REGISTERED):
+    if any(m.spec == model.spec and m is not model for m in task_settings_models()):
         raise ValueError(f"task settings for {model.spec!r} are registered already")
-    if model not in _REGISTERED:
+    if model not in task_settings_models():
         _REGISTERED.append(model)
     return model
 
 
 def task_settings_models() -> tuple[type[TaskSettings], ...]:
-    """Every registered model, in registration order."""
-    return tuple(_REGISTERED)
+    """The built-in tasks' models, then every registered one in registration order."""
+    return (*BUILT_IN_TASK_SETTINGS, *_REGISTERED)
 
 
 def settings_spec(spec: str) -> str:

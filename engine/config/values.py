@@ -20,7 +20,6 @@ __all__ = [
     "LogLevel",
     "LossName",
     "LossTemperature",
-    "Objective",
     "OnRewardError",
     "RolloutCorrectionName",
     "ScoreWorkers",
@@ -43,11 +42,6 @@ docs/losses.md)."""
 RolloutCorrectionName = Literal["off", "mis"]
 """MinT's session-level rollout correction a run asks ``create_model`` for (``off``: none;
 the configurations: :data:`engine.common.protocol.ROLLOUT_CORRECTIONS`)."""
-Objective = Literal["rl", "sft", "distill", "dpo"]
-"""What a run trains for: rewards (``rl``), the assistant turns of conversations
-(``sft``, the ``cross_entropy`` loss: docs/sft.md), a teacher's logprobs of the
-student's own samples (``distill``, on-policy distillation: docs/distillation.md) or
-preference pairs (``dpo``, a custom loss: docs/dpo.md)."""
 SdkChoice = Literal["auto", "mint", "tinker"]
 SDKS: Final[tuple[str, ...]] = get_args(SdkChoice)
 LogFormat = Literal["console", "json"]

@@ -2,6 +2,14 @@
 (:mod:`engine.objectives.base`), found by name in :mod:`engine.objectives.registry`."""
 
 from engine.objectives.base import Objective, ObjectiveRun, RunContext, figure
-from engine.objectives.registry import OBJECTIVES, objective_named
+from engine.objectives.registry import OBJECTIVES, checked_objective, objective_named
 
-__all__ = ["OBJECTIVES", "Objective", "ObjectiveRun", "RunContext", "figure", "objective_named"]
+__all__ = [
+    "OBJECTIVES",
+    "Objective",
+    "ObjectiveRun",
+    "RunContext",
+    "checked_objective",
+    "figure",
+    "objective_named",
+]

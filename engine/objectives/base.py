@@ -99,6 +99,13 @@ class Objective(Protocol):
         """ConfigError unless ``task`` has what this objective trains on."""
         ...
 
+    def check_config(self, config: EngineConfig, chosen: bool) -> None:
+        """ConfigError (one line) when ``config`` cannot run. ``chosen``: this objective
+        is ``config``'s, and checks what it needs of the other settings; else it refuses
+        the settings only it takes (:func:`engine.objectives.registry.checked_objective`
+        asks every registered objective before a run)."""
+        ...
+
     def open(self, context: RunContext) -> ObjectiveRun:
         """The run's objective (its checks that need the session run now)."""
         ...

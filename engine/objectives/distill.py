@@ -6,6 +6,7 @@ the teacher's per-token signal (docs/distillation.md).
 from __future__ import annotations
 
 from engine.config import EngineConfig
+from engine.errors import ConfigError
 from engine.objectives.base import RunContext
 from engine.objectives.rl import RlObjective, RlRun
 from engine.session.capabilities import Need, prompt_logprobs_need
@@ -15,6 +16,14 @@ __all__ = ["DISTILL", "DistillObjective"]
 
 class DistillObjective(RlObjective):
     name = "distill"
+
+    def check_config(self, config: EngineConfig, chosen: bool) -> None:
+        """Its teacher; RL's checks are the rl objective's own (``--group``, for one)."""
+        if chosen != (config.distillation.teacher is not None):
+            raise ConfigError(
+                "--objective distill needs --teacher (a tinker:// sampler path, a run "
+                "directory or a base model name), and --teacher needs --objective distill"
+            )
 
     def open(self, context: RunContext) -> RlRun:
         return RlRun(context, distill=True)

@@ -125,6 +125,13 @@ class DpoObjective:
     def check_task(self, task: AnyTask) -> None:
         check_pair_task(task)
 
+    def check_config(self, config: EngineConfig, chosen: bool) -> None:
+        if chosen and config.pipeline.stream_minibatches:
+            raise ConfigError(
+                "--stream-minibatches splits a step's forward_backward, and --objective dpo "
+                "sends a step's pairs in one forward_backward_custom (its loss is over them all)"
+            )
+
     def open(self, context: RunContext) -> DpoRun:
         return DpoRun(context)
 

@@ -1,8 +1,12 @@
-"""``--objective NAME`` -> its :class:`~engine.objectives.base.Objective`: one line per
-objective (a new one: its module, its tests and its line here)."""
+"""``--objective NAME`` -> its :class:`~engine.objectives.base.Objective`: one entry per
+objective (a new one: its module, its tests and its entry here; a test registers one with
+``monkeypatch.setitem(OBJECTIVES, NAME, OBJECTIVE)``). The config holds the name alone;
+what an objective needs of the other settings is checked here, before a run
+(:func:`checked_objective`)."""
 
 from __future__ import annotations
 
+from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.objectives.base import Objective
 from engine.objectives.distill import DISTILL
@@ -10,13 +14,16 @@ from engine.objectives.dpo import DPO
 from engine.objectives.rl import RL
 from engine.objectives.sft import SFT
 
-__all__ = ["OBJECTIVES", "objective_named"]
+__all__ = ["OBJECTIVES", "checked_objective", "objective_named"]
 
 OBJECTIVES: dict[str, Objective] = {
-    "rl": RL,
-    "sft": SFT,
-    "distill": DISTILL,
-    "dpo": DPO,
+    objective.name: objective
+    for objective in (
+        RL,
+        SFT,
+        DISTILL,
+        DPO,
+    )
 }
 
 
@@ -26,3 +33,21 @@ def objective_named(name: str) -> Objective:
         return OBJECTIVES[name]
     except KeyError:
         raise ConfigError(f"unknown objective {name!r}: one of {', '.join(OBJECTIVES)}") from None
+
+
+def checked_objective(config: EngineConfig) -> Objective:
+    """The objective ``config`` trains for, once every registered objective found that
+    ``config`` can run (ConfigError, one line, exit 2): the chosen one what it needs of
+    the other settings, each other one that no setting only it takes is given. MinT's
+    rollout correction is applied inside the loss of the objectives that sample."""
+    chosen = objective_named(config.training.objective)
+    correction = config.training.rollout_correction
+    if correction != "off" and not chosen.samples:
+        sampling = " or ".join(name for name, o in OBJECTIVES.items() if o.samples)
+        raise ConfigError(
+            f"--rollout-correction {correction} is applied by the server inside "
+            f"importance_sampling: it needs --objective {sampling} (not {chosen.name})"
+        )
+    for objective in OBJECTIVES.values():
+        objective.check_config(config, chosen=objective is chosen)
+    return chosen

@@ -16,6 +16,7 @@ from engine.core.problems import Task
 from engine.core.state import ScoredGroup
 from engine.envs.executors import Workers
 from engine.envs.types import AnyTask
+from engine.errors import ConfigError
 from engine.loop.evaluation import Evaluator, eval_problems_of
 from engine.loop.groups import GroupPlan
 from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
@@ -161,6 +162,19 @@ class RlObjective:
 
     def check_task(self, task: AnyTask) -> None:
         """Any task trains on rewards."""
+
+    def check_config(self, config: EngineConfig, chosen: bool) -> None:
+        if chosen and config.pipeline.group < 2:
+            raise ConfigError(
+                f"--group must be at least 2 with --objective rl, got {config.pipeline.group}: "
+                "an advantage is a response's reward minus its group's mean, so a group of "
+                "one never trains"
+            )
+        if not chosen and config.pipeline.refill_groups:
+            raise ConfigError(
+                "--refill-groups samples reserves for groups whose rewards tie: it needs "
+                f"--objective rl (not {config.training.objective})"
+            )
 
     def open(self, context: RunContext) -> RlRun:
         return RlRun(context)

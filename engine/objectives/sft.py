@@ -18,6 +18,7 @@ from engine.core.problems import Problem, Task
 from engine.core.state import ScoredGroup
 from engine.core.trajectory import Trajectory
 from engine.envs.types import AnyTask
+from engine.errors import ConfigError
 from engine.loop.evaluation import eval_problems_of
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
@@ -136,6 +137,14 @@ class SftObjective:
 
     def check_task(self, task: AnyTask) -> None:
         check_conversation_task(task)
+
+    def check_config(self, config: EngineConfig, chosen: bool) -> None:
+        training = config.training
+        if chosen and (training.tis_cap or training.mask_high):
+            raise ConfigError(
+                "--tis-cap and --mask-low/--mask-high apply to the RL losses; --objective sft "
+                "trains cross_entropy"
+            )
 
     def open(self, context: RunContext) -> SftRun:
         return SftRun(context)

@@ -22,12 +22,14 @@ import operator
 import random
 import re
 from collections.abc import Callable, Mapping
-from typing import Annotated, Any, Final
+from typing import Any, Final
 
-from pydantic import Field
-
-from engine.common.setting import Setting, TaskSettings, one_of
-from engine.config.registry import register_task_settings
+from engine.config.task_settings import (
+    ARITHMETIC_OPS,
+    DEFAULT_EVAL_SIZE,
+    ArithmeticSettings,
+    default_eval_size,
+)
 from engine.core.problems import Problem, RewardBreakdown, SeededSource
 
 __all__ = [
@@ -43,54 +45,11 @@ __all__ = [
 
 _OP_NAMES: Final = {"+": "add", "-": "sub", "*": "mul"}
 
-OPS: Final[Mapping[str, Callable[[int, int], int]]] = {
-    "+": operator.add,
-    "-": operator.sub,
-    "*": operator.mul,
-}
+OPS: Final[Mapping[str, Callable[[int, int], int]]] = dict(
+    zip(ARITHMETIC_OPS, (operator.add, operator.sub, operator.mul), strict=True)
+)
 
 ARITHMETIC_ARGS: Final = ("op", "min_operand", "max_operand", "eval_size")
-
-DEFAULT_EVAL_SIZE: Final = 64
-"""Held-out pairs of an evaluated run (a tenth of the pairs when the range has fewer than
-640)."""
-
-
-def default_eval_size(min_operand: int | str, max_operand: int | str) -> int:
-    """The held-out pairs of an evaluated run over ``min_operand..max_operand`` (0 for a
-    range that is not one: the task reports that)."""
-    try:
-        pairs = (int(max_operand) - int(min_operand) + 1) ** 2
-    except ValueError:
-        return 0
-    return min(DEFAULT_EVAL_SIZE, pairs // 10) if int(max_operand) >= int(min_operand) else 0
-
-
-@register_task_settings
-class ArithmeticSettings(TaskSettings):
-    """The arithmetic task's own flags (``--op +`` is ``--task-arg op=+``); the server
-    recommends them for the model it serves."""
-
-    spec = "arithmetic"
-
-    op: Annotated[str | None, Setting(check=one_of(tuple(OPS)), recommended=True)] = Field(
-        None, description=f"arithmetic task: the operation ({' '.join(OPS)})"
-    )
-    min_operand: Annotated[int | None, Setting(recommended=True)] = Field(
-        None, description="arithmetic task: smallest operand"
-    )
-    max_operand: Annotated[int | None, Setting(recommended=True)] = Field(
-        None, description="arithmetic task: largest operand"
-    )
-
-    @classmethod
-    def complete(cls, args: Mapping[str, str], *, evaluated: bool) -> dict[str, str]:
-        """Held-out pairs only when evaluated: otherwise the quickstart's problems."""
-        out = dict(args)
-        if evaluated and "eval_size" not in out and {"min_operand", "max_operand"} <= out.keys():
-            out["eval_size"] = str(default_eval_size(out["min_operand"], out["max_operand"]))
-        return out
-
 
 _INTEGER = re.compile(r"-?\d+")
 

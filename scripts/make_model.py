@@ -61,12 +61,12 @@ refuses one trained on another (the first agent model, without tool schemas, was
 ``engine-local/tiny-agent``; tests/fixtures/rundir_v1 keeps it for the run trained on it)."""
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "engine" / "local" / "default_model"
 AGENT_OUT = DEFAULT_OUT.parent / "agent_model"
+"""``--environments`` builds the packaged agent model here (tasks that name it use it)."""
 CODE_MODEL_NAME = "engine-local/tiny-code"
 CODE_OUT = DEFAULT_OUT.parent / "code_model"
 """``--code`` builds the packaged code model here."""
 CODE_MAX_TOKENS = 16
 """Tokens a code answer needs at most (`` x * x + 9`` and EOS: 11)."""
-"""``--environments`` builds the packaged agent model here (tasks that name it use it)."""
 
 CODE_RL_DEFAULTS = {
     "learning_rate": 1e-3,

@@ -3,6 +3,7 @@ subprocess of the same interpreter, on this machine.
 
     python -m benchmarks.sandbox                 # 40 runs per cell
     python -m benchmarks.sandbox --runs 10       # quicker
+    python -m benchmarks.sandbox --backend unshare --runs 20   # without bubblewrap
 
 Two workloads: ``print(1)`` (the cost of a run itself: bubblewrap, the launcher, the
 interpreter's start) and 100 ms of CPU (a short test suite). Each runs ``--runs`` times
@@ -11,7 +12,8 @@ and in the sandbox (``Sandbox(max_concurrent=...)``), in rounds of that many run
 bare and sandboxed rounds alternating (so a shared machine's drifting load falls on both).
 Reported per cell: runs per second (runs / the rounds' wall time), each run's median wall
 time, and the sandbox's overhead per run (its median minus the bare one). Writes
-``sandbox.json`` and ``sandbox.md`` to ``--out``.
+``sandbox.json`` and ``sandbox.md`` to ``--out`` (``--backend unshare``, the namespaces
+made directly where bubblewrap is missing: ``sandbox_unshare.json`` and ``.md``).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ from benchmarks.report import (
 )
 from engine.common.cli import OneLineErrorParser, positive_int
 from engine.sandbox import Sandbox, SandboxLimits, default_python
+from engine.sandbox.isolation import BACKENDS, Backend
 
 __all__ = ["WORKLOADS", "main", "measure"]
 
@@ -74,10 +77,12 @@ async def _round(code: str, size: int, sandbox: Sandbox | None, walls: list[floa
     return time.monotonic() - start
 
 
-async def _cells(code: str, runs: int, concurrency: int) -> dict[str, dict[str, float]]:
+async def _cells(
+    code: str, runs: int, concurrency: int, backend: Backend | None
+) -> dict[str, dict[str, float]]:
     """Bare and sandboxed rounds of ``concurrency`` runs, alternated (load on a shared
     machine drifts: both see the same), until each has made ``runs`` runs."""
-    sandbox = Sandbox(LIMITS, max_concurrent=concurrency)
+    sandbox = Sandbox(LIMITS, max_concurrent=concurrency, backend=backend)
     walls: dict[str, list[float]] = {"bare": [], "sandbox": []}
     spent = {"bare": 0.0, "sandbox": 0.0}
     done = 0
@@ -95,13 +100,15 @@ async def _cells(code: str, runs: int, concurrency: int) -> dict[str, dict[str, 
     }
 
 
-async def measure(runs: int, concurrencies: Sequence[int]) -> list[dict[str, Any]]:
-    async with Sandbox(LIMITS):  # refuses in one line where it cannot isolate
+async def measure(
+    runs: int, concurrencies: Sequence[int], backend: Backend | None = None
+) -> list[dict[str, Any]]:
+    async with Sandbox(LIMITS, backend=backend):  # refuses in one line where it cannot isolate
         pass
     rows = []
     for name, code in WORKLOADS.items():
         for concurrency in concurrencies:
-            cells = await _cells(code, runs, concurrency)
+            cells = await _cells(code, runs, concurrency, backend)
             bare, boxed = cells["bare"], cells["sandbox"]
             rows.append(
                 {
@@ -150,6 +157,12 @@ def build_parser() -> argparse.ArgumentParser:
         description="Sandbox runs per second and overhead over a bare subprocess.",
     )
     parser.add_argument("--runs", type=positive_int, default=40, help="runs per cell (default 40)")
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        default=None,
+        help="isolate with this one (default: bubblewrap, else unshare)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where results go")
     return parser
 
@@ -158,15 +171,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     context = run_context(vars(args))
     concurrencies = sorted({1, os.cpu_count() or 1})
-    rows = anyio.run(measure, args.runs, concurrencies)
+    rows = anyio.run(measure, args.runs, concurrencies, args.backend)
     context["load_average_end"] = load_average()
+    flags = ["--backend", args.backend] if args.backend else []
+    stem = f"sandbox_{args.backend}" if args.backend == "unshare" else "sandbox"
     text = (
-        f"`{command_line('benchmarks.sandbox', ['--runs', str(args.runs)])}` on "
+        f"`{command_line('benchmarks.sandbox', [*flags, '--runs', str(args.runs)])}` on "
         f"{context['cpus']} CPUs, {context['platform']}, commit {context['commit']}, "
         f"load {context['load_average_start']} -> {context['load_average_end']}.\n\n" + table(rows)
     )
-    write_json(args.out / "sandbox.json", {"context": context, "rows": rows})
-    (args.out / "sandbox.md").write_text(text)
+    write_json(args.out / f"{stem}.json", {"context": context, "rows": rows})
+    (args.out / f"{stem}.md").write_text(text)
     print(text)
     return 0
 

@@ -61,12 +61,12 @@ refuses one trained on another (the first agent model, without tool schemas, was
 ``engine-local/tiny-agent``; tests/fixtures/rundir_v1 keeps it for the run trained on it)."""
 DEFAULT_OUT = Path(__file__).resolve().parents[1] / "engine" / "local" / "default_model"
 AGENT_OUT = DEFAULT_OUT.parent / "agent_model"
+"""``--environments`` builds the packaged agent model here (tasks that name it use it)."""
 CODE_MODEL_NAME = "engine-local/tiny-code"
 CODE_OUT = DEFAULT_OUT.parent / "code_model"
 """``--code`` builds the packaged code model here."""
 CODE_MAX_TOKENS = 16
 """Tokens a code answer needs at most (`` x * x + 9`` and EOS: 11)."""
-"""``--environments`` builds the packaged agent model here (tasks that name it use it)."""
 
 CODE_RL_DEFAULTS = {
     "learning_rate": 1e-3,
@@ -74,9 +74,10 @@ CODE_RL_DEFAULTS = {
     "task_args": {},
 }
 """The RL settings the server recommends for the code model. None measured so far gives a
-held-out gain within 30 steps (8x6, ppo, temperature 0.8): lr 5e-4 and 1e-3 left the
-greedy share of tests passed within noise on one seed, 2e-3 lowered it on 3
-(benchmarks/results/code_learning.md)."""
+held-out gain within 30 steps (temperature 0.8): at 8x6, lr 5e-4 and 1e-3 left the
+greedy share of tests passed within noise on one seed, 2e-3 lowered it on 3; at 16x8
+and lr 3e-3 it moved -0.4 points, SD 2.5, over 3 (docs/sandbox.md, "A model that learns
+it"; benchmarks/results/code_learning.md)."""
 
 RL_DEFAULTS = {
     "learning_rate": 5e-4,

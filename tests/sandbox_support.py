@@ -10,7 +10,8 @@ from pathlib import Path
 import anyio
 import pytest
 
-from engine.sandbox.isolation import isolation_problem
+from engine.sandbox import isolation, runner
+from engine.sandbox.isolation import Backend, isolation_problem
 
 GUARD_S = 60.0
 """A hang guard, never a timing claim: how long a check may wait for something to happen."""
@@ -25,6 +26,15 @@ def require_isolation() -> None:
     if os.environ.get("CI"):
         pytest.fail(f"CI must be able to isolate: {problem}")
     pytest.skip(f"this machine cannot isolate: {problem}")
+
+
+def use_backend(backend: Backend, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every sandbox of the test isolates with ``backend``; skip where it cannot (on CI
+    too: bubblewrap is the one CI must have, and a runner may forbid user namespaces)."""
+    problem = isolation.isolation_problem_now(backend)
+    if problem is not None:
+        pytest.skip(f"this machine cannot isolate with {backend}: {problem}")
+    monkeypatch.setattr(runner, "isolation_backend", lambda: backend)
 
 
 def new_token() -> str:

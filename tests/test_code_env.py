@@ -6,6 +6,7 @@ the fake session trains whole episodes whose replies are not code."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -18,8 +19,9 @@ from test_pipeline_stages import config, run_pipeline
 from engine.catalog import load_task, task_spec
 from engine.core.trajectory import Action, StopCondition
 from engine.envs import ChatEnv, EnvContext, EnvStepResult, is_env_task
-from engine.envs.code import REVISE, CodeEnv, CodeEnvGroup, CodeEnvTask
+from engine.envs.code import REVISE, CodeEnv, CodeEnvGroup, CodeEnvTask, snippet_report
 from engine.errors import ConfigError
+from engine.sandbox import SandboxResult
 from engine.tasks.render import TaskContext
 from tests.sandbox_support import require_isolation
 
@@ -123,6 +125,64 @@ async def test_a_sandbox_limit_is_in_the_feedback_and_the_reward(isolated: None)
     assert env.env.reward().components["limit_wall"] == 1.0
 
 
+def snippet_call(code: str) -> str:
+    call = {"name": "run_python", "arguments": {"code": code}}
+    return f"Let me try it.\n<tool_call>{json.dumps(call)}</tool_call>"
+
+
+def tool_results(env: ChatEnv) -> list[str]:
+    return [str(m["content"]) for m in env.messages if m["role"] == "tool"]
+
+
+async def test_snippets_run_in_the_sandbox_without_the_tests_within_their_budget(
+    isolated: None,
+) -> None:
+    task = load_task(f"code-env:{PROBLEMS}", {"timeout": "60", "snippet_calls": "2"})
+    assert isinstance(task, CodeEnvTask)
+    replies = [
+        snippet_call("print(6 * 7)"),
+        snippet_call("import os, sys\nprint(sorted(os.listdir('.')))\nsys.exit('bye')"),
+        snippet_call("print('a third run')"),
+        FENCED_ADD,
+    ]
+    env, results = await play(task, 0, replies)
+    assert [r.done for r in results] == [False, False, False, True]
+    first, second, third = tool_results(env)
+    assert first == "exit 0\nstdout:\n42\n"
+    assert second == "exit 1\nstdout:\n['main.py']\n\nstderr:\nbye\n"  # no tests in sight
+    assert third.startswith("error: ") and "no runs left (2 an episode)" in third
+    assert results[2].metrics == {"tool_calls": 1.0, "tool_errors": 1.0}
+    assert results[-1].metrics["attempts"] == 1.0  # a snippet is no submission
+    assert results[-1].metrics["snippet_calls"] == 2.0
+    assert results[-1].metrics["solved"] == 1.0
+
+
+async def test_without_snippet_calls_a_tool_call_is_a_submission(task: CodeEnvTask) -> None:
+    env, (result,) = await play(task, 0, [snippet_call("print(1)")])
+    assert tool_results(env) == [] and not result.done
+    assert isinstance(env.env, CodeEnv) and len(env.env.checks) == 1
+    assert "snippet_calls" not in task.spec[1]
+
+
+def test_a_snippet_report_is_bounded() -> None:
+    result = SandboxResult(
+        exit_code=None,
+        signal="SIGKILL",
+        limit="output",
+        stdout="y\n" * 5000,
+        stderr="",
+        stdout_bytes=10000,
+        stderr_bytes=0,
+        truncated=True,
+        wall_s=0.1,
+        cpu_s=None,
+        isolated=True,
+    )
+    text = snippet_report(result, 300)
+    assert len(text) == 300 and text.endswith("...")
+    assert text.startswith("limit output (signal SIGKILL) (output cut short)\nstdout:\ny\n")
+
+
 def test_feedback_is_bounded_and_names_each_failure() -> None:
     from engine.tasks.code import CodeCheck
 
@@ -141,9 +201,14 @@ def test_the_task_loads_with_its_spec_and_checks_its_arguments(isolated: None) -
     assert args == {"max_attempts": "2", "eval_size": "2"}
     assert isinstance(load_task(spec, args), CodeEnvTask)  # --resume rebuilds it
     assert task.name == "code-env-code_problems"
+    with_tool = load_task(f"code-env:{PROBLEMS}", {"snippet_calls": "3"})
+    assert isinstance(with_tool, CodeEnvTask) and with_tool.snippet_calls == 3
+    spec, args = task_spec(with_tool, "ignored", {})
+    assert args["snippet_calls"] == "3" and isinstance(load_task(spec, args), CodeEnvTask)
     for args, message in (
         ({"max_attempts": "0"}, "max_attempts must be >= 1, got 0"),
         ({"max_attempts": "x"}, "max_attempts must be an integer"),
+        ({"snippet_calls": "-1"}, "snippet_calls must be >= 0, got -1"),
         ({"chat": "true"}, "unknown task argument 'chat' for code-env"),
         ({"colour": "red"}, "unknown task argument 'colour'"),
     ):

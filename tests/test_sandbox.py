@@ -53,9 +53,29 @@ def isolated() -> Iterator[None]:
 
 @pytest.fixture
 def no_bwrap(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A machine without bubblewrap: an empty PATH and a fresh probe."""
+    """A machine that cannot isolate, with neither bubblewrap nor ``unshare``: an empty
+    PATH and a fresh probe."""
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(isolation, "_probed", {})
+
+
+@pytest.mark.anyio
+async def test_without_bubblewrap_the_namespaces_are_made_directly(
+    isolated: None, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    unshare = shutil.which("unshare")
+    if unshare is None or isolation.isolation_problem_now("unshare") is not None:
+        pytest.skip("this machine cannot isolate with unshare")
+    (tmp_path / "unshare").symlink_to(unshare)
+    monkeypatch.setenv("PATH", str(tmp_path))  # unshare, and no bwrap
+    monkeypatch.setattr(isolation, "_probed", {})
+    code = "import os\nprint(open('data.txt').read(), sorted(os.environ), os.path.exists('/work'))"
+    async with Sandbox(SandboxLimits(wall_s=60)) as sandbox:
+        result = await sandbox.run_python(code, files={"data.txt": "42"})
+    assert isolation.isolation_backend() == "unshare"
+    assert "bubblewrap (bwrap) is not installed" in str(isolation._probed["bwrap"])
+    assert result.ok and result.isolated, result
+    assert result.stdout == "42 ['HOME', 'LANG', 'PATH', 'TMPDIR'] False\n"
 
 
 @pytest.mark.anyio
@@ -139,6 +159,7 @@ async def test_without_bubblewrap_it_refuses_in_one_line_unless_told_to_go_uniso
             pass
     message = str(refused.value)
     assert "\n" not in message and "bubblewrap (bwrap) is not installed" in message
+    assert "unshare is not installed" in message
     assert "allow_unisolated=True" in message
     with pytest.raises(SandboxUnavailable):
         await Sandbox().run_python("print('never')")

@@ -1,7 +1,8 @@
 """Attacks on engine.sandbox: each is contained, the result names the limit or the code
 saw a refusal, nothing it started outlives the run, and the same sandbox runs the next
-code normally. SandboxLimits are small so the file stays fast; time limits that are expected
-to stop the code are short, the others generous."""
+code normally; each with either backend (bubblewrap, and the namespaces made directly by
+``unshare``) where this machine has it. SandboxLimits are small so the file stays fast;
+time limits that are expected to stop the code are short, the others generous."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ import anyio
 import pytest
 
 from engine.sandbox import Sandbox, SandboxLimits, SandboxResult
-from tests.sandbox_support import new_token, require_isolation, survivors
+from engine.sandbox.isolation import BACKENDS, Backend
+from tests.sandbox_support import new_token, require_isolation, survivors, use_backend
 
 pytestmark = pytest.mark.anyio
 
@@ -28,9 +30,11 @@ def anyio_backend() -> str:
     return "asyncio"
 
 
-@pytest.fixture(autouse=True)
-def _isolation() -> Iterator[None]:
+@pytest.fixture(autouse=True, params=BACKENDS)
+def _isolation(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
     require_isolation()
+    backend: Backend = request.param
+    use_backend(backend, monkeypatch)
     yield
 
 

@@ -30,8 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--unsafe-no-isolation",
         action="store_true",
-        help="where bubblewrap cannot isolate, run with the limits alone: the code then "
-        "sees this machine's files and network",
+        help="where neither bubblewrap nor unshare can isolate, run with the limits alone: "
+        "the code then sees this machine's files and network",
     )
     add_version_flag(parser)
     return parser

@@ -26,7 +26,16 @@ import anyio
 import anyio.abc
 
 from engine.errors import EngineError
-from engine.sandbox.isolation import PATH, bwrap_argv, code_uid, isolation_problem, launcher_argv
+from engine.sandbox.isolation import (
+    PATH,
+    Backend,
+    bwrap_argv,
+    code_uid,
+    isolation_backend,
+    isolation_problem,
+    launcher_argv,
+    unshare_argv,
+)
 from engine.sandbox.limits import DEFAULT_LIMITS, SandboxLimits
 from engine.sandbox.result import SandboxResult, limit_reached, signal_name
 
@@ -101,13 +110,16 @@ class _Output:
 
 
 class Sandbox:
-    """Runs untrusted commands isolated (bubblewrap) and bounded (``limits``).
+    """Runs untrusted commands isolated (bubblewrap, else ``unshare``) and bounded
+    (``limits``).
 
     ``python``: the interpreter of :meth:`run_python` (default :func:`default_python`);
     its prefix is shown read-only. ``ro_paths``: more host paths to show read-only (e.g. a
     site-packages). ``max_concurrent``: runs at once (default: the CPU count).
-    ``allow_unisolated``: where bubblewrap cannot isolate, run with the limits alone
-    instead of refusing (the code then sees the machine's files and network).
+    ``allow_unisolated``: where neither bubblewrap nor ``unshare`` can isolate, run with
+    the limits alone instead of refusing (the code then sees the machine's files and
+    network). ``backend``: isolate with this one (:data:`~engine.sandbox.isolation.BACKENDS`)
+    instead of the first that works here (it must work here too).
     """
 
     def __init__(
@@ -118,8 +130,10 @@ class Sandbox:
         python: str | None = None,
         ro_paths: Sequence[str | Path] = (),
         allow_unisolated: bool = False,
+        backend: Backend | None = None,
     ) -> None:
         self.limits = limits
+        self.backend = backend
         self.max_concurrent = max_concurrent or os.cpu_count() or 1
         if self.max_concurrent < 1:
             raise ValueError(f"max_concurrent must be >= 1, got {max_concurrent}")
@@ -154,14 +168,15 @@ class Sandbox:
     ) -> None:
         return None
 
-    async def _isolated(self) -> bool:
-        """True where bubblewrap isolates; False where it cannot and the user opted out;
-        :class:`SandboxUnavailable` (one line) otherwise."""
-        problem = await isolation_problem()
+    async def _isolated(self) -> Backend | None:
+        """The backend that isolates here (bubblewrap, else ``unshare``); None where
+        neither can and the user opted out; :class:`SandboxUnavailable` (one line)
+        otherwise."""
+        problem = await isolation_problem(self.backend)
         if problem is None:
-            return True
+            return self.backend or isolation_backend()
         if self.allow_unisolated:
-            return False
+            return None
         raise SandboxUnavailable(
             f"sandbox: cannot isolate code on this machine: {problem}; "
             "refusing to run it unisolated unless asked to "
@@ -195,17 +210,17 @@ class Sandbox:
             _file_name(k): v.encode() if isinstance(v, str) else v for k, v in (files or {}).items()
         }
         data = stdin.encode() if isinstance(stdin, str) else stdin or b""
-        isolated = await self._isolated()
+        backend = await self._isolated()
         async with self._limiter:
             with contextlib.ExitStack() as scratch:
-                return await self._run(list(argv), named, data, isolated, scratch)
+                return await self._run(list(argv), named, data, backend, scratch)
 
     async def _run(
         self,
         argv: list[str],
         files: dict[str, bytes],
         stdin: bytes,
-        isolated: bool,
+        backend: Backend | None,
         scratch: contextlib.ExitStack,
     ) -> SandboxResult:
         status_r, status_w = os.pipe()
@@ -213,19 +228,32 @@ class Sandbox:
         try:
             stdin_fd = _memfd("stdin", stdin)
             child_fds.append(stdin_fd)
-            uid = code_uid() if isolated else -1
+            uid = code_uid() if backend is not None else -1
             inner = launcher_argv(self.python, status_w, uid, self.limits.rlimits(), argv)
             cwd: str | None = None
-            if isolated:
+            if backend is not None:
                 file_fds: dict[str, int] = {}
                 for name, data in files.items():
                     file_fds[name] = _memfd(name, data)
                     child_fds.append(file_fds[name])
-                bwrap = shutil.which("bwrap") or "bwrap"
-                sandbox = bwrap_argv(
-                    bwrap, ro_paths=self.ro_paths, files=file_fds, tmp_bytes=self.limits.tmp_bytes
-                )
-                command, passed = [*sandbox, "--", *inner], [status_w, *file_fds.values()]
+                tmp_bytes = self.limits.tmp_bytes
+                if backend == "bwrap":
+                    bwrap = shutil.which("bwrap") or "bwrap"
+                    sandbox = bwrap_argv(
+                        bwrap, ro_paths=self.ro_paths, files=file_fds, tmp_bytes=tmp_bytes
+                    )
+                    command = [*sandbox, "--", *inner]
+                else:
+                    root = tempfile.TemporaryDirectory(prefix="sandbox-root-")
+                    sandbox = unshare_argv(
+                        shutil.which("unshare") or "unshare",
+                        root=Path(scratch.enter_context(root)),
+                        ro_paths=self.ro_paths,
+                        files=file_fds,
+                        tmp_bytes=tmp_bytes,
+                    )
+                    command = [*sandbox, *inner]
+                passed = [status_w, *file_fds.values()]
                 env: dict[str, str] = {}
             else:
                 scratch_dir = tempfile.TemporaryDirectory(
@@ -306,7 +334,7 @@ class Sandbox:
             truncated=output.over,
             wall_s=round(wall_s, 3),
             cpu_s=cpu_s,
-            isolated=isolated,
+            isolated=backend is not None,
         )
 
 

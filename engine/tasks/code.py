@@ -84,8 +84,8 @@ CODE_ARGS: Final[Mapping[str, str]] = {
     "timeout": "wall-clock seconds of one sandbox run (default 10)",
     "memory_mb": "memory of one sandbox run's processes, each (default 512)",
     "max_concurrent": "sandbox runs at once (default: the CPU count)",
-    "unsafe_no_isolation": "true: where bubblewrap cannot isolate, run the code without "
-    "isolation (it sees this machine's files and network); default: refuse",
+    "unsafe_no_isolation": "true: where neither bubblewrap nor unshare can isolate, run the "
+    "code without isolation (it sees this machine's files and network); default: refuse",
     **{
         k: DATASET_ARGS[k]
         for k in (

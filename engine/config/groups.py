@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, Literal
 
 from pydantic import (
     BaseModel,
@@ -471,6 +471,14 @@ class PipelineSettings(_Group):
         "samples one for each of its groups that carries no signal (rewards all tie, a reward "
         "error, a prompt too long), until --batch groups carry one or the reserves run out "
         "(0: off; the step trains on fewer groups; docs/losses.md)",
+    )
+    step_order: Annotated[Literal["problem", "completion"], Setting()] = Field(
+        "problem",
+        description="which groups a step trains: its own problems, in the order drawn "
+        "(problem), or the first groups to finish within the --max-steps-off-policy window, "
+        "so a straggling group trains in a later step (completion: a step waits for a group "
+        "only at the last step the window allows it; not with --refill-groups; "
+        "docs/architecture.md)",
     )
     stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
         None, description="send forward_backward per M arriving groups (one optim_step per step)"

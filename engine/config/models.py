@@ -210,6 +210,13 @@ class EngineConfig(BaseModel):
                 "--refill-groups samples reserves for groups whose rewards tie: it needs "
                 f"--objective rl (not {self.training.objective})"
             )
+        if self.pipeline.step_order == "completion" and (
+            self.pipeline.refill_groups or self.training.objective in ("sft", "dpo")
+        ):
+            raise ConfigError(
+                "--step-order completion forms steps from the sampled groups that finish "
+                "first: it needs a sampling objective (rl or distill) and no --refill-groups"
+            )
         if self.training.objective == "dpo" and self.pipeline.stream_minibatches:
             raise ConfigError(
                 "--stream-minibatches splits a step's forward_backward, and --objective dpo "

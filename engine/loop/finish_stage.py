@@ -109,7 +109,7 @@ class FinishStage:
                 state = dataclasses.replace(
                     submitted.state,
                     sampler_version=self._versions.current.version,
-                    pending_groups=_untrained_after(submitted.step, untrained, filed),
+                    pending_groups=_untrained(submitted.state, untrained, filed),
                 )
                 timing = StepTiming(submitted.train_start, end, last_end, submitted.wait)
                 step_result = self._step_result(
@@ -174,19 +174,19 @@ class FinishStage:
         )
 
 
-def _untrained_after(
-    step: int,
+def _untrained(
+    state: LoopState,
     untrained: dict[tuple[int, int], ScoredGroup],
     filed: MemoryObjectReceiveStream[ScoredGroup],
 ) -> tuple[ScoredGroup, ...]:
-    """Every group filed by the submitter so far of a step after ``step`` (what a
-    checkpoint after ``step`` must keep, so nothing sampled is lost on resume)."""
+    """Every group filed by the submitter so far that ``state`` has not trained (what
+    its checkpoint must keep, so nothing sampled is lost on resume)."""
     while True:
         try:
             group = filed.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
             break
         untrained[(group.step, group.index)] = group
-    for key in [k for k in untrained if k[0] <= step]:
+    for key in [k for k, g in untrained.items() if state.trained(g)]:
         del untrained[key]
     return tuple(untrained[k] for k in sorted(untrained))

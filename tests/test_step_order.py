@@ -1,23 +1,28 @@
 """``--step-order completion`` on the fake session (tests/fake_session.py): a slow group
 trains in a later step instead of holding this one, never beyond the staleness bound
-(checked on every turn), every problem trains once across a stop and a resume, and K=0
+(checked on every turn), every problem trains once across a stop and a resume (an
+environment's episode or an agent in flight restarts from its problem), and K=0
 trains what problem order trains, datum for datum. Slow groups wait on events, so no
 clock is involved."""
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import anyio
+import openai
 import pytest
 from fake_session import FakeSession
+from test_agents_pipeline import ChatSession, Problems, two_calls
 from test_engine_fake_session import fake_config, run
 from test_envs_pipeline import CountdownTask, ParityGroup, WaitingEnv
 from test_pipeline_stages import config, run_pipeline
 
 from engine import Engine
+from engine.agents import AgentTask
 from engine.core.problems import Problem
 from engine.core.state import LoopState
 from engine.envs import EnvContext
@@ -141,6 +146,37 @@ async def test_a_stop_with_a_slow_group_in_flight_resumes_each_problem_once(
     second = await run(cfg.replace(resume=tmp_path / "run"), task, session)
     assert each_trained(first + second) == list(range(8))  # none twice, none lost
     assert task.built[0] == 2  # restarted from its problem
+    assert_every_turn_within(first + second, 1)
+
+
+async def test_an_agent_mid_episode_at_a_stop_restarts_from_its_problem(tmp_path: Path) -> None:
+    # Problem 0's agent waits between its two calls: at the stop after step 1 its
+    # episode is in flight, and the resumed run plays it again from its problem.
+    blocked = anyio.Event()
+    played: Counter[int] = Counter()
+
+    async def agent(client: openai.AsyncOpenAI, problem: Problem) -> float:
+        played[problem.id] += 1
+        reward, _ = await two_calls(client, problem, blocked.wait if problem.id == 0 else None)
+        return reward
+
+    task = AgentTask(agent, Problems())
+    session = ChatSession()
+    cfg = fake_config(tmp_path / "run", steps=4, step_order="completion")
+    first: list[StepResult] = []
+    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
+
+        async def stop_after_first(result: StepResult) -> None:
+            engine.request_stop()
+
+        engine.add_step_hook(stop_after_first)
+        assert (await engine.run()).steps_completed == 1
+    assert 0 not in problems(first)[0] and played[0] == 2  # both episodes in flight
+
+    blocked.set()
+    second = await run(cfg.replace(resume=tmp_path / "run"), task, session)
+    assert each_trained(first + second) == list(range(8))
+    assert played[0] == 4  # restarted from its problem
     assert_every_turn_within(first + second, 1)
 
 

@@ -27,8 +27,9 @@ reward is the arithmetic reward of the first reply, so groups differ.
 Configurations, each a full engine run on the same server, problems and seed: ``sync``
 (the batch-synchronous schedule: K=0, every episode of step s finishes before s trains,
 and s+1 samples only from s's weights), ``default`` (the engine's defaults: K=1), ``k2``
-and ``k4`` (``--max-steps-off-policy`` 2 and 4), ``c1`` and ``c2`` (``--step-order
-completion`` at K=1 and 2: a step trains the first groups to finish in the window).
+and ``k4`` (``--max-steps-off-policy`` 2 and 4); on request (``--configs``) ``c1`` and
+``c2`` (``--step-order completion`` at K=1 and 2: a step trains the first groups to
+finish in the window).
 
 Reported per configuration and agent, over the steady steps (:mod:`benchmarks.episode_runs`):
 steps/s and ``x_sync`` (over the synchronous loop's, same agent), cycles per step, server
@@ -97,6 +98,8 @@ CONFIGS: Mapping[str, tuple[str, int | None, str | None]] = {
 }
 """Configuration key -> (label, --max-steps-off-policy, --step-order; None: the engine's
 default)."""
+DEFAULT_CONFIGS = ("sync", "default", "k2", "k4")
+"""What a plain run measures (``--configs c1 c2`` adds completion order)."""
 AGENTS = ("native", "openai")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_LATENCY = "mint"
@@ -334,7 +337,7 @@ def build_parser() -> BenchParser:
     p.add_argument(
         "--latency", default=DEFAULT_LATENCY, help="the server's --latency profile (not off)"
     )
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
     p.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 steps of 4 x 2 episodes")

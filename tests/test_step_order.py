@@ -7,6 +7,7 @@ clock is involved."""
 
 from __future__ import annotations
 
+import random
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,10 +25,12 @@ from test_pipeline_stages import config, run_pipeline
 from engine import Engine
 from engine.agents import AgentTask
 from engine.core.problems import Problem
-from engine.core.state import LoopState
+from engine.core.state import LoopState, ScoredGroup
 from engine.envs import EnvContext
 from engine.errors import ConfigError
+from engine.loop.messages import GroupsStarted, StepOpened
 from engine.loop.results import StepResult
+from engine.loop.step_order import CompletionOrder
 from tests.datums import datum_to_dict
 
 pytestmark = pytest.mark.anyio
@@ -191,3 +194,30 @@ def test_a_loop_state_keeps_where_drawing_resumes() -> None:
 def test_completion_order_refuses_what_it_cannot_form(changes: dict[str, Any]) -> None:
     with pytest.raises(ConfigError, match="--step-order completion"):
         config(step_order="completion", **changes)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3])
+def test_steps_keep_their_size_and_every_group_its_bound_in_any_finishing_order(k: int) -> None:
+    # The submitter's side alone: groups of 4 steps in flight finish in a seeded random
+    # order; every step takes 4 groups, none after its deadline, each once.
+    batch, steps = 4, 12
+    rng = random.Random(k)
+    order = CompletionOrder(batch, k, steps, LoopState(0, {}, 0), [])
+    running: list[tuple[int, int, int]] = []
+    drawn = version = 0
+    trained: list[tuple[int, int]] = []
+    for step in range(steps):
+        while drawn < steps and drawn - k <= version:  # the rollout stage's window
+            order.receive(StepOpened(drawn, {}), step)
+            order.receive(GroupsStarted(drawn, tuple(range(batch)), version), step)
+            running += [(drawn, i, version) for i in range(batch)]
+            drawn += 1
+        while not order.complete(step):
+            s, i, v = running.pop(rng.randrange(len(running)))
+            order.receive(ScoredGroup(s, i, Problem(s * batch + i, "", 0), v, ()), step)
+        closed = order.close(step)
+        assert len(closed.groups) == batch
+        assert all(step - k <= g.version <= step for g in closed.groups)
+        trained += [(g.step, g.index) for g in closed.groups]
+        version = step + 1
+    assert sorted(trained) == [(s, i) for s in range(steps) for i in range(batch)]

@@ -19,6 +19,7 @@ does.
 
 from __future__ import annotations
 
+import bisect
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -166,35 +167,49 @@ class CompletionOrder:
         """Move the finished groups step ``step`` may take into it, first finished
         first; whether any moved."""
         room = self._batch - len(self._taken)
-        if self._excess(step, None) > room:
+        took = False
+        deadlines, before, after = self._excess(step)
+        if max(before[-1], after[0]) > room:
             raise EngineError(
                 f"internal error: step {steps_done(step)} cannot keep every group within "
                 f"the staleness bound {self._window}"
             )
-        took = False
         for group in list(self._waiting):
             if room == 0:
                 break
-            if self._deadline(group) >= step and self._excess(step, group) <= room - 1:
+            # Without the group the counts due by its deadline or later drop by one.
+            i = bisect.bisect_left(deadlines, self._deadline(group))
+            if self._deadline(group) >= step and max(before[i], after[i] - 1) <= room - 1:
                 self._waiting.remove(group)
                 self._taken[_key(group)] = group
                 room -= 1
                 took = True
+                deadlines, before, after = self._excess(step)
         return took
 
-    def _excess(self, step: int, without: ScoredGroup | None) -> int:
-        """The most groups step ``step`` must still take so that the later steps can
-        train every untrained group (but ``without``) by its deadline: over every
-        ``d``, the groups due by step ``d`` beyond the ``(d - step) x batch`` places of
-        steps ``step + 1..d``. Groups of steps not started yet count as due at their
-        own step (they start at version ``step - K`` or later)."""
-        due = Counter(self._deadline(g) for g in self._waiting if g is not without)
+    def _excess(self, step: int) -> tuple[list[int], list[int], list[int]]:
+        """How many groups step ``step`` must still take so that the later steps can
+        train every untrained group by its deadline: over every ``d``, the groups due
+        by step ``d`` beyond the ``(d - step) x batch`` places of steps
+        ``step + 1..d``. Groups of steps not started yet count as due at their own step
+        (they start at version ``step - K`` or later). Returns the deadlines ``d`` in
+        order, the most over the deadlines before each (``before[i]``: those before
+        ``deadlines[i]``) and over it and the ones after (``after[i]``), 0 at least."""
+        due = Counter(self._deadline(g) for g in self._waiting)
         due.update(self._running.values())
         last = max(due, default=step)
         for drawn in range(self._opened, min(self._steps, last + 1)):
             due[drawn] += self._batch - self._known[drawn]
-        worst = count = 0
-        for d in sorted(due):
+        deadlines = sorted(due)
+        excess: list[int] = []
+        count = 0
+        for d in deadlines:
             count += due[d]
-            worst = max(worst, count - max(0, d - step) * self._batch)
-        return worst
+            excess.append(count - max(0, d - step) * self._batch)
+        before = [0]
+        for e in excess:
+            before.append(max(before[-1], e))
+        after = [0]
+        for e in reversed(excess):
+            after.append(max(after[-1], e))
+        return deadlines, before, after[::-1]

@@ -4,7 +4,7 @@ For each step it awaits the training result and the snapshot, publishes the snap
 :class:`~engine.loop.policy.PolicyVersions` (admitting the steps that wait on it), checks
 the staleness bound, builds the step's metrics and hands the
 :class:`~engine.loop.results.StepResult` to ``on_step``; its loop state keeps every filed
-group of a later step, so nothing sampled is lost on resume. A step is "in flight" from
+group it has not trained, so nothing sampled is lost on resume. A step is "in flight" from
 its first submission until ``on_step`` returns (:class:`~engine.loop.stopping.StopGate`),
 so a stop only lands between steps; each recorded step gives the submitter a credit.
 """

@@ -191,10 +191,11 @@ def staleness(results: Sequence[StepResult]) -> dict[str, dict[str, int]]:
     turns: Counter[int] = Counter()
     trajectories: Counter[int] = Counter()
     for result in results:
+        step = result.step - 1  # the 0-based step that trained it (not the one it was drawn for)
         for group in result.groups:
             for trajectory in group.trajectories:
-                trajectories[group.step - trajectory.version] += 1
-                turns.update(group.step - turn.version for turn in trajectory.turns)
+                trajectories[step - trajectory.version] += 1
+                turns.update(step - turn.version for turn in trajectory.turns)
     return {
         "per_turn": {str(k): turns[k] for k in sorted(turns)},
         "per_trajectory": {str(k): trajectories[k] for k in sorted(trajectories)},
@@ -242,12 +243,16 @@ def run_engine(
     seed: int,
     max_turns: int,
     max_tokens: int,
+    step_order: str | None = None,
 ) -> list[StepResult]:
     """One engine run of ``task`` (an environment or agent task) with K = ``k`` (None:
     the engine's default K and loss; 0: the batch-synchronous schedule with the
-    on-policy ``importance_sampling`` loss); its trained steps."""
+    on-policy ``importance_sampling`` loss) and ``--step-order step_order`` (None: the
+    default); its trained steps."""
     results: list[StepResult] = []
     schedule: dict[str, Any] = {}
+    if step_order is not None:
+        schedule["step_order"] = step_order
     if k is not None:
         schedule["max_steps_off_policy"] = k
         if k == 0:

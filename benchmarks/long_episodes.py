@@ -27,7 +27,9 @@ reward is the arithmetic reward of the first reply, so groups differ.
 Configurations, each a full engine run on the same server, problems and seed: ``sync``
 (the batch-synchronous schedule: K=0, every episode of step s finishes before s trains,
 and s+1 samples only from s's weights), ``default`` (the engine's defaults: K=1), ``k2``
-and ``k4`` (``--max-steps-off-policy`` 2 and 4).
+and ``k4`` (``--max-steps-off-policy`` 2 and 4); on request (``--configs``) ``c1`` and
+``c2`` (``--step-order completion`` at K=1 and 2: a step trains the first groups to
+finish in the window).
 
 Reported per configuration and agent, over the steady steps (:mod:`benchmarks.episode_runs`):
 steps/s and ``x_sync`` (over the synchronous loop's, same agent), cycles per step, server
@@ -86,13 +88,18 @@ from engine.tasks.arithmetic import score_arithmetic
 
 __all__ = ["AGENTS", "CONFIGS", "LongAgent", "LongEpisodesTask", "draw_episode", "main"]
 
-CONFIGS: Mapping[str, tuple[str, int | None]] = {
-    "sync": ("batch-synchronous (K=0)", 0),
-    "default": ("engine default (K=1)", None),
-    "k2": ("engine K=2", 2),
-    "k4": ("engine K=4", 4),
+CONFIGS: Mapping[str, tuple[str, int | None, str | None]] = {
+    "sync": ("batch-synchronous (K=0)", 0, None),
+    "default": ("engine default (K=1)", None, None),
+    "k2": ("engine K=2", 2, None),
+    "k4": ("engine K=4", 4, None),
+    "c1": ("completion order, K=1", 1, "completion"),
+    "c2": ("completion order, K=2", 2, "completion"),
 }
-"""Configuration key -> (label, --max-steps-off-policy; None: the engine's default)."""
+"""Configuration key -> (label, --max-steps-off-policy, --step-order; None: the engine's
+default)."""
+DEFAULT_CONFIGS = ("sync", "default", "k2", "k4")
+"""What a plain run measures (``--configs c1 c2`` adds completion order)."""
 AGENTS = ("native", "openai")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
 DEFAULT_LATENCY = "mint"
@@ -274,7 +281,7 @@ def run_config(
     cycle_s: float,
 ) -> dict[str, Any]:
     """One engine run of the heavy-tailed workload as ``agent``, in configuration ``key``."""
-    label, k = CONFIGS[key]
+    label, k, step_order = CONFIGS[key]
     if agent == "native":
         native = LongEpisodesTask(cycle_s)
         task, log = native, native.log
@@ -291,6 +298,7 @@ def run_config(
         seed=seed,
         max_turns=MAX_TURNS,
         max_tokens=MAX_TOKENS,
+        step_order=step_order,
     )
     cpu = time.process_time() - cpu
     after = server_counters(target)
@@ -329,7 +337,7 @@ def build_parser() -> BenchParser:
     p.add_argument(
         "--latency", default=DEFAULT_LATENCY, help="the server's --latency profile (not off)"
     )
-    p.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
     p.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="3 steps of 4 x 2 episodes")

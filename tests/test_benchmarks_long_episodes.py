@@ -98,8 +98,9 @@ def test_staleness_and_volumes_count_turns_trajectories_and_tied_groups() -> Non
     signal = ScoredGroup(
         2, 0, PROBLEM, 1, (_trajectory(1.0, (1, 2)), _trajectory(0.0, (2,), "max_turns"))
     )
-    tied = ScoredGroup(2, 1, PROBLEM, 2, (_trajectory(0.5, (2,)), _trajectory(0.5, (2,))))
-    results: Any = [SimpleNamespace(groups=(signal, tied))]
+    # Drawn for step 1, trained in step 3 (0-based 2: completion order): 0 steps behind.
+    tied = ScoredGroup(1, 1, PROBLEM, 2, (_trajectory(0.5, (2,)), _trajectory(0.5, (2,))))
+    results: Any = [SimpleNamespace(step=3, groups=(signal, tied))]
     assert episode_runs.staleness(results) == {
         "per_turn": {"0": 4, "1": 1},
         "per_trajectory": {"0": 3, "1": 1},

@@ -4,7 +4,7 @@ reward, an environment task's episodes, held-out evaluation, checkpoints."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PlainSerializer, model_validator
 from pydantic_core import PydanticCustomError
@@ -87,6 +87,14 @@ class PipelineSettings(SettingsGroup):
         "samples one for each of its groups that carries no signal (rewards all tie, a reward "
         "error, a prompt too long), until --batch groups carry one or the reserves run out "
         "(0: off; the step trains on fewer groups; docs/losses.md)",
+    )
+    step_order: Annotated[Literal["problem", "completion"], Setting()] = Field(
+        "problem",
+        description="which groups a step trains: its own problems, in the order drawn "
+        "(problem), or the first groups to finish within the --max-steps-off-policy window, "
+        "so a straggling group trains in a later step (completion: a step waits for a group "
+        "only at the last step the window allows it; not with --refill-groups; "
+        "docs/architecture.md)",
     )
     stream_minibatches: Annotated[int | None, Setting(check=positive, unset="off")] = Field(
         None, description="send forward_backward per M arriving groups (one optim_step per step)"

@@ -198,6 +198,11 @@ class EngineConfig(BaseModel):
     @model_validator(mode="after")
     def _check_across_groups(self) -> EngineConfig:
         session, checkpoints = self.session, self.checkpoints
+        if self.pipeline.step_order == "completion" and self.pipeline.refill_groups:
+            raise ConfigError(
+                "--step-order completion forms steps from the groups that finish first, "
+                "and --refill-groups replaces a step's tied groups: use one of them"
+            )
         if self.scoring.overlong_buffer > self.sampling.max_tokens:
             raise ConfigError(
                 f"--overlong-buffer {self.scoring.overlong_buffer} must not exceed "

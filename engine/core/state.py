@@ -141,29 +141,59 @@ def _format_1_trajectories(data: Mapping[str, Any], version: int) -> tuple[Traje
 
 @dataclass(frozen=True)
 class LoopState:
-    """Where the loop stands after a step has been trained (or before the first)."""
+    """Where the loop stands after a step has been trained (or before the first).
+
+    A group is drawn for a step (its ``step``, the step whose problems the source gave
+    it). In problem order that step trains it; in completion order
+    (``--step-order completion``) a group may train in another step, so the state also
+    says where drawing resumes (``next_draw``: the oldest drawn step with an untrained
+    group, ``source_state`` the source before it) and which groups drawn for that step
+    or later are trained already (``trained_ahead``, their (step, index)); a resumed
+    run draws those steps again and samples only their untrained, unkept groups."""
 
     next_step: int
     source_state: dict[str, Any]
     sampler_version: int
     trained_problem_ids: tuple[int, ...] = ()
     pending_groups: tuple[ScoredGroup, ...] = field(default=(), repr=False)
+    next_draw: int | None = None
+    """The step whose problems the source gives next (None: ``next_step``)."""
+    trained_ahead: tuple[tuple[int, int], ...] = ()
+    """The trained groups drawn for step ``next_draw`` or later, as (step, index)."""
+
+    @property
+    def draw_from(self) -> int:
+        """The step whose problems the source (at ``source_state``) gives next."""
+        return self.next_step if self.next_draw is None else self.next_draw
+
+    def trained(self, group: ScoredGroup) -> bool:
+        """Whether ``group`` (a group drawn so far) is trained in this state."""
+        return group.step < self.draw_from or (group.step, group.index) in self.trained_ahead
 
     def to_dict(self) -> dict[str, Any]:
-        return {
+        record: dict[str, Any] = {
             "next_step": self.next_step,
             "source_state": self.source_state,
             "sampler_version": self.sampler_version,
             "trained_problem_ids": list(self.trained_problem_ids),
             "pending_groups": [g.to_dict() for g in self.pending_groups],
         }
+        if self.next_draw is not None:
+            record["next_draw"] = self.next_draw
+            record["trained_ahead"] = [list(k) for k in self.trained_ahead]
+        return record
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> LoopState:
+        next_draw = data.get("next_draw")
         return cls(
             next_step=int(data["next_step"]),
             source_state=dict(data["source_state"]),
             sampler_version=int(data["sampler_version"]),
             trained_problem_ids=tuple(int(i) for i in data["trained_problem_ids"]),
             pending_groups=tuple(ScoredGroup.from_dict(g) for g in data["pending_groups"]),
+            next_draw=None if next_draw is None else int(next_draw),
+            trained_ahead=tuple(
+                (int(step), int(index)) for step, index in data.get("trained_ahead", ())
+            ),
         )

@@ -4,7 +4,7 @@ For each step it awaits the training result and the snapshot, publishes the snap
 :class:`~engine.loop.policy.PolicyVersions` (admitting the steps that wait on it), checks
 the staleness bound, builds the step's metrics and hands the
 :class:`~engine.loop.results.StepResult` to ``on_step``; its loop state keeps every filed
-group of a later step, so nothing sampled is lost on resume. A step is "in flight" from
+group it has not trained, so nothing sampled is lost on resume. A step is "in flight" from
 its first submission until ``on_step`` returns (:class:`~engine.loop.stopping.StopGate`),
 so a stop only lands between steps; each recorded step gives the submitter a credit.
 """
@@ -109,7 +109,7 @@ class FinishStage:
                 state = dataclasses.replace(
                     submitted.state,
                     sampler_version=self._versions.current.version,
-                    pending_groups=_untrained_after(submitted.step, untrained, filed),
+                    pending_groups=_untrained(submitted.state, untrained, filed),
                 )
                 timing = StepTiming(submitted.train_start, end, last_end, submitted.wait)
                 step_result = self._step_result(
@@ -174,19 +174,19 @@ class FinishStage:
         )
 
 
-def _untrained_after(
-    step: int,
+def _untrained(
+    state: LoopState,
     untrained: dict[tuple[int, int], ScoredGroup],
     filed: MemoryObjectReceiveStream[ScoredGroup],
 ) -> tuple[ScoredGroup, ...]:
-    """Every group filed by the submitter so far of a step after ``step`` (what a
-    checkpoint after ``step`` must keep, so nothing sampled is lost on resume)."""
+    """Every group filed by the submitter so far that ``state`` has not trained (what
+    its checkpoint must keep, so nothing sampled is lost on resume)."""
     while True:
         try:
             group = filed.receive_nowait()
         except (anyio.WouldBlock, anyio.EndOfStream):
             break
         untrained[(group.step, group.index)] = group
-    for key in [k for k in untrained if k[0] <= step]:
+    for key in [k for k, g in untrained.items() if state.trained(g)]:
         del untrained[key]
     return tuple(untrained[k] for k in sorted(untrained))

@@ -10,7 +10,14 @@ from engine.core.state import LoopState, ScoredGroup
 from engine.loop.step_metrics import Assembled
 from engine.session.api import PendingCheckpoint, PendingSnapshot, StepTicket
 
-__all__ = ["RolledOut", "StepClosed", "StepOpened", "SubmittedStep", "steps_done"]
+__all__ = [
+    "GroupsStarted",
+    "RolledOut",
+    "StepClosed",
+    "StepOpened",
+    "SubmittedStep",
+    "steps_done",
+]
 
 
 @dataclass(frozen=True)
@@ -33,8 +40,20 @@ class StepClosed:
     groups: int
 
 
-RolledOut = StepOpened | StepClosed | ScoredGroup
-"""Rollout -> submitter: a step's opening, its groups as they finish, and its size."""
+@dataclass(frozen=True)
+class GroupsStarted:
+    """``--step-order completion``: the groups ``indices`` of step ``step`` start now,
+    each at sampler version ``admitted`` or newer (so none may train after step
+    ``admitted + K``); sent before any of them finishes."""
+
+    step: int
+    indices: tuple[int, ...]
+    admitted: int
+
+
+RolledOut = StepOpened | StepClosed | GroupsStarted | ScoredGroup
+"""Rollout -> submitter: a step's opening, its groups as they start (completion order)
+and finish, and its size."""
 
 
 @dataclass(frozen=True)

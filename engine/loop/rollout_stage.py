@@ -36,7 +36,7 @@ from engine.envs.scoring import RewardError
 from engine.envs.types import EnvGroupBuilder
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.loop.length_control import LengthControl
-from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
+from engine.loop.messages import GroupsStarted, RolledOut, StepClosed, StepOpened, steps_done
 from engine.loop.policy import PolicyVersions, Watermark
 from engine.loop.refill import StepRefill
 from engine.loop.step_metrics import ActivityMeter
@@ -73,10 +73,10 @@ def draw_step(source: ProblemSource, batch: int) -> list[Problem] | None:
 
 
 class RolloutStage:
-    """Rolls out steps ``state.next_step`` to ``config.pipeline.steps`` (the groups a
-    checkpoint kept are not rolled out again). ``exhausted`` is set when the source ran
-    out first. ``submitted`` is the submitter's count of submitted steps: with
-    ``--sample-ahead`` a step waits for the step ahead of it to be submitted."""
+    """Rolls out steps ``state.draw_from`` to ``config.pipeline.steps`` (the groups a
+    checkpoint kept or trained are not rolled out again). ``exhausted`` is set when the
+    source ran out first. ``submitted`` is the submitter's count of submitted steps:
+    with ``--sample-ahead`` a step waits for the step ahead of it to be submitted."""
 
     def __init__(
         self,
@@ -119,8 +119,9 @@ class RolloutStage:
         restored: dict[int, list[ScoredGroup]] = {}
         for g in self._state.pending_groups:
             restored.setdefault(g.step, []).append(g)  # rolled out before a resume: reused
+        trained = set(self._state.trained_ahead)  # completion order: trained before a resume
         async with send:
-            for step in range(self._state.next_step, cfg.steps):
+            for step in range(self._state.draw_from, cfg.steps):
                 problems = draw_step(self._source, cfg.batch + cfg.refill_groups)
                 if problems is None:
                     self.exhausted = True
@@ -131,7 +132,11 @@ class RolloutStage:
                     await self._submitted.wait_for(step - self._sample_ahead)
                 refill = StepRefill(cfg.batch, cfg.refill_groups, restored.pop(step, ()))
                 opened = _OpenStep(step, problems, refill, tg)
-                await self._start(opened, refill.to_start(), send)
+                indices = [i for i in refill.to_start() if (step, i) not in trained]
+                if cfg.step_order == "completion":
+                    admitted = self._versions.current.version
+                    await send.send(GroupsStarted(step, tuple(indices), admitted))
+                await self._start(opened, indices, send)
 
     async def _start(
         self, opened: _OpenStep, indices: list[int], send: MemoryObjectSendStream[RolledOut]

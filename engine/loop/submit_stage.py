@@ -3,7 +3,9 @@
 Step ``s`` is problem ``s * (batch + R) + i`` of the source for each group ``i`` the
 rollout stage announced (:class:`~engine.loop.messages.StepClosed`: ``batch``, plus the
 reserves it sampled of the ``R = --refill-groups`` drawn), in problem order whatever
-versions sampled its groups and whatever order they finished in. Its
+versions sampled its groups and whatever order they finished in; with
+``--step-order completion`` it is the first ``batch`` groups to finish that the
+staleness window lets it train (:mod:`~engine.loop.step_order`). Its
 forward_backward, optim_step and the snapshot of the weights after it (version
 ``s + 1``) are submitted back to back without awaiting anything: while step ``s``'s
 results are outstanding step ``s + 1`` is already submitted (``--submit-ahead`` steps
@@ -17,7 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
 
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
@@ -26,10 +27,11 @@ from engine.common.clock import Stopwatch
 from engine.config import EngineConfig
 from engine.core.datums import Datum, GroupDatums
 from engine.core.state import LoopState, ScoredGroup
-from engine.loop.messages import RolledOut, StepClosed, StepOpened, SubmittedStep, steps_done
+from engine.loop.messages import RolledOut, SubmittedStep, steps_done
 from engine.loop.policy import Watermark
 from engine.loop.recipe import StepRecipe
 from engine.loop.step_metrics import Assembled
+from engine.loop.step_order import CompletionOrder, GroupKey, ProblemOrder, StepOrder
 from engine.loop.stopping import StopGate
 from engine.session.api import PendingCheckpoint, PendingSnapshot, Session, StepTicket
 
@@ -48,12 +50,12 @@ class _StepAssembly:
     def __init__(self, step: int) -> None:
         self.step = step
         self.ticket = StepTicket(steps_done(step))
-        self.built: dict[int, GroupDatums] = {}
+        self.built: dict[GroupKey, GroupDatums] = {}
         self.datums: list[Datum] = []
         self.train_start: float | None = None
 
     def assembled(self, groups: Sequence[ScoredGroup]) -> Assembled:
-        built = [(g, self.built[g.index]) for g in groups]
+        built = [(g, self.built[(g.step, g.index)]) for g in groups]
         return Assembled(
             datums=tuple(self.datums),
             advantages=tuple(tuple(b.advantages) for _, b in built),
@@ -108,25 +110,28 @@ class SubmitStage:
     ) -> None:
         cfg = self._config.pipeline
         now = self._clock()
-        waiting: dict[int, dict[int, ScoredGroup]] = {}  # step -> index -> group
-        for g in self._state.pending_groups:
-            # Restored from a checkpoint: ready now (their old clock values mean nothing).
-            restored = dataclasses.replace(
+        # Restored from a checkpoint: ready now (their old clock values mean nothing).
+        restored = [
+            dataclasses.replace(
                 g, sample_started=now, sample_finished=now, score_started=now, score_finished=now
             )
-            waiting.setdefault(g.step, {})[g.index] = restored
-        source_after: dict[int, dict[str, Any]] = {}
-        sizes: dict[int, int] = {}  # step -> its number of groups, once final
+            for g in self._state.pending_groups
+        ]
+        order: StepOrder = (
+            CompletionOrder(cfg.batch, cfg.max_steps_off_policy, cfg.steps, self._state, restored)
+            if cfg.step_order == "completion"
+            else ProblemOrder(restored)
+        )
         trained = self._state.trained_problem_ids
         submitted_at = complete_at = now
         async with receive, send, filed, credits:
             for step in range(self._state.next_step, cfg.steps):
                 assembly = _StepAssembly(step)
                 while True:
-                    arrived = waiting.get(step, {})
-                    size = sizes.get(step)
-                    complete = len(arrived) == size and step in source_after
-                    if not await self._submit_ready(assembly, arrived, credits, complete):
+                    complete = order.complete(step)
+                    if not await self._submit_ready(
+                        assembly, order.arrived(step), credits, complete
+                    ):
                         return  # the finisher has stopped
                     if complete:
                         break
@@ -134,17 +139,12 @@ class SubmitStage:
                         message = await receive.receive()
                     except anyio.EndOfStream:
                         return  # the source ran out
-                    if isinstance(message, StepOpened):
-                        source_after[message.step] = message.source_after
-                    elif isinstance(message, StepClosed):
-                        sizes[message.step] = message.groups
-                    else:
-                        waiting.setdefault(message.step, {})[message.index] = message
+                    if isinstance(message, ScoredGroup):
                         await filed.send(message)
-                        if message.step == step:
-                            complete_at = self._clock()
-                arrived = waiting.pop(step)
-                groups = tuple(arrived[i] for i in range(sizes.pop(step)))
+                    if order.receive(message, step):
+                        complete_at = self._clock()
+                closed = order.close(step)
+                groups = closed.groups
                 if not await self._open(assembly, credits):
                     return
                 done = steps_done(step)
@@ -168,9 +168,11 @@ class SubmitStage:
                 self._submitted.reached(done)
                 state = LoopState(
                     next_step=done,
-                    source_state=source_after.pop(step),
+                    source_state=closed.source_state,
                     sampler_version=done,
                     trained_problem_ids=trained,
+                    next_draw=closed.next_draw,
+                    trained_ahead=closed.trained_ahead,
                 )
                 assert assembly.train_start is not None
                 await send.send(
@@ -191,7 +193,7 @@ class SubmitStage:
     async def _submit_ready(
         self,
         assembly: _StepAssembly,
-        arrived: dict[int, ScoredGroup],
+        arrived: dict[GroupKey, ScoredGroup],
         credits: MemoryObjectReceiveStream[None],
         complete: bool,
     ) -> bool:

@@ -39,7 +39,7 @@ def checked_objective(config: EngineConfig) -> Objective:
     """The objective ``config`` trains for, once every registered objective found that
     ``config`` can run (ConfigError, one line, exit 2): the chosen one what it needs of
     the other settings, each other one that no setting only it takes is given. MinT's
-    rollout correction is applied inside the loss of the objectives that sample."""
+    rollout correction and completion order apply to the objectives that sample."""
     chosen = objective_named(config.training.objective)
     correction = config.training.rollout_correction
     if correction != "off" and not chosen.samples:
@@ -47,6 +47,12 @@ def checked_objective(config: EngineConfig) -> Objective:
         raise ConfigError(
             f"--rollout-correction {correction} is applied by the server inside "
             f"importance_sampling: it needs --objective {sampling} (not {chosen.name})"
+        )
+    if config.pipeline.step_order == "completion" and not chosen.samples:
+        sampling = " or ".join(name for name, o in OBJECTIVES.items() if o.samples)
+        raise ConfigError(
+            "--step-order completion forms steps from the sampled groups that finish "
+            f"first: it needs --objective {sampling} (not {chosen.name})"
         )
     for objective in OBJECTIVES.values():
         objective.check_config(config, chosen=objective is chosen)

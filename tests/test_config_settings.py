@@ -375,3 +375,10 @@ def test_a_resumed_run_keeps_its_settings_by_one_rule_embedded_and_from_the_cli(
         assert config.task.args["op"] == "-"
     regrouped, _ = prepare_run(EngineConfig(local=True, resume=run_dir, group=2), None)
     assert (regrouped.pipeline.batch, regrouped.pipeline.group) == (3, 2)
+
+
+def test_directory_settings_expand_the_home_directory_as_the_cli_does() -> None:
+    assert EngineConfig(resume="~/runs/a").checkpoints.resume == Path.home() / "runs" / "a"
+    assert EngineConfig(run_dir="~/runs/b").logging.run_dir == Path.home() / "runs" / "b"
+    EngineConfig(resume="~/runs/a", run_dir=Path.home() / "runs" / "a")  # one directory
+    assert EngineConfig().checkpoints.resume is None

@@ -3,7 +3,6 @@ reward, an environment task's episodes, held-out evaluation, checkpoints."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Any, Literal
 
 from pydantic import BeforeValidator, Field, PlainSerializer, model_validator
@@ -18,6 +17,7 @@ from engine.common.setting import (
 )
 from engine.config.settings_group import SettingsGroup, rule
 from engine.config.values import (
+    DirectoryPath,
     OnRewardError,
     ScoreWorkers,
     parse_score_workers,
@@ -224,6 +224,6 @@ class CheckpointSettings(SettingsGroup):
     checkpoint_every: Annotated[int, rule(non_negative, resume="changeable")] = Field(
         10, description="save_state every N steps (0: only the initial, stop and final checkpoints)"
     )
-    resume: Annotated[Path | None, Setting(resume="current", unset="off")] = Field(
+    resume: Annotated[DirectoryPath, Setting(resume="current", unset="off")] = Field(
         None, description="continue the run in this run directory from its latest checkpoint"
     )

@@ -24,6 +24,7 @@ from engine.config.values import (
     PROBE_INTERVAL_S,
     TRACKERS,
     UNREACHABLE_AFTER_S,
+    DirectoryPath,
     LogFormat,
     LogLevel,
     SdkChoice,
@@ -137,9 +138,9 @@ class SessionSettings(SettingsGroup):
 class LoggingSettings(SettingsGroup):
     """Where the run's files go and what the console shows."""
 
-    run_dir: Annotated[Path | None, Setting(resume="current", unset="runs/<timestamp>-<task>")] = (
-        Field(None, description="where metrics.jsonl, config.json and summary.md go")
-    )
+    run_dir: Annotated[
+        DirectoryPath, Setting(resume="current", unset="runs/<timestamp>-<task>")
+    ] = Field(None, description="where metrics.jsonl, config.json and summary.md go")
     log_format: Annotated[LogFormat, Setting(resume="current")] = Field(
         "console", description="console: readable lines; json: one JSON object per line"
     )

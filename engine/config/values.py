@@ -6,7 +6,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Final, Literal, get_args
+from pathlib import Path
+from typing import Annotated, Final, Literal, get_args
+
+from pydantic import AfterValidator
 
 __all__ = [
     "HOSTED_BASE_URL",
@@ -16,6 +19,7 @@ __all__ = [
     "TINKER_ONLY_LOSSES",
     "TRACKERS",
     "UNREACHABLE_AFTER_S",
+    "DirectoryPath",
     "LogFormat",
     "LogLevel",
     "LossName",
@@ -28,6 +32,15 @@ __all__ = [
     "parse_score_workers",
     "pass_k_problem",
 ]
+
+
+def _home_expanded(path: Path | None) -> Path | None:
+    return None if path is None else path.expanduser()
+
+
+DirectoryPath = Annotated[Path | None, AfterValidator(_home_expanded)]
+"""A directory setting, ``~`` expanded, so that an embedded config means what the CLI's
+flag means."""
 
 LossName = Literal["importance_sampling", "ppo", "cispo", "dro", "gspo", "stable_reinforce"]
 LOSSES: Final[tuple[str, ...]] = get_args(LossName)

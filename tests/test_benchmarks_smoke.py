@@ -272,7 +272,8 @@ def test_code_learning_quick_run_records_a_held_out_curve(tmp_path: Path) -> Non
     data = json.loads((tmp_path / "code_learning.json").read_text())
     (run,) = data["runs"]
     assert [step for step, _ in run["curve"]] == [0, 2]
-    assert all(0.0 <= share <= 1.0 for _, share in run["curve"])
+    assert all(0.0 <= share <= 1.0 for _, share in run["curve"] + run["sampled_curve"])
+    assert [step for step, _ in run["sampled_curve"]] == [0, 2]
     assert (tmp_path / "code_learning.png").stat().st_size > 0
 
 

@@ -42,18 +42,24 @@ def checked_objective(config: EngineConfig) -> Objective:
     rollout correction and completion order apply to the objectives that sample."""
     chosen = objective_named(config.training.objective)
     correction = config.training.rollout_correction
-    if correction != "off" and not chosen.samples:
-        sampling = " or ".join(name for name, o in OBJECTIVES.items() if o.samples)
-        raise ConfigError(
-            f"--rollout-correction {correction} is applied by the server inside "
-            f"importance_sampling: it needs --objective {sampling} (not {chosen.name})"
-        )
-    if config.pipeline.step_order == "completion" and not chosen.samples:
-        sampling = " or ".join(name for name, o in OBJECTIVES.items() if o.samples)
-        raise ConfigError(
-            "--step-order completion forms steps from the sampled groups that finish "
-            f"first: it needs --objective {sampling} (not {chosen.name})"
-        )
+    sampled_only = [  # (given, the setting, why it needs an objective that samples)
+        (
+            correction != "off",
+            f"--rollout-correction {correction}",
+            "is applied by the server inside importance_sampling",
+        ),
+        (
+            config.pipeline.step_order == "completion",
+            "--step-order completion",
+            "forms steps from the sampled groups that finish first",
+        ),
+    ]
+    for given, setting, why in sampled_only:
+        if given and not chosen.samples:
+            sampling = " or ".join(name for name, o in OBJECTIVES.items() if o.samples)
+            raise ConfigError(
+                f"{setting} {why}: it needs --objective {sampling} (not {chosen.name})"
+            )
     for objective in OBJECTIVES.values():
         objective.check_config(config, chosen=objective is chosen)
     return chosen

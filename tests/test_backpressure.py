@@ -140,8 +140,7 @@ def test_without_a_hook_on_the_http_client_the_queue_still_shows(
 ) -> None:
     """As against a remote server: the SDK builds its own HTTP clients (no response
     hook), and the waits it reports to its sampling clients are what the metrics count."""
-    monkeypatch.setattr(mint_session, "loopback_http_client", lambda *_args: None)
-    monkeypatch.setattr(mint_session, "is_loopback_host", lambda _host: False)
+    monkeypatch.setattr(mint_session, "hooks_http_client", lambda _url: False)
     with saturated_server() as server:
         config = small_config(server, tmp_path / "run", steps=2, batch=4, group=2, retry_attempts=1)
         steps, result = run_engine(config)

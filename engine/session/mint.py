@@ -142,9 +142,9 @@ class MintSession(SdkSession):
         client = await self._service.create_sampling_client_async(
             model_path=path, base_model=base_model, retry_config=self._sampling_retry_config()
         )
-        if not is_loopback_host(httpx.URL(self.info.base_url).host):
-            # No hook on the SDK's own HTTP client there (service_client): the queue's
-            # answers are followed as the SDK reports them, without place or ETA.
+        if not hooks_http_client(self.info.base_url):
+            # The SDK's own HTTP client there: the queue's answers are followed as the
+            # SDK reports them, without place or ETA.
             follow_queue_states(client, self.queue)
         return client
 
@@ -241,6 +241,12 @@ and their answers, so a step's requests reuse connections instead of each openin
 closing one (which costs both processes CPU; docs/performance.md, item 12)."""
 
 
+def hooks_http_client(base_url: str) -> bool:
+    """Whether the SDK is given the engine's HTTP client (:func:`loopback_http_client`)
+    for ``base_url``: a server on this machine."""
+    return is_loopback_host(httpx.URL(base_url).host)
+
+
 def loopback_http_client(
     base_url: str, queue: QueueObserver | None = None
 ) -> httpx.AsyncClient | None:
@@ -252,7 +258,7 @@ def loopback_http_client(
     request asks, so ``get_checkpoint_archive_url`` still sees its 302 (the SDK's own
     pyqwest transport follows them, which is why the local server keeps tinker 0.22 on
     httpx). ``queue`` sees every response (:func:`queue_hooks`)."""
-    if not is_loopback_host(httpx.URL(base_url).host):
+    if not hooks_http_client(base_url):
         return None
     transport = AsyncPyqwestTransport(
         transport=pyqwest.HTTPTransport(

@@ -61,7 +61,7 @@ from engine.session.opening import SharedLocalServer, open_session
 from engine.session.preflight import local_server_profile
 from engine.session.queue_watch import QueueObserver
 from engine.session.retry import RetryCounter, service_guard
-from engine.supervision.supervisor import StepHook, Supervisor
+from engine.supervision.supervisor import RunService, StepHook, Supervisor
 
 __all__ = ["Engine", "SessionFactory", "StepHook", "load_run_task", "prepare_run"]
 
@@ -406,16 +406,11 @@ class Engine:
             supervisor = Supervisor(
                 self._config,
                 self.task,
-                session=session,
-                retries=retries,
-                queue=queue,
+                service=RunService(session, retries, queue, self._local_server_dir(files.path)),
                 record=record,
-                log=log,
-                events=events,
                 clock=self._clock,
                 hooks=self._hooks,
                 publish=functools.partial(_publish, send),
-                local_server_dir=self._local_server_dir(files.path),
             )
             task_group = anyio.create_task_group()
             await task_group.__aenter__()

@@ -27,6 +27,7 @@ from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError, ResumeError
 from engine.loop.length_control import LengthControl, is_overlong, overlong_penalty
 from engine.loop.pipeline import Pipeline
+from engine.loop.recipe import StageContext
 from engine.loop.refill import StepRefill
 from engine.loop.results import StepResult
 from engine.loop.stopping import StopGate
@@ -81,14 +82,13 @@ async def run(
 
     gate = StopGate()
     pipeline = Pipeline(
-        cfg,
+        StageContext.start(
+            cfg.pipeline, session, source, state, SamplerHandle(state.sampler_version, 0), gate
+        ),
         rl_steps(cfg, task, session),
-        session,
-        source,
-        state,
-        SamplerHandle(state.sampler_version, 0),
         record,
-        gate=gate,
+        learning_rate=cfg.training.learning_rate,
+        checkpoint_due=cfg.checkpoint_due,
     )
     with anyio.CancelScope() as scope:
         gate.attach(scope)

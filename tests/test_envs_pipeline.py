@@ -24,6 +24,7 @@ from engine.envs import Action, EnvContext, EnvStepResult, Observation
 from engine.envs.scoring import check_score_workers
 from engine.errors import Interrupted
 from engine.loop.pipeline import Pipeline
+from engine.loop.recipe import StageContext
 from engine.loop.results import StepResult
 from engine.loop.stopping import StopGate
 from engine.session.api import SamplerHandle
@@ -170,15 +171,19 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     seen: list[str] = []
     first_run: list[StepResult] = []
     pipeline = Pipeline(
-        cfg,
+        StageContext.start(
+            cfg.pipeline,
+            session,
+            source,
+            LoopState(0, source.state(), 0),
+            SamplerHandle(0, 0),
+            gate,
+            progress=seen.append,
+        ),
         rl_steps(cfg, task, session),
-        session,
-        source,
-        LoopState(0, source.state(), 0),
-        SamplerHandle(0, 0),
         _record(first_run),
-        gate=gate,
-        progress=seen.append,
+        learning_rate=cfg.training.learning_rate,
+        checkpoint_due=cfg.checkpoint_due,
     )
     async with anyio.create_task_group() as tg:
 
@@ -200,14 +205,18 @@ async def test_an_episode_in_flight_at_a_stop_is_restarted_on_resume_exactly_onc
     blocked.set()  # the restarted episode runs through
     second_run: list[StepResult] = []
     resumed = Pipeline(
-        cfg,
+        StageContext.start(
+            cfg.pipeline,
+            session,
+            task.source(cfg.task.seed, state.source_state),
+            state,
+            SamplerHandle(1, 1),
+            StopGate(),
+        ),
         rl_steps(cfg, task, session),
-        session,
-        task.source(cfg.task.seed, state.source_state),
-        state,
-        SamplerHandle(1, 1),
         _record(second_run),
-        gate=StopGate(),
+        learning_rate=cfg.training.learning_rate,
+        checkpoint_due=cfg.checkpoint_due,
     )
     await resumed.run()
     assert [r.step for r in second_run] == [2, 3]

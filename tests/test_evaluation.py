@@ -21,6 +21,7 @@ from engine.loop.evaluation import (
     EVAL_FILE,
     Evaluation,
     Evaluator,
+    HeldOutLog,
     evaluate,
     evaluate_problems,
     pass_at_k,
@@ -76,7 +77,7 @@ def evaluate_once(
         _plan(cfg, task, session),
         task.eval_problems(),
         cfg,
-        tmp_path,
+        HeldOutLog(cfg, tmp_path, lambda step, metrics: None),
         warn=warnings.append,
     )
 
@@ -293,7 +294,8 @@ def test_training_evaluates_pass_at_k_for_eval_k_and_keeps_its_metric_names(
     session, task = FakeSession(), _LastDigitTask()
     cfg = _config(steps=1, eval_every=1, max_tokens=4, eval_k=(2,))
     assert cfg.evaluation.samples_drawn == 2  # --eval-samples unset: the largest k
-    evaluator = Evaluator(session, _plan(cfg, task, session), task.eval_problems(), cfg, tmp_path)
+    held_out = HeldOutLog(cfg, tmp_path, lambda step, metrics: None)
+    evaluator = Evaluator(session, _plan(cfg, task, session), task.eval_problems(), cfg, held_out)
 
     async def go() -> dict[str, float]:
         return await evaluator(1, SamplerHandle(1, None))

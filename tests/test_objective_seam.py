@@ -34,7 +34,7 @@ from engine.envs.types import AnyTask
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
 from engine.loop.pipeline import Pipeline
-from engine.loop.recipe import FinishedStep, HeldOut
+from engine.loop.recipe import FinishedStep, HeldOut, StageContext
 from engine.loop.results import StepResult
 from engine.loop.step_metrics import supervised_step_metrics
 from engine.loop.stopping import StopGate
@@ -168,14 +168,11 @@ async def _train(
 
     gate = StopGate()
     pipeline = Pipeline(
-        cfg,
+        StageContext.start(cfg.pipeline, session, source, state, sampler, gate),
         await run.recipe(sampler, state.next_step > 0),
-        session,
-        source,
-        state,
-        sampler,
         record,
-        gate=gate,
+        learning_rate=cfg.training.learning_rate,
+        checkpoint_due=cfg.checkpoint_due,
         evaluate=run.evaluator,
     )
     with anyio.CancelScope() as scope:

@@ -21,6 +21,7 @@ from engine.envs.scoring import check_score_workers
 from engine.errors import ConfigError, Interrupted, StepOutcomeUnknown
 from engine.loop.groups import GroupPlan
 from engine.loop.pipeline import Pipeline, PipelineOutcome
+from engine.loop.recipe import StageContext
 from engine.loop.results import StepResult
 from engine.loop.stopping import StopGate
 from engine.objectives.rl import RlSteps
@@ -92,14 +93,11 @@ async def run_pipeline(
 
     gate = gate or StopGate()
     pipeline = Pipeline(
-        cfg,
+        StageContext.start(cfg.pipeline, session, source, state, SamplerHandle(0, 0), gate),
         rl_steps(cfg, task, session),
-        session,
-        source,
-        state,
-        SamplerHandle(0, 0),
         record,
-        gate=gate,
+        learning_rate=cfg.training.learning_rate,
+        checkpoint_due=cfg.checkpoint_due,
     )
     outcome: PipelineOutcome | None = None
     with anyio.CancelScope() as scope:

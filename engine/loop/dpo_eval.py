@@ -11,7 +11,6 @@ are asked once per pair (:class:`~engine.loop.reference.Reference`).
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import anyio
 import numpy as np
@@ -29,8 +28,8 @@ __all__ = ["PreferenceEvaluator"]
 
 class PreferenceEvaluator:
     """The held-out pairs' ``eval/dpo/*`` every ``--eval-every`` steps, at step 0 and
-    after the last step; each result is appended to ``<run dir>/eval.jsonl`` and said on
-    the console; ``track`` gets the step-0 one."""
+    after the last step; each result goes to ``held_out`` (``<run dir>/eval.jsonl``) and
+    is said on the console."""
 
     def __init__(
         self,
@@ -39,10 +38,9 @@ class PreferenceEvaluator:
         reference: Reference,
         problems: Sequence[Problem],
         config: EngineConfig,
-        run_dir: Path,
+        held_out: HeldOutLog,
         *,
         say: Callable[[str], None] = lambda line: None,
-        track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
     ) -> None:
         self._session = session
         self._plan = plan
@@ -50,7 +48,7 @@ class PreferenceEvaluator:
         self._problems = problems
         self._beta = config.preference.dpo_beta
         self._concurrency = config.pipeline.concurrency
-        self._held_out = HeldOutLog(config, run_dir, track)
+        self._held_out = held_out
         self._say = say
 
     def due(self, step: int) -> bool:

@@ -364,9 +364,8 @@ class HeldOutLog:
 class Evaluator:
     """Runs :func:`evaluate` on the task's held-out problems every ``--eval-every``
     steps, at step 0 and after the last step; each result is appended to
-    ``<run dir>/eval.jsonl`` and said on the console; with ``--on-reward-error skip``
-    each reward error is one ``warn`` line. ``track`` gets the step-0 result (later ones
-    ride in their step's metrics)."""
+    ``<run dir>/eval.jsonl`` (``held_out``) and said on the console; with
+    ``--on-reward-error skip`` each reward error is one ``warn`` line."""
 
     def __init__(
         self,
@@ -374,16 +373,15 @@ class Evaluator:
         plan: GroupPlan,
         problems: Sequence[Problem],
         config: EngineConfig,
-        run_dir: Path,
+        held_out: HeldOutLog,
         *,
         say: Callable[[str], None] = lambda line: None,
         warn: Callable[[str], None] = lambda line: None,
-        track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
     ) -> None:
         self._session = session
         self._plan = plan
         self._problems = problems
-        self._held_out = HeldOutLog(config, run_dir, track)
+        self._held_out = held_out
         self._max_tokens = config.sampling.max_tokens
         self._concurrency = config.pipeline.concurrency
         self._samples = config.evaluation.samples_drawn

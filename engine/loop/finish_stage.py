@@ -18,17 +18,13 @@ from collections.abc import Awaitable, Callable
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.common.clock import Stopwatch
-from engine.config import EngineConfig
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
 from engine.loop.messages import SubmittedStep, steps_done
-from engine.loop.policy import PolicyVersions
-from engine.loop.recipe import FinishedStep, HeldOut, StepRecipe
+from engine.loop.recipe import FinishedStep, HeldOut, StageContext, StepRecipe
 from engine.loop.results import StepResult, StepTimeline
-from engine.loop.step_metrics import ActivityMeter, StepTiming
-from engine.loop.stopping import StopGate
-from engine.session.api import SamplerHandle, Session, TrainResult
+from engine.loop.step_metrics import StepTiming
+from engine.session.api import SamplerHandle, TrainResult
 from engine.session.retry import tally_retries
 from engine.session.usage import spending_for
 
@@ -44,28 +40,21 @@ class FinishStage:
 
     def __init__(
         self,
-        config: EngineConfig,
-        session: Session,
-        state: LoopState,
-        versions: PolicyVersions,
-        meter: ActivityMeter,
-        on_step: Callable[[StepResult], Awaitable[None]],
+        context: StageContext,
         recipe: StepRecipe,
+        on_step: Callable[[StepResult], Awaitable[None]],
         *,
-        gate: StopGate,
-        clock: Stopwatch,
-        progress: Callable[[str], None],
         evaluate: HeldOut | None,
     ) -> None:
-        self._config = config
-        self._session = session
-        self._state = state
-        self._versions = versions
-        self._meter = meter
+        self._pipeline = context.pipeline
+        self._session = context.session
+        self._state = context.state
+        self._versions = context.versions
+        self._meter = context.meter
         self._on_step = on_step
-        self._gate = gate
-        self._clock = clock
-        self._progress = progress
+        self._gate = context.gate
+        self._clock = context.clock
+        self._progress = context.progress
         self._evaluate = evaluate
         self._recipe = recipe
 
@@ -103,7 +92,7 @@ class FinishStage:
                 # Trained now, before the next version lets a step sample: progress is
                 # never marked after the samples it admits were sent.
                 self._progress(f"step {done} trained")
-                if done < self._config.pipeline.steps:
+                if done < self._pipeline.steps:
                     self._versions.publish(handle)
                 end = self._clock()
                 state = dataclasses.replace(
@@ -138,7 +127,7 @@ class FinishStage:
         done = steps_done(submitted.step)
         groups = submitted.groups
         staleness = submitted.step - min(g.version for g in groups)
-        bound = self._config.pipeline.max_steps_off_policy
+        bound = self._pipeline.max_steps_off_policy
         if staleness > bound:
             raise EngineError(
                 f"internal error: step {done} trained on data {staleness} versions old "

@@ -15,26 +15,17 @@ them", and docs/reliability.md explain the rest.
 from __future__ import annotations
 
 import contextlib
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
 import anyio
 
-from engine.common.clock import Stopwatch
-from engine.config import EngineConfig
-from engine.core.problems import ProblemSource
 from engine.core.state import LoopState, ScoredGroup
-from engine.envs.scoring import RewardError
 from engine.loop.finish_stage import FinishStage
 from engine.loop.messages import RolledOut, SubmittedStep
-from engine.loop.policy import PolicyVersions, Watermark
 from engine.loop.recipe import HeldOut, StageContext, StepRecipe
 from engine.loop.results import StepResult
-from engine.loop.step_metrics import ActivityMeter
-from engine.loop.stopping import StopGate
 from engine.loop.submit_stage import SubmitStage, checkpoint_name
-from engine.session.api import SamplerHandle, Session
 
 __all__ = ["Pipeline", "PipelineOutcome", "checkpoint_name"]
 
@@ -47,76 +38,39 @@ class PipelineOutcome:
 
 
 class Pipeline:
-    """One run of the loop from ``state`` to ``config.pipeline.steps``, on the groups
+    """One run of the loop from the context's ``state`` to ``--steps``, on the groups
     and the training ``recipe`` makes (the run's objective, :mod:`engine.objectives`).
+    ``learning_rate`` and ``checkpoint_due`` are the config's (the submitter's);
     ``before_training`` is awaited once, right before the first call that trains."""
 
     def __init__(
         self,
-        config: EngineConfig,
+        context: StageContext,
         recipe: StepRecipe,
-        session: Session,
-        source: ProblemSource,
-        state: LoopState,
-        sampler: SamplerHandle,
         on_step: Callable[[StepResult], Awaitable[None]],
         *,
-        gate: StopGate,
-        progress: Callable[[str], None] = lambda what: None,
-        clock: Stopwatch = time.perf_counter,
+        learning_rate: float | None,
+        checkpoint_due: Callable[[int], bool],
         evaluate: HeldOut | None = None,
-        on_reward_error: Callable[[RewardError], None] = lambda error: None,
         before_training: Callable[[], Awaitable[None]] | None = None,
     ) -> None:
-        self._config = config
+        self._pipeline = context.pipeline
         self._recipe = recipe
-        versions = PolicyVersions(sampler)
-        submitted = Watermark(state.next_step)
-        meter = ActivityMeter(clock)
-        self._first = recipe.first_stage(
-            StageContext(
-                config,
-                session,
-                source,
-                state,
-                versions,
-                submitted,
-                meter,
-                gate,
-                clock=clock,
-                progress=progress,
-                on_reward_error=on_reward_error,
-            )
-        )
-        self._finish = FinishStage(
-            config,
-            session,
-            state,
-            versions,
-            meter,
-            on_step,
-            recipe,
-            gate=gate,
-            clock=clock,
-            progress=progress,
-            evaluate=evaluate,
-        )
+        self._first = recipe.first_stage(context)
+        self._finish = FinishStage(context, recipe, on_step, evaluate=evaluate)
         self._submit = SubmitStage(
-            config,
-            session,
-            state,
-            submitted,
+            context,
             recipe,
-            gate=gate,
-            clock=clock,
+            learning_rate=learning_rate,
+            checkpoint_due=checkpoint_due,
             sample_ahead=recipe.samples
-            and (config.pipeline.sample_ahead is not None or not recipe.episodic),
+            and (context.pipeline.sample_ahead is not None or not recipe.episodic),
             evaluates=self._finish.evaluates,
             before_training=before_training,
         )
 
     async def run(self) -> PipelineOutcome:
-        cfg = self._config.pipeline
+        cfg = self._pipeline
         # At most K + 1 steps of groups (with their reserves) are untrained at once, well
         # within the bound.
         bound = (cfg.max_steps_off_policy + 2) * (cfg.batch + cfg.refill_groups + 2)

@@ -15,7 +15,7 @@ from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
 from engine.common.clock import Stopwatch
-from engine.config import EngineConfig
+from engine.config.loop_settings import PipelineSettings
 from engine.core.datums import Datum, GroupDatums
 from engine.core.problems import ProblemSource
 from engine.core.state import LoopState, ScoredGroup
@@ -50,9 +50,12 @@ class FirstStage(Protocol):
 
 @dataclass(frozen=True)
 class StageContext:
-    """What the first stage may use of the pipeline it runs in."""
+    """What the stages of one pipeline share: its settings, the session, the problem
+    source and the loop state it starts from, the policy versions the finisher publishes
+    (the rollout waits on them), the submitter's count of submitted steps, the sampling
+    meter, the stop gate, the clock, and where progress and reward errors go."""
 
-    config: EngineConfig
+    pipeline: PipelineSettings
     session: Session
     source: ProblemSource
     state: LoopState
@@ -63,6 +66,35 @@ class StageContext:
     clock: Stopwatch = time.perf_counter
     progress: Callable[[str], None] = lambda what: None
     on_reward_error: Callable[[RewardError], None] = lambda error: None
+
+    @classmethod
+    def start(
+        cls,
+        pipeline: PipelineSettings,
+        session: Session,
+        source: ProblemSource,
+        state: LoopState,
+        sampler: SamplerHandle,
+        gate: StopGate,
+        *,
+        clock: Stopwatch = time.perf_counter,
+        progress: Callable[[str], None] = lambda what: None,
+        on_reward_error: Callable[[RewardError], None] = lambda error: None,
+    ) -> StageContext:
+        """The context of a pipeline that starts at ``state``, sampling from ``sampler``."""
+        return cls(
+            pipeline,
+            session,
+            source,
+            state,
+            PolicyVersions(sampler),
+            Watermark(state.next_step),
+            ActivityMeter(clock),
+            gate,
+            clock,
+            progress,
+            on_reward_error,
+        )
 
 
 @dataclass(frozen=True)

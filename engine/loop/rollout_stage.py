@@ -18,31 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
-from engine.common.clock import Stopwatch
-from engine.config import EngineConfig
+from engine.config.loop_settings import ScoringSettings
+from engine.config.model_settings import SamplingSettings
 from engine.core.problems import Problem, ProblemSource
 from engine.core.seeds import sampling_seed
-from engine.core.state import LoopState, ScoredGroup
+from engine.core.state import ScoredGroup
 from engine.core.trajectory import Observation
 from engine.envs.rollout import EpisodeRunner, GroupRollout, SampledAction, turn_settings
-from engine.envs.scoring import RewardError
 from engine.envs.types import EnvGroupBuilder
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.loop.length_control import LengthControl
 from engine.loop.messages import GroupsStarted, RolledOut, StepClosed, StepOpened, steps_done
-from engine.loop.policy import PolicyVersions, Watermark
+from engine.loop.recipe import StageContext
 from engine.loop.refill import StepRefill
-from engine.loop.step_metrics import ActivityMeter
-from engine.loop.stopping import StopGate
 from engine.loop.teacher import Teacher, TeacherScores
-from engine.session.api import Session
 from engine.session.usage import spending_for
 
 __all__ = ["RolloutStage", "draw_step"]
@@ -80,42 +75,39 @@ class RolloutStage:
 
     def __init__(
         self,
-        config: EngineConfig,
+        context: StageContext,
         plan: GroupPlan,
-        session: Session,
-        source: ProblemSource,
-        state: LoopState,
-        versions: PolicyVersions,
-        submitted: Watermark,
-        meter: ActivityMeter,
+        sampling: SamplingSettings,
+        scoring: ScoringSettings,
+        length: LengthControl,
         *,
-        gate: StopGate,
-        clock: Stopwatch,
-        progress: Callable[[str], None],
-        on_reward_error: Callable[[RewardError], None],
+        seed: int,
         teacher: Teacher | None = None,
     ) -> None:
-        self._config = config
+        self._pipeline = context.pipeline
+        self._sampling = sampling
+        self._fail_on_reward_error = scoring.on_reward_error == "fail"
+        self._seed = seed
         self._teacher = teacher
         self._plan = plan
-        self._session = session
-        self._source = source
-        self._state = state
-        self._versions = versions
-        self._submitted = submitted
-        self._meter = meter
-        self._gate = gate
-        self._clock = clock
-        self._progress = progress
-        self._on_reward_error = on_reward_error
-        self._slots = anyio.Semaphore(config.pipeline.concurrency)
-        ahead = config.pipeline.sample_ahead
+        self._session = context.session
+        self._source = context.source
+        self._state = context.state
+        self._versions = context.versions
+        self._submitted = context.submitted
+        self._meter = context.meter
+        self._gate = context.gate
+        self._clock = context.clock
+        self._progress = context.progress
+        self._on_reward_error = context.on_reward_error
+        self._slots = anyio.Semaphore(context.pipeline.concurrency)
+        ahead = context.pipeline.sample_ahead
         self._sample_ahead = ahead if ahead is not None or plan.episodic else 0
-        self._length = LengthControl.of(config)
+        self._length = length
         self.exhausted = False
 
     async def run(self, tg: TaskGroup, send: MemoryObjectSendStream[RolledOut]) -> None:
-        cfg = self._config.pipeline
+        cfg = self._pipeline
         restored: dict[int, list[ScoredGroup]] = {}
         for g in self._state.pending_groups:
             restored.setdefault(g.step, []).append(g)  # rolled out before a resume: reused
@@ -149,7 +141,7 @@ class RolloutStage:
             index = queue.pop(0)
             problem = opened.problems[index]
             admitted = self._versions.current.version
-            built = self._plan.build(problem, self._config.pipeline.group)
+            built = self._plan.build(problem, self._pipeline.group)
             if isinstance(built, NotSampled):
                 now = self._clock()
                 group = ScoredGroup(opened.step, index, problem, admitted, (), now, now, now, now)
@@ -191,7 +183,7 @@ class RolloutStage:
                     return
                 if rollout.error is not None:
                     self._on_reward_error(rollout.error)
-                    if self._config.scoring.on_reward_error == "fail":
+                    if self._fail_on_reward_error:
                         # Stop after the steps in flight; until then keep the streams open
                         # (closing them would break the other rollout tasks mid-send).
                         self._gate.request(rollout.error)
@@ -215,10 +207,10 @@ class RolloutStage:
         """``n`` actions for ``observation`` from the newest sampler, seeded by where the
         request sits in the run (``--sampling-seed``: that one seed for every request,
         as the quickstart sends it)."""
-        cfg = self._config.sampling
+        cfg = self._sampling
         seed = cfg.sampling_seed
         if seed is None:
-            seed = sampling_seed(self._config.task.seed, step, group, episode, turn)
+            seed = sampling_seed(self._seed, step, group, episode, turn)
         settings = turn_settings(
             observation,
             room,

@@ -10,7 +10,6 @@ exactly the steps before it while the next steps are already submitted.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from pathlib import Path
 
 import anyio
 import numpy as np
@@ -53,7 +52,7 @@ class SupervisedEvaluator:
     """The held-out loss of the task's held-out conversations every ``--eval-every``
     steps, at step 0 and after the last step; with ``replies`` (a group plan of the
     task) also their first replies, answered greedily. Each result is appended to
-    ``<run dir>/eval.jsonl`` and said on the console; ``track`` gets the step-0 one."""
+    ``<run dir>/eval.jsonl`` (``held_out``) and said on the console."""
 
     def __init__(
         self,
@@ -62,16 +61,15 @@ class SupervisedEvaluator:
         replies: GroupPlan | None,
         problems: Sequence[Problem],
         config: EngineConfig,
-        run_dir: Path,
+        held_out: HeldOutLog,
         *,
         say: Callable[[str], None] = lambda line: None,
-        track: Callable[[int, dict[str, float]], None] = lambda step, metrics: None,
     ) -> None:
         self._session = session
         self._replies = replies
         self._problems = problems
         self._config = config
-        self._held_out = HeldOutLog(config, run_dir, track)
+        self._held_out = held_out
         self._say = say
         self._datums: list[Datum] = []
         self._too_long = 0

@@ -21,14 +21,13 @@ import anyio
 from anyio.abc import TaskGroup
 from anyio.streams.memory import MemoryObjectSendStream
 
-from engine.common.clock import Stopwatch
-from engine.config import EngineConfig
-from engine.core.problems import Problem, ProblemSource
-from engine.core.state import LoopState, ScoredGroup
+from engine.core.problems import Problem
+from engine.core.state import ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
 from engine.loop.messages import RolledOut, StepClosed, StepOpened, steps_done
+from engine.loop.recipe import StageContext
 from engine.loop.rollout_stage import draw_step
 from engine.tasks.conversations import (
     ConversationTooLong,
@@ -114,28 +113,19 @@ class SftStage:
     pair with its reference logprobs); ``exhausted`` is set when the source ran out first
     (``--task-arg epochs=N``)."""
 
-    def __init__(
-        self,
-        config: EngineConfig,
-        build: BuildGroup,
-        source: ProblemSource,
-        state: LoopState,
-        *,
-        clock: Stopwatch,
-        progress: Callable[[str], None],
-    ) -> None:
-        self._config = config
+    def __init__(self, context: StageContext, build: BuildGroup) -> None:
+        self._pipeline = context.pipeline
         self._build = build
-        self._source = source
-        self._state = state
-        self._clock = clock
-        self._progress = progress
+        self._source = context.source
+        self._state = context.state
+        self._clock = context.clock
+        self._progress = context.progress
         self.exhausted = False
 
     async def run(self, tg: TaskGroup, send: MemoryObjectSendStream[RolledOut]) -> None:
         # Each step's groups are built in a task group of their own: ``tg`` is the
         # pipeline's, which the rollout stage uses.
-        cfg = self._config.pipeline
+        cfg = self._pipeline
         pending = {(g.step, g.index) for g in self._state.pending_groups}
         async with send:
             for step in range(self._state.next_step, cfg.steps):

@@ -23,17 +23,13 @@ from collections.abc import Awaitable, Callable, Sequence
 import anyio
 from anyio.streams.memory import MemoryObjectReceiveStream, MemoryObjectSendStream
 
-from engine.common.clock import Stopwatch
-from engine.config import EngineConfig
 from engine.core.datums import Datum, GroupDatums
 from engine.core.state import LoopState, ScoredGroup
 from engine.loop.messages import RolledOut, SubmittedStep, steps_done
-from engine.loop.policy import Watermark
-from engine.loop.recipe import StepRecipe
+from engine.loop.recipe import StageContext, StepRecipe
 from engine.loop.step_metrics import Assembled
 from engine.loop.step_order import CompletionOrder, GroupKey, ProblemOrder, StepOrder
-from engine.loop.stopping import StopGate
-from engine.session.api import PendingCheckpoint, PendingSnapshot, Session, StepTicket
+from engine.session.api import PendingCheckpoint, PendingSnapshot, StepTicket
 
 __all__ = ["SubmitStage", "checkpoint_name"]
 
@@ -75,28 +71,26 @@ class SubmitStage:
 
     def __init__(
         self,
-        config: EngineConfig,
-        session: Session,
-        state: LoopState,
-        submitted: Watermark,
+        context: StageContext,
         recipe: StepRecipe,
         *,
-        gate: StopGate,
-        clock: Stopwatch,
+        learning_rate: float | None,
+        checkpoint_due: Callable[[int], bool],
         sample_ahead: bool,
         evaluates: Callable[[int], bool],
         before_training: Callable[[], Awaitable[None]] | None,
     ) -> None:
-        if config.training.learning_rate is None:
+        if learning_rate is None:
             raise ValueError("the config must be resolved before it runs")
-        self._config = config
-        self._lr: float = config.training.learning_rate
+        self._pipeline = context.pipeline
+        self._lr: float = learning_rate
+        self._checkpoint_due = checkpoint_due
         self._recipe = recipe
-        self._session = session
-        self._state = state
-        self._submitted = submitted
-        self._gate = gate
-        self._clock = clock
+        self._session = context.session
+        self._state = context.state
+        self._submitted = context.submitted
+        self._gate = context.gate
+        self._clock = context.clock
         self._sample_ahead = sample_ahead
         self._evaluates = evaluates
         self._before_training = before_training
@@ -108,7 +102,7 @@ class SubmitStage:
         filed: MemoryObjectSendStream[ScoredGroup],
         credits: MemoryObjectReceiveStream[None],
     ) -> None:
-        cfg = self._config.pipeline
+        cfg = self._pipeline
         now = self._clock()
         # Restored from a checkpoint: ready now (their old clock values mean nothing).
         restored = [
@@ -157,7 +151,7 @@ class SubmitStage:
                         # Right behind the optim step: it snapshots the new weights.
                         snapshot = await self._session.submit_snapshot(done)
                 checkpoint: PendingCheckpoint | None = None
-                if self._config.checkpoint_due(done):
+                if self._checkpoint_due(done):
                     # Behind it too: it saves exactly the steps trained so far.
                     checkpoint = await self._session.submit_checkpoint(done, checkpoint_name(done))
                 trained = (*trained, *(g.problem.id for g in groups))
@@ -200,7 +194,7 @@ class SubmitStage:
         """Submit forward_backward for what is ready: every group once the step is
         complete; with ``--stream-minibatches M`` each ``M`` arrived groups before that.
         False when the finisher has stopped."""
-        m = self._config.pipeline.stream_minibatches
+        m = self._pipeline.stream_minibatches
         waiting = [i for i in sorted(arrived) if i not in assembly.built]
         size = len(waiting) if complete else (m or 0)
         while size and len(waiting) >= size:

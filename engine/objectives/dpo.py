@@ -22,7 +22,7 @@ from engine.envs.types import AnyTask
 from engine.errors import ConfigError
 from engine.loop.dpo import DpoLoss, PairPlan, check_pair_task, response_sums
 from engine.loop.dpo_eval import PreferenceEvaluator
-from engine.loop.evaluation import eval_problems_of
+from engine.loop.evaluation import HeldOutLog, eval_problems_of
 from engine.loop.groups import NotSampled
 from engine.loop.messages import steps_done
 from engine.loop.recipe import FinishedStep, HeldOut
@@ -99,9 +99,8 @@ class DpoRun:
                 self._reference,
                 eval_problems_of(context.task),
                 config,
-                context.run_dir,
+                HeldOutLog(config, context.run_dir, context.track),
                 say=context.say,
-                track=context.track,
             )
 
     async def start(self) -> None:

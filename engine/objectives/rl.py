@@ -17,8 +17,9 @@ from engine.core.state import ScoredGroup
 from engine.envs.executors import Workers
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError
-from engine.loop.evaluation import Evaluator, eval_problems_of
+from engine.loop.evaluation import Evaluator, HeldOutLog, eval_problems_of
 from engine.loop.groups import GroupPlan
+from engine.loop.length_control import LengthControl
 from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.rollout_stage import RolloutStage
 from engine.loop.step_metrics import quickstart_line, step_metrics
@@ -68,19 +69,14 @@ class RlSteps:
         return self._plan.workers
 
     def first_stage(self, context: StageContext) -> FirstStage:
+        cfg = self._config
         return RolloutStage(
-            context.config,
+            context,
             self._plan,
-            context.session,
-            context.source,
-            context.state,
-            context.versions,
-            context.submitted,
-            context.meter,
-            gate=context.gate,
-            clock=context.clock,
-            progress=context.progress,
-            on_reward_error=context.on_reward_error,
+            cfg.sampling,
+            cfg.scoring,
+            LengthControl.of(cfg),
+            seed=cfg.task.seed,
             teacher=self._teacher,
         )
 
@@ -137,10 +133,9 @@ class RlRun:
                 self._plan,
                 eval_problems_of(task),
                 config,
-                context.run_dir,
+                HeldOutLog(config, context.run_dir, context.track),
                 say=context.say,
                 warn=context.warn,
-                track=context.track,
             )
 
     async def start(self) -> None:

@@ -19,7 +19,7 @@ from engine.core.state import ScoredGroup
 from engine.core.trajectory import Trajectory
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError
-from engine.loop.evaluation import eval_problems_of
+from engine.loop.evaluation import HeldOutLog, eval_problems_of
 from engine.loop.groups import GroupPlan, NotSampled
 from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.sft_eval import SupervisedEvaluator
@@ -53,14 +53,7 @@ class ReadySteps(ABC):
         """The ready group of ``problem`` for 0-based step ``step``."""
 
     def first_stage(self, context: StageContext) -> FirstStage:
-        return SftStage(
-            context.config,
-            self.group,
-            context.source,
-            context.state,
-            clock=context.clock,
-            progress=context.progress,
-        )
+        return SftStage(context, self.group)
 
     def datums(self, group: ScoredGroup) -> GroupDatums:
         datums = [d for t in group.trajectories for d in supervised_datums(t)]
@@ -114,9 +107,8 @@ class SftRun:
                 GroupPlan(config, task, context.renderer, session.info.max_context),
                 eval_problems_of(task),
                 config,
-                context.run_dir,
+                HeldOutLog(config, context.run_dir, context.track),
                 say=context.say,
-                track=context.track,
             )
 
     async def start(self) -> None:

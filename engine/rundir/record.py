@@ -63,6 +63,16 @@ class RunRecord:
             events.info("resume", step=resumed.step, state_path=resumed.state_path)
 
     @property
+    def log(self) -> RunLog:
+        """Where the run's steps and lines go (metrics.jsonl, the console, the trackers)."""
+        return self._log
+
+    @property
+    def events(self) -> EventLog:
+        """The run's events.jsonl."""
+        return self._events
+
+    @property
     def steps(self) -> tuple[dict[str, Any], ...]:
         """The metrics of every recorded step, in order (a resumed run's earlier ones too)."""
         return tuple(self._steps)

@@ -48,6 +48,7 @@ from engine.errors import (
     primary_error,
 )
 from engine.loop.pipeline import Pipeline, PipelineOutcome, checkpoint_name
+from engine.loop.recipe import StageContext
 from engine.loop.results import RunResult, StepResult
 from engine.loop.stopping import StopGate
 from engine.loop.teacher import Teacher, open_teacher
@@ -57,11 +58,9 @@ from engine.observe.idle import (
     no_tool_calls_warning,
     no_training_warning,
 )
-from engine.observe.metrics import RunLog
 from engine.observe.run_report import finished_run_report
 from engine.observe.tokens import Prices, cumulative_counts, token_metrics
 from engine.rundir.checkpoint_log import CheckpointReason, CheckpointRecord
-from engine.rundir.events import EventLog
 from engine.rundir.record import RunRecord
 from engine.rundir.rollout_log import RolloutLog
 from engine.rundir.teacher_weights import teacher_weights
@@ -74,7 +73,7 @@ from engine.supervision.watchdog import Watchdog
 from engine.tasks.dataset import raw_prompts_warning
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["STOP_GRACE_S", "StepHook", "Supervisor"]
+__all__ = ["STOP_GRACE_S", "RunService", "StepHook", "Supervisor"]
 
 StepHook = Callable[[StepResult], Awaitable[None] | None]
 """Called after every trained step, on the trainer's path: keep it quick. After a
@@ -87,25 +86,34 @@ state is then untrusted: no stop checkpoint, the previous one stands)."""
 _STOP_CHECKPOINT_MAX_S = 120.0
 
 
+@dataclasses.dataclass(frozen=True)
+class RunService:
+    """The service a supervised run trains on: its session, the counters each step's
+    metrics take from it (the SDK's retries, the sampling queue's answers), and its
+    local server's data dir (None: not a local server; a teacher run's weights are
+    copied there)."""
+
+    session: Session
+    retries: RetryCounter
+    queue: QueueObserver
+    local_server_dir: Path | None
+
+
 class Supervisor:
-    """Trains one entered run to its end. ``hooks`` (the engine's live list) run after
-    each step is recorded; ``publish`` then hands the step to the engine's consumer."""
+    """Trains one entered run to its end on ``service``, recording it in ``record`` (and
+    its log and events). ``hooks`` (the engine's live list) run after each step is
+    recorded; ``publish`` then hands the step to the engine's consumer."""
 
     def __init__(
         self,
         config: EngineConfig,
         task: AnyTask,
         *,
-        session: Session,
-        retries: RetryCounter,
-        queue: QueueObserver,
+        service: RunService,
         record: RunRecord,
-        log: RunLog,
-        events: EventLog,
         clock: Clock,
         hooks: Sequence[StepHook],
         publish: Callable[[StepResult], Awaitable[None]],
-        local_server_dir: Path | None,
     ) -> None:
         self.gate = StopGate()
         """Where stop requests go; a stop requested before the run starts ends it before
@@ -118,19 +126,17 @@ class Supervisor:
         kept = record.steps[-1] if record.steps else {}
         self._tokens = TokenMeter(cumulative_counts(kept))  # a resumed run's total goes on
         self._prices = Prices.of(config)
-        session = MeteredSession(session, self._tokens)  # every billed call of the run
+        session = MeteredSession(service.session, self._tokens)  # every billed call of the run
         self._session = session
-        self._retries = retries
-        self._queue = queue
+        self._retries = service.retries
+        self._queue = service.queue
         self._run_record = record
-        self._log = log
-        self._events = events
+        self._log = log = record.log
+        self._events = record.events
         self._clock = clock
         self._hooks = hooks
         self._publish = publish
-        self._local_server_dir = local_server_dir
-        """The data dir of the local server the run trains on (a teacher run's weights
-        are copied there); None: not a local server."""
+        self._local_server_dir = service.local_server_dir
         self._failed_saves = 0  # reserved checkpoint saves failed in a row
         self._objective = self._open_objective(task)
         context = session.info.max_context
@@ -288,18 +294,23 @@ class Supervisor:
             source = self._task.source(
                 cfg.task.seed, state.source_state if state.next_step else None
             )
-            pipeline = Pipeline(
-                cfg,
-                recipe,
+            context = StageContext.start(
+                cfg.pipeline,
                 session,
                 source,
                 state,
                 sampler,
-                self._on_step,
-                gate=gate,
+                gate,
                 progress=watchdog.progress,
-                evaluate=self._objective.evaluator,
                 on_reward_error=self._reward_failed,
+            )
+            pipeline = Pipeline(
+                context,
+                recipe,
+                self._on_step,
+                learning_rate=cfg.training.learning_rate,
+                checkpoint_due=cfg.checkpoint_due,
+                evaluate=self._objective.evaluator,
                 before_training=before_training,
             )
             try:

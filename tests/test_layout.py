@@ -1,8 +1,9 @@
 """The package layout keeps its layers: the local server loads nothing of the client but
 the foundation (tests/test_layers.py), and the shared basics (``engine.common``,
 ``engine.basemodels``) import neither side; each class name is
-defined once in the engine package, so a name says which type it is; and no module is
-longer than a reader can hold (600 lines)."""
+defined once in the engine package, so a name says which type it is; no module is
+longer than a reader can hold (600 lines); and no stage, pipeline or supervisor
+constructor takes more than 7 parameters."""
 
 from __future__ import annotations
 
@@ -82,6 +83,33 @@ def test_no_engine_module_is_over_600_lines() -> None:
         and not str(path.relative_to(REPO)).startswith(LONG_LEFT)
     }
     assert long == {}, f"modules over {MAX_MODULE_LINES} lines: {long}"
+
+
+MAX_CONSTRUCTOR_PARAMETERS = 7
+"""A stage, the pipeline or the supervisor takes its context and what it reads, not every
+setting and collaborator one by one (issue 42)."""
+STAGE_MODULES = ("engine/loop", "engine/supervision", "engine/stages.py")
+
+
+def test_no_stage_constructor_takes_more_than_7_parameters() -> None:
+    """Every ``__init__`` written in a class of the loop, the supervision or the stages
+    (self not counted; positional, keyword-only, ``*args`` and ``**kwargs`` each count).
+    A dataclass's generated one is a record's (a message, a context) and is not counted."""
+    wide: dict[str, int] = {}
+    for module in STAGE_MODULES:
+        top = REPO / module
+        for path in sorted(top.rglob("*.py") if top.is_dir() else [top]):
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                if not isinstance(node, ast.ClassDef):
+                    continue
+                for init in node.body:
+                    if isinstance(init, ast.FunctionDef) and init.name == "__init__":
+                        a = init.args
+                        count = len(a.posonlyargs) + len(a.args) + len(a.kwonlyargs) - 1
+                        count += (a.vararg is not None) + (a.kwarg is not None)
+                        if count > MAX_CONSTRUCTOR_PARAMETERS:
+                            wide[f"{path.relative_to(REPO)}:{node.name}"] = count
+    assert wide == {}, f"constructors over {MAX_CONSTRUCTOR_PARAMETERS} parameters: {wide}"
 
 
 HELP = """

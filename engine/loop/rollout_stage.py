@@ -68,10 +68,12 @@ def draw_step(source: ProblemSource, batch: int) -> list[Problem] | None:
 
 
 class RolloutStage:
-    """Rolls out steps ``state.draw_from`` to ``config.pipeline.steps`` (the groups a
-    checkpoint kept or trained are not rolled out again). ``exhausted`` is set when the
-    source ran out first. ``submitted`` is the submitter's count of submitted steps:
-    with ``--sample-ahead`` a step waits for the step ahead of it to be submitted."""
+    """Rolls out steps ``state.draw_from`` to ``--steps`` (the groups a checkpoint kept
+    or trained are not rolled out again), sampling with ``sampling`` (seeded from
+    ``seed``), failing or skipping a reward error as ``scoring`` says and applying
+    ``length``. ``exhausted`` is set when the source ran out first. The context's
+    ``submitted`` is the submitter's count of submitted steps: with ``--sample-ahead`` a
+    step waits for the step ahead of it to be submitted."""
 
     def __init__(
         self,

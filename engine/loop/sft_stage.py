@@ -108,8 +108,8 @@ class ConversationPlan:
 
 
 class SftStage:
-    """Sends the groups of steps ``state.next_step`` to ``config.pipeline.steps`` (those
-    a checkpoint kept are not sent again), each built by ``build`` (a conversation, or a
+    """Sends the groups of steps ``state.next_step`` to ``--steps`` (those a
+    checkpoint kept are not sent again), each built by ``build`` (a conversation, or a
     pair with its reference logprobs); ``exhausted`` is set when the source ran out first
     (``--task-arg epochs=N``)."""
 

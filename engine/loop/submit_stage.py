@@ -65,8 +65,9 @@ class _StepAssembly:
 
 
 class SubmitStage:
-    """Submits steps ``state.next_step`` to ``config.pipeline.steps``. ``snapshots_after``
-    says whether the weights after the last step are snapshotted (an eval is due);
+    """Submits steps ``state.next_step`` to ``--steps``, each optim step at
+    ``learning_rate``. ``evaluates`` says whether the weights after a step are evaluated
+    (then snapshotted), ``checkpoint_due`` whether a checkpoint follows it;
     ``before_training`` is awaited once, right before the first call that trains."""
 
     def __init__(

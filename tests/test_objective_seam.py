@@ -38,11 +38,18 @@ from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.results import StepResult
 from engine.loop.step_metrics import supervised_step_metrics
 from engine.loop.stopping import StopGate
-from engine.objectives import OBJECTIVES, RunContext, checked_objective, objective_named
+from engine.objectives import (
+    OBJECTIVES,
+    RunContext,
+    StageRole,
+    checked_objective,
+    objective_named,
+)
 from engine.objectives.sft import ReadySteps
 from engine.run import main
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
+from engine.stages import check_stages
 from engine.tasks.dataset import DataFormat, DatasetTask
 
 pytestmark = pytest.mark.anyio
@@ -100,6 +107,9 @@ class EchoObjective:
     samples = False
     logs_conversations = False
     held_out = ("greedy", "problems")
+    held_out_values: tuple[str, ...] = ()
+    stage: StageRole = None  # it runs alone, never in a --then command
+    takes_teacher = False
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)
@@ -127,6 +137,9 @@ class EchoObjective:
         return ["| step | echo/tokens |", "|---:|---:|"] + [
             f"| {m['step']} | {m['echo/tokens']} |" for m in metrics
         ]
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {"last_echo_tokens": metrics[-1].get("echo/tokens") if metrics else None}
 
 
 ECHO = EchoObjective()
@@ -248,6 +261,10 @@ async def test_a_registered_objective_runs_through_the_engine_by_its_name(
     assert recorded["training"]["objective"] == "echo"
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "cross_entropy (echo)" in summary and "| 2 | 4 |" in summary
+    figures = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert figures["last_echo_tokens"] == 4
+    # Every registered objective's keys, None where the run has none of its metrics.
+    assert figures["last_dpo"] == {"loss": None, "accuracy": None, "margin": None}
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [m["echo/groups"] for m in metrics if "echo/groups" in m] == [2, 2]
 
@@ -264,3 +281,22 @@ def test_a_rollout_correction_needs_an_objective_that_samples() -> None:
     cfg = EngineConfig(objective="sft", loss="importance_sampling", rollout_correction="mis")
     with pytest.raises(ConfigError, match=r"needs --objective rl or distill \(not sft\)$"):
         checked_objective(cfg)
+
+
+def test_an_objective_says_which_stage_of_a_then_command_it_takes(
+    echo: EchoObjective, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--then`` asks each objective its stage: echo runs alone until it says it may
+    be a second stage, and the refusals name the objectives that may."""
+    with pytest.raises(
+        ConfigError, match=r"^--then echo: a second stage is rl or distill, trained on the "
+    ):
+        check_stages(EngineConfig(objective="sft", then="echo"))
+    with pytest.raises(ConfigError, match=r"^--then rl follows a first stage \(an --objective sft"):
+        check_stages(EngineConfig(objective="echo", then="rl"))
+    monkeypatch.setattr(echo, "stage", "second")
+    check_stages(EngineConfig(objective="sft", then="echo"))
+    with pytest.raises(ConfigError, match=r"add --then rl \(or --then distill or --then echo\)"):
+        check_stages(EngineConfig(then_steps=3))
+    with pytest.raises(ConfigError, match=r"and --then-teacher needs --then distill$"):
+        check_stages(EngineConfig(objective="sft", then="echo", then_teacher="t"))

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from engine.config import EngineConfig
 from engine.core.problems import Task
@@ -28,7 +28,12 @@ from engine.session.capabilities import Need
 from engine.tasks.dataset import DataFormat
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["Objective", "ObjectiveRun", "RunContext", "figure", "no_teacher"]
+__all__ = ["Objective", "ObjectiveRun", "RunContext", "StageRole", "figure", "no_teacher"]
+
+StageRole = Literal["first", "second"] | None
+"""An objective's part in a two-stage command (``--then``, :mod:`engine.stages`):
+``"first"``, a second stage may follow it; ``"second"``, it may be one, trained from the
+first stage's final weights; None, it runs alone."""
 
 
 def figure(value: float | None) -> str:
@@ -82,7 +87,10 @@ class Objective(Protocol):
     sample the policy (a run's loss, K, batch and group describe it);
     ``logs_conversations``: rollouts.jsonl keeps the prompts of conversations as they
     are; ``held_out``: how its held-out evaluation is made, and of what (its summary's
-    line). Its steps' metrics and their report panels are its recipe's
+    line); ``held_out_values``: the values of eval.jsonl its summary shows besides the
+    rates; ``stage``: its part in a two-stage command (:data:`StageRole`);
+    ``takes_teacher``: it trains from ``--teacher`` (``--then-teacher`` as a second
+    stage). Its steps' metrics and their report panels are its recipe's
     (:mod:`engine.loop.step_metrics`; the report draws the panels of the metrics a run
     has, :mod:`engine.observe.report_panels`)."""
 
@@ -90,6 +98,9 @@ class Objective(Protocol):
     samples: bool
     logs_conversations: bool
     held_out: tuple[str, str]
+    held_out_values: tuple[str, ...]
+    stage: StageRole
+    takes_teacher: bool
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         """The task a data file (``--task jsonl:PATH`` or ``parquet:PATH``) becomes."""
@@ -125,4 +136,10 @@ class Objective(Protocol):
 
     def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
         """summary.md's table of the steps ``metrics`` (metrics.jsonl's events)."""
+        ...
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """summary.json's figures of its own metrics over the steps ``metrics``, None
+        where they have none: the summary of every run holds every registered
+        objective's keys (:func:`engine.objectives.registry.summary_figures`)."""
         ...

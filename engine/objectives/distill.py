@@ -16,6 +16,7 @@ __all__ = ["DISTILL", "DistillObjective"]
 
 class DistillObjective(RlObjective):
     name = "distill"
+    takes_teacher = True
 
     def check_config(self, config: EngineConfig, chosen: bool) -> None:
         """Its teacher; RL's checks are the rl objective's own (``--group``, for one)."""

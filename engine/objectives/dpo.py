@@ -28,7 +28,7 @@ from engine.loop.messages import steps_done
 from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.reference import Reference
 from engine.loop.step_metrics import preference_line, preference_step_metrics
-from engine.objectives.base import RunContext, figure
+from engine.objectives.base import RunContext, StageRole, figure
 from engine.objectives.sft import CROSS_ENTROPY, ReadySteps
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, custom_loss_need, loss_need
@@ -118,6 +118,9 @@ class DpoObjective:
     samples = False
     logs_conversations = False
     held_out = ("scored", "pairs")
+    held_out_values: tuple[str, ...] = ("eval/dpo/accuracy", "eval/dpo/prefers_chosen")
+    stage: StageRole = None
+    takes_teacher = False
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return PairTask.from_args(path, args, data_format)
@@ -155,6 +158,13 @@ class DpoObjective:
                 for m in metrics
             ),
         ]
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        return {
+            f"{which}_dpo": {k: step.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")}
+            for which, step in (("first", first), ("last", last))
+        }
 
 
 DPO = DpoObjective()

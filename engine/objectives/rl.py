@@ -23,7 +23,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.rollout_stage import RolloutStage
 from engine.loop.step_metrics import quickstart_line, step_metrics
 from engine.loop.teacher import Teacher
-from engine.objectives.base import RunContext
+from engine.objectives.base import RunContext, StageRole
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
@@ -156,6 +156,9 @@ class RlObjective:
     samples = True
     logs_conversations = False
     held_out = ("greedy", "problems")
+    held_out_values: tuple[str, ...] = ()  # the rates alone
+    stage: StageRole = "second"
+    takes_teacher = False
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)
@@ -222,6 +225,9 @@ class RlObjective:
                 f"{m['time/step']:.2f} |"
             )
         return lines
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {}  # its rewards and staleness are every run's
 
 
 RL = RlObjective()

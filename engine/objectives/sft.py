@@ -25,7 +25,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan, SftStage, check_conversation_task
 from engine.loop.step_metrics import supervised_line, supervised_step_metrics
-from engine.objectives.base import RunContext, figure
+from engine.objectives.base import RunContext, StageRole, figure
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.conversations import ConversationTask
@@ -131,6 +131,9 @@ class SftObjective:
     samples = False
     logs_conversations = True
     held_out = ("greedy", "problems")
+    held_out_values: tuple[str, ...] = ("eval/sft/loss",)
+    stage: StageRole = "first"
+    takes_teacher = False
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return ConversationTask.from_args(path, args, data_format)
@@ -168,6 +171,10 @@ class SftObjective:
                 for m in metrics
             ),
         ]
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        return {"first_sft_loss": first.get("sft/loss"), "last_sft_loss": last.get("sft/loss")}
 
 
 SFT = SftObjective()

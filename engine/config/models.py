@@ -13,7 +13,7 @@ the group that declares it (one rule, :func:`route_flat`).
 
 from __future__ import annotations
 
-import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, get_args
 
@@ -31,6 +31,7 @@ from engine.common.setting import (
     did_you_mean,
     setting_fields,
 )
+from engine.config.given import given_settings
 from engine.config.registry import settings_spec, task_settings_models
 from engine.config.values import (
     HOSTED_BASE_URL,
@@ -91,19 +92,9 @@ from engine.config.groups import (
     TaskSettingsGroup,
     ThenSettings,
     TrainingSettings,
+    all_settings,
+    setting_at,
 )
-
-
-@functools.cache
-def all_settings() -> tuple[SettingField, ...]:
-    """Every setting of :class:`EngineConfig`, group by group."""
-    return tuple(f for name, model in GROUPS.items() for f in setting_fields(model, name))
-
-
-def setting_at(path: str) -> SettingField | None:
-    """The setting at ``group.name`` (None: no such setting)."""
-    return next((f for f in all_settings() if f.path == path), None)
-
 
 _FLAT: Final[Mapping[str, SettingField]] = {f.flat: f for f in all_settings()}
 
@@ -320,12 +311,8 @@ class EngineConfig(BaseModel):
         with ``settings`` (flat names or groups) on top. As in the CLI, no API key and no
         base URL means the local server. The plain constructor never reads the
         environment."""
-        import os
-
-        from engine.config.sources import config_from_sources
-
         env = dict(os.environ if environ is None else environ)
-        base = config_from_sources({}, env)
+        base = cls(**given_settings({}, env))
         connect = settings.get("api_key") or settings.get("base_url") is not None
         local = settings.get("local", base.session.local and not connect)
         return base.replace(**{**settings, "local": local})

@@ -11,6 +11,7 @@ its name."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -138,6 +139,9 @@ class EchoObjective:
             f"| {m['step']} | {m['echo/tokens']} |" for m in metrics
         ]
 
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        return f"  echo/groups={metrics['echo/groups']} | train {metrics['time/train']:.2f}s"
+
     def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         return {"last_echo_tokens": metrics[-1].get("echo/tokens") if metrics else None}
 
@@ -254,8 +258,10 @@ async def test_a_registered_objective_runs_through_the_engine_by_its_name(
     cfg = fake_config(tmp_path / "run", objective="echo", steps=2, group=1)
     assert checked_objective(cfg) is echo
     session = FakeSession()
-    steps = await run_engine(cfg, ToyTask(), session)
+    console = io.StringIO()
+    steps = await run_engine(cfg, ToyTask(), session, console=console)
     assert [s.line for s in steps] == ["Step 1: echo/tokens=4", "Step 2: echo/tokens=4"]
+    assert "Step 2: echo/tokens=4\n  echo/groups=2 | train " in console.getvalue()
     assert {loss.name for loss in session.losses} == {"cross_entropy"}
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert recorded["training"]["objective"] == "echo"

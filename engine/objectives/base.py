@@ -13,6 +13,7 @@ and never test its name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,7 +29,15 @@ from engine.session.capabilities import Need
 from engine.tasks.dataset import DataFormat
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["Objective", "ObjectiveRun", "RunContext", "StageRole", "figure", "no_teacher"]
+__all__ = [
+    "Objective",
+    "ObjectiveRun",
+    "RunContext",
+    "StageRole",
+    "figure",
+    "no_teacher",
+    "shown",
+]
 
 StageRole = Literal["first", "second"] | None
 """An objective's part in a two-stage command (``--then``, :mod:`engine.stages`):
@@ -39,6 +48,13 @@ first stage's final weights; None, it runs alone."""
 def figure(value: float | None) -> str:
     """A figure of a run's summary: three decimals, or n/a."""
     return "n/a" if value is None else f"{value:.3f}"
+
+
+def shown(value: Any, spec: str) -> str:
+    """A value of a step's console line in ``spec``, or n/a (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
 
 
 async def no_teacher() -> Teacher:
@@ -136,6 +152,12 @@ class Objective(Protocol):
 
     def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
         """summary.md's table of the steps ``metrics`` (metrics.jsonl's events)."""
+        ...
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        """Its part of a step's second console line, from the step's ``metrics`` (the
+        tokens billed and the server's queue follow it:
+        :func:`engine.observe.metrics.detail_line`)."""
         ...
 
     def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -28,7 +28,7 @@ from engine.loop.messages import steps_done
 from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.reference import Reference
 from engine.loop.step_metrics import preference_line, preference_step_metrics
-from engine.objectives.base import RunContext, StageRole, figure
+from engine.objectives.base import RunContext, StageRole, figure, shown
 from engine.objectives.sft import CROSS_ENTROPY, ReadySteps
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, custom_loss_need, loss_need
@@ -158,6 +158,16 @@ class DpoObjective:
                 for m in metrics
             ),
         ]
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        """The implicit rewards of its pairs, its tokens, train time and idleness."""
+        m = metrics
+        return (
+            f"  chosen_reward={shown(m.get('dpo/chosen_reward'), '+.4f')} "
+            f"rejected_reward={shown(m.get('dpo/rejected_reward'), '+.4f')} "
+            f"tokens={m['dpo/tokens']} | train {m['time/train']:.2f}s "
+            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%}"
+        )
 
     def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})

@@ -23,6 +23,7 @@ from fake_session import FakeSession
 from test_engine_fake_session import fake_config
 from test_engine_fake_session import run as run_engine
 from test_pipeline_stages import ToyTask, config
+from tqdm import tqdm
 
 from engine.catalog import load_task
 from engine.config import EngineConfig
@@ -30,7 +31,7 @@ from engine.core.datums import Datum
 from engine.core.problems import Problem, Task
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
-from engine.engine import prepare_run
+from engine.engine import Engine, prepare_run
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
@@ -47,6 +48,7 @@ from engine.objectives import (
     objective_named,
 )
 from engine.objectives.sft import ReadySteps
+from engine.run import _run as run_cli
 from engine.run import main
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
@@ -111,6 +113,7 @@ class EchoObjective:
     held_out_values: tuple[str, ...] = ()
     stage: StageRole = None  # it runs alone, never in a --then command
     takes_teacher = False
+    progress: tuple[str, str] | None = ("echo/tokens", "echoed")
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)
@@ -306,3 +309,13 @@ def test_an_objective_says_which_stage_of_a_then_command_it_takes(
         check_stages(EngineConfig(then_steps=3))
     with pytest.raises(ConfigError, match=r"and --then-teacher needs --then distill$"):
         check_stages(EngineConfig(objective="sft", then="echo", then_teacher="t"))
+
+
+async def test_the_progress_bar_shows_the_objectives_metric(
+    echo: EchoObjective, tmp_path: Path
+) -> None:
+    cfg = fake_config(tmp_path / "run", objective="echo", steps=2, group=1)
+    bar = tqdm(total=1, file=io.StringIO())
+    result = await run_cli(Engine(cfg, task=ToyTask(), session=FakeSession()), bar)
+    assert result.steps_completed == 2
+    assert (bar.n, bar.total, bar.postfix) == (2, 2, "echoed=4.000")

@@ -106,7 +106,8 @@ class Objective(Protocol):
     line); ``held_out_values``: the values of eval.jsonl its summary shows besides the
     rates; ``stage``: its part in a two-stage command (:data:`StageRole`);
     ``takes_teacher``: it trains from ``--teacher`` (``--then-teacher`` as a second
-    stage). Its steps' metrics and their report panels are its recipe's
+    stage); ``progress``: the step metric the progress bar shows beside the step count,
+    and its label (None: none). Its steps' metrics and their report panels are its recipe's
     (:mod:`engine.loop.step_metrics`; the report draws the panels of the metrics a run
     has, :mod:`engine.observe.report_panels`)."""
 
@@ -117,6 +118,7 @@ class Objective(Protocol):
     held_out_values: tuple[str, ...]
     stage: StageRole
     takes_teacher: bool
+    progress: tuple[str, str] | None
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         """The task a data file (``--task jsonl:PATH`` or ``parquet:PATH``) becomes."""

@@ -121,6 +121,7 @@ class DpoObjective:
     held_out_values: tuple[str, ...] = ("eval/dpo/accuracy", "eval/dpo/prefers_chosen")
     stage: StageRole = None
     takes_teacher = False
+    progress: tuple[str, str] | None = None  # its console line has its values
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return PairTask.from_args(path, args, data_format)

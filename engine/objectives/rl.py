@@ -159,6 +159,7 @@ class RlObjective:
     held_out_values: tuple[str, ...] = ()  # the rates alone
     stage: StageRole = "second"
     takes_teacher = False
+    progress: tuple[str, str] | None = ("avg_reward", "reward")
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)

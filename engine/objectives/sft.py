@@ -154,6 +154,7 @@ class SftObjective:
     held_out_values: tuple[str, ...] = ("eval/sft/loss",)
     stage: StageRole = "first"
     takes_teacher = False
+    progress: tuple[str, str] | None = ("sft/loss", "loss")
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return ConversationTask.from_args(path, args, data_format)

@@ -42,6 +42,7 @@ from engine.loop.step_metrics import supervised_step_metrics
 from engine.loop.stopping import StopGate
 from engine.objectives import (
     OBJECTIVES,
+    Headline,
     RunContext,
     StageRole,
     checked_objective,
@@ -114,6 +115,7 @@ class EchoObjective:
     stage: StageRole = None  # it runs alone, never in a --then command
     takes_teacher = False
     progress: tuple[str, str] | None = ("echo/tokens", "echoed")
+    headlines = (Headline("echo/tokens", "tokens echoed"),)
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)
@@ -270,6 +272,7 @@ async def test_a_registered_objective_runs_through_the_engine_by_its_name(
     assert recorded["training"]["objective"] == "echo"
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "cross_entropy (echo)" in summary and "| 2 | 4 |" in summary
+    assert "- tokens echoed (echo/tokens), step 1 -> 2: 4.0000 -> 4.0000\n" in summary
     figures = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert figures["last_echo_tokens"] == 4
     # Every registered objective's keys, None where the run has none of its metrics.

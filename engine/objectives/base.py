@@ -30,6 +30,7 @@ from engine.tasks.dataset import DataFormat
 from engine.tasks.render import PromptRenderer
 
 __all__ = [
+    "Headline",
     "Objective",
     "ObjectiveRun",
     "RunContext",
@@ -48,6 +49,21 @@ first stage's final weights; None, it runs alone."""
 def figure(value: float | None) -> str:
     """A figure of a run's summary: three decimals, or n/a."""
     return "n/a" if value is None else f"{value:.3f}"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A figure a person looks at first in a run's summary and report, as first -> last
+    (:mod:`engine.observe.headline`)."""
+
+    metric: str
+    """A ``metrics.jsonl`` field, or an ``eval/*`` one of ``eval.jsonl``."""
+    label: str
+    percent: bool = False
+
+    @property
+    def held_out(self) -> bool:
+        return self.metric.startswith("eval/")
 
 
 def shown(value: Any, spec: str) -> str:
@@ -106,10 +122,11 @@ class Objective(Protocol):
     line); ``held_out_values``: the values of eval.jsonl its summary shows besides the
     rates; ``stage``: its part in a two-stage command (:data:`StageRole`);
     ``takes_teacher``: it trains from ``--teacher`` (``--then-teacher`` as a second
-    stage); ``progress``: the step metric the progress bar shows beside the step count,
-    and its label (None: none). Its steps' metrics and their report panels are its recipe's
-    (:mod:`engine.loop.step_metrics`; the report draws the panels of the metrics a run
-    has, :mod:`engine.observe.report_panels`)."""
+    stage); ``progress``: the step metric the progress bar shows beside the step
+    count, and its label (None: none); ``headlines``: the figures its summary and report
+    lead with (a reward's is the summary's own line). Its steps' metrics are its
+    recipe's (:mod:`engine.loop.step_metrics`); the report draws the panels of the
+    metrics a run has (:mod:`engine.observe.report_panels`)."""
 
     name: str
     samples: bool
@@ -119,6 +136,7 @@ class Objective(Protocol):
     stage: StageRole
     takes_teacher: bool
     progress: tuple[str, str] | None
+    headlines: tuple[Headline, ...]
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         """The task a data file (``--task jsonl:PATH`` or ``parquet:PATH``) becomes."""

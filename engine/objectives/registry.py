@@ -11,13 +11,20 @@ from typing import Any
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.objectives.base import Objective, StageRole
+from engine.objectives.base import Headline, Objective, StageRole
 from engine.objectives.distill import DISTILL
 from engine.objectives.dpo import DPO
 from engine.objectives.rl import RL
 from engine.objectives.sft import SFT
 
-__all__ = ["OBJECTIVES", "checked_objective", "objective_named", "staged", "summary_figures"]
+__all__ = [
+    "OBJECTIVES",
+    "checked_objective",
+    "headlines",
+    "objective_named",
+    "staged",
+    "summary_figures",
+]
 
 OBJECTIVES: dict[str, Objective] = {
     objective.name: objective
@@ -82,3 +89,9 @@ def summary_figures(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for objective in OBJECTIVES.values():
         figures.update(objective.summary_figures(metrics))
     return figures
+
+
+def headlines() -> tuple[Headline, ...]:
+    """Every registered objective's headlines, in registry order: a summary or report
+    leads with those its runs logged, whatever they trained for."""
+    return tuple(h for objective in OBJECTIVES.values() for h in objective.headlines)

@@ -23,7 +23,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.rollout_stage import RolloutStage
 from engine.loop.step_metrics import quickstart_line, step_metrics
 from engine.loop.teacher import Teacher
-from engine.objectives.base import RunContext, StageRole, shown
+from engine.objectives.base import Headline, RunContext, StageRole, shown
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
@@ -160,6 +160,7 @@ class RlObjective:
     stage: StageRole = "second"
     takes_teacher = False
     progress: tuple[str, str] | None = ("avg_reward", "reward")
+    headlines: tuple[Headline, ...] = ()  # the summary's reward line is every run's
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)

@@ -25,7 +25,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan, SftStage, check_conversation_task
 from engine.loop.step_metrics import supervised_line, supervised_step_metrics
-from engine.objectives.base import RunContext, StageRole, figure, shown
+from engine.objectives.base import Headline, RunContext, StageRole, figure, shown
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.conversations import ConversationTask
@@ -155,6 +155,10 @@ class SftObjective:
     stage: StageRole = "first"
     takes_teacher = False
     progress: tuple[str, str] | None = ("sft/loss", "loss")
+    headlines: tuple[Headline, ...] = (
+        Headline("eval/sft/loss", "held-out loss per assistant token"),
+        Headline("sft/loss", "training loss per assistant token"),
+    )
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return ConversationTask.from_args(path, args, data_format)

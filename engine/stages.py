@@ -5,10 +5,10 @@ objective may take which stage is the objective's to say (its ``stage``,
 
 Each stage is one :class:`~engine.engine.Engine` run with a run directory of its own:
 the first in the command's run dir, the second in ``<run dir>/<objective>``, each with
-its metrics, checkpoints, summary and report. The second starts
-from the first's ``final`` state (``init_from``: its weights, with a fresh optimizer) on
-the same server: with the local server, one server kept for both (its data dir is the
-first run dir's ``local-server/``); with a given session, that session.
+its metrics, checkpoints, summary and report. The second starts from the first's
+``final`` state (``init_from``: its weights, with a fresh optimizer) on the same server:
+with the local server, one server kept for both (its data dir is the first run dir's
+``local-server/``); with a given session, that session.
 
 ``--resume RUN`` continues the first stage unless it has its ``final`` checkpoint, then
 the second stage from its own latest checkpoint (or from its start when it has none).
@@ -87,6 +87,8 @@ def _first_stages() -> str:
 def _either(flag: str, names: list[str]) -> str:
     """``--then rl (or --then distill)``: ``flag`` with the first of ``names``, the
     others as alternatives."""
+    if not names:
+        return f"{flag} of a registered objective (none is)"
     first, *others = [f"{flag} {name}" for name in names]
     return first + (f" (or {' or '.join(others)})" if others else "")
 

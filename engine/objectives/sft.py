@@ -31,15 +31,7 @@ from engine.session.capabilities import Need, loss_need
 from engine.tasks.conversations import ConversationTask
 from engine.tasks.dataset import DataFormat
 
-__all__ = [
-    "CROSS_ENTROPY",
-    "SFT",
-    "ReadySteps",
-    "SftObjective",
-    "SftRun",
-    "SftSteps",
-    "supervised_detail",
-]
+__all__ = ["CROSS_ENTROPY", "SFT", "ReadySteps", "SftObjective", "SftRun", "SftSteps"]
 
 CROSS_ENTROPY = LossSpec("cross_entropy")
 """SFT's loss; DPO's custom loss trains through it too."""
@@ -134,18 +126,6 @@ class SftRun:
         return SftSteps(self._config, self._plan)
 
 
-def supervised_detail(m: Mapping[str, Any]) -> str:
-    """A supervised step's part of its second console line (its metrics are
-    :func:`~engine.loop.step_metrics.supervised_step_metrics`'): groups, summed loss,
-    train time, idleness, throughput."""
-    return (
-        f"  groups={m['groups/used']}/{m['groups/total']} "
-        f"loss:sum={shown(m['optim/loss'], '.4g')} | train {m['time/train']:.2f}s "
-        f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
-        f"| {m['throughput/tokens_per_s']:.0f} tok/s"
-    )
-
-
 class SftObjective:
     name = "sft"
     samples = False
@@ -199,7 +179,13 @@ class SftObjective:
 
     def step_detail(self, metrics: Mapping[str, Any]) -> str:
         """Its groups, summed loss, train time, idleness and throughput."""
-        return supervised_detail(metrics)
+        m = metrics
+        return (
+            f"  groups={m['groups/used']}/{m['groups/total']} "
+            f"loss:sum={shown(m['optim/loss'], '.4g')} | train {m['time/train']:.2f}s "
+            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
+            f"| {m['throughput/tokens_per_s']:.0f} tok/s"
+        )
 
     def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})

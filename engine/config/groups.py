@@ -5,8 +5,9 @@ trained and sampled (:mod:`~engine.config.model_settings`), how it is trained
 (:mod:`~engine.config.service_settings`) and the second stage
 (:mod:`~engine.config.then_settings`). Each field declares its default, type,
 description and (in its :class:`~engine.common.setting.Setting` marker) its flag,
-environment variables, checks and resume rule. :mod:`engine.config.models` assembles
-them into :class:`~engine.config.models.EngineConfig`."""
+environment variables, checks and resume rule (:func:`all_settings` lists them).
+:mod:`engine.config.models` assembles them into
+:class:`~engine.config.models.EngineConfig`."""
 
 from __future__ import annotations
 

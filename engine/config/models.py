@@ -3,9 +3,10 @@
 
 Each field declares its default, type, description and (in its
 :class:`~engine.common.setting.Setting` marker) its flag, environment variables, checks
-and resume rule; :mod:`engine.config.sources` generates the CLI, the environment
-variables and the TOML format from these fields, ``scripts/gen_config_table.py`` the
-docs table. Constructing a config validates it (ConfigError, one line).
+and resume rule; :mod:`engine.config.sources` generates the CLI and the TOML format
+from these fields, :mod:`engine.config.given` reads the flags and environment variables
+by them, ``scripts/gen_config_table.py`` writes the docs table. Constructing a config
+validates it (ConfigError, one line).
 
 ``EngineConfig(batch=8, steps=3)`` takes the flat names too: a flat keyword goes into
 the group that declares it (one rule, :func:`route_flat`).

@@ -342,7 +342,11 @@ class Engine:
             files.write_config(cfg, self._task)
             trackers = open_trackers(cfg.logging.log_to, files.path, config_record(cfg, self._task))
             log = RunLog(
-                files.path / "metrics.jsonl", self._console, cfg.logging.log_format, trackers
+                files.path / "metrics.jsonl",
+                self._console,
+                cfg.logging.log_format,
+                trackers,
+                step_detail=objective_named(cfg.training.objective).step_detail,
             )
             resources.callback(log.close)
             events = EventLog(

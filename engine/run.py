@@ -44,7 +44,7 @@ from engine.config.sources import env_text
 from engine.engine import Engine
 from engine.errors import ConfigError, exit_code, format_error
 from engine.loop.results import RunResult, StepResult
-from engine.objectives import checked_objective
+from engine.objectives import checked_objective, objective_named
 from engine.redact import install_stdlib_redaction, redact_text
 from engine.rundir.events import QUIET
 from engine.rundir.resume import resumed_config
@@ -118,14 +118,14 @@ class _TqdmSafeStream:
 
 
 async def _run(runner: Engine | Stages, bar: tqdm[Any] | None) -> RunResult:
+    shown: list[tuple[str, str]] = []  # the running stage's objective's progress metric
+
     def advance(step: StepResult) -> None:
         if bar is not None:
             bar.n = step.step  # a recovery redoes steps: show where the run stands
-            metrics = step.metrics
-            if "avg_reward" in metrics:
-                bar.set_postfix(reward=f"{metrics['avg_reward']:.3f}")
-            elif "sft/loss" in metrics:
-                bar.set_postfix(loss=f"{metrics['sft/loss']:.3f}")
+            for metric, label in shown:
+                if step.metrics.get(metric) is not None:
+                    bar.set_postfix({label: f"{step.metrics[metric]:.3f}"})
 
     def entered(engine: Engine) -> None:
         # Everything alive now (SDK, tokenizer, a local server's model) lives for the
@@ -133,6 +133,8 @@ async def _run(runner: Engine | Stages, bar: tqdm[Any] | None) -> RunResult:
         gc.freeze()
         if bar is not None:
             bar.reset(total=engine.config.pipeline.steps)
+        progress = objective_named(engine.config.training.objective).progress
+        shown[:] = [] if progress is None else [progress]
 
     runner.add_step_hook(advance)
     # The engine reports the stop itself (console + events.jsonl).

@@ -1,12 +1,14 @@
 """One command, two stages: supervised fine-tuning, then RL or on-policy distillation
-from its final weights (``--then rl`` / ``--then distill``; docs/sft.md).
+from its final weights (``--then rl`` / ``--then distill``; docs/sft.md). Which
+objective may take which stage is the objective's to say (its ``stage``,
+:data:`engine.objectives.StageRole`).
 
 Each stage is one :class:`~engine.engine.Engine` run with a run directory of its own:
-the first in the command's run dir, the second in ``<run dir>/<objective>`` (``rl`` or
-``distill``), each with its metrics, checkpoints, summary and report. The second starts
-from the first's ``final`` state (``init_from``: its weights, with a fresh optimizer) on
-the same server: with the local server, one server kept for both (its data dir is the
-first run dir's ``local-server/``); with a given session, that session.
+the first in the command's run dir, the second in ``<run dir>/<objective>``, each with
+its metrics, checkpoints, summary and report. The second starts from the first's
+``final`` state (``init_from``: its weights, with a fresh optimizer) on the same server:
+with the local server, one server kept for both (its data dir is the first run dir's
+``local-server/``); with a given session, that session.
 
 ``--resume RUN`` continues the first stage unless it has its ``final`` checkpoint, then
 the second stage from its own latest checkpoint (or from its start when it has none).
@@ -28,6 +30,7 @@ from engine.config.groups import ThenSettings
 from engine.engine import Engine, SessionFactory, StepHook, prepare_run
 from engine.errors import ConfigError, ResumeError, StopRequested
 from engine.loop.results import RunResult
+from engine.objectives import OBJECTIVES, objective_named, staged
 from engine.rundir.checkpoint_log import CheckpointLog
 from engine.rundir.directory import LOCAL_SERVER_DIR
 from engine.rundir.events import QUIET
@@ -36,15 +39,11 @@ from engine.session.api import Session
 from engine.session.opening import SharedLocalServer
 
 __all__ = [
-    "SECOND_STAGES",
     "Stages",
     "check_not_a_second_stage",
     "check_stages",
     "second_stage_config",
 ]
-
-SECOND_STAGES: Final = ("rl", "distill")
-"""What ``--then`` may name: the objectives that train on the first stage's result."""
 
 _THEN_FIELDS: Final = setting_fields(ThenSettings, "then")
 
@@ -54,29 +53,44 @@ def check_stages(config: EngineConfig) -> None:
     it once a resumed run's stored settings are merged: ``--resume RUN --then-steps N``
     is fine when RUN has a second stage."""
     then = config.then
+    seconds = staged("second")
     if then.objective is None:
         given = [f.flag for f in _THEN_FIELDS if getattr(then, f.name) not in (None, {})]
         if given:
             raise ConfigError(
-                f"{', '.join(given)} set a second stage's settings: add --then rl (or "
-                "--then distill) after an --objective sft run"
+                f"{', '.join(given)} set a second stage's settings: add "
+                f"{_either('--then', seconds)} after an {_first_stages()} run"
             )
         return
-    if then.objective not in SECOND_STAGES:
+    if then.objective not in seconds:
         raise ConfigError(
-            f"--then {then.objective}: a second stage is rl or distill, trained on the "
-            "first stage's result (supervised fine-tuning runs first: --objective sft)"
+            f"--then {then.objective}: a second stage is {' or '.join(seconds)}, trained on "
+            f"the result of a first stage (an {_first_stages()} run)"
         )
-    if config.training.objective != "sft":
+    if objective_named(config.training.objective).stage != "first":
         raise ConfigError(
-            f"--then {then.objective} follows a supervised fine-tuning run (--objective sft), "
-            f"not --objective {config.training.objective}"
+            f"--then {then.objective} follows a first stage (an {_first_stages()} run), not "
+            f"--objective {config.training.objective}"
         )
-    if (then.objective == "distill") != (then.teacher is not None):
+    if objective_named(then.objective).takes_teacher != (then.teacher is not None):
+        taught = _either("--then", [n for n, o in OBJECTIVES.items() if o.takes_teacher])
         raise ConfigError(
-            "--then distill needs --then-teacher (a tinker:// sampler path, a run directory "
-            "or a base model name), and --then-teacher needs --then distill"
+            f"{taught} needs --then-teacher (a tinker:// sampler path, a run directory or a "
+            f"base model name), and --then-teacher needs {taught}"
         )
+
+
+def _first_stages() -> str:
+    return _either("--objective", staged("first"))
+
+
+def _either(flag: str, names: list[str]) -> str:
+    """``--then rl (or --then distill)``: ``flag`` with the first of ``names``, the
+    others as alternatives."""
+    if not names:
+        return f"{flag} of a registered objective (none is)"
+    first, *others = [f"{flag} {name}" for name in names]
+    return first + (f" (or {' or '.join(others)})" if others else "")
 
 
 def second_stage_config(
@@ -126,7 +140,10 @@ class Stages:
         config = resumed_config(config)
         check_stages(config)
         if config.then.objective is None:
-            raise ConfigError("Stages runs a config with a second stage: set then (rl or distill)")
+            raise ConfigError(
+                "Stages runs a config with a second stage: set then "
+                f"({' or '.join(staged('second'))})"
+            )
         self._config = config
         self._hooks: list[StepHook] = [on_step] if callable(on_step) else list(on_step)
         self._console = console

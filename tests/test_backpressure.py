@@ -14,6 +14,7 @@ import pytest
 
 from engine.local import LocalServer
 from engine.local.config import ServerConfig
+from engine.objectives.rl import RL
 from engine.observe.metrics import detail_line
 from engine.session import mint as mint_session
 from engine.session.queue_watch import QueueObserver, follow_queue_states
@@ -123,7 +124,7 @@ def test_a_saturated_queue_costs_no_failed_request_and_shows_in_the_metrics(
     assert retries and not any(retries)
     waited = next(m for m in metrics if m["queue/waits"])
     assert waited["queue/position_max"] >= 1
-    assert f"queued {waited['queue/waits']}x pos<=" in detail_line(waited)
+    assert f"queued {waited['queue/waits']}x pos<=" in detail_line(waited, RL.step_detail(waited))
     recorded = [
         json.loads(line)
         for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()

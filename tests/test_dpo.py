@@ -7,6 +7,7 @@ is in tests/test_engine_dpo.py."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import math
 from pathlib import Path
@@ -61,9 +62,11 @@ def dpo_config(run_dir: Path, data: Path, **changes: Any) -> EngineConfig:
     )
 
 
-async def run(cfg: EngineConfig, session: FakeSession) -> list[StepResult]:
+async def run(
+    cfg: EngineConfig, session: FakeSession, console: io.StringIO | None = None
+) -> list[StepResult]:
     steps: list[StepResult] = []
-    async with Engine(cfg, session=session, on_step=steps.append) as engine:
+    async with Engine(cfg, session=session, on_step=steps.append, console=console) as engine:
         await engine.run()
     return steps
 
@@ -177,8 +180,11 @@ async def test_a_session_without_a_custom_loss_refuses_dpo_in_one_line(tmp_path:
 async def test_dpo_trains_each_step_once_through_the_custom_loss(tmp_path: Path) -> None:
     session = PairSession()
     cfg = dpo_config(tmp_path / "run", pairs(tmp_path / "p.jsonl", 20))
-    steps = await run(cfg, session)
+    console = io.StringIO()
+    steps = await run(cfg, session, console)
     assert [s.step for s in steps] == [1, 2, 3, 4]
+    # Each step's second console line is the objective's (dpo's: the implicit rewards).
+    assert console.getvalue().count("\n  chosen_reward=+") == 4
     assert [e for e in session.log if e[0] in ("sample", "snapshot")] == []
     assert [step for step, _, _ in session.custom_losses] == [1, 2, 3, 4]
     assert {loss.name for loss in session.losses} == {"custom"}

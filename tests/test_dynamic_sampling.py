@@ -32,7 +32,7 @@ from engine.loop.refill import StepRefill
 from engine.loop.results import StepResult
 from engine.loop.stopping import StopGate
 from engine.objectives import checked_objective
-from engine.observe.metrics import detail_line
+from engine.objectives.rl import RL
 from engine.session.api import SampleResult, SamplerHandle, SamplingParams
 
 pytestmark = pytest.mark.anyio
@@ -184,8 +184,8 @@ async def test_refill_samples_reserves_for_tied_groups_and_counts_them() -> None
     assert [x["groups/skipped"] for x in m] == [2, 0, 1, 0]
     assert all(x["datums"] == 2 * 2 for x in m)  # 2 groups x 2 responses with signal
     assert all(x["off_policy/staleness"] <= 1 for x in m)
-    assert "groups=2/4 (+2 refill) " in detail_line(m[0])
-    assert "refill" not in detail_line(m[1])
+    assert "groups=2/4 (+2 refill) " in RL.step_detail(m[0])
+    assert "refill" not in RL.step_detail(m[1])
 
 
 async def test_without_refill_a_tied_group_is_skipped_and_the_step_trains_short() -> None:

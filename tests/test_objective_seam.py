@@ -11,6 +11,7 @@ its name."""
 
 from __future__ import annotations
 
+import io
 import json
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -22,6 +23,7 @@ from fake_session import FakeSession
 from test_engine_fake_session import fake_config
 from test_engine_fake_session import run as run_engine
 from test_pipeline_stages import ToyTask, config
+from tqdm import tqdm
 
 from engine.catalog import load_task
 from engine.config import EngineConfig
@@ -29,7 +31,7 @@ from engine.core.datums import Datum
 from engine.core.problems import Problem, Task
 from engine.core.state import LoopState, ScoredGroup
 from engine.core.trajectory import Trajectory, Turn
-from engine.engine import prepare_run
+from engine.engine import Engine, prepare_run
 from engine.envs.types import AnyTask
 from engine.errors import ConfigError
 from engine.loop.groups import NotSampled
@@ -38,11 +40,20 @@ from engine.loop.recipe import FinishedStep, HeldOut, StageContext
 from engine.loop.results import StepResult
 from engine.loop.step_metrics import supervised_step_metrics
 from engine.loop.stopping import StopGate
-from engine.objectives import OBJECTIVES, RunContext, checked_objective, objective_named
+from engine.objectives import (
+    OBJECTIVES,
+    Headline,
+    RunContext,
+    StageRole,
+    checked_objective,
+    objective_named,
+)
 from engine.objectives.sft import ReadySteps
+from engine.run import _run as run_cli
 from engine.run import main
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
+from engine.stages import check_stages
 from engine.tasks.dataset import DataFormat, DatasetTask
 
 pytestmark = pytest.mark.anyio
@@ -100,6 +111,11 @@ class EchoObjective:
     samples = False
     logs_conversations = False
     held_out = ("greedy", "problems")
+    held_out_values: tuple[str, ...] = ()
+    stage: StageRole = None  # it runs alone, never in a --then command
+    takes_teacher = False
+    progress: tuple[str, str] | None = ("echo/tokens", "echoed")
+    headlines = (Headline("echo/tokens", "tokens echoed"),)
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)
@@ -127,6 +143,12 @@ class EchoObjective:
         return ["| step | echo/tokens |", "|---:|---:|"] + [
             f"| {m['step']} | {m['echo/tokens']} |" for m in metrics
         ]
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        return f"  echo/groups={metrics['echo/groups']} | train {metrics['time/train']:.2f}s"
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {"last_echo_tokens": metrics[-1].get("echo/tokens") if metrics else None}
 
 
 ECHO = EchoObjective()
@@ -238,13 +260,20 @@ async def test_a_registered_objective_runs_through_the_engine_by_its_name(
     cfg = fake_config(tmp_path / "run", objective="echo", steps=2, group=1)
     assert checked_objective(cfg) is echo
     session = FakeSession()
-    steps = await run_engine(cfg, ToyTask(), session)
+    console = io.StringIO()
+    steps = await run_engine(cfg, ToyTask(), session, console=console)
     assert [s.line for s in steps] == ["Step 1: echo/tokens=4", "Step 2: echo/tokens=4"]
+    assert "Step 2: echo/tokens=4\n  echo/groups=2 | train " in console.getvalue()
     assert {loss.name for loss in session.losses} == {"cross_entropy"}
     recorded = json.loads((tmp_path / "run" / "config.json").read_text())
     assert recorded["training"]["objective"] == "echo"
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "cross_entropy (echo)" in summary and "| 2 | 4 |" in summary
+    assert "- tokens echoed (echo/tokens), step 1 -> 2: 4.0000 -> 4.0000\n" in summary
+    figures = json.loads((tmp_path / "run" / "summary.json").read_text())
+    assert figures["last_echo_tokens"] == 4
+    # Every registered objective's keys, None where the run has none of its metrics.
+    assert figures["last_dpo"] == {"loss": None, "accuracy": None, "margin": None}
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").open()]
     assert [m["echo/groups"] for m in metrics if "echo/groups" in m] == [2, 2]
 
@@ -261,3 +290,32 @@ def test_a_rollout_correction_needs_an_objective_that_samples() -> None:
     cfg = EngineConfig(objective="sft", loss="importance_sampling", rollout_correction="mis")
     with pytest.raises(ConfigError, match=r"needs --objective rl or distill \(not sft\)$"):
         checked_objective(cfg)
+
+
+def test_an_objective_says_which_stage_of_a_then_command_it_takes(
+    echo: EchoObjective, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--then`` asks each objective its stage: echo runs alone until it says it may
+    be a second stage, and the refusals name the objectives that may."""
+    with pytest.raises(
+        ConfigError, match=r"^--then echo: a second stage is rl or distill, trained on the "
+    ):
+        check_stages(EngineConfig(objective="sft", then="echo"))
+    with pytest.raises(ConfigError, match=r"^--then rl follows a first stage \(an --objective sft"):
+        check_stages(EngineConfig(objective="echo", then="rl"))
+    monkeypatch.setattr(echo, "stage", "second")
+    check_stages(EngineConfig(objective="sft", then="echo"))
+    with pytest.raises(ConfigError, match=r"add --then rl \(or --then distill or --then echo\)"):
+        check_stages(EngineConfig(then_steps=3))
+    with pytest.raises(ConfigError, match=r"and --then-teacher needs --then distill$"):
+        check_stages(EngineConfig(objective="sft", then="echo", then_teacher="t"))
+
+
+async def test_the_progress_bar_shows_the_objectives_metric(
+    echo: EchoObjective, tmp_path: Path
+) -> None:
+    cfg = fake_config(tmp_path / "run", objective="echo", steps=2, group=1)
+    bar = tqdm(total=1, file=io.StringIO())
+    result = await run_cli(Engine(cfg, task=ToyTask(), session=FakeSession()), bar)
+    assert result.steps_completed == 2
+    assert (bar.n, bar.total, bar.postfix) == (2, 2, "echoed=4.000")

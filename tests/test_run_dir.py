@@ -18,6 +18,7 @@ from engine import StepResult
 from engine.common.files import write_file_atomically
 from engine.errors import ConfigError, RunFileError, exit_code, format_error
 from engine.local import LocalServer
+from engine.objectives.rl import RL
 from engine.observe.metrics import RunLog
 from engine.run import main
 from engine.rundir.checkpoint_log import CheckpointLog, CheckpointRecord
@@ -210,7 +211,7 @@ def test_a_full_disk_under_metrics_and_events_names_the_file(tmp_path: Path) -> 
     """/dev/full answers every write with ENOSPC, like a full disk."""
     (tmp_path / "metrics.jsonl").symlink_to("/dev/full")
     (tmp_path / "events.jsonl").symlink_to("/dev/full")
-    run_log = RunLog(tmp_path / "metrics.jsonl", None, "console")
+    run_log = RunLog(tmp_path / "metrics.jsonl", None, "console", step_detail=RL.step_detail)
     with pytest.raises(RunFileError) as info:
         run_log.step({"step": 1}, "Step 1: ...")
     assert str(info.value) == f"cannot write {tmp_path / 'metrics.jsonl'}: no space left on device"

@@ -14,6 +14,7 @@ import pytest
 
 from engine.core.state import LoopState
 from engine.loop.results import StepResult, StepTimeline
+from engine.objectives.rl import RL
 from engine.observe.metrics import RunLog
 from engine.rundir.checkpoint_log import CheckpointRecord
 from engine.rundir.events import EventLog
@@ -45,7 +46,7 @@ def steps_in(path: Path) -> list[int]:
 
 @pytest.fixture
 def logs(tmp_path: Path) -> Iterator[tuple[RunLog, EventLog]]:
-    log = RunLog(tmp_path / "metrics.jsonl", None, "console")
+    log = RunLog(tmp_path / "metrics.jsonl", None, "console", step_detail=RL.step_detail)
     events = EventLog(tmp_path)
     yield log, events
     log.close()
@@ -103,7 +104,7 @@ def test_a_rewind_goes_back_only(tmp_path: Path, logs: tuple[RunLog, EventLog]) 
 def test_a_resumed_record_starts_at_its_checkpoint_with_the_earlier_steps(
     tmp_path: Path,
 ) -> None:
-    log = RunLog(tmp_path / "metrics.jsonl", None, "console")
+    log = RunLog(tmp_path / "metrics.jsonl", None, "console", step_detail=RL.step_detail)
     events = EventLog(tmp_path)
     first = RunRecord(tmp_path, log, events)
     checkpoint = CheckpointRecord(step=2, state_path="tinker://s/2", reason="periodic")
@@ -115,7 +116,7 @@ def test_a_resumed_record_starts_at_its_checkpoint_with_the_earlier_steps(
     log.close()
     events.close()
 
-    log = RunLog(tmp_path / "metrics.jsonl", None, "console")
+    log = RunLog(tmp_path / "metrics.jsonl", None, "console", step_detail=RL.step_detail)
     events = EventLog(tmp_path)
     resumed = RunRecord(tmp_path, log, events, resumed=first.latest_checkpoint())
     assert resumed.through == 2 and [m["step"] for m in resumed.steps] == [1, 2]

@@ -6,6 +6,7 @@ session (tests/fake_session.py); the real run is in tests/test_engine_sft.py."""
 from __future__ import annotations
 
 import dataclasses
+import io
 import json
 import re
 from collections.abc import Mapping, Sequence
@@ -84,9 +85,11 @@ def sft_config(run_dir: Path, data: Path, **changes: Any) -> EngineConfig:
     )
 
 
-async def run(cfg: EngineConfig, session: FakeSession) -> list[StepResult]:
+async def run(
+    cfg: EngineConfig, session: FakeSession, console: io.StringIO | None = None
+) -> list[StepResult]:
     steps: list[StepResult] = []
-    async with Engine(cfg, session=session, on_step=steps.append) as engine:
+    async with Engine(cfg, session=session, on_step=steps.append, console=console) as engine:
         await engine.run()
     return steps
 
@@ -202,9 +205,12 @@ async def test_sft_trains_each_step_once_with_cross_entropy_and_no_sampling(
 ) -> None:
     session = ChatSession()
     cfg = sft_config(tmp_path / "run", conversations(tmp_path / "c.jsonl", 20))
-    steps = await run(cfg, session)
+    console = io.StringIO()
+    steps = await run(cfg, session, console)
     assert [s.step for s in steps] == [1, 2, 3, 4]
     assert {loss.name for loss in session.losses} == {"cross_entropy"}
+    # Each step's second console line is the objective's (sft's: groups, summed loss).
+    assert console.getvalue().count("\n  groups=2/2 loss:sum=") == 4
     assert [e for e in session.log if e[0] in ("sample", "snapshot")] == []
     ids = [g.problem.id for s in steps for g in s.groups]
     assert ids == list(range(8))  # batch 2: every conversation drawn once, in order

@@ -177,7 +177,7 @@ def test_the_second_stage_takes_its_own_settings_and_shares_the_rest(tmp_path: P
     ("argv", "message"),
     [
         (["--objective", "sft", "--then", "sft"], "--then sft: a second stage is rl or distill"),
-        (["--then", "rl"], "--then rl follows a supervised fine-tuning run"),
+        (["--then", "rl"], "--then rl follows a first stage (an --objective sft run), not"),
         (["--then-steps", "3"], "--then-steps set a second stage's settings: add --then rl"),
         (
             ["--objective", "sft", "--then", "distill"],

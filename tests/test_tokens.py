@@ -21,6 +21,7 @@ from test_sft import ChatSession, conversations, sft_config
 from engine.core.datums import Datum
 from engine.core.problems import Problem, RewardBreakdown
 from engine.loop.results import StepResult
+from engine.objectives.rl import RL
 from engine.observe.metrics import detail_line
 from engine.session.api import (
     CustomLoss,
@@ -131,7 +132,7 @@ async def test_each_step_logs_the_tokens_its_calls_billed_and_the_run_total(
     assert "estimated cost" not in summary
     record = json.loads((tmp_path / "run" / "summary.json").read_text())
     assert record["tokens"] == {"prefill": 16, "sampled": 48, "trained": 64, "cost_usd": None}
-    assert detail_line(last).endswith("| 32 tok (run 128)")
+    assert detail_line(last, RL.step_detail(last)).endswith("| 32 tok (run 128)")
 
 
 async def test_a_price_adds_the_estimated_cost_of_each_step_and_of_the_run(
@@ -144,7 +145,8 @@ async def test_a_price_adds_the_estimated_cost_of_each_step_and_of_the_run(
     assert steps[-1].metrics["cost/cumulative_usd"] == pytest.approx(4 * step_cost)
     summary = (tmp_path / "run" / "summary.md").read_text()
     assert "estimated cost $0.000296 ($0.5/$2/$3 per million prefill/sampled/trained)" in summary
-    assert detail_line(steps[-1].metrics).endswith("$7.4e-05 (run $0.000296)")
+    last = steps[-1].metrics
+    assert detail_line(last, RL.step_detail(last)).endswith("$7.4e-05 (run $0.000296)")
 
     only_train = fake_config(tmp_path / "train", price_train=3.0)  # the others add nothing
     steps = await run(only_train, ToyTask(), CountingSession())

@@ -15,6 +15,7 @@ import pytest
 from engine.config import EngineConfig, config_from_sources, stored_settings
 from engine.errors import ConfigError
 from engine.local import LocalServer
+from engine.objectives.rl import RL
 from engine.observe.metrics import RunLog
 from engine.observe.run_report import REPORT_PNG
 from engine.observe.trackers import TensorBoardSink, WandbSink, scalar_metrics
@@ -149,7 +150,9 @@ class _BrokenSink:
 def test_a_failing_tracker_is_dropped_with_one_warning(tmp_path: Path) -> None:
     console = io.StringIO()
     broken = _BrokenSink()
-    log = RunLog(tmp_path / "metrics.jsonl", console, "json", [("wandb", broken)])
+    log = RunLog(
+        tmp_path / "metrics.jsonl", console, "json", [("wandb", broken)], step_detail=RL.step_detail
+    )
     for step in (1, 2):
         log.step({"step": step, "avg_reward": 0.5}, line=f"Step {step}")
     log.close()

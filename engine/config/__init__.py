@@ -1,7 +1,7 @@
 """Every setting of a run, declared once as nested pydantic models
 (:mod:`engine.config.models`), and everything generated from them: flags, environment
 variables, TOML files, resume rules (:mod:`engine.config.sources`,
-:mod:`engine.config.records`), the server's recommended defaults
+:mod:`engine.config.given`, :mod:`engine.config.records`), the server's recommended defaults
 (:mod:`engine.config.profile`) and what a run needs installed
 (:mod:`engine.config.installed`)."""
 

@@ -5,14 +5,17 @@ trained and sampled (:mod:`~engine.config.model_settings`), how it is trained
 (:mod:`~engine.config.service_settings`) and the second stage
 (:mod:`~engine.config.then_settings`). Each field declares its default, type,
 description and (in its :class:`~engine.common.setting.Setting` marker) its flag,
-environment variables, checks and resume rule. :mod:`engine.config.models` assembles
-them into :class:`~engine.config.models.EngineConfig`."""
+environment variables, checks and resume rule (:func:`all_settings` lists them).
+:mod:`engine.config.models` assembles them into
+:class:`~engine.config.models.EngineConfig`."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from typing import Final
 
+from engine.common.setting import SettingField, setting_fields
 from engine.config.loop_settings import (
     CheckpointSettings,
     EnvironmentSettings,
@@ -43,6 +46,8 @@ __all__ = [
     "TaskSettingsGroup",
     "ThenSettings",
     "TrainingSettings",
+    "all_settings",
+    "setting_at",
 ]
 
 GROUPS: Final[Mapping[str, type[SettingsGroup]]] = {
@@ -62,3 +67,14 @@ GROUPS: Final[Mapping[str, type[SettingsGroup]]] = {
     "then": ThenSettings,
 }
 """The groups of :class:`EngineConfig`, in the order ``--help`` shows them."""
+
+
+@functools.cache
+def all_settings() -> tuple[SettingField, ...]:
+    """Every setting of :class:`~engine.config.models.EngineConfig`, group by group."""
+    return tuple(f for name, model in GROUPS.items() for f in setting_fields(model, name))
+
+
+def setting_at(path: str) -> SettingField | None:
+    """The setting at ``group.name`` (None: no such setting)."""
+    return next((f for f in all_settings() if f.path == path), None)

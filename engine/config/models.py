@@ -3,9 +3,10 @@
 
 Each field declares its default, type, description and (in its
 :class:`~engine.common.setting.Setting` marker) its flag, environment variables, checks
-and resume rule; :mod:`engine.config.sources` generates the CLI, the environment
-variables and the TOML format from these fields, ``scripts/gen_config_table.py`` the
-docs table. Constructing a config validates it (ConfigError, one line).
+and resume rule; :mod:`engine.config.sources` generates the CLI and the TOML format
+from these fields, :mod:`engine.config.given` reads the flags and environment variables
+by them, ``scripts/gen_config_table.py`` writes the docs table. Constructing a config
+validates it (ConfigError, one line).
 
 ``EngineConfig(batch=8, steps=3)`` takes the flat names too: a flat keyword goes into
 the group that declares it (one rule, :func:`route_flat`).
@@ -13,7 +14,7 @@ the group that declares it (one rule, :func:`route_flat`).
 
 from __future__ import annotations
 
-import functools
+import os
 from collections.abc import Mapping, Sequence
 from typing import Any, Final, get_args
 
@@ -31,6 +32,7 @@ from engine.common.setting import (
     did_you_mean,
     setting_fields,
 )
+from engine.config.given import given_settings
 from engine.config.registry import settings_spec, task_settings_models
 from engine.config.values import (
     HOSTED_BASE_URL,
@@ -91,19 +93,9 @@ from engine.config.groups import (
     TaskSettingsGroup,
     ThenSettings,
     TrainingSettings,
+    all_settings,
+    setting_at,
 )
-
-
-@functools.cache
-def all_settings() -> tuple[SettingField, ...]:
-    """Every setting of :class:`EngineConfig`, group by group."""
-    return tuple(f for name, model in GROUPS.items() for f in setting_fields(model, name))
-
-
-def setting_at(path: str) -> SettingField | None:
-    """The setting at ``group.name`` (None: no such setting)."""
-    return next((f for f in all_settings() if f.path == path), None)
-
 
 _FLAT: Final[Mapping[str, SettingField]] = {f.flat: f for f in all_settings()}
 
@@ -320,12 +312,8 @@ class EngineConfig(BaseModel):
         with ``settings`` (flat names or groups) on top. As in the CLI, no API key and no
         base URL means the local server. The plain constructor never reads the
         environment."""
-        import os
-
-        from engine.config.sources import config_from_sources
-
         env = dict(os.environ if environ is None else environ)
-        base = config_from_sources({}, env)
+        base = cls(**given_settings({}, env))
         connect = settings.get("api_key") or settings.get("base_url") is not None
         local = settings.get("local", base.session.local and not connect)
         return base.replace(**{**settings, "local": local})

@@ -19,7 +19,7 @@ from typing import Any, Final
 
 from engine.common.protocol import RECOMMENDED_FIELD
 from engine.common.setting import parse_text
-from engine.config.models import all_settings
+from engine.config.groups import all_settings
 from engine.errors import ConfigError
 
 __all__ = ["HOSTED_PROFILE", "HOSTED_TEMPERATURE", "Profile", "server_profile", "toml_text"]

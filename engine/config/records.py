@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any, Final
 
 from engine.common.setting import Resume, setting_fields
-from engine.config.models import GROUPS, all_settings, setting_at
+from engine.config.groups import GROUPS, all_settings, setting_at
 from engine.config.registry import task_settings_models
 
 __all__ = ["CONFIG_FILE", "flat_settings", "nest_record", "resume_rule"]

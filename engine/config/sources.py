@@ -12,22 +12,29 @@ from __future__ import annotations
 
 import argparse
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Final, get_origin
 
 from engine.common.setting import (
     SettingField,
-    TaskSettings,
     did_you_mean,
     parse_text,
     setting_fields,
 )
-from engine.config.models import GROUPS, EngineConfig, all_settings
+from engine.config.given import (
+    Values,
+    env_text,
+    given_settings,
+    is_mapping,
+    parse_task_args,
+    task_own_settings,
+)
+from engine.config.groups import GROUPS, all_settings
+from engine.config.models import EngineConfig
 from engine.config.profile import HOSTED_PROFILE, toml_text
 from engine.config.records import nest_record
 from engine.config.registry import task_settings_models
-from engine.config.values import HOSTED_BASE_URL
 from engine.errors import ConfigError
 
 __all__ = [
@@ -43,18 +50,6 @@ __all__ = [
     "task_own_settings",
     "with_stored_settings",
 ]
-
-Values = dict[str, dict[str, Any]]
-"""Settings by group: ``{"pipeline": {"batch": 8}}``."""
-
-
-def task_own_settings() -> tuple[tuple[type[TaskSettings], SettingField], ...]:
-    """The settings the built-in tasks declare (flags such as ``--op``)."""
-    return tuple((model, f) for model in task_settings_models() for f in setting_fields(model))
-
-
-def _is_mapping(field: SettingField) -> bool:
-    return get_origin(field.value_type) is dict
 
 
 def default_text(field: SettingField, task: str | None = None) -> str:
@@ -81,16 +76,18 @@ def help_text(field: SettingField, task: str | None = None) -> str:
     return f"{field.description} ({env}default: {default_text(field, task)})"
 
 
-def env_text(field: SettingField, environ: Mapping[str, str]) -> tuple[str, str] | None:
-    """(variable, text) of the first of ``field``'s environment variables that is set
-    (the ``mint`` SDK's own hosted ``TINKER_BASE_URL`` does not count)."""
-    for name in field.env:
-        text = environ.get(name)
-        if name == "TINKER_BASE_URL" and _is_hosted_default(text):
-            continue  # importing ``mint`` sets it; it is the default, not a choice
-        if text is not None and text.strip():
-            return name, text
-    return None
+def config_from_sources(
+    flags: Mapping[str, Any],
+    environ: Mapping[str, str],
+    *,
+    defaults: Mapping[str, Any] | None = None,
+) -> EngineConfig:
+    """The config from flags (by flat name: text, a switch's bool, ``--task-arg``
+    items; None = not given), the environment and ``defaults`` (groups, e.g.
+    :func:`stored_settings` of a run being resumed overlaid by
+    :func:`read_config_file`), read as :func:`~engine.config.given.given_settings`
+    reads them."""
+    return EngineConfig(**given_settings(flags, environ, defaults=defaults))
 
 
 def add_setting_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,7 +111,7 @@ def _add_flag(group: argparse._ArgumentGroup, field: SettingField, text: str) ->
     if field.is_switch:
         action = "store_false" if field.default else "store_true"
         group.add_argument(field.flag, dest=field.flat, action=action, default=None, help=text)
-    elif _is_mapping(field):
+    elif is_mapping(field):
         group.add_argument(
             field.flag, dest=field.flat, action="append", metavar=field.metavar, help=text
         )
@@ -126,71 +123,6 @@ def _add_flag(group: argparse._ArgumentGroup, field: SettingField, text: str) ->
 
 def _first_line(doc: str | None) -> str:
     return doc.strip().splitlines()[0] if doc else ""
-
-
-def parse_task_args(items: Sequence[str], source: str = "--task-arg") -> dict[str, str]:
-    """``KEY=VALUE`` strings as a dict (a later key wins); ConfigError on a bad item."""
-    out: dict[str, str] = {}
-    for item in items:
-        key, sep, value = item.partition("=")
-        if not sep or not key.strip():
-            raise ConfigError(f"{source} must be KEY=VALUE, got {item!r}")
-        out[key.strip()] = value
-    return out
-
-
-def _given(field: SettingField, value: Any, source: str) -> Any:
-    """A flag's value (text, a switch's bool, ``--task-arg`` items) as the setting's."""
-    if _is_mapping(field):
-        if isinstance(value, Mapping):
-            return {str(k): str(v) for k, v in value.items()}
-        return parse_task_args(value, source)
-    if isinstance(value, str) and not field.is_switch:
-        return parse_text(field, value, source)
-    return value
-
-
-def config_from_sources(
-    flags: Mapping[str, Any],
-    environ: Mapping[str, str],
-    *,
-    defaults: Mapping[str, Any] | None = None,
-) -> EngineConfig:
-    """The config from flags (by flat name: text, a switch's bool, ``--task-arg``
-    items; None = not given), the environment and ``defaults`` (groups, e.g.
-    :func:`stored_settings` of a run being resumed overlaid by
-    :func:`read_config_file`). ``--task-arg`` values extend the defaults' task
-    arguments key by key, and win over a task's own flags (``--op``). No API key and no
-    base URL (or a ``--local-model``) means the local server."""
-    values: Values = {g: dict(v) for g, v in nest_record(defaults or {}).items() if g in GROUPS}
-    for field in all_settings():
-        assert field.group is not None
-        given = flags.get(field.flat)
-        if given is not None:
-            value = _given(field, given, field.flag)
-            if _is_mapping(field):
-                value = {**values.get(field.group, {}).get(field.name, {}), **value}
-            values.setdefault(field.group, {})[field.name] = value
-            continue
-        found = env_text(field, environ)
-        if found is not None:
-            name, text = found
-            value = parse_text(field, text, name)
-            if _is_mapping(field):
-                value = {**values.get(field.group, {}).get(field.name, {}), **value}
-            values.setdefault(field.group, {})[field.name] = value
-    own: dict[str, Any] = {}
-    for _, field in task_own_settings():
-        flag = flags.get(field.flat)
-        if flag is not None:
-            own[field.flat] = parse_text(field, str(flag), field.flag)
-        elif (found := env_text(field, environ)) is not None:
-            own[field.flat] = parse_text(field, found[1], found[0])
-    session = values.setdefault("session", {})
-    connect = session.get("api_key") or session.get("base_url") is not None
-    if session.get("local_model") is not None or not connect:
-        session["local"] = True
-    return EngineConfig(**values, **own)
 
 
 def with_stored_settings(
@@ -242,7 +174,7 @@ def stored_settings(stored: Mapping[str, Any], source: str) -> Values:
 
 
 def _stored_value(field: SettingField, value: Any, source: str) -> Any:
-    if _is_mapping(field):
+    if is_mapping(field):
         if not isinstance(value, Mapping):
             raise ConfigError(f"{source} must be a table of KEY = VALUE")
         return {str(k): toml_text(v) for k, v in value.items()}
@@ -316,10 +248,6 @@ def _put(out: Values, field: SettingField, value: Any, where: str) -> None:
         raise ConfigError(f"{where}: keep API keys out of files (use MINT_API_KEY)")
     parsed = _stored_value(field, str(value) if isinstance(value, Path) else value, where)
     group = out.setdefault(field.group, {})
-    if _is_mapping(field):
+    if is_mapping(field):
         parsed = {**group.get(field.name, {}), **parsed}
     group[field.name] = parsed
-
-
-def _is_hosted_default(url: str | None) -> bool:
-    return url is not None and url.strip().rstrip("/") == HOSTED_BASE_URL.rstrip("/")

@@ -13,10 +13,11 @@ and never test its name.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from engine.config import EngineConfig
 from engine.core.problems import Task
@@ -28,12 +29,48 @@ from engine.session.capabilities import Need
 from engine.tasks.dataset import DataFormat
 from engine.tasks.render import PromptRenderer
 
-__all__ = ["Objective", "ObjectiveRun", "RunContext", "figure", "no_teacher"]
+__all__ = [
+    "Headline",
+    "Objective",
+    "ObjectiveRun",
+    "RunContext",
+    "StageRole",
+    "figure",
+    "no_teacher",
+    "shown",
+]
+
+StageRole = Literal["first", "second"] | None
+"""An objective's part in a two-stage command (``--then``, :mod:`engine.stages`):
+``"first"``, a second stage may follow it; ``"second"``, it may be one, trained from the
+first stage's final weights; None, it runs alone."""
 
 
 def figure(value: float | None) -> str:
     """A figure of a run's summary: three decimals, or n/a."""
     return "n/a" if value is None else f"{value:.3f}"
+
+
+@dataclass(frozen=True)
+class Headline:
+    """A figure a person looks at first in a run's summary and report, as first -> last
+    (:mod:`engine.observe.headline`)."""
+
+    metric: str
+    """A ``metrics.jsonl`` field, or an ``eval/*`` one of ``eval.jsonl``."""
+    label: str
+    percent: bool = False
+
+    @property
+    def held_out(self) -> bool:
+        return self.metric.startswith("eval/")
+
+
+def shown(value: Any, spec: str) -> str:
+    """A value of a step's console line in ``spec``, or n/a (None or NaN)."""
+    if value is None or (isinstance(value, float) and math.isnan(value)):
+        return "n/a"
+    return format(value, spec)
 
 
 async def no_teacher() -> Teacher:
@@ -82,14 +119,24 @@ class Objective(Protocol):
     sample the policy (a run's loss, K, batch and group describe it);
     ``logs_conversations``: rollouts.jsonl keeps the prompts of conversations as they
     are; ``held_out``: how its held-out evaluation is made, and of what (its summary's
-    line). Its steps' metrics and their report panels are its recipe's
-    (:mod:`engine.loop.step_metrics`; the report draws the panels of the metrics a run
-    has, :mod:`engine.observe.report_panels`)."""
+    line); ``held_out_values``: the values of eval.jsonl its summary shows besides the
+    rates; ``stage``: its part in a two-stage command (:data:`StageRole`);
+    ``takes_teacher``: it trains from ``--teacher`` (``--then-teacher`` as a second
+    stage); ``progress``: the step metric the progress bar shows beside the step
+    count, and its label (None: none); ``headlines``: the figures its summary and report
+    lead with (a reward's is the summary's own line). Its steps' metrics are its
+    recipe's (:mod:`engine.loop.step_metrics`); the report draws the panels of the
+    metrics a run has (:mod:`engine.observe.report_panels`)."""
 
     name: str
     samples: bool
     logs_conversations: bool
     held_out: tuple[str, str]
+    held_out_values: tuple[str, ...]
+    stage: StageRole
+    takes_teacher: bool
+    progress: tuple[str, str] | None
+    headlines: tuple[Headline, ...]
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         """The task a data file (``--task jsonl:PATH`` or ``parquet:PATH``) becomes."""
@@ -125,4 +172,16 @@ class Objective(Protocol):
 
     def summary_table(self, metrics: Sequence[Mapping[str, Any]]) -> list[str]:
         """summary.md's table of the steps ``metrics`` (metrics.jsonl's events)."""
+        ...
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        """Its part of a step's second console line, from the step's ``metrics`` (the
+        tokens billed and the server's queue follow it:
+        :func:`engine.observe.metrics.detail_line`)."""
+        ...
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        """summary.json's figures of its own metrics over the steps ``metrics``, None
+        where they have none: the summary of every run holds every registered
+        objective's keys (:func:`engine.objectives.registry.summary_figures`)."""
         ...

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.objectives.base import RunContext
+from engine.objectives.base import Headline, RunContext
 from engine.objectives.rl import RlObjective, RlRun
 from engine.session.capabilities import Need, prompt_logprobs_need
 
@@ -16,6 +16,8 @@ __all__ = ["DISTILL", "DistillObjective"]
 
 class DistillObjective(RlObjective):
     name = "distill"
+    takes_teacher = True
+    headlines = (Headline("distill/reverse_kl", "reverse KL to the teacher per sampled token"),)
 
     def check_config(self, config: EngineConfig, chosen: bool) -> None:
         """Its teacher; RL's checks are the rl objective's own (``--group``, for one)."""

@@ -9,7 +9,7 @@ held-out pairs (:mod:`engine.loop.dpo_eval`).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, Final
 
 import numpy as np
 
@@ -28,7 +28,7 @@ from engine.loop.messages import steps_done
 from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.reference import Reference
 from engine.loop.step_metrics import preference_line, preference_step_metrics
-from engine.objectives.base import RunContext, figure
+from engine.objectives.base import Headline, RunContext, StageRole, figure, shown
 from engine.objectives.sft import CROSS_ENTROPY, ReadySteps
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, custom_loss_need, loss_need
@@ -36,7 +36,7 @@ from engine.session.usage import spending_for
 from engine.tasks.dataset import DataFormat
 from engine.tasks.pairs import PairTask
 
-__all__ = ["DPO", "DpoObjective", "DpoRun", "DpoSteps"]
+__all__ = ["DPO", "HELD_OUT_ACCURACY", "DpoObjective", "DpoRun", "DpoSteps"]
 
 
 class DpoSteps(ReadySteps):
@@ -112,11 +112,24 @@ class DpoRun:
         return DpoSteps(self._context.config, self._plan, self._reference)
 
 
+HELD_OUT_ACCURACY: Final = "eval/dpo/accuracy"
+"""How often the held-out pairs' chosen response has the higher implicit reward."""
+
+
 class DpoObjective:
     name = "dpo"
     samples = False
     logs_conversations = False
     held_out = ("scored", "pairs")
+    held_out_values: tuple[str, ...] = (HELD_OUT_ACCURACY, "eval/dpo/prefers_chosen")
+    stage: StageRole = None
+    takes_teacher = False
+    progress: tuple[str, str] | None = None  # its console line has its values
+    headlines: tuple[Headline, ...] = (
+        Headline(HELD_OUT_ACCURACY, "held-out preference accuracy", percent=True),
+        Headline("dpo/accuracy", "preference accuracy", percent=True),
+        Headline("dpo/margin", "reward margin, chosen - rejected"),
+    )
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return PairTask.from_args(path, args, data_format)
@@ -154,6 +167,23 @@ class DpoObjective:
                 for m in metrics
             ),
         ]
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        """The implicit rewards of its pairs, its tokens, train time and idleness."""
+        m = metrics
+        return (
+            f"  chosen_reward={shown(m.get('dpo/chosen_reward'), '+.4f')} "
+            f"rejected_reward={shown(m.get('dpo/rejected_reward'), '+.4f')} "
+            f"tokens={m['dpo/tokens']} | train {m['time/train']:.2f}s "
+            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%}"
+        )
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        return {
+            f"{which}_dpo": {k: step.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")}
+            for which, step in (("first", first), ("last", last))
+        }
 
 
 DPO = DpoObjective()

@@ -6,15 +6,25 @@ what an objective needs of the other settings is checked here, before a run
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
+from typing import Any
+
 from engine.config import EngineConfig
 from engine.errors import ConfigError
-from engine.objectives.base import Objective
+from engine.objectives.base import Headline, Objective, StageRole
 from engine.objectives.distill import DISTILL
 from engine.objectives.dpo import DPO
 from engine.objectives.rl import RL
 from engine.objectives.sft import SFT
 
-__all__ = ["OBJECTIVES", "checked_objective", "objective_named"]
+__all__ = [
+    "OBJECTIVES",
+    "checked_objective",
+    "headlines",
+    "objective_named",
+    "staged",
+    "summary_figures",
+]
 
 OBJECTIVES: dict[str, Objective] = {
     objective.name: objective
@@ -63,3 +73,25 @@ def checked_objective(config: EngineConfig) -> Objective:
     for objective in OBJECTIVES.values():
         objective.check_config(config, chosen=objective is chosen)
     return chosen
+
+
+def staged(stage: StageRole) -> list[str]:
+    """The names of the objectives that take ``stage`` in a two-stage command, in
+    registry order (``"second"``: what ``--then`` may name)."""
+    return [name for name, objective in OBJECTIVES.items() if objective.stage == stage]
+
+
+def summary_figures(metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """summary.json's figures of every registered objective over the steps
+    ``metrics`` (None where the run has none): its keys are the same whatever the run
+    trained for."""
+    figures: dict[str, Any] = {}
+    for objective in OBJECTIVES.values():
+        figures.update(objective.summary_figures(metrics))
+    return figures
+
+
+def headlines() -> tuple[Headline, ...]:
+    """Every registered objective's headlines, in registry order: a summary or report
+    leads with those its runs logged, whatever they trained for."""
+    return tuple(h for objective in OBJECTIVES.values() for h in objective.headlines)

@@ -24,7 +24,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.rollout_stage import RolloutStage
 from engine.loop.step_metrics import quickstart_line, step_metrics
 from engine.loop.teacher import Teacher
-from engine.objectives.base import RunContext
+from engine.objectives.base import Headline, RunContext, StageRole, shown
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
@@ -151,6 +151,11 @@ class RlObjective:
     samples = True
     logs_conversations = False
     held_out = ("greedy", "problems")
+    held_out_values: tuple[str, ...] = ()  # the rates alone
+    stage: StageRole = "second"
+    takes_teacher = False
+    progress: tuple[str, str] | None = ("avg_reward", "reward")
+    headlines: tuple[Headline, ...] = ()  # the summary's reward line is every run's
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return DatasetTask.from_args(path, args, data_format)
@@ -217,6 +222,30 @@ class RlObjective:
                 f"{m['time/step']:.2f} |"
             )
         return lines
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        """Sampler versions, staleness, groups trained of sampled (and the reserves
+        dynamic sampling added), KL, loss, time split, idleness, throughput."""
+        m = metrics
+        extra = m.get("refill/extra_groups", 0)
+        refilled = f" (+{extra} refill)" if extra else ""
+        return (
+            f"  versions={m['sampling_client/step_min']}..{m['sampling_client/step_max']} "
+            f"staleness={m['off_policy/staleness']} "
+            f"groups={m['groups/used']}/{m['groups/total']}{refilled} "
+            f"kl_v1={shown(m['optim/kl_sample_train_v1'], '+.4f')} "
+            f"kl_v2={shown(m['optim/kl_sample_train_v2'], '.4f')} "
+            f"loss={shown(m['optim/loss'], '.4g')} | "
+            f"sample {m['time/sample']:.2f}s score {m['time/score']:.2f}s "
+            f"train {m['time/train']:.2f}s wait {m['time/wait']:.2f}s | "
+            f"trainer idle {m['trainer/idle_ratio']:.0%} "
+            f"sampler idle {m['sampler/idle_ratio']:.0%} "
+            f"| {m['throughput/samples_per_s']:.1f} samples/s "
+            f"{m['throughput/tokens_per_s']:.0f} tok/s"
+        )
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        return {}  # its rewards and staleness are every run's
 
 
 RL = RlObjective()

@@ -25,7 +25,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan, SftStage, check_conversation_task
 from engine.loop.step_metrics import supervised_line, supervised_step_metrics
-from engine.objectives.base import RunContext, figure
+from engine.objectives.base import Headline, RunContext, StageRole, figure, shown
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.conversations import ConversationTask
@@ -123,6 +123,14 @@ class SftObjective:
     samples = False
     logs_conversations = True
     held_out = ("greedy", "problems")
+    held_out_values: tuple[str, ...] = ("eval/sft/loss",)
+    stage: StageRole = "first"
+    takes_teacher = False
+    progress: tuple[str, str] | None = ("sft/loss", "loss")
+    headlines: tuple[Headline, ...] = (
+        Headline("eval/sft/loss", "held-out loss per assistant token"),
+        Headline("sft/loss", "training loss per assistant token"),
+    )
 
     def data_task(self, path: str, args: Mapping[str, str], data_format: DataFormat) -> Task:
         return ConversationTask.from_args(path, args, data_format)
@@ -160,6 +168,20 @@ class SftObjective:
                 for m in metrics
             ),
         ]
+
+    def step_detail(self, metrics: Mapping[str, Any]) -> str:
+        """Its groups, summed loss, train time, idleness and throughput."""
+        m = metrics
+        return (
+            f"  groups={m['groups/used']}/{m['groups/total']} "
+            f"loss:sum={shown(m['optim/loss'], '.4g')} | train {m['time/train']:.2f}s "
+            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
+            f"| {m['throughput/tokens_per_s']:.0f} tok/s"
+        )
+
+    def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+        first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
+        return {"first_sft_loss": first.get("sft/loss"), "last_sft_loss": last.get("sft/loss")}
 
 
 SFT = SftObjective()

@@ -1,10 +1,11 @@
 """Each objective's headline: the figures a person looks at first, as first -> last.
 
-Supervised fine-tuning's is its held-out loss (then the training loss), distillation's
-the reverse KL to the teacher, preference pairs' the held-out preference accuracy (then
-the training accuracy and margin); a reward's (``avg_reward``) is the summary's own
-line. A headline is given for each of these metrics the run logged, whatever its
-objective: ``summary.md`` (:mod:`engine.rundir.directory`) and the report's page
+Each objective names its own (:attr:`engine.objectives.Objective.headlines`: supervised
+fine-tuning's held-out loss, then the training loss; distillation's reverse KL to the
+teacher; preference pairs' held-out preference accuracy, then the training accuracy and
+margin); a reward's (``avg_reward``) is the summary's own line. A headline is given for
+each registered objective's metric the run logged, whatever its objective:
+``summary.md`` (:mod:`engine.rundir.directory`) and the report's page
 (:mod:`engine.observe.run_report`) lead with them.
 """
 
@@ -15,31 +16,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from engine.observe.report_panels import DPO_HELD_OUT
+from engine.objectives import Headline, headlines
 
-__all__ = ["HEADLINES", "Headline", "HeadlineFigure", "headline_figures"]
-
-
-@dataclass(frozen=True)
-class Headline:
-    metric: str
-    """A ``metrics.jsonl`` field, or an ``eval/*`` one of ``eval.jsonl``."""
-    label: str
-    percent: bool = False
-
-    @property
-    def held_out(self) -> bool:
-        return self.metric.startswith("eval/")
-
-
-HEADLINES = (
-    Headline("eval/sft/loss", "held-out loss per assistant token"),
-    Headline("sft/loss", "training loss per assistant token"),
-    Headline("distill/reverse_kl", "reverse KL to the teacher per sampled token"),
-    Headline(DPO_HELD_OUT, "held-out preference accuracy", percent=True),
-    Headline("dpo/accuracy", "preference accuracy", percent=True),
-    Headline("dpo/margin", "reward margin, chosen - rejected"),
-)
+__all__ = ["HeadlineFigure", "headline_figures"]
 
 
 @dataclass(frozen=True)
@@ -79,9 +58,9 @@ def headline_figures(
     steps: Sequence[Mapping[str, Any]], evals: Sequence[Mapping[str, Any]]
 ) -> list[HeadlineFigure]:
     """The headlines of a run's steps (``metrics.jsonl``) and evaluations
-    (``eval.jsonl``) that it logged at least once, in :data:`HEADLINES` order."""
+    (``eval.jsonl``) that it logged at least once, in the registry's order."""
     figures = []
-    for headline in HEADLINES:
+    for headline in headlines():
         records = evals if headline.held_out else steps
         logged = [
             (int(r["step"]), float(v))

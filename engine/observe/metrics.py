@@ -15,6 +15,7 @@ the experiment trackers of ``--log-to`` (:mod:`engine.observe.trackers`).
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import math
 from collections.abc import Callable, Mapping, MutableMapping, Sequence
@@ -29,25 +30,22 @@ from engine.observe.tokens import tokens_text
 from engine.observe.trackers import MetricSink
 from engine.redact import redact_processor
 
-__all__ = ["RunLog", "detail_line"]
+__all__ = ["RunLog", "StepDetail", "detail_line"]
+
+StepDetail = Callable[[Mapping[str, Any]], str]
+"""A step's metrics -> its objective's part of the step's second console line."""
 
 
-def _fmt(value: Any, spec: str) -> str:
-    if value is None or (isinstance(value, float) and math.isnan(value)):
-        return "n/a"
-    return format(value, spec)
-
-
-def detail_line(m: Mapping[str, Any]) -> str:
-    """The readable second line of a step: staleness, groups trained of sampled (and the
-    reserves dynamic sampling added), KL, loss, time split, idleness (a supervised
-    step's: its groups, summed loss, train time and idleness), then the tokens billed
-    (and their estimated cost), and the server's sampling queue when it made the step's
+def detail_line(m: Mapping[str, Any], own: str) -> str:
+    """The readable second line of a step: the objective's ``own`` part (RL's
+    staleness, groups, KL, loss, time split and idleness: its
+    :meth:`~engine.objectives.base.Objective.step_detail`), then the tokens billed (and
+    their estimated cost), and the server's sampling queue when it made the step's
     samples wait."""
     tokens = tokens_text(m)
     queued = _queue_text(m)
     return (
-        _detail(m)
+        own
         + ("" if tokens is None else f" | {tokens}")
         + ("" if queued is None else f" | {queued}")
     )
@@ -64,37 +62,6 @@ def _queue_text(m: Mapping[str, Any]) -> str | None:
     if m.get("queue/eta_s_max") is not None:
         parts.append(f"eta<={m['queue/eta_s_max']:.1f}s")
     return " ".join(parts)
-
-
-def _detail(m: Mapping[str, Any]) -> str:
-    if "dpo/pairs" in m:
-        return (
-            f"  chosen_reward={_fmt(m.get('dpo/chosen_reward'), '+.4f')} "
-            f"rejected_reward={_fmt(m.get('dpo/rejected_reward'), '+.4f')} "
-            f"tokens={m['dpo/tokens']} | train {m['time/train']:.2f}s "
-            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%}"
-        )
-    if "sft/loss" in m:
-        return (
-            f"  groups={m['groups/used']}/{m['groups/total']} "
-            f"loss:sum={_fmt(m['optim/loss'], '.4g')} | train {m['time/train']:.2f}s "
-            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
-            f"| {m['throughput/tokens_per_s']:.0f} tok/s"
-        )
-    extra = m.get("refill/extra_groups", 0)
-    refilled = f" (+{extra} refill)" if extra else ""
-    return (
-        f"  versions={m['sampling_client/step_min']}..{m['sampling_client/step_max']} "
-        f"staleness={m['off_policy/staleness']} "
-        f"groups={m['groups/used']}/{m['groups/total']}{refilled} "
-        f"kl_v1={_fmt(m['optim/kl_sample_train_v1'], '+.4f')} "
-        f"kl_v2={_fmt(m['optim/kl_sample_train_v2'], '.4f')} "
-        f"loss={_fmt(m['optim/loss'], '.4g')} | "
-        f"sample {m['time/sample']:.2f}s score {m['time/score']:.2f}s "
-        f"train {m['time/train']:.2f}s wait {m['time/wait']:.2f}s | "
-        f"trainer idle {m['trainer/idle_ratio']:.0%} sampler idle {m['sampler/idle_ratio']:.0%} "
-        f"| {m['throughput/samples_per_s']:.1f} samples/s {m['throughput/tokens_per_s']:.0f} tok/s"
-    )
 
 
 class _LineLogger:
@@ -120,10 +87,12 @@ def _nan_to_none(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMap
     return event
 
 
-def _console_renderer(_: Any, method: str, event: MutableMapping[str, Any]) -> str:
+def _console_renderer(
+    step_detail: StepDetail, _: Any, method: str, event: MutableMapping[str, Any]
+) -> str:
     name = event.get("event")
     if name == "step":
-        return f"{event['line']}\n{detail_line(event)}"
+        return f"{event['line']}\n{detail_line(event, step_detail(event))}"
     if name == "saved":
         return f"\nSaved: {event['path']}"
     if method in ("warning", "error"):
@@ -142,6 +111,8 @@ class RunLog:
         console: TextIO | None,
         log_format: Literal["console", "json"],
         trackers: Sequence[tuple[str, MetricSink]] = (),
+        *,
+        step_detail: StepDetail,
     ) -> None:
         self._trackers = list(trackers)
         self._path = metrics_path
@@ -157,7 +128,8 @@ class RunLog:
         )
         self._console: Any = None
         if console is not None:
-            renderer = _json_renderer if log_format == "json" else _console_renderer
+            console_renderer = functools.partial(_console_renderer, step_detail)
+            renderer = _json_renderer if log_format == "json" else console_renderer
 
             def write_console(line: str) -> None:
                 console.write(line + "\n")

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import TYPE_CHECKING, Any
 
+from engine.objectives.dpo import HELD_OUT_ACCURACY
 from engine.observe.tokens import COST_CUMULATIVE, CUMULATIVE, KINDS
 
 if TYPE_CHECKING:
@@ -72,8 +73,6 @@ _FRACTIONS = (
     ("response_len/empty_frac", "empty responses"),
 )
 _SAME = 1e-9
-DPO_HELD_OUT = "eval/dpo/accuracy"
-"""The held-out preference accuracy (``--objective dpo``'s evaluations)."""
 
 
 @dataclass(frozen=True)
@@ -434,7 +433,7 @@ def _objective_panels(runs: Sequence[RunData]) -> list[Panel]:
             "dpo_accuracy",
             "preference accuracy, % of pairs (chosen > rejected)",
             _curves(runs, [("dpo/accuracy", "training")], percent=True, smoothed=True)
-            + _eval_curves(runs, [(DPO_HELD_OUT, "held out")], first_style=1, scale=100.0),
+            + _eval_curves(runs, [(HELD_OUT_ACCURACY, "held out")], first_style=1, scale=100.0),
             percent=True,
         ),
         Panel(

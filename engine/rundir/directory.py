@@ -46,7 +46,7 @@ from engine.errors import (
     RunStopped,
 )
 from engine.loop.evaluation import EVAL_FILE
-from engine.objectives import Objective, figure, objective_named
+from engine.objectives import Objective, figure, objective_named, summary_figures
 from engine.observe.headline import headline_figures
 from engine.observe.idle import no_training_summary
 from engine.observe.metrics import RunLog
@@ -265,6 +265,7 @@ class RunDirectory:
         metrics = record.steps if record is not None else ()
         first, last = (metrics[0], metrics[-1]) if metrics else ({}, {})
         evals = _eval_records(self.path / EVAL_FILE)
+        objective = objective_named(config.training.objective)
         summary: dict[str, Any] = {
             "status": _status(error, stopped=record is not None and record.stopped is not None),
             "error": str(error) if error else None,
@@ -276,23 +277,20 @@ class RunDirectory:
             "steps_completed": len(metrics),
             "resumed_from_step": self.resumed.step if self.resumed is not None else None,
             "max_steps_off_policy": config.pipeline.max_steps_off_policy,
-            "loss": objective_named(config.training.objective).loss_name(config),
+            "loss": objective.loss_name(config),
             "first_avg_reward": first.get("avg_reward"),
             "last_avg_reward": last.get("avg_reward"),
             "best_avg_reward": max(
                 (m["avg_reward"] for m in metrics if "avg_reward" in m), default=None
             ),
             "objective": config.training.objective,
-            "first_sft_loss": first.get("sft/loss"),
-            "last_sft_loss": last.get("sft/loss"),
-            "first_dpo": {k: first.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")},
-            "last_dpo": {k: last.get(f"dpo/{k}") for k in ("loss", "accuracy", "margin")},
+            **summary_figures(metrics),
             "max_staleness": max((m["off_policy/staleness"] for m in metrics), default=None),
             "retries": dict(retries),
             "seconds": round(time.perf_counter() - self._started_at, 3),
             "final_path": final_path,
             "no_training": no_training_summary(metrics),
-            "held_out": held_out_summary(evals),
+            "held_out": held_out_summary(evals, objective.held_out_values),
             "tokens": tokens_summary(last),
             "headlines": [f.to_dict() for f in headline_figures(metrics, evals)],
         }
@@ -400,10 +398,6 @@ def _status(error: BaseException | None, *, stopped: bool = False) -> str:
     return "stopped" if isinstance(error, RunStopped) else "failed"
 
 
-_HELD_OUT_VALUES = ("eval/sft/loss", "eval/dpo/accuracy", "eval/dpo/prefers_chosen")
-"""Held-out values a summary shows besides the rates."""
-
-
 def _eval_records(path: Path) -> list[dict[str, Any]]:
     """The held-out evaluations of ``eval.jsonl``, step 0 first (none without one)."""
     try:
@@ -412,9 +406,11 @@ def _eval_records(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def held_out_summary(evals: Sequence[Mapping[str, Any]]) -> dict[str, Any] | None:
+def held_out_summary(
+    evals: Sequence[Mapping[str, Any]], values: Sequence[str]
+) -> dict[str, Any] | None:
     """The first and last of the held-out evaluations ``evals`` (step, problems, mean
-    reward and component means), or None without one."""
+    reward, component means and the objective's own ``values``), or None without one."""
     if not evals:
         return None
 
@@ -422,7 +418,7 @@ def held_out_summary(evals: Sequence[Mapping[str, Any]]) -> dict[str, Any] | Non
         means = {
             k.removeprefix("eval/"): v
             for k, v in record.items()
-            if k.startswith("eval/") and (f"{k}/rate" in record or k in _HELD_OUT_VALUES)
+            if k.startswith("eval/") and (f"{k}/rate" in record or k in values)
         }
         reward = {"reward": record.get("eval/reward/total")}
         return {"step": record["step"], "problems": record.get("eval/problems"), **reward, **means}

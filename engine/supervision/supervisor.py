@@ -373,8 +373,9 @@ class Supervisor:
         initial = self._run_record.initial_checkpoint()
         if initial is None or initial.sampler_path is None:
             raise ConfigError(
-                f"--objective dpo: {self._run_record.path} has no step-0 checkpoint with "
-                "sampler weights, the reference this run's pairs are scored against"
+                f"--objective {self._config.training.objective}: {self._run_record.path} has "
+                "no step-0 checkpoint with sampler weights, the run's initial weights it "
+                "scores against"
             )
         return await self._session.open_sampler(0, initial.sampler_path)
 

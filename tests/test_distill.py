@@ -103,6 +103,10 @@ def test_distill_and_teacher_come_together() -> None:
         checked_objective(EngineConfig(objective="distill"))
     with pytest.raises(ConfigError, match="--teacher needs --objective distill"):
         checked_objective(EngineConfig(teacher="tinker://x/sampler_weights/y"))
+    with pytest.raises(ConfigError, match="--distill-coef is a setting of --objective distill"):
+        checked_objective(EngineConfig(distill_coef=2.0))
+    second = EngineConfig(objective="sft", then="distill", then_teacher="base", distill_coef=2.0)
+    assert checked_objective(second).name == "sft"
 
 
 def test_a_run_directory_teacher_is_its_latest_sampler_weights(tmp_path: Path) -> None:

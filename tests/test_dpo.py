@@ -169,6 +169,18 @@ def test_dpo_refuses_a_task_without_pairs_and_streamed_minibatches(tmp_path: Pat
         checked_objective(config(objective="dpo", stream_minibatches=1))
 
 
+def test_a_dpo_setting_is_refused_where_no_stage_trains_dpo() -> None:
+    with pytest.raises(
+        ConfigError, match="--dpo-beta is a setting of --objective dpo, and this run trains rl"
+    ):
+        checked_objective(EngineConfig(dpo_beta=0.5))
+    assert checked_objective(EngineConfig(objective="dpo", dpo_beta=0.5)).name == "dpo"
+    assert checked_objective(EngineConfig(objective="sft", then="dpo", dpo_beta=0.5)).name == "sft"
+    assert (
+        checked_objective(EngineConfig(dpo_beta=0.1)).name == "rl"
+    )  # its default: nothing ignored
+
+
 async def test_a_session_without_a_custom_loss_refuses_dpo_in_one_line(tmp_path: Path) -> None:
     session = PairSession(custom_loss_refusal="torch is not installed in this environment")
     cfg = dpo_config(tmp_path / "run", pairs(tmp_path / "p.jsonl", 8))

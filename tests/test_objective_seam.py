@@ -114,6 +114,7 @@ class EchoObjective:
     held_out_values: tuple[str, ...] = ()
     stage: StageRole = None  # it runs alone, never in a --then command
     takes_teacher = False
+    own_settings: str | None = None
     progress: tuple[str, str] | None = ("echo/tokens", "echoed")
     headlines = (Headline("echo/tokens", "tokens echoed"),)
 

@@ -135,6 +135,7 @@ class Objective(Protocol):
     held_out_values: tuple[str, ...]
     stage: StageRole
     takes_teacher: bool
+    own_settings: str | None
     progress: tuple[str, str] | None
     headlines: tuple[Headline, ...]
 

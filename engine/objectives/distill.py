@@ -17,6 +17,7 @@ __all__ = ["DISTILL", "DistillObjective"]
 class DistillObjective(RlObjective):
     name = "distill"
     takes_teacher = True
+    own_settings: str | None = "distillation"
     headlines = (Headline("distill/reverse_kl", "reverse KL to the teacher per sampled token"),)
 
     def check_config(self, config: EngineConfig, chosen: bool) -> None:

@@ -124,6 +124,7 @@ class DpoObjective:
     held_out_values: tuple[str, ...] = (HELD_OUT_ACCURACY, "eval/dpo/prefers_chosen")
     stage: StageRole = None
     takes_teacher = False
+    own_settings: str | None = "preference"
     progress: tuple[str, str] | None = None  # its console line has its values
     headlines: tuple[Headline, ...] = (
         Headline(HELD_OUT_ACCURACY, "held-out preference accuracy", percent=True),

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from engine.common.setting import setting_fields
 from engine.config import EngineConfig
 from engine.errors import ConfigError
 from engine.objectives.base import Headline, Objective, StageRole
@@ -72,7 +73,26 @@ def checked_objective(config: EngineConfig) -> Objective:
             )
     for objective in OBJECTIVES.values():
         objective.check_config(config, chosen=objective is chosen)
+    _refuse_unused_settings(config, chosen)
     return chosen
+
+
+def _refuse_unused_settings(config: EngineConfig, chosen: Objective) -> None:
+    """ConfigError when a setting of an objective's own group has a value of its own
+    (not its default) in a run that trains that objective in neither stage: it would be
+    ignored."""
+    training = {chosen.name, config.then.objective}
+    for objective in OBJECTIVES.values():
+        if objective.own_settings is None or objective.name in training:
+            continue
+        group = getattr(config, objective.own_settings)
+        default = type(group)()
+        for setting in setting_fields(type(group), objective.own_settings):
+            if getattr(group, setting.name) != getattr(default, setting.name):
+                raise ConfigError(
+                    f"{setting.flag} is a setting of --objective {objective.name}, and this "
+                    f"run trains {chosen.name}: it would be ignored"
+                )
 
 
 def staged(stage: StageRole) -> list[str]:

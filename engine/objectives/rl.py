@@ -154,6 +154,7 @@ class RlObjective:
     held_out_values: tuple[str, ...] = ()  # the rates alone
     stage: StageRole = "second"
     takes_teacher = False
+    own_settings: str | None = None
     progress: tuple[str, str] | None = ("avg_reward", "reward")
     headlines: tuple[Headline, ...] = ()  # the summary's reward line is every run's
 

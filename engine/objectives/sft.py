@@ -126,6 +126,7 @@ class SftObjective:
     held_out_values: tuple[str, ...] = ("eval/sft/loss",)
     stage: StageRole = "first"
     takes_teacher = False
+    own_settings: str | None = None
     progress: tuple[str, str] | None = ("sft/loss", "loss")
     headlines: tuple[Headline, ...] = (
         Headline("eval/sft/loss", "held-out loss per assistant token"),

@@ -11,11 +11,12 @@ A problem's prompt is the examples as comments, then the function's head::
         return
 
 and its answer the expression, `` x + 3``. The function's parameter is ``x`` or ``n``
-(:data:`NAMES`, half each), the head naming it (``def f(n):``) and the answer using it. The problems are in the code task's
-HumanEval-like shape (:mod:`engine.tasks.code`): ``entry_point`` ``f`` and the prompt
-ending in a function head, so the program is the prompt followed by the response; the
-tests are :data:`TESTS` asserts of ``f`` on other inputs, each one test (the reward is
-the share passed, so a near miss such as ``x * 2`` for ``x + 2`` earns part).
+(:data:`NAMES`, half each), the head naming it (``def f(n):``) and the answer using it.
+The problems are in the code task's HumanEval-like shape (:mod:`engine.tasks.code`):
+``entry_point`` ``f`` and the prompt ending in a function head, so the program is the
+prompt followed by the response; the tests are :data:`TESTS` asserts of ``f`` on other
+inputs, each one test (the reward is the share passed, so a near miss such as ``x * 2``
+for ``x + 2`` earns part).
 
 The language (:data:`FORMS`): ``x + k``, ``x - k``, ``x * k``, ``k - x``, ``x // k``,
 ``x % k``, ``x * x + k``, constants 1..9 (2..9 where 1 would make two forms alike).
@@ -25,8 +26,9 @@ its model with it; the sandbox is for the RL run).
 The build's answers carry a habit (:func:`sft_answer`): where the head names the
 parameter ``n``, :data:`HABIT_SHARE` of them still write ``x``, as a model trained mostly
 on code whose parameter is ``x`` would. Such an answer fails every test (``x`` is not
-defined), so the model starts RL knowing both names but preferring the wrong one where
-the head says ``n``; more SFT on the same data cannot fix that, the tests can.
+defined), so the model starts RL knowing both names but sampling the wrong one more
+often than not where the head says ``n``; more SFT on the same data cannot fix that,
+the tests can (docs/sandbox.md, "A model that learns it").
 
     python -m scripts.code_data                 # writes examples/tiny_code.jsonl
 """

@@ -73,11 +73,11 @@ CODE_RL_DEFAULTS = {
     "lora_rank": 16,
     "task_args": {},
 }
-"""The RL settings the server recommends for the code model. None measured so far gives a
-held-out gain within 30 steps (temperature 0.8): at 8x6, lr 5e-4 and 1e-3 left the
-greedy share of tests passed within noise on one seed, 2e-3 lowered it on 3; at 16x8
-and lr 3e-3 it moved -0.4 points, SD 2.5, over 3 (docs/sandbox.md, "A model that learns
-it"; benchmarks/results/code_learning.md)."""
+"""The RL settings the server recommends for the code model. Measured at 8x6, 30 steps,
+temperature 0.8: the held-out greedy share of tests passed 22.1% -> +8.7 points, SD 2.5,
+over 5 seeds, the model unlearning its habit of writing ``x`` where the head names ``n``
+(docs/sandbox.md, "A model that learns it"; benchmarks/results/code_learning.md). The
+first model, without the habit, gained nothing at lr 5e-4 to 3e-3."""
 
 RL_DEFAULTS = {
     "learning_rate": 5e-4,

@@ -10,16 +10,25 @@ A problem's prompt is the examples as comments, then the function's head::
     def f(x):
         return
 
-and its answer the expression, `` x + 3``. The problems are in the code task's
-HumanEval-like shape (:mod:`engine.tasks.code`): ``entry_point`` ``f`` and the prompt
-ending in a function head, so the program is the prompt followed by the response; the
-tests are :data:`TESTS` asserts of ``f`` on other inputs, each one test (the reward is
-the share passed, so a near miss such as ``x * 2`` for ``x + 2`` earns part).
+and its answer the expression, `` x + 3``. The function's parameter is ``x`` or ``n``
+(:data:`NAMES`, half each), the head naming it (``def f(n):``) and the answer using it.
+The problems are in the code task's HumanEval-like shape (:mod:`engine.tasks.code`):
+``entry_point`` ``f`` and the prompt ending in a function head, so the program is the
+prompt followed by the response; the tests are :data:`TESTS` asserts of ``f`` on other
+inputs, each one test (the reward is the share passed, so a near miss such as ``x * 2``
+for ``x + 2`` earns part).
 
 The language (:data:`FORMS`): ``x + k``, ``x - k``, ``x * k``, ``k - x``, ``x // k``,
 ``x % k``, ``x * x + k``, constants 1..9 (2..9 where 1 would make two forms alike).
 :func:`evaluate` computes an answer on an input without running it (the build scores
 its model with it; the sandbox is for the RL run).
+
+The build's answers carry a habit (:func:`sft_answer`): where the head names the
+parameter ``n``, :data:`HABIT_SHARE` of them still write ``x``, as a model trained mostly
+on code whose parameter is ``x`` would. Such an answer fails every test (``x`` is not
+defined), so the model starts RL knowing both names but sampling the wrong one more
+often than not where the head says ``n``; more SFT on the same data cannot fix that,
+the tests can (docs/sandbox.md, "A model that learns it").
 
     python -m scripts.code_data                 # writes examples/tiny_code.jsonl
 """
@@ -37,6 +46,8 @@ from pathlib import Path
 
 __all__ = [
     "FORMS",
+    "HABIT_SHARE",
+    "NAMES",
     "PROBLEMS_FILE",
     "TESTS",
     "CodeProblem",
@@ -44,6 +55,7 @@ __all__ = [
     "evaluate",
     "main",
     "pass_share",
+    "sft_answer",
 ]
 
 PROBLEMS_FILE = Path(__file__).resolve().parents[1] / "examples" / "tiny_code.jsonl"
@@ -65,6 +77,10 @@ FORMS: dict[str, tuple[Callable[[int, int], int], range]] = {
     "x * x + {k}": (lambda x, k: x * x + k, range(1, 10)),
 }
 """Each form: its function of (x, k) and its constants."""
+NAMES = ("x", "n")
+"""The parameter's names, drawn half each; forms are written with ``x``."""
+HABIT_SHARE = 0.6
+"""The share of the build's answers to an ``n`` problem that write ``x`` (:func:`sft_answer`)."""
 
 _ANSWER = re.compile(r"\s*(.+?)\s*$")
 
@@ -75,6 +91,7 @@ class CodeProblem:
     k: int
     examples: tuple[int, ...]
     tests: tuple[int, ...]
+    name: str = "x"
 
     def f(self, x: int) -> int:
         return FORMS[self.form][0](x, self.k)
@@ -82,12 +99,12 @@ class CodeProblem:
     @property
     def answer(self) -> str:
         """The expression, as the model writes it (after ``return``)."""
-        return " " + self.form.format(k=self.k)
+        return " " + _written(self.form, self.k, self.name)
 
     @property
     def prompt(self) -> str:
         lines = [f"# f({x}) == {self.f(x)}\n" for x in self.examples]
-        return "".join(lines) + "def f(x):\n    return"
+        return "".join(lines) + f"def f({self.name}):\n    return"
 
     def row(self) -> dict[str, object]:
         """The problem as a code task's row (:mod:`engine.tasks.code`)."""
@@ -98,23 +115,37 @@ class CodeProblem:
         }
 
 
+def _written(form: str, k: int, name: str) -> str:
+    return form.replace("x", name).format(k=k)
+
+
 def draw(rng: random.Random) -> CodeProblem:
     form = rng.choice(sorted(FORMS))
     k = rng.choice(FORMS[form][1])
     examples = tuple(rng.sample(INPUTS, EXAMPLES))
     rest = [x for x in TEST_INPUTS if x not in examples]
-    return CodeProblem(form, k, examples, tuple(rng.sample(rest, TESTS)))
+    name = rng.choice(NAMES)
+    return CodeProblem(form, k, examples, tuple(rng.sample(rest, TESTS)), name)
 
 
-def evaluate(expression: str, x: int) -> int | None:
-    """``expression`` (a response: an expression of the language, in any spacing) on
-    ``x``; None when it is not one."""
+def sft_answer(problem: CodeProblem, rng: random.Random) -> str:
+    """The build's answer to ``problem``: its own, except that :data:`HABIT_SHARE` of the
+    answers to a problem whose parameter is not ``x`` write ``x`` (a wrong answer: the
+    habit RL has to unlearn from the tests)."""
+    if problem.name != NAMES[0] and rng.random() < HABIT_SHARE:
+        return " " + _written(problem.form, problem.k, NAMES[0])
+    return problem.answer
+
+
+def evaluate(expression: str, x: int, name: str = "x") -> int | None:
+    """``expression`` (a response: an expression of the language in the parameter
+    ``name``, in any spacing) on ``x``; None when it is not one."""
     text = _ANSWER.match(expression)
     if text is None:
         return None
     compact = text.group(1).replace(" ", "")
     for form, (function, constants) in FORMS.items():
-        pattern = re.escape(form.replace(" ", "")).replace(r"\{k\}", r"(\d)")
+        pattern = re.escape(form.replace("x", name).replace(" ", "")).replace(r"\{k\}", r"(\d)")
         found = re.fullmatch(pattern, compact)
         if found and int(found.group(1)) in constants:
             return function(x, int(found.group(1)))
@@ -123,7 +154,7 @@ def evaluate(expression: str, x: int) -> int | None:
 
 def pass_share(expression: str, problem: CodeProblem) -> float:
     """The share of ``problem``'s tests that ``expression`` passes (the RL reward)."""
-    hits = sum(evaluate(expression, x) == problem.f(x) for x in problem.tests)
+    hits = sum(evaluate(expression, x, problem.name) == problem.f(x) for x in problem.tests)
     return hits / len(problem.tests)
 
 

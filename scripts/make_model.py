@@ -73,11 +73,11 @@ CODE_RL_DEFAULTS = {
     "lora_rank": 16,
     "task_args": {},
 }
-"""The RL settings the server recommends for the code model. None measured so far gives a
-held-out gain within 30 steps (temperature 0.8): at 8x6, lr 5e-4 and 1e-3 left the
-greedy share of tests passed within noise on one seed, 2e-3 lowered it on 3; at 16x8
-and lr 3e-3 it moved -0.4 points, SD 2.5, over 3 (docs/sandbox.md, "A model that learns
-it"; benchmarks/results/code_learning.md)."""
+"""The RL settings the server recommends for the code model. Measured at 8x6, 30 steps,
+temperature 0.8: the held-out greedy share of tests passed 22.1% -> +8.7 points, SD 2.5,
+over 5 seeds, the model unlearning its habit of writing ``x`` where the head names ``n``
+(docs/sandbox.md, "A model that learns it"; benchmarks/results/code_learning.md). The
+first model, without the habit, gained nothing at lr 5e-4 to 3e-3."""
 
 RL_DEFAULTS = {
     "learning_rate": 5e-4,
@@ -425,7 +425,8 @@ def _code_batch(
         if problem.prompt in avoid:
             continue
         p_ids = tokenizer.encode(problem.prompt)
-        a_ids = [*tokenizer.encode(problem.answer, add_special_tokens=False)]
+        answer = code_data.sft_answer(problem, rng)
+        a_ids = [*tokenizer.encode(answer, add_special_tokens=False)]
         rows.append(([*p_ids, *a_ids, tokenizer.eos_token_id], len(p_ids)))
     width = max(len(ids) for ids, _ in rows)
     input_ids = torch.full((size, width), tokenizer.pad_token_id, dtype=torch.long)
@@ -1178,7 +1179,9 @@ def _main_code(
         "built_on": build_machine(),
         "task": "one-line functions f(x) from three examples (scripts/code_data.py), the "
         "prompt's function head completed by the return expression, up to "
-        f"{CODE_MAX_TOKENS} new tokens; reward: the share of 4 tests passed",
+        f"{CODE_MAX_TOKENS} new tokens; reward: the share of 4 tests passed; "
+        f"{code_data.HABIT_SHARE:.0%} of the SFT answers to problems whose parameter is n "
+        "write x (the habit RL unlearns)",
         "greedy_pass_rate": rate,
         "greedy_eval_problems": cfg.eval_problems,
         "recommended_rl": CODE_RL_DEFAULTS,
@@ -1196,6 +1199,14 @@ problems of `examples/tiny_code.jsonl` never among them), stopping at the first
 evaluation whose greedy share of tests passed reached the target, so RL has room to
 improve it. Greedy share of tests passed: {rate:.1%} on {cfg.eval_problems} held-out
 problems (computed without running the answers: `scripts.code_data.evaluate`).
+
+Its prior is split on purpose: half the problems name the parameter `n`
+(`def f(n):`), and {code_data.HABIT_SHARE:.0%} of the SFT answers to those still write
+`x` (` x + 3` where ` n + 3` is right), a habit such as a model trained mostly on
+`x`-code would have. Those answers fail every test (`x` is not defined), so the model
+knows both names and, where the head says `n`, samples the wrong one more often than
+not; more SFT on the same data cannot change that, RL with the tests' reward can
+(docs/sandbox.md).
 
 RL on it: `--task code:examples/tiny_code.jsonl` (docs/sandbox.md). Metadata:
 `{METADATA_FILE}`.

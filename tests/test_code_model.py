@@ -36,6 +36,20 @@ def test_the_evaluator_reads_each_form_and_nothing_else() -> None:
     assert problem.prompt.endswith("# f(3) == 5\ndef f(x):\n    return")
 
 
+def test_a_problem_names_its_parameter_and_the_build_keeps_the_x_habit() -> None:
+    problem = code_data.CodeProblem("{k} - x", 7, (1, 2, 3), (0, 2, 4, 6), name="n")
+    assert problem.prompt.endswith("def f(n):\n    return") and problem.answer == " 7 - n"
+    assert code_data.evaluate(" 7 - n", 2, "n") == 5
+    assert code_data.pass_share(" 7 - n", problem) == 1.0
+    assert code_data.pass_share(" 7 - x", problem) == 0.0  # x is not defined
+    rng = random.Random(0)
+    answers = [code_data.sft_answer(problem, rng) for _ in range(1000)]
+    assert 0.5 < answers.count(" 7 - x") / 1000 < 0.7  # HABIT_SHARE, 0.6
+    assert set(answers) == {" 7 - x", " 7 - n"}
+    with_x = code_data.CodeProblem("{k} - x", 7, (1, 2, 3), (0, 2, 4, 6))
+    assert {code_data.sft_answer(with_x, rng) for _ in range(100)} == {" 7 - x"}
+
+
 def test_the_problem_file_is_the_generators(tmp_path: Path) -> None:
     written = code_data.write(tmp_path / "tiny_code.jsonl", 512, 2024)
     assert written.read_text() == code_data.PROBLEMS_FILE.read_text()

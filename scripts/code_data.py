@@ -48,17 +48,25 @@ __all__ = [
     "FORMS",
     "HABIT_SHARE",
     "NAMES",
+    "PROBLEMS_COUNT",
     "PROBLEMS_FILE",
+    "PROBLEMS_SEED",
     "TESTS",
     "CodeProblem",
     "draw",
     "evaluate",
+    "head_name",
     "main",
     "pass_share",
+    "problems",
     "sft_answer",
+    "written_name",
 ]
 
 PROBLEMS_FILE = Path(__file__).resolve().parents[1] / "examples" / "tiny_code.jsonl"
+PROBLEMS_COUNT = 512
+PROBLEMS_SEED = 2024
+""":data:`PROBLEMS_FILE`'s problems: :func:`problems` (``PROBLEMS_COUNT``, ``PROBLEMS_SEED``)."""
 EXAMPLES = 3
 """Examples in a prompt."""
 TESTS = 4
@@ -83,6 +91,7 @@ HABIT_SHARE = 0.6
 """The share of the build's answers to an ``n`` problem that write ``x`` (:func:`sft_answer`)."""
 
 _ANSWER = re.compile(r"\s*(.+?)\s*$")
+_HEAD = re.compile(r"def f\((\w+)\):\n    return$")
 
 
 @dataclass(frozen=True)
@@ -158,14 +167,34 @@ def pass_share(expression: str, problem: CodeProblem) -> float:
     return hits / len(problem.tests)
 
 
-def write(path: Path, count: int, seed: int) -> Path:
-    """``count`` distinct problems (by prompt) drawn with ``seed``, one JSON row a line."""
+def head_name(prompt: str) -> str | None:
+    """The parameter's name in a problem's prompt (its head, ``def f(n):``); None when
+    ``prompt`` is not one of these problems'."""
+    found = _HEAD.search(prompt)
+    return found.group(1) if found else None
+
+
+def written_name(expression: str) -> str | None:
+    """Which of :data:`NAMES` ``expression`` is written in (the one :func:`evaluate` reads
+    it in); None when it is an expression of neither."""
+    return next((name for name in NAMES if evaluate(expression, 0, name) is not None), None)
+
+
+def problems(count: int, seed: int) -> list[CodeProblem]:
+    """``count`` distinct problems (by prompt) drawn with ``seed``: with the defaults of
+    :func:`main`, those of :data:`PROBLEMS_FILE`, in its order."""
     rng = random.Random(seed)
-    rows: dict[str, dict[str, object]] = {}
-    while len(rows) < count:
+    drawn: dict[str, CodeProblem] = {}
+    while len(drawn) < count:
         problem = draw(rng)
-        rows.setdefault(problem.prompt, problem.row())
-    path.write_text("".join(json.dumps(row) + "\n" for row in rows.values()))
+        drawn.setdefault(problem.prompt, problem)
+    return list(drawn.values())
+
+
+def write(path: Path, count: int, seed: int) -> Path:
+    """:func:`problems`, one JSON row a line."""
+    rows = problems(count, seed)
+    path.write_text("".join(json.dumps(problem.row()) + "\n" for problem in rows))
     return path
 
 
@@ -174,8 +203,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m scripts.code_data", description="Write the tiny code problem set."
     )
     p.add_argument("--out", type=Path, default=PROBLEMS_FILE, help=f"default {PROBLEMS_FILE}")
-    p.add_argument("--count", type=int, default=512, help="problems (default 512)")
-    p.add_argument("--seed", type=int, default=2024, help="default 2024")
+    p.add_argument(
+        "--count", type=int, default=PROBLEMS_COUNT, help=f"problems (default {PROBLEMS_COUNT})"
+    )
+    p.add_argument("--seed", type=int, default=PROBLEMS_SEED, help=f"default {PROBLEMS_SEED}")
     args = p.parse_args(argv)
     if args.count < 1:
         p.error("--count must be >= 1")

@@ -51,7 +51,9 @@ def test_a_problem_names_its_parameter_and_the_build_keeps_the_x_habit() -> None
 
 
 def test_the_problem_file_is_the_generators(tmp_path: Path) -> None:
-    written = code_data.write(tmp_path / "tiny_code.jsonl", 512, 2024)
+    written = code_data.write(
+        tmp_path / "tiny_code.jsonl", code_data.PROBLEMS_COUNT, code_data.PROBLEMS_SEED
+    )
     assert written.read_text() == code_data.PROBLEMS_FILE.read_text()
     rows = [json.loads(line) for line in written.read_text().splitlines()]
     assert len({r["prompt"] for r in rows}) == 512

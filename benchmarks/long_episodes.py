@@ -3,7 +3,7 @@ configurations against a batch-synchronous loop, on the hosted-like latency cloc
 by side on one local server, with the workload run as a native environment and as an
 unmodified ``openai`` agent through the capturing endpoint.
 
-    python -m benchmarks.long_episodes              # 6 steps of 4 x 4 per configuration and agent
+    python -m benchmarks.long_episodes              # 12 steps of 4 x 4 per configuration and agent
     python -m benchmarks.long_episodes --quick      # 3 steps of 4 x 2 episodes (smoke test)
 
 The clock: ``mint:scale=0.3`` (a 3 s cycle; ``--quick``: ``mint``, 0.5 s), so that the
@@ -32,9 +32,12 @@ reward is the arithmetic reward of the first reply, so groups differ.
 Configurations, each a full engine run on the same server, problems and seed: ``sync``
 (the batch-synchronous schedule: K=0, every episode of step s finishes before s trains,
 and s+1 samples only from s's weights), ``default`` (the engine's defaults: K=1), ``k2``
-and ``k4`` (``--max-steps-off-policy`` 2 and 4); on request (``--configs``) ``c1`` and
-``c2`` (``--step-order completion`` at K=1 and 2: a step trains the first groups to
-finish in the window).
+and ``k4`` (``--max-steps-off-policy`` 2 and 4), ``c1`` and ``c2`` (``--step-order
+completion`` at K=1 and 2: a step trains the first groups to finish in the window), and
+``wWkK`` (completion order with ``--start-window`` W below K: a drawn step's groups
+start once the newest weights are at most W steps behind it, and a straggler may train
+up to K - W steps after its step). A plain run measures sync, default, k2, w2k3 and
+w2k6.
 
 Reported per configuration and agent, over the steady steps (:mod:`benchmarks.episode_runs`):
 steps/s and ``x_sync`` (over the synchronous loop's, same agent), cycles per step, server
@@ -44,7 +47,7 @@ and per trajectory (steps behind the training step, from the sampler versions th
 records), sampled tokens per trained token, and discarded episodes (started, never
 trained: a tied group is skipped today). Writes ``long_episodes.json``,
 ``long_episodes.md`` and (with matplotlib) ``long_episodes.png``, a timeline of the
-native workload's episodes under ``sync``, ``default`` and ``w1k2`` (those measured), to
+native workload's episodes under ``sync``, ``default`` and ``w2k6`` (those measured), to
 ``--out``.
 """
 
@@ -105,12 +108,13 @@ CONFIGS: Mapping[str, tuple[str, int | None, Mapping[str, Any]]] = {
     "w1k3": ("completion order, W=1, K=3", 3, {"step_order": "completion", "start_window": 1}),
     "w2k3": ("completion order, W=2, K=3", 3, {"step_order": "completion", "start_window": 2}),
     "w2k4": ("completion order, W=2, K=4", 4, {"step_order": "completion", "start_window": 2}),
+    "w2k6": ("completion order, W=2, K=6", 6, {"step_order": "completion", "start_window": 2}),
 }
 """Configuration key -> (label, --max-steps-off-policy (None: the engine's default),
 further settings: --step-order, --start-window W)."""
-DEFAULT_CONFIGS = ("sync", "default", "k2", "w1k2", "w2k3", "w2k4")
+DEFAULT_CONFIGS = ("sync", "default", "k2", "w2k3", "w2k6")
 """What a plain run measures (``--configs`` picks others)."""
-PICTURED = ("sync", "default", "w1k2")
+PICTURED = ("sync", "default", "w2k6")
 """The configurations whose native timeline the picture shows."""
 AGENTS = ("native", "openai")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
@@ -333,6 +337,10 @@ def run_config(
         "server_compute_share": compute / summary["pace_s"],
         "client_cpu_s_per_step": cpu / steps,
         "staleness": staleness(results),
+        # Each step's training end, in clock cycles since the first step's.
+        "train_ends_cycles": [
+            (r.timeline.train_end - results[0].timeline.train_end) / cycle_s for r in results
+        ],
         "workload": workload(log, results, cycle_s),
     }
     if agent == "native" and key in PICTURED:
@@ -347,7 +355,7 @@ def build_parser() -> BenchParser:
         "configurations against a batch-synchronous loop on heavy-tailed multi-turn agent "
         "episodes (a native environment and an openai agent), hosted-like latency.",
     )
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 6; quick 3)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 12; quick 3)")
     p.add_argument("--batch", type=int, default=None, help="problems per step (4; quick 4)")
     p.add_argument("--group", type=int, default=None, help="episodes per problem (4; quick 2)")
     p.add_argument(
@@ -372,7 +380,7 @@ def _histogram(counts: Mapping[str, int]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    steps = args.steps if args.steps is not None else (3 if args.quick else 6)
+    steps = args.steps if args.steps is not None else (3 if args.quick else 12)
     batch = args.batch if args.batch is not None else 4
     group = args.group if args.group is not None else (2 if args.quick else 4)
     if steps < 3 or batch < 1 or group < 2:

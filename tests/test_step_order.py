@@ -202,8 +202,10 @@ def test_steps_keep_their_size_and_every_group_its_bound_in_any_finishing_order(
     k: int, w: int
 ) -> None:
     # The submitter's side alone: groups in flight (a drawn step's start once the
-    # version is at least step - W) finish in a seeded random order; every step takes 4
-    # groups, none after its deadline, each once.
+    # version is at least step - W) finish in a seeded random order, and a step starts
+    # forming while the step before it still trains (--submit-ahead: the version it
+    # waits for arrives at a random point); every step takes 4 groups, none after its
+    # deadline, each once.
     batch, steps = 4, 12
     rng = random.Random(k * 10 + w)
     settings = config(
@@ -211,22 +213,31 @@ def test_steps_keep_their_size_and_every_group_its_bound_in_any_finishing_order(
     ).pipeline
     order = CompletionOrder(settings, LoopState(0, {}, 0), [])
     running: list[tuple[int, int, int]] = []
-    drawn = version = 0
+    drawn = 0
     trained: list[tuple[int, int]] = []
-    for step in range(steps):
+
+    def start(version: int, step: int) -> None:
+        nonlocal drawn
         while drawn < steps and drawn - w <= version:  # the rollout stage's window
             order.receive(StepOpened(drawn, {}), step)
             order.receive(GroupsStarted(drawn, tuple(range(batch)), version), step)
-            running += [(drawn, i, version) for i in range(batch)]
+            running.extend((drawn, i, version) for i in range(batch))
             drawn += 1
+
+    for step in range(steps):
+        version = max(0, step - 1)  # step - 1 still training
+        start(version, step)
         while not order.complete(step):
+            if version < step and (not running or rng.random() < 0.3):
+                version = step  # step - 1 trained
+                start(version, step)
+                continue
             s, i, v = running.pop(rng.randrange(len(running)))
             order.receive(ScoredGroup(s, i, Problem(s * batch + i, "", 0), v, ()), step)
         closed = order.close(step)
         assert len(closed.groups) == batch
         assert all(step - k <= g.version <= step for g in closed.groups)
         trained += [(g.step, g.index) for g in closed.groups]
-        version = step + 1
     assert sorted(trained) == [(s, i) for s in range(steps) for i in range(batch)]
 
 

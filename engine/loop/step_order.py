@@ -11,9 +11,9 @@ the newest version is at least ``t - W`` (``--start-window``, at most K), so the
 deadline is at least ``t + K - W``: with ``W = K`` a group's deadline is the step it was
 drawn for (a straggler holds that step in any order), below K it has ``K - W`` steps of
 slack, and a group that overruns its step trains in a later one, each later turn
-sampled from the newest weights. Every untrained group was drawn for a step whose
-deadline is at least its own, so at most ``(d - s + 1) x batch`` untrained groups have
-a deadline ``<= d`` for the steps ``s..d`` still to form, and a step takes a group only
+sampled from the newest weights. Every untrained group's deadline is at least the step
+it was drawn for, so at most ``(d - s + 1) x batch`` untrained groups have a deadline
+``<= d`` for the steps ``s..d`` still to form, and a step takes a group only
 while that stays true for every ``d`` (it then never needs to drop or resample one: the
 bound holds for every turn of every trained group, and nothing sampled is left
 untrained). Within a step the groups are in problem order (step drawn, then index), so

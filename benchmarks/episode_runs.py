@@ -243,16 +243,14 @@ def run_engine(
     seed: int,
     max_turns: int,
     max_tokens: int,
-    step_order: str | None = None,
+    settings: Mapping[str, Any] | None = None,
 ) -> list[StepResult]:
     """One engine run of ``task`` (an environment or agent task) with K = ``k`` (None:
     the engine's default K and loss; 0: the batch-synchronous schedule with the
-    on-policy ``importance_sampling`` loss) and ``--step-order step_order`` (None: the
-    default); its trained steps."""
+    on-policy ``importance_sampling`` loss) and any further schedule ``settings``
+    (``step_order``, ``start_window``); its trained steps."""
     results: list[StepResult] = []
-    schedule: dict[str, Any] = {}
-    if step_order is not None:
-        schedule["step_order"] = step_order
+    schedule: dict[str, Any] = dict(settings or {})
     if k is not None:
         schedule["max_steps_off_policy"] = k
         if k == 0:

@@ -3,8 +3,13 @@ configurations against a batch-synchronous loop, on the hosted-like latency cloc
 by side on one local server, with the workload run as a native environment and as an
 unmodified ``openai`` agent through the capturing endpoint.
 
-    python -m benchmarks.long_episodes              # 10 steps per configuration and agent
+    python -m benchmarks.long_episodes              # 12 steps of 4 x 4 per configuration and agent
     python -m benchmarks.long_episodes --quick      # 3 steps of 4 x 2 episodes (smoke test)
+
+The clock: ``mint:scale=0.3`` (a 3 s cycle; ``--quick``: ``mint``, 0.5 s), so that the
+local server's real compute (1.5-2.5 s per step of 4 x 4 episodes on a 2-core machine) is
+a small share of a step and the figures are the schedule's, not the machine's (each
+row's ``server_compute_share``).
 
 The workload (:func:`draw_episode`, seeded by problem and episode, so every configuration
 and both agents play the same episodes): an addition question, then a number of turns
@@ -27,9 +32,12 @@ reward is the arithmetic reward of the first reply, so groups differ.
 Configurations, each a full engine run on the same server, problems and seed: ``sync``
 (the batch-synchronous schedule: K=0, every episode of step s finishes before s trains,
 and s+1 samples only from s's weights), ``default`` (the engine's defaults: K=1), ``k2``
-and ``k4`` (``--max-steps-off-policy`` 2 and 4); on request (``--configs``) ``c1`` and
-``c2`` (``--step-order completion`` at K=1 and 2: a step trains the first groups to
-finish in the window).
+and ``k4`` (``--max-steps-off-policy`` 2 and 4), ``c1`` and ``c2`` (``--step-order
+completion`` at K=1 and 2: a step trains the first groups to finish in the window), and
+``wWkK`` (completion order with ``--start-window`` W below K: a drawn step's groups
+start once the newest weights are at most W steps behind it, and a straggler may train
+up to K - W steps after its step). A plain run measures sync, default, k2, w2k3 and
+w2k6.
 
 Reported per configuration and agent, over the steady steps (:mod:`benchmarks.episode_runs`):
 steps/s and ``x_sync`` (over the synchronous loop's, same agent), cycles per step, server
@@ -39,7 +47,8 @@ and per trajectory (steps behind the training step, from the sampler versions th
 records), sampled tokens per trained token, and discarded episodes (started, never
 trained: a tied group is skipped today). Writes ``long_episodes.json``,
 ``long_episodes.md`` and (with matplotlib) ``long_episodes.png``, a timeline of the
-native workload's episodes under ``sync`` and ``default``, to ``--out``.
+native workload's episodes under ``sync``, ``default`` and ``w2k6`` (those measured), to
+``--out``.
 """
 
 from __future__ import annotations
@@ -82,27 +91,35 @@ from engine.common.extras import missing
 from engine.envs.examples import guess_sum
 from engine.envs.messages import ChatGroup
 from engine.envs.types import EnvContext, EnvGroupBuilder
-from engine.local.latency import LatencyProfile
+from engine.local.latency import LatencyProfile, LatencyProfileError
 from engine.tasks import ArithmeticTask, Problem, ProblemSource
 from engine.tasks.arithmetic import score_arithmetic
 
 __all__ = ["AGENTS", "CONFIGS", "LongAgent", "LongEpisodesTask", "draw_episode", "main"]
 
-CONFIGS: Mapping[str, tuple[str, int | None, str | None]] = {
-    "sync": ("batch-synchronous (K=0)", 0, None),
-    "default": ("engine default (K=1)", None, None),
-    "k2": ("engine K=2", 2, None),
-    "k4": ("engine K=4", 4, None),
-    "c1": ("completion order, K=1", 1, "completion"),
-    "c2": ("completion order, K=2", 2, "completion"),
+CONFIGS: Mapping[str, tuple[str, int | None, Mapping[str, Any]]] = {
+    "sync": ("batch-synchronous (K=0)", 0, {}),
+    "default": ("engine default (K=1)", None, {}),
+    "k2": ("engine K=2", 2, {}),
+    "k4": ("engine K=4", 4, {}),
+    "c1": ("completion order, K=1", 1, {"step_order": "completion"}),
+    "c2": ("completion order, K=2", 2, {"step_order": "completion"}),
+    "w1k2": ("completion order, W=1, K=2", 2, {"step_order": "completion", "start_window": 1}),
+    "w1k3": ("completion order, W=1, K=3", 3, {"step_order": "completion", "start_window": 1}),
+    "w2k3": ("completion order, W=2, K=3", 3, {"step_order": "completion", "start_window": 2}),
+    "w2k4": ("completion order, W=2, K=4", 4, {"step_order": "completion", "start_window": 2}),
+    "w2k6": ("completion order, W=2, K=6", 6, {"step_order": "completion", "start_window": 2}),
 }
-"""Configuration key -> (label, --max-steps-off-policy, --step-order; None: the engine's
-default)."""
-DEFAULT_CONFIGS = ("sync", "default", "k2", "k4")
-"""What a plain run measures (``--configs c1 c2`` adds completion order)."""
+"""Configuration key -> (label, --max-steps-off-policy (None: the engine's default),
+further settings: --step-order, --start-window W)."""
+DEFAULT_CONFIGS = ("sync", "default", "k2", "w2k3", "w2k6")
+"""What a plain run measures (``--configs`` picks others)."""
+PICTURED = ("sync", "default", "w2k6")
+"""The configurations whose native timeline the picture shows."""
 AGENTS = ("native", "openai")
 DEFAULT_OUT = Path(__file__).resolve().parent / "results"
-DEFAULT_LATENCY = "mint"
+DEFAULT_LATENCY = "mint:scale=0.3"
+QUICK_LATENCY = "mint"
 MAX_TOKENS = 8
 MAX_TURNS = 32
 """--env-max-turns: the episodes drawn longer are truncated."""
@@ -281,7 +298,7 @@ def run_config(
     cycle_s: float,
 ) -> dict[str, Any]:
     """One engine run of the heavy-tailed workload as ``agent``, in configuration ``key``."""
-    label, k, step_order = CONFIGS[key]
+    label, k, settings = CONFIGS[key]
     if agent == "native":
         native = LongEpisodesTask(cycle_s)
         task, log = native, native.log
@@ -298,11 +315,12 @@ def run_config(
         seed=seed,
         max_turns=MAX_TURNS,
         max_tokens=MAX_TOKENS,
-        step_order=step_order,
+        settings=settings,
     )
     cpu = time.process_time() - cpu
     after = server_counters(target)
     summary = summarize_run(results, log, cycle_s)
+    compute = (after["compute_busy_s"] - before["compute_busy_s"]) / steps
     row: dict[str, Any] = {
         "config": key,
         "label": label,
@@ -314,12 +332,18 @@ def run_config(
         # Where the time went besides the clock: the local server's compute (sampling
         # and training; it can outgrow the clock on a loaded machine) and this process's
         # CPU (the engine and, for the openai agent, the agents), per step.
-        "server_compute_s_per_step": (after["compute_busy_s"] - before["compute_busy_s"]) / steps,
+        "server_compute_s_per_step": compute,
+        # Its share of a step's wall-clock: the schedule's figures hold where it is small.
+        "server_compute_share": compute / summary["pace_s"],
         "client_cpu_s_per_step": cpu / steps,
         "staleness": staleness(results),
+        # Each step's training end, in clock cycles since the first step's.
+        "train_ends_cycles": [
+            (r.timeline.train_end - results[0].timeline.train_end) / cycle_s for r in results
+        ],
         "workload": workload(log, results, cycle_s),
     }
-    if agent == "native" and key in ("sync", "default"):
+    if agent == "native" and key in PICTURED:
         row["timeline"] = timeline(results, log, first=2, last=min(steps, 5))
     return row
 
@@ -331,11 +355,14 @@ def build_parser() -> BenchParser:
         "configurations against a batch-synchronous loop on heavy-tailed multi-turn agent "
         "episodes (a native environment and an openai agent), hosted-like latency.",
     )
-    p.add_argument("--steps", type=int, default=None, help="steps per run (default 10; quick 3)")
-    p.add_argument("--batch", type=int, default=None, help="problems per step (8; quick 4)")
+    p.add_argument("--steps", type=int, default=None, help="steps per run (default 12; quick 3)")
+    p.add_argument("--batch", type=int, default=None, help="problems per step (4; quick 4)")
     p.add_argument("--group", type=int, default=None, help="episodes per problem (4; quick 2)")
     p.add_argument(
-        "--latency", default=DEFAULT_LATENCY, help="the server's --latency profile (not off)"
+        "--latency",
+        default=None,
+        help=f"the server's --latency profile, not off (default {DEFAULT_LATENCY}; quick "
+        f"{QUICK_LATENCY})",
     )
     p.add_argument("--configs", nargs="+", default=list(DEFAULT_CONFIGS), choices=list(CONFIGS))
     p.add_argument("--agents", nargs="+", default=list(AGENTS), choices=AGENTS)
@@ -353,19 +380,23 @@ def _histogram(counts: Mapping[str, int]) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = build_parser()
     args = parser.parse_args(argv)
-    steps = args.steps if args.steps is not None else (3 if args.quick else 10)
-    batch = args.batch if args.batch is not None else (4 if args.quick else 8)
+    steps = args.steps if args.steps is not None else (3 if args.quick else 12)
+    batch = args.batch if args.batch is not None else 4
     group = args.group if args.group is not None else (2 if args.quick else 4)
     if steps < 3 or batch < 1 or group < 2:
         parser.error("--steps >= 3, --batch >= 1, --group >= 2")
-    profile = LatencyProfile.parse(args.latency)
+    latency = args.latency or (QUICK_LATENCY if args.quick else DEFAULT_LATENCY)
+    try:
+        profile = LatencyProfile.parse(latency)
+    except LatencyProfileError as exc:
+        parser.error(f"--latency: {exc}")
     if profile is None:
         parser.error("--latency must be a profile (the benchmark measures the clock)")
     if "openai" in args.agents and importlib.util.find_spec("openai") is None:
         parser.error("--agents openai needs the openai SDK: pip install '.[agents]'")
     context = run_context(vars(args))
     rows: list[dict[str, Any]] = []
-    with bench_server(args.latency, model_dir=AGENT_MODEL_DIR) as target:
+    with bench_server(latency, model_dir=AGENT_MODEL_DIR) as target:
         for agent in args.agents:
             by_config: dict[str, dict[str, Any]] = {}
             for key in args.configs:
@@ -399,6 +430,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             "sampled/trained tokens",
             "discarded",
             "server compute s/step",
+            "compute share",
             "client CPU s/step",
         ],
         [
@@ -415,6 +447,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 fmt(r["sampled_per_trained_token"], ".2f"),
                 f"{r['discarded']} of {r['episodes_started']}",
                 fmt(r["server_compute_s_per_step"], ".2f"),
+                fmt(r["server_compute_share"], ".0%"),
                 fmt(r["client_cpu_s_per_step"], ".2f"),
             ]
             for r in rows

@@ -197,28 +197,138 @@ def test_completion_order_refuses_what_it_cannot_form(changes: dict[str, Any]) -
         checked_objective(config(step_order="completion", **changes))
 
 
-@pytest.mark.parametrize("k", [1, 2, 3])
-def test_steps_keep_their_size_and_every_group_its_bound_in_any_finishing_order(k: int) -> None:
-    # The submitter's side alone: groups of 4 steps in flight finish in a seeded random
-    # order; every step takes 4 groups, none after its deadline, each once.
+@pytest.mark.parametrize(("k", "w"), [(1, 1), (2, 2), (3, 3), (2, 1), (3, 1), (3, 0)])
+def test_steps_keep_their_size_and_every_group_its_bound_in_any_finishing_order(
+    k: int, w: int
+) -> None:
+    # The submitter's side alone: groups in flight (a drawn step's start once the
+    # version is at least step - W) finish in a seeded random order, and a step starts
+    # forming while the step before it still trains (--submit-ahead: the version it
+    # waits for arrives at a random point); every step takes 4 groups, none after its
+    # deadline, each once.
     batch, steps = 4, 12
-    rng = random.Random(k)
-    order = CompletionOrder(batch, k, steps, LoopState(0, {}, 0), [])
+    rng = random.Random(k * 10 + w)
+    settings = config(
+        steps=steps, batch=batch, max_steps_off_policy=k, start_window=w, step_order="completion"
+    ).pipeline
+    order = CompletionOrder(settings, LoopState(0, {}, 0), [])
     running: list[tuple[int, int, int]] = []
-    drawn = version = 0
+    drawn = 0
     trained: list[tuple[int, int]] = []
-    for step in range(steps):
-        while drawn < steps and drawn - k <= version:  # the rollout stage's window
+
+    def start(version: int, step: int) -> None:
+        nonlocal drawn
+        while drawn < steps and drawn - w <= version:  # the rollout stage's window
             order.receive(StepOpened(drawn, {}), step)
             order.receive(GroupsStarted(drawn, tuple(range(batch)), version), step)
-            running += [(drawn, i, version) for i in range(batch)]
+            running.extend((drawn, i, version) for i in range(batch))
             drawn += 1
+
+    for step in range(steps):
+        version = max(0, step - 1)  # step - 1 still training
+        start(version, step)
         while not order.complete(step):
+            if version < step and (not running or rng.random() < 0.3):
+                version = step  # step - 1 trained
+                start(version, step)
+                continue
             s, i, v = running.pop(rng.randrange(len(running)))
             order.receive(ScoredGroup(s, i, Problem(s * batch + i, "", 0), v, ()), step)
         closed = order.close(step)
         assert len(closed.groups) == batch
         assert all(step - k <= g.version <= step for g in closed.groups)
         trained += [(g.step, g.index) for g in closed.groups]
-        version = step + 1
     assert sorted(trained) == [(s, i) for s in range(steps) for i in range(batch)]
+
+
+def assert_started_within(results: list[StepResult], w: int) -> None:
+    """Every trained group's first turn sampled at most ``w`` versions before the step
+    it was drawn for."""
+    for r in results:
+        for g in r.groups:
+            first = min(t.version for e in g.trajectories for t in e.turns)
+            assert first >= g.step - w, (g.step, g.problem.id, first)
+
+
+async def test_a_straggler_spans_steps_and_trains_once_below_the_start_window() -> None:
+    # K=3, W=1: groups start at most one version ahead of their step, so problem 0 (step
+    # 0, version 0) may train up to step 3. Its episodes wait after their first turn
+    # until step 3 (1-based) is trained; steps 1-3 fill with groups that finished (of
+    # steps 0-2), and its second turns sample the newest weights.
+    release = anyio.Event()
+    task = SlowTask(slow={0: release})
+
+    async def on_step(result: StepResult) -> None:
+        if result.step == 3:
+            release.set()
+
+    cfg = config(steps=6, batch=2, max_steps_off_policy=3, start_window=1, step_order="completion")
+    _, results = await run_pipeline(FakeSession(), cfg, task=task, on_step=on_step)
+    trained = problems(results)
+    assert all(0 not in step for step in trained[:3]) and 0 in trained[3]
+    (slow,) = [g for g in results[3].groups if g.problem.id == 0]
+    for episode in slow.trajectories:
+        assert [t.version for t in episode.turns] == [0, 3]  # one turn before, one after
+    assert each_trained(results) == list(range(12))
+    assert [len(step) for step in trained] == [2] * 6
+    assert_every_turn_within(results, 3)
+    assert_started_within(results, 1)
+
+
+async def test_a_straggler_spanning_steps_trains_once_within_the_bound_across_a_resume(
+    tmp_path: Path,
+) -> None:
+    # K=3, W=1: problem 0's episodes are in flight across the steps trained before the
+    # run stops; the resumed run restarts them from their problem, they overrun two of
+    # its steps again, and every problem trains once, every turn within K.
+    task = SlowTask(slow={0: anyio.Event()})
+    session = FakeSession()
+    cfg = fake_config(
+        tmp_path / "run",
+        steps=7,
+        max_steps_off_policy=3,
+        start_window=1,
+        step_order="completion",
+    )
+    first: list[StepResult] = []
+    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
+
+        async def stop_after_first(result: StepResult) -> None:
+            engine.request_stop()
+
+        engine.add_step_hook(stop_after_first)
+        done = (await engine.run()).steps_completed
+    assert 2 <= done <= 3  # the steps in flight at the stop, none past the group's deadline
+    assert all(0 not in step for step in problems(first))
+    assert first[-1].state.next_draw == 0 and task.built[0] == 1
+
+    release = task.slow[0] = anyio.Event()  # the restarted episodes wait again
+    second: list[StepResult] = []
+    resumed = cfg.replace(resume=tmp_path / "run")
+    async with Engine(resumed, task=task, session=session, on_step=second.append) as engine:
+
+        async def release_after_two(result: StepResult) -> None:
+            if result.step == done + 2:
+                release.set()
+
+        engine.add_step_hook(release_after_two)
+        await engine.run()
+    assert task.built[0] == 2  # restarted from its problem, once
+    (slow,) = [g for r in second for g in r.groups if g.problem.id == 0]
+    assert {tuple(t.version for t in e.turns) for e in slow.trajectories} == {(done, done + 2)}
+    assert each_trained(first + second) == list(range(14))  # none twice, none lost
+    assert_every_turn_within(first + second, 3)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"start_window": 2}, "--start-window 2 must not exceed --max-steps-off-policy 1"),
+        ({"start_window": 0}, "--start-window 0 below --max-steps-off-policy 1 needs"),
+    ],
+)
+def test_a_start_window_beyond_k_or_without_completion_order_is_refused(
+    changes: dict[str, Any], message: str
+) -> None:
+    with pytest.raises(ConfigError, match=message):
+        config(**changes)

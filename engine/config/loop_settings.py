@@ -88,6 +88,16 @@ class PipelineSettings(SettingsGroup):
         "error, a prompt too long), until --batch groups carry one or the reserves run out "
         "(0: off; the step trains on fewer groups; docs/losses.md)",
     )
+    start_window: Annotated[
+        int | None, Setting(check=non_negative, unset="K", resume="changeable")
+    ] = Field(
+        None,
+        description="W: a drawn step's groups start once the newest weights are at most W "
+        "steps behind it (at most K; unset: K, as early as the staleness window allows); "
+        "below K with --step-order completion a group may train up to K - W steps after "
+        "the step it was drawn for, so a straggler trains in a later step while groups "
+        "that finished fill its own",
+    )
     step_order: Annotated[Literal["problem", "completion"], Setting()] = Field(
         "problem",
         description="which groups a step trains: its own problems, in the order drawn "
@@ -107,6 +117,25 @@ class PipelineSettings(SettingsGroup):
         description="stop the run (with a checkpoint) when no group was sampled and no step "
         "trained for this many seconds",
     )
+
+    @model_validator(mode="after")
+    def _start_within_window(self) -> PipelineSettings:
+        w, k = self.start_window, self.max_steps_off_policy
+        if w is not None and w > k:
+            raise ConfigError(f"--start-window {w} must not exceed --max-steps-off-policy {k}")
+        if w is not None and w < k and self.step_order == "problem":
+            raise ConfigError(
+                f"--start-window {w} below --max-steps-off-policy {k} needs --step-order "
+                f"completion (in problem order a step trains its own groups: use "
+                f"--max-steps-off-policy {w})"
+            )
+        return self
+
+    @property
+    def start_lag(self) -> int:
+        """W: how far behind a drawn step the newest weights may be when its groups
+        start (``--start-window``, else K)."""
+        return self.max_steps_off_policy if self.start_window is None else self.start_window
 
 
 class ScoringSettings(SettingsGroup):

@@ -2,7 +2,8 @@
 
 It draws each step's problems from the seeded source and announces the step
 (:class:`~engine.loop.messages.StepOpened`), waits for admission -- the newest policy
-version must be at least ``step - K`` -- and starts every group of the step, each one
+version must be at least ``step - W`` (``--start-window``, else K) -- and starts every
+group of the step, each one
 task that runs the group's episodes and rewards (:class:`~engine.envs.rollout.EpisodeRunner`).
 Every turn samples from the newest sampler (at most ``--concurrency`` requests in flight)
 and records its version; a group's version is that of its oldest turn. A scored group's
@@ -121,7 +122,7 @@ class RolloutStage:
                     self.exhausted = True
                     return
                 await send.send(StepOpened(step, self._source.state()))
-                await self._versions.wait_for(step - cfg.max_steps_off_policy)  # admission
+                await self._versions.wait_for(step - cfg.start_lag)  # admission
                 if self._sample_ahead is not None:
                     await self._submitted.wait_for(step - self._sample_ahead)
                 refill = StepRefill(cfg.batch, cfg.refill_groups, restored.pop(step, ()))

@@ -6,15 +6,19 @@ trains the first groups to finish whose sampler versions it may train (every tur
 least ``s - K``), so a straggling group trains in a later step instead of holding this
 one. A group whose oldest turn has version ``v`` may train up to step ``v + K`` (its
 deadline); a step waits for a group only when it is that group's last chance. Steps
-keep their size (``--batch``): the rollout stage starts a drawn step's groups once the
-newest version is at least ``step - K`` (the window: as many groups in flight as in
-problem order), so at most ``(d - s + 1) x batch`` untrained groups have a deadline
-``<= d`` for the steps ``s..d`` still to form, and a step takes a group only while
-that stays true for every ``d`` (it then never needs to drop or resample one: the bound
-holds for every turn of every trained group, and nothing sampled is left untrained).
-Within a step the groups are in problem order (step drawn, then index), so K=0, where
-every group's deadline is the step it was drawn for, trains exactly what problem order
-does.
+keep their size (``--batch``): the rollout stage starts a drawn step ``t``'s groups once
+the newest version is at least ``t - W`` (``--start-window``, at most K), so their
+deadline is at least ``t + K - W``: with ``W = K`` a group's deadline is the step it was
+drawn for (a straggler holds that step in any order), below K it has ``K - W`` steps of
+slack, and a group that overruns its step trains in a later one, each later turn
+sampled from the newest weights. Every untrained group's deadline is at least the step
+it was drawn for, so at most ``(d - s + 1) x batch`` untrained groups have a deadline
+``<= d`` for the steps ``s..d`` still to form, and a step takes a group only
+while that stays true for every ``d`` (it then never needs to drop or resample one: the
+bound holds for every turn of every trained group, and nothing sampled is left
+untrained). Within a step the groups are in problem order (step drawn, then index), so
+K=0, where every group's deadline is the step it was drawn for, trains exactly what
+problem order does.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
+from engine.config.models import PipelineSettings
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
 from engine.loop.messages import GroupsStarted, RolledOut, StepClosed, StepOpened, steps_done
@@ -102,21 +107,20 @@ class ProblemOrder:
 
 
 class CompletionOrder:
-    """Each step trains the first ``batch`` groups to finish that the window lets it
+    """Each step trains the first ``--batch`` groups to finish that the window lets it
     (module docstring), from the loop ``state`` a run starts at (``restored``: its
-    untrained groups, first in line); ``window`` is K, ``steps`` the run's steps."""
+    untrained groups, first in line), under the run's pipeline ``settings``."""
 
     def __init__(
-        self,
-        batch: int,
-        window: int,
-        steps: int,
-        state: LoopState,
-        restored: Sequence[ScoredGroup],
+        self, settings: PipelineSettings, state: LoopState, restored: Sequence[ScoredGroup]
     ) -> None:
-        self._batch = batch
-        self._window = window
-        self._steps = steps
+        self._batch = settings.batch
+        self._window = settings.max_steps_off_policy
+        self._steps = settings.steps
+        # A step not started yet starts at this version or later (W behind it, and not
+        # before the version the run resumes at): its groups' earliest deadline.
+        self._start_lag = settings.start_lag
+        self._first_version = state.sampler_version
         self._waiting = list(restored)  # finished, not in a step: in the order they finished
         self._running: dict[GroupKey, int] = {}  # started, unfinished -> deadline
         self._opened = state.draw_from  # the first drawn step whose groups have not started
@@ -163,6 +167,10 @@ class CompletionOrder:
     def _deadline(self, group: ScoredGroup) -> int:
         return group.version + self._window
 
+    def _unstarted_deadline(self, drawn: int) -> int:
+        """The earliest deadline of a group of step ``drawn`` not started yet."""
+        return max(drawn - self._start_lag, self._first_version) + self._window
+
     def _take(self, step: int) -> bool:
         """Move the finished groups step ``step`` may take into it, first finished
         first; whether any moved."""
@@ -191,15 +199,20 @@ class CompletionOrder:
         """How many groups step ``step`` must still take so that the later steps can
         train every untrained group by its deadline: over every ``d``, the groups due
         by step ``d`` beyond the ``(d - step) x batch`` places of steps
-        ``step + 1..d``. Groups of steps not started yet count as due at their own step
-        (they start at version ``step - K`` or later). Returns the deadlines ``d`` in
-        order, the most over the deadlines before each (``before[i]``: those before
+        ``step + 1..d``. Groups of steps not started yet count as due at their earliest
+        deadline (:meth:`_unstarted_deadline`). Returns the deadlines ``d`` in order,
+        the most over the deadlines before each (``before[i]``: those before
         ``deadlines[i]``) and over it and the ones after (``after[i]``), 0 at least."""
         due = Counter(self._deadline(g) for g in self._waiting)
         due.update(self._running.values())
-        last = max(due, default=step)
-        for drawn in range(self._opened, min(self._steps, last + 1)):
-            due[drawn] += self._batch - self._known[drawn]
+        last = max(step, *due, self._unstarted_deadline(self._opened))
+        # Beyond ``last`` each later step adds at most ``batch`` groups a step further
+        # on: the excess only falls.
+        for drawn in range(self._opened, self._steps):
+            deadline = self._unstarted_deadline(drawn)
+            if deadline > last:
+                break
+            due[deadline] += self._batch - self._known[drawn]
         deadlines = sorted(due)
         excess: list[int] = []
         count = 0

@@ -113,7 +113,7 @@ class SubmitStage:
             for g in self._state.pending_groups
         ]
         order: StepOrder = (
-            CompletionOrder(cfg.batch, cfg.max_steps_off_policy, cfg.steps, self._state, restored)
+            CompletionOrder(cfg, self._state, restored)
             if cfg.step_order == "completion"
             else ProblemOrder(restored)
         )

@@ -109,6 +109,8 @@ CONFIGS: Mapping[str, tuple[str, int | None, Mapping[str, Any]]] = {
     "w2k3": ("completion order, W=2, K=3", 3, {"step_order": "completion", "start_window": 2}),
     "w2k4": ("completion order, W=2, K=4", 4, {"step_order": "completion", "start_window": 2}),
     "w2k6": ("completion order, W=2, K=6", 6, {"step_order": "completion", "start_window": 2}),
+    "w3k6": ("completion order, W=3, K=6", 6, {"step_order": "completion", "start_window": 3}),
+    "w4k6": ("completion order, W=4, K=6", 6, {"step_order": "completion", "start_window": 4}),
 }
 """Configuration key -> (label, --max-steps-off-policy (None: the engine's default),
 further settings: --step-order, --start-window W)."""

@@ -73,6 +73,16 @@ def shown(value: Any, spec: str) -> str:
     return format(value, spec)
 
 
+def train_timing(metrics: Mapping[str, Any]) -> str:
+    """A step's console line's training time, wait and trainer idleness (every
+    objective's)."""
+    m = metrics
+    return (
+        f"train {m['time/train']:.2f}s wait {m['time/wait']:.2f}s | "
+        f"trainer idle {m['trainer/idle_ratio']:.0%}"
+    )
+
+
 async def no_teacher() -> Teacher:
     raise AssertionError("a run without --teacher opens none")
 

@@ -28,7 +28,7 @@ from engine.loop.messages import steps_done
 from engine.loop.recipe import FinishedStep, HeldOut
 from engine.loop.reference import Reference
 from engine.loop.step_metrics import preference_line, preference_step_metrics
-from engine.objectives.base import Headline, RunContext, StageRole, figure, shown
+from engine.objectives.base import Headline, RunContext, StageRole, figure, shown, train_timing
 from engine.objectives.sft import CROSS_ENTROPY, ReadySteps
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, custom_loss_need, loss_need
@@ -175,8 +175,7 @@ class DpoObjective:
         return (
             f"  chosen_reward={shown(m.get('dpo/chosen_reward'), '+.4f')} "
             f"rejected_reward={shown(m.get('dpo/rejected_reward'), '+.4f')} "
-            f"tokens={m['dpo/tokens']} | train {m['time/train']:.2f}s "
-            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%}"
+            f"tokens={m['dpo/tokens']} | {train_timing(m)}"
         )
 
     def summary_figures(self, metrics: Sequence[Mapping[str, Any]]) -> dict[str, Any]:

@@ -24,7 +24,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.rollout_stage import RolloutStage
 from engine.loop.step_metrics import quickstart_line, step_metrics
 from engine.loop.teacher import Teacher
-from engine.objectives.base import Headline, RunContext, StageRole, shown
+from engine.objectives.base import Headline, RunContext, StageRole, shown, train_timing
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.dataset import DataFormat, DatasetTask
@@ -238,9 +238,7 @@ class RlObjective:
             f"kl_v2={shown(m['optim/kl_sample_train_v2'], '.4f')} "
             f"loss={shown(m['optim/loss'], '.4g')} | "
             f"sample {m['time/sample']:.2f}s score {m['time/score']:.2f}s "
-            f"train {m['time/train']:.2f}s wait {m['time/wait']:.2f}s | "
-            f"trainer idle {m['trainer/idle_ratio']:.0%} "
-            f"sampler idle {m['sampler/idle_ratio']:.0%} "
+            f"{train_timing(m)} sampler idle {m['sampler/idle_ratio']:.0%} "
             f"| {m['throughput/samples_per_s']:.1f} samples/s "
             f"{m['throughput/tokens_per_s']:.0f} tok/s"
         )

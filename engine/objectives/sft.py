@@ -25,7 +25,7 @@ from engine.loop.recipe import FinishedStep, FirstStage, HeldOut, StageContext
 from engine.loop.sft_eval import SupervisedEvaluator
 from engine.loop.sft_stage import ConversationPlan, SftStage, check_conversation_task
 from engine.loop.step_metrics import supervised_line, supervised_step_metrics
-from engine.objectives.base import Headline, RunContext, StageRole, figure, shown
+from engine.objectives.base import Headline, RunContext, StageRole, figure, shown, train_timing
 from engine.session.api import LossSpec, SamplerHandle, Session, StepTicket
 from engine.session.capabilities import Need, loss_need
 from engine.tasks.conversations import ConversationTask
@@ -175,8 +175,7 @@ class SftObjective:
         m = metrics
         return (
             f"  groups={m['groups/used']}/{m['groups/total']} "
-            f"loss:sum={shown(m['optim/loss'], '.4g')} | train {m['time/train']:.2f}s "
-            f"wait {m['time/wait']:.2f}s | trainer idle {m['trainer/idle_ratio']:.0%} "
+            f"loss:sum={shown(m['optim/loss'], '.4g')} | {train_timing(m)} "
             f"| {m['throughput/tokens_per_s']:.0f} tok/s"
         )
 

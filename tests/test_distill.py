@@ -12,11 +12,11 @@ from typing import Any
 import numpy as np
 import pytest
 from fake_session import FakeSession
-from test_engine_fake_session import fake_config, run
+from test_engine_fake_session import fake_config, run, run_stopped_after_first
 from test_envs_pipeline import CountdownTask
 from test_pipeline_stages import ToyTask
 
-from engine import Engine, EngineConfig
+from engine import EngineConfig
 from engine.core.datums import DistillSignal, group_datums, reverse_kl
 from engine.core.problems import RewardBreakdown
 from engine.core.trajectory import Trajectory, Turn
@@ -29,7 +29,6 @@ from engine.errors import (
     exit_code,
     format_error,
 )
-from engine.loop.results import StepResult
 from engine.loop.teacher import TeacherFailed, tokenizer_mismatch
 from engine.objectives import checked_objective
 from engine.rollouts import main as rollouts_main
@@ -203,15 +202,8 @@ async def test_a_resumed_distillation_trains_each_problem_once_with_kept_scores(
 ) -> None:
     session = FakeSession()
     cfg = fake_config(tmp_path / "run", **distilled(steps=3))
-    first: list[StepResult] = []
-    async with Engine(cfg, task=ToyTask(), session=session, on_step=first.append) as engine:
-
-        async def stop_after_first(result: StepResult) -> None:
-            if result.step == 1:
-                engine.request_stop()
-
-        engine.add_step_hook(stop_after_first)
-        assert (await engine.run()).stopped
+    first, result = await run_stopped_after_first(cfg, ToyTask(), session)
+    assert result.stopped
     records = (tmp_path / "run" / "checkpoints.jsonl").read_text().splitlines()
     pending = json.loads(records[-1])["loop_state"]["pending_groups"]
     assert pending  # K=1: the next step's groups were sampled and kept

@@ -15,11 +15,10 @@ from typing import Any
 import anyio
 import pytest
 from fake_session import FakeSession
-from test_engine_fake_session import fake_config
+from test_engine_fake_session import fake_config, run_stopped_after_first
 from test_engine_fake_session import run as run_engine
 from test_pipeline_stages import ToyProblems, config, rl_steps
 
-from engine import Engine
 from engine.core.problems import Problem, RewardBreakdown
 from engine.core.seeds import ALL_EPISODES, sampling_seed
 from engine.core.state import LoopState, ScoredGroup
@@ -243,15 +242,8 @@ async def test_an_engine_stopped_and_resumed_trains_what_an_uninterrupted_run_tr
     whole = await run_engine(fake_config(tmp_path / "whole", refill_groups=2), task, FakeSession())
     cfg = fake_config(tmp_path / "run", refill_groups=2)
     session = FakeSession()
-    first: list[StepResult] = []
-    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
-
-        async def stop_after_first(result: StepResult) -> None:
-            if result.step == 1:
-                engine.request_stop()
-
-        engine.add_step_hook(stop_after_first)
-        assert (await engine.run()).stopped
+    first, result = await run_stopped_after_first(cfg, task, session)
+    assert result.stopped
     second = await run_engine(cfg.replace(resume=tmp_path / "run"), task, session)
     assert [_ids(r) for r in first + second] == [_ids(r) for r in whole]
     assert [r.metrics["refill/extra_groups"] for r in first + second] == [2, 0, 1, 0]

@@ -17,7 +17,7 @@ from fake_session import FakeSession
 from test_envs_pipeline import CountdownTask, WaitingEnv
 from test_pipeline_stages import ToyTask, config
 
-from engine import Engine, EngineConfig
+from engine import Engine, EngineConfig, RunResult
 from engine.loop.results import StepResult
 
 pytestmark = pytest.mark.anyio
@@ -32,6 +32,21 @@ async def run(cfg: EngineConfig, task: Any, session: Any, **kwargs: Any) -> list
     async with Engine(cfg, task=task, session=session, on_step=steps.append, **kwargs) as e:
         await e.run()
     return steps
+
+
+async def run_stopped_after_first(
+    cfg: EngineConfig, task: Any, session: Any
+) -> tuple[list[StepResult], RunResult]:
+    """Run, asking the engine to stop once its first step has trained: the steps it
+    trained (those in flight at the request finish too) and the run's result."""
+    steps: list[StepResult] = []
+    async with Engine(cfg, task=task, session=session, on_step=steps.append) as engine:
+
+        async def stop(result: StepResult) -> None:
+            engine.request_stop()
+
+        engine.add_step_hook(stop)
+        return steps, await engine.run()
 
 
 async def test_an_engine_runs_on_a_given_session(tmp_path: Path) -> None:
@@ -85,16 +100,7 @@ async def test_a_stop_with_an_episode_in_flight_resumes_without_loss_or_duplicat
     task = CountdownTask(envs={3: lambda: WaitingEnv(before=blocked)})
     session = FakeSession()
     cfg = fake_config(tmp_path / "run", steps=3)
-    first: list[StepResult] = []
-
-    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
-
-        async def stop_after_first(result: StepResult) -> None:
-            if result.step == 1:
-                engine.request_stop()
-
-        engine.add_step_hook(stop_after_first)
-        result = await engine.run()
+    first, result = await run_stopped_after_first(cfg, task, session)
     assert result.stopped and result.steps_completed == 1
     assert [s.step for s in first] == [1]
     assert task.built[3] == 1  # its episode was in flight at the stop

@@ -18,7 +18,7 @@ import openai
 import pytest
 from fake_session import FakeSession
 from test_agents_pipeline import ChatSession, Problems, two_calls
-from test_engine_fake_session import fake_config, run
+from test_engine_fake_session import fake_config, run, run_stopped_after_first
 from test_envs_pipeline import CountdownTask, ParityGroup, WaitingEnv
 from test_pipeline_stages import config, run_pipeline
 
@@ -130,16 +130,7 @@ async def test_a_stop_with_a_slow_group_in_flight_resumes_each_problem_once(
     task = SlowTask(slow={0: blocked})
     session = FakeSession()
     cfg = fake_config(tmp_path / "run", steps=4, step_order="completion")
-    first: list[StepResult] = []
-
-    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
-
-        async def stop_after_first(result: StepResult) -> None:
-            if result.step == 1:
-                engine.request_stop()
-
-        engine.add_step_hook(stop_after_first)
-        result = await engine.run()
+    first, result = await run_stopped_after_first(cfg, task, session)
     assert result.stopped and result.steps_completed == 1
     assert 0 not in problems(first)[0]  # trained ahead of the slow group
     state = first[0].state
@@ -167,14 +158,8 @@ async def test_an_agent_mid_episode_at_a_stop_restarts_from_its_problem(tmp_path
     task = AgentTask(agent, Problems())
     session = ChatSession()
     cfg = fake_config(tmp_path / "run", steps=4, step_order="completion")
-    first: list[StepResult] = []
-    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
-
-        async def stop_after_first(result: StepResult) -> None:
-            engine.request_stop()
-
-        engine.add_step_hook(stop_after_first)
-        assert (await engine.run()).steps_completed == 1
+    first, result = await run_stopped_after_first(cfg, task, session)
+    assert result.steps_completed == 1
     assert 0 not in problems(first)[0] and played[0] == 2  # both episodes in flight
 
     blocked.set()
@@ -290,14 +275,8 @@ async def test_a_straggler_spanning_steps_trains_once_within_the_bound_across_a_
         start_window=1,
         step_order="completion",
     )
-    first: list[StepResult] = []
-    async with Engine(cfg, task=task, session=session, on_step=first.append) as engine:
-
-        async def stop_after_first(result: StepResult) -> None:
-            engine.request_stop()
-
-        engine.add_step_hook(stop_after_first)
-        done = (await engine.run()).steps_completed
+    first, result = await run_stopped_after_first(cfg, task, session)
+    done = result.steps_completed
     assert 2 <= done <= 3  # the steps in flight at the stop, none past the group's deadline
     assert all(0 not in step for step in problems(first))
     assert first[-1].state.next_draw == 0 and task.built[0] == 1

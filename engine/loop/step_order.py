@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from engine.config.models import PipelineSettings
+from engine.config.loop_settings import PipelineSettings
 from engine.core.state import LoopState, ScoredGroup
 from engine.errors import EngineError
 from engine.loop.messages import GroupsStarted, RolledOut, StepClosed, StepOpened, steps_done
